@@ -1,0 +1,65 @@
+"""The `bulkinfer` command line.
+
+Client commands run here. Commands that need the engine live in `worker.commands` and are imported
+by name only when invoked, so `bulkinfer --help` and the client commands start fast and work on an
+install without torch (`pip install bulkinfer[client]`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    target: str  # "module:function"; the function takes argv and returns an exit code
+    summary: str
+    needs: str  # the extra that provides it, for a clear error when it is missing
+
+    def load(self) -> Callable[[list[str]], int]:
+        module_name, function_name = self.target.split(":")
+        return getattr(importlib.import_module(module_name), function_name)
+
+
+COMMANDS: dict[str, Command] = {
+    "demo": Command("worker.commands:demo", "Run the main job on the embedded default and print results",
+                    "worker"),
+    "make-checkpoint": Command("worker.commands:make_checkpoint",
+                               "Write a small deterministic Hugging Face checkpoint",
+                               "worker"),
+    "bench": Command("worker.commands:bench", "Benchmarks: `bulkinfer bench engine`", "worker"),
+}
+
+
+def usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: bulkinfer COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {command.summary}" for name, command in COMMANDS.items()]
+    lines += ["", "Run `bulkinfer COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in {"-h", "--help", "help"}:
+        print(usage())
+        return 0
+    name, rest = args[0], args[1:]
+    command = COMMANDS.get(name)
+    if command is None:
+        print(f"bulkinfer: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    try:
+        handler = command.load()
+    except ModuleNotFoundError as error:
+        print(f"bulkinfer {name}: needs the '{command.needs}' extra ({error}); "
+              f"install it with: pip install 'bulkinfer[{command.needs}]'", file=sys.stderr)
+        return 2
+    return handler(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Celery workers that host one long-lived engine each."""

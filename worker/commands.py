@@ -1,0 +1,25 @@
+"""CLI commands that need the engine; `api.cli` imports this module by name, only when one is run."""
+
+from __future__ import annotations
+
+
+def demo(argv: list[str]) -> int:
+    from engine.demo import demo_cli
+
+    return demo_cli(argv)
+
+
+def make_checkpoint(argv: list[str]) -> int:
+    from engine.checkpoints import make_checkpoint_cli
+
+    return make_checkpoint_cli(argv)
+
+
+def bench(argv: list[str]) -> int:
+    targets = {"engine": "engine.bench"}
+    if not argv or argv[0] not in targets:
+        print(f"usage: bulkinfer bench {{{','.join(targets)}}} [--help]")
+        return 0 if argv and argv[0] in {"-h", "--help"} else 2
+    import importlib
+
+    return importlib.import_module(targets[argv[0]]).bench_cli(argv[1:])
