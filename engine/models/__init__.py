@@ -1,0 +1,14 @@
+"""Model implementations (the Llama family) and the HF safetensors loader."""
+
+from engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from engine.models.loader import SUPPORTED_ARCHITECTURES, CheckpointError, load_model, model_config_from_dir
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointError",
+    "LlamaFamilyConfig",
+    "LlamaForCausalLM",
+    "UnsupportedModelError",
+    "load_model",
+    "model_config_from_dir",
+]

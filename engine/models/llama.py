@@ -1,0 +1,347 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a flattened, unpadded batch.
+
+The model sees one "super-sequence" per step: token ids ``[T]`` and positions ``[T]`` of every
+scheduled request, an attention-metadata object that says where each request's tokens and KV
+blocks are, and one paged KV tensor per layer. It returns hidden states ``[T, hidden]``; the
+runner applies the LM head only to the rows it samples from (``compute_logits``).
+
+Weights are loaded from Hugging Face tensor names; q/k/v and gate/up are fused into one matmul
+each because two larger matmuls are faster than five small ones on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.attention import AttentionBackend, AttentionMetadata
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint's config asks for something this implementation does not do."""
+
+
+@dataclass(frozen=True)
+class LlamaFamilyConfig:
+    """The fields of an HF ``config.json`` that the Llama-family model needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: dict[str, Any] | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    tie_word_embeddings: bool = False
+    # One entry per layer: the sliding-window size, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = field(default_factory=tuple)
+    eos_token_ids: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+
+    @staticmethod
+    def from_hf_dict(architecture: str, cfg: dict[str, Any]) -> LlamaFamilyConfig:
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        num_layers = int(cfg["num_hidden_layers"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        rope_theta = float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UnsupportedModelError("partial_rotary_factor != 1.0 is not supported")
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise UnsupportedModelError(
+                f"rope scaling type {rope_type!r} is not supported "
+                f"(supported: {sorted(_SUPPORTED_ROPE_TYPES)})"
+            )
+        rope_scaling = None if rope_type == "default" else {**rope, "rope_type": rope_type}
+        if rope_scaling is not None and rope_type == "llama3":
+            rope_scaling.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+        hidden_act = cfg.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):
+            raise UnsupportedModelError(f"hidden_act {hidden_act!r} is not supported (only silu)")
+
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        return LlamaFamilyConfig(
+            architecture=architecture,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_scaling=rope_scaling,
+            # Qwen2: q/k/v bias always, o_proj bias never; Llama/Qwen3: attention_bias for all four.
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=architecture == "Qwen3ForCausalLM",
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            sliding_windows=_sliding_windows(architecture, cfg, num_layers),
+            eos_token_ids=eos_ids,
+            hidden_act=hidden_act,
+        )
+
+
+_SUPPORTED_ROPE_TYPES = {"default", "linear", "llama3"}
+
+
+def _sliding_windows(architecture: str, cfg: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if architecture == "MistralForCausalLM":
+        return (window,) * num_layers
+    layer_types = cfg.get("layer_types")
+    if window is None or not layer_types or not cfg.get("use_sliding_window", True):
+        return (None,) * num_layers
+    return tuple(window if kind == "sliding_attention" else None for kind in layer_types)
+
+
+def rope_inverse_frequencies(config: LlamaFamilyConfig) -> torch.Tensor:
+    """Same formula (and float ops) as transformers, so cos/sin match bit for bit."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (
+        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
+    )
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    # llama3: long wavelengths are divided by `factor`, medium ones interpolated smoothly.
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: LlamaFamilyConfig) -> None:
+        super().__init__()
+        # A plain attribute, not a buffer: model.to(bf16) must not round the frequencies.
+        self.inv_freq = rope_inverse_frequencies(config)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim], broadcastable over heads."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.sliding_window = config.sliding_windows[layer_index] if config.sliding_windows else None
+        self.backend = backend
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        cos, sin = rope
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        self.backend.write_kv(k, v, k_cache, v_cache, metadata)
+        out = self.backend.forward(q, k_cache, v_cache, metadata, sliding_window=self.sliding_window)
+        return self.o_proj(out.view(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: LlamaFamilyConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer_index, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, metadata, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder over a flattened batch with a paged KV cache."""
+
+    def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.requires_grad_(False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+    ) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, rope, metadata, kv_cache)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ---- loading from Hugging Face tensor names -------------------------------------------------
+
+    def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape, for every tensor a checkpoint of this config must contain."""
+        c = self.config
+        q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+            "model.norm.weight": (c.hidden_size,),
+        }
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
+            shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+            for name, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+                shapes[f"{p}self_attn.{name}.weight"] = (rows, c.hidden_size)
+                if c.qkv_bias:
+                    shapes[f"{p}self_attn.{name}.bias"] = (rows,)
+            shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q)
+            if c.o_bias:
+                shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
+            if c.qk_norm:
+                shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+                shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+            for name, out_dim, in_dim in (
+                ("gate_proj", c.intermediate_size, c.hidden_size),
+                ("up_proj", c.intermediate_size, c.hidden_size),
+                ("down_proj", c.hidden_size, c.intermediate_size),
+            ):
+                shapes[f"{p}mlp.{name}.weight"] = (out_dim, in_dim)
+                if c.mlp_bias:
+                    shapes[f"{p}mlp.{name}.bias"] = (out_dim,)
+        return shapes
+
+    @torch.no_grad()
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy already-validated HF tensors (see ``expected_hf_tensors``) into the fused modules."""
+        c = self.config
+        self.embed_tokens.weight.copy_(tensors["model.embed_tokens.weight"])
+        self.norm.weight.copy_(tensors["model.norm.weight"])
+        if not c.tie_word_embeddings:
+            self.lm_head.weight.copy_(tensors["lm_head.weight"])
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            layer.input_layernorm.weight.copy_(tensors[p + "input_layernorm.weight"])
+            layer.post_attention_layernorm.weight.copy_(tensors[p + "post_attention_layernorm.weight"])
+            qkv = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
+            attn.qkv_proj.weight.copy_(torch.cat([tensors[n + ".weight"] for n in qkv]))
+            if c.qkv_bias:
+                attn.qkv_proj.bias.copy_(torch.cat([tensors[n + ".bias"] for n in qkv]))
+            attn.o_proj.weight.copy_(tensors[p + "self_attn.o_proj.weight"])
+            if c.o_bias:
+                attn.o_proj.bias.copy_(tensors[p + "self_attn.o_proj.bias"])
+            if c.qk_norm:
+                attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
+                attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
+            gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
+            mlp.gate_up_proj.weight.copy_(torch.cat([tensors[n + ".weight"] for n in gate_up]))
+            mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])
+            if c.mlp_bias:
+                mlp.gate_up_proj.bias.copy_(torch.cat([tensors[n + ".bias"] for n in gate_up]))
+                mlp.down_proj.bias.copy_(tensors[p + "mlp.down_proj.bias"])

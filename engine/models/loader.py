@@ -1,0 +1,120 @@
+"""HF checkpoint folder -> model: picks the model class from ``config.json`` and loads safetensors.
+
+Single-file (``model.safetensors``) and sharded (``model.safetensors.index.json`` + shards)
+checkpoints are both read. Every problem names what is wrong: an unsupported architecture, a
+missing tensor, an unexpected tensor, a tensor of the wrong shape.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from engine.attention import AttentionBackend
+from engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+# Tensors some exporters write that carry no weights we need (recomputed at load).
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """The checkpoint folder cannot be loaded as-is; the message says which file or tensor is wrong."""
+
+
+def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a model folder needs config.json")
+    return json.loads(path.read_text())
+
+
+def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
+    """Parse ``config.json`` into the model config, rejecting architectures we do not implement."""
+    cfg = read_hf_config(model_dir)
+    architectures = cfg.get("architectures") or []
+    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise UnsupportedModelError(
+            f"unsupported architecture {architectures or '(none given)'} "
+            f"in {Path(model_dir) / 'config.json'}; "
+            f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+        )
+    return LlamaFamilyConfig.from_hf_dict(supported[0], cfg)
+
+
+def _tensor_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({model_dir / name for name in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                raise CheckpointError(f"shard {f.name} listed in {INDEX_FILE} is missing from {model_dir}")
+        return files
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return [single]
+    raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def read_safetensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by HF name, converted to ``dtype``."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _tensor_files(Path(model_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name in tensors:
+                    raise CheckpointError(f"tensor {name!r} appears in more than one shard ({path.name})")
+                tensors[name] = f.get_tensor(name).to(dtype)
+    return tensors
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor], tied: bool) -> None:
+    """Raise CheckpointError naming every missing, unexpected or wrong-shape tensor."""
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    if missing:
+        problems.append(f"missing tensor(s): {', '.join(missing)}")
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); accept it.
+    allowed_extra = {"lm_head.weight"} if tied else set()
+    unexpected = sorted(set(found) - set(expected) - allowed_extra)
+    if unexpected:
+        problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
+    for name, shape in expected.items():
+        if name in found and tuple(found[name].shape) != shape:
+            problems.append(f"tensor {name} has shape {tuple(found[name].shape)}, expected {shape}")
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def load_model(
+    model_dir: str | Path,
+    backend: AttentionBackend,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> LlamaForCausalLM:
+    """Build the model for ``model_dir``'s architecture and fill it from its safetensors."""
+    config = model_config_from_dir(model_dir)
+    model_cls = SUPPORTED_ARCHITECTURES[config.architecture]
+    tensors = read_safetensors(model_dir, dtype)
+    with torch.device(device):
+        model = model_cls(config, backend).to(dtype)
+    check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
+    model.load_hf_tensors(tensors)
+    return model.eval()
