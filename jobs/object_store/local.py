@@ -1,0 +1,138 @@
+"""`LocalObjectStore`: a directory as an object store (the embedded default, no services)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from jobs.object_store.base import AlreadyExists, ObjectInfo, ObjectNotFound, ObjectStore, ObjectWriter
+
+# Half-written files carry this prefix; `list` never shows them.
+TEMP_PREFIX = ".bulkinfer-tmp-"
+
+
+class LocalObjectStore(ObjectStore):
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root).resolve()
+
+    def path(self, key: str) -> Path:
+        path = (self.root / key.lstrip("/")).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise ValueError(f"key escapes the store root: {key!r}")
+        return path
+
+    def put_bytes(self, key: str, data: bytes, if_none_match: bool = False) -> ObjectInfo:
+        with self.open_write(key, if_none_match=if_none_match) as writer:
+            writer.write(data)
+        return self.head(key)
+
+    def get_bytes(self, key: str) -> bytes:
+        try:
+            return self.path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(key) from None
+
+    def open_read(self, key: str, start: int = 0) -> BinaryIO:
+        try:
+            file = open(self.path(key), "rb")  # the caller closes the stream
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ObjectNotFound(key) from None
+        file.seek(start)
+        return file
+
+    def open_seekable(self, key: str) -> BinaryIO:
+        return self.open_read(key)
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        if end <= start:
+            return b""
+        with self.open_read(key, start) as file:
+            return file.read(end - start)
+
+    def open_write(self, key: str, if_none_match: bool = False) -> ObjectWriter:
+        return _LocalWriter(self.path(key), key, if_none_match)
+
+    def head(self, key: str) -> ObjectInfo:
+        try:
+            stat = self.path(key).stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ObjectNotFound(key) from None
+        if not os.path.isfile(self.path(key)):
+            raise ObjectNotFound(key)
+        return ObjectInfo(key=key, size=stat.st_size, etag=f"{stat.st_size:x}-{stat.st_mtime_ns:x}")
+
+    def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
+        # Walk only the deepest directory the prefix names, then filter by the full prefix.
+        directory = self.path(prefix.rsplit("/", 1)[0]) if "/" in prefix else self.root
+        keys = []
+        for dirpath, _dirnames, filenames in os.walk(directory):
+            for name in filenames:
+                if name.startswith(TEMP_PREFIX):
+                    continue
+                key = Path(dirpath, name).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        for key in sorted(keys):
+            try:
+                yield self.head(key)
+            except ObjectNotFound:  # deleted while we listed
+                continue
+
+    def delete(self, key: str) -> None:
+        try:
+            self.path(key).unlink()
+        except FileNotFoundError:
+            pass
+
+    def presign_get(self, key: str, expires: int = 3600) -> str:
+        return self.uri(key)
+
+    def uri(self, key: str) -> str:
+        return self.path(key).as_uri()
+
+
+class _LocalWriter(ObjectWriter):
+    """Writes a temp file beside the target, then renames it (or links it, for write-once)."""
+
+    def __init__(self, target: Path, key: str, if_none_match: bool) -> None:
+        self._target = target
+        self._key = key
+        self._if_none_match = if_none_match
+        target.parent.mkdir(parents=True, exist_ok=True)
+        descriptor, temp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=target.parent)
+        self._temp = Path(temp_name)
+        self._file = os.fdopen(descriptor, "wb")
+        self.size = 0
+
+    def write(self, data: bytes | bytearray | memoryview) -> int:  # type: ignore[override]
+        written = self._file.write(data)
+        self.size += written
+        return written
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        try:
+            self._file.close()
+            if self._if_none_match:
+                # link() fails if the target exists: an atomic create-if-absent, like O_EXCL,
+                # that still never exposes a half-written file.
+                try:
+                    os.link(self._temp, self._target)
+                except FileExistsError:
+                    raise AlreadyExists(self._key) from None
+            else:
+                os.replace(self._temp, self._target)
+        finally:
+            self._temp.unlink(missing_ok=True)
+            super().close()
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        self._file.close()
+        self._temp.unlink(missing_ok=True)
+        super().close()
