@@ -1,0 +1,12 @@
+"""bulkinfer's inference engine: a vLLM-V1-style paged-KV engine in PyTorch.
+
+from engine import LLM, SamplingParams
+outputs = LLM(model="path/to/hf-folder").generate(["Hello"], SamplingParams(max_tokens=8))
+"""
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]

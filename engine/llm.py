@@ -1,0 +1,76 @@
+"""Offline batch API: ``LLM(model=DIR, **config).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine, RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """Build an engine once, then ``generate`` as many batches as needed."""
+
+    def __init__(self, model: str, **config_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **config_kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One output per prompt, in prompt order. Prompts are strings or token-id lists; ``params``
+        is one SamplingParams for all, or one per prompt. Bad prompts come back with
+        ``finish_reason="error"``; the others are generated normally."""
+        prompt_list = _as_prompt_list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompt_list):
+                raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
+
+        ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
+        for request_id, prompt, sampling in zip(ids, prompt_list, params_list, strict=True):
+            self.engine.add_request(request_id, prompt, sampling)
+
+        results: dict[str, RequestOutput] = {}
+        progress = _progress_bar(len(ids)) if use_tqdm else None
+        while len(results) < len(ids) and self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                results[output.request_id] = output
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [results[request_id] for request_id in ids]
+
+    def get_metrics(self) -> dict[str, Any]:
+        return self.engine.get_metrics()
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """A single prompt (a string, or a flat list of token ids) becomes a one-element list."""
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [prompts]
+    return prompts
+
+
+def _progress_bar(total: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="generate", unit="req")

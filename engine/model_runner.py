@@ -1,0 +1,258 @@
+"""Runs the model for one scheduler step and owns the paged KV cache.
+
+Per step the runner turns a ``SchedulerOutput`` into one flattened batch (token ids, positions,
+slot mapping, block tables; no padding between requests), runs the model, and returns fp32 logits
+for the chunks that sample, in chunk order. Chunks with one new token (decodes) are placed first
+so attention can batch them; the order of the returned logits is the scheduler's.
+
+At start-up it sizes the KV cache: an explicit ``num_kv_blocks``, or a memory budget measured
+after a profiling forward pass of ``max_num_batched_tokens`` tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.config import EngineConfig
+from engine.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# CPU default: a quarter of the memory available after profiling, at most 4 GiB — a worker shares
+# its box with the OS, its own activations and object-store I/O buffers.
+CPU_DEFAULT_KV_FRACTION = 0.25
+CPU_DEFAULT_KV_CAP_BYTES = 4 << 30
+GPU_DEFAULT_KV_FRACTION = 0.9
+
+
+@dataclass
+class StepBatch:
+    """The flattened inputs of one step."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metadata: AttentionMetadata
+    sample_rows: torch.Tensor  # [num_sampling] flat index of each sampling chunk's last token
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
+        if config.max_model_len is None:
+            raise ValueError("ModelRunner needs a resolved max_model_len")
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.block_size = config.block_size
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_kv_blocks = 0
+
+    # ---- KV cache sizing -------------------------------------------------------------------------
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block across all layers (K and V)."""
+        c = self.model.config
+        per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
+        return per_layer * c.num_layers
+
+    def max_useful_blocks(self) -> int:
+        """Blocks that max_num_seqs requests of max_model_len could ever hold, plus the null block."""
+        per_seq = math.ceil(self.config.max_model_len / self.block_size)
+        return self.config.max_num_seqs * per_seq + 1
+
+    def initialize_kv_cache(self) -> int:
+        """Profile, decide the number of blocks, allocate the cache; returns the block count."""
+        if self.config.num_kv_blocks is not None:
+            num_blocks = self.config.num_kv_blocks
+            self.profile_run()
+        else:
+            rss_before = _read_proc_kib(Path("/proc/self/status"), "VmRSS")
+            self.profile_run()
+            budget = self._kv_budget_bytes(rss_before)
+            num_blocks = min(budget // self.kv_block_bytes, self.max_useful_blocks())
+            if num_blocks < 2:
+                raise RuntimeError(
+                    f"KV cache budget of {budget} bytes holds {num_blocks} block(s) "
+                    f"of {self.kv_block_bytes} bytes; "
+                    "raise kv_cache_memory or set num_kv_blocks"
+                )
+        self._allocate(num_blocks)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.kv_block_bytes / 2**20,
+        )
+        return num_blocks
+
+    def _kv_budget_bytes(self, rss_before_kib: int | None) -> int:
+        setting = self.config.kv_cache_memory
+        if isinstance(setting, int):
+            return setting
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            return int(free * (setting or GPU_DEFAULT_KV_FRACTION))
+        available = _read_proc_kib(Path("/proc/meminfo"), "MemAvailable")
+        if available is None:
+            raise RuntimeError(
+                "cannot read MemAvailable from /proc/meminfo: set kv_cache_memory or num_kv_blocks"
+            )
+        # Keep room for the activations the profiling pass needed (peak RSS growth during it).
+        peak = _read_proc_kib(Path("/proc/self/status"), "VmHWM")
+        activations = max(0, (peak or 0) - (rss_before_kib or 0)) * 1024
+        budget = int(available * 1024 * (setting or CPU_DEFAULT_KV_FRACTION)) - activations
+        return min(budget, CPU_DEFAULT_KV_CAP_BYTES) if setting is None else budget
+
+    def _allocate(self, num_blocks: int) -> None:
+        c = self.model.config
+        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        # Zeros, not empty: attention multiplies masked (probability 0) slots, and 0 * NaN garbage is NaN.
+        self.kv_caches = [
+            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
+        ]
+        self.num_kv_blocks = num_blocks
+
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """A forward pass over max_num_batched_tokens tokens (as prefills), into a throwaway cache."""
+        c = self.model.config
+        budget = self.config.max_num_batched_tokens
+        seq_len = min(budget, self.config.max_model_len)
+        query_lens = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
+        blocks_per_seq = math.ceil(seq_len / self.block_size)
+        shape = (2, blocks_per_seq * len(query_lens), self.block_size, c.num_kv_heads, c.head_dim)
+        caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
+        starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
+        tables = [
+            torch.arange(
+                i * blocks_per_seq, i * blocks_per_seq + math.ceil(n / self.block_size), device=self.device
+            )
+            for i, n in enumerate(query_lens)
+        ]
+        positions = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
+        slot_mapping = torch.cat(
+            [
+                t[torch.arange(n) // self.block_size] * self.block_size + torch.arange(n) % self.block_size
+                for t, n in zip(tables, query_lens, strict=True)
+            ]
+        )
+        metadata = AttentionMetadata(
+            block_size=self.block_size,
+            slot_mapping=slot_mapping,
+            num_decodes=0,
+            decode_seq_lens=torch.empty(0, dtype=torch.long, device=self.device),
+            decode_block_tables=torch.empty(0, 1, dtype=torch.long, device=self.device),
+            prefill_query_starts=starts,
+            prefill_query_lens=query_lens,
+            prefill_seq_lens=query_lens,
+            prefill_block_tables=tables,
+        )
+        input_ids = torch.zeros(budget, dtype=torch.long, device=self.device)
+        hidden = self.model(input_ids, positions, metadata, caches)
+        last_rows = torch.tensor(
+            [s + n - 1 for s, n in zip(starts, query_lens, strict=True)], device=self.device
+        )
+        self.model.compute_logits(hidden[last_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ---- one step ----------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, output: object) -> torch.Tensor:
+        """Forward the scheduled chunks; logits [num_sampling_chunks, vocab] (fp32) in chunk order."""
+        batch = self.prepare_batch(output)
+        if batch is None:
+            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
+        return self.model.compute_logits(hidden[batch.sample_rows])
+
+    def prepare_batch(self, output: object) -> StepBatch | None:
+        """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""
+        chunks = output.chunks  # type: ignore[attr-defined]
+        if not chunks:
+            return None
+        bs = self.block_size
+        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens > 1)  # stable
+        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)
+
+        starts: list[int] = []
+        query_lens: list[int] = []
+        token_lists: list[list[int]] = []
+        tables: list[list[int]] = []
+        for i in order:
+            chunk = chunks[i]
+            request = chunk.request
+            start, n = request.num_computed_tokens, chunk.num_new_tokens
+            starts.append(start)
+            query_lens.append(n)
+            token_lists.append(request.all_token_ids[start : start + n])
+            tables.append(chunk.block_ids[: -(-(start + n) // bs)])
+
+        dev = self.device
+        num_rows = len(order)
+        query_lens_t = torch.tensor(query_lens)
+        seq_lens_t = torch.tensor(starts) + query_lens_t
+        query_start_loc = torch.zeros(num_rows + 1, dtype=torch.long)
+        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+
+        row_of_token = torch.repeat_interleave(torch.arange(num_rows), query_lens_t)
+        positions = (
+            torch.arange(num_tokens) - query_start_loc[row_of_token] + torch.tensor(starts)[row_of_token]
+        )
+        max_blocks = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+        slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
+
+        # Sampling rows, in the scheduler's chunk order.
+        row_in_batch = {chunk_index: row for row, chunk_index in enumerate(order)}
+        sample_rows = [
+            int(query_start_loc[row_in_batch[i] + 1]) - 1
+            for i, chunk in enumerate(chunks)
+            if chunk.request.num_computed_tokens + chunk.num_new_tokens == len(chunk.request.all_token_ids)
+        ]
+
+        decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
+        qsl = query_start_loc.tolist()
+        metadata = AttentionMetadata(
+            block_size=bs,
+            slot_mapping=slot_mapping.to(dev),
+            num_decodes=num_decodes,
+            decode_seq_lens=seq_lens_t[:num_decodes].to(dev),
+            decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(dev),
+            prefill_query_starts=qsl[num_decodes:-1],
+            prefill_query_lens=query_lens[num_decodes:],
+            prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),
+            prefill_block_tables=[
+                torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]
+            ],
+        )
+        return StepBatch(
+            input_ids=torch.tensor(
+                list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=dev
+            ),
+            positions=positions.to(dev),
+            metadata=metadata,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+
+
+def _read_proc_kib(path: Path, field: str) -> int | None:
+    """A ``Field:   123 kB`` value from a /proc file, in KiB; None when absent (non-Linux)."""
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", path.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) if match else None
