@@ -1,0 +1,94 @@
+"""transformers as the reference: greedy continuations, and the fp32-tie check for any mismatch.
+
+Exact means exact: engine and transformers greedy tokens must be identical. The only accepted
+difference is a true fp32 tie — at the first differing position, the top-2 logit gap is below
+``TIE_GAP`` in *both* implementations — which ``assert_same_greedy`` checks instead of loosening.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.attention import AttentionMetadata
+from engine.models.llama import LlamaForCausalLM
+
+TIE_GAP = 1e-5
+
+
+@cache
+def hf_model(model_dir: str) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@cache
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    model = hf_model(model_dir)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=model.config.pad_token_id,
+        )
+    return tuple(out[0, len(prompt) :].tolist())
+
+
+def hf_greedy(model_dir: str | Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation of one unpadded prompt (stops at EOS like the engine)."""
+    return list(_hf_greedy(str(model_dir), tuple(prompt), max_new_tokens))
+
+
+def hf_last_logits(model_dir: str | Path, token_ids: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return hf_model(str(model_dir))(torch.tensor([token_ids])).logits[0, -1].float()
+
+
+def engine_last_logits(model: LlamaForCausalLM, token_ids: list[int], block_size: int = 16) -> torch.Tensor:
+    """Our model's logits after ``token_ids``: one prefill into a private KV cache."""
+    c = model.config
+    num_blocks = math.ceil(len(token_ids) / block_size)
+    caches = [torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+    n = len(token_ids)
+    metadata = AttentionMetadata(
+        block_size=block_size,
+        slot_mapping=torch.arange(n),
+        num_decodes=0,
+        decode_seq_lens=torch.empty(0, dtype=torch.long),
+        decode_block_tables=torch.empty(0, 1, dtype=torch.long),
+        prefill_query_starts=[0],
+        prefill_query_lens=[n],
+        prefill_seq_lens=[n],
+        prefill_block_tables=[torch.arange(num_blocks)],
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.arange(n), metadata, caches)
+        return model.compute_logits(hidden[-1:])[0]
+
+
+def top2_gap(logits: torch.Tensor) -> float:
+    top = logits.topk(2).values
+    return float(top[0] - top[1])
+
+
+def assert_same_greedy(
+    ours: list[int], reference: list[int], prompt: list[int], model_dir: str | Path, model: LlamaForCausalLM
+) -> None:
+    """Identical tokens, or a true fp32 tie at the first difference (then the rest may diverge)."""
+    if ours == reference:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=False)) if a != b), None)
+    if first is None:  # one is a prefix of the other: a length difference is never a tie
+        raise AssertionError(f"lengths differ: engine {ours} vs transformers {reference}")
+    context = prompt + reference[:first]
+    hf_gap = top2_gap(hf_last_logits(model_dir, context))
+    our_gap = top2_gap(engine_last_logits(model, context))
+    assert hf_gap < TIE_GAP and our_gap < TIE_GAP, (
+        f"token {first} differs: engine {ours} vs transformers {reference}; top-2 gaps "
+        f"{our_gap:.3g} (engine) / {hf_gap:.3g} (transformers) — not an fp32 tie"
+    )
