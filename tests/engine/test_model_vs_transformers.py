@@ -1,0 +1,150 @@
+"""Model + runner + paged attention logits against transformers' logits on the same weights.
+
+One runner step mixes every kind of chunk (full prefill, partial prefill, prefill continuing
+after a cached context, decodes), so batch building, the slot mapping, the decode and prefill
+attention paths and the LM-head row selection are all checked at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
+
+from engine.attention import TorchPagedAttention
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models import load_model
+from engine.models.llama import rope_inverse_frequencies
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ScheduledChunk, SchedulerOutput
+from tests.engine.hf_reference import assert_same_greedy, hf_greedy
+
+ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+
+
+def make_request(request_id: str, length: int, vocab_size: int, seed: int) -> Request:
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(5, vocab_size, (length,), generator=gen).tolist()
+    return Request(request_id, tokens, SamplingParams(temperature=0.0))
+
+
+def run_and_compare(model_dir, steps_plan, lengths, num_decode_steps=3) -> None:
+    """Drive the runner through a fixed plan and compare every sampled row with transformers.
+
+    ``steps_plan``: per step, {request index: tokens to compute}; then ``num_decode_steps`` steps
+    where every request decodes one token.
+    """
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512)
+    model = load_model(model_dir, TorchPagedAttention())
+    runner = ModelRunner(config, model)
+    runner.initialize_kv_cache()
+    vocab = model.config.vocab_size
+    requests = [make_request(str(i), n, vocab, seed=i) for i, n in enumerate(lengths)]
+    # Non-contiguous, interleaved block tables, as a real pool hands them out.
+    for i, request in enumerate(requests):
+        request.block_ids = [1 + i + len(requests) * j for j in range(12)]
+    plan = list(steps_plan) + [dict.fromkeys(range(len(requests)), 1)] * num_decode_steps
+
+    sampled_rows: list[tuple[Request, int, torch.Tensor]] = []  # request, position, logits
+    for step in plan:
+        chunks = [ScheduledChunk(requests[i], n, requests[i].block_ids) for i, n in step.items()]
+        logits = runner.execute(SchedulerOutput(chunks, sum(step.values())))
+        samplers = [
+            c.request
+            for c in chunks
+            if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens
+        ]
+        assert logits.shape == (len(samplers), vocab) and logits.dtype == torch.float32
+        for chunk in chunks:
+            chunk.request.num_computed_tokens += chunk.num_new_tokens
+        for request, row in zip(samplers, logits, strict=True):
+            sampled_rows.append((request, request.num_tokens - 1, row))
+            request.all_token_ids.append(int(row.argmax()))
+            request.output_token_ids.append(int(row.argmax()))
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        hf_logits = {r.request_id: hf(torch.tensor([r.all_token_ids[:-1]])).logits[0] for r in requests}
+    for request, position, ours in sampled_rows:
+        theirs = hf_logits[request.request_id][position]
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+        assert int(ours.argmax()) == int(theirs.argmax()), (request.request_id, position)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_mixed_step_logits_match_transformers(arch, checkpoint_factory):
+    # Request 0: 20-token prefill; 1: 30 tokens in chunks of 10 and 20; 2: a 1-token prompt
+    # (decode path at position 0); 3: 37 tokens in chunks of 16, 16 and 5.
+    plan = [
+        {0: 20, 1: 10, 2: 1, 3: 16},
+        {0: 1, 1: 20, 2: 1, 3: 16},
+        {0: 1, 1: 1, 2: 1, 3: 5},
+    ]
+    run_and_compare(checkpoint_factory(arch=arch), plan, lengths=[20, 30, 1, 37])
+
+
+def save_random_model(model_cls_config, path, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(model_cls_config).eval()
+    with torch.no_grad():  # larger weights than the default init, so logits are far from ties
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.08)
+    model.save_pretrained(path)
+    return path
+
+
+SMALL = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
+
+
+def test_llama3_rope_scaling_matches_transformers(tmp_path):
+    rope = {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    config = LlamaConfig(**SMALL, rope_parameters=rope, architectures=["LlamaForCausalLM"])
+    model_dir = save_random_model(config, tmp_path / "llama3")
+    ours = rope_inverse_frequencies(load_model(model_dir, TorchPagedAttention()).config)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir).model.rotary_emb.inv_freq
+    assert torch.equal(ours, hf)
+    run_and_compare(model_dir, [{0: 100, 1: 40}, {0: 1, 1: 60}], lengths=[100, 100])
+
+
+def test_sliding_window_matches_transformers(tmp_path):
+    config = MistralConfig(**SMALL, sliding_window=8, architectures=["MistralForCausalLM"])
+    model_dir = save_random_model(config, tmp_path / "mistral-window")
+    run_and_compare(
+        model_dir, [{0: 30, 1: 12, 2: 5}, {0: 1, 1: 18, 2: 1}], lengths=[30, 30, 5], num_decode_steps=12
+    )
+
+
+def test_qwen3_explicit_head_dim_matches_transformers(tmp_path):
+    # head_dim 32 != hidden 64 / 4 heads: q/k/v/o shapes and the per-head q/k norms follow head_dim.
+    config = Qwen3Config(**SMALL, head_dim=32, architectures=["Qwen3ForCausalLM"])
+    model_dir = save_random_model(config, tmp_path / "qwen3-hd32")
+    run_and_compare(model_dir, [{0: 25, 1: 9}, {0: 1, 1: 16}], lengths=[25, 25])
+
+
+def test_tie_check_rejects_a_real_difference(tiny_checkpoint):
+    model = load_model(tiny_checkpoint, TorchPagedAttention())
+    prompt = [5, 6, 7, 8, 9, 10]
+    reference = hf_greedy(tiny_checkpoint, prompt, 4)
+    wrong = [reference[0], (reference[1] + 1) % 2048, *reference[2:]]
+    with pytest.raises(AssertionError, match="not an fp32 tie"):
+        assert_same_greedy(wrong, reference, prompt, tiny_checkpoint, model)
+    with pytest.raises(AssertionError, match="lengths differ"):
+        assert_same_greedy(reference[:2], reference, prompt, tiny_checkpoint, model)
