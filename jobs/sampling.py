@@ -1,0 +1,54 @@
+"""Sampling parameters a job (or one row) may set: the OpenAI / vLLM knobs, with valid ranges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+MAX_STOP_SEQUENCES = 16
+
+
+class SamplingParams(BaseModel):
+    """Unset fields mean "the engine's default"; a row's overrides are merged over the job's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    max_tokens: int | None = Field(None, ge=1)
+    min_tokens: int | None = Field(None, ge=0)
+    seed: int | None = None
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:  # raw user input
+        # OpenAI accepts one string or a list of strings.
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings_not_empty(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not item for item in value):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def merged(self, overrides: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """These params with every field `overrides` sets taking precedence (validated again)."""
+        if not overrides:
+            return self
+        if isinstance(overrides, SamplingParams):
+            overrides = overrides.model_dump(exclude_none=True)
+        return SamplingParams.model_validate({**self.model_dump(exclude_none=True), **overrides})
+
+    def as_dict(self) -> dict[str, Any]:
+        """Only the fields that were set: what the engine should override."""
+        return self.model_dump(exclude_none=True)

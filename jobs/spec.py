@@ -1,0 +1,189 @@
+"""`JobSpec`: what a user submits. Validated here, stored as `jobs/<id>/job.json`, never changed."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from jobs.object_store.factory import split_uri
+from jobs.response_format import ResponseFormat
+from jobs.sampling import SamplingParams
+from jobs.template import PromptTemplate
+
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+# Output columns the writers own; a passthrough column of the same name would be ambiguous.
+RESERVED_OUTPUT_COLUMNS = frozenset(
+    {"id", "text", "json", "finish_reason", "usage", "prompt_tokens", "cached_tokens", "completion_tokens",
+     "error", "error_code"})
+
+
+class InputFormat(StrEnum):
+    PARQUET = "parquet"
+    JSONL = "jsonl"
+    OPENAI_BATCH = "openai_batch"
+
+
+def format_from_name(key: str) -> InputFormat | None:
+    """The format a file name implies; `.jsonl` may still turn out to be OpenAI batch JSONL."""
+    name = key.rsplit("/", 1)[-1].lower()
+    if name.endswith((".parquet", ".pq")):
+        return InputFormat.PARQUET
+    if name.endswith((".jsonl", ".ndjson")):
+        return InputFormat.JSONL
+    return None
+
+
+class JobSpec(BaseModel):
+    """A batch job. Unknown fields are rejected, so a typo never silently falls back to a default.
+
+    Rows are mapped to prompts by exactly one of `prompt_column`, `messages_column` or `template`
+    (none for OpenAI batch input, whose lines carry their own request bodies).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    input_uri: str = Field(description="s3://bucket/key, file:///abs/path or /abs/path")
+    input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
+    model: str = Field(min_length=1)
+
+    id_column: str | None = Field(None, description="row ids; default: the row's index")
+    prompt_column: str | None = None
+    messages_column: str | None = Field(None, description="a list of {role, content} chat messages")
+    template: str | None = Field(None, description="text with {column} placeholders")
+    instructions: str | None = Field(None, description="shared text placed first in every prompt")
+
+    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling_column: str | None = Field(None, description="per-row sampling overrides (an object)")
+    response_format: ResponseFormat | None = None
+    response_format_column: str | None = Field(None, description="per-row response_format (an object)")
+
+    output_uri: str | None = Field(None, description="where output parts go; default: the job's folder")
+    output_format: InputFormat | None = Field(None, description="default: the input format")
+    passthrough_columns: list[str] = Field(default_factory=list)
+
+    shard_size: int = Field(1000, ge=1, le=1_000_000, description="rows per shard (approximate for JSONL)")
+    priority: int = Field(5, ge=0, le=9, description="higher runs sooner")
+    metadata: dict[str, str] = Field(default_factory=dict)
+    idempotency_key: str | None = Field(None, min_length=1, max_length=256)
+
+    @field_validator("input_uri", "output_uri")
+    @classmethod
+    def _uri_is_openable(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_uri(value)  # raises ValueError saying what is wrong
+        return value
+
+    @field_validator("input_uri")
+    @classmethod
+    def _input_names_an_object(cls, value: str) -> str:
+        if split_uri(value)[2].endswith("/") or not split_uri(value)[2]:
+            raise ValueError(f"input_uri must name one object, not a folder: {value!r}")
+        return value
+
+    @field_validator("template")
+    @classmethod
+    def _template_parses(cls, value: str | None) -> str | None:
+        if value is not None:
+            PromptTemplate.parse(value)
+        return value
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_limits(cls, value: dict[str, str]) -> dict[str, str]:
+        if len(value) > MAX_METADATA_PAIRS:
+            raise ValueError(f"at most {MAX_METADATA_PAIRS} key/value pairs, got {len(value)}")
+        for key, item in value.items():
+            if not key or len(key) > MAX_METADATA_KEY_CHARS:
+                raise ValueError(f"key {key[:80]!r} must be 1 to {MAX_METADATA_KEY_CHARS} characters")
+            if len(item) > MAX_METADATA_VALUE_CHARS:
+                raise ValueError(f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters")
+        return value
+
+    @field_validator("passthrough_columns")
+    @classmethod
+    def _passthrough_names_are_free(cls, value: list[str]) -> list[str]:
+        reserved = sorted(set(value) & RESERVED_OUTPUT_COLUMNS)
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} would collide with output columns of the same name")
+        if len(set(value)) != len(value):
+            raise ValueError("columns are listed more than once")
+        return value
+
+    @model_validator(mode="after")
+    def _mapping_fits_the_format(self) -> JobSpec:
+        mapping = [name for name in ("prompt_column", "messages_column", "template") if getattr(self, name)]
+        if self.input_format == InputFormat.OPENAI_BATCH:
+            if mapping:
+                raise ValueError(f"{mapping[0]}: OpenAI batch lines carry their own request body; "
+                                 "omit prompt_column, messages_column and template")
+            if self.id_column:
+                raise ValueError("id_column: OpenAI batch rows are identified by custom_id; omit id_column")
+        elif len(mapping) > 1:
+            raise ValueError(f"give exactly one of prompt_column, messages_column or template, not "
+                             f"{' and '.join(mapping)}")
+        elif not mapping and self.input_format is not None:
+            raise ValueError(f"{self.input_format.value} input needs exactly one of prompt_column, "
+                             "messages_column or template")
+        if self.effective_output_format == InputFormat.OPENAI_BATCH and self.passthrough_columns:
+            raise ValueError("passthrough_columns: OpenAI batch output lines have no room for extra columns")
+        return self
+
+    @property
+    def effective_output_format(self) -> InputFormat | None:
+        return self.output_format or self.input_format
+
+    @property
+    def prompt_template(self) -> PromptTemplate | None:
+        return PromptTemplate.parse(self.template) if self.template else None
+
+    def input_columns(self) -> list[str]:
+        """Every column a row is read from (for reading only those columns of a Parquet file)."""
+        columns = [self.id_column, self.prompt_column, self.messages_column, self.sampling_column,
+                   self.response_format_column]
+        template = self.prompt_template
+        named = [c for c in columns if c] + (template.columns if template else []) + self.passthrough_columns
+        return list(dict.fromkeys(named))
+
+    def required_columns(self) -> list[str]:
+        """Columns every row must have: a Parquet file without one cannot run at all."""
+        template = self.prompt_template
+        named = [self.id_column, self.prompt_column, self.messages_column]
+        return list(dict.fromkeys([c for c in named if c] + (template.columns if template else [])))
+
+    def with_formats(self, input_format: InputFormat | str) -> JobSpec:
+        """This spec with the detected input format, and the output format defaulted (revalidated)."""
+        data = self.model_dump(mode="json", by_alias=True, exclude_none=True)
+        data["input_format"] = InputFormat(input_format).value
+        data.setdefault("output_format", data["input_format"])
+        return JobSpec.model_validate(data)
+
+    def canonical_json(self) -> str:
+        """One string per meaning: defaults filled in, keys sorted (what job.json holds)."""
+        data = self.model_dump(mode="json", by_alias=True)
+        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+    def spec_hash(self) -> str:
+        """sha256 of the spec without its idempotency key: equal work, equal hash.
+
+        Fields at their default are left out, so a field added later (with a default) does not
+        change the hash of a spec stored before. Compare specs in the same state: both as
+        submitted, or both after `with_formats`.
+        """
+        data = self.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude={"idempotency_key"})
+        encoded = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+def validation_messages(error: ValidationError) -> list[str]:
+    """`field.path: problem` lines for an API error body or a CLI message."""
+    messages = []
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"])
+        text = item["msg"].removeprefix("Value error, ")
+        messages.append(f"{where}: {text}" if where else text)
+    return messages
