@@ -1,0 +1,76 @@
+"""Engine configuration: one dataclass, validated once before the engine is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclass
+class EngineConfig:
+    """Everything needed to build an engine.
+
+    `max_model_len=None` means "the model's `max_position_embeddings`": the model runner resolves it
+    (e.g. `dataclasses.replace(config, max_model_len=...)`) before the scheduler is built.
+    `kv_cache_memory`: int = bytes, float in (0, 1] = fraction of free device memory, None = default.
+    `num_kv_blocks` overrides the memory budget with an explicit block count (tests, benchmarks).
+    """
+
+    model: str
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None
+    kv_cache_memory: int | float | None = None
+    num_kv_blocks: int | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field and its value."""
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a non-empty string, got {self.model!r}")
+        _require_int(self.block_size, "block_size", minimum=1)
+        _require_int(self.max_num_batched_tokens, "max_num_batched_tokens", minimum=1)
+        _require_int(self.max_num_seqs, "max_num_seqs", minimum=1)
+        if self.max_model_len is not None:
+            _require_int(self.max_model_len, "max_model_len", minimum=2)
+        if self.num_kv_blocks is not None:
+            # Block 0 is the reserved null block, so one usable block needs two.
+            _require_int(self.num_kv_blocks, "num_kv_blocks", minimum=2)
+        self._validate_kv_cache_memory()
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.device, str) or not self.device:
+            raise ValueError(f"device must be a non-empty string, got {self.device!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        _require_int(self.seed, "seed", minimum=0)
+
+    def _validate_kv_cache_memory(self) -> None:
+        value = self.kv_cache_memory
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"kv_cache_memory must be int bytes, a float fraction or None, got {value!r}")
+        if isinstance(value, int) and value <= 0:
+            raise ValueError(f"kv_cache_memory in bytes must be > 0, got {value}")
+        if isinstance(value, float) and not 0.0 < value <= 1.0:
+            raise ValueError(f"kv_cache_memory as a fraction must be in (0, 1], got {value}")
+
+
+def _require_int(value: object, name: str, minimum: int) -> None:
+    # bool is an int subclass; `block_size=True` is a mistake, not 1.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")

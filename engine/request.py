@@ -1,0 +1,111 @@
+"""One sequence's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.prefix_hash import BlockHash
+from engine.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token id or EOS
+    LENGTH = "length"  # max_tokens or max_model_len
+    ABORT = "abort"
+    ERROR = "error"  # rejected; `Request.error` says why
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, to be recomputed
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED_STATUS_BY_REASON.values()
+
+
+_FINISHED_STATUS_BY_REASON = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(eq=False)  # identity equality: requests are compared and hashed as objects
+class Request:
+    """A prompt, its generated tokens and the scheduler's bookkeeping.
+
+    All times are `time.monotonic()` seconds. The scheduler sets `first_scheduled_time`,
+    `token_times` and `finished_time`; metrics derive TTFT, ITL, TPOT and latency from them.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # lower value = scheduled first
+    cache_salt: str | None = None
+
+    output_token_ids: list[int] = field(default_factory=list, init=False)
+    all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync
+    num_computed_tokens: int = field(default=0, init=False)  # tokens whose KV is in the cache
+    num_cached_tokens: int = field(default=0, init=False)  # prompt tokens hit on first admission
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    finish_reason: FinishReason | None = field(default=None, init=False)
+    error: str | None = field(default=None, init=False)
+    num_preemptions: int = field(default=0, init=False)
+
+    # Owned by the KVCacheManager: the block table and the chained hashes of full blocks.
+    block_ids: list[int] = field(default_factory=list, init=False)
+    block_hashes: list[BlockHash] = field(default_factory=list, init=False)
+
+    first_scheduled_time: float | None = field(default=None, init=False)
+    token_times: list[float] = field(default_factory=list, init=False)  # one per output token
+    finished_time: float | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def first_token_time(self) -> float | None:
+        return self.token_times[0] if self.token_times else None
+
+    @property
+    def last_token_time(self) -> float | None:
+        return self.token_times[-1] if self.token_times else None
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+        self.status = _FINISHED_STATUS_BY_REASON[reason]
+        self.finish_reason = reason
+        self.error = error
+        self.finished_time = now
