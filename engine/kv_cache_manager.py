@@ -1,0 +1,169 @@
+"""Per-request block tables on top of the BlockPool: prefix-cache lookup, allocation, caching, free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.prefix_hash import BlockHash, extend_block_hashes
+from engine.request import Request, RequestStatus
+
+
+class KVCacheManager:
+    """Owns every request's block table (`request.block_ids` mirrors it for the model runner).
+
+    Blocks are cached once all their tokens are computed (`cache_blocks`, called after each step),
+    never at allocation: a block is only ever found by another request after its KV was written.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        hash_extra_keys: Sequence[str] = (),
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks)
+        self._hash_extra_keys = tuple(hash_extra_keys)  # e.g. the model id
+        self._tables: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}  # leading table blocks already in the cache
+        self.prefix_cache_queries = 0  # prompt tokens looked up on first admission
+        self.prefix_cache_hits = 0  # of those, tokens served from the cache
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens of KV the whole pool can hold (the null block excluded)."""
+        return self.block_pool.num_usable_blocks * self.block_size
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, hashing only blocks that filled since the last call."""
+        if self.enable_prefix_caching:
+            extend_block_hashes(
+                request.block_hashes, request.all_token_ids, self.block_size, self._extra_keys(request)
+            )
+        return request.block_hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of full blocks and the number of tokens it covers.
+
+        Capped so at least one token is recomputed: the last token's logits are needed to sample.
+        Pure lookup: no references are taken and no stats are counted until `allocate_slots`.
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        hashes = self.block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        tokens = request.all_token_ids
+        computed: list[KVBlock] = []
+        parent: BlockHash | None = None
+        for index in range(min(max_blocks, len(hashes))):
+            start = index * self.block_size
+            block = self.block_pool.get_cached_block(
+                hashes[index], tokens[start : start + self.block_size], parent
+            )
+            if block is None:
+                break
+            computed.append(block)
+            parent = hashes[index]
+        return computed, len(computed) * self.block_size
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: Sequence[KVBlock] | None = None,
+    ) -> list[KVBlock] | None:
+        """Grow the request's table to hold its computed tokens plus `num_new_tokens`.
+
+        On admission pass the blocks from `get_computed_blocks` (the request holds no blocks yet);
+        the caller then sets `num_computed_tokens` to include them. Returns the newly allocated
+        blocks, or None when the pool is short, in which case nothing changed.
+        """
+        computed_blocks = computed_blocks or ()
+        table = self._tables.get(request.request_id)
+        if computed_blocks and table:
+            raise ValueError(f"request {request.request_id} holds blocks; computed blocks are for admission")
+        num_held = len(table) if table else 0
+        num_tokens_after = (
+            request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        )
+        num_needed = -(-num_tokens_after // self.block_size) - num_held - len(computed_blocks)
+        # Touching a free cache hit takes it out of the free queue, so it competes for free blocks.
+        num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)
+        if max(num_needed, 0) + num_free_hits > self.block_pool.num_free_blocks:
+            return None
+
+        if table is None:
+            table = self._admit(request, computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        table.extend(new_blocks)
+        request.block_ids.extend(block.block_id for block in new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, request: Request) -> None:
+        """Add the request's newly full, computed blocks to the prefix cache (prompt or decode)."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        first_uncached = self._num_cached_blocks[request.request_id]
+        if num_full <= first_uncached:
+            return
+        hashes = self.block_hashes(request)
+        tokens = request.all_token_ids
+        for index in range(first_uncached, num_full):
+            start = index * self.block_size
+            parent = hashes[index - 1] if index > 0 else None
+            self.block_pool.cache_full_block(
+                table[index], hashes[index], tokens[start : start + self.block_size], parent
+            )
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; its full computed blocks are cached first and stay findable."""
+        self.cache_blocks(request)
+        table = self._tables.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        request.block_ids = []  # a new list: a SchedulerOutput already handed out keeps its view
+        if table:
+            # Tail first: a request's last blocks are the least likely to be shared.
+            self.block_pool.free_blocks(reversed(table))
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole prefix cache; refused (False) while any request holds blocks."""
+        return self.block_pool.reset_prefix_cache()
+
+    def _admit(self, request: Request, computed_blocks: Sequence[KVBlock]) -> list[KVBlock]:
+        if self.enable_prefix_caching and request.status is RequestStatus.WAITING:
+            # First admission only: a preempted request re-reading its own blocks is not a prompt hit.
+            self.prefix_cache_queries += request.num_prompt_tokens
+            self.prefix_cache_hits += len(computed_blocks) * self.block_size
+        self.block_pool.touch(computed_blocks)
+        table = list(computed_blocks)
+        self._tables[request.request_id] = table
+        self._num_cached_blocks[request.request_id] = len(computed_blocks)
+        request.block_ids = [block.block_id for block in table]
+        return table
+
+    def _extra_keys(self, request: Request) -> tuple[str, ...]:
+        if request.cache_salt is None:
+            return self._hash_extra_keys
+        return (*self._hash_extra_keys, "salt:" + request.cache_salt)
