@@ -1,0 +1,378 @@
+"""The scheduler: which requests run this step, and how many tokens each computes.
+
+One rule: each step, every request's computed tokens catch up with its known tokens
+(`len(all_token_ids)`) as far as the token budget (`max_num_batched_tokens`), `max_num_seqs` and
+the KV pool allow. Prefill, chunked prefill, decode and recompute after preemption all follow
+from it. Running requests are served first, in order; then waiting ones are admitted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.prefix_hash import BlockHash
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens
+    # The request's whole block table after allocation for this step. A live view: read it
+    # during this step, do not mutate it.
+    block_ids: list[int]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)  # running first, then newly admitted
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+
+
+class _FcfsQueue:
+    """Arrival order; preempted requests go back to the front. Aborted entries are skipped lazily."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Request] = deque()
+        self._num_live = 0
+
+    def __len__(self) -> int:
+        return self._num_live
+
+    def push(self, request: Request) -> None:
+        self._queue.append(request)
+        self._num_live += 1
+
+    def push_front(self, requests: Iterable[Request]) -> None:
+        """Put `requests` back at the front, keeping their order."""
+        requests = list(requests)
+        self._queue.extendleft(reversed(requests))
+        self._num_live += len(requests)
+
+    def peek(self) -> Request:
+        while self._queue[0].is_finished:  # aborted while waiting
+            self._queue.popleft()
+        return self._queue[0]
+
+    def pop(self) -> Request:
+        request = self.peek()
+        self._queue.popleft()
+        self._num_live -= 1
+        return request
+
+    def discard(self, request: Request) -> None:
+        """Forget a waiting request that is being finished (its entry is dropped when reached)."""
+        self._num_live -= 1
+
+
+class _PriorityQueue:
+    """Lowest `priority` first, then earliest arrival. Preempted requests re-enter by their priority."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._tiebreak = itertools.count()
+        self._num_live = 0
+
+    def __len__(self) -> int:
+        return self._num_live
+
+    def push(self, request: Request) -> None:
+        heapq.heappush(self._heap, (request.priority, request.arrival_time, next(self._tiebreak), request))
+        self._num_live += 1
+
+    def push_front(self, requests: Iterable[Request]) -> None:
+        for request in requests:
+            self.push(request)
+
+    def peek(self) -> Request:
+        while self._heap[0][-1].is_finished:
+            heapq.heappop(self._heap)
+        return self._heap[0][-1]
+
+    def pop(self) -> Request:
+        request = self.peek()
+        heapq.heappop(self._heap)
+        self._num_live -= 1
+        return request
+
+    def discard(self, request: Request) -> None:
+        self._num_live -= 1
+
+
+class _StepBudget:
+    """What one schedule() call has handed out so far."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.output = SchedulerOutput()
+        # Hashes of full blocks that this step's chunks compute: a waiting request whose first
+        # uncached block is among them waits one step and then hits the cache instead.
+        self.blocks_in_flight: set[BlockHash] = set()
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.output.chunks.append(ScheduledChunk(request, num_new_tokens, request.block_ids))
+        self.output.num_scheduled_tokens += num_new_tokens
+        self.token_budget -= num_new_tokens
+
+
+class Scheduler:
+    """Waiting and running queues, the token budget, chunked prefill, preemption, prefix sharing.
+
+    Use: `add_request` any time; per step `output = schedule()`, run the model on `output`, then
+    `finished = update_from_output(output, sampled)`. `abort_request` between steps.
+
+    `max_model_len` here is the effective limit: `config.max_model_len` (the engine resolves None
+    to the model's limit first; None here means no model limit), further capped at what the whole
+    KV pool can hold (capacity + 1 tokens, the last sampled token needs no slot), so a request
+    running alone always fits and preemption can never livelock.
+    """
+
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_id: int | None) -> None:
+        config.validate()
+        self.config = config
+        self.eos_token_id = eos_token_id
+        self.kv_cache_manager = KVCacheManager(
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, hash_extra_keys=(config.model,)
+        )
+        pool_limit = self.kv_cache_manager.capacity_tokens + 1
+        self.max_model_len = min(config.max_model_len or pool_limit, pool_limit)
+        self.waiting: _FcfsQueue | _PriorityQueue = (
+            _PriorityQueue() if config.scheduling_policy == "priority" else _FcfsQueue()
+        )
+        # FCFS: admission order. Priority: sorted by (priority, arrival), so the last is the victim.
+        self.running: list[Request] = []
+        self._requests: dict[str, Request] = {}  # every unfinished request
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> bool:
+        """Queue a new request. Returns True when queued.
+
+        Returns False when the request is invalid (empty prompt, bad token id, prompt too long
+        for max_model_len or for the KV pool, bad SamplingParams): it is then already finished,
+        with `finish_reason == FinishReason.ERROR` and `request.error` saying why; the scheduler
+        keeps no trace of it, so the caller reports it itself (it will not come out of
+        `update_from_output`). Raises ValueError only for caller bugs: a duplicate live
+        request_id, or a request that is not fresh.
+        """
+        if request.request_id in self._requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in the scheduler")
+        is_fresh = request.status is RequestStatus.WAITING and not request.output_token_ids
+        if not is_fresh or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
+        error = self._validation_error(request)
+        if error is not None:
+            request.finish(FinishReason.ERROR, time.monotonic(), error=error)
+            return False
+        self._requests[request.request_id] = request
+        self.waiting.push(request)
+        return True
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Finish an unfinished request with `abort` and free its blocks (full ones stay cached).
+
+        Returns the request, or None if no unfinished request has this id. Aborted requests are
+        not returned by `update_from_output`.
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)  # O(n), but aborts are rare and not per step
+        else:
+            self.waiting.discard(request)
+        self._finish(request, FinishReason.ABORT, time.monotonic())
+        return request
+
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return self.kv_cache_manager.usage
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    # ---- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's chunks: running requests first (preempting when blocks run out),
+        then waiting ones, unless this step preempted."""
+        step = _StepBudget(self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.output.preempted_ids:
+            self._schedule_waiting(step)
+        return step.output
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Apply a finished forward pass. `sampled` maps each sampling chunk's request id to its
+        new token. Returns the requests that finished this step (their blocks are already freed)."""
+        now = time.monotonic()
+        finished: list[Request] = []
+        for chunk in output.chunks:
+            request = chunk.request
+            if request.is_finished:  # aborted after schedule()
+                continue
+            samples = request.num_computed_tokens + chunk.num_new_tokens == request.num_tokens
+            if samples and request.request_id not in sampled:
+                raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
+            request.num_computed_tokens += chunk.num_new_tokens
+            if samples:
+                token_id = sampled[request.request_id]
+                request.append_output_token(token_id, now)
+                reason = self._stop_reason(request, token_id)
+                if reason is not None:
+                    self._finish(request, reason, now)
+                    finished.append(request)
+                    continue
+            self.kv_cache_manager.cache_blocks(request)
+        if finished:
+            self.running = [request for request in self.running if not request.is_finished]
+        return finished
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _schedule_running(self, step: _StepBudget) -> None:
+        index = 0
+        while index < len(self.running) and step.token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            if not self._allocate_or_preempt(request, num_new, step):
+                break  # the request preempted itself: it was the last one running
+            self._note_blocks_in_flight(request, num_new, step)
+            step.add(request, num_new)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBudget) -> bool:
+        """Allocate, preempting from the back of `running` until it fits. False if `request`
+        itself had to go. The victims come after `request`, so none was scheduled this step."""
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            victim = self.running.pop()
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, request: Request, step: _StepBudget) -> None:
+        # free() caches the full computed blocks first, so the recompute hits them.
+        self.kv_cache_manager.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front([request])
+        step.output.preempted_ids.append(request.request_id)
+
+    def _schedule_waiting(self, step: _StepBudget) -> None:
+        held_back: list[Request] = []
+        # Bounds the lookups per step when many waiting requests share one prefix.
+        max_held_back = self.config.max_num_seqs
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+            if self._first_uncached_block_in_flight(request, len(computed_blocks), step):
+                held_back.append(self.waiting.pop())
+                if len(held_back) >= max_held_back:
+                    break
+                continue
+            num_new = min(request.num_tokens - num_computed, step.token_budget)  # chunked prefill
+            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+                break  # out of blocks: wait for running requests to finish
+            self.waiting.pop()
+            self._admit(request, num_computed)
+            self._note_blocks_in_flight(request, num_new, step)
+            step.add(request, num_new)
+        self.waiting.push_front(held_back)
+
+    def _admit(self, request: Request, num_computed: int) -> None:
+        if request.status is RequestStatus.WAITING:  # first admission, not a recompute
+            request.num_cached_tokens = num_computed
+            request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        if self.config.scheduling_policy == "priority":
+            bisect.insort(self.running, request, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            self.running.append(request)
+
+    def _note_blocks_in_flight(self, request: Request, num_new: int, step: _StepBudget) -> None:
+        """Record the hashes of full blocks this chunk computes (only needed if someone waits)."""
+        if not self.config.enable_prefix_caching or not self.waiting:
+            return
+        block_size = self.config.block_size
+        first_block = request.num_computed_tokens // block_size
+        end_block = -(-(request.num_computed_tokens + num_new) // block_size)
+        if first_block * block_size + block_size > request.num_tokens:
+            return  # the chunk touches no full block (the common decode case): nothing to hash
+        hashes = self.kv_cache_manager.block_hashes(request)
+        step.blocks_in_flight.update(hashes[first_block:end_block])
+
+    def _first_uncached_block_in_flight(
+        self, request: Request, num_hit_blocks: int, step: _StepBudget
+    ) -> bool:
+        """Whether another chunk of this step computes the request's first uncached block.
+        Only ever true when something else is scheduled, so holding back cannot stall."""
+        if not step.blocks_in_flight:
+            return False
+        hashes = self.kv_cache_manager.block_hashes(request)
+        return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in step.blocks_in_flight
+
+    def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.sampling_params
+        if token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos):
+            return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+        """Mark finished and free its blocks; the caller removes it from `running`."""
+        request.finish(reason, now)
+        self.kv_cache_manager.free(request)
+        del self._requests[request.request_id]
+
+    def _validation_error(self, request: Request) -> str | None:
+        try:
+            request.sampling_params.validate()
+        except ValueError as exc:
+            return f"invalid sampling params: {exc}"
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            return "prompt is empty"
+        if min(request.prompt_token_ids) < 0:
+            return f"prompt holds a negative token id: {min(request.prompt_token_ids)}"
+        if self.config.max_model_len is not None and num_prompt + 1 > self.config.max_model_len:
+            return (
+                f"prompt has {num_prompt} tokens; with at least one generated token that exceeds "
+                f"max_model_len={self.config.max_model_len}"
+            )
+        if num_prompt + 1 > self.max_model_len:
+            return (
+                f"prompt has {num_prompt} tokens but the KV cache holds only "
+                f"{self.kv_cache_manager.capacity_tokens} tokens in all"
+            )
+        return None
