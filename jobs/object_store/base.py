@@ -110,10 +110,14 @@ class ObjectStore(ABC):
         return True
 
     def open_seekable(self, key: str) -> BinaryIO:
-        """A seekable read-only file over range reads (what pyarrow needs for Parquet footers)."""
+        """A seekable read-only file over range reads (what pyarrow needs for Parquet footers).
+
+        Unbuffered on purpose: each read is one range request of exactly the bytes asked for, so
+        pyarrow's column-chunk reads fetch no neighbouring row groups.
+        """
         from jobs.object_store.range_file import RangeReadFile
 
-        return io.BufferedReader(RangeReadFile(self, key), buffer_size=1 << 20)  # type: ignore[return-value]
+        return RangeReadFile(self, key)  # type: ignore[return-value]
 
     def put_once_or_same(self, key: str, data: bytes) -> bool:
         """Write-once that tolerates an identical earlier write (a finalize that runs twice).

@@ -1,0 +1,44 @@
+"""JSONL input: one JSON object per line, read by byte range (see `formats.lines`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from jobs.formats.lines import Line, iter_lines_in_range
+from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from jobs.object_store.base import ObjectStore
+
+
+def decode_object_line(line: Line) -> dict[str, Any] | RowError:
+    """The line's JSON object, or the per-row error that says why it is not one."""
+    where = f"line {line.number} of the shard (byte {line.offset})"
+    try:
+        record = json.loads(line.data)
+    except UnicodeDecodeError as error:
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON,
+                        f"{where}: not UTF-8 text ({error.reason})", line.number)
+    except json.JSONDecodeError as error:
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON,
+                        f"{where}: invalid JSON: {error.msg} at column {error.colno}", line.number)
+    if not isinstance(record, dict):
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_ROW,
+                        f"{where}: a JSON {type(record).__name__} where an object was expected", line.number)
+    return record
+
+
+def iter_jsonl_rows(store: ObjectStore, key: str, start: int, end: int,
+                    builder: RowBuilder) -> Iterator[Row | RowError]:
+    """Rows (or per-row errors) for the lines starting in `[start, end)`, in file order.
+
+    Blank lines are not rows and are skipped; every other line yields exactly one item.
+    """
+    for line in iter_lines_in_range(store, key, start, end):
+        if not line.data.strip():
+            continue
+        record = decode_object_line(line)
+        if isinstance(record, RowError):
+            yield record
+        else:
+            yield builder.build(line.offset, record, line.number)

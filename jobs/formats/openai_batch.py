@@ -1,0 +1,155 @@
+"""OpenAI Batch API input lines: `{"custom_id", "method", "url", "body"}`, accepted unchanged.
+
+The job's `model` runs every line; a line's `body.model` is ignored (files written for OpenAI name
+OpenAI models). Duplicate `custom_id`s are caught within a shard; `find_duplicate_custom_ids`
+scans a whole file when a caller wants the global check before planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from jobs.formats.jsonl import decode_object_line
+from jobs.formats.lines import Line, iter_lines_in_range
+from jobs.formats.rows import (
+    Row,
+    RowError,
+    RowErrorCode,
+    RowProblem,
+    parse_response_format,
+    parse_sampling_overrides,
+    validate_messages,
+    with_instructions_messages,
+    with_instructions_prompt,
+)
+from jobs.object_store.base import ObjectStore
+from jobs.response_format import response_format_as_dict
+from jobs.spec import JobSpec
+
+CHAT_URL = "/v1/chat/completions"
+COMPLETIONS_URL = "/v1/completions"
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+# Body fields that map straight onto SamplingParams.
+SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
+                             "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty"})
+# Body fields that change nothing here (or only at their default value, checked below).
+IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
+                            "parallel_tool_calls", "n", "stream", "echo", "best_of"})
+DEFAULT_ONLY = {"n": 1, "stream": False, "echo": False, "best_of": 1}
+REQUEST_FIELDS = frozenset({"messages", "prompt", "response_format", "max_completion_tokens", "logprobs",
+                            "top_logprobs"})
+KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
+
+
+class OpenAIBatchRowBuilder:
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.default_response_format = (
+            response_format_as_dict(spec.response_format) if spec.response_format else None)
+
+    def build(self, line: Line, record: dict[str, Any]) -> Row | RowError:
+        custom_id = record.get("custom_id")
+        has_custom_id = isinstance(custom_id, str) and bool(custom_id)
+        row_id = custom_id if has_custom_id else str(line.offset)
+        try:
+            if not has_custom_id:
+                raise RowProblem(RowErrorCode.INVALID_ROW, "custom_id must be a non-empty string")
+            if record.get("method", "POST") != "POST":
+                raise RowProblem(RowErrorCode.UNSUPPORTED_URL, f"method {record.get('method')!r}: only POST")
+            url = record.get("url")
+            if url not in SUPPORTED_URLS:
+                raise RowProblem(RowErrorCode.UNSUPPORTED_URL,
+                                 f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+            body = record.get("body")
+            if not isinstance(body, dict):
+                raise RowProblem(RowErrorCode.INVALID_ROW, "body must be an object")
+            return self._row(line, row_id, url, body)
+        except RowProblem as problem:
+            return RowError(line.offset, row_id, problem.code, str(problem), line.number)
+
+    def _row(self, line: Line, custom_id: str, url: str, body: dict[str, Any]) -> Row:
+        instructions = self.spec.instructions
+        unsupported = sorted(
+            name for name, value in body.items()
+            if name not in KNOWN_FIELDS or (name in DEFAULT_ONLY and value not in (DEFAULT_ONLY[name], None)))
+        if unsupported:
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{unsupported[0]} is not supported here")
+        if url == CHAT_URL:
+            messages = with_instructions_messages(instructions, validate_messages(body.get("messages"),
+                                                                                  "body.messages"))
+            prompt = None
+        else:
+            prompt = with_instructions_prompt(instructions, _completion_prompt(body.get("prompt")))
+            messages = None
+        overrides = {name: body[name] for name in SAMPLING_FIELDS if body.get(name) is not None}
+        if body.get("max_completion_tokens") is not None:
+            overrides["max_tokens"] = body["max_completion_tokens"]
+        logprobs = _logprobs(body, chat=url == CHAT_URL)
+        if logprobs is not None:
+            overrides["logprobs"] = logprobs
+        overrides = parse_sampling_overrides(overrides, "body")
+        try:
+            sampling = self.spec.sampling.merged(overrides)
+        except ValueError as error:
+            raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"body: {error}") from None
+        response_format = self.default_response_format
+        if body.get("response_format") is not None:
+            parsed = parse_response_format(body["response_format"], "body.response_format")
+            response_format = response_format_as_dict(parsed) if parsed else None
+        return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number)
+
+
+def _completion_prompt(prompt: Any) -> str:
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RowProblem(RowErrorCode.INVALID_ROW, "body.prompt must be one string (one prompt per line)")
+    return prompt
+
+
+def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    if chat:  # chat: logprobs is a flag, top_logprobs the count
+        if not body.get("logprobs"):
+            return None
+        return int(body.get("top_logprobs") or 0)
+    value = body.get("logprobs")
+    return None if value is None else int(value)
+
+
+def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int,
+                           spec: JobSpec) -> Iterator[Row | RowError]:
+    """Rows for the lines starting in `[start, end)`; a repeated custom_id fails the later line."""
+    builder = OpenAIBatchRowBuilder(spec)
+    seen: set[str] = set()
+    for line in iter_lines_in_range(store, key, start, end):
+        if not line.data.strip():
+            continue
+        record = decode_object_line(line)
+        if isinstance(record, dict):
+            custom_id = record.get("custom_id")
+            if isinstance(custom_id, str) and custom_id in seen:
+                yield RowError(line.offset, custom_id, RowErrorCode.DUPLICATE_CUSTOM_ID,
+                               f"custom_id {custom_id!r} appears more than once (line {line.number} of "
+                               "the shard)", line.number)
+                continue
+            if isinstance(custom_id, str):
+                seen.add(custom_id)
+            record = builder.build(line, record)
+        yield record
+
+
+def find_duplicate_custom_ids(store: ObjectStore, key: str) -> dict[str, list[int]]:
+    """custom_id → byte offsets of every line that repeats it (one streaming pass, ids in memory)."""
+    first_seen: dict[str, int] = {}
+    repeats: dict[str, list[int]] = {}
+    for line in iter_lines_in_range(store, key, 0, store.head(key).size):
+        record = decode_object_line(line) if line.data.strip() else None
+        if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
+            custom_id = record["custom_id"]
+            if custom_id in first_seen:
+                repeats.setdefault(custom_id, []).append(line.offset)
+            else:
+                first_seen[custom_id] = line.offset
+    return repeats

@@ -1,0 +1,27 @@
+"""`read_shard_rows`: the one call a worker makes to get a shard's rows, whatever the format."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from jobs.formats.jsonl import iter_jsonl_rows
+from jobs.formats.openai_batch import iter_openai_batch_rows
+from jobs.formats.parquet import iter_parquet_rows
+from jobs.formats.rows import Row, RowBuilder, RowError
+from jobs.object_store.base import ObjectStore
+from jobs.sharding import ShardPlan
+from jobs.spec import InputFormat, JobSpec
+
+
+def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
+                    shard: ShardPlan) -> Iterator[Row | RowError]:
+    """The shard's rows in input order; rows that cannot run come as `RowError`s in their place."""
+    if spec.input_format == InputFormat.PARQUET:
+        return iter_parquet_rows(store, key, shard, RowBuilder(spec))
+    if shard.byte_start is None or shard.byte_end is None:
+        raise ValueError(f"shard {shard.shard_id} has no byte range; it was not planned for JSONL")
+    if spec.input_format == InputFormat.OPENAI_BATCH:
+        return iter_openai_batch_rows(store, key, shard.byte_start, shard.byte_end, spec)
+    if spec.input_format == InputFormat.JSONL:
+        return iter_jsonl_rows(store, key, shard.byte_start, shard.byte_end, RowBuilder(spec))
+    raise ValueError("read_shard_rows needs a resolved input_format (see formats.detect.resolve_spec)")

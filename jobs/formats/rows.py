@@ -1,0 +1,223 @@
+"""The normalized row every reader produces and every worker consumes, and per-row errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from pydantic import ValidationError
+
+from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, response_format_as_dict
+from jobs.sampling import SamplingParams
+from jobs.spec import JobSpec
+from jobs.template import MissingColumn
+
+# Between the shared instructions and a row's own text; identical for every row, so the
+# instructions stay one cacheable prefix.
+INSTRUCTIONS_SEPARATOR = "\n\n"
+CHAT_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
+
+
+class RowErrorCode(StrEnum):
+    INVALID_JSON = "invalid_json"
+    INVALID_ROW = "invalid_row"
+    MISSING_COLUMN = "missing_column"
+    INVALID_SAMPLING = "invalid_sampling"
+    INVALID_RESPONSE_FORMAT = "invalid_response_format"
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+    UNSUPPORTED_URL = "unsupported_url"
+    # Set by the worker, not the readers: the engine refused or failed the row.
+    PROMPT_TOO_LONG = "prompt_too_long"
+    INVALID_OUTPUT_JSON = "invalid_output_json"
+    ENGINE_ERROR = "engine_error"
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One request for the engine: exactly one of `prompt` (completion) or `messages` (chat).
+
+    `index` orders rows in the input: the 0-based row number for Parquet, the byte offset of the
+    line for JSONL (a shard can number its rows without reading the bytes before it).
+    """
+
+    index: int
+    row_id: str
+    prompt: str | None
+    messages: list[dict[str, Any]] | None
+    sampling: SamplingParams
+    response_format: dict[str, Any] | None
+    passthrough: dict[str, Any] = field(default_factory=dict)
+    line: int | None = None  # JSONL: the line number within the shard
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+@dataclass(frozen=True, slots=True)
+class RowError:
+    """A row that cannot run; it is reported in the error part and never fails the job.
+
+    `line` is the 1-based line number inside the shard for JSONL inputs (`index` is the line's
+    byte offset in the file).
+    """
+
+    index: int
+    row_id: str
+    code: RowErrorCode
+    message: str
+    line: int | None = None
+    passthrough: dict[str, Any] = field(default_factory=dict)
+
+
+class RowProblem(ValueError):
+    """Raised while building a row; becomes a `RowError` with this code."""
+
+    def __init__(self, code: RowErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _decode_json_cell(value: Any, column: str) -> Any:
+    # Parquet users often store objects as JSON text; accept both forms.
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"column {column!r} holds text that is not JSON ({error.msg})") from None
+    return value
+
+
+def parse_sampling_overrides(value: Any, where: str) -> dict[str, Any]:
+    """Validated per-row sampling overrides from a column value (an object, or its JSON text)."""
+    if value is None:
+        return {}
+    try:
+        value = _decode_json_cell(value, where)
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where} must be an object of sampling parameters")
+        # Parquet structs carry every field, null where unset: null means "not overridden".
+        overrides = {key: item for key, item in value.items() if item is not None}
+        SamplingParams.model_validate(overrides)
+    except ValidationError as error:
+        raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where}: {_first_error(error)}") from None
+    except ValueError as error:
+        raise RowProblem(RowErrorCode.INVALID_SAMPLING, str(error)) from None
+    return overrides
+
+
+def parse_response_format(value: Any, where: str) -> AnyResponseFormat | None:
+    if value is None:
+        return None
+    try:
+        return RESPONSE_FORMAT.validate_python(_decode_json_cell(value, where))
+    except ValidationError as error:
+        raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, f"{where}: {_first_error(error)}") from None
+    except ValueError as error:
+        raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, str(error)) from None
+
+
+def _first_error(error: ValidationError) -> str:
+    item = error.errors()[0]
+    where = ".".join(str(part) for part in item["loc"])
+    text = item["msg"].removeprefix("Value error, ")
+    return f"{where}: {text}" if where else text
+
+
+def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
+    value = _decode_json_cell(value, where) if isinstance(value, str) else value
+    if not isinstance(value, list) or not value:
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a non-empty list of chat messages")
+    for position, message in enumerate(value):
+        if not isinstance(message, Mapping) or message.get("role") not in CHAT_ROLES:
+            raise RowProblem(RowErrorCode.INVALID_ROW,
+                             f"{where}[{position}] needs a role (one of {', '.join(sorted(CHAT_ROLES))})")
+        if "content" not in message:
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}] has no content")
+    # Parquet structs carry every field; drop the nulls so messages look like the JSON a user wrote.
+    return [{key: item for key, item in message.items() if item is not None} for message in value]
+
+
+def with_instructions_prompt(instructions: str | None, text: str) -> str:
+    return f"{instructions}{INSTRUCTIONS_SEPARATOR}{text}" if instructions else text
+
+
+def with_instructions_messages(instructions: str | None,
+                               messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Instructions become the system message; a row's own system message follows them in it."""
+    if not instructions:
+        return messages
+    first = messages[0]
+    if first.get("role") == "system" and isinstance(first.get("content"), str):
+        merged = {**first, "content": f"{instructions}{INSTRUCTIONS_SEPARATOR}{first['content']}"}
+        return [merged, *messages[1:]]
+    return [{"role": "system", "content": instructions}, *messages]
+
+
+class RowBuilder:
+    """Builds `Row`s from raw records (dicts of column → value) by a job's column mapping."""
+
+    def __init__(self, spec: JobSpec) -> None:
+        self.spec = spec
+        self.template = spec.prompt_template
+        self.default_response_format = (
+            response_format_as_dict(spec.response_format) if spec.response_format else None)
+
+    def build(self, index: int, record: Mapping[str, Any], line: int | None = None) -> Row | RowError:
+        spec = self.spec
+        passthrough = {column: record.get(column) for column in spec.passthrough_columns}
+        row_id = str(index)
+        try:
+            row_id = self._row_id(index, record)
+            prompt, messages = self._request(record)
+            overrides = {}
+            if spec.sampling_column:
+                overrides = parse_sampling_overrides(record.get(spec.sampling_column),
+                                                     f"sampling_column {spec.sampling_column!r}")
+            sampling = spec.sampling.merged(overrides)
+            response_format = self.default_response_format
+            if spec.response_format_column and record.get(spec.response_format_column) is not None:
+                parsed = parse_response_format(record[spec.response_format_column],
+                                               f"response_format_column {spec.response_format_column!r}")
+                response_format = response_format_as_dict(parsed) if parsed else None
+        except RowProblem as problem:
+            return RowError(index, row_id, problem.code, str(problem), line, passthrough)
+        except ValidationError as error:  # a row override that is valid alone but not merged
+            code = RowErrorCode.INVALID_SAMPLING
+            return RowError(index, row_id, code, _first_error(error), line, passthrough)
+        return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
+
+    def _row_id(self, index: int, record: Mapping[str, Any]) -> str:
+        column = self.spec.id_column
+        return str(_required(record, column, "id_column")) if column else str(index)
+
+    def _request(self, record: Mapping[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
+        spec = self.spec
+        if self.template is not None:
+            try:
+                text = self.template.fill(record)
+            except MissingColumn as missing:
+                raise RowProblem(RowErrorCode.MISSING_COLUMN, str(missing)) from None
+            return with_instructions_prompt(spec.instructions, text), None
+        if spec.prompt_column:
+            value = _required(record, spec.prompt_column, "prompt_column")
+            if not isinstance(value, str):
+                raise RowProblem(RowErrorCode.INVALID_ROW, f"prompt_column {spec.prompt_column!r} must "
+                                 f"be text, got {type(value).__name__}")
+            return with_instructions_prompt(spec.instructions, value), None
+        column = spec.messages_column
+        if column is None:
+            raise RowProblem(RowErrorCode.INVALID_ROW, "the job maps no column to a prompt")
+        value = _required(record, column, "messages_column")
+        messages = validate_messages(value, f"messages_column {column!r}")
+        return None, with_instructions_messages(spec.instructions, messages)
+
+
+def _required(record: Mapping[str, Any], column: str, role: str) -> Any:
+    if record.get(column) is None:
+        state = "null" if column in record else "missing"
+        raise RowProblem(RowErrorCode.MISSING_COLUMN, f"{role} {column!r} is {state} in this row")
+    return record[column]

@@ -1,0 +1,144 @@
+"""Shard planning: cut an input into shards a worker can read alone, deterministically.
+
+JSONL is cut into byte ranges of about `shard_size` rows (the row length is estimated from the
+head; `formats.lines` gives each line to exactly one range). Parquet is cut along row groups,
+taken whole where they are small and split into row ranges where one holds many shards' rows.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from pydantic import BaseModel, ConfigDict
+
+from jobs.errors import InputError
+from jobs.object_store.base import ObjectStore
+from jobs.spec import InputFormat, JobSpec
+
+if TYPE_CHECKING:
+    import pyarrow.parquet as pq
+
+SAMPLE_BYTES = 1 << 20
+
+
+class ShardPlan(BaseModel):
+    """One unit of work. JSONL shards set `byte_start`/`byte_end`; Parquet shards `row_groups`
+    and the global row range `[row_start, row_end)`. `estimated_rows` is exact for Parquet and for
+    JSONL files small enough to plan from one sample, otherwise an estimate.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    index: int
+    estimated_rows: int
+    rows_exact: bool
+    byte_start: int | None = None
+    byte_end: int | None = None
+    row_groups: list[int] = []
+    row_start: int | None = None
+    row_end: int | None = None
+
+    @property
+    def shard_id(self) -> str:
+        return f"{self.index:05d}"
+
+
+def plan_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
+    """At least one shard (an empty input has one empty shard), numbered from 0 in input order."""
+    if spec.input_format is None:
+        raise ValueError("plan_shards needs a resolved input_format (see formats.detect.resolve_spec)")
+    if spec.input_format == InputFormat.PARQUET:
+        return plan_parquet_shards(store, key, spec)
+    return plan_jsonl_shards(store, key, spec.shard_size)
+
+
+def plan_jsonl_shards(store: ObjectStore, key: str, shard_size: int) -> list[ShardPlan]:
+    size = store.head(key).size
+    sample = store.read_range(key, 0, min(size, SAMPLE_BYTES))
+    if len(sample) == size:
+        return _exact_jsonl_shards(sample, shard_size)
+    complete_lines = sample.count(b"\n")
+    # Without one newline in the sample, lines are at least as long as the sample.
+    bytes_per_row = (sample.rfind(b"\n") + 1) / complete_lines if complete_lines else len(sample)
+    shard_bytes = max(1, round(bytes_per_row * shard_size))
+    shards = []
+    for index in range(math.ceil(size / shard_bytes)):
+        start, end = index * shard_bytes, min(size, (index + 1) * shard_bytes)
+        estimated = max(1, round((end - start) / bytes_per_row))
+        shards.append(ShardPlan(index=index, estimated_rows=estimated, rows_exact=False,
+                                byte_start=start, byte_end=end))
+    return shards
+
+
+def _exact_jsonl_shards(data: bytes, shard_size: int) -> list[ShardPlan]:
+    """The whole file is in memory: cut at real line starts, counting non-blank lines exactly."""
+    row_starts = []
+    offset = 0
+    for line in data.split(b"\n"):
+        if line.strip():
+            row_starts.append(offset)
+        offset += len(line) + 1
+    cuts = row_starts[::shard_size] or [0]
+    cuts[0] = 0  # leading blank lines belong to the first shard
+    ends = [*cuts[1:], len(data)]
+    return [ShardPlan(index=index, estimated_rows=min(shard_size, len(row_starts) - index * shard_size),
+                      rows_exact=True, byte_start=start, byte_end=end)
+            for index, (start, end) in enumerate(zip(cuts, ends, strict=True))]
+
+
+def open_parquet(store: ObjectStore, key: str) -> tuple[pq.ParquetFile, object]:
+    """The ParquetFile over range reads, and the file to close when done."""
+    import pyarrow.parquet as pq
+
+    file = store.open_seekable(key)
+    try:
+        return pq.ParquetFile(file), file
+    except Exception as error:
+        file.close()
+        raise InputError(f"{key} is not a readable Parquet file: {error}") from None
+
+
+def plan_parquet_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
+    """Reads only the footer. Raises `InputError` if a column every row needs is absent."""
+    parquet, file = open_parquet(store, key)
+    with file:  # type: ignore[attr-defined]
+        metadata = parquet.metadata
+        names = parquet.schema_arrow.names
+    absent = [column for column in spec.required_columns() if column not in names]
+    if absent:
+        raise InputError(f"column {absent[0]!r} is not in the Parquet file (its columns: {', '.join(names)})")
+    group_rows = [metadata.row_group(group).num_rows for group in range(metadata.num_row_groups)]
+    return plan_row_groups(group_rows, spec.shard_size)
+
+
+def plan_row_groups(group_rows: list[int], shard_size: int) -> list[ShardPlan]:
+    """Small row groups are gathered until a shard holds `shard_size` rows; a group with at least
+    two shards' worth of rows is split into row ranges (each such shard reads the whole group).
+    """
+    shards: list[ShardPlan] = []
+    pending: list[int] = []
+    pending_start = first_row = 0
+
+    def emit(groups: list[int], start: int, end: int) -> None:
+        shards.append(ShardPlan(index=len(shards), estimated_rows=end - start, rows_exact=True,
+                                row_groups=groups, row_start=start, row_end=end))
+
+    for group, rows in enumerate(group_rows):
+        if rows >= 2 * shard_size:
+            if pending:
+                emit(pending, pending_start, first_row)
+                pending = []
+            for offset in range(0, rows, shard_size):
+                emit([group], first_row + offset, first_row + min(rows, offset + shard_size))
+        else:
+            if not pending:
+                pending_start = first_row
+            pending.append(group)
+            if first_row + rows - pending_start >= shard_size:
+                emit(pending, pending_start, first_row + rows)
+                pending = []
+        first_row += rows
+    if pending or not shards:
+        emit(pending, pending_start if pending else first_row, first_row)
+    return shards
