@@ -1,0 +1,88 @@
+"""Writing a shard's output part and error part: rows in input order, sha256 and size measured
+while streaming, write-once by default (a shard that runs twice cannot replace its first part).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterable
+
+from jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
+from jobs.formats.openai_batch_writer import openai_batch_record
+from jobs.formats.output import OutputRow
+from jobs.formats.parquet_writer import output_table
+from jobs.object_store.base import ObjectStore, ObjectWriter
+from jobs.results import PartFile
+from jobs.spec import InputFormat, JobSpec
+
+
+class _MeasuringWriter:
+    """Passes bytes to the object writer, hashing and counting them on the way."""
+
+    def __init__(self, writer: ObjectWriter) -> None:
+        self._writer = writer
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.closed = False
+
+    def write(self, data: bytes) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self._writer.write(data)
+
+    def tell(self) -> int:
+        return self.size
+
+    def flush(self) -> None:
+        pass
+
+    def part_file(self, store: ObjectStore, key: str, rows: int) -> PartFile:
+        digest = self.sha256.hexdigest()
+        return PartFile(key=key, uri=store.uri(key), rows=rows, bytes=self.size, sha256=digest)
+
+
+def includes_json_column(spec: JobSpec) -> bool:
+    """Whether outputs get a parsed-JSON column: decided per job, so every part has the same columns."""
+    return bool(spec.response_format or spec.response_format_column
+                or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
+def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], spec: JobSpec, *, job_id: str,
+                      created: int | None = None, if_none_match: bool = True) -> PartFile:
+    """Every row of the shard, failed ones included, sorted into input order.
+
+    `created` (unix seconds) stamps OpenAI response bodies; default: now.
+    """
+    ordered = sorted(rows, key=lambda row: row.index)
+    output_format = spec.effective_output_format
+    with store.open_write(key, if_none_match=if_none_match) as writer:
+        sink = _MeasuringWriter(writer)
+        if output_format == InputFormat.PARQUET:
+            import pyarrow.parquet as pq
+
+            table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns)
+            pq.write_table(table, sink)
+        elif output_format == InputFormat.OPENAI_BATCH:
+            stamp = int(time.time()) if created is None else created
+            for row in ordered:
+                record = openai_batch_record(row, job_id=job_id, model=spec.model, created=stamp)
+                sink.write(dumps_line(record))
+        elif output_format == InputFormat.JSONL:
+            include_json = includes_json_column(spec)
+            for row in ordered:
+                sink.write(dumps_line(jsonl_output_record(row, include_json)))
+        else:
+            raise ValueError("write_output_part needs a resolved output format")
+    return sink.part_file(store, key, rows=len(ordered))
+
+
+def write_error_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], *,
+                     if_none_match: bool = True) -> PartFile:
+    """The failed rows among `rows`, in input order (an empty part when none failed)."""
+    failed = sorted((row for row in rows if row.failed), key=lambda row: row.index)
+    with store.open_write(key, if_none_match=if_none_match) as writer:
+        sink = _MeasuringWriter(writer)
+        for row in failed:
+            sink.write(dumps_line(error_record(row)))
+    return sink.part_file(store, key, rows=len(failed))

@@ -1,0 +1,94 @@
+"""Where a job's objects live in the store (see ARCHITECTURE.md, "Object-store layout").
+
+    <prefix>/jobs/<job_id>/job.json                 the spec, written once at submit
+    <prefix>/jobs/<job_id>/input/<name>             the input, when uploaded through the API
+    <prefix>/jobs/<job_id>/output/part-00000.<ext>  one output part per shard (or under output_uri)
+    <prefix>/jobs/<job_id>/errors/part-00000.jsonl  the shard's failed rows, with reasons
+    <prefix>/jobs/<job_id>/shards/part-00000.json   the shard's result, written after its parts
+    <prefix>/jobs/<job_id>/manifest.json            written last
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jobs.object_store.base import ObjectStore
+from jobs.object_store.factory import store_for_uri
+from jobs.spec import InputFormat, JobSpec
+
+JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
+PART_EXTENSIONS = {
+    InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl"}
+
+
+def part_name(shard_index: int, extension: str) -> str:
+    return f"part-{shard_index:05d}.{extension}"
+
+
+@dataclass(frozen=True)
+class JobLayout:
+    job_id: str
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not JOB_ID_PATTERN.match(self.job_id):
+            raise ValueError(f"job id {self.job_id!r} must be 1-128 letters, digits, '-' or '_'")
+        object.__setattr__(self, "prefix", self.prefix.strip("/"))
+
+    @property
+    def job_dir(self) -> str:
+        return f"{self.prefix}/jobs/{self.job_id}" if self.prefix else f"jobs/{self.job_id}"
+
+    @property
+    def spec_key(self) -> str:
+        return f"{self.job_dir}/job.json"
+
+    @property
+    def manifest_key(self) -> str:
+        return f"{self.job_dir}/manifest.json"
+
+    @property
+    def output_dir(self) -> str:
+        return f"{self.job_dir}/output"
+
+    @property
+    def shard_results_dir(self) -> str:
+        return f"{self.job_dir}/shards"
+
+    def input_key(self, name: str) -> str:
+        if not name or "/" in name or name in (".", ".."):
+            raise ValueError(f"input name {name!r} must be a plain file name")
+        return f"{self.job_dir}/input/{name}"
+
+    def error_part_key(self, shard_index: int) -> str:
+        return f"{self.job_dir}/errors/{part_name(shard_index, 'jsonl')}"
+
+    def shard_result_key(self, shard_index: int) -> str:
+        return f"{self.shard_results_dir}/{part_name(shard_index, 'json')}"
+
+
+@dataclass(frozen=True)
+class OutputLocation:
+    """Where output parts go: the job's own folder, or the folder `output_uri` names."""
+
+    store: ObjectStore
+    directory: str
+    extension: str
+
+    def part_key(self, shard_index: int) -> str:
+        name = part_name(shard_index, self.extension)
+        return f"{self.directory}/{name}" if self.directory else name
+
+
+def output_location(spec: JobSpec, job_store: ObjectStore, layout: JobLayout) -> OutputLocation:
+    """Parts of a resolved spec's job. An `output_uri` is a folder that should be this job's alone:
+    parts are written once, so a second job writing there fails instead of mixing rows.
+    """
+    if spec.effective_output_format is None:
+        raise ValueError("output_location needs a resolved spec (see formats.detect.resolve_spec)")
+    extension = PART_EXTENSIONS[spec.effective_output_format]
+    if spec.output_uri is None:
+        return OutputLocation(job_store, layout.output_dir, extension)
+    store, key = store_for_uri(spec.output_uri)
+    return OutputLocation(store, key.rstrip("/"), extension)

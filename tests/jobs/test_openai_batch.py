@@ -1,0 +1,113 @@
+"""OpenAI batch JSONL: request lines in, response lines out, in the shapes OpenAI uses."""
+
+from __future__ import annotations
+
+import json
+
+from jobs.formats.openai_batch import find_duplicate_custom_ids, iter_openai_batch_rows
+from jobs.formats.openai_batch_writer import openai_batch_record
+from jobs.formats.output import OutputRow
+from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
+from jobs.spec import JobSpec
+
+SPEC = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model="tiny-llama",
+               instructions="Answer briefly.", sampling={"temperature": 0.0, "max_tokens": 32})
+
+
+def request(custom_id, url="/v1/chat/completions", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": "gpt-4o-mini", **body}}
+
+
+def read(store, lines: list) -> list[Row | RowError]:
+    data = b"\n".join(line if isinstance(line, bytes) else json.dumps(line).encode() for line in lines)
+    store.put_bytes("batch.jsonl", data + b"\n")
+    return list(iter_openai_batch_rows(store, "batch.jsonl", 0, len(data) + 1, SPEC))
+
+
+def test_chat_and_completion_requests_become_rows(local_store) -> None:
+    chat, completion = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "2+2?"}], max_completion_tokens=5, seed=7,
+                response_format={"type": "json_object"}, logprobs=True, top_logprobs=2),
+        request("b", url="/v1/completions", prompt="Once upon", stop="\n", temperature=0.5),
+    ])
+    assert chat.row_id == "a" and chat.is_chat
+    assert chat.messages == [{"role": "system", "content": "Answer briefly."},
+                             {"role": "user", "content": "2+2?"}]
+    assert chat.sampling.as_dict() == {"temperature": 0.0, "max_tokens": 5, "seed": 7, "logprobs": 2}
+    assert chat.response_format == {"type": "json_object"}
+    assert completion.row_id == "b" and not completion.is_chat
+    assert completion.prompt == "Answer briefly." + INSTRUCTIONS_SEPARATOR + "Once upon"
+    assert completion.sampling.as_dict() == {"temperature": 0.5, "max_tokens": 32, "stop": ["\n"]}
+
+
+def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
+    items = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "x"}]),
+        request("a", messages=[{"role": "user", "content": "again"}]),
+        request("c", url="/v1/embeddings", input="x"),
+        request("d", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]),
+        request("e", messages=[{"role": "user", "content": "x"}], n=3),
+        request("f", messages=[{"role": "user", "content": "x"}], temperature=5),
+        {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
+        b'{"custom_id": "g", "body": ',
+        request("h", url="/v1/completions", prompt=[1, 2, 3]),
+    ])
+    assert isinstance(items[0], Row)
+    codes = [(item.row_id, item.code) for item in items[1:]]
+    assert codes[:5] == [("a", RowErrorCode.DUPLICATE_CUSTOM_ID), ("c", RowErrorCode.UNSUPPORTED_URL),
+                         ("d", RowErrorCode.INVALID_ROW), ("e", RowErrorCode.INVALID_ROW),
+                         ("f", RowErrorCode.INVALID_SAMPLING)]
+    assert codes[5][1] == RowErrorCode.INVALID_ROW and codes[5][0] == str(items[6].index)
+    assert codes[6][1] == RowErrorCode.INVALID_JSON
+    assert codes[7] == ("h", RowErrorCode.INVALID_ROW)
+    assert "url '/v1/embeddings' is not supported" in items[2].message
+    assert items[3].message == "body.tools is not supported here"
+    assert items[4].message == "body.n is not supported here"
+    assert "appears more than once (line 2 of the shard)" in items[1].message
+    assert [item.line for item in items] == list(range(1, 10))
+
+
+def test_duplicates_across_the_whole_file_are_found_in_one_pass(local_store) -> None:
+    lines = [request(custom_id, url="/v1/completions", prompt="p") for custom_id in ["a", "b", "a", "c", "a"]]
+    data = b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+    local_store.put_bytes("batch.jsonl", data)
+    repeats = find_duplicate_custom_ids(local_store, "batch.jsonl")
+    line_length = len(data) // 5
+    assert repeats == {"a": [2 * line_length, 4 * line_length]}
+
+
+def test_completed_rows_are_written_as_openai_responses(local_store) -> None:
+    chat, completion = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "2+2?"}]),
+        request("b", url="/v1/completions", prompt="Once upon"),
+    ])
+    for row, object_type in ((chat, "chat.completion"), (completion, "text_completion")):
+        output = OutputRow.completed(row, "four", "stop", prompt_tokens=12, cached_tokens=8,
+                                     completion_tokens=2)
+        line = openai_batch_record(output, job_id="job1", model="tiny-llama", created=1_700_000_000)
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert line["id"].startswith("batch_req_") and line["custom_id"] == row.row_id
+        assert line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"].startswith("req_")
+        body = response["body"]
+        assert body["object"] == object_type and body["model"] == "tiny-llama"
+        assert body["created"] == 1_700_000_000
+        assert body["usage"] == {"prompt_tokens": 12, "completion_tokens": 2, "total_tokens": 14,
+                                 "prompt_tokens_details": {"cached_tokens": 8}}
+        [choice] = body["choices"]
+        assert choice["finish_reason"] == "stop" and choice["index"] == 0
+        if object_type == "chat.completion":
+            assert body["id"].startswith("chatcmpl-")
+            assert choice["message"]["role"] == "assistant" and choice["message"]["content"] == "four"
+        else:
+            assert body["id"].startswith("cmpl-") and choice["text"] == "four"
+        again = openai_batch_record(output, job_id="job1", model="tiny-llama", created=1_700_000_000)
+        assert again == line  # ids derive from job and custom_id: a rerun writes the same line
+
+
+def test_failed_rows_are_written_with_the_openai_error_shape(local_store) -> None:
+    [error] = read(local_store, [request("x", url="/v1/embeddings", input="x")])
+    line = openai_batch_record(OutputRow.from_error(error), job_id="job1", model="m", created=0)
+    assert line["response"] is None and line["custom_id"] == "x"
+    assert line["error"] == {"code": "unsupported_url", "message": error.message}

@@ -1,0 +1,104 @@
+"""Output and error parts: every row in input order, checksummed, written once."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.formats.output import OutputRow
+from jobs.formats.parts import write_error_part, write_output_part
+from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from jobs.object_store import AlreadyExists
+from jobs.spec import JobSpec
+
+
+def spec(output_format: str, **fields) -> JobSpec:
+    return JobSpec.model_validate({"input_uri": "/in/rows.jsonl", "input_format": "jsonl", "model": "m",
+                                   "prompt_column": "q", "output_format": output_format, **fields})
+
+
+def outcomes(job: JobSpec) -> list[OutputRow]:
+    """Rows 0-3 out of order, as an engine returns them: two done, one unparsable, one failed."""
+    builder = RowBuilder(job)
+    rows = {index: builder.build(index, {"q": f"question {index}", "src": f"s{index}"}) for index in range(4)}
+    rejected = builder.build(2, {"src": "s2"})
+    assert isinstance(rejected, RowError)
+    return [done(rows[3], '{"a": 3}', cached=4), OutputRow.from_error(rejected), done(rows[0], '{"a": 0}'),
+            done(rows[1], '{"a": ', finish_reason="length", cached=4)]
+
+
+def done(row: Row, text: str, finish_reason: str = "stop", cached: int = 0) -> OutputRow:
+    return OutputRow.completed(row, text, finish_reason, prompt_tokens=5, cached_tokens=cached,
+                               completion_tokens=len(text) // 2)
+
+
+def test_jsonl_part_holds_every_row_in_input_order(store) -> None:
+    job = spec("jsonl", response_format={"type": "json_object"}, passthrough_columns=["src"])
+    part = write_output_part(store, "out/part-00000.jsonl", outcomes(job), job, job_id="j")
+    data = store.get_bytes("out/part-00000.jsonl")
+    assert (part.rows, part.bytes, part.sha256) == (4, len(data), hashlib.sha256(data).hexdigest())
+    assert part.uri == store.uri("out/part-00000.jsonl")
+    lines = [json.loads(line) for line in data.splitlines()]
+    assert [line["id"] for line in lines] == ["0", "1", "2", "3"]
+    assert lines[0] == {"id": "0", "text": '{"a": 0}', "json": {"a": 0}, "finish_reason": "stop",
+                        "usage": {"prompt_tokens": 5, "cached_tokens": 0, "completion_tokens": 4},
+                        "error": None, "src": "s0"}
+    assert lines[1]["json"] is None and lines[1]["error"]["code"] == "invalid_output_json"
+    assert lines[1]["text"] == '{"a": '  # the raw text is kept for a failed parse
+    assert lines[2]["usage"] is None and lines[2]["error"] == {
+        "code": "missing_column", "message": "prompt_column 'q' is missing in this row"}
+    assert lines[2]["src"] == "s2"
+
+
+def test_parquet_part_has_flat_typed_columns(store) -> None:
+    job = spec("parquet", response_format={"type": "json_object"}, passthrough_columns=["src"])
+    part = write_output_part(store, "out/part-00000.parquet", outcomes(job), job, job_id="j")
+    data = store.get_bytes("out/part-00000.parquet")
+    assert part.sha256 == hashlib.sha256(data).hexdigest() and part.bytes == len(data)
+    table = pq.read_table(io.BytesIO(data))
+    assert table.column_names == ["id", "text", "json", "finish_reason", "prompt_tokens", "cached_tokens",
+                                  "completion_tokens", "error_code", "error", "src"]
+    assert str(table.schema.field("prompt_tokens").type) == "int64"
+    columns = table.to_pydict()
+    assert columns["id"] == ["0", "1", "2", "3"]
+    assert columns["json"] == ['{"a": 0}', None, None, '{"a": 3}']
+    assert columns["error_code"] == [None, "invalid_output_json", "missing_column", None]
+    assert columns["cached_tokens"] == [0, 4, None, 4]
+
+
+def test_a_job_without_response_format_has_no_json_column(store) -> None:
+    job = spec("jsonl")
+    row = RowBuilder(job).build(0, {"q": "x"})
+    assert isinstance(row, Row)
+    write_output_part(store, "p.jsonl", [done(row, "{}")], job, job_id="j")
+    assert "json" not in json.loads(store.get_bytes("p.jsonl"))
+
+
+def test_error_part_lists_only_failed_rows_with_reasons(store) -> None:
+    job = spec("jsonl", response_format={"type": "json_object"})
+    part = write_error_part(store, "errors/part-00000.jsonl", outcomes(job))
+    lines = [json.loads(line) for line in store.get_bytes("errors/part-00000.jsonl").splitlines()]
+    assert part.rows == 2
+    assert [(line["id"], line["index"], line["error"]["code"]) for line in lines] == [
+        ("1", 1, "invalid_output_json"), ("2", 2, "missing_column")]
+
+
+def test_engine_failures_are_reported_like_reader_errors(store) -> None:
+    job = spec("jsonl")
+    row = RowBuilder(job).build(0, {"q": "x" * 10})
+    failed = OutputRow.engine_failed(row, RowErrorCode.PROMPT_TOO_LONG, "prompt has 9000 tokens; limit 8192")
+    write_error_part(store, "e.jsonl", [failed])
+    assert json.loads(store.get_bytes("e.jsonl"))["error"] == {
+        "code": "prompt_too_long", "message": "prompt has 9000 tokens; limit 8192"}
+
+
+def test_parts_are_write_once(store) -> None:
+    job = spec("jsonl")
+    write_output_part(store, "p.jsonl", [], job, job_id="j")
+    with pytest.raises(AlreadyExists):
+        write_output_part(store, "p.jsonl", outcomes(job), job, job_id="j")
+    assert store.get_bytes("p.jsonl") == b""
