@@ -1,0 +1,156 @@
+"""Live job counters in Redis: rows, shards and tokens, each shard counted at most once.
+
+A Lua script adds a shard's numbers and records its index in one atomic step, so a shard
+reported twice (a task delivered again after a worker died) changes nothing the second time.
+Redis is not the truth: `rebuild_from_store` recomputes everything from the shard results (or
+the manifest) in the object store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from pydantic import BaseModel
+
+from jobs.layout import JobLayout
+from jobs.manifest import Manifest
+from jobs.object_store.base import ObjectNotFound, ObjectStore
+from jobs.results import ShardResult, TokenUsage, load_shard_results
+from jobs.sharding import ShardPlan
+from jobs.status import RowCounts, ShardCounts
+
+# KEYS: counts hash, counted-shards set. ARGV: shard index, then field/increment pairs.
+# Returns 1 if applied, 0 if the shard was already counted, -1 if the counters do not exist.
+APPLY_SHARD_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+return 1
+"""
+# KEYS: counts hash. ARGV: field/value pairs. Sets them only if the job has no counters yet.
+INITIALIZE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+FIELDS = ("rows_total", "rows_succeeded", "rows_failed", "shards_total", "shards_done", "tokens_prompt",
+          "tokens_cached", "tokens_completion")
+
+
+class CountersMissing(RuntimeError):
+    """Redis has no counters for the job (never initialized, or lost): rebuild them."""
+
+
+class CounterSnapshot(BaseModel):
+    rows: RowCounts
+    shards: ShardCounts
+    usage: TokenUsage
+
+    @classmethod
+    def from_results(cls, plan: Sequence[ShardPlan], results: Sequence[ShardResult]) -> CounterSnapshot:
+        """Shards not done yet count their planned rows toward the total."""
+        done = {result.shard_index: result for result in results}
+        total = sum(done[shard.index].rows if shard.index in done else shard.estimated_rows for shard in plan)
+        usage = sum((result.usage for result in done.values()), TokenUsage())
+        return cls(rows=RowCounts(total=total, succeeded=sum(r.rows_succeeded for r in done.values()),
+                                  failed=sum(r.rows_failed for r in done.values())),
+                   shards=ShardCounts(done=len(done), total=len(plan)), usage=usage)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> CounterSnapshot:
+        shard_count = len(manifest.parts)
+        return cls(rows=manifest.rows, shards=ShardCounts(done=shard_count, total=shard_count),
+                   usage=manifest.usage)
+
+    def as_fields(self) -> dict[str, int]:
+        return {"rows_total": self.rows.total, "rows_succeeded": self.rows.succeeded,
+                "rows_failed": self.rows.failed, "shards_total": self.shards.total,
+                "shards_done": self.shards.done,
+                "tokens_prompt": self.usage.prompt, "tokens_cached": self.usage.cached,
+                "tokens_completion": self.usage.completion}
+
+
+class JobCounters:
+    def __init__(self, client: redis.Redis, job_id: str, namespace: str = "bulkinfer") -> None:
+        self.client = client
+        # The {job_id} hash tag keeps both keys in one Redis Cluster slot, as Lua requires.
+        self.counts_key = f"{namespace}:job:{{{job_id}}}:counts"
+        self.counted_key = f"{namespace}:job:{{{job_id}}}:counted-shards"
+        self._apply = client.register_script(APPLY_SHARD_SCRIPT)
+        self._initialize = client.register_script(INITIALIZE_SCRIPT)
+
+    def initialize(self, plan: Sequence[ShardPlan]) -> bool:
+        """Start counting a planned job; a second call (a retried submit) changes nothing."""
+        arguments: list[str | int] = []
+        for name, value in CounterSnapshot.from_results(plan, []).as_fields().items():
+            arguments += [name, value]
+        return bool(self._initialize(keys=[self.counts_key], args=arguments))
+
+    def apply_shard(self, result: ShardResult) -> bool:
+        """Add a finished shard's counts; False if this shard was counted before.
+
+        Raises `CountersMissing` if Redis has no counters for the job (rebuild, then retry).
+        """
+        increments = {
+            "rows_total": result.rows - result.planned_rows,  # the estimate becomes the real count
+            "rows_succeeded": result.rows_succeeded, "rows_failed": result.rows_failed, "shards_done": 1,
+            "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
+            "tokens_completion": result.usage.completion,
+        }
+        arguments: list[str | int] = [result.shard_index]
+        for name, value in increments.items():
+            arguments += [name, value]
+        applied = int(self._apply(keys=[self.counts_key, self.counted_key], args=arguments))
+        if applied < 0:
+            raise CountersMissing(f"no counters at {self.counts_key}")
+        return applied == 1
+
+    def read(self) -> CounterSnapshot:
+        """The live counts; raises `CountersMissing` when Redis has none."""
+        raw = self.client.hgetall(self.counts_key)
+        if not raw:
+            raise CountersMissing(f"no counters at {self.counts_key}")
+        values = {key.decode() if isinstance(key, bytes) else key: int(value) for key, value in raw.items()}
+        values = {name: values.get(name, 0) for name in FIELDS}
+        return CounterSnapshot(
+            rows=RowCounts(total=values["rows_total"], succeeded=values["rows_succeeded"],
+                           failed=values["rows_failed"]),
+            shards=ShardCounts(done=values["shards_done"], total=values["shards_total"]),
+            usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],
+                             completion=values["tokens_completion"]))
+
+    def replace(self, snapshot: CounterSnapshot, counted_shards: Sequence[int]) -> None:
+        """Set the counters and the counted-shard set together, atomically (MULTI/EXEC)."""
+        with self.client.pipeline(transaction=True) as pipeline:
+            pipeline.delete(self.counts_key, self.counted_key)
+            pipeline.hset(self.counts_key, mapping=snapshot.as_fields())
+            if counted_shards:
+                pipeline.sadd(self.counted_key, *counted_shards)
+            pipeline.execute()
+
+    def rebuild_from_store(self, store: ObjectStore, layout: JobLayout,
+                           plan: Sequence[ShardPlan]) -> CounterSnapshot:
+        """Recompute the counters from the manifest if the job has one, else from shard results.
+
+        Safe while workers run: workers save a shard's result before applying it, so a shard that
+        applied while we rebuilt has its result in the store, and the second pass below (a no-op
+        for shards already counted) puts it back.
+        """
+        try:
+            manifest = Manifest.model_validate_json(store.get_bytes(layout.manifest_key))
+        except ObjectNotFound:
+            results = load_shard_results(store, layout)
+            snapshot = CounterSnapshot.from_results(plan, results)
+            counted = [result.shard_index for result in results]
+        else:
+            counted = [part.shard_index for part in manifest.parts]
+            self.replace(CounterSnapshot.from_manifest(manifest), counted)
+            return self.read()
+        self.replace(snapshot, counted)
+        for result in load_shard_results(store, layout):
+            self.apply_shard(result)
+        return self.read()
+
+    def delete(self) -> None:
+        self.client.delete(self.counts_key, self.counted_key)
