@@ -8,6 +8,8 @@ taken whole where they are small and split into row ranges where one holds many 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict
@@ -87,22 +89,22 @@ def _exact_jsonl_shards(data: bytes, shard_size: int) -> list[ShardPlan]:
             for index, (start, end) in enumerate(zip(cuts, ends, strict=True))]
 
 
-def open_parquet(store: ObjectStore, key: str) -> tuple[pq.ParquetFile, object]:
-    """The ParquetFile over range reads, and the file to close when done."""
+@contextmanager
+def open_parquet(store: ObjectStore, key: str) -> Iterator[pq.ParquetFile]:
+    """A ParquetFile over range reads; raises `InputError` if the object is not Parquet."""
     import pyarrow.parquet as pq
 
-    file = store.open_seekable(key)
-    try:
-        return pq.ParquetFile(file), file
-    except Exception as error:
-        file.close()
-        raise InputError(f"{key} is not a readable Parquet file: {error}") from None
+    with store.open_seekable(key) as file:
+        try:
+            parquet = pq.ParquetFile(file)
+        except Exception as error:  # pyarrow raises several types for a bad footer
+            raise InputError(f"{key} is not a readable Parquet file: {error}") from None
+        yield parquet
 
 
 def plan_parquet_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
     """Reads only the footer. Raises `InputError` if a column every row needs is absent."""
-    parquet, file = open_parquet(store, key)
-    with file:  # type: ignore[attr-defined]
+    with open_parquet(store, key) as parquet:
         metadata = parquet.metadata
         names = parquet.schema_arrow.names
     absent = [column for column in spec.required_columns() if column not in names]

@@ -20,8 +20,7 @@ def iter_parquet_rows(store: ObjectStore, key: str, shard: ShardPlan,
     """
     if not shard.row_groups:
         return
-    parquet, file = open_parquet(store, key)
-    with file:  # type: ignore[attr-defined]
+    with open_parquet(store, key) as parquet:
         names = set(parquet.schema_arrow.names)
         columns = [column for column in builder.spec.input_columns() if column in names]
         metadata = parquet.metadata

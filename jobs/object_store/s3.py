@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO
@@ -62,8 +63,6 @@ class S3ObjectStore(ObjectStore):
             if _error_code(error) in NOT_FOUND_CODES:
                 raise ObjectNotFound(key) from None
             if _error_code(error) == "InvalidRange":  # start at or past the end: an empty stream
-                import io
-
                 self.head(key)
                 return io.BytesIO(b"")
             raise
