@@ -81,7 +81,8 @@ class JobSpec(BaseModel):
     @field_validator("input_uri")
     @classmethod
     def _input_names_an_object(cls, value: str) -> str:
-        if split_uri(value)[2].endswith("/") or not split_uri(value)[2]:
+        key = split_uri(value)[2]
+        if not key or key.endswith("/"):
             raise ValueError(f"input_uri must name one object, not a folder: {value!r}")
         return value
 

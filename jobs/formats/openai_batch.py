@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+from pydantic import ValidationError
+
 from jobs.formats.jsonl import decode_object_line
 from jobs.formats.lines import Line, iter_lines_in_range
 from jobs.formats.rows import (
@@ -17,6 +19,7 @@ from jobs.formats.rows import (
     RowError,
     RowErrorCode,
     RowProblem,
+    first_error_message,
     parse_response_format,
     parse_sampling_overrides,
     validate_messages,
@@ -92,8 +95,8 @@ class OpenAIBatchRowBuilder:
         overrides = parse_sampling_overrides(overrides, "body")
         try:
             sampling = self.spec.sampling.merged(overrides)
-        except ValueError as error:
-            raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"body: {error}") from None
+        except ValidationError as error:
+            raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"body: {first_error_message(error)}") from None
         response_format = self.default_response_format
         if body.get("response_format") is not None:
             parsed = parse_response_format(body["response_format"], "body.response_format")
@@ -109,13 +112,11 @@ def _completion_prompt(prompt: Any) -> str:
     return prompt
 
 
-def _logprobs(body: dict[str, Any], chat: bool) -> int | None:
+def _logprobs(body: dict[str, Any], chat: bool) -> Any:
+    """The vLLM-style count of logprobs to return (validated with the other sampling fields)."""
     if chat:  # chat: logprobs is a flag, top_logprobs the count
-        if not body.get("logprobs"):
-            return None
-        return int(body.get("top_logprobs") or 0)
-    value = body.get("logprobs")
-    return None if value is None else int(value)
+        return body.get("top_logprobs") or 0 if body.get("logprobs") else None
+    return body.get("logprobs")
 
 
 def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int,

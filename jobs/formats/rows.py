@@ -103,7 +103,7 @@ def parse_sampling_overrides(value: Any, where: str) -> dict[str, Any]:
         overrides = {key: item for key, item in value.items() if item is not None}
         SamplingParams.model_validate(overrides)
     except ValidationError as error:
-        raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where}: {_first_error(error)}") from None
+        raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where}: {first_error_message(error)}") from None
     except ValueError as error:
         raise RowProblem(RowErrorCode.INVALID_SAMPLING, str(error)) from None
     return overrides
@@ -115,12 +115,14 @@ def parse_response_format(value: Any, where: str) -> AnyResponseFormat | None:
     try:
         return RESPONSE_FORMAT.validate_python(_decode_json_cell(value, where))
     except ValidationError as error:
-        raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, f"{where}: {_first_error(error)}") from None
+        message = f"{where}: {first_error_message(error)}"
+        raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, message) from None
     except ValueError as error:
         raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, str(error)) from None
 
 
-def _first_error(error: ValidationError) -> str:
+def first_error_message(error: ValidationError) -> str:
+    """`field.path: problem` for the first error: one line, for a row's error message."""
     item = error.errors()[0]
     where = ".".join(str(part) for part in item["loc"])
     text = item["msg"].removeprefix("Value error, ")
@@ -187,7 +189,7 @@ class RowBuilder:
             return RowError(index, row_id, problem.code, str(problem), line, passthrough)
         except ValidationError as error:  # a row override that is valid alone but not merged
             code = RowErrorCode.INVALID_SAMPLING
-            return RowError(index, row_id, code, _first_error(error), line, passthrough)
+            return RowError(index, row_id, code, first_error_message(error), line, passthrough)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
 
     def _row_id(self, index: int, record: Mapping[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,12 +58,12 @@ class LocalObjectStore(ObjectStore):
 
     def head(self, key: str) -> ObjectInfo:
         try:
-            stat = self.path(key).stat()
+            info = self.path(key).stat()
         except (FileNotFoundError, NotADirectoryError):
             raise ObjectNotFound(key) from None
-        if not os.path.isfile(self.path(key)):
+        if not stat.S_ISREG(info.st_mode):  # a folder is not an object
             raise ObjectNotFound(key)
-        return ObjectInfo(key=key, size=stat.st_size, etag=f"{stat.st_size:x}-{stat.st_mtime_ns:x}")
+        return ObjectInfo(key=key, size=info.st_size, etag=f"{info.st_size:x}-{info.st_mtime_ns:x}")
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the deepest directory the prefix names, then filter by the full prefix.

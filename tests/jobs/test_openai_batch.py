@@ -51,6 +51,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
         b'{"custom_id": "g", "body": ',
         request("h", url="/v1/completions", prompt=[1, 2, 3]),
+        request("i", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs="many"),
     ])
     assert isinstance(items[0], Row)
     codes = [(item.row_id, item.code) for item in items[1:]]
@@ -60,11 +61,13 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     assert codes[5][1] == RowErrorCode.INVALID_ROW and codes[5][0] == str(items[6].index)
     assert codes[6][1] == RowErrorCode.INVALID_JSON
     assert codes[7] == ("h", RowErrorCode.INVALID_ROW)
+    assert codes[8] == ("i", RowErrorCode.INVALID_SAMPLING)
+    assert items[9].message.startswith("body: logprobs: Input should be a valid integer")
     assert "url '/v1/embeddings' is not supported" in items[2].message
     assert items[3].message == "body.tools is not supported here"
     assert items[4].message == "body.n is not supported here"
     assert "appears more than once (line 2 of the shard)" in items[1].message
-    assert [item.line for item in items] == list(range(1, 10))
+    assert [item.line for item in items] == list(range(1, 11))
 
 
 def test_duplicates_across_the_whole_file_are_found_in_one_pass(local_store) -> None:
