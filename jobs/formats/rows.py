@@ -81,13 +81,13 @@ class RowProblem(ValueError):
         self.code = code
 
 
-def _decode_json_cell(value: Any, column: str) -> Any:
+def _decode_json_cell(value: Any, where: str, code: RowErrorCode) -> Any:
     # Parquet users often store objects as JSON text; accept both forms.
     if isinstance(value, str):
         try:
             return json.loads(value)
         except json.JSONDecodeError as error:
-            raise ValueError(f"column {column!r} holds text that is not JSON ({error.msg})") from None
+            raise RowProblem(code, f"{where} holds text that is not JSON ({error.msg})") from None
     return value
 
 
@@ -95,30 +95,27 @@ def parse_sampling_overrides(value: Any, where: str) -> dict[str, Any]:
     """Validated per-row sampling overrides from a column value (an object, or its JSON text)."""
     if value is None:
         return {}
+    value = _decode_json_cell(value, where, RowErrorCode.INVALID_SAMPLING)
+    if not isinstance(value, Mapping):
+        raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where} must be an object of sampling parameters")
+    # Parquet structs carry every field, null where unset: null means "not overridden".
+    overrides = {key: item for key, item in value.items() if item is not None}
     try:
-        value = _decode_json_cell(value, where)
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{where} must be an object of sampling parameters")
-        # Parquet structs carry every field, null where unset: null means "not overridden".
-        overrides = {key: item for key, item in value.items() if item is not None}
         SamplingParams.model_validate(overrides)
     except ValidationError as error:
         raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where}: {first_error_message(error)}") from None
-    except ValueError as error:
-        raise RowProblem(RowErrorCode.INVALID_SAMPLING, str(error)) from None
     return overrides
 
 
 def parse_response_format(value: Any, where: str) -> AnyResponseFormat | None:
     if value is None:
         return None
+    value = _decode_json_cell(value, where, RowErrorCode.INVALID_RESPONSE_FORMAT)
     try:
-        return RESPONSE_FORMAT.validate_python(_decode_json_cell(value, where))
+        return RESPONSE_FORMAT.validate_python(value)
     except ValidationError as error:
         message = f"{where}: {first_error_message(error)}"
         raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, message) from None
-    except ValueError as error:
-        raise RowProblem(RowErrorCode.INVALID_RESPONSE_FORMAT, str(error)) from None
 
 
 def first_error_message(error: ValidationError) -> str:
@@ -130,11 +127,12 @@ def first_error_message(error: ValidationError) -> str:
 
 
 def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
-    value = _decode_json_cell(value, where) if isinstance(value, str) else value
+    value = _decode_json_cell(value, where, RowErrorCode.INVALID_ROW)
     if not isinstance(value, list) or not value:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a non-empty list of chat messages")
     for position, message in enumerate(value):
-        if not isinstance(message, Mapping) or message.get("role") not in CHAT_ROLES:
+        role = message.get("role") if isinstance(message, Mapping) else None
+        if not isinstance(role, str) or role not in CHAT_ROLES:
             raise RowProblem(RowErrorCode.INVALID_ROW,
                              f"{where}[{position}] needs a role (one of {', '.join(sorted(CHAT_ROLES))})")
         if "content" not in message:

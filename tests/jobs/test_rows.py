@@ -11,7 +11,7 @@ from jobs.template import MissingColumn, PromptTemplate
 
 def builder(**fields) -> RowBuilder:
     return RowBuilder(JobSpec.model_validate({"input_uri": "/in/rows.jsonl", "input_format": "jsonl",
-                                              "model": "m", **fields}))
+                                              "model": "m"} | fields))
 
 
 def test_template_fills_columns_and_keeps_escaped_braces() -> None:
@@ -93,3 +93,39 @@ def test_passthrough_columns_travel_with_rows_and_errors() -> None:
     rows = builder(prompt_column="q", passthrough_columns=["source", "absent"])
     assert rows.build(0, {"q": "x", "source": "web"}).passthrough == {"source": "web", "absent": None}
     assert rows.build(1, {"source": "web"}).passthrough == {"source": "web", "absent": None}
+
+
+def test_arbitrary_json_values_never_crash_the_row_builders() -> None:
+    """Whatever a user's file holds, building a row yields a Row or a RowError, never an exception."""
+    import random
+
+    from jobs.formats.lines import Line
+    from jobs.formats.openai_batch import OpenAIBatchRowBuilder
+
+    rng = random.Random(5)
+    keys = ["role", "content", "type", "json_schema", "temperature", "name", "schema", "stop"]
+    scalars = [None, True, 3, -1.5, "text", '{"temperature": 9}', "[]", float("nan"), {}, []]
+
+    def value(depth: int = 0):
+        pick = rng.randint(0, 9 if depth < 3 else 7)
+        if pick == 8:
+            return {rng.choice(keys): value(depth + 1) for _ in range(rng.randint(0, 3))}
+        if pick == 9:
+            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
+        return scalars[pick]
+
+    mapped = {"sampling_column": "s", "response_format_column": "r", "input_format": "jsonl"}
+    builders = [builder(messages_column="c", id_column="i", instructions="I", **mapped),
+                builder(template="{c} {s}", **mapped), builder(prompt_column="c", **mapped)]
+    batch = OpenAIBatchRowBuilder(JobSpec(input_uri="/b.jsonl", input_format="openai_batch", model="m",
+                                          instructions="I"))
+    body_keys = ["messages", "prompt", "temperature", "stop", "response_format", "logprobs", "top_logprobs",
+                 "max_completion_tokens", "n", "seed"]
+    for _ in range(3000):
+        record = {key: value() for key in rng.sample(["c", "s", "r", "i"], rng.randint(0, 4))}
+        for row_builder in builders:
+            assert isinstance(row_builder.build(0, record), Row | RowError)
+        body = {key: value() for key in rng.sample(body_keys, rng.randint(0, 5))}
+        line = {"custom_id": rng.choice(["a", None, 3]), "body": rng.choice([body, body, None, []]),
+                "url": rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])}
+        assert isinstance(batch.build(Line(0, 1, b""), line), Row | RowError)
