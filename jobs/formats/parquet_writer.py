@@ -31,5 +31,18 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
     columns["error_code"] = pa.array([row.error_code for row in rows], pa.string())
     columns["error"] = pa.array([row.error_message for row in rows], pa.string())
     for name in passthrough_columns:
-        columns[name] = pa.array([row.passthrough.get(name) for row in rows])
+        columns[name] = _passthrough_array([row.passthrough.get(name) for row in rows])
     return pa.table(columns)
+
+
+def _passthrough_array(values: list[object]) -> pa.Array:
+    """The values with their inferred type; as JSON text when they share none (JSONL input can mix
+    numbers and strings in one column), so one odd row never fails the part.
+    """
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([None if value is None else json.dumps(value, default=str) for value in values],
+                        pa.string())

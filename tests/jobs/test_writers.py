@@ -102,3 +102,13 @@ def test_parts_are_write_once(store) -> None:
     with pytest.raises(AlreadyExists):
         write_output_part(store, "p.jsonl", outcomes(job), job, job_id="j")
     assert store.get_bytes("p.jsonl") == b""
+
+
+def test_passthrough_values_of_mixed_types_become_json_text_in_parquet(store) -> None:
+    job = spec("parquet", passthrough_columns=["src"])
+    builder = RowBuilder(job)
+    rows = [builder.build(index, {"q": "x", "src": source}) for index, source in enumerate([1, "two", None])]
+    outputs = [done(row, "ok") for row in rows]
+    write_output_part(store, "p.parquet", outputs, job, job_id="j")
+    table = pq.read_table(io.BytesIO(store.get_bytes("p.parquet")))
+    assert table.column("src").to_pylist() == ["1", '"two"', None]
