@@ -203,13 +203,37 @@ def test_fcfs_preempts_the_last_running_request_and_puts_it_at_the_front():
     # Both now need a second block for their first decode, and one block is free.
     output = scheduler.schedule()
     assert output.preempted_ids == ["second"]
-    assert [c.request.request_id for c in output.chunks] == ["first"]  # second is not re-admitted
+    assert [c.request.request_id for c in output.chunks] == ["first"]
     assert scheduler.waiting.peek() is second and second.num_computed_tokens == 0
     assert second.all_token_ids == [5, 6, 7, 8, *expected_output(4, 1)] and second.block_ids == []
     scheduler.update_from_output(output, model.execute(output))
     run(scheduler, model)
     assert second.output_token_ids == expected_output(4, 6)
     assert first.output_token_ids == expected_output(4, 6)
+
+
+def test_no_admission_in_a_step_that_preempted():
+    # Priority policy, so a small urgent request can be first in line once "low" is preempted.
+    scheduler = make_scheduler(num_kv_blocks=4, scheduling_policy="priority", max_num_seqs=2)
+    high = make_request("high", [1, 2, 3, 4], max_tokens=4, priority=0, arrival_time=0.0)
+    low = make_request("low", [5, 6, 7, 8], max_tokens=4, priority=5, arrival_time=1.0)
+    scheduler.add_request(high)
+    scheduler.add_request(low)
+    model = FakeModel(4)
+    output = scheduler.schedule()
+    scheduler.update_from_output(output, model.execute(output))
+    # "small" waits only for a sequence slot; it would fit in the block "low" frees.
+    small = make_request("small", [9], max_tokens=1, priority=1, arrival_time=2.0)
+    scheduler.add_request(small)
+    output = scheduler.schedule()
+    assert output.preempted_ids == ["low"]
+    assert [c.request.request_id for c in output.chunks] == ["high"]
+    scheduler.update_from_output(output, model.execute(output))
+    output = scheduler.schedule()
+    assert [c.request.request_id for c in output.chunks] == ["high", "small"]
+    scheduler.update_from_output(output, model.execute(output))
+    run(scheduler, model)
+    assert low.output_token_ids == expected_output(4, 4) and small.output_token_ids == expected_output(1, 1)
 
 
 def test_preempted_request_recompute_hits_its_own_cached_blocks():
