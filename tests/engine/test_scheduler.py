@@ -467,3 +467,31 @@ def test_prefix_caching_disabled_computes_every_prompt():
     _, outputs = run(scheduler, model)
     assert model.prompt_tokens_computed == 8 * 72 and len(outputs[0].chunks) == 8
     assert scheduler.kv_cache_manager.prefix_cache_hits == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("block_size", 0, "block_size must be >= 1, got 0"),
+        ("max_num_batched_tokens", True, "max_num_batched_tokens must be an integer, got True"),
+        ("max_num_seqs", 0, "max_num_seqs must be >= 1, got 0"),
+        ("max_model_len", 1, "max_model_len must be >= 2, got 1"),
+        ("kv_cache_memory", 1.5, "kv_cache_memory as a fraction must be in (0, 1], got 1.5"),
+        ("kv_cache_memory", -1, "kv_cache_memory in bytes must be > 0, got -1"),
+        ("num_kv_blocks", 1, "num_kv_blocks must be >= 2, got 1"),
+        ("dtype", "fp8", "dtype must be one of"),
+        ("scheduling_policy", "lifo", "scheduling_policy must be one of"),
+        ("model", "", "model must be a non-empty string"),
+    ],
+)
+def test_scheduler_rejects_an_invalid_config(field, value, message):
+    config = EngineConfig(model="test-model")
+    setattr(config, field, value)
+    with pytest.raises(ValueError) as excinfo:
+        Scheduler(config, 16, EOS)
+    assert message in str(excinfo.value)
+
+
+def test_valid_config_variants_pass_validation():
+    for kv_cache_memory in (None, 1 << 30, 0.5, 1.0):
+        EngineConfig(model="m", kv_cache_memory=kv_cache_memory, scheduling_policy="priority").validate()
