@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from jobs.layout import JobLayout
 from jobs.object_store.base import AlreadyExists, ObjectStore
+
+if TYPE_CHECKING:
+    from jobs.formats.output import OutputRow
+    from jobs.sharding import ShardPlan
 
 
 class TokenUsage(BaseModel):
@@ -54,6 +60,18 @@ class ShardResult(BaseModel):
     @property
     def rows(self) -> int:
         return self.rows_succeeded + self.rows_failed
+
+    @classmethod
+    def from_outputs(cls, shard: ShardPlan, outputs: Sequence[OutputRow], *, output: PartFile,
+                     errors: PartFile, started_at: datetime, finished_at: datetime) -> ShardResult:
+        """The result of a shard whose `outputs` were written as `output` and `errors`."""
+        failed = sum(row.failed for row in outputs)
+        usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in outputs),
+                           cached=sum(row.cached_tokens or 0 for row in outputs),
+                           completion=sum(row.completion_tokens or 0 for row in outputs))
+        return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
+                   rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
+                   errors=errors, started_at=started_at, finished_at=finished_at)
 
 
 def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult) -> ShardResult:

@@ -10,7 +10,7 @@ from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.layout import JobLayout, output_location
 from jobs.object_store.base import ObjectStore
-from jobs.results import ShardResult, TokenUsage, save_shard_result
+from jobs.results import ShardResult, save_shard_result
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 
@@ -38,11 +38,7 @@ def run_shard(input_store: ObjectStore, input_key: str, job_store: ObjectStore, 
     output = write_output_part(location.store, location.part_key(shard.index), outputs, spec,
                                job_id=layout.job_id, created=1_700_000_000)
     errors = write_error_part(job_store, layout.error_part_key(shard.index), outputs)
-    usage = sum((TokenUsage(prompt=o.prompt_tokens or 0, cached=o.cached_tokens or 0,
-                            completion=o.completion_tokens or 0) for o in outputs), TokenUsage())
-    failed = sum(output.failed for output in outputs)
-    result = ShardResult(shard_index=shard.index, planned_rows=shard.estimated_rows,
-                         rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
-                         errors=errors, started_at=T0 + timedelta(seconds=shard.index),
-                         finished_at=T0 + timedelta(seconds=shard.index + 2))
+    result = ShardResult.from_outputs(shard, outputs, output=output, errors=errors,
+                                      started_at=T0 + timedelta(seconds=shard.index),
+                                      finished_at=T0 + timedelta(seconds=shard.index + 2))
     return save_shard_result(job_store, layout, result)
