@@ -48,6 +48,8 @@ def wants_json(response_format: AnyResponseFormat | None) -> bool:
     return isinstance(response_format, JsonSchemaFormat | JsonObjectFormat)
 
 
-def response_format_as_dict(response_format: AnyResponseFormat) -> dict[str, Any]:
-    """The OpenAI wire shape (with `schema`, not the Python alias)."""
-    return response_format.model_dump(by_alias=True, exclude_none=True)
+def engine_response_format(response_format: AnyResponseFormat | None) -> dict[str, Any] | None:
+    """What a row hands the engine: the OpenAI wire shape (with `schema`), or None for plain text."""
+    if not wants_json(response_format):
+        return None
+    return response_format.model_dump(by_alias=True, exclude_none=True)  # type: ignore[union-attr]

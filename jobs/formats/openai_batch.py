@@ -27,7 +27,7 @@ from jobs.formats.rows import (
     with_instructions_prompt,
 )
 from jobs.object_store.base import ObjectStore
-from jobs.response_format import response_format_as_dict
+from jobs.response_format import engine_response_format
 from jobs.spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
@@ -49,8 +49,7 @@ KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
 class OpenAIBatchRowBuilder:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
-        self.default_response_format = (
-            response_format_as_dict(spec.response_format) if spec.response_format else None)
+        self.default_response_format = engine_response_format(spec.response_format)
 
     def build(self, line: Line, record: dict[str, Any]) -> Row | RowError:
         custom_id = record.get("custom_id")
@@ -100,7 +99,7 @@ class OpenAIBatchRowBuilder:
         response_format = self.default_response_format
         if body.get("response_format") is not None:
             parsed = parse_response_format(body["response_format"], "body.response_format")
-            response_format = response_format_as_dict(parsed) if parsed else None
+            response_format = engine_response_format(parsed)
         return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number)
 
 

@@ -38,7 +38,7 @@ class OutputRow:
     def completed(cls, row: Row, text: str, finish_reason: str, *, prompt_tokens: int, cached_tokens: int,
                   completion_tokens: int) -> OutputRow:
         """The engine's answer for `row`; parses it when the row asked for JSON."""
-        wants_json = row.response_format is not None and row.response_format.get("type") != "text"
+        wants_json = row.response_format is not None  # readers leave plain-text formats out
         json_value, error_code, error_message = None, None, None
         if wants_json:
             try:

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, response_format_as_dict
+from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
 from jobs.sampling import SamplingParams
 from jobs.spec import JobSpec
 from jobs.template import MissingColumn
@@ -163,8 +163,7 @@ class RowBuilder:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.template = spec.prompt_template
-        self.default_response_format = (
-            response_format_as_dict(spec.response_format) if spec.response_format else None)
+        self.default_response_format = engine_response_format(spec.response_format)
 
     def build(self, index: int, record: Mapping[str, Any], line: int | None = None) -> Row | RowError:
         spec = self.spec
@@ -182,7 +181,7 @@ class RowBuilder:
             if spec.response_format_column and record.get(spec.response_format_column) is not None:
                 parsed = parse_response_format(record[spec.response_format_column],
                                                f"response_format_column {spec.response_format_column!r}")
-                response_format = response_format_as_dict(parsed) if parsed else None
+                response_format = engine_response_format(parsed)
         except RowProblem as problem:
             return RowError(index, row_id, problem.code, str(problem), line, passthrough)
         except ValidationError as error:  # a row override that is valid alone but not merged

@@ -84,6 +84,7 @@ def test_response_format_comes_from_the_job_or_the_row() -> None:
     rows = builder(prompt_column="q", response_format={"type": "json_object"}, response_format_column="fmt")
     assert rows.build(0, {"q": "x"}).response_format == {"type": "json_object"}
     assert rows.build(1, {"q": "x", "fmt": schema}).response_format == schema
+    assert rows.build(3, {"q": "x", "fmt": {"type": "text"}}).response_format is None  # overrides the job's
     bad = rows.build(2, {"q": "x", "fmt": {"type": "json_schema"}})
     assert isinstance(bad, RowError) and bad.code == RowErrorCode.INVALID_RESPONSE_FORMAT
     assert "response_format_column 'fmt': json_schema.json_schema: Field required" in bad.message
