@@ -9,11 +9,15 @@ The runner orders the flattened batch as: decode requests first (one query token
 prefill chunks (several query tokens each). Decodes run as one batched computation; prefill chunks
 run one fused SDPA call each — there are few per step (the token budget bounds them) and each is
 large, so the per-request call overhead is negligible next to its own work.
+
+Decode attention is memory-bound: every step reads each request's whole context. When decode
+requests share leading KV blocks (a prefix-cache hit on a common instruction), the shared part is
+attended once per group as one matrix-matrix product ("cascade" attention), each request reads
+only its own blocks, and the two partial results are merged exactly through their log-sum-exps.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
@@ -42,20 +46,6 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_query_lens)
-
-    def decode_key_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """[num_decodes, 1, max_ctx] True where the key may be attended to."""
-        key = ("decode", sliding_window)
-        if key not in self._mask_cache:
-            max_ctx = self.decode_block_tables.shape[1] * self.block_size
-            key_pos = torch.arange(max_ctx)[None, :]
-            seq_lens = self.decode_seq_lens[:, None]
-            valid = key_pos < seq_lens
-            if sliding_window is not None:
-                # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
-                valid &= key_pos > seq_lens - 1 - sliding_window
-            self._mask_cache[key] = valid[:, None, :]
-        return self._mask_cache[key]  # type: ignore[return-value]
 
     def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
         """[q_len, seq_len] causal-with-offset mask, or None when plain causal applies."""
@@ -99,13 +89,76 @@ class AttentionBackend(ABC):
         """query ``[T, heads, head_dim]`` -> attention output ``[T, heads, head_dim]``."""
 
 
-class TorchPagedAttention(AttentionBackend):
-    """Pure-PyTorch paged attention; exact enough to reproduce transformers' greedy tokens in fp32."""
+@dataclass
+class SharedPrefix:
+    """Decode rows whose block tables start with the same blocks."""
 
-    def __init__(self) -> None:
-        # Reused gather buffer: fresh multi-MB allocations page-fault on every step, which on CPU
-        # costs several times the copy itself.
-        self._workspace = torch.empty(0)
+    rows: torch.Tensor  # [n] decode rows of the group
+    block_ids: torch.Tensor  # [k] the shared leading blocks (all full)
+
+
+@dataclass
+class DecodePlan:
+    """How decode rows read their context this step; computed once, used by every layer."""
+
+    own_block_tables: torch.Tensor  # [R, S] each row's blocks after its shared prefix, padded with 0
+    own_key_bias: torch.Tensor  # [R, 1, 1, S * block_size] 0 where a key is visible, -inf elsewhere
+    shared_prefixes: list[SharedPrefix]
+
+
+def plan_decode(
+    metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int
+) -> DecodePlan:
+    """Find groups of decode rows with common leading blocks (worth it when they save at least
+    ``min_shared_tokens`` token reads) and the block tables of what each row reads on its own."""
+    tables, seq_lens, block_size = metadata.decode_block_tables, metadata.decode_seq_lens, metadata.block_size
+    num_rows, num_cols = tables.shape
+    shift = torch.zeros(num_rows, dtype=torch.long)
+    prefixes: list[SharedPrefix] = []
+    if sliding_window is None and num_rows > 1:
+        # A row's last token always stays in its own part, so the own part is never empty.
+        shareable = (seq_lens - 1) // block_size
+        _, group_of_row, group_sizes = torch.unique(tables[:, 0], return_inverse=True, return_counts=True)
+        for group in (group_sizes > 1).nonzero().flatten().tolist():
+            rows = (group_of_row == group).nonzero().flatten()
+            group_tables = tables[rows]
+            leading_equal = int((group_tables == group_tables[0]).all(0).cumprod(0).sum())
+            num_shared = min(leading_equal, int(shareable[rows].min()))
+            if num_shared * block_size * (len(rows) - 1) < max(min_shared_tokens, 1):
+                continue
+            prefixes.append(SharedPrefix(rows, group_tables[0, :num_shared].clone()))
+            shift[rows] = num_shared
+
+    num_own_blocks = (seq_lens + block_size - 1) // block_size - shift
+    width = int(num_own_blocks.max())
+    cols = torch.arange(width)[None, :]
+    own_tables = tables.gather(1, (shift[:, None] + cols).clamp(max=num_cols - 1))
+    own_tables.masked_fill_(cols >= num_own_blocks[:, None], 0)
+    key_pos = shift[:, None] * block_size + torch.arange(width * block_size)[None, :]
+    visible = key_pos < seq_lens[:, None]
+    if sliding_window is not None:
+        # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
+        visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
+    bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
+    return DecodePlan(own_tables, bias[:, None, None, :], prefixes)
+
+
+# SDPA's CPU flash kernel, called directly because merging partial attentions needs its log-sum-exp.
+_flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class TorchPagedAttention(AttentionBackend):
+    """Pure-PyTorch paged attention; exact enough to reproduce transformers' greedy tokens in fp32.
+
+    ``min_shared_tokens``: a group of decode rows is attended as a shared prefix only when that
+    saves at least this many token reads (below it, the extra kernel calls cost more).
+    """
+
+    def __init__(self, min_shared_tokens: int = 256) -> None:
+        self.min_shared_tokens = min_shared_tokens
+        # Reused gather buffers (K, V): fresh multi-MB allocations page-fault on every step, which
+        # on CPU costs several times the copy itself.
+        self._workspaces = [torch.empty(0), torch.empty(0)]
 
     def write_kv(
         self,
@@ -139,14 +192,20 @@ class TorchPagedAttention(AttentionBackend):
             )
         return out
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
-        """Copy the blocks of ``block_table`` ([R, B]) into the workspace: [R, B * block_size, kvh, dim]."""
+    def decode_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> DecodePlan:
+        key = ("decode_plan", sliding_window)
+        if key not in metadata._mask_cache:
+            metadata._mask_cache[key] = plan_decode(metadata, sliding_window, self.min_shared_tokens)
+        return metadata._mask_cache[key]  # type: ignore[return-value]
+
+    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, workspace: int) -> torch.Tensor:
+        """Copy the blocks of ``block_table`` ([R, B]) into a workspace: [R, B * block_size, kvh, dim]."""
         rows, blocks = block_table.shape
-        block_numel = cache[0].numel()
-        needed = rows * blocks * block_numel
-        if self._workspace.numel() < needed or self._workspace.dtype != cache.dtype:
-            self._workspace = torch.empty(needed, dtype=cache.dtype, device=cache.device)
-        gathered = self._workspace[:needed].view(rows * blocks, *cache.shape[1:])
+        needed = rows * blocks * cache[0].numel()
+        buffer = self._workspaces[workspace]
+        if buffer.numel() < needed or buffer.dtype != cache.dtype or buffer.device != cache.device:
+            buffer = self._workspaces[workspace] = torch.empty(needed, dtype=cache.dtype, device=cache.device)
+        gathered = buffer[:needed].view(rows * blocks, *cache.shape[1:])
         torch.index_select(cache, 0, block_table.reshape(-1), out=gathered)
         return gathered.view(rows, blocks * cache.shape[1], *cache.shape[2:])
 
@@ -158,35 +217,36 @@ class TorchPagedAttention(AttentionBackend):
         metadata: AttentionMetadata,
         sliding_window: int | None,
     ) -> torch.Tensor:
-        """One query token per request, all requests in two batched matmuls.
-
-        The gathered context is ``[R, L, kvh * dim]`` (contiguous per request); the query is laid
-        out block-diagonally (``[R, heads, kvh * dim]``, zero outside its own kv head) so that one
-        bmm gives every head's scores with GQA and no strided copies. The zeros cost kvh x more
-        multiply-adds, which is cheap next to the memory-bound gather.
-        """
-        num_reqs, num_heads, head_dim = query.shape
+        """One query token per row. The G query heads of a kv head act as G "query positions", so
+        GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
+        num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[-2]
         group = num_heads // num_kv_heads
-        eye = torch.eye(num_kv_heads, dtype=query.dtype, device=query.device)
-        q = query.view(num_reqs, num_kv_heads, group, 1, head_dim) * eye.view(
-            1, num_kv_heads, 1, num_kv_heads, 1
-        )
-        q = q.view(num_reqs, num_heads, num_kv_heads * head_dim)
+        plan = self.decode_plan(metadata, sliding_window)
+        q = query.view(num_rows, num_kv_heads, group, head_dim)
 
-        keys = self._gather(k_cache, metadata.decode_block_tables)
-        max_ctx = keys.shape[1]
-        scores = torch.bmm(q, keys.view(num_reqs, max_ctx, -1).transpose(1, 2))
-        scores.mul_(1.0 / math.sqrt(head_dim))
-        scores.masked_fill_(~metadata.decode_key_mask(sliding_window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        keys = self._gather(k_cache, plan.own_block_tables, 0).transpose(1, 2)
+        values = self._gather(v_cache, plan.own_block_tables, 1).transpose(1, 2)
+        out, lse = _flash_attention_with_lse(q, keys, values, 0.0, False, attn_mask=plan.own_key_bias)
 
-        values = self._gather(v_cache, metadata.decode_block_tables)
-        mixed = torch.bmm(probs, values.view(num_reqs, max_ctx, -1))
-        mixed = mixed.view(num_reqs, num_kv_heads, group, num_kv_heads, head_dim)
-        # Keep each head's own kv-head block: diagonal over the two kv-head axes.
-        own = torch.diagonal(mixed, dim1=1, dim2=3)  # [R, group, dim, kvh]
-        return own.permute(0, 3, 1, 2).reshape(num_reqs, num_heads, head_dim)
+        for prefix in plan.shared_prefixes:
+            n = len(prefix.rows)
+            prefix_keys = k_cache.index_select(0, prefix.block_ids).view(-1, num_kv_heads, head_dim)
+            prefix_values = v_cache.index_select(0, prefix.block_ids).view(-1, num_kv_heads, head_dim)
+            # All rows of the group as one block of queries: [1, kvh, n * group, dim].
+            group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+            shared_out, shared_lse = _flash_attention_with_lse(
+                group_q, prefix_keys.transpose(0, 1)[None], prefix_values.transpose(0, 1)[None], 0.0, False
+            )
+            shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+            shared_lse = shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
+            own_out, own_lse = out[prefix.rows], lse[prefix.rows]
+            total_lse = torch.logaddexp(own_lse, shared_lse)
+            out[prefix.rows] = (
+                own_out * torch.exp(own_lse - total_lse)[..., None]
+                + shared_out * torch.exp(shared_lse - total_lse)[..., None]
+            )
+        return out.reshape(num_rows, num_heads, head_dim)
 
     def _prefill(
         self,

@@ -20,13 +20,14 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW_TOKENS)
 
 
 def make_prompts(vocab_size: int = 2048, seed: int = 0) -> list[list[int]]:
-    """18 prompts of varied lengths; 10 of them share one of two multi-block prefixes."""
+    """18 prompts of varied lengths; 10 of them share one of two 4-block prefixes (long enough for
+    the attention backend to attend them as shared prefixes while those requests decode)."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(5, vocab_size) for _ in range(n)]  # ids 0-4 are special tokens
 
-    shared_a, shared_b = tokens(40), tokens(33)
+    shared_a, shared_b = tokens(72), tokens(66)
     prompts = [shared_a + tokens(n) for n in (1, 7, 16, 25, 3)]
     prompts += [shared_b + tokens(n) for n in (2, 15, 31, 9, 12)]
     prompts += [tokens(n) for n in (1, 2, 5, 16, 17, 32, 47, 64)]
@@ -97,7 +98,7 @@ def test_requests_added_while_others_decode(arch_dir):
 
 
 def test_preemption_with_small_kv_pool(arch_dir):
-    # 14 usable blocks of 16 tokens for 18 requests of up to 72 tokens: requests must be preempted.
+    # 14 usable blocks of 16 tokens for 18 requests of up to 105 tokens: requests must be preempted.
     llm = LLM(model=arch_dir, num_kv_blocks=15)
     outputs = llm.generate(PROMPTS, GREEDY)
     assert llm.get_metrics()["num_preemptions"] > 0

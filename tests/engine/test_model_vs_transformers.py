@@ -30,21 +30,22 @@ def make_request(request_id: str, length: int, vocab_size: int, seed: int) -> Re
     return Request(request_id, tokens, SamplingParams(temperature=0.0))
 
 
-def run_and_compare(model_dir, steps_plan, lengths, num_decode_steps=3) -> None:
+def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, requests=None, backend=None):
     """Drive the runner through a fixed plan and compare every sampled row with transformers.
 
     ``steps_plan``: per step, {request index: tokens to compute}; then ``num_decode_steps`` steps
-    where every request decodes one token.
+    where every request decodes one token. Returns the runner (for further inspection).
     """
     config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512)
-    model = load_model(model_dir, TorchPagedAttention())
+    model = load_model(model_dir, backend or TorchPagedAttention())
     runner = ModelRunner(config, model)
     runner.initialize_kv_cache()
     vocab = model.config.vocab_size
-    requests = [make_request(str(i), n, vocab, seed=i) for i, n in enumerate(lengths)]
-    # Non-contiguous, interleaved block tables, as a real pool hands them out.
-    for i, request in enumerate(requests):
-        request.block_ids = [1 + i + len(requests) * j for j in range(12)]
+    if requests is None:
+        requests = [make_request(str(i), n, vocab, seed=i) for i, n in enumerate(lengths)]
+        # Non-contiguous, interleaved block tables, as a real pool hands them out.
+        for i, request in enumerate(requests):
+            request.block_ids = [1 + i + len(requests) * j for j in range(12)]
     plan = list(steps_plan) + [dict.fromkeys(range(len(requests)), 1)] * num_decode_steps
 
     sampled_rows: list[tuple[Request, int, torch.Tensor]] = []  # request, position, logits
@@ -71,6 +72,7 @@ def run_and_compare(model_dir, steps_plan, lengths, num_decode_steps=3) -> None:
         theirs = hf_logits[request.request_id][position]
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
         assert int(ours.argmax()) == int(theirs.argmax()), (request.request_id, position)
+    return runner
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -83,6 +85,36 @@ def test_mixed_step_logits_match_transformers(arch, checkpoint_factory):
         {0: 1, 1: 1, 2: 1, 3: 5},
     ]
     run_and_compare(checkpoint_factory(arch=arch), plan, lengths=[20, 30, 1, 37])
+
+
+def test_decode_rows_sharing_prefix_blocks_match_transformers(checkpoint_factory):
+    """Cascade decode: rows whose tables start with the same blocks attend that prefix as a group."""
+    model_dir = checkpoint_factory(arch="qwen3")
+    shared = make_request("shared", 40, 2048, seed=10).prompt_token_ids
+    tails = [
+        make_request(f"tail{i}", n, 2048, seed=20 + i).prompt_token_ids for i, n in enumerate((5, 12, 30))
+    ]
+    requests = [
+        Request(str(i), shared + tail, SamplingParams(temperature=0.0)) for i, tail in enumerate(tails)
+    ]
+    # Row 0 owns blocks 1-2 (the two full blocks of the shared 40 tokens); rows 1 and 2 found them
+    # in the prefix cache, so their tables start with the same blocks and 32 tokens are computed.
+    requests[0].block_ids = [1, 2, 3, 4, 5, 6]
+    requests[1].block_ids = [1, 2, 7, 8, 9, 10]
+    requests[2].block_ids = [1, 2, 11, 12, 13, 14]
+    backend = TorchPagedAttention(min_shared_tokens=0)
+    plan = [{0: 45}, {0: 1, 1: 20, 2: 38}]
+    for request in requests[1:]:
+        request.num_computed_tokens = 32
+    runner = run_and_compare(model_dir, plan, num_decode_steps=6, requests=requests, backend=backend)
+
+    # The last step's decode plan really grouped the three rows over the two shared blocks.
+    last = [ScheduledChunk(r, 1, r.block_ids) for r in requests]
+    for r in requests:
+        r.num_computed_tokens -= 1
+    metadata = runner.prepare_batch(SchedulerOutput(last, 3)).metadata
+    [group] = backend.decode_plan(metadata, None).shared_prefixes
+    assert group.rows.tolist() == [0, 1, 2] and group.block_ids.tolist() == [1, 2]
 
 
 def save_random_model(model_cls_config, path, seed: int = 0):
