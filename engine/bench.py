@@ -1,0 +1,173 @@
+"""`bulkinfer bench engine`: the engine against the batch loop a user would write with transformers.
+
+Both run in this one process, on the same machine, threads and weights (fp32), over the same
+token-id prompts, and the figures and ratios printed come from this one run. Workloads:
+
+- shared-prefix: each request = one of 4 shared instructions (~400 tokens) + a unique ~50-token tail;
+- no-shared-prefix: the same lengths, every prompt unique.
+
+64 output tokens per request, greedy, EOS ignored. The baseline is `transformers` `generate` in
+static batches of 32 with left padding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from engine.checkpoints import cached_checkpoint
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: int
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+
+@dataclass
+class RunResult:
+    label: str
+    wall_s: float
+    prompt_tokens: int
+    output_tokens: int
+    extra: dict[str, float]
+
+    @property
+    def output_tps(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def total_tps(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.wall_s
+
+
+def make_workload(name: str, *, num_requests: int, vocab_size: int, special_ids: set[int],
+                  shared_len: int, tail_len: int, num_shared: int, max_tokens: int,
+                  seed: int = 0) -> Workload:
+    """Token-id prompts of exact lengths; with num_shared == 0 every prompt is unique."""
+    rng = random.Random(seed)
+    ordinary = [t for t in range(vocab_size) if t not in special_ids]
+
+    def tokens(n: int) -> list[int]:
+        return [rng.choice(ordinary) for _ in range(n)]
+
+    if num_shared:
+        instructions = [tokens(shared_len) for _ in range(num_shared)]
+        prompts = [instructions[i % num_shared] + tokens(tail_len) for i in range(num_requests)]
+    else:
+        prompts = [tokens(shared_len + tail_len) for _ in range(num_requests)]
+    return Workload(name=name, prompts=prompts, max_tokens=max_tokens)
+
+
+def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: int) -> RunResult:
+    """What a user would write: static batches, left padding, `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    output_tokens = 0
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for start in range(0, len(workload.prompts), batch_size):
+            batch = workload.prompts[start:start + batch_size]
+            width = max(len(p) for p in batch)
+            input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
+            attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+            generated = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                max_new_tokens=workload.max_tokens, min_new_tokens=workload.max_tokens,
+                pad_token_id=pad_id,
+            )
+            output_tokens += (generated.shape[1] - width) * len(batch)
+    wall = time.perf_counter() - started
+    label = f"transformers generate (batches of {batch_size})"
+    return RunResult(label, wall, workload.prompt_tokens, output_tokens, {})
+
+
+def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunResult:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, **engine_kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params)
+    wall = time.perf_counter() - started
+    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in the benchmark, first: {errors[0]}")
+    cached = sum(o.num_cached_tokens for o in outputs)
+    metrics = llm.get_metrics()
+    extra = {
+        "prefix_hit_rate": cached / workload.prompt_tokens,
+        "prefill_tokens_computed": float(metrics["prefill_tokens_computed"]),
+        "preemptions": float(metrics["num_preemptions"]),
+    }
+    output_tokens = sum(o.num_completion_tokens for o in outputs)
+    return RunResult("bulkinfer engine", wall, workload.prompt_tokens, output_tokens, extra)
+
+
+def print_comparison(workload: Workload, baseline: RunResult, engine: RunResult, target: float,
+                     out: Callable[[str], None] = print) -> bool:
+    out(f"\n== workload: {workload.name} — {len(workload.prompts)} requests, "
+        f"{workload.prompt_tokens} prompt tokens, {workload.max_tokens} output tokens each")
+    for result in (baseline, engine):
+        out(f"  {result.label:<40} wall {result.wall_s:8.2f}s   output {result.output_tps:8.1f} tok/s   "
+            f"total {result.total_tps:9.1f} tok/s")
+    ratio = engine.output_tps / baseline.output_tps
+    met = ratio >= target
+    verdict = "met" if met else "NOT met"
+    out(f"  engine / baseline output tok/s: {ratio:.2f}x (target >= {target}x: {verdict})")
+    if "prefix_hit_rate" in engine.extra:
+        out(f"  prefix-cache hit rate: {engine.extra['prefix_hit_rate']:.1%} of prompt tokens; "
+            f"prefill tokens computed {int(engine.extra['prefill_tokens_computed'])} "
+            f"vs prompt tokens {workload.prompt_tokens}; preemptions {int(engine.extra['preemptions'])}")
+    return met
+
+
+def bench_cli(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bulkinfer bench engine", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--shared-len", type=int, default=400)
+    parser.add_argument("--tail-len", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--baseline-batch", type=int, default=32)
+    parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = parser.parse_args(argv)
+
+    model_dir = str(cached_checkpoint(preset=args.preset, arch=args.arch, seed=0))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}; dtype float32")
+    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    targets = {"shared": 3.0, "unique": 1.2}
+    for name in args.workloads.split(","):
+        workload = make_workload(
+            "shared-prefix" if name == "shared" else "no-shared-prefix",
+            num_requests=args.requests, vocab_size=len(tokenizer), special_ids=set(tokenizer.all_special_ids),
+            shared_len=args.shared_len, tail_len=args.tail_len, num_shared=4 if name == "shared" else 0,
+            max_tokens=args.max_tokens,
+        )
+        baseline = run_transformers_baseline(model_dir, workload, args.baseline_batch)
+        engine = run_engine(model_dir, workload, engine_kwargs)
+        print_comparison(workload, baseline, engine, targets[name])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_cli())
