@@ -1,6 +1,8 @@
 """Where a job's objects live in the store (see ARCHITECTURE.md, "Object-store layout").
 
     <prefix>/jobs/<job_id>/job.json                 the spec, written once at submit
+    <prefix>/jobs/<job_id>/status.json              the job's state, rewritten on every transition
+    <prefix>/jobs/<job_id>/plan.json                the shard plan, written once by plan_job
     <prefix>/jobs/<job_id>/input/<name>             the input, when uploaded through the API
     <prefix>/jobs/<job_id>/output/part-00000.<ext>  one output part per shard (or under output_uri)
     <prefix>/jobs/<job_id>/errors/part-00000.jsonl  the shard's failed rows, with reasons
@@ -43,6 +45,14 @@ class JobLayout:
     @property
     def spec_key(self) -> str:
         return f"{self.job_dir}/job.json"
+
+    @property
+    def status_key(self) -> str:
+        return f"{self.job_dir}/status.json"
+
+    @property
+    def plan_key(self) -> str:
+        return f"{self.job_dir}/plan.json"
 
     @property
     def manifest_key(self) -> str:

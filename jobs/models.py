@@ -1,0 +1,83 @@
+"""The models a deployment serves: name → checkpoint location, and the queue each one's shards use.
+
+The API checks a job's model here (no torch needed); a worker loads `location(name)` and consumes
+`queue_for(name)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+MODELS_ENV = "BULKINFER_MODELS"
+QUEUE_PREFIX = "bulkinfer.model."
+CONTROL_QUEUE = "bulkinfer.control"
+
+
+class UnknownModel(LookupError):
+    def __init__(self, name: str, served: list[str]) -> None:
+        served_text = ", ".join(served) if served else "none: set BULKINFER_MODELS"
+        super().__init__(f"model {name!r} is not served here (served: {served_text})")
+        self.name = name
+        self.served = served
+
+    def __str__(self) -> str:  # LookupError would quote the message like a key
+        return str(self.args[0])
+
+
+class ModelRegistry:
+    def __init__(self, models: Mapping[str, str] | None = None) -> None:
+        self._models = dict(models or {})
+        for name, location in self._models.items():
+            if not isinstance(name, str) or not name.strip() or any(ch.isspace() for ch in name):
+                raise ValueError(f"model name {name!r} must be non-empty text without spaces")
+            if not isinstance(location, str) or not location:
+                raise ValueError(f"model {name!r}: its location must be a directory or s3:// URI")
+
+    @classmethod
+    def parse(cls, value: str | None) -> ModelRegistry:
+        """From JSON text `{"name": "dir or s3://…"}` or the path of a file holding it; None → empty."""
+        if not value or not value.strip():
+            return cls()
+        text = value
+        source = "BULKINFER_MODELS"
+        if not value.lstrip().startswith(("{", "[")):
+            path = Path(value).expanduser()
+            try:
+                text = path.read_text()
+            except OSError as error:
+                raise ValueError(f"{MODELS_ENV}: cannot read {path}: {error.strerror}") from None
+            source = str(path)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{source}: not JSON ({error.msg} at line {error.lineno})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{source}: expected a JSON object of model name → location")
+        return cls(data)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> ModelRegistry:
+        return cls.parse((os.environ if environ is None else environ).get(MODELS_ENV))
+
+    def names(self) -> list[str]:
+        return sorted(self._models)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._models
+
+    def location(self, name: str) -> str:
+        """Where the checkpoint is; raises `UnknownModel` naming the served models."""
+        try:
+            return self._models[name]
+        except KeyError:
+            raise UnknownModel(name, self.names()) from None
+
+    def queue_for(self, name: str) -> str:
+        self.location(name)
+        return f"{QUEUE_PREFIX}{name}"
+
+    def to_json(self) -> str:
+        return json.dumps(self._models, sort_keys=True)
