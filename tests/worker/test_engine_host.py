@@ -1,0 +1,124 @@
+"""EngineHost in-process with the tiny model: threaded submit, abort, ordering, failures."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from worker.engine_host import EngineHost, EngineRequest, EngineUnavailable
+
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_seqs": 16}
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+PROMPTS = ["def main():", "import os\n", "class Foo(", "the quick brown fox", "return self.", "x = [1, 2,"]
+WAIT_S = 60
+
+
+@pytest.fixture(scope="module")
+def host(tiny_checkpoint: Path) -> Iterator[EngineHost]:
+    engine_host = EngineHost(lambda: LLMEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_OPTIONS)),
+                             name="test").start()
+    yield engine_host
+    engine_host.stop()
+
+
+@pytest.fixture(scope="module")
+def offline_texts(tiny_checkpoint: Path) -> dict[str, str]:
+    llm = LLM(str(tiny_checkpoint), **ENGINE_OPTIONS)
+    return {output.prompt: output.text for output in llm.generate(PROMPTS, GREEDY)}
+
+
+def test_outputs_come_back_in_submit_order_and_match_offline_generation(
+        host: EngineHost, offline_texts: dict[str, str]) -> None:
+    submission = host.submit([EngineRequest(prompt, GREEDY) for prompt in PROMPTS])
+    assert submission.wait(WAIT_S)
+    outputs = submission.results()
+    assert [output.prompt for output in outputs] == PROMPTS
+    assert [output.text for output in outputs] == [offline_texts[prompt] for prompt in PROMPTS]
+    assert all(output.finish_reason == "length" for output in outputs)
+
+
+def test_two_threads_submitting_at_once_each_get_their_own_outputs(
+        host: EngineHost, offline_texts: dict[str, str]) -> None:
+    halves = {"a": PROMPTS[:3] * 2, "b": PROMPTS[3:] * 2}
+    results: dict[str, list[str | None]] = {}
+    start = threading.Barrier(2)
+
+    def submit_half(name: str) -> None:
+        start.wait()
+        submission = host.submit([EngineRequest(prompt, GREEDY) for prompt in halves[name]])
+        assert submission.wait(WAIT_S)
+        results[name] = [output.text for output in submission.results()]
+
+    threads = [threading.Thread(target=submit_half, args=(name,)) for name in halves]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    expected = {name: [offline_texts[prompt] for prompt in prompts] for name, prompts in halves.items()}
+    assert results == expected
+
+
+def test_abort_finishes_unfinished_requests_with_abort(host: EngineHost) -> None:
+    endless = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+    submission = host.submit([EngineRequest("while True:", endless), EngineRequest("for i in", endless)])
+    submission.abort()
+    assert submission.wait(WAIT_S)
+    outputs = submission.results()
+    assert [output.finish_reason for output in outputs] == ["abort", "abort"]
+    assert all(output.num_completion_tokens < 240 for output in outputs)
+    # The host keeps serving after an abort.
+    after = host.submit([EngineRequest(PROMPTS[0], GREEDY)])
+    assert after.wait(WAIT_S) and after.results()[0].finish_reason == "length"
+
+
+def test_bad_requests_come_back_as_errors_without_disturbing_others(host: EngineHost) -> None:
+    submission = host.submit([EngineRequest("", GREEDY), EngineRequest("a " * 400, GREEDY),
+                              EngineRequest(PROMPTS[0], GREEDY)])
+    assert submission.wait(WAIT_S)
+    empty, too_long, fine = submission.results()
+    assert (empty.finish_reason, empty.error) == ("error", "prompt is empty")
+    assert too_long.finish_reason == "error" and "max_model_len=256" in (too_long.error or "")
+    assert fine.finish_reason == "length"
+
+
+def test_metrics_are_read_on_the_engine_thread(host: EngineHost) -> None:
+    seen: list[str] = []
+    metrics = host.call(lambda engine: seen.append(threading.current_thread().name) or engine.get_metrics())
+    assert seen == ["engine-test"]
+    assert metrics["num_running"] == 0 and metrics["kv_blocks_total"] == ENGINE_OPTIONS["num_kv_blocks"] - 1
+
+
+def test_a_model_that_fails_to_load_fails_every_submission_with_the_reason(tmp_path: Path) -> None:
+    missing = tmp_path / "no-such-model"
+    broken = EngineHost(lambda: LLMEngine(EngineConfig(model=str(missing))), name="broken")
+    submission = broken.submit([EngineRequest("hello", GREEDY)])  # queued before the load even starts
+    broken.start()
+    with pytest.raises(EngineUnavailable, match="no-such-model"):
+        broken.wait_ready(WAIT_S)
+    assert submission.wait(WAIT_S)
+    with pytest.raises(EngineUnavailable, match="no-such-model"):
+        submission.results()
+    with pytest.raises(EngineUnavailable):
+        broken.submit([EngineRequest("hello", GREEDY)])
+
+
+def test_a_step_that_crashes_fails_the_waiting_submissions(tiny_checkpoint: Path) -> None:
+    def load() -> LLMEngine:
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_OPTIONS))
+
+        def crash() -> list:
+            raise RuntimeError("kernel exploded")
+
+        engine.step = crash  # type: ignore[method-assign]
+        return engine
+
+    crashing = EngineHost(load, name="crashing").start()
+    submission = crashing.submit([EngineRequest("hello", GREEDY)])
+    assert submission.wait(WAIT_S)
+    with pytest.raises(EngineUnavailable, match="kernel exploded"):
+        submission.results()
+    assert isinstance(crashing.failure, RuntimeError)
