@@ -1,16 +1,28 @@
-"""The Celery application and the settings that keep shard work from being lost or doubled."""
+"""The Celery application and the settings that keep shard work from being lost or doubled.
+
+`worker.celery_app:app` is the pipeline's app: `celery -A worker.celery_app worker --pool=threads
+--concurrency=2 -Q bulkinfer.control,bulkinfer.model.<name>` (or `bulkinfer serve worker`).
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+from typing import Any
 
-from celery import Celery
+from celery import Celery, signals
+
+from jobs.models import CONTROL_QUEUE
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
+# Models this worker loads at start, in the background (comma-separated registry names).
+PRELOAD_MODELS_ENV = "BULKINFER_WORKER_MODELS"
 
 # A shard must never run longer than this, or Redis hands it to a second worker while the first
 # still runs (celery#5935). Shards are sized to take minutes; 12 hours leaves a wide margin.
 VISIBILITY_TIMEOUT_S = 12 * 3600
+
+logger = logging.getLogger(__name__)
 
 
 def broker_url_from_env() -> str:
@@ -41,3 +53,43 @@ def create_app(broker_url: str | None = None, name: str = "bulkinfer") -> Celery
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def create_pipeline_app(broker_url: str | None = None) -> Celery:
+    """The app with the pipeline's tasks: plan and finalize on the control queue, shards on their
+    model's queue (`bulkinfer.model.<name>`, chosen per task by the planner).
+
+    Threads, not processes: the engine lives in the worker process and two task threads feed it,
+    so one shard's rows wait in the engine while the other's finish (no drain between shards).
+    """
+    app = create_app(broker_url)
+    app.conf.update(
+        include=["worker.tasks"],
+        task_default_queue=CONTROL_QUEUE,
+        task_routes={"bulkinfer.plan_job": {"queue": CONTROL_QUEUE},
+                     "bulkinfer.finalize_job": {"queue": CONTROL_QUEUE}},
+        worker_pool="threads",
+        worker_concurrency=2,
+        task_track_started=True,
+    )
+    return app
+
+
+app = create_pipeline_app()
+
+
+@signals.worker_ready.connect
+def _preload_models(sender: Any = None, **_: Any) -> None:
+    """Start loading the worker's models in a background thread: never in `worker_process_init`
+    (Celery kills its handlers after ~4 s), and never in a parent that will fork pool children.
+    """
+    names = [name for name in os.environ.get(PRELOAD_MODELS_ENV, "").split(",") if name.strip()]
+    if not names or sender is None or getattr(sender, "app", None) is not app:
+        return
+    pool = getattr(getattr(sender, "controller", None), "pool_cls", None)
+    if "prefork" in getattr(pool, "__module__", str(pool)):
+        logger.warning("not preloading %s in a prefork parent; each child loads on its first shard", names)
+        return
+    from worker.context import worker_context
+
+    worker_context().hosts.preload(name.strip() for name in names)

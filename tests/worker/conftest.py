@@ -1,0 +1,104 @@
+"""A real pipeline for worker tests: Redis, moto S3 and one Celery worker process per module,
+running `worker.celery_app` with two task threads and the tiny model.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from jobs.manifest import Manifest, read_manifest
+from jobs.repository import JobRepository
+from jobs.settings import Settings
+from jobs.spec import JobSpec
+from jobs.status import JobStatus
+from tests.fixtures.services import RedisServer, S3Server, celery_worker
+from worker.celery_app import create_app
+
+JOBS_BUCKET = "jobs"
+INPUTS_BUCKET = "inputs"
+MODELS_BUCKET = "models"
+STORE_PREFIX = "bulkinfer"
+# Small enough to be quick, and to make a prompt of a few hundred tokens "too long".
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16}
+JOB_TIMEOUT_S = 90
+
+
+@dataclass
+class Pipeline:
+    """The test's side of a running pipeline: the same settings the worker process has."""
+
+    settings: Settings
+    repository: JobRepository
+    client: Celery
+    s3: S3Server
+
+    def put_input(self, name: str, lines: list[str]) -> str:
+        body = "".join(line + "\n" for line in lines).encode()
+        self.s3.client().put_object(Bucket=INPUTS_BUCKET, Key=name, Body=body)
+        return f"s3://{INPUTS_BUCKET}/{name}"
+
+    def submit(self, spec: JobSpec) -> str:
+        """Create the job and send `plan_job` by name, as the API does."""
+        job_id = self.repository.create(spec).job_id
+        self.client.send_task("bulkinfer.plan_job", args=[job_id], queue="bulkinfer.control")
+        return job_id
+
+    def wait_for_end(self, job_id: str, timeout: float = JOB_TIMEOUT_S) -> JobStatus:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            status = self.repository.get(job_id)
+            if status.state.is_terminal:
+                return status
+            time.sleep(0.1)
+        raise TimeoutError(f"job {job_id} still {self.repository.get(job_id).state} after {timeout}s")
+
+    def manifest(self, job_id: str) -> Manifest:
+        return read_manifest(self.repository.store, self.repository.layout(job_id))
+
+    def jsonl(self, key: str) -> list[dict]:
+        return [json.loads(line) for line in self.repository.store.get_bytes(key).splitlines()]
+
+    def output_records(self, job_id: str) -> list[dict]:
+        """Every output line of the job, part by part, as the manifest lists them."""
+        return [record for part in self.manifest(job_id).parts for record in self.jsonl(part.output.key)]
+
+    def error_records(self, job_id: str) -> list[dict]:
+        return [record for part in self.manifest(job_id).parts for record in self.jsonl(part.errors.key)]
+
+
+@pytest.fixture(scope="module")
+def worker_process(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    models = {"tiny": str(tiny_checkpoint), "tiny-s3": f"s3://{MODELS_BUCKET}/tiny",
+              "missing": str(tmp_path_factory.mktemp("models") / "no-such-model")}
+    env = {**s3_server.env(), "BULKINFER_STORE_URI": f"s3://{JOBS_BUCKET}/{STORE_PREFIX}",
+           "BULKINFER_MODELS": json.dumps(models), "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
+           "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache")),
+           "BULKINFER_WORKER_MODELS": "tiny", "HF_HUB_OFFLINE": "1"}
+    queues = ",".join(["bulkinfer.control", *(f"bulkinfer.model.{name}" for name in models)])
+    # Redis is not flushed between this module's tests: a flush would delete the worker's queue bindings.
+    redis_server.client().flushall()
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+                       concurrency=2):
+        yield
+
+
+@pytest.fixture
+def pipeline(worker_process: None, redis_server: RedisServer, s3: S3Server) -> Iterator[Pipeline]:
+    client = s3.client()
+    for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
+        client.create_bucket(Bucket=bucket)
+    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/{STORE_PREFIX}",
+                        s3_endpoint_url=s3.endpoint_url)
+    app = create_app(redis_server.url, name="bulkinfer-test-client")
+    try:
+        yield Pipeline(settings, settings.repository(), app, s3)
+    finally:
+        app.close()

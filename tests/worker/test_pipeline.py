@@ -1,0 +1,76 @@
+"""Jobs through the real pipeline: plan → shards → finalize in a Celery worker process, sent by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from jobs.spec import JobSpec
+from jobs.status import JobState
+from tests.worker.conftest import ENGINE_OPTIONS, Pipeline
+
+pytestmark = pytest.mark.timeout(300)
+
+MAX_TOKENS = 5
+# Rows share prefixes (and one row repeats), so sorting inside a shard has something to do.
+QUESTIONS = ["def add(a, b):", "import sys\n", "def add(a, b, c):", "class Point:", "for i in range(",
+             "def add(a, b):", "while True:", "return x +", "import os\n", "if __name__ =="]
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint: Path) -> LLM:
+    return LLM(str(tiny_checkpoint), **ENGINE_OPTIONS)
+
+
+def greedy_texts(llm: LLM, prompts: list) -> list[str]:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [output.text for output in outputs]
+
+
+def test_a_jsonl_job_completes_with_every_row_once_in_order_equal_to_offline_generation(
+        pipeline: Pipeline, offline: LLM) -> None:
+    lines = [json.dumps({"id": f"q{n}", "question": text}) for n, text in enumerate(QUESTIONS)]
+    spec = JobSpec(input_uri=pipeline.put_input("questions.jsonl", lines), model="tiny", id_column="id",
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+                   shard_size=3)
+    job_id = pipeline.submit(spec)
+
+    status = pipeline.wait_for_end(job_id)
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = pipeline.output_records(job_id)
+    assert [record["id"] for record in records] == [f"q{n}" for n in range(len(QUESTIONS))]
+    assert [record["text"] for record in records] == greedy_texts(offline, QUESTIONS)
+    assert all(record["error"] is None for record in records)
+    assert {record["finish_reason"] for record in records} <= {"length", "stop"}
+    manifest = pipeline.manifest(job_id)
+    assert len(manifest.parts) == 4
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
+    assert (status.shards.done, status.shards.total) == (4, 4)
+    assert status.usage == manifest.usage
+    assert manifest.usage.completion == sum(r["usage"]["completion_tokens"] for r in records)
+    assert status.output_uris == [part.output.uri for part in manifest.parts]
+
+
+def test_chat_messages_are_rendered_with_the_chat_template(pipeline: Pipeline, offline: LLM) -> None:
+    conversations = [[{"role": "user", "content": text}] for text in QUESTIONS[:4]]
+    lines = [json.dumps({"messages": messages}) for messages in conversations]
+    spec = JobSpec(input_uri=pipeline.put_input("chat.jsonl", lines), model="tiny",
+                   messages_column="messages", instructions="You write Python.",
+                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    tokenizer = offline.tokenizer
+    expected_prompts = [
+        tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "system", "content": "You write Python."}, *messages], tokenize=False,
+            add_generation_prompt=True), add_special_tokens=False)
+        for messages in conversations]
+    records = pipeline.output_records(status.job_id)
+    assert [record["text"] for record in records] == greedy_texts(offline, expected_prompts)
+    assert records[0]["usage"]["prompt_tokens"] == len(expected_prompts[0])

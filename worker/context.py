@@ -1,0 +1,54 @@
+"""What the tasks of one worker process share: settings, the job repository, the model registry and
+the engine hosts. Built once per process on first use (never at import: Celery imports the tasks
+module in processes that run no task, such as `celery inspect`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from functools import cached_property
+
+from jobs.models import ModelRegistry
+from jobs.object_store.base import ObjectStore
+from jobs.repository import JobRepository
+from jobs.settings import Settings
+from worker.model_hosts import ModelHosts, engine_options_from_env
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+
+    @cached_property
+    def repository(self) -> JobRepository:
+        return self.settings.repository()
+
+    @property
+    def store(self) -> ObjectStore:
+        return self.repository.store
+
+    @cached_property
+    def registry(self) -> ModelRegistry:
+        return self.settings.model_registry()
+
+    @cached_property
+    def hosts(self) -> ModelHosts:
+        return ModelHosts(self.registry, engine_options_from_env(),
+                          s3_endpoint_url=self.settings.s3_endpoint_url)
+
+
+_context: WorkerContext | None = None
+_context_lock = threading.Lock()
+
+
+def worker_context() -> WorkerContext:
+    """The process's context, built from the environment the first time it is asked for."""
+    global _context
+    with _context_lock:
+        if _context is None:
+            context = WorkerContext(Settings.from_env())
+            # Build the shared members now, under the lock, so two task threads never build two.
+            _ = context.repository, context.registry, context.hosts
+            _context = context
+        return _context

@@ -1,0 +1,106 @@
+"""The engines of a worker process: one `EngineHost` per served model, built on first use.
+
+Resolving a model (and downloading it from S3) happens in the calling thread; only the engine
+build itself runs on the engine thread, so that thread never touches the object store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine import EngineConfig, LLMEngine
+from jobs.models import ModelRegistry
+from worker.engine_host import EngineHost
+from worker.model_files import local_model_dir
+from worker.prompts import PromptRenderer
+
+logger = logging.getLogger(__name__)
+
+ENGINE_OPTIONS_ENV = "BULKINFER_ENGINE_OPTIONS"
+# Jobs say "higher priority runs sooner" (0-9); the engine schedules lower values first.
+DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {"scheduling_policy": "priority"}
+
+
+def engine_options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """`EngineConfig` fields (other than `model`) from `BULKINFER_ENGINE_OPTIONS` (a JSON object)."""
+    text = (os.environ if environ is None else environ).get(ENGINE_OPTIONS_ENV, "").strip()
+    options = json.loads(text) if text else {}
+    if not isinstance(options, dict):
+        raise ValueError(f"{ENGINE_OPTIONS_ENV} must be a JSON object of EngineConfig fields")
+    known = {field.name for field in dataclasses.fields(EngineConfig)} - {"model"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"{ENGINE_OPTIONS_ENV}: unknown engine option {unknown[0]!r} "
+                         f"(known: {', '.join(sorted(known))})")
+    return {**DEFAULT_ENGINE_OPTIONS, **options}
+
+
+@dataclass(frozen=True)
+class HostedModel:
+    name: str
+    directory: Path
+    host: EngineHost
+    renderer: PromptRenderer
+
+
+class ModelHosts:
+    def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
+                 s3_endpoint_url: str | None = None, cache_dir: Path | None = None) -> None:
+        self.registry = registry
+        self.engine_options = dict(engine_options or {})
+        self.s3_endpoint_url = s3_endpoint_url
+        self.cache_dir = cache_dir
+        self._models: dict[str, HostedModel] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> HostedModel:
+        """The hosted model, loading it the first time (and again if its last load failed).
+
+        Raises `UnknownModel` for a name the registry lacks and `ModelUnavailable` when its files
+        cannot be found or fetched; the engine itself finishes loading in its own thread (see
+        `EngineHost.wait_ready`).
+        """
+        with self._lock:
+            hosted = self._models.get(name)
+            if hosted is None or hosted.host.failure is not None:
+                hosted = self._load(name)
+                self._models[name] = hosted
+            return hosted
+
+    def _load(self, name: str) -> HostedModel:
+        from transformers import AutoTokenizer
+
+        directory = local_model_dir(self.registry.location(name), self.cache_dir,
+                                    endpoint_url=self.s3_endpoint_url)
+        config = EngineConfig(model=str(directory), **self.engine_options)
+        host = EngineHost(lambda: LLMEngine(config), name=name).start()
+        logger.info("loading model %s from %s", name, directory)
+        return HostedModel(name, directory, host, PromptRenderer(AutoTokenizer.from_pretrained(directory)))
+
+    def preload(self, names: Iterable[str]) -> threading.Thread:
+        """Load these models in a background thread (at worker start), logging failures."""
+
+        def load_all() -> None:
+            for name in names:
+                try:
+                    self.get(name).host.wait_ready()
+                except Exception:  # noqa: BLE001 - the first shard reports it to its job
+                    logger.exception("preloading model %s failed", name)
+
+        thread = threading.Thread(target=load_all, name="model-preload", daemon=True)
+        thread.start()
+        return thread
+
+    def stop(self) -> None:
+        with self._lock:
+            for hosted in self._models.values():
+                hosted.host.stop()
+            self._models.clear()

@@ -1,0 +1,214 @@
+"""`run_shard`: one shard's rows through the worker's engine, written once, counted once.
+
+The commit point is the shard result (`shards/part-NNNNN.json`, write-once). Output and error
+parts have deterministic keys and are overwritten while no result exists: a run that died after
+writing a part but before its result left a part nothing counts, and the rerun replaces it. Once a
+result exists, a rerun writes nothing and only makes sure the shard is counted (and the job
+finalized), so a row never appears twice.
+
+Cancel is cooperative: the flag is checked before the shard starts and every `CANCEL_POLL_S`
+while its rows run; on cancel the shard's requests are aborted and nothing is written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from jobs.counters import CountersMissing
+from jobs.formats.output import OutputRow
+from jobs.formats.parts import write_error_part, write_output_part
+from jobs.formats.readers import read_shard_rows
+from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.layout import JobLayout, output_location
+from jobs.object_store.base import ObjectNotFound
+from jobs.object_store.factory import store_for_uri
+from jobs.repository import JobRepository
+from jobs.results import ShardResult, save_shard_result
+from jobs.sharding import ShardPlan
+from jobs.spec import JobSpec
+from worker.context import WorkerContext
+from worker.engine_host import EngineRequest, EngineUnavailable, Submission
+from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
+from worker.model_hosts import HostedModel
+from worker.prompts import RowRejected, engine_error_code, engine_sampling
+
+logger = logging.getLogger(__name__)
+
+CANCEL_POLL_S = 0.5
+MAX_JOB_PRIORITY = 9  # JobSpec.priority: 0-9, higher sooner; the engine runs lower values first
+
+
+class PhaseTimings:
+    """Seconds spent per phase of a shard (read, model, engine, write), for the log and the result."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.monotonic() - started
+
+    def rounded(self) -> dict[str, float]:
+        return {name: round(value, 3) for name, value in self.seconds.items()}
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    position: int  # in the shard's input order
+    row: Row
+    request: EngineRequest
+
+
+def run_shard(context: WorkerContext, job_id: str, shard_index: int,
+              send_finalize: Callable[[str], None]) -> dict[str, Any]:
+    repository = context.repository
+    summary: dict[str, Any] = {"job_id": job_id, "shard_index": shard_index}
+    if repository.is_cancel_requested(job_id):
+        return {**summary, "status": "cancelled"}
+    job = repository.get(job_id)
+    if job.state.is_terminal:
+        return {**summary, "status": f"skipped: job is {job.state.value}"}
+    layout = repository.layout(job_id)
+    plan = repository.load_plan(job_id)
+    result = _committed_result(repository, layout, shard_index)
+    if result is None:
+        started_at = datetime.now(UTC)
+        timings = PhaseTimings()
+        try:
+            with timings.phase("read"):
+                spec = resolved_spec(context, repository.get_spec(job_id))
+            outputs = _infer(context, job_id, spec, plan[shard_index], timings)
+        except JobCannotRun as error:
+            fail_job(repository, job_id, str(error))
+            return {**summary, "status": "failed", "error": str(error)}
+        if outputs is None or repository.is_cancel_requested(job_id):
+            logger.info("job %s shard %d cancelled; nothing written", job_id, shard_index)
+            return {**summary, "status": "cancelled"}
+        with timings.phase("write"):
+            result = _write(repository, layout, spec, plan[shard_index], outputs,
+                            created=int(job.created_at.timestamp()), started_at=started_at)
+        summary["seconds"] = timings.rounded()
+        logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
+                    "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
+                    result.usage.cached, result.usage.completion, summary["seconds"])
+    else:
+        summary["already_done"] = True
+    _count(repository, layout, plan, result, send_finalize)
+    return {**summary, "status": "done", "rows": result.rows, "rows_failed": result.rows_failed}
+
+
+def _committed_result(repository: JobRepository, layout: JobLayout, shard_index: int) -> ShardResult | None:
+    try:
+        data = repository.store.get_bytes(layout.shard_result_key(shard_index))
+    except ObjectNotFound:
+        return None
+    return ShardResult.model_validate_json(data)
+
+
+def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
+           timings: PhaseTimings) -> list[OutputRow] | None:
+    """Every row's outcome in input order, or None when the job was cancelled meanwhile."""
+    try:
+        with timings.phase("model"):
+            hosted = context.hosts.get(spec.model)
+    except Exception as error:  # noqa: BLE001 - unknown model, files missing, tokenizer unreadable
+        raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
+    with timings.phase("read"):
+        items = _read_rows(context, spec, shard)
+    outputs: list[OutputRow | None] = [None] * len(items)
+    prepared: list[PreparedRow] = []
+    priority = MAX_JOB_PRIORITY - spec.priority
+    for position, item in enumerate(items):
+        if isinstance(item, RowError):
+            outputs[position] = OutputRow.from_error(item)
+            continue
+        try:
+            request = EngineRequest(hosted.renderer.token_ids(item), engine_sampling(item.sampling), priority)
+            if item.response_format is not None:
+                raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT,
+                                  "response_format (structured output) is not supported by the engine yet")
+        except RowRejected as rejected:
+            outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
+            continue
+        prepared.append(PreparedRow(position, item, request))
+    # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
+    prepared.sort(key=lambda entry: list(entry.request.prompt))
+    with timings.phase("engine"):
+        if not _run_on_engine(context, hosted, job_id, prepared, outputs):
+            return None
+    return [output for output in outputs if output is not None]
+
+
+def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
+    store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
+    try:
+        return list(read_shard_rows(store, key, spec, shard))
+    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job
+        raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
+
+
+def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, prepared: Sequence[PreparedRow],
+                   outputs: list[OutputRow | None]) -> bool:
+    """Fill `outputs` from the engine; False if the job was cancelled while its rows ran."""
+    if not prepared:
+        return True
+    try:
+        submission: Submission = hosted.host.submit([entry.request for entry in prepared])
+    except EngineUnavailable as error:
+        raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
+    while not submission.wait(CANCEL_POLL_S):
+        if context.repository.is_cancel_requested(job_id):
+            submission.abort()
+            return False
+    try:
+        results = submission.results()
+    except EngineUnavailable as error:
+        raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
+    for entry, result in zip(prepared, results, strict=True):
+        row = entry.row
+        if result.finish_reason in ("error", "abort"):
+            message = result.error or "aborted by the worker"
+            outputs[entry.position] = OutputRow.engine_failed(row, engine_error_code(result.error), message)
+        else:
+            outputs[entry.position] = OutputRow.completed(
+                row, result.text, result.finish_reason or "stop", prompt_tokens=result.num_prompt_tokens,
+                cached_tokens=result.num_cached_tokens, completion_tokens=result.num_completion_tokens)
+    return True
+
+
+def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
+           outputs: list[OutputRow], *, created: int, started_at: datetime) -> ShardResult:
+    """Write the parts (replacing any a crashed run left) and commit the result; returns the
+    result that stands (an earlier run's, if one committed first).
+    """
+    location = output_location(spec, repository.store, layout)
+    output = write_output_part(location.store, location.part_key(shard.index), outputs, spec,
+                               job_id=layout.job_id, created=created, if_none_match=False)
+    errors = write_error_part(repository.store, layout.error_part_key(shard.index), outputs,
+                              if_none_match=False)
+    result = ShardResult.from_outputs(shard, outputs, output=output, errors=errors, started_at=started_at,
+                                      finished_at=datetime.now(UTC))
+    return save_shard_result(repository.store, layout, result)
+
+
+def _count(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
+           send_finalize: Callable[[str], None]) -> None:
+    """Count the shard once; whoever sees every shard done sends finalize (it may go twice: harmless)."""
+    counters = repository.counters(layout.job_id)
+    try:
+        counters.apply_shard(result)
+    except CountersMissing:  # Redis lost them: rebuild from the shard results (this one included)
+        counters.rebuild_from_store(repository.store, layout, plan)
+    snapshot = counters.read()
+    if snapshot.shards.done >= snapshot.shards.total:
+        send_finalize(layout.job_id)
