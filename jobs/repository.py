@@ -210,7 +210,7 @@ class JobRepository:
         if not raw:
             return self._restore(job_id)
         status = self._status_from_hash(job_id, raw)
-        counts = self._counts(job_id)
+        counts = self._counts(job_id, status.state)
         return status.with_counts(counts.rows, counts.shards, counts.usage) if counts else status
 
     def list(self, state: JobState | str | None = None, cursor: str | None = None,
@@ -326,7 +326,7 @@ class JobRepository:
         self._record(status)
         raw = self.redis.hgetall(self._job_key(job_id))
         status = self._status_from_hash(job_id, raw) if raw else status
-        counts = self._counts(job_id)
+        counts = self._counts(job_id, status.state)
         return status.with_counts(counts.rows, counts.shards, counts.usage) if counts else status
 
     def _status_from_hash(self, job_id: str, raw: dict[bytes, bytes]) -> JobStatus:
@@ -337,13 +337,14 @@ class JobRepository:
             error=fields.get("error") or None, output_uris=json.loads(fields.get("output_uris") or "[]"),
             manifest_uri=fields.get("manifest_uri") or None)
 
-    def _counts(self, job_id: str) -> CounterSnapshot | None:
+    def _counts(self, job_id: str, state: JobState) -> CounterSnapshot | None:
         """The live counts; rebuilt from the store when Redis lost them; None before planning."""
         counters = self.counters(job_id)
         try:
             return counters.read()
         except CountersMissing:
-            pass
+            if state == JobState.QUEUED:  # not planned yet (or planning now): nothing to rebuild
+                return None
         try:
             plan = self.load_plan(job_id)
         except ObjectNotFound:
