@@ -1,0 +1,56 @@
+"""The HTTP API: `create_app(settings)`; run it with `uvicorn --factory api.app:create_app`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic.json_schema import models_json_schema
+
+from api import routes_jobs, routes_service
+from api.dependencies import ApiContext
+from api.dispatch import CeleryTaskSender
+from api.errors import install_error_handlers
+from jobs.settings import Settings
+from jobs.spec import JobSpec
+
+API_VERSION = "0.1.0"
+DESCRIPTION = """Batch LLM inference over object storage. Submit a job (a JobSpec naming rows in S3 or
+the local store, or an uploaded file), watch its counts, and read its output parts when it has
+succeeded. Errors are `{"detail": message, "messages": [one line per problem]}`."""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The API for `settings` (default: from the `BULKINFER_*` variables)."""
+    settings = settings or Settings.from_env()
+    context = ApiContext(settings=settings, repository=settings.repository(),
+                         registry=settings.model_registry(), tasks=CeleryTaskSender(settings.broker_url))
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        context.tasks.close()
+        context.repository.redis.close()
+
+    app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan)
+    app.state.context = context
+    install_error_handlers(app)
+    app.include_router(routes_jobs.router)
+    app.include_router(routes_service.router)
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                                 routes=app.routes)
+            # The submit body is read by hand (JSON or multipart), so JobSpec is added here.
+            _, definitions = models_json_schema([(JobSpec, "validation")],
+                                                ref_template="#/components/schemas/{model}")
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(definitions["$defs"])
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    return app

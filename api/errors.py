@@ -1,0 +1,61 @@
+"""Errors the API returns: one JSON shape, `{"detail": message, "messages": [...]}`, whatever failed."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from jobs.errors import InputError
+from jobs.models import UnknownModel
+from jobs.repository import JobConflict, JobNotFound
+from jobs.spec import validation_messages
+from jobs.status import IllegalTransition
+
+
+class ApiError(Exception):
+    """An error with the status code and the message the client should see."""
+
+    def __init__(self, status_code: int, message: str, messages: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.messages = messages or []
+
+
+def invalid_spec(error: ValidationError) -> ApiError:
+    messages = validation_messages(error)
+    return ApiError(422, "invalid job spec: " + "; ".join(messages), messages)
+
+
+def _body(error: ApiError) -> JSONResponse:
+    return JSONResponse({"detail": error.message, "messages": error.messages}, status_code=error.status_code)
+
+
+# Domain errors and the status each one means at the API.
+_STATUS_FOR = [
+    (JobNotFound, 404), (JobConflict, 409), (IllegalTransition, 409), (UnknownModel, 400), (InputError, 400)]
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def api_error(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, ApiError)
+        return _body(error)
+
+    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
+        status = next(code for kind, code in _STATUS_FOR if isinstance(error, kind))
+        return _body(ApiError(status, str(error)))
+
+    async def request_invalid(_request: Request, error: Exception) -> JSONResponse:
+        assert isinstance(error, RequestValidationError)
+        messages = []
+        for item in error.errors():
+            where = ".".join(str(part) for part in item["loc"] if part not in ("body", "query", "path"))
+            messages.append(f"{where}: {item['msg']}" if where else item["msg"])
+        return _body(ApiError(422, "invalid request: " + "; ".join(messages), messages))
+
+    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(RequestValidationError, request_invalid)
+    for kind, _status in _STATUS_FOR:
+        app.add_exception_handler(kind, domain_error)

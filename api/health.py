@@ -1,0 +1,38 @@
+"""`GET /healthz`: can this API reach Redis and the object store right now?"""
+
+from __future__ import annotations
+
+import os
+
+from api.dependencies import ApiContext
+from api.schemas import Health
+
+
+def _check_redis(context: ApiContext) -> str:
+    context.repository.redis.ping()
+    return "ok"
+
+
+def _check_store(context: ApiContext) -> str:
+    settings = context.settings
+    if settings.is_local_store:
+        root = settings.local_store_root()
+        root.mkdir(parents=True, exist_ok=True)
+        if not os.access(root, os.W_OK):
+            raise PermissionError(f"{root} is not writable")
+        return "ok"
+    # One LIST request: unlike a HEAD, it tells a missing bucket or bad credentials apart.
+    prefix = context.repository.prefix
+    next(iter(context.store.list(f"{prefix}/jobs/" if prefix else "jobs/")), None)
+    return "ok"
+
+
+def health(context: ApiContext) -> Health:
+    checks: dict[str, str] = {}
+    for name, check in (("redis", _check_redis), ("store", _check_store)):
+        try:
+            checks[name] = check(context)
+        except Exception as error:  # noqa: BLE001 - any failure is the answer
+            checks[name] = f"failing: {type(error).__name__}: {error}"
+    return Health(status="ok" if all(value == "ok" for value in checks.values()) else "failing",
+                  checks=checks)

@@ -1,0 +1,78 @@
+"""A finished job's output: its parts with presigned URLs, or every row streamed as JSON lines."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from api.dependencies import ApiContext
+from api.errors import ApiError
+from api.schemas import JobResults, ResultPart
+from jobs.formats.jsonl_writer import dumps_line
+from jobs.manifest import Manifest, read_manifest
+from jobs.object_store.base import ObjectNotFound, ObjectStore
+from jobs.object_store.factory import split_uri
+from jobs.results import PartFile
+from jobs.spec import InputFormat
+from jobs.status import JobState
+
+STREAM_CHUNK_BYTES = 1 << 20
+PARQUET_BATCH_ROWS = 1024
+
+
+def finished_manifest(context: ApiContext, job_id: str) -> Manifest:
+    status = context.repository.get(job_id)
+    if status.state != JobState.SUCCEEDED:
+        reason = f" ({status.error})" if status.error else ""
+        raise ApiError(409, f"job {job_id} is {status.state.value}{reason}: results are ready once it "
+                            "has succeeded")
+    try:
+        return read_manifest(context.store, context.repository.layout(job_id))
+    except ObjectNotFound:
+        raise ApiError(409, f"job {job_id} has succeeded but its manifest is missing") from None
+
+
+def part_store(context: ApiContext, uri: str) -> tuple[ObjectStore, str]:
+    """Parts live in the job store, or under the spec's output_uri (another bucket or folder)."""
+    scheme, bucket, key = split_uri(uri)
+    if scheme == "s3":
+        return context.s3_store(bucket), key
+    from jobs.object_store.local import LocalObjectStore
+
+    return LocalObjectStore("/"), key
+
+
+def _result_part(context: ApiContext, shard_index: int, first_row: int | None, part: PartFile) -> ResultPart:
+    store, key = part_store(context, part.uri)
+    return ResultPart(shard_index=shard_index, first_row=first_row, rows=part.rows, bytes=part.bytes,
+                      sha256=part.sha256, uri=part.uri, url=store.presign_get(key))
+
+
+def job_results(context: ApiContext, job_id: str) -> JobResults:
+    manifest = finished_manifest(context, job_id)
+    return JobResults(
+        job_id=job_id, output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
+        parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],
+        error_parts=[_result_part(context, p.shard_index, None, p.errors) for p in manifest.parts])
+
+
+def stream_rows(context: ApiContext, manifest: Manifest) -> Iterator[bytes]:
+    """Every output row in order as JSON lines: JSONL parts pass through byte for byte, Parquet
+    parts are converted a batch at a time.
+    """
+    for part in manifest.parts:
+        store, key = part_store(context, part.output.uri)
+        if manifest.output_format == InputFormat.PARQUET:
+            yield from _parquet_as_json_lines(store, key)
+            continue
+        with store.open_read(key) as stream:
+            while chunk := stream.read(STREAM_CHUNK_BYTES):
+                yield chunk
+
+
+def _parquet_as_json_lines(store: ObjectStore, key: str) -> Iterator[bytes]:
+    import pyarrow.parquet as pq
+
+    with store.open_seekable(key) as file:
+        parquet = pq.ParquetFile(file)
+        for batch in parquet.iter_batches(batch_size=PARQUET_BATCH_ROWS, use_threads=False):
+            yield b"".join(dumps_line(record) for record in batch.to_pylist())

@@ -1,0 +1,117 @@
+"""The job routes: submit, read, list, cancel and fetch results."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.dependencies import Context
+from api.errors import ApiError
+from api.results import finished_manifest, job_results, stream_rows
+from api.schemas import ERROR_RESPONSES, JobPage, JobResults
+from api.submission import parse_spec, submit_spec
+from api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
+from jobs.layout import JOB_ID_PATTERN
+from jobs.repository import JobNotFound
+from jobs.spec import JobSpec
+from jobs.status import JobState, JobStatus
+
+MAX_JSON_BODY_BYTES = 1 << 20
+CURSOR_PATTERN = r"^\d{17}:[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
+
+router = APIRouter(tags=["jobs"], responses=ERROR_RESPONSES)
+
+SUBMIT_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {"$ref": "#/components/schemas/JobSpec"}},
+        "multipart/form-data": {"schema": {
+            "type": "object", "required": [SPEC_FIELD, FILE_FIELD],
+            "properties": {
+                SPEC_FIELD: {"type": "string", "description": "the JobSpec as JSON, without input_uri; "
+                             "send it before the file"},
+                FILE_FIELD: {"type": "string", "format": "binary", "description": "the input rows: "
+                             "Parquet, JSONL or OpenAI-batch JSONL; streamed to jobs/<id>/input/<name>"}}}},
+    },
+}
+
+
+def _known_id(job_id: str) -> str:
+    if not JOB_ID_PATTERN.match(job_id):
+        raise JobNotFound(job_id)
+    return job_id
+
+
+async def _read_json_body(request: Request) -> object:
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_JSON_BODY_BYTES:
+            raise ApiError(413, f"a JSON job spec must be under {MAX_JSON_BODY_BYTES} bytes; upload rows as "
+                                "a file (multipart) or reference them by input_uri")
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise ApiError(422, f"the body is not JSON: {error}") from None
+
+
+@router.post("/jobs", status_code=201, response_model=JobStatus, summary="Submit a job",
+             openapi_extra={"requestBody": SUBMIT_BODY})
+async def create_job(request: Request, context: Context) -> JobStatus:
+    """A JobSpec as JSON whose `input_uri` names an `s3://` object or a file in the local store;
+    or multipart with the spec and the input file. The job is validated against the head of its
+    input, created, and queued for planning. The same `idempotency_key` and spec return the same job.
+    """
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if content_type == "multipart/form-data":
+        return await submit_upload(context, request)
+    if content_type in ("application/json", ""):
+        spec = parse_spec(await _read_json_body(request))
+        return await run_in_threadpool(submit_spec, context, spec)
+    raise ApiError(415, f"unsupported content type {content_type!r}: send the spec as application/json, "
+                        f"or multipart/form-data with {SPEC_FIELD!r} and {FILE_FIELD!r}")
+
+
+@router.get("/jobs", response_model=JobPage, summary="List jobs, newest first")
+def list_jobs(context: Context, status: JobState | None = None,
+              cursor: Annotated[str | None, Query(pattern=CURSOR_PATTERN)] = None,
+              limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> JobPage:
+    jobs, next_cursor = context.repository.list(state=status, cursor=cursor, limit=limit)
+    return JobPage(jobs=jobs, next_cursor=next_cursor)
+
+
+@router.get("/jobs/{job_id}", response_model=JobStatus, summary="A job's state, counts and usage")
+def get_job(job_id: str, context: Context) -> JobStatus:
+    return context.repository.get(_known_id(job_id))
+
+
+@router.get("/jobs/{job_id}/spec", response_model=JobSpec, summary="The spec the job runs (job.json)")
+def get_job_spec(job_id: str, context: Context) -> JobSpec:
+    return context.repository.get_spec(_known_id(job_id))
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobStatus, summary="Cancel a job")
+def cancel_job(job_id: str, context: Context) -> JobStatus:
+    """Cancelling a cancelled job is a no-op; a job that already succeeded or failed answers 409."""
+    status = context.repository.request_cancel(_known_id(job_id))
+    if status.state != JobState.CANCELLED:
+        raise ApiError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
+    return status
+
+
+@router.get("/jobs/{job_id}/results", response_model=JobResults, summary="A finished job's output",
+            responses={200: {"content": {"application/x-ndjson": {}}, "description":
+                             "the part list; with ?download=true, every output row as JSON lines"}})
+def get_results(job_id: str, context: Context, download: bool = False) -> JobResults | StreamingResponse:
+    """The output parts with presigned URLs; `?download=true` streams every row, in input order,
+    as JSON lines (Parquet parts are converted)."""
+    if not download:
+        return job_results(context, _known_id(job_id))
+    manifest = finished_manifest(context, _known_id(job_id))
+    return StreamingResponse(stream_rows(context, manifest),
+                             media_type="application/x-ndjson",
+                             headers={"Content-Disposition": f'attachment; filename="{job_id}.jsonl"'})

@@ -1,0 +1,26 @@
+"""Service routes: health and the served models."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from api.dependencies import Context
+from api.health import health
+from api.schemas import Health, ModelList
+
+router = APIRouter(tags=["service"])
+
+
+@router.get("/healthz", response_model=Health, responses={503: {"model": Health}},
+            summary="Redis and the object store are reachable")
+def healthz(context: Context) -> Health | JSONResponse:
+    result = health(context)
+    if result.status != "ok":
+        return JSONResponse(result.model_dump(), status_code=503)
+    return result
+
+
+@router.get("/models", response_model=ModelList, summary="The models this deployment serves")
+def list_models(context: Context) -> ModelList:
+    return ModelList(models=context.registry.names())

@@ -1,0 +1,53 @@
+"""Response bodies that are not domain models (a job's status is `jobs.status.JobStatus` itself)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from jobs.results import TokenUsage
+from jobs.status import JobStatus, RowCounts
+
+
+class ErrorBody(BaseModel):
+    detail: str = Field(description="what went wrong, for a person")
+    messages: list[str] = Field(default_factory=list, description="one line per problem (`field: problem`)")
+
+
+class JobPage(BaseModel):
+    jobs: list[JobStatus]
+    next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")
+
+
+class ResultPart(BaseModel):
+    shard_index: int
+    first_row: int | None = Field(None, description="position of the part's first row among all rows")
+    rows: int
+    bytes: int
+    sha256: str
+    uri: str
+    url: str = Field(description="a presigned GET URL (a file:// URI for a local store)")
+
+
+class JobResults(BaseModel):
+    job_id: str
+    output_format: str
+    rows: RowCounts
+    usage: TokenUsage
+    parts: list[ResultPart]
+    error_parts: list[ResultPart] = Field(description="the failed rows of each shard, with reasons")
+
+
+class ModelList(BaseModel):
+    models: list[str]
+
+
+class Health(BaseModel):
+    status: str = Field(description="ok, or failing")
+    checks: dict[str, str]
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody, "description": description} for code, description in {
+        400: "the input or model cannot be used", 404: "no such job", 409: "conflicts with the job's state "
+        "or an earlier submit", 422: "the request or job spec is invalid", 503: "a backing service is down",
+    }.items()}

@@ -1,0 +1,145 @@
+"""Checks at submit, so a job that cannot run is refused with a message instead of failing later.
+
+Only the head of the input is read: the first lines of JSONL, or a Parquet file's footer.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from api.dependencies import ApiContext
+from api.dispatch import enqueue_plan
+from api.errors import ApiError, invalid_spec
+from jobs.errors import InputError
+from jobs.formats.detect import resolve_spec
+from jobs.formats.lines import iter_lines_in_range
+from jobs.object_store.base import ObjectNotFound, ObjectStore
+from jobs.object_store.factory import split_uri
+from jobs.sharding import open_parquet
+from jobs.spec import InputFormat, JobSpec
+from jobs.status import JobState, JobStatus
+
+HEAD_ROWS = 5
+HEAD_BYTES = 1 << 20
+
+
+def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]:
+    """The store and key of a spec's URI. Local paths must lie in a local job store: that is what
+    the workers can read (elsewhere, upload the file instead).
+    """
+    scheme, bucket, key = split_uri(uri)
+    if scheme == "s3":
+        return context.s3_store(bucket), key
+    settings = context.settings
+    if not settings.is_local_store:
+        raise ApiError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in "
+                            f"{settings.store_uri}; use an s3:// URI or upload the file")
+    root = settings.local_store_root()
+    path = Path("/", key).resolve()
+    if path != root and root not in path.parents:
+        raise ApiError(400, f"{field} {uri!r} is outside the store directory {root}; "
+                            "put the file there, or upload it")
+    from jobs.object_store.local import LocalObjectStore
+
+    return LocalObjectStore("/"), path.as_posix().lstrip("/")
+
+
+def check_model(context: ApiContext, spec: JobSpec) -> None:
+    context.registry.location(spec.model)  # UnknownModel → 400 naming the served models
+
+
+def check_readable(store: ObjectStore, key: str, uri: str) -> None:
+    try:
+        info = store.head(key)
+    except ObjectNotFound:
+        raise ApiError(400, f"input_uri {uri}: no such object") from None
+    except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
+        raise ApiError(400, f"input_uri {uri}: cannot read it ({error})") from None
+    if info.size == 0:
+        raise ApiError(400, f"input_uri {uri}: the file is empty")
+
+
+def head_records(store: ObjectStore, key: str) -> list[dict[str, object]]:
+    """The first rows of a JSONL file that are JSON objects (bad lines are row errors later)."""
+    records: list[dict[str, object]] = []
+    for line in iter_lines_in_range(store, key, 0, HEAD_BYTES):
+        if len(records) == HEAD_ROWS:
+            break
+        try:
+            record = json.loads(line.data)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
+
+
+def check_columns(spec: JobSpec, store: ObjectStore, key: str, uri: str) -> None:
+    """A column the spec needs that the head does not have at all is a spec mistake: refuse it.
+    (A column only some rows lack makes those rows fail, not the job.)
+    """
+    required = spec.required_columns()
+    if not required or spec.input_format == InputFormat.OPENAI_BATCH:
+        return
+    if spec.input_format == InputFormat.PARQUET:
+        with open_parquet(store, key) as parquet:
+            names = parquet.schema_arrow.names
+        for column in required:
+            if column not in names:
+                raise InputError(f"column {column!r} is not in {uri} (its columns: {', '.join(names)})")
+        return
+    records = head_records(store, key)
+    if not records:
+        return
+    for column in required:
+        if all(column not in record for record in records):
+            seen = sorted({name for record in records for name in record})
+            raise InputError(f"column {column!r} is in none of the first {len(records)} rows of {uri} "
+                             f"(their columns: {', '.join(seen)})")
+
+
+def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
+    """The spec resolved against its input (format detected, columns checked): what job.json holds."""
+    check_readable(store, key, spec.input_uri)
+    try:
+        resolved = resolve_spec(spec, store, key)
+    except ValidationError as error:
+        raise invalid_spec(error) from None
+    check_columns(resolved, store, key, spec.input_uri)
+    if resolved.output_uri:
+        locate(context, resolved.output_uri, "output_uri")
+    return resolved
+
+
+def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = None) -> JobStatus:
+    """Create the job and ask the control queue to plan it. A job found again by its idempotency
+    key is planned again only if it is still queued (a first submit that never reached the broker).
+    """
+    status = context.repository.create(spec, job_id=job_id)
+    if status.state == JobState.QUEUED:
+        try:
+            enqueue_plan(context.tasks, status.job_id)
+        except Exception as error:  # noqa: BLE001 - the broker is down: say so, the job waits
+            raise ApiError(503, f"job {status.job_id} was created but could not be queued ({error}); "
+                                "submit it again with the same idempotency_key") from None
+    return status
+
+
+def parse_spec(data: object) -> JobSpec:
+    if not isinstance(data, dict):
+        raise ApiError(422, "the job spec must be a JSON object")
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as error:
+        raise invalid_spec(error) from None
+
+
+def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus:
+    """A JSON submit: the input is already in S3 or the local store."""
+    check_model(context, spec)
+    store, key = locate(context, spec.input_uri, "input_uri")
+    resolved = validate_input(context, spec, store, key)
+    return create_and_enqueue(context, resolved)

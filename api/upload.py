@@ -1,0 +1,248 @@
+"""`POST /jobs` as multipart: a `spec` field (JSON, sent first) and a `file` streamed to the store.
+
+The file goes straight from the request body into `jobs/<id>/input/<name>` through the store's
+streaming writer (a temp file renamed into place, or an S3 multipart upload), a chunk at a time:
+an upload is never held in memory. The spec comes first so the job id, and with it the upload's
+key, is known before the first byte of the file arrives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fastapi import Request
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.concurrency import run_in_threadpool
+
+from api.dependencies import ApiContext
+from api.errors import ApiError
+from api.submission import check_model, create_and_enqueue, parse_spec, validate_input
+from jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
+from jobs.repository import JobRepository
+from jobs.spec import JobSpec
+from jobs.status import JobStatus
+
+SPEC_FIELD = "spec"
+FILE_FIELD = "file"
+MAX_SPEC_BYTES = 1 << 20
+WRITE_BATCH_BYTES = 1 << 20  # hand the store ~1 MiB at a time: few thread hops, bounded memory
+SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+# What a placeholder input_uri stands for while the spec is checked before the upload exists.
+PENDING_UPLOAD_URI = "/upload/pending.bin"
+
+
+@dataclass(frozen=True)
+class PartStart:
+    name: str
+    filename: str | None
+
+
+@dataclass(frozen=True)
+class PartData:
+    data: bytes
+
+
+@dataclass(frozen=True)
+class PartEnd:
+    pass
+
+
+async def iter_multipart(request: Request) -> AsyncIterator[PartStart | PartData | PartEnd]:
+    """The request body's parts as events, parsed as the bytes arrive."""
+    _kind, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise ApiError(400, "multipart body without a boundary")
+    events: list[PartStart | PartData | PartEnd] = []
+    header_name, header_value = bytearray(), bytearray()
+    headers: dict[bytes, bytes] = {}
+
+    def on_header_end() -> None:
+        headers[bytes(header_name).lower()] = bytes(header_value)
+        header_name.clear()
+        header_value.clear()
+
+    def on_headers_finished() -> None:
+        _disposition, params = parse_options_header(headers.get(b"content-disposition", b""))
+        filename = params.get(b"filename")
+        events.append(PartStart(params.get(b"name", b"").decode(errors="replace"),
+                                filename.decode(errors="replace") if filename is not None else None))
+        headers.clear()
+
+    callbacks = {
+        "on_header_field": lambda data, start, end: header_name.extend(data[start:end]),
+        "on_header_value": lambda data, start, end: header_value.extend(data[start:end]),
+        "on_header_end": on_header_end,
+        "on_headers_finished": on_headers_finished,
+        "on_part_data": lambda data, start, end: events.append(PartData(bytes(data[start:end]))),
+        "on_part_end": lambda: events.append(PartEnd()),
+    }
+    parser = MultipartParser(boundary, callbacks)  # type: ignore[arg-type]
+    async for chunk in request.stream():
+        try:
+            parser.write(chunk)
+        except Exception as error:  # noqa: BLE001 - python-multipart raises several types
+            raise ApiError(400, f"malformed multipart body: {error}") from None
+        for event in events:
+            yield event
+        events.clear()
+    parser.finalize()
+    for event in events:
+        yield event
+
+
+def input_name(filename: str | None) -> str:
+    """A plain file name for `jobs/<id>/input/` that keeps the extension (it hints the format)."""
+    base = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
+    cleaned = SAFE_NAME.sub("_", base).lstrip(".")[:128]
+    return cleaned or "input"
+
+
+class _Upload:
+    """One file part on its way into the store, hashed as it goes."""
+
+    def __init__(self, store: ObjectStore, key: str) -> None:
+        self.store = store
+        self.key = key
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self._pending = bytearray()
+        self._writer: ObjectWriter = store.open_write(key, if_none_match=True)
+
+    async def write(self, data: bytes) -> None:
+        self.sha256.update(data)
+        self.size += len(data)
+        self._pending += data
+        if len(self._pending) >= WRITE_BATCH_BYTES:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        if self._pending:
+            chunk, self._pending = bytes(self._pending), bytearray()
+            await run_in_threadpool(self._writer.write, chunk)
+
+    async def finish(self) -> bool:
+        """Make the object visible; False if an earlier upload already wrote this key."""
+        await self._flush()
+        try:
+            await run_in_threadpool(self._writer.close)
+        except AlreadyExists:
+            return False
+        return True
+
+    async def abort(self) -> None:
+        await run_in_threadpool(self._writer.abort)
+
+
+def _stored_sha256(store: ObjectStore, key: str) -> str:
+    digest = hashlib.sha256()
+    with store.open_read(key) as stream:
+        while chunk := stream.read(WRITE_BATCH_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _spec_for_upload(context: ApiContext, raw: bytes) -> dict[str, object]:
+    """The spec field, checked (fields, model) before any of the file is read."""
+    try:
+        data = json.loads(raw)
+    except ValueError as error:
+        raise ApiError(422, f"the {SPEC_FIELD!r} field is not JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ApiError(422, f"the {SPEC_FIELD!r} field must be a JSON object")
+    if "input_uri" in data:
+        raise ApiError(422, "input_uri: leave it out when uploading a file; the upload is the input")
+    check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI}))
+    return data
+
+
+async def _drain(events: AsyncIterator[PartStart | PartData | PartEnd]) -> None:
+    # Read the rest of the body before answering, so the client sees our error, not a broken pipe.
+    async for _event in events:
+        pass
+
+
+async def submit_upload(context: ApiContext, request: Request) -> JobStatus:
+    events = iter_multipart(request)
+    receiver = _Receiver(context)
+    try:
+        spec, upload = await receiver.receive(events)
+        resolved = await run_in_threadpool(validate_input, context, spec, upload.store, upload.key)
+    except Exception:
+        await _drain(events)
+        await receiver.discard()
+        raise
+    return await run_in_threadpool(create_and_enqueue, context, resolved, receiver.job_id)
+
+
+class _Receiver:
+    """Walks the parts: the spec first, then the file into `jobs/<id>/input/<name>`."""
+
+    def __init__(self, context: ApiContext) -> None:
+        self.context = context
+        self.job_id: str | None = None
+        self.upload: _Upload | None = None
+        self._wrote = False
+
+    async def receive(self, events: AsyncIterator[PartStart | PartData | PartEnd]) -> tuple[JobSpec, _Upload]:
+        spec_data: dict[str, object] | None = None
+        spec: JobSpec | None = None
+        spec_bytes = bytearray()
+        current: str | None = None
+        async for event in events:
+            if isinstance(event, PartStart):
+                current = event.name
+                if current == FILE_FIELD:
+                    if spec_data is None:
+                        raise ApiError(400, f"send the {SPEC_FIELD!r} field before the {FILE_FIELD!r} field")
+                    spec = await self._start_file(spec_data, event.filename)
+                elif current != SPEC_FIELD:
+                    raise ApiError(400, f"unexpected form field {current!r} (expected {SPEC_FIELD!r}, then "
+                                        f"{FILE_FIELD!r})")
+            elif isinstance(event, PartData):
+                if current == SPEC_FIELD:
+                    spec_bytes += event.data
+                    if len(spec_bytes) > MAX_SPEC_BYTES:
+                        raise ApiError(413, f"the {SPEC_FIELD!r} field is larger than {MAX_SPEC_BYTES} bytes")
+                elif self.upload is not None:
+                    await self.upload.write(event.data)
+            elif current == SPEC_FIELD:
+                spec_data = _spec_for_upload(self.context, bytes(spec_bytes))
+            elif current == FILE_FIELD and self.upload is not None:
+                await self._finish_file(spec_data or {})
+        if spec is None or self.upload is None:
+            raise ApiError(400, f"a multipart submit needs a {SPEC_FIELD!r} field, then a {FILE_FIELD!r} "
+                                "field")
+        return spec, self.upload
+
+    async def _start_file(self, spec_data: dict[str, object], filename: str | None) -> JobSpec:
+        if self.upload is not None:
+            raise ApiError(400, f"one {FILE_FIELD!r} per job")
+        self.job_id = JobRepository.job_id_for(parse_spec({**spec_data, "input_uri": PENDING_UPLOAD_URI}))
+        key = self.context.repository.layout(self.job_id).input_key(input_name(filename))
+        spec = parse_spec({**spec_data, "input_uri": self.context.store.uri(key)})
+        self.upload = await run_in_threadpool(_Upload, self.context.store, key)
+        return spec
+
+    async def _finish_file(self, spec_data: dict[str, object]) -> None:
+        assert self.upload is not None
+        self._wrote = await self.upload.finish()
+        if self._wrote:
+            return
+        # An earlier submit with this idempotency key uploaded here: the same file, or a conflict.
+        stored = await run_in_threadpool(_stored_sha256, self.upload.store, self.upload.key)
+        if stored != self.upload.sha256.hexdigest():
+            raise ApiError(409, f"idempotency_key {spec_data.get('idempotency_key')!r} was already used "
+                                "with a different file")
+
+    async def discard(self) -> None:
+        """After a failed submit: drop a half-written upload, or one this request wrote."""
+        if self.upload is None:
+            return
+        await self.upload.abort()
+        if self._wrote:
+            await run_in_threadpool(self.upload.store.delete, self.upload.key)
