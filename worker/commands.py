@@ -23,3 +23,10 @@ def bench(argv: list[str]) -> int:
     import importlib
 
     return importlib.import_module(targets[argv[0]]).bench_cli(argv[1:])
+
+
+def serve_worker(argv: list[str]) -> int:
+    """`bulkinfer serve worker`: a Celery worker hosting the engine (see worker/main.py)."""
+    from worker.main import serve_worker as run
+
+    return run(argv)

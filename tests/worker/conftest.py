@@ -75,7 +75,8 @@ class Pipeline:
 
 @pytest.fixture(scope="module")
 def worker_process(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
-                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Yields the worker's model registry (BULKINFER_MODELS)."""
     models = {"tiny": str(tiny_checkpoint), "tiny-s3": f"s3://{MODELS_BUCKET}/tiny",
               "missing": str(tmp_path_factory.mktemp("models") / "no-such-model")}
     env = {**s3_server.env(), "BULKINFER_STORE_URI": f"s3://{JOBS_BUCKET}/{STORE_PREFIX}",
@@ -87,16 +88,16 @@ def worker_process(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoi
     redis_server.client().flushall()
     with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
                        concurrency=2):
-        yield
+        yield env["BULKINFER_MODELS"]
 
 
 @pytest.fixture
-def pipeline(worker_process: None, redis_server: RedisServer, s3: S3Server) -> Iterator[Pipeline]:
+def pipeline(worker_process: str, redis_server: RedisServer, s3: S3Server) -> Iterator[Pipeline]:
     client = s3.client()
     for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
         client.create_bucket(Bucket=bucket)
     settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/{STORE_PREFIX}",
-                        s3_endpoint_url=s3.endpoint_url)
+                        s3_endpoint_url=s3.endpoint_url, models=worker_process)
     app = create_app(redis_server.url, name="bulkinfer-test-client")
     try:
         yield Pipeline(settings, settings.repository(), app, s3)

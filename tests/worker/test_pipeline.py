@@ -10,7 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from tests.worker.conftest import ENGINE_OPTIONS, Pipeline
+from tests.worker.conftest import ENGINE_OPTIONS, MODELS_BUCKET, Pipeline
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,3 +74,54 @@ def test_chat_messages_are_rendered_with_the_chat_template(pipeline: Pipeline, o
     records = pipeline.output_records(status.job_id)
     assert [record["text"] for record in records] == greedy_texts(offline, expected_prompts)
     assert records[0]["usage"]["prompt_tokens"] == len(expected_prompts[0])
+
+
+def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline: Pipeline) -> None:
+    rows = [
+        {"id": "ok", "question": "def add(a, b):"},
+        "{this line is not json",
+        {"id": "no-question"},
+        {"id": "too-long", "question": "word " * 300},
+        {"id": "empty", "question": ""},
+        {"id": "stop-strings", "question": "x", "sampling": {"stop": ["\n"]}},
+        {"id": "penalty", "question": "x", "sampling": {"presence_penalty": 0.5}},
+        {"id": "neutral-penalty", "question": "x", "sampling": {"presence_penalty": 0.0}},
+        {"id": "logprobs", "question": "x", "sampling": {"logprobs": 2}},
+        {"id": "json", "question": "x", "format": {"type": "json_object"}},
+    ]
+    lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
+    spec = JobSpec(input_uri=pipeline.put_input("mixed.jsonl", lines), model="tiny", id_column="id",
+                   template="{question}", sampling_column="sampling", response_format_column="format",
+                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS}, shard_size=4)
+    bad_json_id = str(len(lines[0]) + 1)  # a line that is not JSON is named by its byte offset
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = pipeline.output_records(status.job_id)
+    codes = {record["id"]: (record["error"] or {}).get("code") for record in records}
+    assert codes == {"ok": None, "neutral-penalty": None, bad_json_id: "invalid_json",
+                     "no-question": "missing_column", "too-long": "prompt_too_long", "empty": "invalid_row",
+                     "stop-strings": "invalid_sampling", "penalty": "invalid_sampling",
+                     "logprobs": "invalid_sampling", "json": "invalid_response_format"}
+    messages = {record["id"]: (record["error"] or {}).get("message", "") for record in records}
+    assert "stop strings" in messages["stop-strings"] and "presence_penalty=0.5" in messages["penalty"]
+    assert "logprobs" in messages["logprobs"] and "max_model_len=256" in messages["too-long"]
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 2, 8)
+    errors = pipeline.error_records(status.job_id)
+    assert sorted(error["id"] for error in errors) == sorted(k for k, code in codes.items() if code)
+
+
+def test_a_model_in_s3_is_downloaded_once_and_served(pipeline: Pipeline, tiny_checkpoint: Path,
+                                                     offline: LLM) -> None:
+    client = pipeline.s3.client()
+    for path in sorted(tiny_checkpoint.iterdir()):
+        client.upload_file(str(path), MODELS_BUCKET, f"tiny/{path.name}")
+    lines = [json.dumps({"q": text}) for text in QUESTIONS[:3]]
+    spec = JobSpec(input_uri=pipeline.put_input("s3-model.jsonl", lines), model="tiny-s3", prompt_column="q",
+                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert [r["text"] for r in pipeline.output_records(status.job_id)] == greedy_texts(offline, QUESTIONS[:3])

@@ -1,0 +1,122 @@
+"""Jobs that do not simply run through: shards delivered twice, cancel mid-job, jobs that cannot run."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from celery.result import AsyncResult
+
+from jobs.spec import JobSpec
+from jobs.status import JobState
+from tests.worker.conftest import INPUTS_BUCKET, JOB_TIMEOUT_S, Pipeline
+from worker.context import WorkerContext
+from worker.job_lifecycle import plan_job
+from worker.tasks import shard_task_id
+
+pytestmark = pytest.mark.timeout(300)
+
+QUESTIONS = ["def add(a, b):", "import sys\n", "def add(a, b, c):", "class Point:"]
+MAX_TOKENS = 5
+
+
+def test_a_shard_run_again_adds_no_rows_and_a_part_left_by_a_crashed_run_is_replaced(
+        pipeline: Pipeline) -> None:
+    lines = [json.dumps({"id": f"q{n}", "question": text}) for n, text in enumerate(QUESTIONS[:4])]
+    spec = JobSpec(input_uri=pipeline.put_input("rerun.jsonl", lines), model="tiny", id_column="id",
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+                   shard_size=2)
+    job_id = pipeline.repository.create(spec).job_id
+    layout = pipeline.repository.layout(job_id)
+    # Plan here, keeping the shard tasks, so the test decides when (and how often) each one runs.
+    planned: list[tuple[int, str]] = []
+    plan_job(WorkerContext(pipeline.settings), job_id, lambda _, index, queue: planned.append((index, queue)))
+    assert planned == [(0, "bulkinfer.model.tiny"), (1, "bulkinfer.model.tiny")]
+    # A run of shard 0 that died after writing its part but before its shard result (the commit point).
+    stale = json.dumps({"id": "q0", "text": "from a run that crashed"}) + "\n"
+    pipeline.repository.store.put_bytes(f"{layout.output_dir}/part-00000.jsonl", stale.encode())
+
+    def run(index: int) -> dict:
+        return pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, index],
+                                         queue="bulkinfer.model.tiny").get(timeout=JOB_TIMEOUT_S)
+
+    first, again = run(0), run(0)  # delivered twice, as after a lost worker
+
+    assert first["status"] == again["status"] == "done" and again["already_done"] is True
+    running = pipeline.repository.get(job_id)
+    assert (running.state, running.shards.done, running.rows.succeeded) == (JobState.RUNNING, 1, 2)
+    run(1)
+    status = pipeline.wait_for_end(job_id)
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = pipeline.output_records(job_id)
+    assert [record["id"] for record in records] == ["q0", "q1", "q2", "q3"]
+    assert "from a run that crashed" not in [record["text"] for record in records]
+    assert (status.rows.total, status.rows.succeeded, status.shards.done) == (4, 4, 2)
+    # And once more after the job succeeded: nothing changes.
+    manifest = pipeline.manifest(job_id)
+    assert run(0)["status"] == "skipped: job is succeeded"
+    finalize = pipeline.client.send_task("bulkinfer.finalize_job", args=[job_id], queue="bulkinfer.control")
+    assert finalize.get(timeout=JOB_TIMEOUT_S)["status"] == "skipped: job is succeeded"
+    assert pipeline.manifest(job_id) == manifest and pipeline.output_records(job_id) == records
+    assert pipeline.repository.get(job_id).usage == status.usage
+
+
+def test_cancel_mid_job_stops_new_rows_and_the_job_ends_cancelled(pipeline: Pipeline) -> None:
+    # Long generations (max_tokens up to the model length) so shards take a while.
+    lines = [json.dumps({"question": f"def f{n}(x):"}) for n in range(24)]
+    spec = JobSpec(input_uri=pipeline.put_input("long.jsonl", lines), model="tiny", prompt_column="question",
+                   sampling={"temperature": 0.0, "max_tokens": 240}, shard_size=2)
+    job_id = pipeline.submit(spec)
+    shard_count = 12
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while pipeline.repository.get(job_id).shards.done < 1:
+        assert time.monotonic() < deadline, "no shard finished"
+        time.sleep(0.05)
+
+    pipeline.repository.request_cancel(job_id)
+
+    outcomes = [AsyncResult(shard_task_id(job_id, index), app=pipeline.client).get(timeout=JOB_TIMEOUT_S)
+                for index in range(shard_count)]
+    statuses = [outcome["status"] for outcome in outcomes]
+    assert "cancelled" in statuses and set(statuses) <= {"done", "cancelled"}
+    status = pipeline.repository.get(job_id)
+    assert status.state == JobState.CANCELLED
+    done = statuses.count("done")
+    assert status.shards.done == done < shard_count
+    assert status.rows.succeeded + status.rows.failed == 2 * done
+    # Finished shards keep their parts; cancelled ones wrote none, and there is no manifest.
+    layout = pipeline.repository.layout(job_id)
+    store = pipeline.repository.store
+    parts = [info.key for info in store.list(layout.output_dir + "/")]
+    assert len(parts) == done
+    assert not store.exists(layout.manifest_key)
+
+
+def test_an_unknown_model_fails_the_job_with_a_message(pipeline: Pipeline) -> None:
+    spec = JobSpec(input_uri=pipeline.put_input("one.jsonl", [json.dumps({"q": "x"})]), model="gpt-9",
+                   prompt_column="q")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.FAILED
+    assert "gpt-9" in status.error and "tiny" in status.error
+
+
+def test_an_unreadable_input_fails_the_job_with_a_message(pipeline: Pipeline) -> None:
+    spec = JobSpec(input_uri=f"s3://{INPUTS_BUCKET}/nowhere.jsonl", model="tiny", prompt_column="q")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.FAILED
+    assert "cannot read the input" in status.error and "nowhere.jsonl" in status.error
+
+
+def test_a_model_whose_files_are_missing_fails_the_job_from_its_shard(pipeline: Pipeline) -> None:
+    spec = JobSpec(input_uri=pipeline.put_input("one.jsonl", [json.dumps({"q": "x"})]), model="missing",
+                   prompt_column="q")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.FAILED
+    assert "cannot load model 'missing'" in status.error and "no-such-model" in status.error

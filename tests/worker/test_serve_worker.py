@@ -1,0 +1,74 @@
+"""`bulkinfer serve worker`: the Celery arguments it builds, and a real start answering pings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from celery import Celery
+
+from jobs.models import ModelRegistry, UnknownModel
+from tests.fixtures.services import REPO_ROOT, RedisServer, ServiceDied, wait_until
+from worker.main import parse_args, serve_worker, worker_argv
+
+REGISTRY = ModelRegistry({"tiny": "/models/tiny", "small": "s3://models/small"})
+
+
+def test_every_registry_model_and_the_control_queue_by_default() -> None:
+    argv, models = worker_argv(parse_args([]), REGISTRY)
+    assert models == ["small", "tiny"]
+    assert argv == ["worker", "--pool=threads", "--concurrency=2", "-Q",
+                    "bulkinfer.control,bulkinfer.model.small,bulkinfer.model.tiny", "--loglevel=INFO"]
+
+
+def test_chosen_models_without_control_tasks() -> None:
+    argv, models = worker_argv(parse_args(["--model", "tiny", "--no-control", "--concurrency", "3",
+                                           "-n", "gpu0@host"]), REGISTRY)
+    assert models == ["tiny"]
+    assert argv == ["worker", "--pool=threads", "--concurrency=3", "-Q", "bulkinfer.model.tiny",
+                    "--loglevel=INFO", "-n", "gpu0@host"]
+
+
+def test_an_unknown_model_or_an_empty_registry_is_refused() -> None:
+    with pytest.raises(UnknownModel, match="served: small, tiny"):
+        worker_argv(parse_args(["--model", "gpt-9"]), REGISTRY)
+    with pytest.raises(ValueError, match="BULKINFER_MODELS"):
+        worker_argv(parse_args([]), ModelRegistry())
+
+
+def test_serve_worker_exits_with_a_usage_error_for_an_unknown_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("BULKINFER_MODELS", json.dumps({"tiny": "/models/tiny"}))
+    assert serve_worker(["--model", "gpt-9"]) == 2
+    assert "model 'gpt-9' is not served here (served: tiny)" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_serve_worker_runs_a_worker_on_the_model_queues(redis_server: RedisServer, tiny_checkpoint: Path,
+                                                        tmp_path: Path) -> None:
+    node = f"serve-{os.getpid()}@127.0.0.1"
+    env = {**os.environ, "BULKINFER_BROKER_URL": redis_server.url, "PYTHONPATH": str(REPO_ROOT),
+           "BULKINFER_MODELS": json.dumps({"tiny": str(tiny_checkpoint)}), "HF_HUB_OFFLINE": "1",
+           "BULKINFER_STORE_URI": str(tmp_path / "store")}
+    code = "import sys; from worker.commands import serve_worker; sys.exit(serve_worker(sys.argv[1:]))"
+    process = subprocess.Popen([sys.executable, "-c", code, "--no-preload", "-n", node], cwd=REPO_ROOT,
+                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    control = Celery(broker=redis_server.url)
+
+    def answers() -> bool:
+        if process.poll() is not None:
+            raise ServiceDied(f"serve_worker exited with {process.returncode}")
+        return bool(control.control.ping(destination=[node], timeout=0.5))
+
+    try:
+        wait_until(answers, timeout=60, what="serve_worker's worker")
+        queues = control.control.inspect(destination=[node], timeout=2).active_queues()[node]
+        assert sorted(queue["name"] for queue in queues) == ["bulkinfer.control", "bulkinfer.model.tiny"]
+    finally:
+        control.close()
+        process.terminate()
+        process.wait(timeout=30)
