@@ -120,3 +120,13 @@ def test_a_model_whose_files_are_missing_fails_the_job_from_its_shard(pipeline: 
 
     assert status.state == JobState.FAILED
     assert "cannot load model 'missing'" in status.error and "no-such-model" in status.error
+
+
+def test_an_empty_input_succeeds_with_no_rows(pipeline: Pipeline) -> None:
+    spec = JobSpec(input_uri=pipeline.put_input("empty.jsonl", []), model="tiny", prompt_column="q")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert (status.rows.total, status.shards.done, status.shards.total) == (0, 1, 1)
+    assert pipeline.output_records(status.job_id) == []
