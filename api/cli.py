@@ -25,8 +25,10 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "demo": Command("worker.commands:demo", "Run the main job on the embedded default and print results",
-                    "worker"),
+    "up": Command("api.commands:up", "Run Redis, the API and a worker here (data in ./.bulkinfer) "
+                  "until Ctrl-C", "server"),
+    "demo": Command("api.commands:demo", "Run a real job through the embedded stack and print results "
+                    "(--offline: the engine alone)", "worker"),
     "make-checkpoint": Command("worker.commands:make_checkpoint",
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),

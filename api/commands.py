@@ -1,0 +1,149 @@
+"""`bulkinfer up` (the embedded stack until Ctrl-C) and `bulkinfer demo` (a real job through it)."""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from api.client import Client
+from api.demo_data import INSTRUCTION, TEMPLATE, sample_jsonl
+from api.stack import Stack, StackError, StackOptions
+from jobs.status import JobState, JobStatus
+
+PRESETS = ["tiny", "small"]
+
+
+def _stack_arguments(parser: argparse.ArgumentParser, port: int) -> None:
+    parser.add_argument("--home", type=Path, default=Path(".bulkinfer"),
+                        help="where Redis data, the job store, logs and models live (default: .bulkinfer)")
+    parser.add_argument("--port", type=int, default=port, help="API port (0: any free port)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--preset", choices=PRESETS, default="small",
+                        help="the locally built checkpoint to serve, registered under this name")
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="where checkpoints are built and kept (default: HOME/models)")
+
+
+def up(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="bulkinfer up", description="Run Redis, the API and one worker "
+                                     "here, with jobs in a local directory, until Ctrl-C.")
+    _stack_arguments(parser, port=8000)
+    args = parser.parse_args(argv)
+    options = StackOptions(home=args.home, host=args.host, port=args.port, preset=args.preset,
+                           models_dir=args.models_dir)
+    try:
+        stack = Stack(options).start()
+    except StackError as error:
+        print(f"bulkinfer up: {error}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    print(f"api     {stack.url} (OpenAPI docs at {stack.url}/docs)")
+    print(f"bulkinfer is up; jobs are kept in {stack.home / 'store'}. Ctrl-C to stop.", flush=True)
+    problem = None
+    while not stop.wait(0.5):
+        problem = stack.problem()
+        if problem:
+            print(f"bulkinfer up: {problem}", file=sys.stderr)
+            break
+    print("stopping…", flush=True)
+    stack.stop()
+    print("stopped", flush=True)
+    return 1 if problem else 0
+
+
+class _Progress:
+    """Prints a line whenever the row counts move."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, int, str] | None = None
+
+    def __call__(self, status: JobStatus) -> None:
+        done = status.rows.succeeded + status.rows.failed
+        seen = (done, status.shards.done, status.state.value)
+        if seen != self._last:
+            self._last = seen
+            total = status.rows.total or "?"
+            print(f"  {status.state.value:<10} rows {done}/{total} done, shards {status.shards.done}/"
+                  f"{status.shards.total or '?'}", flush=True)
+
+
+def _print_figures(status: JobStatus, submit_to_done_s: float) -> None:
+    rows, usage = status.rows, status.usage
+    running_s = ((status.finished_at - status.started_at).total_seconds()
+                 if status.finished_at and status.started_at else submit_to_done_s)
+    print(f"\nrows: {rows.total} ({rows.succeeded} succeeded, {rows.failed} failed), "
+          f"shards: {status.shards.total}")
+    print(f"tokens: prompt {usage.prompt}, served from prefix cache {usage.cached} "
+          f"({usage.cached / max(usage.prompt, 1):.0%}), completion {usage.completion}")
+    print(f"wall time: {submit_to_done_s:.2f}s from submit to done ({running_s:.2f}s running)")
+    print(f"throughput: {rows.total / running_s:.1f} rows/s, "
+          f"{usage.completion / running_s:.1f} output tok/s, "
+          f"{(usage.prompt + usage.completion) / running_s:.1f} total tok/s")
+
+
+def demo(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="bulkinfer demo", description="Start the embedded stack, run a job of support tickets under "
+        "one shared instruction through API → Celery → worker → object store, print results and figures.")
+    _stack_arguments(parser, port=0)
+    parser.add_argument("--rows", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--shard-size", type=int, default=16, help="rows per shard")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the job")
+    parser.add_argument("--offline", action="store_true",
+                        help="run the engine-only demo instead (no API, Celery or store)")
+    args = parser.parse_args(argv)
+    if args.offline:
+        from api.cli import Command  # the engine's own demo, loaded by name like every engine command
+
+        offline = ["--rows", str(args.rows), "--preset", args.preset, "--max-tokens", str(args.max_tokens)]
+        return Command("worker.commands:demo", "the engine-only demo", "worker").load()(offline)
+
+    demo_home = args.home / "demo"
+    for leftover in ("redis", "store", "logs"):  # each demo starts from an empty Redis and store
+        shutil.rmtree(demo_home / leftover, ignore_errors=True)
+    options = StackOptions(home=demo_home, host=args.host, port=args.port, preset=args.preset,
+                           models_dir=args.models_dir or args.home / "models")
+    print(f"bulkinfer demo: {args.rows} rows through API → Celery → worker → object store")
+    started = time.perf_counter()
+    try:
+        with Stack(options) as stack:
+            print(f"api     {stack.url}\nstack ready in {time.perf_counter() - started:.1f}s", flush=True)
+            return _run_demo_job(stack, args)
+    except StackError as error:
+        print(f"bulkinfer demo: {error}", file=sys.stderr)
+        return 1
+
+
+def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
+    spec = {"model": stack.options.model_name, "id_column": "id", "template": TEMPLATE,
+            "instructions": INSTRUCTION, "shard_size": args.shard_size,
+            "sampling": {"temperature": 0, "max_tokens": args.max_tokens}}
+    with Client(stack.url, timeout=60) as client, tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "tickets.jsonl"
+        path.write_bytes(sample_jsonl(args.rows))
+        submitted = time.perf_counter()
+        job = client.jobs.create(spec, file=path)
+        print(f"\nsubmitted {job.job_id} (model '{spec['model']}', upload {path.stat().st_size} bytes)")
+        final = client.jobs.wait(job.job_id, poll_interval=0.25, timeout=args.timeout,
+                                 on_progress=_Progress())
+        submit_to_done = time.perf_counter() - submitted
+        if final.state != JobState.SUCCEEDED:
+            print(f"\njob {final.job_id} {final.state.value}: {final.error}", file=sys.stderr)
+            return 1
+        rows = client.jobs.results(final.job_id)
+        for row in (next(rows) for _ in range(min(3, final.rows.total))):
+            print(f"\n- {row['id']}\n  output ({row['finish_reason']}): {str(row['text'])[:120]!r}")
+        rows.close()
+        print("\n(a random-weight checkpoint built locally: its text is noise, its figures are real)")
+        _print_figures(final, submit_to_done)
+        print(f"outputs: {final.output_uris[0] if final.output_uris else '-'} …")
+    return 0 if final.rows.failed == 0 else 1

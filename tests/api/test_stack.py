@@ -1,0 +1,71 @@
+"""`bulkinfer demo` and `bulkinfer up` as a user runs them: subprocesses, real Redis, worker and API."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fixtures.services import REPO_ROOT, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One tiny checkpoint for both commands: the first one builds it."""
+    return tmp_path_factory.mktemp("models")
+
+
+def bulkinfer(*args: str, **popen) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=REPO_ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
+
+
+def test_demo_runs_a_job_through_the_stack_and_prints_its_figures(tmp_path: Path, models_dir: Path) -> None:
+    process = bulkinfer("demo", "--preset", "tiny", "--rows", "12", "--max-tokens", "4", "--shard-size", "4",
+                        "--home", str(tmp_path), "--models-dir", str(models_dir))
+    output, _ = process.communicate(timeout=240)
+    assert process.returncode == 0, output
+    assert "rows 12/12 done, shards 3/3" in output
+    assert "rows: 12 (12 succeeded, 0 failed), shards: 3" in output
+    assert re.search(r"tokens: prompt \d+, served from prefix cache [1-9]\d* \(\d+%\), completion 48", output)
+    assert re.search(r"throughput: [\d.]+ rows/s, [\d.]+ output tok/s", output)
+    assert "- ticket-0000" in output
+    worker_pid = int(re.search(r"worker  pid (\d+)", output).group(1))
+    assert not Path(f"/proc/{worker_pid}").exists()  # the stack was stopped
+
+
+def test_up_serves_until_ctrl_c_then_stops_every_process(tmp_path: Path, models_dir: Path) -> None:
+    port = free_port()
+    process = bulkinfer("up", "--preset", "tiny", "--port", str(port), "--home", str(tmp_path),
+                        "--models-dir", str(models_dir))
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 180
+        while not any("Ctrl-C to stop" in line for line in lines):
+            assert time.monotonic() < deadline and process.poll() is None, "".join(lines)
+            lines.append(process.stdout.readline())
+        health = httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=10).json()
+        assert health == {"status": "ok", "checks": {"redis": "ok", "store": "ok"}}
+        assert httpx.get(f"http://127.0.0.1:{port}/models", timeout=10).json() == {"models": ["tiny"]}
+        children = [int(pid) for pid in re.findall(r"pid (\d+)", "".join(lines))]
+        process.send_signal(signal.SIGINT)
+        rest, _ = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, "".join(lines) + rest
+    assert rest.strip().endswith("stopped")
+    assert len(children) == 2 and not any(Path(f"/proc/{pid}").exists() for pid in children)  # redis, worker
+    assert (tmp_path / "store").is_dir() and (tmp_path / "redis").is_dir()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
