@@ -1,0 +1,211 @@
+"""Whole jobs over HTTP: API → Redis/Celery → a real worker process (tiny model) → moto S3 → API.
+
+One worker process serves the module. Redis is flushed once, at the start: a flush between tests
+would delete the worker's queue bindings, so tests here never use `redis_url` or `s3`.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from api.app import create_app
+from api.client import Client
+from api.server import ServerThread
+from engine import LLM, SamplingParams
+from jobs.models import QUEUE_PREFIX
+from jobs.repository import JobRepository
+from jobs.settings import Settings
+from jobs.status import JobState, JobStatus
+from tests.fixtures.services import RedisServer, S3Server, celery_worker, free_port
+
+pytestmark = pytest.mark.timeout(300)
+
+JOBS_BUCKET = "e2e-jobs"
+INPUTS_BUCKET = "e2e-inputs"
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16}
+MAX_TOKENS = 6
+INSTRUCTIONS = "Complete the Python line, in the style of the standard library. " * 4  # several KV blocks
+QUESTIONS = ["def add(a, b):", "import sys\n", "class Point:", "for i in range(", "while True:",
+             "return x +", "import os\n", "if __name__ ==", "def main():", "print("]
+JOB_TIMEOUT_S = 120
+
+
+@dataclass
+class Deployment:
+    client: Client
+    url: str
+    repository: JobRepository
+    s3: S3Server
+    broker_url: str
+
+    def put_input(self, name: str, body: bytes) -> str:
+        self.s3.client().put_object(Bucket=INPUTS_BUCKET, Key=name, Body=body)
+        return f"s3://{INPUTS_BUCKET}/{name}"
+
+
+@pytest.fixture(scope="module")
+def deployment(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    redis_server.client().flushall()
+    s3_server.reset()
+    for bucket in (JOBS_BUCKET, INPUTS_BUCKET):
+        s3_server.client().create_bucket(Bucket=bucket)
+    models = json.dumps({"tiny": str(tiny_checkpoint)})
+    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/bulkinfer",
+                        s3_endpoint_url=s3_server.endpoint_url, models=models)
+    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_WORKER_MODELS": "tiny",
+                  "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS), "HF_HUB_OFFLINE": "1",
+                  "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache"))}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.env().items():  # S3 credentials for the API in this process
+            patch.setenv(name, value)
+        with celery_worker("worker.celery_app", redis_server.url, env=worker_env,
+                           queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
+                ServerThread(create_app(settings), port=free_port()) as server, \
+                Client(server.url, timeout=30) as client:
+            yield Deployment(client, server.url, settings.repository(), s3_server, redis_server.url)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_checkpoint: Path) -> LLM:
+    return LLM(str(tiny_checkpoint), **ENGINE_OPTIONS)
+
+
+def greedy(llm: LLM, prompts: list) -> list[str]:
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [output.text for output in outputs]
+
+
+def wait(deployment: Deployment, job_id: str) -> JobStatus:
+    status = deployment.client.jobs.wait(job_id, poll_interval=0.1, timeout=JOB_TIMEOUT_S)
+    assert status.state == JobState.SUCCEEDED, status.error
+    return status
+
+
+SAMPLING = {"temperature": 0.0, "max_tokens": MAX_TOKENS}
+
+
+def test_a_parquet_job_returns_every_row_once_in_order_equal_to_offline_greedy_output(
+        deployment: Deployment, offline: LLM) -> None:
+    table = pa.table({"id": [f"q{n}" for n in range(len(QUESTIONS))], "q": QUESTIONS})
+    buffer = io.BytesIO()
+    pq.write_table(table, buffer, row_group_size=3)
+    job = deployment.client.jobs.create({
+        "input_uri": deployment.put_input("questions.parquet", buffer.getvalue()), "model": "tiny",
+        "id_column": "id", "prompt_column": "q", "instructions": INSTRUCTIONS, "sampling": SAMPLING,
+        "shard_size": 3})
+
+    status = wait(deployment, job.job_id)
+
+    rows = list(deployment.client.jobs.results(job.job_id))
+    assert [row["id"] for row in rows] == [f"q{n}" for n in range(len(QUESTIONS))]
+    assert [row["text"] for row in rows] == greedy(offline, [f"{INSTRUCTIONS}\n\n{q}" for q in QUESTIONS])
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
+    assert (status.shards.done, status.shards.total) == (4, 4)
+    assert status.usage.completion == sum(row["completion_tokens"] for row in rows)  # Parquet: flat columns
+    assert status.usage.cached > 0  # the shared instruction came from the prefix cache
+    parts = deployment.client.jobs.result_parts(job.job_id)
+    first = pq.read_table(io.BytesIO(httpx.get(parts.parts[0].url).content))
+    assert first.column("id").to_pylist() == ["q0", "q1", "q2"]
+
+
+def test_an_uploaded_jsonl_job_reports_bad_rows_and_still_succeeds(deployment: Deployment,
+                                                                   offline: LLM) -> None:
+    rows = [{"id": "ok-1", "question": QUESTIONS[0]},
+            "{this line is not json",
+            {"id": "no-question"},
+            {"id": "too-long", "question": "word " * 300},
+            {"id": "ok-2", "question": QUESTIONS[1]}]
+    lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
+    body = "".join(line + "\n" for line in lines).encode()
+    job = deployment.client.jobs.create({"model": "tiny", "id_column": "id", "template": "{question}",
+                                         "sampling": SAMPLING, "shard_size": 2},
+                                        file=io.BytesIO(body), filename="mixed.jsonl")
+
+    status = wait(deployment, job.job_id)
+
+    results = list(deployment.client.jobs.results(job.job_id))
+    bad_json_id = str(len(lines[0]) + 1)  # a line that is not JSON is named by its byte offset
+    assert [row["id"] for row in results] == ["ok-1", bad_json_id, "no-question", "too-long", "ok-2"]
+    codes = [(row["error"] or {}).get("code") for row in results]
+    assert codes == [None, "invalid_json", "missing_column", "prompt_too_long", None]
+    assert [results[0]["text"], results[4]["text"]] == greedy(offline, QUESTIONS[:2])
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (5, 2, 3)
+    error_parts = deployment.client.jobs.result_parts(job.job_id).error_parts
+    assert sum(part.rows for part in error_parts) == 3
+
+
+def test_an_openai_batch_job_answers_each_custom_id_once_in_order(deployment: Deployment,
+                                                                  offline: LLM) -> None:
+    def line(custom_id: str, url: str, body: dict) -> str:
+        return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+    knobs = {"model": "gpt-4o-mini", "max_tokens": MAX_TOKENS, "temperature": 0}
+    chats = [[{"role": "user", "content": q}] for q in QUESTIONS[:4]]
+    lines = [line(f"chat-{n}", "/v1/chat/completions", {**knobs, "messages": messages})
+             for n, messages in enumerate(chats)]
+    lines.append(line("completion", "/v1/completions", {**knobs, "prompt": QUESTIONS[5]}))
+    uri = deployment.put_input("batch.jsonl", "\n".join(lines).encode())
+    job = deployment.client.jobs.create({"input_uri": uri, "model": "tiny", "shard_size": 2})
+
+    wait(deployment, job.job_id)
+
+    records = list(deployment.client.jobs.results(job.job_id))
+    assert [record["custom_id"] for record in records] == [f"chat-{n}" for n in range(4)] + ["completion"]
+    assert all(record["error"] is None and record["response"]["status_code"] == 200 for record in records)
+    assert records[0]["response"]["body"]["object"] == "chat.completion"
+    completion = records[4]["response"]["body"]
+    assert completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == greedy(offline, [QUESTIONS[5]])[0]
+
+
+def test_counts_move_while_a_job_runs_and_cancel_stops_it(deployment: Deployment) -> None:
+    rows = [json.dumps({"q": QUESTIONS[n % len(QUESTIONS)] + f" # {n}"}) for n in range(48)]
+    job = deployment.client.jobs.create({
+        "input_uri": deployment.put_input("many.jsonl", "\n".join(rows).encode()), "model": "tiny",
+        "prompt_column": "q", "sampling": {"temperature": 0.0, "max_tokens": 24}, "shard_size": 2})
+    seen: list[JobStatus] = []
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not any(0 < s.rows.succeeded and s.rows.pending > 0 for s in seen):
+        assert time.monotonic() < deadline, f"no progress seen: {seen[-1] if seen else None}"
+        status = deployment.client.jobs.get(job.job_id)
+        assert not status.state.is_terminal, "the job ended before it could be cancelled"
+        seen.append(status)
+        time.sleep(0.02)
+    running = [s for s in seen if s.state == JobState.RUNNING]
+    assert running[0].rows.pending == 48 and running[0].shards.total == 24
+    assert running[-1].rows.pending == 48 - running[-1].rows.succeeded - running[-1].rows.failed < 48
+
+    cancelled = deployment.client.jobs.cancel(job.job_id)
+    assert cancelled.state == JobState.CANCELLED
+    done_at_cancel = cancelled.shards.done
+
+    # Wait until the worker has taken every shard off the queue and runs none of them.
+    while deployment.repository.redis.llen(f"{QUEUE_PREFIX}tiny") or worker_busy(deployment):
+        assert time.monotonic() < deadline, "the worker never went idle"
+        time.sleep(0.1)
+    final = deployment.client.jobs.get(job.job_id)
+    assert final.state == JobState.CANCELLED
+    assert final.shards.done <= done_at_cancel + 2 < final.shards.total  # at most those in hand finished
+    assert not deployment.repository.store.exists(deployment.repository.layout(job.job_id).manifest_key)
+
+
+def worker_busy(deployment: Deployment) -> bool:
+    from celery import Celery
+
+    app = Celery(broker=deployment.broker_url)
+    try:
+        active = app.control.inspect(timeout=1).active() or {}
+    finally:
+        app.close()
+    return any(active.values())
