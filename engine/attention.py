@@ -85,8 +85,14 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """query ``[T, heads, head_dim]`` -> attention output ``[T, heads, head_dim]``."""
+        """query ``[T, heads, head_dim]`` -> attention output ``[T, heads, head_dim]``.
+
+        ``key``/``value``: this step's new K/V (``[T, kv_heads, head_dim]``, already written to the
+        cache); a backend may read them directly where a chunk has no earlier context.
+        """
 
 
 @dataclass
@@ -101,13 +107,15 @@ class SharedPrefix:
 class DecodePlan:
     """How decode rows read their context this step; computed once, used by every layer."""
 
-    own_block_tables: torch.Tensor  # [R, S] each row's blocks after its shared prefix, padded with 0
-    own_key_bias: torch.Tensor  # [R, 1, 1, S * block_size] 0 where a key is visible, -inf elsewhere
+    # Each row's context after its shared prefix, as rows of the cache viewed [slots * kv_heads, dim],
+    # ordered [R, kv_heads, L]: gathering them yields K/V already in the attention kernel's layout.
+    own_cache_rows: torch.Tensor  # [R * kv_heads * L], L = S * block_size; padding reads block 0
+    own_key_bias: torch.Tensor  # [R, 1, 1, L] 0 where a key is visible, -inf elsewhere
     shared_prefixes: list[SharedPrefix]
 
 
 def plan_decode(
-    metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int
+    metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int, num_kv_heads: int
 ) -> DecodePlan:
     """Find groups of decode rows with common leading blocks (worth it when they save at least
     ``min_shared_tokens`` token reads) and the block tables of what each row reads on its own."""
@@ -134,17 +142,41 @@ def plan_decode(
     cols = torch.arange(width)[None, :]
     own_tables = tables.gather(1, (shift[:, None] + cols).clamp(max=num_cols - 1))
     own_tables.masked_fill_(cols >= num_own_blocks[:, None], 0)
-    key_pos = shift[:, None] * block_size + torch.arange(width * block_size)[None, :]
+    local_pos = torch.arange(width * block_size)
+    slots = own_tables[:, local_pos // block_size] * block_size + local_pos % block_size  # [R, L]
+    cache_rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
+    key_pos = shift[:, None] * block_size + local_pos[None, :]
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:
         # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
     bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(own_tables, bias[:, None, None, :], prefixes)
+    return DecodePlan(cache_rows.reshape(-1), bias[:, None, None, :], prefixes)
 
 
-# SDPA's CPU flash kernel, called directly because merging partial attentions needs its log-sum-exp.
-_flash_attention_with_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+def attention_with_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    use_cpu_kernel: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention [..., q, dim] over [..., k, dim] and its log-sum-exp [..., q].
+
+    Merging partial attentions needs the LSE, which public SDPA does not return: on CPU we call
+    SDPA's flash kernel directly; elsewhere (until a GPU backend exists) plain tensor ops.
+    """
+    if use_cpu_kernel is None:
+        use_cpu_kernel = query.device.type == "cpu"
+    if use_cpu_kernel:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=bias
+        )
+    scores = torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
+    if bias is not None:
+        scores = scores + bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]), value), lse
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -179,6 +211,8 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         sliding_window: int | None = None,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
     ) -> torch.Tensor:
         out = torch.empty_like(query)
         if metadata.num_decodes:
@@ -187,27 +221,36 @@ class TorchPagedAttention(AttentionBackend):
             )
         for i in range(metadata.num_prefills):
             start, length = metadata.prefill_query_starts[i], metadata.prefill_query_lens[i]
+            if key is not None and value is not None and metadata.prefill_seq_lens[i] == length:
+                # A chunk with no earlier context: its K/V are exactly the new rows, no gather needed.
+                keys, values = key[start : start + length], value[start : start + length]
+            else:
+                keys, values = self._context(k_cache, v_cache, metadata, i)
             out[start : start + length] = self._prefill(
-                query[start : start + length], k_cache, v_cache, metadata, i, sliding_window
+                query[start : start + length], keys, values, metadata.prefill_mask(i, sliding_window)
             )
         return out
 
-    def decode_plan(self, metadata: AttentionMetadata, sliding_window: int | None) -> DecodePlan:
+    def decode_plan(
+        self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int
+    ) -> DecodePlan:
         key = ("decode_plan", sliding_window)
         if key not in metadata._mask_cache:
-            metadata._mask_cache[key] = plan_decode(metadata, sliding_window, self.min_shared_tokens)
+            metadata._mask_cache[key] = plan_decode(
+                metadata, sliding_window, self.min_shared_tokens, num_kv_heads
+            )
         return metadata._mask_cache[key]  # type: ignore[return-value]
 
-    def _gather(self, cache: torch.Tensor, block_table: torch.Tensor, workspace: int) -> torch.Tensor:
-        """Copy the blocks of ``block_table`` ([R, B]) into a workspace: [R, B * block_size, kvh, dim]."""
-        rows, blocks = block_table.shape
-        needed = rows * blocks * cache[0].numel()
+    def _gather_rows(self, cache: torch.Tensor, rows: torch.Tensor, workspace: int) -> torch.Tensor:
+        """Copy ``rows`` of ``cache`` viewed as [slots * kv_heads, dim] into a reused buffer."""
+        head_dim = cache.shape[-1]
+        needed = rows.numel() * head_dim
         buffer = self._workspaces[workspace]
         if buffer.numel() < needed or buffer.dtype != cache.dtype or buffer.device != cache.device:
             buffer = self._workspaces[workspace] = torch.empty(needed, dtype=cache.dtype, device=cache.device)
-        gathered = buffer[:needed].view(rows * blocks, *cache.shape[1:])
-        torch.index_select(cache, 0, block_table.reshape(-1), out=gathered)
-        return gathered.view(rows, blocks * cache.shape[1], *cache.shape[2:])
+        gathered = buffer[:needed].view(rows.numel(), head_dim)
+        torch.index_select(cache.view(-1, head_dim), 0, rows, out=gathered)
+        return gathered
 
     def _decode(
         self,
@@ -222,12 +265,13 @@ class TorchPagedAttention(AttentionBackend):
         num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[-2]
         group = num_heads // num_kv_heads
-        plan = self.decode_plan(metadata, sliding_window)
+        plan = self.decode_plan(metadata, sliding_window, num_kv_heads)
         q = query.view(num_rows, num_kv_heads, group, head_dim)
 
-        keys = self._gather(k_cache, plan.own_block_tables, 0).transpose(1, 2)
-        values = self._gather(v_cache, plan.own_block_tables, 1).transpose(1, 2)
-        out, lse = _flash_attention_with_lse(q, keys, values, 0.0, False, attn_mask=plan.own_key_bias)
+        context_shape = (num_rows, num_kv_heads, plan.own_key_bias.shape[-1], head_dim)
+        keys = self._gather_rows(k_cache, plan.own_cache_rows, 0).view(context_shape)
+        values = self._gather_rows(v_cache, plan.own_cache_rows, 1).view(context_shape)
+        out, lse = attention_with_lse(q, keys, values, plan.own_key_bias)
 
         for prefix in plan.shared_prefixes:
             n = len(prefix.rows)
@@ -235,8 +279,8 @@ class TorchPagedAttention(AttentionBackend):
             prefix_values = v_cache.index_select(0, prefix.block_ids).view(-1, num_kv_heads, head_dim)
             # All rows of the group as one block of queries: [1, kvh, n * group, dim].
             group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-            shared_out, shared_lse = _flash_attention_with_lse(
-                group_q, prefix_keys.transpose(0, 1)[None], prefix_values.transpose(0, 1)[None], 0.0, False
+            shared_out, shared_lse = attention_with_lse(
+                group_q, prefix_keys.transpose(0, 1)[None], prefix_values.transpose(0, 1)[None]
             )
             shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
             shared_lse = shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
@@ -248,21 +292,23 @@ class TorchPagedAttention(AttentionBackend):
             )
         return out.reshape(num_rows, num_heads, head_dim)
 
-    def _prefill(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        index: int,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
+    @staticmethod
+    def _context(
+        k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, index: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's whole context (cached tokens + its own), read through its block table."""
         seq_len = metadata.prefill_seq_lens[index]
         blocks = metadata.prefill_block_tables[index]
         num_kv_heads, head_dim = k_cache.shape[-2:]
         keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
         values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        mask = metadata.prefill_mask(index, sliding_window)
+        return keys, values
+
+    @staticmethod
+    def _prefill(
+        query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        """query [q_len, heads, dim] over keys/values [seq_len, kv_heads, dim]; GQA in the kernel."""
         out = F.scaled_dot_product_attention(
             query.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],

@@ -15,7 +15,12 @@ import torch
 from safetensors import safe_open
 
 from engine.attention import AttentionBackend
-from engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from engine.models.llama import (
+    LlamaFamilyConfig,
+    LlamaForCausalLM,
+    UnsupportedModelError,
+    onednn_linear_available,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -117,4 +122,6 @@ def load_model(
         model = model_cls(config, backend).to(dtype)
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
+    if onednn_linear_available(torch.device(device), dtype):
+        model.pack_linear_weights()
     return model.eval()

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
-from engine.attention import TorchPagedAttention
+from engine.attention import TorchPagedAttention, attention_with_lse
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models import load_model
@@ -113,8 +113,20 @@ def test_decode_rows_sharing_prefix_blocks_match_transformers(checkpoint_factory
     for r in requests:
         r.num_computed_tokens -= 1
     metadata = runner.prepare_batch(SchedulerOutput(last, 3)).metadata
-    [group] = backend.decode_plan(metadata, None).shared_prefixes
+    [group] = backend.decode_plan(metadata, None, 2).shared_prefixes
     assert group.rows.tolist() == [0, 1, 2] and group.block_ids.tolist() == [1, 2]
+
+
+def test_attention_with_lse_kernel_and_fallback_agree():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(3, 2, n, 16, generator=gen) for n in (2, 40, 40))
+    bias = torch.zeros(3, 1, 1, 40)
+    bias[0, ..., 30:] = float("-inf")
+    kernel_out, kernel_lse = attention_with_lse(q, k, v, bias, use_cpu_kernel=True)
+    plain_out, plain_lse = attention_with_lse(q, k, v, bias, use_cpu_kernel=False)
+    torch.testing.assert_close(kernel_out, plain_out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kernel_lse, torch.logsumexp((q @ k.transpose(-1, -2)) / 4 + bias, -1))
+    torch.testing.assert_close(plain_lse, kernel_lse)
 
 
 def save_random_model(model_cls_config, path, seed: int = 0):
