@@ -17,7 +17,8 @@ router = APIRouter(tags=["service"])
 def healthz(context: Context) -> Health | JSONResponse:
     result = health(context)
     if result.status != "ok":
-        return JSONResponse(result.model_dump(), status_code=503)
+        failing = "; ".join(f"{name}: {state}" for name, state in result.checks.items() if state != "ok")
+        return JSONResponse({"detail": failing, **result.model_dump()}, status_code=503)
     return result
 
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from api.app import create_app
 from api.server import ServerThread
@@ -126,7 +126,7 @@ class Stack:
         self._redis: subprocess.Popen[bytes] | None = None
         self._worker: subprocess.Popen[bytes] | None = None
         self._server: ServerThread | None = None
-        self._log_files: list[IO[bytes]] = []
+        self._log_files: list[IO[Any]] = []  # and the home's lock file: closed by stop()
 
     # -- start ------------------------------------------------------------------------------
 
@@ -136,6 +136,7 @@ class Stack:
         if port_in_use(options.host, port):
             raise StackError(f"port {port} on {options.host} is in use: pass --port (0 for any free port)")
         self.logs.mkdir(parents=True, exist_ok=True)
+        self._lock_home()
         try:
             checkpoint = self._ensure_checkpoint()
             broker_url = self._start_redis()
@@ -148,6 +149,18 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def _lock_home(self) -> None:
+        """One stack per home: two would share Redis's data directory and the store."""
+        import fcntl
+
+        lock = open(self.home / "stack.lock", "w")  # noqa: SIM115 - held until stop()
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise StackError(f"another bulkinfer stack is running with its data in {self.home}") from None
+        self._log_files.append(lock)  # closing it releases the lock
 
     def _ensure_checkpoint(self) -> Path:
         directory = self.options.checkpoint_dir.resolve()

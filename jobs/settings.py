@@ -87,7 +87,8 @@ class Settings(BaseModel):
     def redis_client(self) -> redis.Redis:
         import redis
 
-        return redis.Redis.from_url(self.broker_url)
+        # A Redis that is unreachable (not refusing) must fail a request, not hang it.
+        return redis.Redis.from_url(self.broker_url, socket_connect_timeout=5)
 
     def model_registry(self) -> ModelRegistry:
         from jobs.models import ModelRegistry

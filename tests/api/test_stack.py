@@ -69,3 +69,26 @@ def test_up_serves_until_ctrl_c_then_stops_every_process(tmp_path: Path, models_
     assert (tmp_path / "store").is_dir() and (tmp_path / "redis").is_dir()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+
+
+def test_a_second_stack_on_the_same_home_is_refused(tmp_path: Path) -> None:
+    from api.stack import Stack, StackError, StackOptions
+
+    first = Stack(StackOptions(home=tmp_path, port=0))
+    first._lock_home()
+    try:
+        with pytest.raises(StackError, match="another bulkinfer stack is running"):
+            Stack(StackOptions(home=tmp_path, port=0)).start()
+    finally:
+        first.stop()
+    again = Stack(StackOptions(home=tmp_path, port=0))
+    again._lock_home()  # free again once the first stopped
+    again.stop()
+
+
+def test_demo_offline_runs_the_engine_alone(capsys: pytest.CaptureFixture[str]) -> None:
+    from api.commands import demo
+
+    assert demo(["--offline", "--preset", "tiny", "--rows", "4", "--max-tokens", "2"]) == 0
+    output = capsys.readouterr().out
+    assert "rows: 4 (0 errors)" in output and "throughput:" in output
