@@ -6,6 +6,9 @@ writing a part but before its result left a part nothing counts, and the rerun r
 result exists, a rerun writes nothing and only makes sure the shard is counted (and the job
 finalized), so a row never appears twice.
 
+A `ShardLease` keeps two deliveries of one shard from running at the same time: the second
+waits for the first, then finds its result.
+
 Cancel is cooperative: the flag is checked before the shard starts and every `CANCEL_POLL_S`
 while its rows run; on cancel the shard's requests are aborted and nothing is written.
 """
@@ -37,6 +40,7 @@ from worker.engine_host import EngineRequest, EngineUnavailable, Submission
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.prompts import RowRejected, engine_error_code, engine_sampling
+from worker.shard_lease import ShardLease
 
 logger = logging.getLogger(__name__)
 
@@ -75,12 +79,24 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
     summary: dict[str, Any] = {"job_id": job_id, "shard_index": shard_index}
     if repository.is_cancel_requested(job_id):
         return {**summary, "status": "cancelled"}
+    # A second delivery of a shard that is still running waits here, then finds its result.
+    lease = ShardLease(repository.redis, job_id, shard_index, namespace=repository.namespace)
+    if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
+        return {**summary, "status": "cancelled"}
+    with lease:
+        return {**summary, **_run_holding_lease(context, job_id, shard_index, lease, send_finalize)}
+
+
+def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, lease: ShardLease,
+                       send_finalize: Callable[[str], None]) -> dict[str, Any]:
+    repository = context.repository
     job = repository.get(job_id)
     if job.state.is_terminal:
-        return {**summary, "status": f"skipped: job is {job.state.value}"}
+        return {"status": f"skipped: job is {job.state.value}"}
     layout = repository.layout(job_id)
     plan = repository.load_plan(job_id)
     result = _committed_result(repository, layout, shard_index)
+    summary: dict[str, Any] = {"already_done": result is not None}
     if result is None:
         started_at = datetime.now(UTC)
         timings = PhaseTimings()
@@ -90,10 +106,12 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
             outputs = _infer(context, job_id, spec, plan[shard_index], timings)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
-            return {**summary, "status": "failed", "error": str(error)}
+            return {"status": "failed", "error": str(error)}
         if outputs is None or repository.is_cancel_requested(job_id):
             logger.info("job %s shard %d cancelled; nothing written", job_id, shard_index)
-            return {**summary, "status": "cancelled"}
+            return {"status": "cancelled"}
+        if not lease.held:  # this process stalled past the lease's TTL: another run owns the shard now
+            return {"status": "skipped: lost the shard lease to another run"}
         with timings.phase("write"):
             result = _write(repository, layout, spec, plan[shard_index], outputs,
                             created=int(job.created_at.timestamp()), started_at=started_at)
@@ -101,8 +119,6 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
                     result.usage.cached, result.usage.completion, summary["seconds"])
-    else:
-        summary["already_done"] = True
     _count(repository, layout, plan, result, send_finalize)
     return {**summary, "status": "done", "rows": result.rows, "rows_failed": result.rows_failed}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 
@@ -63,10 +64,10 @@ def test_a_shard_run_again_adds_no_rows_and_a_part_left_by_a_crashed_run_is_repl
 
 
 def test_cancel_mid_job_stops_new_rows_and_the_job_ends_cancelled(pipeline: Pipeline) -> None:
-    # Long generations (max_tokens up to the model length) so shards take a while.
+    # Long generations, so shards take a while.
     lines = [json.dumps({"question": f"def f{n}(x):"}) for n in range(24)]
     spec = JobSpec(input_uri=pipeline.put_input("long.jsonl", lines), model="tiny", prompt_column="question",
-                   sampling={"temperature": 0.0, "max_tokens": 240}, shard_size=2)
+                   sampling={"temperature": 0.0, "max_tokens": 100}, shard_size=2)
     job_id = pipeline.submit(spec)
     shard_count = 12
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -130,3 +131,24 @@ def test_an_empty_input_succeeds_with_no_rows(pipeline: Pipeline) -> None:
     assert status.state == JobState.SUCCEEDED, status.error
     assert (status.rows.total, status.shards.done, status.shards.total) == (0, 1, 1)
     assert pipeline.output_records(status.job_id) == []
+
+
+def test_a_shard_delivered_twice_at_once_runs_once(pipeline: Pipeline) -> None:
+    # Random sampling without a seed: two runs would write different bytes, so only one may write.
+    lines = [json.dumps({"question": f"def f{n}(x):"}) for n in range(4)]
+    spec = JobSpec(input_uri=pipeline.put_input("twice.jsonl", lines), model="tiny", prompt_column="question",
+                   sampling={"temperature": 1.0, "max_tokens": 60}, shard_size=2)
+    job_id = pipeline.repository.create(spec).job_id
+    planned: list[int] = []
+    plan_job(WorkerContext(pipeline.settings), job_id, lambda _, index, queue: planned.append(index))
+
+    both = [pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny")
+            for _ in range(2)]  # the worker's two threads take one each
+    outcomes = [result.get(timeout=JOB_TIMEOUT_S) for result in both]
+
+    assert sorted(outcome["already_done"] for outcome in outcomes) == [False, True]
+    layout = pipeline.repository.layout(job_id)
+    result = json.loads(pipeline.repository.store.get_bytes(layout.shard_result_key(0)))
+    part = pipeline.repository.store.get_bytes(result["output"]["key"])
+    assert hashlib.sha256(part).hexdigest() == result["output"]["sha256"]
+    assert pipeline.repository.get(job_id).shards.done == 1

@@ -1,0 +1,67 @@
+"""ShardLease on a real Redis: one holder at a time, kept while held, lapsing when the holder dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import redis
+
+from worker.shard_lease import ShardLease
+
+
+def never() -> bool:
+    return False
+
+
+def test_a_second_run_waits_until_the_first_releases(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    first = ShardLease(client, "job-a", 0, ttl_s=0.3)
+    assert first.acquire(never)
+    second = ShardLease(client, "job-a", 0, ttl_s=0.3)
+    acquired = threading.Event()
+    waiter = threading.Thread(target=lambda: second.acquire(never) and acquired.set())
+    waiter.start()
+    # Held well past its TTL: the keeper extends it, so the second run keeps waiting.
+    assert not acquired.wait(1.0)
+    first.release()
+    assert acquired.wait(5)
+    waiter.join()
+    second.release()
+    assert client.exists(first.key) == 0
+    assert ShardLease(client, "job-a", 1).acquire(never)  # another shard is another lease
+
+
+def test_a_lease_whose_holder_died_lapses_after_its_ttl(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    dead = ShardLease(client, "job-b", 0, ttl_s=0.3)
+    assert dead.acquire(never)
+    dead._released.set()  # the process stalls or dies: nothing extends the key any more
+    started = time.monotonic()
+    assert ShardLease(client, "job-b", 0, ttl_s=0.3).acquire(never, poll_s=0.05)
+    assert 0.1 < time.monotonic() - started < 2
+    dead.release()  # a late release must not delete the new holder's lease
+    assert client.exists(dead.key) == 1
+
+
+def test_waiting_stops_when_told_to_give_up(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    holder = ShardLease(client, "job-c", 0)
+    assert holder.acquire(never)
+    asked = []
+    assert not ShardLease(client, "job-c", 0).acquire(lambda: asked.append(1) or len(asked) >= 2, poll_s=0.01)
+    holder.release()
+
+
+def test_a_run_knows_when_its_lease_lapsed_under_it(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    lease = ShardLease(client, "job-d", 0, ttl_s=0.3)
+    assert not lease.held
+    assert lease.acquire(never)
+    assert lease.held
+    client.delete(lease.key)  # as if it expired while this process stalled
+    deadline = time.monotonic() + 5
+    while lease.held and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not lease.held
+    lease.release()

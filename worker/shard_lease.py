@@ -1,0 +1,77 @@
+"""`ShardLease`: at most one live run per shard, so a shard delivered twice never runs twice at once.
+
+A run holds a Redis key (`SET NX PX`) that a background thread keeps extending while the run
+lives. A second delivery of the shard waits for the key to go, then finds the first run's shard
+result and only counts it. If the holder's process dies, nothing extends the key, it expires
+after `ttl_s`, and the waiting (or redelivered) run takes over.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from types import TracebackType
+
+import redis
+
+# KEYS: lease key. ARGV: token, ttl ms. Extends the lease only if this run still holds it.
+EXTEND_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+# KEYS: lease key. ARGV: token. Deletes the lease only if this run holds it.
+RELEASE_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class ShardLease:
+    def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *, ttl_s: float = 30,
+                 namespace: str = "bulkinfer") -> None:
+        self.client = client
+        self.key = f"{namespace}:job:{{{job_id}}}:shard:{shard_index}:lease"
+        self.ttl_ms = int(ttl_s * 1000)
+        self.token = uuid.uuid4().hex
+        self._extend = client.register_script(EXTEND_SCRIPT)
+        self._release = client.register_script(RELEASE_SCRIPT)
+        self._released = threading.Event()
+        self._lost = threading.Event()
+        self._keeper: threading.Thread | None = None
+
+    def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.5) -> bool:
+        """Wait until this run holds the lease (True), or until `give_up()` says stop (False)."""
+        while not self.client.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            if give_up():
+                return False
+            time.sleep(poll_s)  # the holder is alive: ask again shortly
+        self._keeper = threading.Thread(target=self._keep, name=f"lease-{self.key}", daemon=True)
+        self._keeper.start()
+        return True
+
+    def _keep(self) -> None:
+        # Extend three times per TTL, so a slow Redis round trip never lets a live run's lease lapse.
+        while not self._released.wait(self.ttl_ms / 3000):
+            if not self._extend(keys=[self.key], args=[self.token, self.ttl_ms]):
+                self._lost.set()  # expired while this process stalled: the run that holds it now wins
+                return
+
+    @property
+    def held(self) -> bool:
+        """False once the lease lapsed under this run (it must then write nothing)."""
+        return self._keeper is not None and not self._lost.is_set()
+
+    def release(self) -> None:
+        self._released.set()
+        if self._keeper is not None:
+            self._keeper.join()
+            self._release(keys=[self.key], args=[self.token])
+
+    def __enter__(self) -> ShardLease:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.release()
