@@ -109,13 +109,11 @@ class _Upload:
         self.store = store
         self.key = key
         self.sha256 = hashlib.sha256()
-        self.size = 0
         self._pending = bytearray()
         self._writer: ObjectWriter = store.open_write(key, if_none_match=True)
 
     async def write(self, data: bytes) -> None:
         self.sha256.update(data)
-        self.size += len(data)
         self._pending += data
         if len(self._pending) >= WRITE_BATCH_BYTES:
             await self._flush()

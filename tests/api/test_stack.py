@@ -37,7 +37,8 @@ def test_demo_runs_a_job_through_the_stack_and_prints_its_figures(tmp_path: Path
     assert process.returncode == 0, output
     assert "rows 12/12 done, shards 3/3" in output
     assert "rows: 12 (12 succeeded, 0 failed), shards: 3" in output
-    assert re.search(r"tokens: prompt \d+, served from prefix cache [1-9]\d* \(\d+%\), completion 48", output)
+    figures = r"tokens: prompt \d+, served from prefix cache [1-9]\d* \(\d+%\), completion [1-9]"
+    assert re.search(figures, output)
     assert re.search(r"throughput: [\d.]+ rows/s, [\d.]+ output tok/s", output)
     assert "- ticket-0000" in output
     worker_pid = int(re.search(r"worker  pid (\d+)", output).group(1))
