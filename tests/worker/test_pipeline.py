@@ -10,7 +10,7 @@ import pytest
 from engine import LLM, SamplingParams
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from tests.worker.conftest import ENGINE_OPTIONS, MODELS_BUCKET, Pipeline
+from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, MODELS_BUCKET, Pipeline
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,3 +125,45 @@ def test_a_model_in_s3_is_downloaded_once_and_served(pipeline: Pipeline, tiny_ch
 
     assert status.state == JobState.SUCCEEDED, status.error
     assert [r["text"] for r in pipeline.output_records(status.job_id)] == greedy_texts(offline, QUESTIONS[:3])
+
+
+def test_openai_batch_lines_run_unchanged_and_come_back_as_openai_responses(
+        pipeline: Pipeline, offline: LLM) -> None:
+    lines = [json.dumps({"custom_id": f"req-{n}", "method": "POST", "url": "/v1/completions",
+                         "body": {"model": "gpt-4o-mini", "prompt": text, "max_tokens": MAX_TOKENS,
+                                  "temperature": 0}})
+             for n, text in enumerate(QUESTIONS[:3])]
+    lines.append(json.dumps({"custom_id": "req-stop", "method": "POST", "url": "/v1/completions",
+                             "body": {"prompt": "x", "stop": ["\n"]}}))
+    spec = JobSpec(input_uri=pipeline.put_input("batch.jsonl", lines), model="tiny")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = pipeline.output_records(status.job_id)
+    assert [record["custom_id"] for record in records] == ["req-0", "req-1", "req-2", "req-stop"]
+    texts = [record["response"]["body"]["choices"][0]["text"] for record in records[:3]]
+    assert texts == greedy_texts(offline, QUESTIONS[:3])
+    assert records[3]["response"] is None and records[3]["error"]["code"] == "invalid_sampling"
+
+
+def test_a_parquet_job_writes_parquet_parts_in_input_order(pipeline: Pipeline, offline: LLM,
+                                                           tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": [f"p{n}" for n in range(len(QUESTIONS))], "question": QUESTIONS})
+    pq.write_table(table, tmp_path / "questions.parquet", row_group_size=4)
+    pipeline.s3.client().upload_file(str(tmp_path / "questions.parquet"), INPUTS_BUCKET, "questions.parquet")
+    spec = JobSpec(input_uri=f"s3://{INPUTS_BUCKET}/questions.parquet", model="tiny", id_column="id",
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
+                   shard_size=4)
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    parts = [pq.read_table(pa.BufferReader(pipeline.repository.store.get_bytes(part.output.key)))
+             for part in pipeline.manifest(status.job_id).parts]
+    output = pa.concat_tables(parts).to_pydict()
+    assert output["id"] == [f"p{n}" for n in range(len(QUESTIONS))]
+    assert output["text"] == greedy_texts(offline, QUESTIONS)
