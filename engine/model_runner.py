@@ -11,6 +11,8 @@ after a profiling forward pass of ``max_num_batched_tokens`` tokens.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import itertools
 import logging
 import math
@@ -56,6 +58,8 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        if self.device.type == "cpu":
+            keep_freed_memory_for_reuse()
 
     # ---- KV cache sizing -------------------------------------------------------------------------
 
@@ -247,6 +251,30 @@ class ModelRunner:
             metadata=metadata,
             sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
+
+
+# glibc mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+
+
+def keep_freed_memory_for_reuse() -> bool:
+    """Make glibc keep freed activation buffers (tens of MB) in the heap instead of unmapping them.
+
+    By default each step's large temporaries are mmap'ed and unmapped again, and the fresh pages
+    fault in on every step: measured 50-100k page faults and ~17% of a 2048-token prefill step on
+    our CPUs, none after this. Process-wide, but the engine owns its worker process; a no-op
+    without glibc. Returns whether it applied.
+    """
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = libc.mallopt if libc is not None else None
+    except (OSError, AttributeError):
+        return False
+    if mallopt is None:
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, 256 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _read_proc_kib(path: Path, field: str) -> int | None:
