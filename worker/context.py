@@ -13,7 +13,7 @@ from jobs.models import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings
-from worker.model_hosts import ModelHosts, engine_options_from_env
+from worker.model_hosts import ModelHosts
 
 
 @dataclass
@@ -34,8 +34,7 @@ class WorkerContext:
 
     @cached_property
     def hosts(self) -> ModelHosts:
-        return ModelHosts(self.registry, engine_options_from_env(),
-                          s3_endpoint_url=self.settings.s3_endpoint_url)
+        return ModelHosts(self.registry, s3_endpoint_url=self.settings.s3_endpoint_url)
 
 
 _context: WorkerContext | None = None

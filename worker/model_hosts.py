@@ -54,8 +54,11 @@ class HostedModel:
 class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None) -> None:
+        """`engine_options=None` reads `BULKINFER_ENGINE_OPTIONS` when a model loads, so a bad value
+        fails that model's jobs with the reason instead of every task before it can say why.
+        """
         self.registry = registry
-        self.engine_options = dict(engine_options or {})
+        self.engine_options = engine_options
         self.s3_endpoint_url = s3_endpoint_url
         self.cache_dir = cache_dir
         self._models: dict[str, HostedModel] = {}
@@ -80,7 +83,8 @@ class ModelHosts:
 
         directory = local_model_dir(self.registry.location(name), self.cache_dir,
                                     endpoint_url=self.s3_endpoint_url)
-        config = EngineConfig(model=str(directory), **self.engine_options)
+        options = engine_options_from_env() if self.engine_options is None else self.engine_options
+        config = EngineConfig(model=str(directory), **options)
         host = EngineHost(lambda: LLMEngine(config), name=name).start()
         logger.info("loading model %s from %s", name, directory)
         return HostedModel(name, directory, host, PromptRenderer(AutoTokenizer.from_pretrained(directory)))
