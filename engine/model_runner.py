@@ -25,6 +25,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.models.llama import LlamaForCausalLM
+from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ class ModelRunner:
     # ---- one step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, output: object) -> torch.Tensor:
+    def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Forward the scheduled chunks; logits [num_sampling_chunks, vocab] (fp32) in chunk order."""
         batch = self.prepare_batch(output)
         if batch is None:
@@ -182,9 +183,9 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
         return self.model.compute_logits(hidden[batch.sample_rows])
 
-    def prepare_batch(self, output: object) -> StepBatch | None:
+    def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
         """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""
-        chunks = output.chunks  # type: ignore[attr-defined]
+        chunks = output.chunks
         if not chunks:
             return None
         bs = self.block_size
@@ -221,15 +222,15 @@ class ModelRunner:
         slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
 
         # Sampling rows, in the scheduler's chunk order.
+        qsl = query_start_loc.tolist()
         row_in_batch = {chunk_index: row for row, chunk_index in enumerate(order)}
         sample_rows = [
-            int(query_start_loc[row_in_batch[i] + 1]) - 1
+            qsl[row_in_batch[i] + 1] - 1
             for i, chunk in enumerate(chunks)
             if chunk.request.num_computed_tokens + chunk.num_new_tokens == len(chunk.request.all_token_ids)
         ]
 
         decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
-        qsl = query_start_loc.tolist()
         metadata = AttentionMetadata(
             block_size=bs,
             slot_mapping=slot_mapping.to(dev),
