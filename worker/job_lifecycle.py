@@ -20,6 +20,7 @@ from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
+from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,9 @@ def resolved_spec(context: WorkerContext, spec: JobSpec) -> JobSpec:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
         return resolve_spec(spec, store, key)
-    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job
+    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
+        if is_transient(error):  # …unless the store is unreachable: the task retries
+            raise
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
@@ -79,7 +82,9 @@ def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
         return plan_shards(store, key, spec)
-    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job
+    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
+        if is_transient(error):  # …unless the store is unreachable: the task retries
+            raise
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 from jobs.object_store.factory import store_for_uri
+from worker.transient import is_transient
 
 CACHE_ENV = "BULKINFER_MODEL_CACHE"
 # Written last into a downloaded folder: a folder without it is a download that did not finish.
@@ -75,6 +76,8 @@ def _downloaded(location: str, cache_dir: Path, endpoint_url: str | None) -> Pat
     except ModelUnavailable:
         raise
     except Exception as error:
+        if is_transient(error):  # the store is down for a moment: the task retries
+            raise
         raise ModelUnavailable(f"cannot download the model at {location}: {error}") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -41,6 +41,7 @@ from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.prompts import RowRejected, engine_error_code, engine_sampling
 from worker.shard_lease import ShardLease
+from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,9 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
     try:
         with timings.phase("model"):
             hosted = context.hosts.get(spec.model)
-    except Exception as error:  # noqa: BLE001 - unknown model, files missing, tokenizer unreadable
+    except Exception as error:  # noqa: BLE001 - unknown model, files missing, tokenizer unreadable…
+        if is_transient(error):  # …but not a store that is down for a moment
+            raise
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
     with timings.phase("read"):
         items = _read_rows(context, spec, shard)
@@ -169,7 +172,9 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
         return list(read_shard_rows(store, key, spec, shard))
-    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job
+    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
+        if is_transient(error):  # …unless the store is unreachable: the task retries
+            raise
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 

@@ -7,12 +7,19 @@ spot in logs and results, and tests can wait on a shard's result by id.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
+
+from celery import Task
 
 from jobs.models import CONTROL_QUEUE
 from worker import job_lifecycle, shard_runner
 from worker.celery_app import app
 from worker.context import worker_context
+from worker.transient import is_transient, retry_delay_s
+
+logger = logging.getLogger(__name__)
 
 PLAN_JOB = "bulkinfer.plan_job"
 RUN_SHARD = "bulkinfer.run_shard"
@@ -36,16 +43,32 @@ def send_finalize(job_id: str) -> None:
     app.send_task(FINALIZE_JOB, args=[job_id], queue=CONTROL_QUEUE, task_id=finalize_task_id(job_id))
 
 
-@app.task(name=PLAN_JOB)
-def plan_job(job_id: str) -> dict[str, Any]:
-    return job_lifecycle.plan_job(worker_context(), job_id, send_shard)
+def retrying_transient_errors(task: Task, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run `work`; when Redis or the store is unreachable, retry the task later (with backoff, for
+    as long as the outage lasts) instead of failing it: a failed task would leave its job stuck.
+    """
+    try:
+        return work()
+    except Exception as error:
+        if not is_transient(error):
+            raise
+        delay = retry_delay_s(task.request.retries)
+        logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
+        raise task.retry(exc=error, countdown=delay, max_retries=None) from error
 
 
-@app.task(name=RUN_SHARD)
-def run_shard(job_id: str, shard_index: int) -> dict[str, Any]:
-    return shard_runner.run_shard(worker_context(), job_id, shard_index, send_finalize)
+@app.task(name=PLAN_JOB, bind=True)
+def plan_job(self: Task, job_id: str) -> dict[str, Any]:
+    return retrying_transient_errors(
+        self, lambda: job_lifecycle.plan_job(worker_context(), job_id, send_shard))
 
 
-@app.task(name=FINALIZE_JOB)
-def finalize_job(job_id: str) -> dict[str, Any]:
-    return job_lifecycle.finalize_job(worker_context(), job_id)
+@app.task(name=RUN_SHARD, bind=True)
+def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
+    return retrying_transient_errors(
+        self, lambda: shard_runner.run_shard(worker_context(), job_id, shard_index, send_finalize))
+
+
+@app.task(name=FINALIZE_JOB, bind=True)
+def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
+    return retrying_transient_errors(self, lambda: job_lifecycle.finalize_job(worker_context(), job_id))
