@@ -33,6 +33,9 @@ COMMANDS: dict[str, Command] = {
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),
     "bench": Command("worker.commands:bench", "Benchmarks: `bulkinfer bench engine`", "worker"),
+    "serve api": Command("api.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)", "server"),
+    "serve worker": Command("worker.commands:serve_worker",
+                            "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),
 }
 
 
@@ -50,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         print(usage())
         return 0
     name, rest = args[0], args[1:]
+    if rest and f"{name} {rest[0]}" in COMMANDS:  # two-word commands: `serve api`, `serve worker`
+        name, rest = f"{name} {rest[0]}", rest[1:]
     command = COMMANDS.get(name)
     if command is None:
         print(f"bulkinfer: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
