@@ -40,8 +40,8 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
     prefill_block_tables: list[torch.Tensor] = field(default_factory=list)
-    # Masks depend only on the step (and the layer's sliding window), so layers share them.
-    _mask_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
+    # Values derived once per step and shared by all layers (masks, the backend's decode plan).
+    step_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
 
     @property
     def num_prefills(self) -> int:
@@ -53,14 +53,14 @@ class AttentionMetadata:
         if query_len == seq_len and (sliding_window is None or seq_len <= sliding_window):
             return None
         key = (f"prefill{index}", sliding_window)
-        if key not in self._mask_cache:
+        if key not in self.step_cache:
             query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
             key_pos = torch.arange(seq_len)[None, :]
             valid = key_pos <= query_pos
             if sliding_window is not None:
                 valid &= key_pos > query_pos - sliding_window
-            self._mask_cache[key] = valid
-        return self._mask_cache[key]  # type: ignore[return-value]
+            self.step_cache[key] = valid
+        return self.step_cache[key]  # type: ignore[return-value]
 
 
 class AttentionBackend(ABC):
@@ -235,11 +235,11 @@ class TorchPagedAttention(AttentionBackend):
         self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int
     ) -> DecodePlan:
         key = ("decode_plan", sliding_window)
-        if key not in metadata._mask_cache:
-            metadata._mask_cache[key] = plan_decode(
+        if key not in metadata.step_cache:
+            metadata.step_cache[key] = plan_decode(
                 metadata, sliding_window, self.min_shared_tokens, num_kv_heads
             )
-        return metadata._mask_cache[key]  # type: ignore[return-value]
+        return metadata.step_cache[key]  # type: ignore[return-value]
 
     def _gather_rows(self, cache: torch.Tensor, rows: torch.Tensor, workspace: int) -> torch.Tensor:
         """Copy ``rows`` of ``cache`` viewed as [slots * kv_heads, dim] into a reused buffer."""
