@@ -60,7 +60,12 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         self.model = load_model(
-            config.model, TorchPagedAttention(), dtype=DTYPES[config.dtype], device=config.device
+            config.model,
+            TorchPagedAttention(),
+            dtype=DTYPES[config.dtype],
+            device=config.device,
+            # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
+            batch_hint=config.max_num_batched_tokens,
         )
         self.runner = ModelRunner(config, self.model)
         num_blocks = self.runner.initialize_kv_cache()

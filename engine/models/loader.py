@@ -113,8 +113,12 @@ def load_model(
     backend: AttentionBackend,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    batch_hint: int = 64,
 ) -> LlamaForCausalLM:
-    """Build the model for ``model_dir``'s architecture and fill it from its safetensors."""
+    """Build the model for ``model_dir``'s architecture and fill it from its safetensors.
+
+    ``batch_hint``: the typical number of tokens per forward pass, for oneDNN's weight layout.
+    """
     config = model_config_from_dir(model_dir)
     model_cls = SUPPORTED_ARCHITECTURES[config.architecture]
     tensors = read_safetensors(model_dir, dtype)
@@ -123,5 +127,5 @@ def load_model(
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
     if onednn_linear_available(torch.device(device), dtype):
-        model.pack_linear_weights()
+        model.pack_linear_weights(batch_hint)
     return model.eval()
