@@ -32,7 +32,10 @@ COMMANDS: dict[str, Command] = {
     "make-checkpoint": Command("worker.commands:make_checkpoint",
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),
-    "bench": Command("worker.commands:bench", "Benchmarks: `bulkinfer bench engine`", "worker"),
+    "bench": Command("worker.commands:bench", "Benchmarks: `bench engine` | `bench service`", "worker"),
+    # The stack and the client live in api/; its engine side runs as `python -m worker.bench_engine_only`.
+    "bench service": Command("api.bench_service:bench_cli", "The engine benchmark's shared-prefix workload "
+                             "as a job through the whole stack, against the engine alone", "worker"),
     "serve api": Command("api.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)", "server"),
     "serve worker": Command("worker.commands:serve_worker",
                             "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),

@@ -1,0 +1,190 @@
+"""`bulkinfer bench service`: the engine benchmark's shared-prefix workload as one job through the
+whole stack (client → API → Redis/Celery → worker → store → results), against the engine alone on
+the same rows, in one run.
+
+The engine side lives in `worker.bench_engine_only` and runs as a child process (api/ never
+imports the engine): it writes the rows, then runs them through `engine.LLM.generate` with the
+worker's engine options and the job's sampling. Both sides are measured warm: the worker preloads
+its model and a 1-row warm-up job runs first; the engine-only side runs one warm-up request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from api.client import Client
+from api.stack import SOURCE_ROOT, Stack, StackError, StackOptions
+from jobs.status import JobState, JobStatus
+
+TARGET_RATIO = 1.15
+POLL_INTERVAL_S = 0.2
+
+
+@dataclass
+class Side:
+    label: str
+    rows: int
+    wall_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    def line(self) -> str:
+        return (f"  {self.label:<34} wall {self.wall_s:8.2f}s   rows {self.rows}   tokens: prompt "
+                f"{self.prompt_tokens}, cached {self.cached_tokens}, completion {self.completion_tokens}   "
+                f"output {self.completion_tokens / self.wall_s:8.1f} tok/s")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bulkinfer bench service", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=["tiny", "small"], default="small")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--shard-size", type=int, default=128,
+                        help="rows per shard (the worker runs 2 shards at once; default 128)")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--shared-len", type=int, default=400)
+    parser.add_argument("--tail-len", type=int, default=50)
+    parser.add_argument("--home", type=Path, default=Path(".bulkinfer"),
+                        help="data under HOME/bench (emptied first), checkpoints in HOME/models")
+    parser.add_argument("--models-dir", type=Path, default=None, help="default: HOME/models")
+    parser.add_argument("--engine-options", default="{}",
+                        help="BULKINFER_ENGINE_OPTIONS for the worker and the engine-only run (JSON)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds to wait for each job")
+    return parser.parse_args(argv)
+
+
+def bench_cli(argv: list[str]) -> int:
+    args = parse_args(argv)
+    home = args.home / "bench"
+    for leftover in ("redis", "store", "logs"):  # each run starts from an empty Redis and store
+        shutil.rmtree(home / leftover, ignore_errors=True)
+    engine_options = json.loads(args.engine_options)
+    options = StackOptions(home=home, port=0, preset=args.preset, engine_options=engine_options,
+                           models_dir=args.models_dir or args.home / "models")
+    sampling = {"temperature": 0, "max_tokens": args.max_tokens}
+    print(f"bulkinfer bench service: {args.requests} rows of the shared-prefix workload (4 shared "
+          f"~{args.shared_len}-token instructions + ~{args.tail_len}-token tails, {args.max_tokens} output "
+          f"tokens, greedy), preset '{args.preset}', shards of {args.shard_size} rows", flush=True)
+    load = os.getloadavg()
+    with tempfile.TemporaryDirectory() as scratch:
+        rows_path = Path(scratch) / "rows.jsonl"
+        try:
+            with Stack(options, say=lambda line: print(line, flush=True)) as stack:
+                model_dir = str(options.checkpoint_dir.resolve())
+                written = _engine_side("rows", model_dir, rows_path, args, sampling, engine_options)
+                print(f"rows: {written['rows']} written ({written['prompt_tokens']} prompt tokens, "
+                      "the engine benchmark's token ids as text)", flush=True)
+                end_to_end, phases = _run_job(stack, rows_path, args, sampling)
+            # The stack is stopped before the engine-only run, so the two never share the CPUs.
+            measured = _engine_side("run", model_dir, rows_path, args, sampling, engine_options)
+        except (StackError, RuntimeError) as error:
+            print(f"bulkinfer bench service: {error}", file=sys.stderr)
+            return 1
+    engine_only = Side("engine only (LLM.generate)", measured["rows"], measured["wall_s"],
+                       measured["prompt_tokens"], measured["cached_tokens"], measured["completion_tokens"])
+    _report(end_to_end, engine_only, phases, measured, load)
+    return 0
+
+
+def _engine_side(command: str, model_dir: str, rows_path: Path, args: argparse.Namespace,
+                 sampling: dict[str, Any], engine_options: dict[str, Any]) -> dict[str, Any]:
+    """Run `python -m worker.bench_engine_only COMMAND` and return the JSON it prints."""
+    argv = [sys.executable, "-m", "worker.bench_engine_only", command, "--model-dir", model_dir,
+            "--rows", str(rows_path), "--requests", str(args.requests), "--shared-len", str(args.shared_len),
+            "--tail-len", str(args.tail_len), "--max-tokens", str(args.max_tokens),
+            "--sampling", json.dumps(sampling), "--engine-options", json.dumps(engine_options)]
+    path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"worker.bench_engine_only {command} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
+             sampling: dict[str, Any]) -> tuple[Side, dict[str, float]]:
+    spec = {"model": stack.options.model_name, "id_column": "id", "prompt_column": "prompt",
+            "shard_size": args.shard_size, "sampling": sampling}
+    with Client(stack.url, timeout=120) as client, tempfile.TemporaryDirectory() as scratch:
+        # The warm-up job waits out the worker's model preload (and its first request): not counted.
+        warm_up = Path(scratch) / "warm-up.jsonl"
+        warm_up.write_text(json.dumps({"id": "warm-up", "prompt": "warm up"}) + "\n")
+        started = time.perf_counter()
+        _wait(client, client.jobs.create({**spec, "shard_size": 1}, file=warm_up).job_id, args.timeout)
+        print(f"warm-up: 1-row job done in {time.perf_counter() - started:.1f}s (the worker's model load "
+              "and first request; not counted)", flush=True)
+
+        submitted = time.perf_counter()
+        job_id = client.jobs.create(spec, file=rows_path).job_id
+        status = _wait(client, job_id, args.timeout)
+        wall = time.perf_counter() - submitted
+        rows = list(client.jobs.results(job_id))
+    _check_rows(rows, args.requests, args.max_tokens)
+    print(f"end-to-end: all {len(rows)} rows present once, each with {args.max_tokens} completion tokens",
+          flush=True)
+    usage = status.usage
+    side = Side("end to end (submit → succeeded)", status.rows.total, wall, usage.prompt, usage.cached,
+                usage.completion)
+    return side, _phases(status, wall, shards=status.shards.total)
+
+
+def _wait(client: Client, job_id: str, timeout: float) -> JobStatus:
+    status = client.jobs.wait(job_id, poll_interval=POLL_INTERVAL_S, timeout=timeout)
+    if status.state != JobState.SUCCEEDED:
+        raise RuntimeError(f"job {job_id} ended {status.state.value}: {status.error}")
+    return status
+
+
+def _check_rows(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> None:
+    counts = Counter(row["id"] for row in rows)
+    expected = {f"r{index:05d}" for index in range(requests)}
+    repeated = sorted(row_id for row_id, count in counts.items() if count > 1)
+    missing, extra = sorted(expected - set(counts)), sorted(set(counts) - expected)
+    short = [row["id"] for row in rows if (row.get("usage") or {}).get("completion_tokens") != max_tokens]
+    problems = [f"{name}: {ids[:5]}" for name, ids in
+                (("missing", missing), ("repeated", repeated), ("unexpected", extra),
+                 (f"without {max_tokens} completion tokens", short)) if ids]
+    if problems:
+        raise RuntimeError("the job's results are wrong: " + "; ".join(problems))
+
+
+def _phases(status: JobStatus, wall: float, *, shards: int) -> dict[str, float]:
+    """Where the end-to-end time went, from the job's own timestamps."""
+    phases = {"shards": float(shards)}
+    if status.started_at and status.finished_at:
+        phases["created → running (plan)"] = (status.started_at - status.created_at).total_seconds()
+        running = (status.finished_at - status.started_at).total_seconds()
+        phases["running → succeeded (shards, finalize)"] = running
+        # The server's clock against ours: roughly the upload before `created` and the last poll.
+        phases["rest (upload, polling)"] = max(0.0, wall - (status.finished_at - status.created_at)
+                                               .total_seconds())
+    return phases
+
+
+def _report(end_to_end: Side, engine_only: Side, phases: dict[str, float], measured: dict[str, Any],
+            load: tuple[float, float, float]) -> None:
+    print(f"\n== shared-prefix workload through the service vs the engine alone — engine options "
+          f"{json.dumps(measured['engine_options'])}, torch threads {measured['torch_threads']}, "
+          f"load average at start {load[0]:.2f}")
+    print(end_to_end.line())
+    print(engine_only.line())
+    same = (end_to_end.prompt_tokens, end_to_end.completion_tokens) == (engine_only.prompt_tokens,
+                                                                        engine_only.completion_tokens)
+    print(f"  same prompt and completion tokens on both sides: {'yes' if same else 'NO'}")
+    print("  end-to-end: " + ", ".join(f"{name} {value:.2f}s" for name, value in phases.items()
+                                       if name != "shards") + f" ({int(phases['shards'])} shards)")
+    ratio = end_to_end.wall_s / engine_only.wall_s
+    verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
+    print(f"  end-to-end / engine-only wall: {ratio:.2f}x (target <= {TARGET_RATIO}x: {verdict})")
