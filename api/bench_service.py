@@ -39,11 +39,13 @@ class Side:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    load: tuple[float, float]  # 1-minute load average before and after: the machine may be shared
 
     def line(self) -> str:
         return (f"  {self.label:<34} wall {self.wall_s:8.2f}s   rows {self.rows}   tokens: prompt "
                 f"{self.prompt_tokens}, cached {self.cached_tokens}, completion {self.completion_tokens}   "
-                f"output {self.completion_tokens / self.wall_s:8.1f} tok/s")
+                f"output {self.completion_tokens / self.wall_s:8.1f} tok/s   "
+                f"load {self.load[0]:.2f} → {self.load[1]:.2f}")
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -77,7 +79,6 @@ def bench_cli(argv: list[str]) -> int:
     print(f"bulkinfer bench service: {args.requests} rows of the shared-prefix workload (4 shared "
           f"~{args.shared_len}-token instructions + ~{args.tail_len}-token tails, {args.max_tokens} output "
           f"tokens, greedy), preset '{args.preset}', shards of {args.shard_size} rows", flush=True)
-    load = os.getloadavg()
     with tempfile.TemporaryDirectory() as scratch:
         rows_path = Path(scratch) / "rows.jsonl"
         try:
@@ -93,8 +94,9 @@ def bench_cli(argv: list[str]) -> int:
             print(f"bulkinfer bench service: {error}", file=sys.stderr)
             return 1
     engine_only = Side("engine only (LLM.generate)", measured["rows"], measured["wall_s"],
-                       measured["prompt_tokens"], measured["cached_tokens"], measured["completion_tokens"])
-    _report(end_to_end, engine_only, phases, measured, load)
+                       measured["prompt_tokens"], measured["cached_tokens"], measured["completion_tokens"],
+                       tuple(measured["load"]))
+    _report(end_to_end, engine_only, phases, measured)
     return 0
 
 
@@ -126,17 +128,18 @@ def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
         print(f"warm-up: 1-row job done in {time.perf_counter() - started:.1f}s (the worker's model load "
               "and first request; not counted)", flush=True)
 
+        load_before = os.getloadavg()[0]
         submitted = time.perf_counter()
         job_id = client.jobs.create(spec, file=rows_path).job_id
         status = _wait(client, job_id, args.timeout)
         wall = time.perf_counter() - submitted
         rows = list(client.jobs.results(job_id))
-    _check_rows(rows, args.requests, args.max_tokens)
-    print(f"end-to-end: all {len(rows)} rows present once, each with {args.max_tokens} completion tokens",
-          flush=True)
+    stopped = _check_rows(rows, args.requests, args.max_tokens)
+    print(f"end-to-end: all {len(rows)} rows present once, {len(rows) - stopped} with {args.max_tokens} "
+          f"completion tokens, {stopped} stopped at EOS before", flush=True)
     usage = status.usage
     side = Side("end to end (submit → succeeded)", status.rows.total, wall, usage.prompt, usage.cached,
-                usage.completion)
+                usage.completion, (load_before, os.getloadavg()[0]))
     return side, _phases(status, wall, shards=status.shards.total)
 
 
@@ -147,17 +150,25 @@ def _wait(client: Client, job_id: str, timeout: float) -> JobStatus:
     return status
 
 
-def _check_rows(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> None:
+def _check_rows(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> int:
+    """Every row once, each with `max_tokens` completion tokens unless it stopped at EOS (a job cannot
+    ask to ignore EOS; the engine-only side uses the same sampling, so it stops at the same place).
+    Returns how many rows stopped at EOS.
+    """
     counts = Counter(row["id"] for row in rows)
     expected = {f"r{index:05d}" for index in range(requests)}
     repeated = sorted(row_id for row_id, count in counts.items() if count > 1)
     missing, extra = sorted(expected - set(counts)), sorted(set(counts) - expected)
-    short = [row["id"] for row in rows if (row.get("usage") or {}).get("completion_tokens") != max_tokens]
+    tokens = {row["id"]: ((row.get("usage") or {}).get("completion_tokens"), row.get("finish_reason"))
+              for row in rows}
+    wrong = sorted(row_id for row_id, (count, reason) in tokens.items()
+                   if not (count == max_tokens or (reason == "stop" and count and count < max_tokens)))
     problems = [f"{name}: {ids[:5]}" for name, ids in
                 (("missing", missing), ("repeated", repeated), ("unexpected", extra),
-                 (f"without {max_tokens} completion tokens", short)) if ids]
+                 (f"neither {max_tokens} completion tokens nor stopped at EOS", wrong)) if ids]
     if problems:
         raise RuntimeError("the job's results are wrong: " + "; ".join(problems))
+    return sum(1 for count, _ in tokens.values() if count != max_tokens)
 
 
 def _phases(status: JobStatus, wall: float, *, shards: int) -> dict[str, float]:
@@ -173,11 +184,10 @@ def _phases(status: JobStatus, wall: float, *, shards: int) -> dict[str, float]:
     return phases
 
 
-def _report(end_to_end: Side, engine_only: Side, phases: dict[str, float], measured: dict[str, Any],
-            load: tuple[float, float, float]) -> None:
+def _report(end_to_end: Side, engine_only: Side, phases: dict[str, float], measured: dict[str, Any]) -> None:
     print(f"\n== shared-prefix workload through the service vs the engine alone — engine options "
           f"{json.dumps(measured['engine_options'])}, torch threads {measured['torch_threads']}, "
-          f"load average at start {load[0]:.2f}")
+          f"{os.cpu_count()} CPUs")
     print(end_to_end.line())
     print(engine_only.line())
     same = (end_to_end.prompt_tokens, end_to_end.completion_tokens) == (engine_only.prompt_tokens,
