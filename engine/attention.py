@@ -1,9 +1,12 @@
 """Paged attention over the flattened batch.
 
-KV cache per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 = K, 1 = V).
-New K/V rows are written through the slot mapping (``block_id * block_size + offset``); attention
-then reads each request's context through its block table, so a request only ever sees its own
-blocks (shared prefix blocks included).
+KV cache per layer: ``[2, num_blocks, num_kv_heads, block_size, head_dim]`` (index 0 = K, 1 = V),
+head-major inside a block: one kv head's tokens of a block are one contiguous ``block_size *
+head_dim`` run, so reading a request's context copies whole runs (not one ``head_dim`` row per
+token and head), and a gathered context is already in the attention kernel's ``[kv_heads, L, dim]``
+layout. New K/V rows are written through the slot mapping (``block_id * block_size + offset``);
+attention then reads each request's context through its block table, so a request only ever sees
+its own blocks (shared prefix blocks included).
 
 The runner orders the flattened batch as: decode requests first (one query token each), then
 prefill chunks (several query tokens each). Decodes run as one batched computation; prefill chunks
@@ -14,6 +17,8 @@ Decode attention is memory-bound: every step reads each request's whole context.
 requests share leading KV blocks (a prefix-cache hit on a common instruction), the shared part is
 attended once per group as one matrix-matrix product ("cascade" attention), each request reads
 only its own blocks, and the two partial results are merged exactly through their log-sum-exps.
+Decode rows are gathered and attended a few rows at a time, so the gathered K/V of a chunk is still
+in cache when the kernel reads it.
 """
 
 from __future__ import annotations
@@ -107,9 +112,10 @@ class SharedPrefix:
 class DecodePlan:
     """How decode rows read their context this step; computed once, used by every layer."""
 
-    # Each row's context after its shared prefix, as rows of the cache viewed [slots * kv_heads, dim],
-    # ordered [R, kv_heads, L]: gathering them yields K/V already in the attention kernel's layout.
-    own_cache_rows: torch.Tensor  # [R * kv_heads * L], L = S * block_size; padding reads block 0
+    # Each row's context after its shared prefix, as rows of the cache viewed
+    # [blocks * kv_heads, block_size * dim], ordered [R, kv_heads, S]: gathering them yields K/V
+    # already in the attention kernel's [R, kv_heads, L, dim] layout.
+    own_cache_rows: torch.Tensor  # [R, kv_heads * S], L = S * block_size; padding reads block 0
     own_key_bias: torch.Tensor  # [R, 1, 1, L] 0 where a key is visible, -inf elsewhere
     shared_prefixes: list[SharedPrefix]
 
@@ -143,15 +149,14 @@ def plan_decode(
     own_tables = tables.gather(1, (shift[:, None] + cols).clamp(max=num_cols - 1))
     own_tables.masked_fill_(cols >= num_own_blocks[:, None], 0)
     local_pos = torch.arange(width * block_size)
-    slots = own_tables[:, local_pos // block_size] * block_size + local_pos % block_size  # [R, L]
-    cache_rows = slots[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
+    cache_rows = own_tables[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
     key_pos = shift[:, None] * block_size + local_pos[None, :]
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:
         # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
     bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(cache_rows.reshape(-1), bias[:, None, None, :], prefixes)
+    return DecodePlan(cache_rows.reshape(num_rows, -1), bias[:, None, None, :], prefixes)
 
 
 def attention_with_lse(
@@ -184,10 +189,14 @@ class TorchPagedAttention(AttentionBackend):
 
     ``min_shared_tokens``: a group of decode rows is attended as a shared prefix only when that
     saves at least this many token reads (below it, the extra kernel calls cost more).
+    ``decode_chunk_bytes``: decode rows are gathered and attended in chunks of about this many bytes of K+V.
     """
 
-    def __init__(self, min_shared_tokens: int = 256) -> None:
+    def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20) -> None:
         self.min_shared_tokens = min_shared_tokens
+        # Decode rows gathered per kernel call: their K+V (about this many bytes) stays in the CPU's
+        # last-level cache between the gather and the kernel instead of round-tripping through DRAM.
+        self.decode_chunk_bytes = decode_chunk_bytes
         # Reused gather buffers (K, V): fresh multi-MB allocations page-fault on every step, which
         # on CPU costs several times the copy itself.
         self._workspaces = [torch.empty(0), torch.empty(0)]
@@ -200,9 +209,22 @@ class TorchPagedAttention(AttentionBackend):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
     ) -> None:
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+        num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
+        rows = self.write_rows(metadata, num_kv_heads)
+        k_cache.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim))
+        v_cache.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim))
+
+    @staticmethod
+    def write_rows(metadata: AttentionMetadata, num_kv_heads: int) -> torch.Tensor:
+        """[T * kv_heads] rows of the cache viewed [blocks * kv_heads * block_size, dim] that the new
+        tokens' K/V (``[T, kv_heads, dim]`` flattened) go to; computed once per step."""
+        key = ("write_rows", num_kv_heads)
+        if key not in metadata.step_cache:
+            bs, slots = metadata.block_size, metadata.slot_mapping
+            base = (slots // bs * num_kv_heads * bs + slots % bs)[:, None]
+            heads = torch.arange(num_kv_heads, device=slots.device)[None, :] * bs
+            metadata.step_cache[key] = (base + heads).reshape(-1)
+        return metadata.step_cache[key]  # type: ignore[return-value]
 
     def forward(
         self,
@@ -242,14 +264,14 @@ class TorchPagedAttention(AttentionBackend):
         return metadata.step_cache[key]  # type: ignore[return-value]
 
     def _gather_rows(self, cache: torch.Tensor, rows: torch.Tensor, workspace: int) -> torch.Tensor:
-        """Copy ``rows`` of ``cache`` viewed as [slots * kv_heads, dim] into a reused buffer."""
-        head_dim = cache.shape[-1]
-        needed = rows.numel() * head_dim
+        """Copy ``rows`` of ``cache`` viewed as [blocks * kv_heads, block_size * dim] into a reused buffer."""
+        row_size = cache.shape[-2] * cache.shape[-1]
+        needed = rows.numel() * row_size
         buffer = self._workspaces[workspace]
         if buffer.numel() < needed or buffer.dtype != cache.dtype or buffer.device != cache.device:
             buffer = self._workspaces[workspace] = torch.empty(needed, dtype=cache.dtype, device=cache.device)
-        gathered = buffer[:needed].view(rows.numel(), head_dim)
-        torch.index_select(cache.view(-1, head_dim), 0, rows, out=gathered)
+        gathered = buffer[:needed].view(rows.numel(), row_size)
+        torch.index_select(cache.view(-1, row_size), 0, rows, out=gathered)
         return gathered
 
     def _decode(
@@ -263,25 +285,36 @@ class TorchPagedAttention(AttentionBackend):
         """One query token per row. The G query heads of a kv head act as G "query positions", so
         GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
         num_rows, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[-2]
+        num_kv_heads = k_cache.shape[-3]
         group = num_heads // num_kv_heads
         plan = self.decode_plan(metadata, sliding_window, num_kv_heads)
         q = query.view(num_rows, num_kv_heads, group, head_dim)
 
-        context_shape = (num_rows, num_kv_heads, plan.own_key_bias.shape[-1], head_dim)
-        keys = self._gather_rows(k_cache, plan.own_cache_rows, 0).view(context_shape)
-        values = self._gather_rows(v_cache, plan.own_cache_rows, 1).view(context_shape)
-        out, lse = attention_with_lse(q, keys, values, plan.own_key_bias)
+        context_len = plan.own_key_bias.shape[-1]
+        row_bytes = 2 * num_kv_heads * context_len * head_dim * k_cache.element_size()
+        step = max(1, self.decode_chunk_bytes // row_bytes)
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        for first in range(0, num_rows, step):
+            last = min(first + step, num_rows)
+            rows = plan.own_cache_rows[first:last].reshape(-1)
+            context_shape = (last - first, num_kv_heads, context_len, head_dim)
+            keys = self._gather_rows(k_cache, rows, 0).view(context_shape)
+            values = self._gather_rows(v_cache, rows, 1).view(context_shape)
+            out[first:last], lse[first:last] = attention_with_lse(
+                q[first:last], keys, values, plan.own_key_bias[first:last]
+            )
 
         for prefix in plan.shared_prefixes:
             n = len(prefix.rows)
-            prefix_keys = k_cache.index_select(0, prefix.block_ids).view(-1, num_kv_heads, head_dim)
-            prefix_values = v_cache.index_select(0, prefix.block_ids).view(-1, num_kv_heads, head_dim)
+            # [k, kvh, block_size, dim] -> [1, kvh, k * block_size, dim]
+            prefix_keys = k_cache.index_select(0, prefix.block_ids).transpose(0, 1)
+            prefix_values = v_cache.index_select(0, prefix.block_ids).transpose(0, 1)
+            prefix_keys = prefix_keys.reshape(1, num_kv_heads, -1, head_dim)
+            prefix_values = prefix_values.reshape(1, num_kv_heads, -1, head_dim)
             # All rows of the group as one block of queries: [1, kvh, n * group, dim].
             group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-            shared_out, shared_lse = attention_with_lse(
-                group_q, prefix_keys.transpose(0, 1)[None], prefix_values.transpose(0, 1)[None]
-            )
+            shared_out, shared_lse = attention_with_lse(group_q, prefix_keys, prefix_values)
             shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
             shared_lse = shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
             own_out, own_lse = out[prefix.rows], lse[prefix.rows]
@@ -299,9 +332,10 @@ class TorchPagedAttention(AttentionBackend):
         """A prefill chunk's whole context (cached tokens + its own), read through its block table."""
         seq_len = metadata.prefill_seq_lens[index]
         blocks = metadata.prefill_block_tables[index]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        keys = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
-        values = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len]
+        num_kv_heads, head_dim = k_cache.shape[-3], k_cache.shape[-1]
+        # [blocks, kvh, block_size, dim] -> [blocks * block_size, kvh, dim]
+        keys = k_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        values = v_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values
 
     @staticmethod

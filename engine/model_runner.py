@@ -121,7 +121,7 @@ class ModelRunner:
 
     def _allocate(self, num_blocks: int) -> None:
         c = self.model.config
-        shape = (2, num_blocks, self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
         # Zeros, not empty: attention multiplies masked (probability 0) slots, and 0 * NaN garbage is NaN.
         self.kv_caches = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
@@ -136,7 +136,7 @@ class ModelRunner:
         seq_len = min(budget, self.config.max_model_len)
         query_lens = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
         blocks_per_seq = math.ceil(seq_len / self.block_size)
-        shape = (2, blocks_per_seq * len(query_lens), self.block_size, c.num_kv_heads, c.head_dim)
+        shape = (2, blocks_per_seq * len(query_lens), c.num_kv_heads, self.block_size, c.head_dim)
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
         starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
         tables = [

@@ -53,7 +53,7 @@ def engine_last_logits(model: LlamaForCausalLM, token_ids: list[int], block_size
     """Our model's logits after ``token_ids``: one prefill into a private KV cache."""
     c = model.config
     num_blocks = math.ceil(len(token_ids) / block_size)
-    caches = [torch.zeros(2, num_blocks, block_size, c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)]
+    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, block_size, c.head_dim) for _ in range(c.num_layers)]
     n = len(token_ids)
     metadata = AttentionMetadata(
         block_size=block_size,
