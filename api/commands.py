@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 from api.client import Client
-from api.demo_data import INSTRUCTION, TEMPLATE, sample_jsonl
 from api.stack import Stack, StackError, StackOptions
+from jobs.demo_data import INSTRUCTION, TEMPLATE, sample_jsonl
 from jobs.status import JobState, JobStatus
 
 PRESETS = ["tiny", "small"]

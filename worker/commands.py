@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def demo(argv: list[str]) -> int:
-    from engine.demo import demo_cli
+    from worker.offline_demo import demo_cli
 
     return demo_cli(argv)
 

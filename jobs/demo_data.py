@@ -1,5 +1,5 @@
-"""The demo's rows: support tickets under one long shared instruction (copied from engine/demo.py,
-so the API side needs no engine import)."""
+"""The demo's rows: support tickets under one long shared instruction, used by the demo job
+(`bulkinfer demo`) and by the engine-only demo (`bulkinfer demo --offline`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,11 @@
-"""The benchmark and offline demo commands run end to end (figures are not asserted: speed lives in
-benchmarks, not tests) and report what a user reads."""
+"""The engine benchmark command runs end to end (figures are not asserted: speed lives in
+benchmarks, not tests) and reports what a user reads."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.bench import bench_cli
-from engine.demo import demo_cli
 
 
 @pytest.mark.timeout(300)
@@ -19,11 +18,3 @@ def test_bench_engine_prints_both_runs_and_the_ratio(capsys: pytest.CaptureFixtu
         assert f"workload: {workload} — 8 requests, 320 prompt tokens, 4 output tokens each" in out
     assert out.count("engine / baseline output tok/s") == 2
     assert "prefix-cache hit rate" in out
-
-
-@pytest.mark.timeout(300)
-def test_offline_demo_processes_every_row(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo_cli(["--preset", "tiny", "--rows", "6", "--max-tokens", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "rows: 6 (0 errors)" in out
-    assert "completion 18" in out

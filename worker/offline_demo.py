@@ -1,7 +1,5 @@
-"""The offline demo: one shared instruction over many rows, through the engine, with its figures.
-
-This is what `make demo` runs until the job pipeline (API → Celery → worker → object store) lands.
-"""
+"""`bulkinfer demo --offline`: the demo job's rows through the engine alone, in this process, with
+the run's figures (no Redis, API or worker)."""
 
 from __future__ import annotations
 
@@ -9,23 +7,8 @@ import argparse
 import time
 
 from engine.checkpoints import cached_checkpoint
-
-INSTRUCTION = (
-    "You are a support-ticket triage assistant. Read the customer's message and answer with one "
-    "category from: billing, outage, login, feature-request, other. Then give a one-line reason. "
-    "Be brief and do not repeat the message. "
-) * 4  # a long shared instruction, as batch users have: its KV blocks are computed once
-
-TICKETS = [
-    "I was charged twice for my subscription this month.",
-    "The dashboard has been down since 9am, nothing loads.",
-    "I can't log in after resetting my password.",
-    "Could you add a dark mode to the mobile app?",
-    "My invoice shows the wrong company address.",
-    "Password reset emails never arrive.",
-    "The API returns 503 for every request in eu-west.",
-    "Please support exporting reports as CSV.",
-]
+from jobs.demo_data import INSTRUCTION, TEMPLATE, sample_rows
+from jobs.formats.rows import with_instructions_prompt
 
 
 def demo_cli(argv: list[str] | None = None) -> int:
@@ -44,8 +27,9 @@ def demo_cli(argv: list[str] | None = None) -> int:
     llm = LLM(model=str(model_dir))
     print(f"engine ready in {time.perf_counter() - started:.1f}s")
 
-    rows = [f"{TICKETS[i % len(TICKETS)]} (ticket #{i})" for i in range(args.rows)]
-    prompts = [f"{INSTRUCTION}\nTicket: {row}\nAnswer:" for row in rows]
+    # The same prompts the demo job builds: the shared instructions, then the filled-in template.
+    rows = [row["ticket"] for row in sample_rows(args.rows)]
+    prompts = [with_instructions_prompt(INSTRUCTION, TEMPLATE.format(ticket=row)) for row in rows]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     run_started = time.perf_counter()
