@@ -75,7 +75,8 @@ def bench_cli(argv: list[str]) -> int:
     engine_options = json.loads(args.engine_options)
     options = StackOptions(home=home, port=0, preset=args.preset, engine_options=engine_options,
                            models_dir=args.models_dir or args.home / "models")
-    sampling = {"temperature": 0, "max_tokens": args.max_tokens}
+    # As in `bench engine`: greedy, EOS ignored, so every row yields exactly max_tokens tokens.
+    sampling = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True}
     print(f"bulkinfer bench service: {args.requests} rows of the shared-prefix workload (4 shared "
           f"~{args.shared_len}-token instructions + ~{args.tail_len}-token tails, {args.max_tokens} output "
           f"tokens, greedy), preset '{args.preset}', shards of {args.shard_size} rows", flush=True)
@@ -134,9 +135,9 @@ def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
         status = _wait(client, job_id, args.timeout)
         wall = time.perf_counter() - submitted
         rows = list(client.jobs.results(job_id))
-    stopped = _check_rows(rows, args.requests, args.max_tokens)
-    print(f"end-to-end: all {len(rows)} rows present once, {len(rows) - stopped} with {args.max_tokens} "
-          f"completion tokens, {stopped} stopped at EOS before", flush=True)
+    _check_rows(rows, args.requests, args.max_tokens)
+    print(f"end-to-end: all {len(rows)} rows present once, each with {args.max_tokens} completion tokens",
+          flush=True)
     usage = status.usage
     side = Side("end to end (submit → succeeded)", status.rows.total, wall, usage.prompt, usage.cached,
                 usage.completion, (load_before, os.getloadavg()[0]))
@@ -150,25 +151,20 @@ def _wait(client: Client, job_id: str, timeout: float) -> JobStatus:
     return status
 
 
-def _check_rows(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> int:
-    """Every row once, each with `max_tokens` completion tokens unless it stopped at EOS (a job cannot
-    ask to ignore EOS; the engine-only side uses the same sampling, so it stops at the same place).
-    Returns how many rows stopped at EOS.
-    """
+def _check_rows(rows: list[dict[str, Any]], requests: int, max_tokens: int) -> None:
+    """Every row once, each with exactly `max_tokens` completion tokens (EOS is ignored)."""
     counts = Counter(row["id"] for row in rows)
     expected = {f"r{index:05d}" for index in range(requests)}
     repeated = sorted(row_id for row_id, count in counts.items() if count > 1)
     missing, extra = sorted(expected - set(counts)), sorted(set(counts) - expected)
     tokens = {row["id"]: ((row.get("usage") or {}).get("completion_tokens"), row.get("finish_reason"))
               for row in rows}
-    wrong = sorted(row_id for row_id, (count, reason) in tokens.items()
-                   if not (count == max_tokens or (reason == "stop" and count and count < max_tokens)))
+    wrong = sorted(row_id for row_id, (count, _reason) in tokens.items() if count != max_tokens)
     problems = [f"{name}: {ids[:5]}" for name, ids in
                 (("missing", missing), ("repeated", repeated), ("unexpected", extra),
-                 (f"neither {max_tokens} completion tokens nor stopped at EOS", wrong)) if ids]
+                 (f"not {max_tokens} completion tokens", wrong)) if ids]
     if problems:
         raise RuntimeError("the job's results are wrong: " + "; ".join(problems))
-    return sum(1 for count, _ in tokens.values() if count != max_tokens)
 
 
 def _phases(status: JobStatus, wall: float, *, shards: int) -> dict[str, float]:

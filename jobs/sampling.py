@@ -23,6 +23,7 @@ class SamplingParams(BaseModel):
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = Field(None, description="keep generating past EOS (as vLLM's extra knob)")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)

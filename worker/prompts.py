@@ -15,7 +15,7 @@ from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import SamplingParams as JobSampling
 
 # Job sampling fields the engine maps one to one.
-ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids")
+ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
 # Fields the engine does not support yet, with the value that means "off".
 NEUTRAL_VALUES: dict[str, Any] = {"min_p": 0.0, "min_tokens": 0, "presence_penalty": 0.0,
                                   "frequency_penalty": 0.0, "repetition_penalty": 1.0, "stop": []}

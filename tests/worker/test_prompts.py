@@ -18,9 +18,10 @@ def row(prompt: str | None = None, messages: list | None = None) -> Row:
 
 
 def test_supported_knobs_map_one_to_one_and_unset_ones_keep_the_engine_default() -> None:
-    job = JobSampling(temperature=0.3, top_p=0.9, top_k=20, seed=7, max_tokens=12, stop_token_ids=[5])
+    job = JobSampling(temperature=0.3, top_p=0.9, top_k=20, seed=7, max_tokens=12, stop_token_ids=[5],
+                      ignore_eos=True)
     assert engine_sampling(job) == SamplingParams(temperature=0.3, top_p=0.9, top_k=20, seed=7, max_tokens=12,
-                                                  stop_token_ids=[5])
+                                                  stop_token_ids=[5], ignore_eos=True)
     assert engine_sampling(JobSampling()) == SamplingParams()
 
 
