@@ -93,3 +93,13 @@ def _preload_models(sender: Any = None, **_: Any) -> None:
     from worker.context import worker_context
 
     worker_context().hosts.preload(name.strip() for name in names)
+
+
+@signals.worker_ready.connect
+def _start_shard_reaper(sender: Any = None, **_: Any) -> None:
+    """Every pipeline worker runs the shard reaper (`worker/shard_reaper.py`) in a background thread."""
+    if sender is None or getattr(sender, "app", None) is not app:
+        return
+    from worker.shard_reaper import start_reaper
+
+    start_reaper()

@@ -4,10 +4,14 @@ A run holds a Redis key (`SET NX PX`) that a background thread keeps extending w
 lives. A second delivery of the shard waits for the key to go, then finds the first run's shard
 result and only counts it. If the holder's process dies, nothing extends the key, it expires
 after `ttl_s`, and the waiting (or redelivered) run takes over.
+
+Taking the lease also adds the shard's index to the job's set of started shards, so the shard
+reaper (`worker/shard_reaper.py`) can tell a shard whose worker died from one still queued.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -28,11 +32,32 @@ return 0
 """
 
 
+LEASE_TTL_ENV = "BULKINFER_SHARD_LEASE_TTL_S"
+DEFAULT_LEASE_TTL_S = 30.0
+STARTED_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
+
+
+def lease_ttl_s() -> float:
+    """The lease TTL: `BULKINFER_SHARD_LEASE_TTL_S`, default 30 s."""
+    return float(os.environ.get(LEASE_TTL_ENV) or DEFAULT_LEASE_TTL_S)
+
+
+def lease_key(namespace: str, job_id: str, shard_index: int) -> str:
+    return f"{namespace}:job:{{{job_id}}}:shard:{shard_index}:lease"
+
+
+def started_key(namespace: str, job_id: str) -> str:
+    """A Redis set of the job's shard indexes that some run has taken the lease of."""
+    return f"{namespace}:job:{{{job_id}}}:shards-started"
+
+
 class ShardLease:
-    def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *, ttl_s: float = 30,
-                 namespace: str = "bulkinfer") -> None:
+    def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *,
+                 ttl_s: float = DEFAULT_LEASE_TTL_S, namespace: str = "bulkinfer") -> None:
         self.client = client
-        self.key = f"{namespace}:job:{{{job_id}}}:shard:{shard_index}:lease"
+        self.key = lease_key(namespace, job_id, shard_index)
+        self.started_key = started_key(namespace, job_id)
+        self.shard_index = shard_index
         self.ttl_ms = int(ttl_s * 1000)
         self.token = uuid.uuid4().hex
         self._extend = client.register_script(EXTEND_SCRIPT)
@@ -47,6 +72,10 @@ class ShardLease:
             if give_up():
                 return False
             time.sleep(poll_s)  # the holder is alive: ask again shortly
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.sadd(self.started_key, self.shard_index)
+            pipe.expire(self.started_key, STARTED_TTL_S)
+            pipe.execute()
         self._keeper = threading.Thread(target=self._keep, name=f"lease-{self.key}", daemon=True)
         self._keeper.start()
         return True

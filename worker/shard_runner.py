@@ -40,7 +40,7 @@ from worker.engine_host import EngineRequest, EngineUnavailable, Submission
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.prompts import RowRejected, engine_error_code, engine_sampling
-from worker.shard_lease import ShardLease
+from worker.shard_lease import ShardLease, lease_ttl_s
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,8 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
     if repository.is_cancel_requested(job_id):
         return {**summary, "status": "cancelled"}
     # A second delivery of a shard that is still running waits here, then finds its result.
-    lease = ShardLease(repository.redis, job_id, shard_index, namespace=repository.namespace)
+    lease = ShardLease(repository.redis, job_id, shard_index, ttl_s=lease_ttl_s(),
+                       namespace=repository.namespace)
     if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
         return {**summary, "status": "cancelled"}
     with lease:

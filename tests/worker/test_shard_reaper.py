@@ -1,0 +1,115 @@
+"""The shard reaper: a shard whose worker was killed mid-run is re-sent, not left for 12 h."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs.settings import Settings
+from jobs.spec import JobSpec
+from jobs.status import JobState
+from tests.fixtures.services import RedisServer, S3Server, celery_worker
+from tests.worker import conftest
+from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, JOBS_BUCKET, MODELS_BUCKET, Pipeline
+from worker.celery_app import create_app
+from worker.context import WorkerContext
+from worker.job_lifecycle import plan_job
+from worker.shard_lease import ShardLease, lease_key, started_key
+from worker.shard_reaper import reap_once
+
+pytestmark = pytest.mark.timeout(600)
+
+LEASE_TTL_S = 4
+
+
+@pytest.fixture
+def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
+    """A pipeline with no worker yet, and the environment a worker process needs."""
+    client = s3.client()
+    for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
+        client.create_bucket(Bucket=bucket)
+    models = json.dumps({"tiny": str(tiny_checkpoint)})
+    store_uri = f"s3://{JOBS_BUCKET}/{conftest.STORE_PREFIX}"
+    env = {**s3.env(), "BULKINFER_STORE_URI": store_uri, "BULKINFER_MODELS": models,
+           "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
+           "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache")),
+           "BULKINFER_WORKER_MODELS": "tiny", "HF_HUB_OFFLINE": "1",
+           "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1"}
+    settings = Settings(broker_url=redis_url, store_uri=store_uri,
+                        s3_endpoint_url=s3.endpoint_url, models=models)
+    app = create_app(redis_url, name="bulkinfer-test-client")
+    try:
+        yield Pipeline(settings, settings.repository(), app, s3), env
+    finally:
+        app.close()
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_shard_whose_worker_was_killed_is_resent_and_the_job_succeeds(
+        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    rows = 64  # 4 waves of 16 sequences × 200 tokens: several seconds, so the kill lands mid-shard
+    lines = [json.dumps({"id": f"q{n:02d}", "question": f"def f{n}(x):"}) for n in range(rows)]
+    spec = JobSpec(input_uri=pipeline.put_input("long.jsonl", lines), model="tiny", id_column="id",
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": 200},
+                   shard_size=rows)
+    repository = pipeline.repository
+    queues = "bulkinfer.control,bulkinfer.model.tiny"
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+                       concurrency=2, ready_timeout=120) as worker_a:
+        job_id = pipeline.submit(spec)
+        layout = repository.layout(job_id)
+        wait_for(lambda: repository.redis.exists(lease_key(repository.namespace, job_id, 0)), 180,
+                 "worker A to start the shard")
+        worker_a.kill()
+        worker_a.wait(timeout=30)
+    # Worker A died mid-shard: the shard has no result, and its message sits unacked in Redis.
+    assert not repository.store.exists(layout.shard_result_key(0)), "the shard finished before the kill"
+    assert repository.get(job_id).state == JobState.RUNNING
+    started = time.monotonic()
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+                       concurrency=2, ready_timeout=120):
+        status = pipeline.wait_for_end(job_id, timeout=300)
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert time.monotonic() - started < 300
+    records = pipeline.output_records(job_id)
+    assert [record["id"] for record in records] == [f"q{n:02d}" for n in range(rows)]
+    assert (status.rows.total, status.rows.succeeded, status.shards.done) == (rows, rows, 1)
+
+
+def test_the_reaper_resends_only_started_shards_with_no_live_lease(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    pipeline, _ = parts
+    lines = [json.dumps({"question": f"def f{n}(x):"}) for n in range(6)]
+    spec = JobSpec(input_uri=pipeline.put_input("three.jsonl", lines), model="tiny", prompt_column="question",
+                   shard_size=2)
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+    context = WorkerContext(pipeline.settings)
+    plan_job(context, job_id, lambda *_: None)  # the shard tasks are never sent: nothing runs them
+    assert repository.get(job_id).state == JobState.RUNNING
+    # Shard 0: a live run holds its lease. Shard 1: never started. Shard 2: started, its holder died.
+    live = ShardLease(repository.redis, job_id, 0, ttl_s=30, namespace=repository.namespace)
+    assert live.acquire(give_up=lambda: True)
+    repository.redis.sadd(started_key(repository.namespace, job_id), 2)
+    sent: list[tuple[str, int, str]] = []
+
+    try:
+        first = reap_once(context, lambda *args: sent.append(args), ttl_s=30)
+        again = reap_once(context, lambda *args: sent.append(args), ttl_s=30)
+    finally:
+        live.release()
+
+    assert first == [(job_id, 2)] and again == []  # the second tick is rate-limited
+    assert sent == [(job_id, 2, "bulkinfer.model.tiny")]

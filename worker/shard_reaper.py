@@ -1,0 +1,92 @@
+"""The shard reaper: re-sends shards whose worker died mid-run, instead of waiting for the broker.
+
+A worker killed mid-shard leaves the shard's message unacknowledged in Redis, which would deliver it
+again only after the 12 h visibility timeout. Every worker runs a reaper thread; each tick (one
+worker at a time, via a short Redis lock) it looks at every `running` job for shards that were
+started (a run took the lease), have no shard result and no live lease (the holder died, so its
+lease lapsed), and sends `bulkinfer.run_shard` for them again. That is safe: the lease and the
+write-once shard result make shard runs idempotent. A shard is re-sent at most once per two lease
+TTLs, and a shard never started (still waiting in its queue) is never re-sent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+
+from jobs.settings import Settings
+from jobs.status import JobState
+from worker.context import WorkerContext
+from worker.shard_lease import lease_key, lease_ttl_s, started_key
+
+logger = logging.getLogger(__name__)
+
+INTERVAL_ENV = "BULKINFER_REAPER_INTERVAL_S"
+DEFAULT_INTERVAL_S = 15.0
+
+SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
+
+
+def interval_s() -> float:
+    """Seconds between ticks: `BULKINFER_REAPER_INTERVAL_S`, default 15 s."""
+    return float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S)
+
+
+def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float) -> list[tuple[str, int]]:
+    """One pass over the running jobs; returns the (job, shard) pairs it re-sent."""
+    repository = context.repository
+    client, namespace = repository.redis, repository.namespace
+    resent: list[tuple[str, int]] = []
+    cursor: str | None = None
+    while True:
+        jobs, cursor = repository.list(JobState.RUNNING, cursor=cursor, limit=100)
+        for job in jobs:
+            started = sorted(int(index) for index in client.smembers(started_key(namespace, job.job_id)))
+            if not started:
+                continue
+            try:
+                layout = repository.layout(job.job_id)
+                queue = None
+                for index in started:
+                    if client.exists(lease_key(namespace, job.job_id, index)):
+                        continue  # a live run holds it
+                    if repository.store.exists(layout.shard_result_key(index)):
+                        continue  # done
+                    marker = f"{namespace}:job:{{{job.job_id}}}:shard:{index}:resent"
+                    if not client.set(marker, 1, nx=True, px=int(2 * ttl_s * 1000)):
+                        continue  # re-sent recently: give that delivery time to take the lease
+                    queue = queue or context.registry.queue_for(repository.get_spec(job.job_id).model)
+                    send_shard(job.job_id, index, queue)
+                    resent.append((job.job_id, index))
+                    logger.warning("job %s shard %d: started, no result, no live lease; re-sent to %s",
+                                   job.job_id, index, queue)
+            except Exception:  # noqa: BLE001 - one odd job must not stop the others
+                logger.exception("shard reaper: job %s skipped", job.job_id)
+        if cursor is None:
+            return resent
+
+
+def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
+    from worker.tasks import send_shard
+
+    # Its own context: never build the process's shared one here (it may be a prefork parent).
+    context = WorkerContext(Settings.from_env())
+    lock = f"{context.repository.namespace}:shard-reaper:lock"
+    while not stop.wait(every_s):
+        try:
+            # Held until it expires: at most one tick per interval across all workers.
+            if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
+                reap_once(context, send_shard, ttl_s)
+        except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next tick
+            logger.exception("shard reaper tick failed")
+
+
+def start_reaper() -> threading.Event:
+    """Start the reaper thread (daemon); set the returned event to stop it."""
+    stop = threading.Event()
+    thread = threading.Thread(target=_loop, args=(stop, interval_s(), lease_ttl_s()), name="shard-reaper",
+                              daemon=True)
+    thread.start()
+    return stop
