@@ -7,7 +7,8 @@ transitions already made are no-ops, and the manifest is built from shard result
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 from jobs.formats.detect import resolve_spec
@@ -45,12 +46,18 @@ def resolved_spec(context: WorkerContext, spec: JobSpec) -> JobSpec:
     if spec.input_format is not None and spec.effective_output_format is not None:
         return spec
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
-    try:
+    with _input_errors_fail_the_job(spec.input_uri):
         return resolve_spec(spec, store, key)
+
+
+@contextmanager
+def _input_errors_fail_the_job(input_uri: str) -> Iterator[None]:
+    try:
+        yield
     except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
         if is_transient(error):  # …unless the store is unreachable: the task retries
             raise
-        raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
+        raise JobCannotRun(f"cannot read the input {input_uri}: {error}") from error
 
 
 def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict[str, Any]:
@@ -80,12 +87,8 @@ def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict
 
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
-    try:
+    with _input_errors_fail_the_job(spec.input_uri):
         return plan_shards(store, key, spec)
-    except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
-        if is_transient(error):  # …unless the store is unreachable: the task retries
-            raise
-        raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
 def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:
