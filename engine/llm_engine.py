@@ -133,11 +133,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.chunks:
             return outputs
-        sampling = [
-            c.request
-            for c in scheduled.chunks
-            if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens
-        ]
+        sampling = [c.request for c in scheduled.chunks if c.samples]
         prefill_tokens = sum(
             max(
                 0,

@@ -224,11 +224,7 @@ class ModelRunner:
         # Sampling rows, in the scheduler's chunk order.
         qsl = query_start_loc.tolist()
         row_in_batch = {chunk_index: row for row, chunk_index in enumerate(order)}
-        sample_rows = [
-            qsl[row_in_batch[i] + 1] - 1
-            for i, chunk in enumerate(chunks)
-            if chunk.request.num_computed_tokens + chunk.num_new_tokens == len(chunk.request.all_token_ids)
-        ]
+        sample_rows = [qsl[row_in_batch[i] + 1] - 1 for i, chunk in enumerate(chunks) if chunk.samples]
 
         decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
         metadata = AttentionMetadata(

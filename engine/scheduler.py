@@ -30,6 +30,12 @@ class ScheduledChunk:
     # during this step, do not mutate it.
     block_ids: list[int]
 
+    @property
+    def samples(self) -> bool:
+        """True when this chunk catches the request up with every known token, so the forward pass
+        yields its next token; False for a partial (chunked) prefill. Read before the update."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
 
 @dataclass
 class SchedulerOutput:
@@ -237,7 +243,7 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
                 continue
-            samples = request.num_computed_tokens + chunk.num_new_tokens == request.num_tokens
+            samples = chunk.samples
             if samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
             request.num_computed_tokens += chunk.num_new_tokens
