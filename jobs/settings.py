@@ -1,16 +1,22 @@
-"""Deployment settings shared by the API and the workers, read from `BULKINFER_*` variables.
+"""Deployment settings shared by the API, the workers and the CLI: flags > environment > config
+file > defaults.
 
-See docs/pipeline.md ("Configuration"). Plain pydantic: one small class, no extra dependency.
+Every setting has one name: the field below, its file key (the same), its variable
+(`BULKINFER_<NAME>`) and, where a command takes it, its flag (`--name-with-dashes`). The config
+file is TOML: `--config PATH`, else `$BULKINFER_CONFIG`, else `./bulkinfer.toml` when present. The
+full list with defaults and meanings is docs/configuration.md. Plain pydantic, no extra dependency.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jobs.object_store.base import ObjectStore
 
@@ -22,13 +28,26 @@ if TYPE_CHECKING:
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
-# field name → environment variable
+CONFIG_ENV = "BULKINFER_CONFIG"
+DEFAULT_CONFIG_FILE = "bulkinfer.toml"
+# field name → environment variable (the file key is the field name)
 ENVIRONMENT_NAMES = {
     "broker_url": "BULKINFER_BROKER_URL",
     "store_uri": "BULKINFER_STORE_URI",
     "s3_endpoint_url": "BULKINFER_S3_ENDPOINT_URL",
     "models": "BULKINFER_MODELS",
+    "engine_options": "BULKINFER_ENGINE_OPTIONS",
+    "model_cache": "BULKINFER_MODEL_CACHE",
+    "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
+    "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
+    "api_host": "BULKINFER_API_HOST",
+    "api_port": "BULKINFER_API_PORT",
+    "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
 }
+
+
+class ConfigError(ValueError):
+    """A setting is unknown or invalid; the message names it and where it came from."""
 
 
 class Settings(BaseModel):
@@ -38,6 +57,15 @@ class Settings(BaseModel):
     store_uri: str = DEFAULT_STORE_URI
     s3_endpoint_url: str | None = None
     models: str | None = None  # JSON {"name": "dir or s3://…"}, or a path to such a file
+    # Worker side. None: the reading module's own default (see docs/configuration.md).
+    engine_options: str | None = None  # JSON object of EngineConfig fields
+    model_cache: str | None = None
+    shard_lease_ttl_s: float | None = Field(None, gt=0)
+    reaper_interval_s: float | None = Field(None, gt=0)
+    # Servers: what `serve api|all` and `up` listen on, and `serve worker|all`'s task threads.
+    api_host: str = "127.0.0.1"
+    api_port: int = Field(8000, ge=0, le=65535)
+    worker_concurrency: int = Field(2, ge=1)
 
     @field_validator("store_uri")
     @classmethod
@@ -49,19 +77,69 @@ class Settings(BaseModel):
             raise ValueError(f"store URI must be s3://bucket/prefix or a local directory, got {value!r}")
         return value
 
+    @field_validator("models", "engine_options", mode="before")
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: str | None) -> Settings:
-        """Settings from the environment (empty variables count as unset); `overrides` win."""
+    def _tables_become_json(cls, value: Any) -> Any:
+        # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
+        return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
+
+    @field_validator("engine_options")
+    @classmethod
+    def _engine_options_are_an_object(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"not JSON ({error.msg})") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object of EngineConfig fields")
+        return value
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, *,
+                 config: str | os.PathLike[str] | None = None, **overrides: Any) -> Settings:
+        """Settings from flags (`overrides`, None = not given) over the environment (empty variables
+        count as unset) over the config file over the defaults. Raises `ConfigError` naming the key
+        and where it came from.
+        """
         environ = os.environ if environ is None else environ
-        values: dict[str, str | None] = {
-            field: environ[name] for field, name in ENVIRONMENT_NAMES.items() if environ.get(name)}
-        values.update({key: value for key, value in overrides.items() if value is not None})
-        return cls.model_validate(values)
+        unknown = sorted(set(overrides) - set(cls.model_fields))
+        if unknown:
+            raise TypeError(f"Settings has no field {unknown[0]!r}")
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        path = config_path(environ, config)
+        if path is not None:
+            for key, value in read_config_file(path).items():
+                values[key], sources[key] = value, f"{path}: key {key!r}"
+        for field, name in ENVIRONMENT_NAMES.items():
+            if environ.get(name):
+                values[field], sources[field] = environ[name], f"environment variable {name}"
+        for field, value in overrides.items():
+            if value is not None:
+                values[field], sources[field] = value, f"--{field.replace('_', '-')}"
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            item = error.errors()[0]
+            field = str(item["loc"][0]) if item["loc"] else ""
+            message = item["msg"].removeprefix("Value error, ")
+            raise ConfigError(f"{sources.get(field, field)}: {message}") from None
 
     def to_env(self) -> dict[str, str]:
         """The variables that give a child process (a worker) these same settings."""
         return {name: str(getattr(self, field)) for field, name in ENVIRONMENT_NAMES.items()
                 if getattr(self, field) is not None}
+
+    def export(self, environ: dict[str, str] | None = None) -> None:
+        """Put these settings into `environ` (default: this process's), for the modules that read
+        their variable directly (engine options, lease TTL, …) and for child processes.
+        """
+        (os.environ if environ is None else environ).update(self.to_env())
+
+    def engine_options_dict(self) -> dict[str, Any]:
+        return json.loads(self.engine_options) if self.engine_options else {}
 
     @property
     def is_local_store(self) -> bool:
@@ -100,3 +178,33 @@ class Settings(BaseModel):
 
         store, prefix = self.open_store()
         return JobRepository(store, self.redis_client(), prefix=prefix)
+
+
+def config_path(environ: Mapping[str, str], config: str | os.PathLike[str] | None = None) -> Path | None:
+    """The config file to read: `config`, else `$BULKINFER_CONFIG` (both must exist), else
+    `./bulkinfer.toml` if there is one, else None.
+    """
+    chosen = config or environ.get(CONFIG_ENV)
+    if chosen:
+        path = Path(chosen).expanduser()
+        if not path.is_file():
+            where = "--config" if config else CONFIG_ENV
+            raise ConfigError(f"{where}: no config file at {path}")
+        return path
+    default = Path(DEFAULT_CONFIG_FILE)
+    return default if default.is_file() else None
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The file's settings; raises `ConfigError` for bad TOML or a key that is not a setting."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read it ({error.strerror})") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML ({error})") from None
+    for key in data:
+        if key not in ENVIRONMENT_NAMES:
+            raise ConfigError(f"{path}: unknown key {key!r} (known keys: {', '.join(ENVIRONMENT_NAMES)}; "
+                              "see docs/configuration.md)")
+    return data

@@ -1,0 +1,47 @@
+"""Command-line flags for `Settings`: every command that reads settings takes `--config` and the
+flags of the settings it uses, named after the field (`broker_url` → `--broker-url`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+
+from jobs.settings import ENVIRONMENT_NAMES, Settings
+
+HELP = {
+    "broker_url": "Redis URL of the broker and job state",
+    "store_uri": "job store: s3://bucket/prefix or a local directory",
+    "s3_endpoint_url": "S3 endpoint (MinIO, moto, …); default AWS",
+    "models": "served models: JSON {name: dir or s3://…} or a path to such a file",
+    "engine_options": "JSON object of EngineConfig fields for every engine",
+    "model_cache": "where s3:// models are downloaded",
+    "shard_lease_ttl_s": "shard lease TTL in seconds",
+    "reaper_interval_s": "seconds between shard reaper ticks",
+    "api_host": "address the API listens on",
+    "api_port": "port the API listens on (0: any free port)",
+    "worker_concurrency": "task threads per worker",
+}
+TYPES = {"shard_lease_ttl_s": float, "reaper_interval_s": float, "api_port": int, "worker_concurrency": int}
+# Flags older than the settings names; kept so existing command lines work.
+ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str]) -> None:
+    """`--config` plus one flag per field (default None: not given, so env/file/defaults apply)."""
+    group = parser.add_argument_group("settings (flags > BULKINFER_* variables > config file > defaults; "
+                                      "see docs/configuration.md)")
+    group.add_argument("--config", metavar="PATH",
+                       help="TOML config file (default: $BULKINFER_CONFIG, else ./bulkinfer.toml if present)")
+    for field in fields:
+        if field not in ENVIRONMENT_NAMES:
+            raise ValueError(f"not a setting: {field!r}")
+        flags = [f"--{field.replace('_', '-')}", *ALIASES.get(field, [])]
+        group.add_argument(*flags, dest=field, type=TYPES.get(field, str), default=None,
+                           help=f"{HELP[field]} (${ENVIRONMENT_NAMES[field]})")
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """Settings for a parsed command line; raises `ConfigError` naming a bad key or value."""
+    overrides = {field: getattr(args, field) for field in ENVIRONMENT_NAMES if hasattr(args, field)}
+    return Settings.from_env(config=args.config, **overrides)
