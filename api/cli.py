@@ -39,6 +39,10 @@ COMMANDS: dict[str, Command] = {
     "serve api": Command("api.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)", "server"),
     "serve worker": Command("worker.commands:serve_worker",
                             "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),
+    "serve all": Command("api.serve:serve_all", "Serve the API and run a worker against the configured "
+                         "Redis and store (see docs/configuration.md)", "worker"),
+    "run": Command("worker.commands:run", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
+                   "here, no servers; resumable", "worker"),
 }
 
 
