@@ -43,6 +43,11 @@ ENVIRONMENT_NAMES = {
     "api_host": "BULKINFER_API_HOST",
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
+    # Schedules and webhooks (docs/schedules_and_webhooks.md).
+    "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
+    "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
+    "webhook_max_attempts": "BULKINFER_WEBHOOK_MAX_ATTEMPTS",
+    "webhook_retry_base_s": "BULKINFER_WEBHOOK_RETRY_BASE_S",
 }
 
 
@@ -66,6 +71,11 @@ class Settings(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
+    # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
+    schedule_tick_s: float | None = Field(None, gt=0)
+    webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
+    webhook_max_attempts: int | None = Field(None, ge=1)
+    webhook_retry_base_s: float | None = Field(None, gt=0)
 
     @field_validator("store_uri")
     @classmethod

@@ -12,6 +12,7 @@ from jobs.object_store.factory import split_uri
 from jobs.response_format import ResponseFormat
 from jobs.sampling import SamplingParams
 from jobs.template import PromptTemplate
+from jobs.webhooks import check_webhook_url
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64
@@ -70,6 +71,7 @@ class JobSpec(BaseModel):
     priority: int = Field(5, ge=0, le=9, description="higher runs sooner")
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
+    webhook_url: str | None = Field(None, description="POSTed the final status when the job ends (signed)")
 
     @field_validator("input_uri", "output_uri")
     @classmethod
@@ -85,6 +87,11 @@ class JobSpec(BaseModel):
         if not key or key.endswith("/"):
             raise ValueError(f"input_uri must name one object, not a folder: {value!r}")
         return value
+
+    @field_validator("webhook_url")
+    @classmethod
+    def _webhook_is_http(cls, value: str | None) -> str | None:
+        return check_webhook_url(value) if value is not None else None
 
     @field_validator("template")
     @classmethod
