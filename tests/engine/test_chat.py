@@ -1,0 +1,68 @@
+"""render_chat: the tokenizer's template when it has one, ChatML otherwise, errors with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, render_chat
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+CHATML = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture
+def tokenizer(tiny_checkpoint: Path):
+    return AutoTokenizer.from_pretrained(tiny_checkpoint)
+
+
+def test_the_tokenizers_own_template_is_used(tokenizer):
+    tokenizer.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}" \
+                              "{% if add_generation_prompt %}[assistant] {% endif %}"
+    assert render_chat(tokenizer, MESSAGES) == "[system] Be brief.\n[user] hi\n[assistant] "
+    assert render_chat(tokenizer, MESSAGES, add_generation_prompt=False) == "[system] Be brief.\n[user] hi\n"
+
+
+def test_without_a_template_chatml_is_used(tokenizer):
+    tokenizer.chat_template = None
+    assert render_chat(tokenizer, MESSAGES) == CHATML
+    assert render_chat(tokenizer, MESSAGES, add_generation_prompt=False) == CHATML.removesuffix(
+        "<|im_start|>assistant\n")
+    # The tiny tokenizer knows the ChatML markers as special tokens: one id each.
+    ids = tokenizer.encode(render_chat(tokenizer, MESSAGES), add_special_tokens=False)
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3
+
+
+def test_default_template_is_the_tiny_checkpoints_chatml(tokenizer):
+    assert tokenizer.chat_template == DEFAULT_CHAT_TEMPLATE  # the same text: one ChatML in the project
+    assert render_chat(tokenizer, MESSAGES) == CHATML
+
+
+def test_text_parts_are_joined_and_null_content_is_empty(tokenizer):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                {"role": "assistant", "content": None, "tool_calls": []}]
+    assert render_chat(tokenizer, messages, add_generation_prompt=False) == \
+        "<|im_start|>user\na\nb<|im_end|>\n<|im_start|>assistant\n<|im_end|>\n"
+
+
+@pytest.mark.parametrize(("messages", "reason"), [
+    ([], "non-empty list"),
+    ("hi", "non-empty list"),
+    (["hi"], r"messages\[0\] must be an object"),
+    ([{"content": "hi"}], r"messages\[0\] needs a role"),
+    ([{"role": "user", "content": 3}], r"messages\[0\].content must be text"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"content\[0\] must be a text part .* 'image_url'"),
+])
+def test_invalid_messages_raise_with_the_reason(tokenizer, messages, reason):
+    with pytest.raises(ChatTemplateError, match=reason):
+        render_chat(tokenizer, messages)
+
+
+def test_a_failing_template_raises_a_value_error_with_its_message(tokenizer):
+    tokenizer.chat_template = "{{ raise_exception('system messages are not supported') }}"
+    with pytest.raises(ValueError, match="system messages are not supported") as raised:
+        render_chat(tokenizer, MESSAGES)
+    assert isinstance(raised.value, ChatTemplateError)
