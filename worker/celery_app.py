@@ -103,3 +103,13 @@ def _start_shard_reaper(sender: Any = None, **_: Any) -> None:
     from worker.shard_reaper import start_reaper
 
     start_reaper()
+
+
+@signals.worker_ready.connect
+def _start_schedule_ticker(sender: Any = None, **_: Any) -> None:
+    """Every pipeline worker runs the schedule ticker (`worker/schedule_ticker.py`) in a thread."""
+    if sender is None or getattr(sender, "app", None) is not app:
+        return
+    from worker.schedule_ticker import start_ticker
+
+    start_ticker()

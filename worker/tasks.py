@@ -14,7 +14,7 @@ from typing import Any
 from celery import Task
 
 from jobs.models import CONTROL_QUEUE
-from worker import job_lifecycle, shard_runner
+from worker import job_lifecycle, shard_runner, webhook_delivery
 from worker.celery_app import app
 from worker.context import worker_context
 from worker.transient import is_transient, retry_delay_s
@@ -57,18 +57,32 @@ def retrying_transient_errors(task: Task, work: Callable[[], dict[str, Any]]) ->
         raise task.retry(exc=error, countdown=delay, max_retries=None) from error
 
 
+# Summaries of a task run that saw its job end: the job's webhook is due (worker/webhook_delivery.py).
+ENDED_SUMMARIES = ("succeeded", "failed", "cancelled", "skipped: job")
+
+
+def notifying_when_ended(job_id: str, work: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    def run() -> dict[str, Any]:
+        summary = work()
+        if str(summary.get("status", "")).startswith(ENDED_SUMMARIES):
+            webhook_delivery.notify_if_final(worker_context(), job_id)
+        return summary
+    return run
+
+
 @app.task(name=PLAN_JOB, bind=True)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
-    return retrying_transient_errors(
-        self, lambda: job_lifecycle.plan_job(worker_context(), job_id, send_shard))
+    return retrying_transient_errors(self, notifying_when_ended(
+        job_id, lambda: job_lifecycle.plan_job(worker_context(), job_id, send_shard)))
 
 
 @app.task(name=RUN_SHARD, bind=True)
 def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
-    return retrying_transient_errors(
-        self, lambda: shard_runner.run_shard(worker_context(), job_id, shard_index, send_finalize))
+    return retrying_transient_errors(self, notifying_when_ended(
+        job_id, lambda: shard_runner.run_shard(worker_context(), job_id, shard_index, send_finalize)))
 
 
 @app.task(name=FINALIZE_JOB, bind=True)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
-    return retrying_transient_errors(self, lambda: job_lifecycle.finalize_job(worker_context(), job_id))
+    return retrying_transient_errors(self, notifying_when_ended(
+        job_id, lambda: job_lifecycle.finalize_job(worker_context(), job_id)))

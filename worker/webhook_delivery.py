@@ -1,0 +1,135 @@
+"""Completion webhooks: when a job with a `webhook_url` ends, POST its final status, signed.
+
+`notify_if_final` runs after the tasks that can end a job (plan, a failed or cancelled shard,
+finalize). A Redis marker per job (`SET NX`) makes it send `bulkinfer.deliver_webhook` once, however
+many tasks see the job ended. The delivery task retries connection errors, timeouts, 5xx and 429
+after base·2^n seconds (at most 10 min apart) up to the attempt limit; other 4xx answers are final.
+The marker ends as `delivered` or `failed: <why>`. Delivery is at-least-once: an answer lost after
+the receiver acted makes it see the delivery again (same X-Bulkinfer-Delivery id).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from celery import Task
+
+from jobs import webhooks
+from jobs.models import CONTROL_QUEUE
+from worker.celery_app import app
+from worker.context import WorkerContext, worker_context
+from worker.transient import is_transient
+
+logger = logging.getLogger(__name__)
+
+DELIVER_WEBHOOK = "bulkinfer.deliver_webhook"
+DEFAULT_MAX_ATTEMPTS = 8
+DEFAULT_RETRY_BASE_S = 2.0
+MAX_RETRY_DELAY_S = 600.0
+REQUEST_TIMEOUT_S = 10.0
+MARKER_TTL_S = 30 * 24 * 3600
+
+
+class RetryableDelivery(Exception):
+    """The receiver could not take it now (unreachable, timeout, 5xx, 429): try again later."""
+
+
+class RejectedDelivery(Exception):
+    """The receiver refused it (4xx other than 408/429): retrying would not help."""
+
+
+def marker_key(namespace: str, job_id: str) -> str:
+    return f"{namespace}:job:{{{job_id}}}:webhook"
+
+
+def delivery_state(context: WorkerContext, job_id: str) -> str | None:
+    """`queued`, `delivered`, `failed: …`, or None when no delivery was started."""
+    repository = context.repository
+    value = repository.redis.get(marker_key(repository.namespace, job_id))
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def send_delivery(job_id: str) -> None:
+    app.send_task(DELIVER_WEBHOOK, args=[job_id], queue=CONTROL_QUEUE, task_id=f"{job_id}.webhook")
+
+
+def notify_if_final(context: WorkerContext, job_id: str,
+                    send: Callable[[str], None] = send_delivery) -> bool:
+    """Start the job's webhook delivery if it has ended and has a URL, once per job."""
+    repository = context.repository
+    if not repository.get(job_id).state.is_terminal:
+        return False
+    if not repository.get_spec(job_id).webhook_url:
+        return False
+    if not repository.redis.set(marker_key(repository.namespace, job_id), "queued", nx=True, ex=MARKER_TTL_S):
+        return False  # another task already started it
+    send(job_id)
+    return True
+
+
+def post(url: str, body: bytes, headers: dict[str, str]) -> int:
+    """POST once; the status code on 2xx, else `RetryableDelivery` / `RejectedDelivery`."""
+    try:
+        response = httpx.post(url, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S,
+                              follow_redirects=False)
+    except httpx.TransportError as error:  # refused, reset, DNS, timeout
+        raise RetryableDelivery(f"{type(error).__name__}: {error}") from error
+    if 200 <= response.status_code < 300:
+        return response.status_code
+    reason = f"HTTP {response.status_code}: {response.text[:200]}"
+    if response.status_code >= 500 or response.status_code in (408, 429):
+        raise RetryableDelivery(reason)
+    raise RejectedDelivery(reason)
+
+
+def deliver(context: WorkerContext, job_id: str) -> dict[str, Any]:
+    """One attempt: the job's status as GET /jobs/{id} gives it, signed, POSTed to its URL."""
+    repository = context.repository
+    if delivery_state(context, job_id) == "delivered":
+        return {"job_id": job_id, "status": "skipped: already delivered"}
+    status = repository.get(job_id)
+    url = repository.get_spec(job_id).webhook_url
+    if not url:
+        return {"job_id": job_id, "status": "skipped: no webhook_url"}
+    timestamp = int(time.time())
+    body = webhooks.payload(status.model_dump(mode="json"), timestamp)
+    headers = webhooks.headers(context.settings.webhook_secret, body, job_id, status.state.value, timestamp)
+    code = post(url, body, headers)
+    repository.redis.set(marker_key(repository.namespace, job_id), "delivered", ex=MARKER_TTL_S)
+    logger.info("job %s: webhook delivered to %s (HTTP %d)", job_id, url, code)
+    return {"job_id": job_id, "status": "delivered", "http_status": code}
+
+
+def retry_delay_s(context: WorkerContext, retries: int) -> float:
+    base = context.settings.webhook_retry_base_s or DEFAULT_RETRY_BASE_S
+    return min(MAX_RETRY_DELAY_S, base * 2 ** retries)
+
+
+def _give_up(context: WorkerContext, job_id: str, reason: str) -> dict[str, Any]:
+    repository = context.repository
+    repository.redis.set(marker_key(repository.namespace, job_id), f"failed: {reason}", ex=MARKER_TTL_S)
+    logger.warning("job %s: webhook not delivered: %s", job_id, reason)
+    return {"job_id": job_id, "status": "failed", "error": reason}
+
+
+@app.task(name=DELIVER_WEBHOOK, bind=True)
+def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
+    context = worker_context()
+    attempts = context.settings.webhook_max_attempts or DEFAULT_MAX_ATTEMPTS
+    try:
+        return deliver(context, job_id)
+    except RejectedDelivery as error:
+        return _give_up(context, job_id, str(error))
+    except Exception as error:
+        if not isinstance(error, RetryableDelivery) and not is_transient(error):
+            raise
+        if self.request.retries + 1 >= attempts:
+            return _give_up(context, job_id, f"{attempts} attempts; last: {error}")
+        delay = retry_delay_s(context, self.request.retries)
+        logger.warning("job %s: webhook attempt %d failed (%s); retrying in %.1fs", job_id,
+                       self.request.retries + 1, error, delay)
+        raise self.retry(exc=error, countdown=delay, max_retries=None) from error
