@@ -145,7 +145,7 @@ def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
 
 
 def _wait(client: Client, job_id: str, timeout: float) -> JobStatus:
-    status = client.jobs.wait(job_id, poll_interval=POLL_INTERVAL_S, timeout=timeout)
+    status = client.jobs.wait(job_id, poll_interval=POLL_INTERVAL_S, timeout=timeout, progress=False)
     if status.state != JobState.SUCCEEDED:
         raise RuntimeError(f"job {job_id} ended {status.state.value}: {status.error}")
     return status

@@ -43,6 +43,16 @@ COMMANDS: dict[str, Command] = {
                          "Redis and store (see docs/configuration.md)", "worker"),
     "run": Command("worker.commands:run", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
                    "here, no servers; resumable", "worker"),
+    # Job commands over the SDK (api/cli_jobs.py; exit codes documented there and in docs/sdk_and_cli.md).
+    "submit": Command("api.cli_jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
+                      "(--wait: exit code = outcome)", "client"),
+    "status": Command("api.cli_jobs:status", "A job's state, rows, tokens and outputs", "client"),
+    "list": Command("api.cli_jobs:list_jobs", "Jobs, newest first", "client"),
+    "cancel": Command("api.cli_jobs:cancel", "Cancel a job that has not finished", "client"),
+    "results": Command("api.cli_jobs:results", "A succeeded job's rows: JSON lines, or a file with -o",
+                       "client"),
+    "wait": Command("api.cli_jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
+                    "4 timed out", "client"),
 }
 
 

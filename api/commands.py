@@ -134,12 +134,12 @@ def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
         job = client.jobs.create(spec, file=path)
         print(f"\nsubmitted {job.job_id} (model '{spec['model']}', upload {path.stat().st_size} bytes)")
         final = client.jobs.wait(job.job_id, poll_interval=0.25, timeout=args.timeout,
-                                 on_progress=_Progress())
+                                 progress=False, on_progress=_Progress())
         submit_to_done = time.perf_counter() - submitted
         if final.state != JobState.SUCCEEDED:
             print(f"\njob {final.job_id} {final.state.value}: {final.error}", file=sys.stderr)
             return 1
-        rows = client.jobs.results(final.job_id)
+        rows = iter(client.jobs.results(final.job_id))
         for row in (next(rows) for _ in range(min(3, final.rows.total))):
             print(f"\n- {row['id']}\n  output ({row['finish_reason']}): {str(row['text'])[:120]!r}")
         rows.close()

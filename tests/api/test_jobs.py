@@ -57,17 +57,17 @@ def test_unknown_jobs_are_404(api) -> None:
 
 def test_list_pages_with_a_cursor_and_filters_by_status(api) -> None:
     ids = [submit(api, metadata={"n": str(n)}).job_id for n in range(5)]
-    first = api.client.jobs.list(limit=2)
-    second = api.client.jobs.list(limit=2, cursor=first.next_cursor)
-    third = api.client.jobs.list(limit=2, cursor=second.next_cursor)
+    first = api.client.jobs.page(limit=2)
+    second = api.client.jobs.page(limit=2, cursor=first.next_cursor)
+    third = api.client.jobs.page(limit=2, cursor=second.next_cursor)
     assert [job.job_id for job in first.jobs + second.jobs + third.jobs] == ids[::-1]
     assert third.next_cursor is None
-    assert [job.job_id for job in api.client.jobs.iter(page_size=2)] == ids[::-1]
+    assert [job.job_id for job in api.client.jobs.list(page_size=2)] == ids[::-1]
 
     helpers.start(api.repository, ids[1])
-    assert [job.job_id for job in api.client.jobs.list(status="running").jobs] == [ids[1]]
-    assert len(api.client.jobs.list(status=JobState.QUEUED).jobs) == 4
-    error = refused(lambda: api.client.jobs.list(status="sleeping"))
+    assert [job.job_id for job in api.client.jobs.list(status="running")] == [ids[1]]
+    assert len(list(api.client.jobs.list(status=JobState.QUEUED))) == 4
+    error = refused(lambda: api.client.jobs.page(status="sleeping"))
     assert error.status_code == 422 and error.messages[0].startswith("status:")
     response = httpx.get(f"{api.url}/jobs", params={"cursor": "not-a-cursor"})
     assert response.status_code == 422 and response.json()["messages"][0].startswith("cursor:")
@@ -97,7 +97,7 @@ def test_results_list_parts_with_urls_and_download_every_row_in_order(api) -> No
     parts = api.client.jobs.result_parts(job.job_id)
     assert [part.uri for part in parts.parts] == done.output_uris and len(parts.parts) == 3
     assert [part.first_row for part in parts.parts] == [0, 4, 8]
-    assert parts.rows["total"] == ROWS and parts.usage["prompt"] == done.usage.prompt
+    assert parts.rows.total == ROWS and parts.usage.prompt == done.usage.prompt
     fetched = b"".join(httpx.get(part.url).content if part.url.startswith("http")
                        else open(part.url.removeprefix("file://"), "rb").read() for part in parts.parts)
     rows = list(api.client.jobs.results(job.job_id))

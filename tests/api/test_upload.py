@@ -72,7 +72,7 @@ def test_an_upload_missing_the_column_is_refused_and_not_kept(api) -> None:
     assert error.value.status_code == 400
     assert "column 'q' is in none of the first 5 rows" in error.value.message
     assert [info.key for info in api.store.list("") if "/input/" in info.key] == []
-    assert api.client.jobs.list().jobs == []
+    assert list(api.client.jobs.list()) == []
 
 
 def test_an_upload_with_a_bad_spec_or_an_unknown_model_is_refused(api) -> None:
