@@ -10,7 +10,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
-from api import routes_jobs, routes_service
+from api import routes_jobs, routes_schedules, routes_service
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.include_router(routes_jobs.router)
     app.include_router(routes_service.router)
+    app.include_router(routes_schedules.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -17,7 +17,6 @@ import uuid
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
@@ -26,6 +25,8 @@ from jobs.spec import JobSpec, validation_messages
 from jobs.webhooks import check_webhook_url
 
 if TYPE_CHECKING:
+    import redis
+
     from jobs.repository import JobRepository
 
 DEFAULT_NAMESPACE = "bulkinfer"
@@ -172,6 +173,14 @@ class SubmittedObject(BaseModel):
     etag: str
     job_id: str
     submitted_at: datetime
+
+
+class TickReport(BaseModel):
+    """What one tick did (`POST /schedules/{id}/tick`)."""
+
+    schedule_id: str
+    submitted: list[SubmittedObject] = Field(description="objects that got a job in this tick")
+    error: str | None = Field(None, description="why the tick stopped early (listing failed, …)")
 
 
 def fingerprint(key: str, etag: str) -> str:

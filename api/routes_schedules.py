@@ -1,0 +1,169 @@
+"""The schedule routes: create, list, read, pause, resume, delete, tick now, and what was submitted.
+
+A schedule submits one job per new object under its input prefix each time its cron fires (the
+workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules_and_webhooks.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Response
+from pydantic import BaseModel, ValidationError
+
+from api.dependencies import ApiContext, Context
+from api.dispatch import enqueue_plan
+from api.errors import ApiError
+from api.schemas import ERROR_RESPONSES
+from api.submission import locate
+from jobs.object_store.factory import split_uri
+from jobs.schedule_tick import tick_schedule
+from jobs.schedules import (
+    Schedule,
+    ScheduleNotFound,
+    ScheduleRepository,
+    ScheduleSpec,
+    ScheduleView,
+    SubmittedObject,
+    TickReport,
+    split_input,
+)
+from jobs.spec import validation_messages
+
+router = APIRouter(tags=["schedules"], responses=ERROR_RESPONSES)
+
+
+class ScheduleList(BaseModel):
+    schedules: list[ScheduleView]
+
+
+class SubmittedList(BaseModel):
+    objects: list[SubmittedObject]
+
+
+def _repository(context: ApiContext) -> ScheduleRepository:
+    return ScheduleRepository.beside(context.repository)
+
+
+def _get(schedules: ScheduleRepository, schedule_id: str) -> Schedule:
+    try:
+        return schedules.get(schedule_id)
+    except ScheduleNotFound as error:
+        raise ApiError(404, str(error)) from None
+
+
+def _parse(body: object) -> ScheduleSpec:
+    if not isinstance(body, dict):
+        raise ApiError(422, "the schedule must be a JSON object")
+    try:
+        return ScheduleSpec.model_validate(body)
+    except ValidationError as error:
+        messages = validation_messages(error)
+        raise ApiError(422, "invalid schedule: " + "; ".join(messages), messages) from None
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return a.startswith(b) or b.startswith(a)
+
+
+def _check_input(context: ApiContext, spec: ScheduleSpec) -> None:
+    """The prefix must be listable by the workers, and outside the job store's own folders (a
+    schedule over its own outputs would submit jobs forever).
+    """
+    base, _ = split_input(spec.input_prefix)
+    scheme, bucket, key = split_uri(base)
+    settings = context.settings
+    if scheme == "s3":
+        store = context.s3_store(bucket)
+        job_store = settings.store_uri.removeprefix("s3://") if not settings.is_local_store else None
+        if job_store is not None:
+            store_bucket, _, prefix = job_store.partition("/")
+            folders = [f"{prefix.strip('/')}/{name}/".lstrip("/") for name in ("jobs", "schedules")]
+            if bucket == store_bucket and any(_overlaps(key, folder) for folder in folders):
+                raise ApiError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's "
+                                    f"{', '.join(folders)}; put inputs elsewhere")
+        try:
+            next(iter(store.list(key)), None)
+        except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
+            raise ApiError(400, f"input_prefix {spec.input_prefix}: cannot list it ({error})") from None
+        return
+    locate(context, "/" + key if key else "/", "input_prefix")  # inside the local store, else 400
+    root = settings.local_store_root()
+    path = "/" + key
+    for name in ("jobs", "schedules"):
+        if _overlaps(path, f"{Path(root, name).as_posix()}/"):
+            raise ApiError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's {name}/ "
+                                "folder; put inputs elsewhere")
+
+
+@router.post("/schedules", status_code=201, response_model=ScheduleView, summary="Create a schedule")
+def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -> ScheduleView:
+    """A cron expression (UTC; 6 fields = seconds last), an input prefix or glob, and a job template
+    (a JobSpec without `input_uri` and `idempotency_key`). A bad cron or template answers 422
+    naming the field; an unknown model or an unreadable prefix 400.
+    """
+    spec = _parse(body)
+    context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
+    _check_input(context, spec)
+    schedules = _repository(context)
+    return schedules.view(schedules.create(spec))
+
+
+@router.get("/schedules", response_model=ScheduleList, summary="List schedules, oldest first")
+def list_schedules(context: Context) -> ScheduleList:
+    schedules = _repository(context)
+    return ScheduleList(schedules=[schedules.view(schedule) for schedule in schedules.list()])
+
+
+@router.get("/schedules/{schedule_id}", response_model=ScheduleView, summary="A schedule and its tick state")
+def get_schedule(schedule_id: str, context: Context) -> ScheduleView:
+    schedules = _repository(context)
+    return schedules.view(_get(schedules, schedule_id))
+
+
+def _set_paused(context: ApiContext, schedule_id: str, paused: bool) -> ScheduleView:
+    schedules = _repository(context)
+    _get(schedules, schedule_id)
+    return schedules.view(schedules.set_paused(schedule_id, paused))
+
+
+@router.post("/schedules/{schedule_id}/pause", response_model=ScheduleView, summary="Pause a schedule")
+def pause_schedule(schedule_id: str, context: Context) -> ScheduleView:
+    """No tick submits anything while paused; objects that arrive meanwhile are submitted after resume."""
+    return _set_paused(context, schedule_id, True)
+
+
+@router.post("/schedules/{schedule_id}/resume", response_model=ScheduleView, summary="Resume a schedule")
+def resume_schedule(schedule_id: str, context: Context) -> ScheduleView:
+    return _set_paused(context, schedule_id, False)
+
+
+@router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
+def delete_schedule(schedule_id: str, context: Context) -> Response:
+    """The jobs it submitted stay."""
+    schedules = _repository(context)
+    _get(schedules, schedule_id)
+    schedules.delete(schedule_id)
+    return Response(status_code=204)
+
+
+@router.post("/schedules/{schedule_id}/tick", response_model=TickReport, summary="Tick a schedule now")
+def tick_now(schedule_id: str, context: Context) -> TickReport:
+    """Submit the schedule's new objects now, whatever its cron says (paused: 409)."""
+    schedules = _repository(context)
+    schedule = _get(schedules, schedule_id)
+    if schedule.paused:
+        raise ApiError(409, f"schedule {schedule_id} is paused; resume it first")
+    result = tick_schedule(schedules, context.repository, schedule,
+                           lambda job_id: enqueue_plan(context.tasks, job_id),
+                           endpoint_url=context.settings.s3_endpoint_url)
+    return TickReport(schedule_id=schedule_id, submitted=result.submitted, error=result.error)
+
+
+@router.get("/schedules/{schedule_id}/jobs", response_model=SubmittedList,
+            summary="The objects a schedule has submitted, with their jobs")
+def submitted_objects(schedule_id: str, context: Context) -> SubmittedList:
+    schedules = _repository(context)
+    _get(schedules, schedule_id)
+    return SubmittedList(objects=schedules.submitted(schedule_id))
