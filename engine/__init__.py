@@ -6,7 +6,17 @@ outputs = LLM(model="path/to/hf-folder").generate(["Hello"], SamplingParams(max_
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.llm_engine import LLMEngine, RequestOutput
+from engine.llm_engine import LLMEngine
+from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "LLM",
+    "CompletionOutput",
+    "EngineConfig",
+    "LLMEngine",
+    "PositionLogprobs",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprob",
+]

@@ -43,6 +43,29 @@ class RequestMetrics:
             ),
         )
 
+    @staticmethod
+    def merged(samples: list[RequestMetrics]) -> RequestMetrics:
+        """One request's metrics over its n samples: first token of any, last finish of all;
+        per-token figures are the first sample's."""
+        if len(samples) == 1:
+            return samples[0]
+        first = samples[0]
+        firsts = [m.first_token_time for m in samples if m.first_token_time is not None]
+        scheduled = [m.first_scheduled_time for m in samples if m.first_scheduled_time is not None]
+        ends = [m.finished_time for m in samples]
+        first_token = min(firsts) if firsts else None
+        finished = None if any(t is None for t in ends) else max(ends)  # type: ignore[type-var]
+        return RequestMetrics(
+            arrival_time=first.arrival_time,
+            first_scheduled_time=min(scheduled) if scheduled else None,
+            first_token_time=first_token,
+            finished_time=finished,
+            time_to_first_token=first_token - first.arrival_time if first_token is not None else None,
+            mean_inter_token_latency=first.mean_inter_token_latency,
+            time_per_output_token=first.time_per_output_token,
+            e2e_latency=finished - first.arrival_time if finished is not None else None,
+        )
+
     def as_dict(self) -> dict[str, float | None]:
         return asdict(self)
 

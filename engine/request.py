@@ -11,7 +11,7 @@ from engine.sampling_params import SamplingParams
 
 
 class FinishReason(enum.StrEnum):
-    STOP = "stop"  # a stop token id or EOS
+    STOP = "stop"  # EOS, a stop token id, a stop string or a completed grammar
     LENGTH = "length"  # max_tokens or max_model_len
     ABORT = "abort"
     ERROR = "error"  # rejected; `Request.error` says why
@@ -53,6 +53,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # lower value = scheduled first
     cache_salt: str | None = None
+    # Randomness key: token t of this request is drawn from hash(sample_seed, sample_index, t)
+    # (engine/sampling_random.py). The engine sets the seed at admission; sample_index is the
+    # child's index when a prompt asks for n > 1 samples.
+    sample_seed: int = 0
+    sample_index: int = 0
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync
@@ -61,6 +66,9 @@ class Request:
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)
+    # What ended a STOP: the stop string or stop token id (None for EOS or a finished grammar).
+    stop_reason: str | int | None = field(default=None, init=False)
+    stopped_on_token: bool = field(default=False, init=False)  # EOS or a stop token id ended it
     num_preemptions: int = field(default=0, init=False)
 
     # Owned by the KVCacheManager: the block table and the chained hashes of full blocks.

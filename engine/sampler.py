@@ -1,105 +1,346 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, with an optional seed per request.
+"""Batched token sampling: every row of a step with tensor ops, no per-request loop in the hot path.
 
-All rows of a step are processed with tensor ops. Randomness is one uniform number per row,
-turned into a token by inverse-CDF over the filtered distribution; a seeded request draws its
-number from its own ``torch.Generator``, so its tokens depend only on its seed and its logits —
-never on which other requests share the batch.
+Order (vLLM V1's): raw logprobs are taken from the model's logits first; then the grammar bitmask,
+min_tokens (EOS / stop ids masked), penalties (repetition on prompt + output, presence/frequency on
+output); greedy rows take the argmax of that; random rows go on through temperature, min-p,
+top-k, top-p and draw one token by inverse CDF in vocabulary order from a uniform that depends
+only on the row's (seed, sample index, output position) — see engine/sampling_random.py — so a
+seeded request's tokens never depend on its batch mates.
 
-To add a logits processor (penalties, min-p, grammar masks), transform ``logits`` in ``sample``
-before ``_filter``; ``SamplingBatch`` is where its per-row tensors belong.
+Filters that need a sort (top-k, top-p) become per-row logit thresholds applied to the unsorted
+row, so whether a batch mate uses top-p cannot change how another row's uniform maps to a token.
+Everything optional is built only when some row of the step uses it (cheap flags), so an
+all-greedy step is one argmax and a plain-temperature step is softmax + cumsum + searchsorted.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.sampling_random import split_seed, uniforms
+
+
+class SampledRow(Protocol):
+    """What the sampler reads from a request (engine.request.Request satisfies it)."""
+
+    sampling_params: SamplingParams
+    sample_seed: int
+    sample_index: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+
+BitmaskApplier = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class Penalties:
+    """Rows that use a penalty, their settings, and the token ids their counts come from."""
+
+    rows: torch.Tensor  # [R] row indices
+    presence: torch.Tensor  # [R]
+    frequency: torch.Tensor  # [R]
+    repetition: torch.Tensor  # [R]
+    output_rows: torch.Tensor  # flat (row-in-R, token) pairs of output tokens
+    output_ids: torch.Tensor
+    prompt_rows: torch.Tensor  # flat pairs of prompt tokens (only rows with repetition_penalty != 1)
+    prompt_ids: torch.Tensor
+
+
+@dataclass
+class RandomRows:
+    """The rows that sample (temperature > 0) and what they need."""
+
+    rows: torch.Tensor  # [R] row indices
+    temperatures: torch.Tensor  # [R]
+    seed_lo: torch.Tensor  # [R] int64
+    seed_hi: torch.Tensor
+    sample_index: torch.Tensor
+    position: torch.Tensor  # output position of the token being drawn
+    top_k: torch.Tensor | None  # [R] int (vocab-sized = off); None when no row uses top-k
+    top_p: torch.Tensor | None  # [R] float; None when no row uses top-p
+    min_p: torch.Tensor | None  # [R] float; None when no row uses min-p
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings of one step, as tensors."""
+    """Per-row sampling settings of one step, as tensors; optional parts are None when unused."""
 
-    temperatures: torch.Tensor  # [N] float; 0 = greedy
-    top_k: torch.Tensor  # [N] int; 0 = off
-    top_p: torch.Tensor  # [N] float; 1 = off
-    generators: list[torch.Generator | None]  # per row; None = the sampler's shared generator
-    all_greedy: bool
-    any_top_k: bool
-    any_top_p: bool
+    num_rows: int
+    random: RandomRows | None  # None = every row is greedy
+    penalties: Penalties | None
+    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None  # (rows, token ids) to set to -inf
+    logprob_rows: list[int]  # rows that want logprobs
+    num_logprobs: list[int]  # top-k size for each of those rows
+    bitmask: torch.Tensor | None = None  # grammar bitmask [num_rows, ceil(vocab / 32)] int32
+    apply_bitmask: BitmaskApplier | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.random is None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Nothing to do but argmax."""
+        return (
+            self.random is None
+            and self.penalties is None
+            and self.min_tokens_mask is None
+            and not self.logprob_rows
+            and self.bitmask is None
+        )
 
     @staticmethod
-    def build(params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplingBatch:
-        temperatures = [p.temperature for p in params]
-        top_k = [max(p.top_k, 0) for p in params]
-        top_p = [p.top_p for p in params]
+    def build(
+        rows: Sequence[SampledRow],
+        eos_token_id: int | None = None,
+        bitmask: torch.Tensor | None = None,
+        apply_bitmask: BitmaskApplier | None = None,
+    ) -> SamplingBatch:
+        random_rows: list[int] = []
+        penalty_rows: list[int] = []
+        min_token_rows: list[int] = []
+        logprob_rows: list[int] = []
+        for i, row in enumerate(rows):
+            p = row.sampling_params
+            if p.temperature >= 1e-5:  # SamplingParams.is_greedy, inlined: this loop runs per step
+                random_rows.append(i)
+            if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+                penalty_rows.append(i)
+            if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+                min_token_rows.append(i)
+            if p.logprobs is not None:
+                logprob_rows.append(i)
         return SamplingBatch(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32),
-            top_k=torch.tensor(top_k, dtype=torch.long),
-            top_p=torch.tensor(top_p, dtype=torch.float32),
-            generators=generators,
-            all_greedy=all(t == 0.0 for t in temperatures),
-            any_top_k=any(k > 0 for k in top_k),
-            any_top_p=any(p < 1.0 for p in top_p),
+            num_rows=len(rows),
+            random=_random_rows(rows, random_rows) if random_rows else None,
+            penalties=_penalties(rows, penalty_rows) if penalty_rows else None,
+            min_tokens_mask=_min_tokens_mask(rows, min_token_rows, eos_token_id) if min_token_rows else None,
+            logprob_rows=logprob_rows,
+            num_logprobs=[rows[i].sampling_params.logprobs for i in logprob_rows],  # type: ignore[misc]
+            bitmask=bitmask,
+            apply_bitmask=apply_bitmask,
         )
 
 
-def request_generator(seed: int | None) -> torch.Generator | None:
-    """The private generator of a seeded request (created once, at admission)."""
-    if seed is None:
-        return None
-    return torch.Generator().manual_seed(seed)
+@dataclass
+class RowLogprobs:
+    """The model's log-probabilities at one sampled position (raw log-softmax of its logits)."""
+
+    token_id: int  # the sampled token
+    chosen: float  # its logprob
+    top_ids: list[int]  # the k most likely tokens, most likely first
+    top_logprobs: list[float]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[RowLogprobs | None]  # one per row (None where the row did not ask)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
-        # Unseeded requests share this generator: reproducible per engine run, not per request.
-        self.generator = torch.Generator().manual_seed(seed)
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits [N, vocab] (fp32; modified in place) -> one token id per row (+ logprobs)."""
+        logits = logits.float()
+        if batch.plain_greedy:
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+        raw_logprobs = None
+        if batch.logprob_rows:
+            rows = torch.tensor(batch.logprob_rows, device=logits.device)
+            raw_logprobs = torch.log_softmax(logits[rows], dim=-1)
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
-        """logits [N, vocab] (fp32) -> one token id per row."""
-        logits = logits.float().cpu()
-        greedy_tokens = logits.argmax(dim=-1)
-        if batch.all_greedy:
-            return greedy_tokens.tolist()
+        if batch.bitmask is not None:
+            assert batch.apply_bitmask is not None, "a bitmask needs its applier"
+            batch.apply_bitmask(logits, batch.bitmask)
+        if batch.min_tokens_mask is not None:
+            mask_rows, mask_ids = batch.min_tokens_mask
+            keep = mask_ids < logits.shape[-1]
+            logits[mask_rows[keep].to(logits.device), mask_ids[keep].to(logits.device)] = float("-inf")
+        if batch.penalties is not None:
+            _apply_penalties(logits, batch.penalties)
 
-        is_greedy = batch.temperatures == 0.0
-        # Greedy rows get temperature 1 here; their result is replaced by argmax below.
-        temperatures = torch.where(is_greedy, torch.ones_like(batch.temperatures), batch.temperatures)
-        scaled = logits / temperatures[:, None]
-        sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)
-        sorted_logits = self._filter(sorted_logits, batch)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        cdf = probs.cumsum(dim=-1)
-        uniforms = self._uniforms(batch.generators) * cdf[:, -1]
-        index = torch.searchsorted(cdf, uniforms[:, None], right=True)
-        # Rounding can put u at the very top of the cdf: stay on the last token that was kept.
-        last_kept = (sorted_logits > float("-inf")).sum(dim=-1, keepdim=True) - 1
-        index = torch.minimum(index, last_kept)
-        sampled = sorted_ids.gather(1, index)[:, 0]
-        return torch.where(is_greedy, greedy_tokens, sampled).tolist()
+        random = batch.random
+        if random is not None and len(random.rows) == batch.num_rows:
+            tokens = _sample_random(logits, random)  # all rows sample: no argmax, no gather
+        else:
+            tokens = logits.argmax(dim=-1)
+            if random is not None:
+                rows = random.rows.to(logits.device)
+                tokens[rows] = _sample_random(logits[rows], random)
+        token_list = tokens.tolist()
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, batch, token_list))
 
-    @staticmethod
-    def _filter(sorted_logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Top-k then top-p on logits sorted in descending order; removed entries become -inf."""
-        vocab = sorted_logits.shape[-1]
-        rank = torch.arange(vocab)[None, :]
-        if batch.any_top_k:
-            k = torch.where(batch.top_k > 0, batch.top_k, torch.full_like(batch.top_k, vocab))
-            sorted_logits = sorted_logits.masked_fill(rank >= k[:, None], float("-inf"))
-        if batch.any_top_p:
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # Keep a token if the mass strictly before it is below top_p (the top token always stays).
-            mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= batch.top_p[:, None], float("-inf"))
-        return sorted_logits
 
-    def _uniforms(self, generators: list[torch.Generator | None]) -> torch.Tensor:
-        shared = torch.rand(len(generators), generator=self.generator)
-        # Only seeded rows need their own draw: one scalar each, from their own stream.
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                shared[row] = torch.rand(1, generator=generator)[0]
-        return shared
+# ---- building the batch ---------------------------------------------------------------------------
+
+
+def _random_rows(rows: Sequence[SampledRow], indices: list[int]) -> RandomRows:
+    temperatures, seed_lo, seed_hi, sample_index, position = [], [], [], [], []
+    top_k, top_p, min_p = [], [], []
+    for i in indices:
+        row = rows[i]
+        p = row.sampling_params
+        lo, hi = split_seed(row.sample_seed)
+        temperatures.append(p.temperature)
+        seed_lo.append(lo)
+        seed_hi.append(hi)
+        sample_index.append(row.sample_index)
+        position.append(len(row.output_token_ids))
+        top_k.append(p.top_k if p.top_k > 0 else 0)
+        top_p.append(p.top_p)
+        min_p.append(p.min_p)
+    return RandomRows(
+        rows=torch.tensor(indices),
+        temperatures=torch.tensor(temperatures, dtype=torch.float32),
+        seed_lo=torch.tensor(seed_lo, dtype=torch.int64),
+        seed_hi=torch.tensor(seed_hi, dtype=torch.int64),
+        sample_index=torch.tensor(sample_index, dtype=torch.int64),
+        position=torch.tensor(position, dtype=torch.int64),
+        top_k=torch.tensor(top_k, dtype=torch.int64) if any(top_k) else None,
+        top_p=torch.tensor(top_p, dtype=torch.float32) if any(x < 1.0 for x in top_p) else None,
+        min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
+    )
+
+
+def _penalties(rows: Sequence[SampledRow], indices: list[int]) -> Penalties:
+    params = [rows[i].sampling_params for i in indices]
+    outputs = [rows[i].output_token_ids for i in indices]
+    # Prompt tokens only count for the repetition penalty (vLLM / HF semantics).
+    prompts = [
+        rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else []
+        for i, p in zip(indices, params, strict=True)
+    ]
+    return Penalties(
+        rows=torch.tensor(indices),
+        presence=torch.tensor([p.presence_penalty for p in params], dtype=torch.float32),
+        frequency=torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32),
+        repetition=torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32),
+        output_rows=_row_ids(outputs),
+        output_ids=torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.int64),
+        prompt_rows=_row_ids(prompts),
+        prompt_ids=torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.int64),
+    )
+
+
+def _row_ids(lists: list[list[int]]) -> torch.Tensor:
+    lengths = torch.tensor([len(x) for x in lists], dtype=torch.int64)
+    return torch.repeat_interleave(torch.arange(len(lists)), lengths)
+
+
+def _min_tokens_mask(
+    rows: Sequence[SampledRow], indices: list[int], eos_token_id: int | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    mask_rows: list[int] = []
+    mask_ids: list[int] = []
+    for i in indices:
+        p = rows[i].sampling_params
+        ids = list(p.stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:  # with ignore_eos, EOS ends nothing
+            ids.append(eos_token_id)
+        mask_rows += [i] * len(ids)
+        mask_ids += ids
+    if not mask_ids:
+        return None
+    return torch.tensor(mask_rows, dtype=torch.int64), torch.tensor(mask_ids, dtype=torch.int64)
+
+
+# ---- applying it --------------------------------------------------------------------------------
+
+
+def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
+    device = logits.device
+    rows = pen.rows.to(device)
+    sub = logits[rows]
+    counts = torch.zeros_like(sub)
+    if pen.output_ids.numel():
+        counts.index_put_(
+            (pen.output_rows.to(device), pen.output_ids.to(device)),
+            torch.ones(pen.output_ids.numel(), device=device),
+            accumulate=True,
+        )
+    seen = counts > 0
+    repetition = pen.repetition.to(device)[:, None]
+    if bool((pen.repetition != 1.0).any()):
+        in_prompt = torch.zeros_like(seen)
+        if pen.prompt_ids.numel():
+            in_prompt[pen.prompt_rows.to(device), pen.prompt_ids.to(device)] = True
+        penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
+        sub = torch.where(seen | in_prompt, penalized, sub)
+    sub = sub - pen.frequency.to(device)[:, None] * counts - pen.presence.to(device)[:, None] * seen
+    logits[rows] = sub
+
+
+def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
+    """Draw one token per row of ``logits`` [R, vocab] (a copy; modified freely)."""
+    device = logits.device
+    vocab = logits.shape[-1]
+    x = logits / random.temperatures.to(device)[:, None]
+    neg_inf = float("-inf")
+    if random.min_p is not None:
+        # p >= min_p * p_max  <=>  logit >= max_logit + log(min_p); min_p = 0 gives -inf (keeps all).
+        cutoff = x.amax(dim=-1, keepdim=True) + random.min_p.to(device)[:, None].log()
+        x = x.masked_fill(x < cutoff, neg_inf)
+    if random.top_p is not None:
+        x = _top_k_top_p_by_sort(x, random.top_k, random.top_p.to(device))
+    elif random.top_k is not None:
+        # topk of the largest k asked for (not a full sort); rows without top-k keep everything.
+        k = random.top_k.to(device).clamp(max=vocab)
+        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+        kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
+        x = x.masked_fill(x < kth, neg_inf)
+
+    probs = torch.softmax(x, dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    u = uniforms(random.seed_lo, random.seed_hi, random.sample_index, random.position).to(device)
+    target = u[:, None] * cdf[:, -1:]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]
+    overflow = index >= vocab  # rounding put u at the very top of the cdf: take the likeliest
+    if bool(overflow.any()):
+        index = torch.where(overflow, probs.argmax(dim=-1), index)
+    return index
+
+
+def _top_k_top_p_by_sort(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """Top-k then top-p through one descending sort, applied as a per-row logit threshold."""
+    vocab = x.shape[-1]
+    sorted_x = x.sort(dim=-1, descending=True).values
+    if top_k is not None:
+        k = top_k.to(x.device).clamp(max=vocab)
+        k = torch.where(k > 0, k, torch.full_like(k, vocab))
+        rank = torch.arange(vocab, device=x.device)[None, :]
+        sorted_x = sorted_x.masked_fill(rank >= k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    # Keep a token while the mass strictly before it is below top_p (the top token always stays).
+    mass_before = probs.cumsum(dim=-1) - probs
+    num_finite = (sorted_x > float("-inf")).sum(dim=-1)
+    num_kept = (mass_before < top_p[:, None]).sum(dim=-1)
+    # top_p = 1 keeps every finite logit even where rounding pushes the mass before it to 1.
+    num_kept = torch.where(top_p >= 1.0, num_finite, num_kept.minimum(num_finite)).clamp(min=1)
+    threshold = sorted_x.gather(1, (num_kept - 1)[:, None])
+    return x.masked_fill(x < threshold, float("-inf"))
+
+
+def _gather_logprobs(
+    raw: torch.Tensor | None, batch: SamplingBatch, tokens: list[int]
+) -> list[RowLogprobs | None]:
+    result: list[RowLogprobs | None] = [None] * batch.num_rows
+    if raw is None:
+        return result
+    chosen_ids = torch.tensor([tokens[i] for i in batch.logprob_rows], device=raw.device)
+    chosen = raw.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    max_k = max(batch.num_logprobs)
+    if max_k:
+        top = raw.topk(max_k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    else:
+        top_ids = top_values = [[] for _ in batch.logprob_rows]
+    for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.num_logprobs, strict=True)):
+        result[row] = RowLogprobs(tokens[row], chosen[j], top_ids[j][:k], top_values[j][:k])
+    return result

@@ -1,49 +1,177 @@
-"""Per-request sampling parameters."""
+"""Per-request sampling parameters (vLLM's names and semantics; see docs/sampling.md)."""
 
 from __future__ import annotations
 
+import json
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.structured_output import StructuredSpec
+
+# Temperatures below this are greedy: dividing logits by ~0 overflows (vLLM uses the same epsilon).
+GREEDY_EPSILON = 1e-5
+MAX_LOGPROBS = 20
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    `temperature=0` is greedy. `top_k` of -1 or 0 disables top-k; `top_p=1.0` disables top-p.
-    `seed` makes one request's sampling reproducible regardless of batch composition.
+    `temperature=0` is greedy. `top_k` of -1 or 0 disables top-k; `top_p=1.0` disables top-p;
+    `min_p=0` disables min-p. `seed` makes a request's tokens reproducible whatever else runs in
+    the batch. `stop` strings end the text (cut before the match unless
+    `include_stop_str_in_output`); `stop_token_ids` and EOS end it on a token. At most one of
+    `json_schema` / `regex` / `choice` / `grammar` constrains the output.
     """
 
+    n: int = 1
     temperature: float = 1.0
-    top_k: int = -1
     top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
     seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     max_tokens: int = 16
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+    json_schema: dict[str, Any] | bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, tuple):
+            self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, tuple):
+            self.stop_token_ids = list(self.stop_token_ids)
+
+    # ---- derived -------------------------------------------------------------------------------
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_EPSILON
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+        )
+
+    @property
+    def structured(self) -> StructuredSpec | None:
+        """The output constraint as the structured-output manager's spec, or None."""
+        kind, value = self._structured_kind_value()
+        if kind is None:
+            return None
+        from engine.structured_output import StructuredSpec  # lazy: xgrammar only when used
+
+        return StructuredSpec(kind=kind, value=value)
+
+    def _structured_kind_value(self) -> tuple[str | None, str]:
+        if self.json_schema is not None and self.json_schema is not False:
+            if self.json_schema is True:
+                return "json", ""
+            return "json", json.dumps(self.json_schema, sort_keys=True)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return None, ""
+
+    # ---- validation ----------------------------------------------------------------------------
 
     def validate(self) -> None:
         """Raise ValueError with a message naming the field, the rule and the value."""
-        if not _is_number(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or >= 1, got {self.top_k!r}")
+        _check_int(self.n, "n", "must be an integer >= 1", minimum=1)
+        if not _is_number(self.temperature) or not self.temperature >= 0.0 or math.isinf(self.temperature):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check_int(self.top_k, "top_k", "must be -1 or 0 (off) or >= 1", minimum=-1)
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not rp > 0.0 or math.isinf(rp):
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        _check_int(self.max_tokens, "max_tokens", "must be >= 1", minimum=1)
+        _check_int(self.min_tokens, "min_tokens", "must be >= 0", minimum=0)
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
+            )
+        self._validate_stops()
+        if self.logprobs is not None:
+            _check_int(self.logprobs, "logprobs", f"must be in [0, {MAX_LOGPROBS}] or None", minimum=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        self._validate_structured()
+
+    def _validate_stops(self) -> None:
+        if not isinstance(self.stop, list):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        for stop in self.stop:
+            if not isinstance(stop, str) or not stop:
+                raise ValueError(f"stop must hold non-empty strings, got {stop!r}")
+        if not isinstance(self.stop_token_ids, list):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
                 raise ValueError(f"stop_token_ids must hold token ids >= 0, got {token_id!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    def _validate_structured(self) -> None:
+        given = [
+            name
+            for name in STRUCTURED_FIELDS
+            if getattr(self, name) is not None and getattr(self, name) is not False
+        ]
+        if len(given) > 1:
+            raise ValueError(f"at most one of {', '.join(STRUCTURED_FIELDS)} may be set, got {given}")
+        schema = self.json_schema
+        if schema is not None and schema is not True and not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a dict (a JSON schema), True or None, got {schema!r}")
+        if isinstance(schema, dict):
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"json_schema must be JSON-serializable, got {schema!r}: {exc}") from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+            for option in self.choice:
+                if not isinstance(option, str) or not option:
+                    raise ValueError(f"choice must hold non-empty strings, got {option!r}")
+
+
+def _check_int(value: object, name: str, rule: str, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:  # type: ignore[operator]
+        raise ValueError(f"{name} {rule}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -51,4 +179,4 @@ def _is_int(value: object) -> bool:
 
 
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)

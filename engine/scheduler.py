@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -158,6 +158,9 @@ class Scheduler:
         self.running: list[Request] = []
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.num_preemptions = 0
+        # Set by the engine: False for a waiting request that may not start yet (its grammar is
+        # still compiling). It is skipped, keeping its place, and the requests behind it run.
+        self.can_admit: Callable[[Request], bool] | None = None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -190,14 +193,24 @@ class Scheduler:
         Returns the request, or None if no unfinished request has this id. Aborted requests are
         not returned by `update_from_output`.
         """
+        return self.finish_request(request_id, FinishReason.ABORT)
+
+    def finish_request(
+        self, request_id: str, reason: FinishReason, error: str | None = None
+    ) -> Request | None:
+        """Finish an unfinished request (waiting or running) from outside `update_from_output` —
+        a stop string, a completed or failed grammar, an abort — and free its blocks (full ones
+        stay cached). Returns the request, or None if no unfinished request has this id; it is
+        not returned by `update_from_output`.
+        """
         request = self._requests.get(request_id)
         if request is None:
             return None
         if request.status is RequestStatus.RUNNING:
-            self.running.remove(request)  # O(n), but aborts are rare and not per step
+            self.running.remove(request)  # O(n), but only for the few requests that end this way
         else:
             self.waiting.discard(request)
-        self._finish(request, FinishReason.ABORT, time.monotonic())
+        self._finish(request, reason, time.monotonic(), error)
         return request
 
     def get_request(self, request_id: str) -> Request | None:
@@ -294,15 +307,24 @@ class Scheduler:
         step.output.preempted_ids.append(request.request_id)
 
     def _schedule_waiting(self, step: _StepBudget) -> None:
-        held_back: list[Request] = []
-        # Bounds the lookups per step when many waiting requests share one prefix.
+        set_aside: list[Request] = []  # held back or not admissible yet, in queue order
+        num_held_back = num_skipped = 0
+        # Bound the lookups per step when many waiting requests share one prefix or wait on a grammar.
         max_held_back = self.config.max_num_seqs
+        max_skipped = 4 * self.config.max_num_seqs
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if self.can_admit is not None and not self.can_admit(request):
+                set_aside.append(self.waiting.pop())
+                num_skipped += 1
+                if num_skipped >= max_skipped:
+                    break
+                continue
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             if self._first_uncached_block_in_flight(request, len(computed_blocks), step):
-                held_back.append(self.waiting.pop())
-                if len(held_back) >= max_held_back:
+                set_aside.append(self.waiting.pop())
+                num_held_back += 1
+                if num_held_back >= max_held_back:
                     break
                 continue
             num_new = min(request.num_tokens - num_computed, step.token_budget)  # chunked prefill
@@ -312,7 +334,7 @@ class Scheduler:
             self._admit(request, num_computed)
             self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new)
-        self.waiting.push_front(held_back)
+        self.waiting.push_front(set_aside)
 
     def _admit(self, request: Request, num_computed: int) -> None:
         if request.status is RequestStatus.WAITING:  # first admission, not a recompute
@@ -349,15 +371,28 @@ class Scheduler:
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
-        if token_id in params.stop_token_ids or (token_id == self.eos_token_id and not params.ignore_eos):
+        if request.num_output_tokens <= params.min_tokens:  # the sampler masks stops until then
+            return self._length_reason(request)
+        if params.stop_token_ids and token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            request.stopped_on_token = True
             return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if token_id == self.eos_token_id and not params.ignore_eos:
+            request.stopped_on_token = True
+            return FinishReason.STOP
+        return self._length_reason(request)
+
+    def _length_reason(self, request: Request) -> FinishReason | None:
+        if (
+            request.num_output_tokens >= request.sampling_params.max_tokens
+            or request.num_tokens >= self.max_model_len
+        ):
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason, now: float) -> None:
+    def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
         """Mark finished and free its blocks; the caller removes it from `running`."""
-        request.finish(reason, now)
+        request.finish(reason, now, error)
         self.kv_cache_manager.free(request)
         del self._requests[request.request_id]
 
