@@ -30,3 +30,10 @@ def serve_worker(argv: list[str]) -> int:
     from worker.main import serve_worker as run
 
     return run(argv)
+
+
+def run(argv: list[str]) -> int:
+    """`bulkinfer run FILE -o OUT --model M`: a file through the engine here (see worker/local_run.py)."""
+    from worker.local_run_cli import run_cli
+
+    return run_cli(argv)

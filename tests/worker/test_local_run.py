@@ -1,0 +1,198 @@
+"""`bulkinfer run`: a file through the engine with no servers, every row once in the output, and a
+run killed mid-file resumed without losing, repeating or recomputing a row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from jobs.formats.output import OutputRow
+from jobs.spec import JobSpec
+from tests.fixtures.services import REPO_ROOT, ServiceDied, wait_until
+from worker.local_output import OutputConflict, open_output, work_dir_for
+from worker.local_run_cli import run_cli
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _write_jsonl(path: Path, records: list[dict | str]) -> Path:
+    path.write_text("".join((record if isinstance(record, str) else json.dumps(record)) + "\n"
+                            for record in records))
+    return path
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
+    code = run_cli([str(arg) for arg in argv] + ["--no-progress"])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_jsonl_in_and_out_every_row_once_with_errors_in_place(tiny_checkpoint: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    records: list[dict | str] = [{"id": f"r{i}", "ticket": f"printer {i} is jammed"} for i in range(10)]
+    records.insert(4, "{not json")  # a bad line is a row too: its error goes to the output, in place
+    records.insert(7, {"id": "no-ticket"})  # the template's column is missing
+    source = _write_jsonl(tmp_path / "in.jsonl", records)
+    out = tmp_path / "out.jsonl"
+    code, stdout, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template",
+                                "Ticket: {ticket}", "--id-column", "id", "--instructions", "Triage it.",
+                                "--max-tokens", "4", "--temperature", "0", "--batch-size", "3")
+    assert code == 0, stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 12
+    assert [line["id"] for line in lines if line["error"] is None] == [f"r{i}" for i in range(10)]
+    assert lines[4]["error"]["code"] == "invalid_json" and lines[7]["error"]["code"] == "missing_column"
+    assert all(line["usage"]["completion_tokens"] == 4 for line in lines if line["error"] is None)
+    assert "12 in" in stdout and "2 failed" in stdout
+    assert not work_dir_for(out).exists()  # a finished output leaves no work directory behind
+
+    # A finished output is left alone unless told to overwrite it.
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template", "{ticket}")
+    assert code == 1 and "already exists" in stderr and len(out.read_text().splitlines()) == 12
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template", "{ticket}",
+                           "--max-tokens", "2", "--overwrite")
+    assert code == 0, stderr
+    assert len(out.read_text().splitlines()) == 12
+
+
+def test_parquet_in_and_out_with_passthrough(tiny_checkpoint: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "in.parquet"
+    table = pa.table({"id": [f"p{i}" for i in range(9)], "question": [f"what is {i}?" for i in range(9)],
+                      "team": ["a", "b", "c"] * 3})
+    pq.write_table(table, source, row_group_size=4)
+    out = tmp_path / "answers.parquet"
+    code, stdout, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--prompt-column",
+                                "question", "--id-column", "id", "--passthrough", "team", "--max-tokens", "3",
+                                "--batch-size", "4")
+    assert code == 0, stderr
+    result = pq.read_table(out)
+    assert result.column("id").to_pylist() == [f"p{i}" for i in range(9)]
+    assert result.column("team").to_pylist() == ["a", "b", "c"] * 3
+    assert result.column("completion_tokens").to_pylist() == [3] * 9
+    assert result.column("error").null_count == 9
+    assert not work_dir_for(out).exists()
+
+
+def test_openai_batch_in_and_out(tiny_checkpoint: Path, tmp_path: Path,
+                                 capsys: pytest.CaptureFixture[str]) -> None:
+    lines: list[dict | str] = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3}},
+        {"custom_id": "text-1", "method": "POST", "url": "/v1/completions",
+         "body": {"model": "gpt-x", "prompt": "Once upon", "max_tokens": 2}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "again"}},
+    ]
+    source = _write_jsonl(tmp_path / "batch.jsonl", lines)
+    out = tmp_path / "results.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--temperature", "0",
+                           "--batch-size", "2")
+    assert code == 0, stderr
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [result["custom_id"] for result in results] == ["chat-1", "text-1", "bad-url", "chat-1"]
+    chat, text, bad_url, duplicate = results
+    assert chat["response"]["body"]["object"] == "chat.completion"
+    assert chat["response"]["body"]["usage"]["completion_tokens"] == 3
+    assert text["response"]["body"]["object"] == "text_completion"
+    assert text["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert bad_url["error"]["code"] == "unsupported_url"
+    # Duplicates are caught across the whole file, not within one batch only.
+    assert duplicate["error"]["code"] == "duplicate_custom_id"
+
+
+def test_a_bad_model_or_mapping_is_a_usage_error(tiny_checkpoint: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"q": "x"}])
+    code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", "nope",
+                           "--prompt-column", "q")
+    assert code == 2 and "'nope' is neither a registered model" in stderr
+    code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
+                           "--prompt-column", "q", "--template", "{q}")
+    assert code == 2 and "give exactly one of prompt_column, messages_column or template" in stderr
+
+
+def _rows(*indexes: int) -> list[OutputRow]:
+    return [OutputRow(index, f"r{index}", text=f"t{index}", finish_reason="stop") for index in indexes]
+
+
+@pytest.mark.parametrize("output_format", ["jsonl", "parquet"])
+def test_resuming_drops_what_a_killed_run_wrote_after_its_last_record(tmp_path: Path,
+                                                                      output_format: str) -> None:
+    spec = JobSpec(input_uri="/in.jsonl", model="m", prompt_column="q", input_format="jsonl",
+                   output_format=output_format)
+    out = tmp_path / f"out.{output_format}"
+    output = open_output(out, spec, "fp", job_id="local-x", created=1)
+    output.append(_rows(0, 1))
+    output.append(_rows(2))
+    # A kill after writing a batch but before recording it, and a torn line / an unlisted part.
+    parts = work_dir_for(out) / "parts"
+    if output_format == "jsonl":
+        with open(out, "ab") as file:
+            file.write(b'{"id":"r3","text":"t3"}\n{"id":"r4","te')
+    else:
+        pq.write_table(pa.table({"id": ["r3"]}), parts / "part-000002.parquet")
+
+    with pytest.raises(OutputConflict, match="partial output of another run"):
+        open_output(out, spec, "other-fingerprint", job_id="local-x", created=2)
+    resumed = open_output(out, spec, "fp", job_id="local-x", created=2)
+    assert resumed.progress.rows_done == 3 and resumed.progress.created == 1
+    resumed.append(_rows(3, 4))
+    resumed.finish()
+    if output_format == "jsonl":
+        ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    else:
+        ids = pq.read_table(out).column("id").to_pylist()
+    assert ids == ["r0", "r1", "r2", "r3", "r4"]
+    assert not work_dir_for(out).exists()
+
+
+def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_rows(
+        tiny_checkpoint: Path, tmp_path: Path) -> None:
+    total = 96
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": f"row {i} says hello"}
+                                                  for i in range(total)])
+    out = tmp_path / "out.jsonl"
+    command = [sys.executable, "-m", "api.cli", "run", str(source), "-o", str(out), "--model",
+               str(tiny_checkpoint), "--prompt-column", "text", "--id-column", "id", "--max-tokens", "8",
+               "--temperature", "0", "--batch-size", "4", "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    progress_file = work_dir_for(out) / "progress.json"
+    first = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT)
+
+    def some_batches_recorded() -> bool:
+        if first.poll() is not None:
+            raise ServiceDied(f"the run ended before it was killed: {first.stdout.read().decode()[-2000:]}")
+        return json.loads(progress_file.read_text())["rows_done"] >= 8
+
+    try:
+        wait_until(some_batches_recorded, timeout=240, what="two batches recorded", interval=0.01)
+    finally:
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        first.stdout.close()
+    recorded = json.loads(progress_file.read_text())["rows_done"]
+    assert 8 <= recorded < total
+    before = out.read_bytes()
+
+    second = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert second.returncode == 0, second.stderr
+    skipped = int(re.search(r"(\d+) rows already done", second.stdout).group(1))
+    assert skipped == recorded  # exactly what the killed run had made durable
+    assert f"({total - skipped} this run, {skipped} skipped as already done)" in second.stdout
+    lines = out.read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == [f"r{i}" for i in range(total)]
+    # The rows done before the kill are the killed run's own bytes, not rewritten.
+    kept = "".join(line + "\n" for line in lines[:skipped]).encode()
+    assert before.startswith(kept)

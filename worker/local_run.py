@@ -1,0 +1,238 @@
+"""`bulkinfer run FILE -o OUT --model M`: a file through the engine here, with no servers.
+
+The job machinery does the work: a `JobSpec` holds the options, the job readers read the input
+(local or `s3://`), `worker.prompts` turns rows into engine requests, one `EngineHost` runs them
+and the job writers write OUT. Rows go in batches, two in the engine at a time (so it never
+drains between batches); each finished batch is made durable before the next is written
+(`worker.local_output`), so a rerun after a kill skips the rows already written and repeats none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import RequestOutput
+from jobs.formats.detect import resolve_spec
+from jobs.formats.output import OutputRow
+from jobs.formats.readers import read_shard_rows
+from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.models import ModelRegistry
+from jobs.object_store.base import ObjectStore
+from jobs.object_store.factory import store_for_uri
+from jobs.settings import Settings
+from jobs.sharding import ShardPlan, plan_shards
+from jobs.spec import InputFormat, JobSpec
+from worker.engine_host import EngineRequest, Submission
+from worker.local_output import ResumableOutput, open_output
+from worker.local_progress import RunProgress
+from worker.model_hosts import HostedModel, ModelHosts
+from worker.prompts import RowRejected, engine_error_code, engine_sampling
+
+DEFAULT_BATCH_ROWS = 64
+IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
+LOCAL_MODEL = "local"  # the registry name the run's model is hosted under
+
+
+class RunError(RuntimeError):
+    """The run cannot start or go on (bad model, unreadable input, engine gone); says why."""
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    rows: int  # in OUT now
+    skipped: int  # already done by an earlier run, not recomputed
+    computed: int  # by this run
+    failed: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    seconds: float  # this run's
+
+
+def resolve_model(model: str, registry: ModelRegistry) -> str:
+    """Where the model's files are: a registry name, else a checkpoint directory."""
+    if model in registry:
+        return registry.location(model)
+    path = Path(model).expanduser()
+    if (path / "config.json").is_file():
+        return str(path.resolve())
+    served = ", ".join(registry.names()) or "none registered"
+    raise RunError(f"model {model!r} is neither a registered model ({served}) nor a checkpoint directory "
+                   "(a folder with config.json)")
+
+
+def fingerprint(spec: JobSpec, store: ObjectStore, key: str) -> str:
+    """Same spec and same input bytes (by size and etag), same fingerprint: only then resume."""
+    info = store.head(key)
+    text = f"{spec.canonical_json()}\n{info.size}\n{info.etag}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def whole_file_shard(store: ObjectStore, key: str, spec: JobSpec) -> tuple[ShardPlan, int]:
+    """One shard over the whole input (so OpenAI batch duplicate ids are caught across it) and the
+    planner's row count (exact for Parquet and small JSONL, else an estimate).
+    """
+    plan = plan_shards(store, key, spec)  # also checks a Parquet file has the columns every row needs
+    rows = sum(shard.estimated_rows for shard in plan)
+    if spec.input_format == InputFormat.PARQUET:
+        groups = sorted({group for shard in plan for group in shard.row_groups})
+        return ShardPlan(index=0, estimated_rows=rows, rows_exact=True, row_groups=groups, row_start=0,
+                         row_end=rows), rows
+    return ShardPlan(index=0, estimated_rows=rows, rows_exact=False, byte_start=0,
+                     byte_end=store.head(key).size), rows
+
+
+def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[list[Row | RowError]]:
+    """The items after the first `skip`, in lists of `size`."""
+    batch: list[Row | RowError] = []
+    for position, item in enumerate(items):
+        if position < skip:
+            continue
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def output_row(row: Row, result: RequestOutput) -> OutputRow:
+    """A row's outcome from the engine, as the shard runner builds it."""
+    if result.finish_reason in ("error", "abort"):
+        message = result.error or "aborted"
+        return OutputRow.engine_failed(row, engine_error_code(result.error), message)
+    return OutputRow.completed(row, result.text, result.finish_reason or "stop",
+                               prompt_tokens=result.num_prompt_tokens, cached_tokens=result.num_cached_tokens,
+                               completion_tokens=result.num_completion_tokens)
+
+
+class _Batch:
+    """A batch in the engine: the outcomes of rows that could not run, and the submission of the rest."""
+
+    def __init__(self, hosted: HostedModel, items: list[Row | RowError]) -> None:
+        self.outputs: list[OutputRow | None] = [None] * len(items)
+        runnable: list[tuple[int, Row, EngineRequest]] = []
+        for position, item in enumerate(items):
+            if isinstance(item, RowError):
+                self.outputs[position] = OutputRow.from_error(item)
+                continue
+            try:
+                request = EngineRequest(hosted.renderer.token_ids(item), engine_sampling(item.sampling))
+                if item.response_format is not None:
+                    raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT, "response_format (structured "
+                                      "output) is not supported by the engine yet")
+            except RowRejected as rejected:
+                self.outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
+                continue
+            runnable.append((position, item, request))
+        # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
+        runnable.sort(key=lambda entry: list(entry[2].prompt))
+        self._runnable = runnable
+        self.submission: Submission | None = (
+            hosted.host.submit([request for _, _, request in runnable]) if runnable else None)
+
+    def results(self) -> list[OutputRow]:
+        """Every row's outcome in input order, once the engine is done with them."""
+        if self.submission is not None:
+            self.submission.wait()
+            for (position, row, _), result in zip(self._runnable, self.submission.results(), strict=True):
+                self.outputs[position] = output_row(row, result)
+        return [output for output in self.outputs if output is not None]
+
+    def abort(self) -> None:
+        if self.submission is not None:
+            self.submission.abort()
+
+
+def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], output: ResumableOutput,
+                progress: RunProgress) -> None:
+    """Keep `IN_FLIGHT_BATCHES` batches in the engine; write each one, in order, as it finishes."""
+    in_flight: deque[_Batch] = deque()
+    try:
+        for items_of_batch in items:
+            in_flight.append(_Batch(hosted, items_of_batch))
+            while len(in_flight) >= IN_FLIGHT_BATCHES:
+                _finish(in_flight.popleft(), output, progress)
+        while in_flight:
+            _finish(in_flight.popleft(), output, progress)
+    except BaseException:  # Ctrl-C or a failure: what is written stays, the rest is dropped
+        for batch in in_flight:
+            batch.abort()
+        raise
+
+
+def _finish(batch: _Batch, output: ResumableOutput, progress: RunProgress) -> None:
+    rows = batch.results()
+    output.append(rows)
+    progress.advance(rows)
+
+
+def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_location: str,
+             batch_rows: int = DEFAULT_BATCH_ROWS, overwrite: bool = False, show_progress: bool = True,
+             say: Callable[[str], None] = print) -> RunSummary:
+    """Run `spec`'s input (format resolved) through the engine into `output_path`, resuming a partial
+    output of the same spec and input. Raises `RunError` or `OutputConflict`.
+    """
+    store, key = store_for_uri(spec.input_uri, endpoint_url=settings.s3_endpoint_url)
+    shard, estimated_rows = whole_file_shard(store, key, spec)
+    output = open_output(output_path, spec, fingerprint(spec, store, key), job_id=_job_id(spec),
+                         created=int(time.time()), overwrite=overwrite)
+    skipped = output.progress.rows_done
+    if skipped:
+        say(f"resuming {output_path}: {skipped} rows already done, skipping them")
+    hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}), s3_endpoint_url=settings.s3_endpoint_url)
+    try:
+        hosted = hosts.get(LOCAL_MODEL)
+        hosted.host.wait_ready()
+        started = time.monotonic()  # rates count inference, not the model load
+        with RunProgress(total=max(estimated_rows, skipped), done=skipped, enabled=show_progress) as progress:
+            run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
+                        output, progress)
+    finally:
+        hosts.stop()
+    output.finish()
+    done = output.progress
+    return RunSummary(rows=done.rows_done, skipped=skipped, computed=done.rows_done - skipped,
+                      failed=done.rows_failed, prompt_tokens=done.prompt_tokens,
+                      cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
+                      seconds=time.monotonic() - started)
+
+
+def _job_id(spec: JobSpec) -> str:
+    """Stands in for a job id in OpenAI batch output ids: the same for the same spec, across resumes."""
+    return f"local-{spec.spec_hash()[:24]}"
+
+
+def resolved_spec(spec: JobSpec, output_path: Path, output_format: InputFormat | None,
+                  settings: Settings) -> JobSpec:
+    """The spec with the input format detected and the output format chosen: `output_format`, else
+    what OUT's name says (`.parquet`; `.jsonl` is OpenAI batch for OpenAI batch input), else the
+    input's format.
+    """
+    from jobs.spec import format_from_name
+
+    store, key = store_for_uri(spec.input_uri, endpoint_url=settings.s3_endpoint_url)
+    resolved = resolve_spec(spec, store, key)
+    by_name = format_from_name(output_path.name)
+    openai_input = resolved.input_format == InputFormat.OPENAI_BATCH
+    if output_format is None and by_name == InputFormat.JSONL and openai_input:
+        by_name = InputFormat.OPENAI_BATCH
+    chosen = output_format or by_name or resolved.input_format
+    data = resolved.model_dump(mode="json", by_alias=True, exclude_none=True)
+    data["output_format"] = InputFormat(chosen).value
+    return JobSpec.model_validate(data)
+
+
+def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], None] = print) -> None:
+    seconds = max(summary.seconds, 1e-9)
+    say(f"rows: {summary.rows} in {output_path} ({summary.computed} this run, {summary.skipped} skipped as "
+        f"already done), {summary.failed} failed")
+    say(f"tokens: prompt {summary.prompt_tokens}, from prefix cache {summary.cached_tokens}, "
+        f"completion {summary.completion_tokens}")
+    say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s")
+
