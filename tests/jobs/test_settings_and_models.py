@@ -1,7 +1,9 @@
-"""Settings from BULKINFER_* variables, and the model registry the API checks models against."""
+"""Settings from flags, BULKINFER_* variables and the config file, and the model registry the API
+checks models against."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -9,7 +11,8 @@ from pydantic import ValidationError
 
 from jobs.models import ModelRegistry, UnknownModel
 from jobs.object_store import LocalObjectStore, S3ObjectStore
-from jobs.settings import DEFAULT_BROKER_URL, Settings
+from jobs.settings import DEFAULT_BROKER_URL, ConfigError, Settings
+from jobs.settings_args import add_settings_arguments, settings_from_args
 
 
 def test_settings_come_from_the_environment_and_go_back_to_it(tmp_path) -> None:
@@ -60,3 +63,71 @@ def test_the_model_registry_reads_json_or_a_file_and_names_served_models(tmp_pat
 def test_a_bad_model_registry_says_what_is_wrong(value, message) -> None:
     with pytest.raises(ValueError, match=message):
         ModelRegistry.parse(value)
+
+
+def _config(tmp_path, text: str):
+    path = tmp_path / "bulkinfer.toml"
+    path.write_text(text)
+    return path
+
+
+def test_flags_beat_the_environment_which_beats_the_config_file_which_beats_defaults(tmp_path) -> None:
+    path = _config(tmp_path, 'broker_url = "redis://file:6379/0"\nstore_uri = "/file/store"\n'
+                             'api_port = 9000\nworker_concurrency = 3\n'
+                             '[models]\ntiny = "/models/tiny"\n[engine_options]\nmax_model_len = 512\n')
+    environ = {"BULKINFER_CONFIG": str(path), "BULKINFER_STORE_URI": "/env/store",
+               "BULKINFER_API_PORT": "9100"}
+    settings = Settings.from_env(environ, api_port=9200)
+    assert settings.broker_url == "redis://file:6379/0"  # file only
+    assert settings.store_uri == "/env/store"  # env over file
+    assert settings.api_port == 9200  # flag over env
+    assert settings.worker_concurrency == 3 and settings.api_host == "127.0.0.1"  # file; default
+    # Tables are kept as the JSON text the variables hold, so a child process gets the same settings.
+    assert settings.model_registry().location("tiny") == "/models/tiny"
+    assert settings.engine_options_dict() == {"max_model_len": 512}
+    assert Settings.from_env({**settings.to_env(), "BULKINFER_CONFIG": ""}) == settings
+    # An explicit --config wins over BULKINFER_CONFIG.
+    other = tmp_path / "other.toml"
+    other.write_text('broker_url = "redis://other:6379/0"\n')
+    assert Settings.from_env(environ, config=other).broker_url == "redis://other:6379/0"
+
+
+def test_bulkinfer_toml_in_the_working_directory_is_read_when_present(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert Settings.from_env({}) == Settings()
+    _config(tmp_path, 'shard_lease_ttl_s = 12.5\n')
+    assert Settings.from_env({}).shard_lease_ttl_s == 12.5
+    assert Settings.from_env({}).to_env()["BULKINFER_SHARD_LEASE_TTL_S"] == "12.5"
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('brokr_url = "redis://x"\n', r"bulkinfer.toml: unknown key 'brokr_url' \(known keys: broker_url, "),
+    ("[api]\nport = 1\n", "bulkinfer.toml: unknown key 'api'"),
+    ("api_port = 70000\n", r"bulkinfer.toml: key 'api_port': Input should be less than or equal to 65535"),
+    ('store_uri = "gs://b"\n', "bulkinfer.toml: key 'store_uri': store URI must be s3://bucket/prefix"),
+    ('engine_options = "[1]"\n', "key 'engine_options': must be a JSON object"),
+    ("api_port = \n", "bulkinfer.toml: not valid TOML"),
+])
+def test_a_bad_config_file_names_the_file_and_the_key(tmp_path, text, message) -> None:
+    path = _config(tmp_path, text)
+    with pytest.raises(ConfigError, match=message):
+        Settings.from_env({}, config=path)
+
+
+def test_a_bad_variable_or_flag_names_it_and_a_missing_config_file_is_an_error(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="variable BULKINFER_WORKER_CONCURRENCY: .*greater than"):
+        Settings.from_env({"BULKINFER_WORKER_CONCURRENCY": "0"})
+    with pytest.raises(ConfigError, match="--api-port: Input should be a valid integer"):
+        Settings.from_env({}, api_port="x")
+    with pytest.raises(ConfigError, match=f"BULKINFER_CONFIG: no config file at {tmp_path}/missing.toml"):
+        Settings.from_env({"BULKINFER_CONFIG": str(tmp_path / "missing.toml")})
+
+
+def test_command_flags_map_onto_settings(tmp_path) -> None:
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ["broker_url", "api_port", "shard_lease_ttl_s"])
+    path = _config(tmp_path, 'broker_url = "redis://file:6379/0"\napi_port = 9000\n')
+    args = parser.parse_args(["--config", str(path), "--port", "9001", "--shard-lease-ttl-s", "4"])
+    settings = settings_from_args(args)
+    assert settings.broker_url == "redis://file:6379/0"  # from the file
+    assert (settings.api_port, settings.shard_lease_ttl_s) == (9001, 4.0)  # from flags (--port: an alias)
