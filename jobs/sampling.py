@@ -7,6 +7,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_SEQUENCES = 16
+# Samples per row: each is a full completion (the prompt's KV is shared), so a cap keeps one row
+# from taking a shard's worth of work.
+MAX_N = 16
 
 
 class SamplingParams(BaseModel):
@@ -14,6 +17,7 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    n: int | None = Field(None, ge=1, le=MAX_N, description="samples per row (choices in the output)")
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
@@ -22,12 +26,15 @@ class SamplingParams(BaseModel):
     min_tokens: int | None = Field(None, ge=0)
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string (vLLM)")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = Field(None, description="keep generating past EOS (as vLLM's extra knob)")
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per output token (0: the "
+                                 "chosen token's only); OpenAI chat's logprobs/top_logprobs map here")
+    skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (vLLM)")
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -20,7 +20,7 @@ MAX_METADATA_VALUE_CHARS = 512
 # Output columns the writers own; a passthrough column of the same name would be ambiguous.
 RESERVED_OUTPUT_COLUMNS = frozenset(
     {"id", "text", "json", "finish_reason", "usage", "prompt_tokens", "cached_tokens", "completion_tokens",
-     "error", "error_code"})
+     "error", "error_code", "logprobs", "choices"})
 
 
 class InputFormat(StrEnum):

@@ -5,21 +5,46 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.formats.output import OutputRow
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs
 
 
 def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
-    """`{"id", "text", ["json",] "finish_reason", "usage", "error", <passthrough columns>}`."""
+    """`{"id", "text", ["json",] "finish_reason", ["logprobs",] ["choices",] "usage", "error", ...}`
+    (then the passthrough columns).
+
+    `text`, `json` and `finish_reason` are the first sample's. `logprobs` is there when the row asked
+    for them: one `{token, token_id, logprob, bytes, top_logprobs: [...]}` per output token. `choices`
+    is there when the row has more than one sample (`n` > 1): `{index, text, [json,] finish_reason,
+    [logprobs]}` each, choice 0 included.
+    """
     record: dict[str, Any] = {"id": row.row_id, "text": row.text}
     if include_json:
         record["json"] = row.json_value
     record["finish_reason"] = row.finish_reason
+    if row.logprobs is not None:
+        record["logprobs"] = logprobs_records(row.logprobs)
+    if len(row.choices) > 1:
+        record["choices"] = [choice_record(choice, include_json) for choice in row.choices]
     record["usage"] = None if row.prompt_tokens is None else {
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens}
     record["error"] = None if not row.failed else {"code": row.error_code, "message": row.error_message}
     record.update(row.passthrough)
     return record
+
+
+def choice_record(choice: Choice, include_json: bool) -> dict[str, Any]:
+    record: dict[str, Any] = {"index": choice.index, "text": choice.text}
+    if include_json:
+        record["json"] = choice.json_value
+    record["finish_reason"] = choice.finish_reason
+    if choice.logprobs is not None:
+        record["logprobs"] = logprobs_records(choice.logprobs)
+    return record
+
+
+def logprobs_records(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
+    return [position.as_record() for position in positions]
 
 
 def error_record(row: OutputRow) -> dict[str, Any]:

@@ -33,14 +33,15 @@ from jobs.spec import JobSpec
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
-# Body fields that map straight onto SamplingParams.
-SAMPLING_FIELDS = frozenset({"temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens", "seed",
-                             "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
-                             "repetition_penalty"})
+# Body fields that map straight onto SamplingParams (OpenAI's, plus vLLM's extra sampling knobs).
+SAMPLING_FIELDS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
+                             "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
+                             "repetition_penalty", "ignore_eos", "include_stop_str_in_output",
+                             "skip_special_tokens"})
 # Body fields that change nothing here (or only at their default value, checked below).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
-                            "parallel_tool_calls", "n", "stream", "echo", "best_of"})
-DEFAULT_ONLY = {"n": 1, "stream": False, "echo": False, "best_of": 1}
+                            "parallel_tool_calls", "stream", "echo", "best_of"})
+DEFAULT_ONLY = {"stream": False, "echo": False, "best_of": 1}
 REQUEST_FIELDS = frozenset({"messages", "prompt", "response_format", "max_completion_tokens", "logprobs",
                             "top_logprobs"})
 KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
@@ -112,8 +113,13 @@ def _completion_prompt(prompt: Any) -> str:
 
 
 def _logprobs(body: dict[str, Any], chat: bool) -> Any:
-    """The vLLM-style count of logprobs to return (validated with the other sampling fields)."""
-    if chat:  # chat: logprobs is a flag, top_logprobs the count
+    """The vLLM-style count of logprobs to return (validated with the other sampling fields).
+
+    Chat: `logprobs: true` asks for them and `top_logprobs: k` (default 0) for the k most likely
+    alternatives; without `logprobs: true`, `top_logprobs` asks for nothing (as OpenAI). Completions:
+    `logprobs: k` is the count itself (the chosen token comes back too, as OpenAI documents).
+    """
+    if chat:
         return body.get("top_logprobs") or 0 if body.get("logprobs") else None
     return body.get("logprobs")
 

@@ -1,16 +1,20 @@
 """OpenAI Batch API output lines: `{"id", "custom_id", "response", "error"}`.
 
 Completed rows carry `response.body` shaped like a `chat.completion` or `text_completion`
-object with `usage`; failed rows carry `response: null` and `error: {code, message}`.
+object with `usage` and one entry in `choices` per sample (`n`), each with its `logprobs` in
+OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
+completions: `{tokens, token_logprobs, top_logprobs, text_offset}`); failed rows carry
+`response: null` and `error: {code, message}`.
 Ids derive from the job and the custom_id, so a rerun writes the same ids.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 from typing import Any
 
-from jobs.formats.output import OutputRow
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 
 
 def _stable_id(*parts: str) -> str:
@@ -36,11 +40,57 @@ def completion_body(row: OutputRow, request_id: str, model: str, created: int) -
     usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
              "total_tokens": prompt_tokens + completion_tokens,
              "prompt_tokens_details": {"cached_tokens": row.cached_tokens or 0}}
+    choices = row.choices or (Choice(0, row.text or "", row.finish_reason or "stop"),)
     if row.is_chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": row.text, "refusal": None},
-                  "logprobs": None, "finish_reason": row.finish_reason}
         return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
-                "model": model, "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": row.text, "logprobs": None, "finish_reason": row.finish_reason}
+                "model": model, "choices": [chat_choice(choice) for choice in choices], "usage": usage}
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage}
+            "choices": [completion_choice(choice) for choice in choices], "usage": usage}
+
+
+def chat_choice(choice: Choice) -> dict[str, Any]:
+    logprobs = None
+    if choice.logprobs is not None:
+        logprobs = {"content": [{**_chat_token(position.chosen),
+                                 "top_logprobs": [_chat_token(entry) for entry in position.top]}
+                                for position in choice.logprobs],
+                    "refusal": None}
+    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text, "refusal": None},
+            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+
+
+def _chat_token(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
+
+
+def completion_choice(choice: Choice) -> dict[str, Any]:
+    logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
+    return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason}
+
+
+def completion_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+    """The legacy completions shape. `top_logprobs` maps token text to logprob: the top k plus the
+    chosen token (OpenAI: "up to logprobs+1 elements"); tokens with the same text keep the likelier.
+    `text_offset`: where each token starts in the text, in characters (a token that begins inside
+    a multi-byte character gets that character's offset)."""
+    tokens, token_logprobs, top_logprobs = [], [], []
+    for position in positions:
+        tokens.append(position.chosen.token)
+        token_logprobs.append(position.chosen.logprob)
+        top: dict[str, float] = {}
+        for entry in [*position.top, position.chosen]:
+            top.setdefault(entry.token, entry.logprob)
+        top_logprobs.append(top)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": text_offsets([position.chosen.bytes for position in positions])}
+
+
+def text_offsets(token_bytes: list[list[int]]) -> list[int]:
+    """Character offset of each token in the text its bytes decode to."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, length = [], 0
+    for data in token_bytes:
+        offsets.append(length)
+        length += len(decoder.decode(bytes(data)))
+    return offsets

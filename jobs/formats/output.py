@@ -1,12 +1,53 @@
-"""`OutputRow`: one row's outcome, the input of every output writer."""
+"""`OutputRow`: one row's outcome, the input of every output writer.
+
+A completed row holds one `Choice` per sample (`n` of them, 1 by default). The row-level `text`,
+`json_value` and `finish_reason` are choice 0's, so writers and readers of single-sample jobs see
+the shape they always had. Logprobs (when the row asked) live on each choice, one `PositionLogprobs`
+per output token, in an engine-neutral form the writers shape for their format.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from jobs.formats.rows import Row, RowError, RowErrorCode
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    token: str  # the token's text (U+FFFD where it holds part of a UTF-8 character)
+    logprob: float
+    bytes: list[int]  # the token's exact UTF-8 bytes
+
+    def as_record(self) -> dict[str, Any]:
+        return {"token": self.token, "token_id": self.token_id, "logprob": self.logprob, "bytes": self.bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class PositionLogprobs:
+    """One output position: the sampled token and the `logprobs` most likely ones (most likely first)."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob]
+
+    def as_record(self) -> dict[str, Any]:
+        """Our JSONL/Parquet shape: the chosen token's fields plus `top_logprobs`."""
+        return {**self.chosen.as_record(), "top_logprobs": [entry.as_record() for entry in self.top]}
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """One sample of a row. `json_value` is the parsed text when the row asked for JSON."""
+
+    index: int
+    text: str
+    finish_reason: str
+    logprobs: list[PositionLogprobs] | None = None
+    json_value: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,26 +70,49 @@ class OutputRow:
     error_message: str | None = None
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
+    choices: tuple[Choice, ...] = ()  # every sample of a completed row; choice 0 is `text` above
 
     @property
     def failed(self) -> bool:
         return self.error_code is not None
 
+    @property
+    def logprobs(self) -> list[PositionLogprobs] | None:
+        """Choice 0's logprobs; None when the row did not ask for them."""
+        return self.choices[0].logprobs if self.choices else None
+
     @classmethod
     def completed(cls, row: Row, text: str, finish_reason: str, *, prompt_tokens: int, cached_tokens: int,
-                  completion_tokens: int) -> OutputRow:
-        """The engine's answer for `row`; parses it when the row asked for JSON."""
+                  completion_tokens: int, logprobs: list[PositionLogprobs] | None = None) -> OutputRow:
+        """The engine's single answer for `row`; parses it when the row asked for JSON."""
+        return cls.with_choices(row, [Choice(0, text, finish_reason, logprobs)], prompt_tokens=prompt_tokens,
+                                cached_tokens=cached_tokens, completion_tokens=completion_tokens)
+
+    @classmethod
+    def with_choices(cls, row: Row, choices: Sequence[Choice], *, prompt_tokens: int, cached_tokens: int,
+                     completion_tokens: int) -> OutputRow:
+        """The engine's `n` answers for `row` (`completion_tokens` counts them all); each is parsed
+        when the row asked for JSON, and one that does not parse makes the row INVALID_OUTPUT_JSON
+        (its text is kept)."""
+        if not choices:
+            raise ValueError("a completed row needs at least one choice")
         wants_json = row.response_format is not None  # readers leave plain-text formats out
-        json_value, error_code, error_message = None, None, None
+        error_code, error_message = None, None
         if wants_json:
-            try:
-                json_value = json.loads(text)
-            except json.JSONDecodeError as error:
-                error_code = RowErrorCode.INVALID_OUTPUT_JSON.value
-                error_message = f"the output is not valid JSON ({error.msg}; finish_reason={finish_reason})"
-        return cls(row.index, row.row_id, row.is_chat, wants_json, text, json_value, finish_reason,
-                   prompt_tokens, cached_tokens, completion_tokens, error_code, error_message,
-                   row.passthrough, row.line)
+            parsed = []
+            for choice in choices:
+                value, problem = _parse_json(choice.text)
+                if problem is not None and error_code is None:
+                    error_code = RowErrorCode.INVALID_OUTPUT_JSON.value
+                    where = f"choice {choice.index}: " if len(choices) > 1 else ""
+                    error_message = (f"{where}the output is not valid JSON ({problem}; "
+                                     f"finish_reason={choice.finish_reason})")
+                parsed.append(replace(choice, json_value=value))
+            choices = parsed
+        first = choices[0]
+        return cls(row.index, row.row_id, row.is_chat, wants_json, first.text, first.json_value,
+                   first.finish_reason, prompt_tokens, cached_tokens, completion_tokens, error_code,
+                   error_message, row.passthrough, row.line, tuple(choices))
 
     @classmethod
     def from_error(cls, error: RowError) -> OutputRow:
@@ -61,3 +125,12 @@ class OutputRow:
         """A row the engine refused or failed (too long a prompt, a grammar that does not compile)."""
         return cls(row.index, row.row_id, row.is_chat, error_code=code.value, error_message=message,
                    passthrough=row.passthrough, line=row.line)
+
+
+def _parse_json(text: str) -> tuple[Any, str | None]:
+    # strict=False: xgrammar may emit raw control characters inside strings (mlc-ai/xgrammar#800); the
+    # value is still the JSON the schema asked for, and writers re-encode it escaped.
+    try:
+        return json.loads(text, strict=False), None
+    except json.JSONDecodeError as error:
+        return None, error.msg

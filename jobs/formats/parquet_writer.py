@@ -1,19 +1,44 @@
-"""Parquet output parts: flat columns that load straight into a warehouse table."""
+"""Parquet output parts: flat columns that load straight into a warehouse table.
+
+Which columns a part has is decided per job (never per part), so every part of a job has the same
+schema: `json` when the job asks for JSON, `logprobs` when any row may ask for logprobs, `choices`
+when any row may ask for more than one sample (see `may_have_logprobs` / `may_have_choices`).
+"""
 
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from jobs.formats.output import OutputRow
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.spec import InputFormat, JobSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
 
-def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns: list[str]) -> pa.Table:
-    """Columns: id, text, [json (JSON text),] finish_reason, prompt/cached/completion_tokens,
-    error_code, error, then the passthrough columns with the types pyarrow infers.
+def may_have_choices(spec: JobSpec) -> bool:
+    """Whether a row of this job can have n > 1 samples (per-row overrides and OpenAI bodies can)."""
+    return bool((spec.sampling.n or 1) > 1 or spec.sampling_column
+                or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
+def may_have_logprobs(spec: JobSpec) -> bool:
+    """Whether a row of this job can ask for logprobs."""
+    return bool(spec.sampling.logprobs is not None or spec.sampling_column
+                or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
+def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns: list[str], *,
+                 include_logprobs: bool = False, include_choices: bool = False) -> pa.Table:
+    """Columns: id, text, [json (JSON text),] finish_reason, [logprobs,] [choices,]
+    prompt/cached/completion_tokens, error_code, error, then the passthrough columns with the types
+    pyarrow infers.
+
+    `text`, `json`, `finish_reason` and `logprobs` are the first sample's. `logprobs`: a list per row
+    (null when the row did not ask) of structs `{token, token_id, logprob, bytes (binary),
+    top_logprobs: list<{token, token_id, logprob, bytes}>}`. `choices`: every sample of a completed row
+    as structs `{index, text, json, finish_reason, logprobs}`.
     """
     import pyarrow as pa
 
@@ -23,9 +48,13 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
     }
     if include_json:
         # Outputs of one job may follow different schemas, so JSON stays text here.
-        columns["json"] = pa.array([None if row.json_value is None else json.dumps(row.json_value)
-                                    for row in rows], pa.string())
+        columns["json"] = pa.array([_json_text(row.json_value) for row in rows], pa.string())
     columns["finish_reason"] = pa.array([row.finish_reason for row in rows], pa.string())
+    if include_logprobs:
+        columns["logprobs"] = pa.array([_logprobs_value(row.logprobs) for row in rows], _logprobs_type())
+    if include_choices:
+        columns["choices"] = pa.array([[_choice_value(choice) for choice in row.choices] or None
+                                       for row in rows], pa.list_(_choice_type()))
     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
         columns[name] = pa.array([getattr(row, name) for row in rows], pa.int64())
     columns["error_code"] = pa.array([row.error_code for row in rows], pa.string())
@@ -33,6 +62,48 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
     for name in passthrough_columns:
         columns[name] = _passthrough_array([row.passthrough.get(name) for row in rows])
     return pa.table(columns)
+
+
+def _json_text(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+def _token_type() -> pa.DataType:
+    import pyarrow as pa
+
+    return pa.struct([("token", pa.string()), ("token_id", pa.int64()), ("logprob", pa.float64()),
+                      ("bytes", pa.binary())])
+
+
+def _logprobs_type() -> pa.DataType:
+    import pyarrow as pa
+
+    position = pa.struct([*_token_type(), ("top_logprobs", pa.list_(_token_type()))])
+    return pa.list_(position)
+
+
+def _choice_type() -> pa.DataType:
+    import pyarrow as pa
+
+    return pa.struct([("index", pa.int32()), ("text", pa.string()), ("json", pa.string()),
+                      ("finish_reason", pa.string()), ("logprobs", _logprobs_type())])
+
+
+def _token_value(entry: TokenLogprob) -> dict[str, Any]:
+    return {"token": entry.token, "token_id": entry.token_id, "logprob": entry.logprob,
+            "bytes": bytes(entry.bytes)}
+
+
+def _logprobs_value(positions: list[PositionLogprobs] | None) -> list[dict[str, Any]] | None:
+    if positions is None:
+        return None
+    return [{**_token_value(position.chosen), "top_logprobs": [_token_value(entry) for entry in position.top]}
+            for position in positions]
+
+
+def _choice_value(choice: Choice) -> dict[str, Any]:
+    return {"index": choice.index, "text": choice.text, "json": _json_text(choice.json_value),
+            "finish_reason": choice.finish_reason, "logprobs": _logprobs_value(choice.logprobs)}
 
 
 def _passthrough_array(values: list[object]) -> pa.Array:

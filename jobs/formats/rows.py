@@ -147,13 +147,24 @@ def with_instructions_prompt(instructions: str | None, text: str) -> str:
 
 def with_instructions_messages(instructions: str | None,
                                messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Instructions become the system message; a row's own system message follows them in it."""
+    """The job's instructions as the first (system) message, so every row's prompt starts with the
+    same tokens (one cached prefix). The rule:
+
+    - the row starts with a system message: the instructions go first inside it, then
+      `INSTRUCTIONS_SEPARATOR`, then the row's system text (text-part content: the instructions
+      become its first text part, which the renderer joins with a newline);
+    - otherwise a system message holding only the instructions is put before the row's messages
+      (a leading `developer` message stays as it is, after it: templates treat that role differently).
+    """
     if not instructions:
         return messages
     first = messages[0]
-    if first.get("role") == "system" and isinstance(first.get("content"), str):
-        merged = {**first, "content": f"{instructions}{INSTRUCTIONS_SEPARATOR}{first['content']}"}
-        return [merged, *messages[1:]]
+    if first.get("role") == "system":
+        content = first.get("content")
+        if isinstance(content, str):
+            return [{**first, "content": f"{instructions}{INSTRUCTIONS_SEPARATOR}{content}"}, *messages[1:]]
+        if isinstance(content, list):
+            return [{**first, "content": [{"type": "text", "text": instructions}, *content]}, *messages[1:]]
     return [{"role": "system", "content": instructions}, *messages]
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 from jobs.formats.openai_batch import find_duplicate_custom_ids, iter_openai_batch_rows
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import OutputRow
+from jobs.formats.openai_batch_writer import openai_batch_record, text_offsets
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
 from jobs.spec import JobSpec
 
@@ -46,7 +46,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
         request("a", messages=[{"role": "user", "content": "again"}]),
         request("c", url="/v1/embeddings", input="x"),
         request("d", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]),
-        request("e", messages=[{"role": "user", "content": "x"}], n=3),
+        request("e", messages=[{"role": "user", "content": "x"}], n=17),
         request("f", messages=[{"role": "user", "content": "x"}], temperature=5),
         {"method": "POST", "url": "/v1/completions", "body": {"prompt": "no id"}},
         b'{"custom_id": "g", "body": ',
@@ -56,7 +56,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     assert isinstance(items[0], Row)
     codes = [(item.row_id, item.code) for item in items[1:]]
     assert codes[:5] == [("a", RowErrorCode.DUPLICATE_CUSTOM_ID), ("c", RowErrorCode.UNSUPPORTED_URL),
-                         ("d", RowErrorCode.INVALID_ROW), ("e", RowErrorCode.INVALID_ROW),
+                         ("d", RowErrorCode.INVALID_ROW), ("e", RowErrorCode.INVALID_SAMPLING),
                          ("f", RowErrorCode.INVALID_SAMPLING)]
     assert codes[5][1] == RowErrorCode.INVALID_ROW and codes[5][0] == str(items[6].index)
     assert codes[6][1] == RowErrorCode.INVALID_JSON
@@ -65,7 +65,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     assert items[9].message.startswith("body: logprobs: Input should be a valid integer")
     assert "url '/v1/embeddings' is not supported" in items[2].message
     assert items[3].message == "body.tools is not supported here"
-    assert items[4].message == "body.n is not supported here"
+    assert items[4].message == "body: n: Input should be less than or equal to 16"
     assert "appears more than once (line 2 of the shard)" in items[1].message
     assert [item.line for item in items] == list(range(1, 11))
 
@@ -114,3 +114,67 @@ def test_failed_rows_are_written_with_the_openai_error_shape(local_store) -> Non
     line = openai_batch_record(OutputRow.from_error(error), job_id="job1", model="m", created=0)
     assert line["response"] is None and line["custom_id"] == "x"
     assert line["error"] == {"code": "unsupported_url", "message": error.message}
+
+
+def test_n_logprobs_and_vllm_knobs_are_sampling_overrides(local_store) -> None:
+    chat, chat_flag_only, completion = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "x"}], n=2, logprobs=True, top_logprobs=3),
+        request("b", messages=[{"role": "user", "content": "x"}], logprobs=True, top_logprobs=None),
+        request("c", url="/v1/completions", prompt="p", logprobs=2, stop=["."],
+                include_stop_str_in_output=True, skip_special_tokens=False, ignore_eos=True,
+                presence_penalty=0.5, min_p=0.1),
+    ])
+    assert chat.sampling.n == 2 and chat.sampling.logprobs == 3
+    assert chat_flag_only.sampling.logprobs == 0  # logprobs: true alone = the chosen tokens' only
+    assert completion.sampling.as_dict() == {
+        "temperature": 0.0, "max_tokens": 32, "logprobs": 2, "stop": ["."],
+        "include_stop_str_in_output": True, "skip_special_tokens": False, "ignore_eos": True,
+        "presence_penalty": 0.5, "min_p": 0.1}
+
+
+def position(token: str, logprob: float, top: list[tuple[str, float]]) -> PositionLogprobs:
+    def entry(text: str, value: float) -> TokenLogprob:
+        return TokenLogprob(token_id=len(text), token=text, logprob=value, bytes=list(text.encode()))
+
+    return PositionLogprobs(entry(token, logprob), [entry(text, value) for text, value in top])
+
+
+def test_choices_and_logprobs_are_written_in_the_openai_shapes(local_store) -> None:
+    chat, completion = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "x"}], n=2, logprobs=True, top_logprobs=1),
+        request("b", url="/v1/completions", prompt="p", n=2, logprobs=1),
+    ])
+    first = [position("Hi", -0.1, [("Hi", -0.1)]), position("!", -0.5, [("?", -0.4)])]
+    second = [position("Yo", -1.0, [("Hi", -0.1)])]
+    choices = [Choice(0, "Hi!", "stop", first), Choice(1, "Yo", "length", second)]
+    for row in (chat, completion):
+        output = OutputRow.with_choices(row, choices, prompt_tokens=3, cached_tokens=0, completion_tokens=3)
+        body = openai_batch_record(output, job_id="j", model="m", created=0)["response"]["body"]
+        assert [choice["index"] for choice in body["choices"]] == [0, 1]
+        assert [choice["finish_reason"] for choice in body["choices"]] == ["stop", "length"]
+        assert body["usage"]["completion_tokens"] == 3
+        logprobs = body["choices"][0]["logprobs"]
+        if row.is_chat:
+            assert body["choices"][1]["message"]["content"] == "Yo"
+            assert logprobs == {"refusal": None, "content": [
+                {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                 "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]}]},
+                {"token": "!", "logprob": -0.5, "bytes": [33],
+                 "top_logprobs": [{"token": "?", "logprob": -0.4, "bytes": [63]}]}]}
+        else:
+            assert body["choices"][1]["text"] == "Yo"
+            # The chosen token is in top_logprobs even when it is not among the top k (OpenAI: k + 1).
+            assert logprobs == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.5],
+                                "top_logprobs": [{"Hi": -0.1}, {"?": -0.4, "!": -0.5}], "text_offset": [0, 2]}
+
+
+def test_single_choice_rows_without_logprobs_keep_logprobs_null(local_store) -> None:
+    [row] = read(local_store, [request("a", url="/v1/completions", prompt="p")])
+    output = OutputRow.completed(row, "x", "stop", prompt_tokens=1, cached_tokens=0, completion_tokens=1)
+    [choice] = openai_batch_record(output, job_id="j", model="m", created=0)["response"]["body"]["choices"]
+    assert choice == {"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop"}
+
+
+def test_text_offsets_count_characters_and_a_split_character_starts_where_it_begins() -> None:
+    euro = list("€".encode())  # 3 bytes, split over two tokens
+    assert text_offsets([list(b"a"), euro[:2], euro[2:], list(b"bc"), list(b"d")]) == [0, 1, 1, 2, 4]

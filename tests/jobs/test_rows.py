@@ -130,3 +130,14 @@ def test_arbitrary_json_values_never_crash_the_row_builders() -> None:
         line = {"custom_id": rng.choice(["a", None, 3]), "body": rng.choice([body, body, None, []]),
                 "url": rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])}
         assert isinstance(batch.build(Line(0, 1, b""), line), Row | RowError)
+
+
+def test_instructions_merge_into_a_system_message_of_text_parts_and_go_before_a_developer_message() -> None:
+    rows = builder(messages_column="chat", instructions="Be kind.")
+    parts = [{"type": "text", "text": "Use French."}]
+    user = {"role": "user", "content": "hi"}
+    merged = rows.build(0, {"chat": [{"role": "system", "content": parts}, user]})
+    assert merged.messages[0] == {"role": "system", "content": [{"type": "text", "text": "Be kind."}, *parts]}
+    developer = rows.build(1, {"chat": [{"role": "developer", "content": "d"}, user]})
+    assert [m["role"] for m in developer.messages] == ["system", "developer", "user"]
+    assert developer.messages[0] == {"role": "system", "content": "Be kind."}

@@ -9,7 +9,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.formats.output import OutputRow
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 from jobs.formats.parts import write_error_part, write_output_part
 from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
 from jobs.object_store import AlreadyExists
@@ -112,3 +112,61 @@ def test_passthrough_values_of_mixed_types_become_json_text_in_parquet(store) ->
     write_output_part(store, "p.parquet", outputs, job, job_id="j")
     table = pq.read_table(io.BytesIO(store.get_bytes("p.parquet")))
     assert table.column("src").to_pylist() == ["1", '"two"', None]
+
+
+def token(text: str, logprob: float) -> TokenLogprob:
+    return TokenLogprob(token_id=ord(text[0]), token=text, logprob=logprob, bytes=list(text.encode()))
+
+
+LOGPROBS = [PositionLogprobs(token("{", -0.1), [token("{", -0.1), token("[", -2.5)]),
+            PositionLogprobs(token("}", -0.2), [token("}", -0.2), token(" ", -1.9)])]
+
+
+def sampled(job: JobSpec, texts: list[str], logprobs: list | None = LOGPROBS) -> OutputRow:
+    row = RowBuilder(job).build(0, {"q": "x"})
+    choices = [Choice(index, text, "stop", logprobs) for index, text in enumerate(texts)]
+    return OutputRow.with_choices(row, choices, prompt_tokens=5, cached_tokens=0, completion_tokens=4)
+
+
+def test_jsonl_rows_with_n_samples_list_choices_and_logprobs_when_asked(store) -> None:
+    job = spec("jsonl", response_format={"type": "json_object"})
+    write_output_part(store, "p.jsonl", [sampled(job, ["{}", '{"b": 1}'])], job, job_id="j")
+    line = json.loads(store.get_bytes("p.jsonl"))
+    assert list(line) == ["id", "text", "json", "finish_reason", "logprobs", "choices", "usage", "error"]
+    assert (line["text"], line["json"]) == ("{}", {})
+    brace = {"token": "{", "token_id": 123, "logprob": -0.1, "bytes": [123]}
+    bracket = {"token": "[", "token_id": 91, "logprob": -2.5, "bytes": [91]}
+    assert line["logprobs"][0] == {**brace, "top_logprobs": [brace, bracket]}
+    assert [(c["index"], c["text"], c["json"]) for c in line["choices"]] == [
+        (0, "{}", {}), (1, '{"b": 1}', {"b": 1})]
+    assert line["choices"][1]["logprobs"] == line["logprobs"]
+    # One sample, no logprobs asked: the single-sample shape, unchanged.
+    write_output_part(store, "q.jsonl", [sampled(job, ["{}"], logprobs=None)], job, job_id="j")
+    single = json.loads(store.get_bytes("q.jsonl"))
+    assert list(single) == ["id", "text", "json", "finish_reason", "usage", "error"]
+
+
+def test_a_sample_that_is_not_json_fails_the_row_naming_the_choice(store) -> None:
+    job = spec("jsonl", response_format={"type": "json_object"})
+    output = sampled(job, ["{}", "{oops"])
+    assert output.error_code == "invalid_output_json" and output.error_message.startswith("choice 1: ")
+    assert [choice.json_value for choice in output.choices] == [{}, None]
+
+
+def test_parquet_logprobs_and_choices_columns_are_typed_and_fixed_per_job(store) -> None:
+    job = spec("parquet", sampling={"n": 2, "logprobs": 2})
+    rows = [sampled(job, ["a", "b"]), OutputRow.from_error(RowBuilder(job).build(1, {}))]
+    write_output_part(store, "p.parquet", rows, job, job_id="j")
+    table = pq.read_table(io.BytesIO(store.get_bytes("p.parquet")))
+    assert table.column_names == ["id", "text", "finish_reason", "logprobs", "choices", "prompt_tokens",
+                                  "cached_tokens", "completion_tokens", "error_code", "error"]
+    logprobs, choices = table.column("logprobs").to_pylist(), table.column("choices").to_pylist()
+    assert logprobs[0][1]["token"] == "}" and logprobs[0][1]["bytes"] == b"}"
+    assert logprobs[0][1]["top_logprobs"][1] == {"token": " ", "token_id": 32, "logprob": -1.9, "bytes": b" "}
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in choices[0]] == [
+        (0, "a", "stop"), (1, "b", "stop")]
+    assert logprobs[1] is None and choices[1] is None  # the failed row
+    # A job that cannot ask for either has neither column.
+    plain = spec("parquet")
+    write_output_part(store, "q.parquet", [sampled(plain, ["a"], logprobs=None)], plain, job_id="j")
+    assert "choices" not in pq.read_table(io.BytesIO(store.get_bytes("q.parquet"))).column_names
