@@ -1,0 +1,176 @@
+"""StructuredOutputManager: compile grammars off the engine loop, mask logits, follow tokens.
+
+The engine calls, per request: ``register`` (starts the compile), ``state`` until "ready" (the
+scheduler admits it only then) or "failed" (``error`` says why), then per step ``fill_bitmask``
+and ``apply_bitmask`` for the sampled rows, ``accept_token`` after sampling, ``is_terminated``
+(the grammar is complete and the stop token taken: the request ends), and ``release``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import xgrammar as xgr
+
+from engine.structured_output.compile import compile_spec
+from engine.structured_output.spec import StructuredSpec
+
+State = Literal["compiling", "ready", "failed"]
+
+CACHE_SIZE = 256  # compiled grammars kept (least recently used evicted first)
+
+
+@dataclass
+class _Request:
+    spec: StructuredSpec
+    compiled: Future  # -> xgr.CompiledGrammar (shared with every request of the same key)
+    deadline: float  # time.monotonic() by which the compile must be done
+    matcher: xgr.GrammarMatcher | None = None
+    error: str | None = None
+    terminated: bool = False
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Any, vocab_size: int, max_num_seqs: int, compile_workers: int = 2,
+                 compile_timeout_s: float = 30.0) -> None:
+        # vocab_size is the model's (the logits' width): ids past the tokenizer's vocabulary are
+        # padding, and xgrammar masks them out, so the bitmask covers every logit column.
+        self.vocab_size = vocab_size
+        self.compile_timeout_s = compile_timeout_s
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        # Our own cache below is the one that counts; xgrammar's would hold a second copy.
+        self.compiler = xgr.GrammarCompiler(
+            self.tokenizer_info, max_threads=compile_workers, cache_enabled=False
+        )
+        self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
+        self._cache: OrderedDict[StructuredSpec, Future] = OrderedDict()
+        self._cache_lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._bitmask = xgr.allocate_token_bitmask(max_num_seqs, vocab_size)
+        self._batch = xgr.BatchGrammarMatcher(max_threads=compile_workers)
+        self._last_rows: list[int] = []  # rows with a grammar in the last fill_bitmask
+        self.num_compiles = 0  # grammars compiled (cache misses), for tests and metrics
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def register(self, request_id: str, spec: StructuredSpec) -> None:
+        """Start compiling ``spec`` for this request (or reuse the compiled grammar of its key)."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} already has a grammar")
+        self._requests[request_id] = _Request(
+            spec=spec, compiled=self._compiled(spec), deadline=time.monotonic() + self.compile_timeout_s
+        )
+
+    def state(self, request_id: str) -> State:
+        request = self._requests[request_id]
+        if request.error is not None:
+            return "failed"
+        if request.matcher is not None:
+            return "ready"
+        if not request.compiled.done():
+            if time.monotonic() < request.deadline:
+                return "compiling"
+            # The compile thread may go on; this request stops waiting for it.
+            request.error = (f"grammar for {request.spec.kind_name} did not compile within "
+                             f"{self.compile_timeout_s:g} s (compile_timeout_s)")
+            return "failed"
+        exc = request.compiled.exception()
+        if exc is not None:
+            request.error = str(exc)
+            return "failed"
+        request.matcher = xgr.GrammarMatcher(request.compiled.result())
+        return "ready"
+
+    def error(self, request_id: str) -> str | None:
+        request = self._requests.get(request_id)
+        return None if request is None else request.error
+
+    def release(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._requests
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def fill_bitmask(self, request_ids: list[str | None]) -> torch.Tensor | None:
+        """One bitmask row per sampled row (None = no grammar: all tokens allowed)."""
+        rows, matchers = [], []
+        for row, request_id in enumerate(request_ids):
+            request = self._requests.get(request_id) if request_id is not None else None
+            if request is None or request.terminated:
+                continue
+            if request.matcher is None and self._wait_ready(request_id) != "ready":
+                continue  # failed: the engine finishes it; its row stays unconstrained
+            rows.append(row)
+            matchers.append(request.matcher)
+        if not rows:
+            self._last_rows = []
+            return None
+        bitmask = self._bitmask[: len(request_ids)]
+        bitmask.fill_(-1)  # all bits set: every token allowed
+        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
+        self._last_rows = rows
+        return bitmask
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+        """Disallowed tokens' logits become -inf, in place (only rows with a grammar are touched)."""
+        rows = self._last_rows if bitmask.shape[0] == logits.shape[0] else None
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        else:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device, non_blocking=True), vocab_size=self.vocab_size,
+                indices=rows, backend="torch_native",
+            )
+
+    def accept_token(self, request_id: str, token_id: int) -> bool:
+        """Advance the request's grammar; False if the grammar rejects the token."""
+        request = self._requests[request_id]
+        if request.matcher is None or request.terminated:
+            return False
+        accepted = request.matcher.accept_token(token_id)
+        request.terminated = request.matcher.is_terminated()
+        return accepted
+
+    def is_terminated(self, request_id: str) -> bool:
+        request = self._requests.get(request_id)
+        return request is not None and request.terminated
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- compile cache -------------------------------------------------------------------------
+
+    def _compiled(self, spec: StructuredSpec) -> Future:
+        with self._cache_lock:
+            future = self._cache.get(spec)
+            if future is not None:
+                self._cache.move_to_end(spec)
+                return future
+            future = self._pool.submit(self._compile, spec)
+            self.num_compiles += 1
+            self._cache[spec] = future
+            if len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)  # requests still hold their own future
+            return future
+
+    def _compile(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
+        """Runs in a compile thread (xgrammar releases the GIL). Tests override it."""
+        return compile_spec(self.compiler, spec)
+
+    def _wait_ready(self, request_id: str) -> State:
+        """A request sampled before it was ready (the scheduler should not do this): wait out its
+        compile here rather than let it run unconstrained."""
+        request = self._requests[request_id]
+        try:
+            request.compiled.result(timeout=max(0.0, request.deadline - time.monotonic()))
+        except Exception:  # noqa: BLE001 - the failure or timeout is reported by state()
+            pass
+        return self.state(request_id)

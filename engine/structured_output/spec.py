@@ -1,0 +1,64 @@
+"""What a request asks its output to match, as a hashable cache key."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+Kind = Literal["json", "regex", "choice", "grammar"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
+
+# The names users know these kinds by (SamplingParams fields), for error messages.
+KIND_NAMES: dict[str, str] = {
+    "json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+}
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """``kind`` and ``value`` are the compile cache key.
+
+    json: the schema as canonical JSON text ("" = any JSON object); regex: the pattern;
+    choice: the choices as a JSON list text; grammar: EBNF text (xgrammar dialect, rule ``root``).
+    """
+
+    kind: Kind
+    value: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"structured output kind must be one of {KINDS}, got {self.kind!r}")
+        if not isinstance(self.value, str):
+            raise ValueError(f"structured output value must be a str, got {type(self.value).__name__}")
+
+    @staticmethod
+    def json_schema(schema: dict | bool) -> StructuredSpec:
+        """``True`` (any JSON object) or a schema dict, in canonical text (equal schemas share a key)."""
+        if schema is True:
+            return StructuredSpec("json", "")
+        if not isinstance(schema, dict):
+            raise ValueError(f"json_schema must be a dict or True, got {schema!r}")
+        return StructuredSpec("json", canonical_json(schema))
+
+    @staticmethod
+    def regex(pattern: str) -> StructuredSpec:
+        return StructuredSpec("regex", pattern)
+
+    @staticmethod
+    def choice(choices: list[str]) -> StructuredSpec:
+        if not choices or not all(isinstance(c, str) for c in choices):
+            raise ValueError(f"choice must be a non-empty list of strings, got {choices!r}")
+        return StructuredSpec("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @staticmethod
+    def grammar(ebnf: str) -> StructuredSpec:
+        return StructuredSpec("grammar", ebnf)
+
+    @property
+    def kind_name(self) -> str:
+        return KIND_NAMES[self.kind]
+
+
+def canonical_json(value: object) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
