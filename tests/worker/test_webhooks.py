@@ -1,0 +1,101 @@
+"""Completion webhooks, one component at a time: signing, one delivery attempt against a real local
+HTTP receiver, and "send once per job". The retried delivery through a worker is in
+tests/api/test_schedules_live.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jobs import webhooks
+from jobs.settings import Settings
+from jobs.spec import JobSpec
+from jobs.status import JobState
+from tests.fixtures.services import free_port
+from tests.support.webhook_receiver import webhook_receiver
+from worker.context import WorkerContext
+from worker.webhook_delivery import (
+    RejectedDelivery,
+    RetryableDelivery,
+    deliver,
+    delivery_state,
+    notify_if_final,
+    post,
+)
+
+SECRET = "test-secret"
+
+
+@pytest.fixture
+def context(redis_url, tmp_path) -> WorkerContext:
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), webhook_secret=SECRET)
+    return WorkerContext(settings)
+
+
+def create_job(context: WorkerContext, **changes) -> str:
+    fields = {"input_uri": "/in/rows.jsonl", "input_format": "jsonl", "model": "m", "prompt_column": "q"}
+    return context.repository.create(JobSpec(**{**fields, **changes})).job_id
+
+
+def test_a_signature_verifies_only_the_exact_body_under_the_same_secret() -> None:
+    body = b'{"event":"job.finished"}'
+    header = webhooks.sign(SECRET, body)
+    assert header.startswith("sha256=") and webhooks.verify_signature(SECRET, body, header)
+    assert not webhooks.verify_signature(SECRET, body + b" ", header)
+    assert not webhooks.verify_signature("other", body, header)
+    assert not webhooks.verify_signature(SECRET, body, None)
+    assert not webhooks.verify_signature(SECRET, body, header.removeprefix("sha256="))
+
+
+def test_webhook_url_on_a_job_spec_must_be_http() -> None:
+    with pytest.raises(ValueError, match="webhook_url\n.*must be an http:// or https:// URL"):
+        JobSpec(input_uri="/in/x.jsonl", model="m", prompt_column="q", webhook_url="file:///etc/passwd")
+
+
+def test_a_delivery_posts_the_final_status_signed_with_its_delivery_id(context) -> None:
+    with webhook_receiver() as receiver:
+        job_id = create_job(context, webhook_url=receiver.url)
+        context.repository.transition(job_id, JobState.FAILED, error="input unreadable")
+
+        assert deliver(context, job_id)["status"] == "delivered"
+        assert deliver(context, job_id)["status"] == "skipped: already delivered"
+
+    [request] = receiver.requests
+    assert webhooks.verify_signature(SECRET, request.body, request.headers[webhooks.SIGNATURE_HEADER])
+    body = json.loads(request.body)
+    assert body["event"] == "job.finished" and body["delivery_id"] == f"{job_id}.failed"
+    assert request.headers[webhooks.DELIVERY_HEADER] == f"{job_id}.failed"
+    assert request.headers[webhooks.TIMESTAMP_HEADER] == str(body["timestamp"])
+    assert (body["job"]["job_id"], body["job"]["state"], body["job"]["error"]) == (
+        job_id, "failed", "input unreadable")
+    assert delivery_state(context, job_id) == "delivered"
+
+
+def test_an_answer_that_may_change_is_retryable_and_a_refusal_is_final() -> None:
+    with webhook_receiver([503, 429, 400]) as receiver:
+        for expected in (RetryableDelivery, RetryableDelivery, RejectedDelivery):
+            with pytest.raises(expected):
+                post(receiver.url, b"{}", {})
+        assert post(receiver.url, b"{}", {}) == 200
+    with pytest.raises(RetryableDelivery, match="ConnectError"):
+        post(f"http://127.0.0.1:{free_port()}/hook", b"{}", {})
+
+
+def test_a_job_that_ended_starts_one_delivery_however_many_tasks_see_it_end(context) -> None:
+    sent: list[str] = []
+    job_id = create_job(context, webhook_url="http://127.0.0.1:9/hook")
+    assert not notify_if_final(context, job_id, sent.append)  # still queued
+    context.repository.request_cancel(job_id)
+    assert notify_if_final(context, job_id, sent.append)
+    assert not notify_if_final(context, job_id, sent.append)
+    assert sent == [job_id] and delivery_state(context, job_id) == "queued"
+
+
+def test_a_job_without_a_webhook_url_sends_nothing(context) -> None:
+    sent: list[str] = []
+    job_id = create_job(context)
+    context.repository.request_cancel(job_id)
+    assert not notify_if_final(context, job_id, sent.append)
+    assert sent == [] and delivery_state(context, job_id) is None
