@@ -14,16 +14,18 @@ from pathlib import Path
 from api.client import Client
 from api.stack import Stack, StackError, StackOptions
 from jobs.demo_data import INSTRUCTION, TEMPLATE, sample_jsonl
+from jobs.settings import ConfigError, Settings
 from jobs.status import JobState, JobStatus
 
 PRESETS = ["tiny", "small"]
 
 
-def _stack_arguments(parser: argparse.ArgumentParser, port: int) -> None:
+def _stack_arguments(parser: argparse.ArgumentParser, port: int | None) -> None:
+    """`port=None`: host and port default to the settings (`api_host`, `api_port`)."""
     parser.add_argument("--home", type=Path, default=Path(".bulkinfer"),
                         help="where Redis data, the job store, logs and models live (default: .bulkinfer)")
     parser.add_argument("--port", type=int, default=port, help="API port (0: any free port)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=None if port is None else "127.0.0.1")
     parser.add_argument("--preset", choices=PRESETS, default="small",
                         help="the locally built checkpoint to serve, registered under this name")
     parser.add_argument("--models-dir", type=Path, default=None,
@@ -33,10 +35,19 @@ def _stack_arguments(parser: argparse.ArgumentParser, port: int) -> None:
 def up(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="bulkinfer up", description="Run Redis, the API and one worker "
                                      "here, with jobs in a local directory, until Ctrl-C.")
-    _stack_arguments(parser, port=8000)
+    _stack_arguments(parser, port=None)
+    parser.add_argument("--config", metavar="PATH", help="TOML config file (default: $BULKINFER_CONFIG, else "
+                        "./bulkinfer.toml if present); `up` takes api_host, api_port and the worker settings "
+                        "from it, and runs its own Redis and store")
     args = parser.parse_args(argv)
-    options = StackOptions(home=args.home, host=args.host, port=args.port, preset=args.preset,
-                           models_dir=args.models_dir)
+    try:
+        settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port)
+    except ConfigError as error:
+        print(f"bulkinfer up: {error}", file=sys.stderr)
+        return 2
+    settings.export()  # the worker child inherits the file's worker settings (lease TTL, model cache, …)
+    options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port, preset=args.preset,
+                           models_dir=args.models_dir, engine_options=settings.engine_options_dict())
     try:
         stack = Stack(options).start()
     except StackError as error:

@@ -83,3 +83,14 @@ def test_serve_all_runs_the_api_and_a_worker_that_runs_a_job(redis_url: str, tin
         process.wait(timeout=60)
         output.close()
     assert process.returncode == 0, log.read_text()[-3000:]
+
+
+@pytest.mark.parametrize("command", ["serve api", "serve all", "up"])
+def test_a_bad_config_file_stops_a_server_command_with_the_key_named(
+        command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+
+    config = tmp_path / "bulkinfer.toml"
+    config.write_text('broker_url = "redis://127.0.0.1:1/0"\napi_prot = 8001\n')
+    assert main([*command.split(), "--config", str(config)]) == 2
+    assert f"{config}: unknown key 'api_prot'" in capsys.readouterr().err
