@@ -53,6 +53,8 @@ COMMANDS: dict[str, Command] = {
                        "client"),
     "wait": Command("api.cli_jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
                     "4 timed out", "client"),
+    "schedule": Command("api.cli_schedules:main", "Scheduled ETL: schedule create|list|get|pause|resume|"
+                        "delete|tick|jobs (api/cli_schedules.py)", "client"),
 }
 
 
