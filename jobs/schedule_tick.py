@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from pydantic import ValidationError
+from redis.exceptions import LockError
 
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
@@ -80,31 +82,45 @@ def submit_object(jobs: JobRepository, schedule: Schedule, store: ObjectStore, i
 def tick_schedule(schedules: ScheduleRepository, jobs: JobRepository, schedule: Schedule,
                   enqueue_plan: EnqueuePlan, *, endpoint_url: str | None = None,
                   now: datetime | None = None, limit: int = MAX_JOBS_PER_TICK) -> TickResult:
-    """Submit the schedule's new objects (at most `limit`). Failures are recorded on the schedule
-    (`runtime.last_error`) and returned, with whatever was submitted before them.
+    """Submit the schedule's new objects (at most `limit`), one tick of a schedule at a time.
+    Failures are recorded on the schedule (`runtime.last_error`) and returned, with whatever was
+    submitted before them.
     """
     now = now or datetime.now(UTC)
     result = TickResult(schedule.id)
-    with schedules.lock(schedule.id):
-        try:
-            store, objects = input_objects(schedule, endpoint_url)
-            seen = schedules.seen(schedule.id)
-            for info in objects:
-                if len(result.submitted) >= limit:
-                    break
-                if fingerprint(info.key, info.etag) in seen:
-                    continue
-                job_id = submit_object(jobs, schedule, store, info, enqueue_plan)
-                record = SubmittedObject(key=info.key, etag=info.etag, job_id=job_id, submitted_at=now)
-                schedules.mark_submitted(schedule.id, record)
-                result.submitted.append(record)
-        except Exception as error:  # noqa: BLE001 - recorded on the schedule; the next tick tries again
-            result.error = f"{type(error).__name__}: {error}"
-            logger.warning("schedule %s tick failed: %s", schedule.id, result.error)
+    lock = schedules.lock(schedule.id)
+    if not lock.acquire():  # waited a minute for another tick of this schedule
+        result.error = "another tick of this schedule is still running; try again"
+        return result
+    try:
+        _submit_new(schedules, jobs, schedule, enqueue_plan, endpoint_url, now, limit, result)
+    except Exception as error:  # noqa: BLE001 - recorded on the schedule; the next tick tries again
+        result.error = f"{type(error).__name__}: {error}"
+        logger.warning("schedule %s tick failed: %s", schedule.id, result.error)
+    try:
         schedules.record_tick(schedule.id, now, result.error)
+    finally:
+        with suppress(LockError):  # expired during a very long tick: nothing left to release
+            lock.release()
     if result.submitted:
         logger.info("schedule %s: %d job(s) submitted", schedule.id, len(result.submitted))
     return result
+
+
+def _submit_new(schedules: ScheduleRepository, jobs: JobRepository, schedule: Schedule,
+                enqueue_plan: EnqueuePlan, endpoint_url: str | None, now: datetime, limit: int,
+                result: TickResult) -> None:
+    store, objects = input_objects(schedule, endpoint_url)
+    seen = schedules.seen(schedule.id)
+    for info in objects:
+        if len(result.submitted) >= limit:
+            return
+        if fingerprint(info.key, info.etag) in seen:
+            continue
+        job_id = submit_object(jobs, schedule, store, info, enqueue_plan)
+        record = SubmittedObject(key=info.key, etag=info.etag, job_id=job_id, submitted_at=now)
+        schedules.mark_submitted(schedule.id, record)  # after the plan is sent: a crash before resends
+        result.submitted.append(record)
 
 
 def is_due(schedules: ScheduleRepository, schedule: Schedule, now: datetime) -> bool:
