@@ -146,6 +146,7 @@ class SamplerOutput:
 
 
 class Sampler:
+    @torch.inference_mode()  # the runner's logits are inference tensors, updated in place here
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         """logits [N, vocab] (fp32; modified in place) -> one token id per row (+ logprobs)."""
         logits = logits.float()
