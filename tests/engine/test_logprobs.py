@@ -63,7 +63,10 @@ def test_token_text_and_bytes(llm):
 def test_logprobs_zero_gives_only_the_chosen_token_and_none_gives_nothing(llm):
     zero, none = llm.generate(
         [PROMPTS[4], PROMPTS[4]],
-        [SamplingParams(temperature=0.0, max_tokens=3, logprobs=0), SamplingParams(temperature=0.0, max_tokens=3)],
+        [
+            SamplingParams(temperature=0.0, max_tokens=3, logprobs=0),
+            SamplingParams(temperature=0.0, max_tokens=3),
+        ],
     )
     assert [p.top for p in zero.outputs[0].logprobs] == [[], [], []]
     assert none.outputs[0].logprobs is None

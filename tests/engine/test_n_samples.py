@@ -62,7 +62,9 @@ def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint):
     tokens = prompt(20, seed=1)
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     [three] = llm.generate([tokens], params)
-    [two] = llm.generate([tokens], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))
+    [two] = llm.generate(
+        [tokens], SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    )
     assert [o.token_ids for o in two.outputs] == [o.token_ids for o in three.outputs[:2]]
     # n=1 is sample 0 of the same seed.
     [one] = llm.generate([tokens], SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True))

@@ -12,7 +12,9 @@ from tests.engine.test_llm_correctness import PROMPTS
 SEEDED = [
     SamplingParams(temperature=1.0, seed=42, max_tokens=10, ignore_eos=True),
     SamplingParams(temperature=0.8, top_p=0.9, top_k=40, seed=-3, max_tokens=10, ignore_eos=True),
-    SamplingParams(temperature=1.2, min_p=0.01, presence_penalty=0.5, seed=2**70, max_tokens=10, ignore_eos=True),
+    SamplingParams(
+        temperature=1.2, min_p=0.01, presence_penalty=0.5, seed=2**70, max_tokens=10, ignore_eos=True
+    ),
 ]
 
 
@@ -29,9 +31,7 @@ def test_seeded_requests_reproduce_alone_in_a_crowd_and_with_another_token_budge
     llm = LLM(model=model, num_kv_blocks=256)
     crowd = [PROMPTS[i] for i in range(10)]
     others = [SamplingParams(temperature=0.9, max_tokens=10 + i, ignore_eos=True) for i in range(10)]
-    outputs = llm.generate(
-        crowd[:4] + [PROMPTS[2]] * 3 + crowd[4:], others[:4] + SEEDED + others[4:]
-    )
+    outputs = llm.generate(crowd[:4] + [PROMPTS[2]] * 3 + crowd[4:], others[:4] + SEEDED + others[4:])
     assert [o.token_ids for o in outputs[4:7]] == alone
 
     # Chunked prefill in small pieces: other step boundaries, same tokens.

@@ -13,7 +13,9 @@ def test_defaults_are_valid_and_match_vllm():
     params = SamplingParams()
     params.validate()
     assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (1, 1.0, 1.0, -1, 0.0)
-    assert params.max_tokens == 16 and params.min_tokens == 0 and params.stop == [] and params.logprobs is None
+    assert (
+        params.max_tokens == 16 and params.min_tokens == 0 and params.stop == [] and params.logprobs is None
+    )
     assert params.skip_special_tokens and not params.ignore_eos and params.structured is None
 
 

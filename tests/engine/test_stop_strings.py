@@ -39,7 +39,9 @@ def boundary_stop(llm, token_ids: list[int]) -> tuple[str, int]:
 
 def test_stop_string_spanning_tokens_cuts_the_text(llm, greedy):
     stop, completing = boundary_stop(llm, greedy.token_ids)
-    [output] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX, stop=[stop, "never there"]))
+    [output] = llm.generate(
+        PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX, stop=[stop, "never there"])
+    )
     assert output.finish_reason == "stop" and output.outputs[0].stop_reason == stop
     assert output.token_ids == greedy.token_ids[: completing + 1]
     assert output.text == greedy.text[: greedy.text.find(stop)]
@@ -60,7 +62,8 @@ def test_stop_strings_do_not_disturb_a_batch(llm, greedy):
     stop, _ = boundary_stop(llm, greedy.token_ids)
     plain = SamplingParams(temperature=0.0, max_tokens=8)
     outputs = llm.generate(
-        [PROMPTS[0], PROMPT, PROMPTS[5]], [plain, SamplingParams(temperature=0.0, max_tokens=MAX, stop=stop), plain]
+        [PROMPTS[0], PROMPT, PROMPTS[5]],
+        [plain, SamplingParams(temperature=0.0, max_tokens=MAX, stop=stop), plain],
     )
     alone = llm.generate([PROMPTS[0], PROMPTS[5]], plain)
     assert [outputs[0].token_ids, outputs[2].token_ids] == [o.token_ids for o in alone]
