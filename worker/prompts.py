@@ -1,24 +1,26 @@
 """From a job `Row` to what the engine takes: prompt token ids and `engine.SamplingParams`.
 
-Knobs a job may set but the engine cannot honour yet become a per-row error naming the knob,
-never silently dropped; a knob at its neutral value (a penalty of 0, no stop strings) asks for
-nothing and is accepted.
+Every job sampling knob has an engine field of the same name (vLLM's names), so the mapping is one
+to one; the engine's own validation decides what is valid, and its message (naming the knob)
+becomes the row's INVALID_SAMPLING error. A row's `response_format` becomes the engine's
+`json_schema`: the schema of a `json_schema` format, or True (any JSON object) for `json_object`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any
 
 from engine import SamplingParams
+from engine.chat import ChatTemplateError, render_chat
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import SamplingParams as JobSampling
 
-# Job sampling fields the engine maps one to one.
-ENGINE_FIELDS = ("temperature", "top_p", "top_k", "seed", "max_tokens", "stop_token_ids", "ignore_eos")
-# Fields the engine does not support yet, with the value that means "off".
-NEUTRAL_VALUES: dict[str, Any] = {"min_p": 0.0, "min_tokens": 0, "presence_penalty": 0.0,
-                                  "frequency_penalty": 0.0, "repetition_penalty": 1.0, "stop": []}
+ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+# Engine messages about a structured-output constraint start with one of these (the field names the
+# engine validates, and its grammar compiler's failures).
+RESPONSE_FORMAT_PREFIXES = ("grammar", "response_format", "json_schema", "structured output")
 
 
 class RowRejected(ValueError):
@@ -29,35 +31,44 @@ class RowRejected(ValueError):
         self.code = code
 
 
-def engine_sampling(sampling: JobSampling) -> SamplingParams:
-    """The engine's params for a row's merged sampling; raises `RowRejected` for an unsupported knob."""
+def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | None = None) -> SamplingParams:
+    """The engine's params for a row's merged sampling and response_format; raises `RowRejected`."""
     settings = sampling.as_dict()
-    for name, value in settings.items():
-        if name in ENGINE_FIELDS:
-            continue
-        if name == "logprobs":
-            raise RowRejected(RowErrorCode.INVALID_SAMPLING, "logprobs are not supported by the engine yet")
-        if name == "stop" and value:
-            raise RowRejected(RowErrorCode.INVALID_SAMPLING,
-                              "stop strings are not supported by the engine yet; use stop_token_ids")
-        if NEUTRAL_VALUES.get(name, object()) != value:
-            raise RowRejected(RowErrorCode.INVALID_SAMPLING,
-                              f"{name}={value!r} is not supported by the engine yet")
-    params = SamplingParams(**{name: settings[name] for name in ENGINE_FIELDS if name in settings})
+    unknown = sorted(set(settings) - ENGINE_FIELDS)
+    if unknown:  # a job knob this engine build lacks: refused by name, never dropped
+        raise RowRejected(RowErrorCode.INVALID_SAMPLING, f"{unknown[0]} is not supported by this engine")
+    params = SamplingParams(**settings, json_schema=engine_json_schema(response_format))
     try:
         params.validate()
     except ValueError as error:
-        raise RowRejected(RowErrorCode.INVALID_SAMPLING, str(error)) from None
+        message = str(error)
+        code = RowErrorCode.INVALID_RESPONSE_FORMAT if message.startswith(RESPONSE_FORMAT_PREFIXES) \
+            else RowErrorCode.INVALID_SAMPLING
+        raise RowRejected(code, message) from None
     return params
+
+
+def engine_json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | bool | None:
+    """A row's response_format (the OpenAI wire shape `jobs.response_format` gives) as the engine's
+    `json_schema`: the schema dict, True for any JSON object, None for plain text."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    if response_format.get("type") == "json_object":
+        return True
+    if response_format.get("type") == "json_schema":
+        return response_format["json_schema"]["schema"]
+    raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT,
+                      f"response_format type {response_format.get('type')!r} is not supported")
 
 
 class PromptRenderer:
     """Turns rows into prompt token ids with the model's tokenizer.
 
     Completion prompts are encoded exactly as `LLMEngine` encodes text (`tokenizer.encode`), so a
-    row gives the same tokens as the offline `LLM`. Chat messages go through the tokenizer's chat
-    template and are encoded without adding special tokens again (the template places them). A
-    lock guards the tokenizer: the Rust tokenizer is not safe to share between threads.
+    row gives the same tokens as the offline `LLM`. Chat messages go through `engine.chat.render_chat`
+    (the tokenizer's chat template, or ChatML when it has none) and are encoded without adding
+    special tokens again (the template places them). A lock guards the tokenizer: the Rust
+    tokenizer is not safe to share between threads.
     """
 
     def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
@@ -69,24 +80,19 @@ class PromptRenderer:
         with self._lock:
             if row.messages is None:
                 return list(self._tokenizer.encode(row.prompt or ""))
-            text = self._render_chat(row.messages)
+            try:
+                text = render_chat(self._tokenizer, row.messages, add_generation_prompt=True)
+            except ChatTemplateError as error:
+                raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
             return list(self._tokenizer.encode(text, add_special_tokens=False))
-
-    def _render_chat(self, messages: list[dict[str, Any]]) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise RowRejected(RowErrorCode.INVALID_ROW, "the model has no chat template, so chat messages "
-                              "cannot be rendered; map a prompt_column or a template instead")
-        try:
-            return self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as error:  # noqa: BLE001 - a template may raise anything (jinja, its own checks)
-            raise RowRejected(RowErrorCode.INVALID_ROW,
-                              f"the chat template rejected these messages: {error}") from None
 
 
 def engine_error_code(message: str | None) -> RowErrorCode:
-    """The row error code for an engine rejection (its messages are the engine's own)."""
+    """The row error code for an engine rejection or failure (its messages are the engine's own)."""
     if message and message.startswith("prompt has ") and "tokens" in message:
         return RowErrorCode.PROMPT_TOO_LONG
     if message == "prompt is empty":
         return RowErrorCode.INVALID_ROW
+    if message and message.lower().startswith(RESPONSE_FORMAT_PREFIXES):
+        return RowErrorCode.INVALID_RESPONSE_FORMAT  # e.g. a schema the grammar compiler rejects
     return RowErrorCode.ENGINE_ERROR

@@ -27,7 +27,7 @@ from jobs.counters import CountersMissing
 from jobs.formats.output import OutputRow
 from jobs.formats.parts import write_error_part, write_output_part
 from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.formats.rows import Row, RowError
 from jobs.layout import JobLayout, output_location
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
@@ -37,9 +37,10 @@ from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from worker.context import WorkerContext
 from worker.engine_host import EngineRequest, EngineUnavailable, Submission
+from worker.engine_outputs import output_row
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
-from worker.prompts import RowRejected, engine_error_code, engine_sampling
+from worker.prompts import RowRejected, engine_sampling
 from worker.shard_lease import ShardLease, lease_ttl_s
 from worker.transient import is_transient
 
@@ -153,10 +154,8 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
             outputs[position] = OutputRow.from_error(item)
             continue
         try:
-            request = EngineRequest(hosted.renderer.token_ids(item), engine_sampling(item.sampling), priority)
-            if item.response_format is not None:
-                raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT,
-                                  "response_format (structured output) is not supported by the engine yet")
+            params = engine_sampling(item.sampling, item.response_format)
+            request = EngineRequest(hosted.renderer.token_ids(item), params, priority)
         except RowRejected as rejected:
             outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
             continue
@@ -197,14 +196,7 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, pre
     except EngineUnavailable as error:
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
     for entry, result in zip(prepared, results, strict=True):
-        row = entry.row
-        if result.finish_reason in ("error", "abort"):
-            message = result.error or "aborted by the worker"
-            outputs[entry.position] = OutputRow.engine_failed(row, engine_error_code(result.error), message)
-        else:
-            outputs[entry.position] = OutputRow.completed(
-                row, result.text, result.finish_reason or "stop", prompt_tokens=result.num_prompt_tokens,
-                cached_tokens=result.num_cached_tokens, completion_tokens=result.num_completion_tokens)
+        outputs[entry.position] = output_row(entry.row, result)
     return True
 
 

@@ -83,11 +83,10 @@ def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline:
         {"id": "no-question"},
         {"id": "too-long", "question": "word " * 300},
         {"id": "empty", "question": ""},
-        {"id": "stop-strings", "question": "x", "sampling": {"stop": ["\n"]}},
+        {"id": "min-over-max", "question": "x", "sampling": {"min_tokens": 9}},
         {"id": "penalty", "question": "x", "sampling": {"presence_penalty": 0.5}},
-        {"id": "neutral-penalty", "question": "x", "sampling": {"presence_penalty": 0.0}},
-        {"id": "logprobs", "question": "x", "sampling": {"logprobs": 2}},
-        {"id": "json", "question": "x", "format": {"type": "json_object"}},
+        {"id": "bad-schema", "question": "x", "format": {"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
     ]
     lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
     spec = JobSpec(input_uri=pipeline.put_input("mixed.jsonl", lines), model="tiny", id_column="id",
@@ -100,14 +99,12 @@ def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline:
     assert status.state == JobState.SUCCEEDED, status.error
     records = pipeline.output_records(status.job_id)
     codes = {record["id"]: (record["error"] or {}).get("code") for record in records}
-    assert codes == {"ok": None, "neutral-penalty": None, bad_json_id: "invalid_json",
+    assert codes == {"ok": None, "penalty": None, bad_json_id: "invalid_json",
                      "no-question": "missing_column", "too-long": "prompt_too_long", "empty": "invalid_row",
-                     "stop-strings": "invalid_sampling", "penalty": "invalid_sampling",
-                     "logprobs": "invalid_sampling", "json": "invalid_response_format"}
+                     "min-over-max": "invalid_sampling", "bad-schema": "invalid_response_format"}
     messages = {record["id"]: (record["error"] or {}).get("message", "") for record in records}
-    assert "stop strings" in messages["stop-strings"] and "presence_penalty=0.5" in messages["penalty"]
-    assert "logprobs" in messages["logprobs"] and "max_model_len=256" in messages["too-long"]
-    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 2, 8)
+    assert "min_tokens" in messages["min-over-max"] and "max_model_len=256" in messages["too-long"]
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (8, 2, 6)
     errors = pipeline.error_records(status.job_id)
     assert sorted(error["id"] for error in errors) == sorted(k for k, code in codes.items() if code)
 
@@ -133,18 +130,28 @@ def test_openai_batch_lines_run_unchanged_and_come_back_as_openai_responses(
                          "body": {"model": "gpt-4o-mini", "prompt": text, "max_tokens": MAX_TOKENS,
                                   "temperature": 0}})
              for n, text in enumerate(QUESTIONS[:3])]
-    lines.append(json.dumps({"custom_id": "req-stop", "method": "POST", "url": "/v1/completions",
-                             "body": {"prompt": "x", "stop": ["\n"]}}))
+    lines.append(json.dumps({"custom_id": "req-n", "method": "POST", "url": "/v1/chat/completions",
+                             "body": {"messages": [{"role": "user", "content": "hi"}], "n": 2, "seed": 1,
+                                      "max_tokens": MAX_TOKENS, "logprobs": True, "top_logprobs": 2}}))
     spec = JobSpec(input_uri=pipeline.put_input("batch.jsonl", lines), model="tiny")
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
     assert status.state == JobState.SUCCEEDED, status.error
     records = pipeline.output_records(status.job_id)
-    assert [record["custom_id"] for record in records] == ["req-0", "req-1", "req-2", "req-stop"]
+    assert [record["custom_id"] for record in records] == ["req-0", "req-1", "req-2", "req-n"]
     texts = [record["response"]["body"]["choices"][0]["text"] for record in records[:3]]
     assert texts == greedy_texts(offline, QUESTIONS[:3])
-    assert records[3]["response"] is None and records[3]["error"]["code"] == "invalid_sampling"
+    assert all(record["response"]["body"]["choices"][0]["logprobs"] is None for record in records[:3])
+    body = records[3]["response"]["body"]
+    assert [choice["index"] for choice in body["choices"]] == [0, 1]
+    for choice in body["choices"]:
+        content = choice["logprobs"]["content"]
+        assert 1 <= len(content) <= MAX_TOKENS
+        assert all(len(entry["top_logprobs"]) == 2 and entry["logprob"] <= 0.0 for entry in content)
+        # The token bytes spell the text (a sample that stops at EOS has no bytes for it).
+        assert bytes(b for entry in content for b in entry["bytes"]).decode(errors="replace") \
+            .startswith(choice["message"]["content"])
 
 
 def test_a_parquet_job_writes_parquet_parts_in_input_order(pipeline: Pipeline, offline: LLM,
@@ -167,3 +174,69 @@ def test_a_parquet_job_writes_parquet_parts_in_input_order(pipeline: Pipeline, o
     output = pa.concat_tables(parts).to_pydict()
     assert output["id"] == [f"p{n}" for n in range(len(QUESTIONS))]
     assert output["text"] == greedy_texts(offline, QUESTIONS)
+
+
+VERDICT_SCHEMA = {"type": "object", "additionalProperties": False, "required": ["verdict", "ok"],
+                  "properties": {"verdict": {"enum": ["yes", "no", "maybe"]}, "ok": {"type": "boolean"}}}
+
+
+def stop_string_in(text: str) -> str:
+    """Three characters from the middle of `text` (whole characters, no newline), to stop on."""
+    for start in range(3, len(text) - 3):
+        candidate = text[start:start + 3]
+        if "\ufffd" not in candidate and "\n" not in candidate and text.find(candidate) == start:
+            return candidate
+    raise AssertionError(f"no stop string candidate in {text!r}")
+
+
+def test_stop_strings_n_samples_logprobs_and_json_schema_run_and_are_written(
+        pipeline: Pipeline, offline: LLM) -> None:
+    import jsonschema
+
+    prompt = QUESTIONS[0]
+    [greedy] = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+    stop = stop_string_in(greedy.text)
+    sampled = {"n": 2, "temperature": 1.0, "seed": 11, "max_tokens": 6, "logprobs": 3}
+    json_format = {"type": "json_schema", "json_schema": {"name": "verdict", "schema": VERDICT_SCHEMA}}
+    rows = [
+        {"id": "stop", "question": prompt, "sampling": {"stop": ["never-there", stop]}},
+        {"id": "stop-kept", "question": prompt,
+         "sampling": {"stop": stop, "include_stop_str_in_output": True}},
+        {"id": "n-logprobs", "question": prompt, "sampling": sampled},
+        {"id": "json", "question": "Is it so?", "format": json_format,
+         "sampling": {"n": 2, "temperature": 0.8, "seed": 2, "max_tokens": 48}},
+    ]
+    input_uri = pipeline.put_input("knobs.jsonl", [json.dumps(row) for row in rows])
+    spec = JobSpec(input_uri=input_uri, model="tiny", id_column="id", prompt_column="question",
+                   sampling_column="sampling", response_format_column="format",
+                   sampling={"temperature": 0.0, "max_tokens": 16})
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = {record["id"]: record for record in pipeline.output_records(status.job_id)}
+    assert all(record["error"] is None for record in records.values()), records
+    # Stop strings: cut before the match (after it when kept), across token boundaries.
+    cut = greedy.text.index(stop)
+    assert (records["stop"]["text"], records["stop"]["finish_reason"]) == (greedy.text[:cut], "stop")
+    assert records["stop-kept"]["text"] == greedy.text[:cut + len(stop)]
+    assert "logprobs" not in records["stop"] and "choices" not in records["stop"]
+    # n = 2 with logprobs: the offline engine's samples (seeded), each with 3 alternatives per token.
+    [expected] = offline.generate([prompt], SamplingParams(**sampled))
+    record = records["n-logprobs"]
+    assert [choice["text"] for choice in record["choices"]] == [sample.text for sample in expected.outputs]
+    assert record["text"] == expected.outputs[0].text
+    assert record["logprobs"] == record["choices"][0]["logprobs"]
+    for choice, sample in zip(record["choices"], expected.outputs, strict=True):
+        assert [entry["token_id"] for entry in choice["logprobs"]] == sample.token_ids
+        assert all(len(entry["top_logprobs"]) == 3 for entry in choice["logprobs"])
+        assert [entry["logprob"] for entry in choice["logprobs"]] == pytest.approx(
+            [position.chosen.logprob for position in sample.logprobs], abs=1e-4)
+    assert record["usage"]["completion_tokens"] == sum(len(sample.token_ids) for sample in expected.outputs)
+    # json_schema: every sample is JSON that validates against the schema, written parsed.
+    record = records["json"]
+    assert len(record["choices"]) == 2 and record["json"] == record["choices"][0]["json"]
+    for choice in record["choices"]:
+        assert choice["finish_reason"] == "stop"
+        assert json.loads(choice["text"]) == choice["json"]
+        jsonschema.validate(choice["json"], VERDICT_SCHEMA)

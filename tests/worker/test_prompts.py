@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -25,22 +26,33 @@ def test_supported_knobs_map_one_to_one_and_unset_ones_keep_the_engine_default()
     assert engine_sampling(JobSampling()) == SamplingParams()
 
 
-@pytest.mark.parametrize(("settings", "named"), [
-    ({"stop": ["\n"]}, "stop strings"), ({"stop": "END"}, "stop strings"), ({"logprobs": 0}, "logprobs"),
-    ({"presence_penalty": 0.1}, "presence_penalty=0.1"), ({"frequency_penalty": -1.0}, "frequency_penalty"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty=1.2"), ({"min_p": 0.05}, "min_p=0.05"),
-    ({"min_tokens": 3}, "min_tokens=3"),
-])
-def test_unsupported_knobs_are_refused_by_name(settings: dict, named: str) -> None:
-    with pytest.raises(RowRejected, match=named) as rejected:
-        engine_sampling(JobSampling(**settings))
+def test_every_job_knob_maps_onto_the_engine_field_of_the_same_name() -> None:
+    job = JobSampling(n=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=1, max_tokens=9,
+                      min_tokens=2, stop=["\n\n", "END"], include_stop_str_in_output=True, stop_token_ids=[4],
+                      ignore_eos=False, presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2,
+                      logprobs=5, skip_special_tokens=False)
+    assert engine_sampling(job) == SamplingParams(
+        n=3, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=1, max_tokens=9, min_tokens=2,
+        stop=["\n\n", "END"], include_stop_str_in_output=True, stop_token_ids=[4], ignore_eos=False,
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.2, logprobs=5,
+        skip_special_tokens=False)
+    # Every knob a job may set has its engine field: nothing is dropped or refused for lack of one.
+    assert set(JobSampling.model_fields) <= {field.name for field in dataclasses.fields(SamplingParams)}
+
+
+def test_response_formats_become_the_engines_json_schema() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    wire = {"type": "json_schema", "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    assert engine_sampling(JobSampling(), wire).json_schema == schema
+    assert engine_sampling(JobSampling(), {"type": "json_object"}).json_schema is True
+    assert engine_sampling(JobSampling(), None).json_schema is None
+
+
+def test_values_the_engine_refuses_are_row_errors_naming_the_knob() -> None:
+    # The job model checks ranges too; the engine's check is the one that counts (min_tokens > max_tokens).
+    with pytest.raises(RowRejected, match="min_tokens") as rejected:
+        engine_sampling(JobSampling(min_tokens=9, max_tokens=3))
     assert rejected.value.code == RowErrorCode.INVALID_SAMPLING
-
-
-def test_knobs_at_their_neutral_value_ask_for_nothing_and_are_accepted() -> None:
-    neutral = JobSampling(stop=[], presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
-                          min_p=0.0, min_tokens=0, max_tokens=3)
-    assert engine_sampling(neutral) == SamplingParams(max_tokens=3)
 
 
 def test_prompts_are_encoded_as_the_engine_encodes_text_and_chat_goes_through_the_template(
@@ -54,15 +66,18 @@ def test_prompts_are_encoded_as_the_engine_encodes_text_and_chat_goes_through_th
                        "<|im_start|>assistant\n"
 
 
-def test_chat_without_a_template_or_with_content_it_cannot_render_is_a_row_error(
+def test_chat_without_a_template_uses_chatml_and_content_it_cannot_render_is_a_row_error(
         tiny_checkpoint: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    images = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(RowRejected, match="must be a text part") as rejected:
+        PromptRenderer(tokenizer).token_ids(row(messages=images))
+    assert rejected.value.code == RowErrorCode.INVALID_ROW
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
-    with pytest.raises(RowRejected, match="chat template rejected"):
-        PromptRenderer(tokenizer).token_ids(row(messages=parts))
+    with_template = PromptRenderer(tokenizer).token_ids(row(messages=parts))
     tokenizer.chat_template = None
-    with pytest.raises(RowRejected, match="no chat template"):
-        PromptRenderer(tokenizer).token_ids(row(messages=[{"role": "user", "content": "hi"}]))
+    plain = [{"role": "user", "content": "hi"}]
+    assert PromptRenderer(tokenizer).token_ids(row(messages=plain)) == with_template
 
 
 def test_engine_rejections_get_row_error_codes() -> None:
@@ -72,3 +87,6 @@ def test_engine_rejections_get_row_error_codes() -> None:
         == RowErrorCode.PROMPT_TOO_LONG
     assert engine_error_code("prompt is empty") == RowErrorCode.INVALID_ROW
     assert engine_error_code("invalid sampling params: top_p must be in (0, 1]") == RowErrorCode.ENGINE_ERROR
+    # A grammar that does not compile fails the row with the engine's reason.
+    for message in ("structured output: the grammar failed to compile: bad", "grammar compile timed out"):
+        assert engine_error_code(message) == RowErrorCode.INVALID_RESPONSE_FORMAT

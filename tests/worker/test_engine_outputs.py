@@ -1,0 +1,45 @@
+"""Engine outputs to job output rows: every sample a choice, logprobs carried over, failures as row errors."""
+
+from __future__ import annotations
+
+from engine import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from jobs.formats.output import TokenLogprob as JobTokenLogprob
+from jobs.formats.rows import Row
+from jobs.sampling import SamplingParams as JobSampling
+from worker.engine_outputs import output_row
+
+ROW = Row(3, "r3", None, [{"role": "user", "content": "hi"}], JobSampling(), {"type": "json_object"})
+
+
+def request_output(outputs: list[CompletionOutput], finish_reason: str = "stop",
+                   error: str | None = None) -> RequestOutput:
+    return RequestOutput("id", None, [1, 2], outputs[0].text, outputs[0].token_ids, finish_reason, error,
+                         num_prompt_tokens=2, num_cached_tokens=1,
+                         num_completion_tokens=sum(len(o.token_ids) for o in outputs), metrics=None,
+                         outputs=outputs)
+
+
+def test_every_sample_becomes_a_choice_in_index_order_with_its_logprobs() -> None:
+    chosen = TokenLogprob(token_id=7, token="{}", logprob=-0.25, bytes=[123, 125])
+    logprobs = [PositionLogprobs(chosen=chosen, top=[chosen])]
+    samples = [CompletionOutput(1, '{"a": 1}', [5, 6], "length"),
+               CompletionOutput(0, "{}", [7], "stop", logprobs=logprobs)]
+
+    row = output_row(ROW, request_output(samples))
+
+    assert [(c.index, c.text, c.finish_reason, c.json_value) for c in row.choices] == [
+        (0, "{}", "stop", {}), (1, '{"a": 1}', "length", {"a": 1})]
+    assert (row.text, row.json_value, row.finish_reason) == ("{}", {}, "stop")
+    assert row.logprobs[0].chosen == JobTokenLogprob(7, "{}", -0.25, [123, 125])
+    assert row.choices[1].logprobs is None
+    assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (2, 1, 3)
+    assert row.is_chat and not row.failed
+
+
+def test_a_failed_sample_fails_the_row_with_the_engines_reason() -> None:
+    message = "structured output: the grammar failed to compile: unsupported keyword"
+    samples = [CompletionOutput(0, "", [], "error"), CompletionOutput(1, "", [], "error")]
+    row = output_row(ROW, request_output(samples, finish_reason="error", error=message))
+    assert row.failed and row.error_code == "invalid_response_format" and row.error_message == message
+    aborted = output_row(ROW, request_output([CompletionOutput(0, "x", [1], "abort")], finish_reason="abort"))
+    assert aborted.error_code == "engine_error" and aborted.error_message == "aborted by the worker"
