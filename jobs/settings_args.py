@@ -5,7 +5,8 @@ flags of the settings it uses, named after the field (`broker_url` → `--broker
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import get_args
 
 from jobs.settings import ENVIRONMENT_NAMES, Settings
 
@@ -21,10 +22,19 @@ HELP = {
     "api_host": "address the API listens on",
     "api_port": "port the API listens on (0: any free port)",
     "worker_concurrency": "task threads per worker",
+    "schedule_tick_s": "seconds between schedule ticks",
+    "webhook_secret": "HMAC key that signs webhook deliveries",
+    "webhook_max_attempts": "webhook delivery attempts",
+    "webhook_retry_base_s": "first webhook retry delay in seconds (doubles)",
 }
-TYPES = {"shard_lease_ttl_s": float, "reaper_interval_s": float, "api_port": int, "worker_concurrency": int}
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
+
+
+def _flag_type(field: str) -> Callable[[str], object]:
+    annotation = Settings.model_fields[field].annotation
+    kinds = get_args(annotation) or (annotation,)
+    return next((kind for kind in (int, float) if kind in kinds), str)
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str]) -> None:
@@ -37,8 +47,8 @@ def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str
         if field not in ENVIRONMENT_NAMES:
             raise ValueError(f"not a setting: {field!r}")
         flags = [f"--{field.replace('_', '-')}", *ALIASES.get(field, [])]
-        group.add_argument(*flags, dest=field, type=TYPES.get(field, str), default=None,
-                           help=f"{HELP[field]} (${ENVIRONMENT_NAMES[field]})")
+        group.add_argument(*flags, dest=field, type=_flag_type(field), default=None,
+                           help=f"{HELP.get(field, field)} (${ENVIRONMENT_NAMES[field]})")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
