@@ -5,6 +5,7 @@ The ticker and webhooks through a real worker are in test_schedules_live.py.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from api.cli import main
-from api.client import ApiError
+from api.client import ApiError, AsyncClient
 from tests.api.conftest import RunningApi
 
 JOB = {"model": "tiny", "prompt_column": "q", "sampling": {"max_tokens": 4}}
@@ -135,3 +136,24 @@ def test_the_cli_creates_ticks_lists_and_deletes_a_schedule(api: RunningApi, cap
     assert main(["schedule", "create", "--cron", "bad", "--input-prefix", prefix(api, "cli"),
                  "--model", "tiny", "--prompt-column", "q", "--api-url", api.url]) == 2
     assert "422: invalid schedule: cron: 'bad' is not a cron expression" in capsys.readouterr().err
+
+
+def test_the_async_client_drives_a_schedule_the_same_way(api: RunningApi) -> None:
+    async def scenario() -> None:
+        async with AsyncClient(api.url) as client:
+            body = {"cron": "0 * * * *", "input_prefix": prefix(api, "async"), "job": JOB}
+            schedule = await client.schedules.create(body)
+            put(api, "async", "a.jsonl")
+            report = await client.schedules.tick(schedule)
+            assert [item.key.rsplit("/", 1)[1] for item in report.submitted] == ["a.jsonl"]
+            assert (await client.schedules.tick(schedule)).submitted == []
+            assert [item.job_id for item in await client.schedules.submitted(schedule)] == \
+                [report.submitted[0].job_id]
+            assert (await client.schedules.pause(schedule)).paused
+            assert not (await client.schedules.resume(schedule)).paused
+            assert [s.id for s in await client.schedules.list()] == [schedule.id]
+            assert (await client.schedules.get(schedule.id)).runtime.jobs_submitted == 1
+            await client.schedules.delete(schedule)
+            assert await client.schedules.list() == []
+
+    asyncio.run(scenario())
