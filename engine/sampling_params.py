@@ -71,26 +71,20 @@ class SamplingParams:
 
     @property
     def structured(self) -> StructuredSpec | None:
-        """The output constraint as the structured-output manager's spec, or None."""
-        kind, value = self._structured_kind_value()
-        if kind is None:
+        """The output constraint as the structured-output manager's spec (its cache key), or None."""
+        if self.json_schema is None and self.regex is None and self.choice is None and self.grammar is None:
+            return None
+        if self.json_schema is False:
             return None
         from engine.structured_output import StructuredSpec  # lazy: xgrammar only when used
 
-        return StructuredSpec(kind=kind, value=value)
-
-    def _structured_kind_value(self) -> tuple[str | None, str]:
-        if self.json_schema is not None and self.json_schema is not False:
-            if self.json_schema is True:
-                return "json", ""
-            return "json", json.dumps(self.json_schema, sort_keys=True)
+        if self.json_schema is not None:
+            return StructuredSpec.json_schema(self.json_schema)  # canonical text; True -> ""
         if self.regex is not None:
-            return "regex", self.regex
+            return StructuredSpec.regex(self.regex)
         if self.choice is not None:
-            return "choice", json.dumps(list(self.choice))
-        if self.grammar is not None:
-            return "grammar", self.grammar
-        return None, ""
+            return StructuredSpec.choice(list(self.choice))
+        return StructuredSpec.grammar(self.grammar)  # type: ignore[arg-type]
 
     # ---- validation ----------------------------------------------------------------------------
 
