@@ -1,0 +1,75 @@
+"""One live deployment per test module, for the SDK and CLI tests: Redis, moto S3, the API over real
+HTTP (uvicorn) and a real Celery worker process serving the tiny model.
+
+Three models, so every job outcome is real and cheap:
+- `tiny`: served by the worker; jobs run through the engine and succeed.
+- `small`: known to the API and the worker, but no worker consumes its queue: a job is planned and
+  then stays `running` (for cancel, timeouts and listing, at no engine cost).
+- `retired`: known to the API only; the worker's planner does not know it and fails the job.
+
+Redis is flushed once, when the module starts (a flush between tests would delete the worker's
+queue bindings), so tests in these modules never use `redis_url` or `s3`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from api.app import create_app
+from api.client import Client
+from api.server import ServerThread
+from jobs.models import QUEUE_PREFIX
+from jobs.repository import JobRepository
+from jobs.settings import Settings
+from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server, celery_worker, free_port
+
+JOBS_BUCKET = "sdk-jobs"
+INPUTS_BUCKET = "sdk-inputs"
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 128, "max_num_seqs": 16}
+
+
+@dataclass
+class LiveStack:
+    url: str
+    client: Client
+    repository: JobRepository
+    s3: S3Server
+    env: dict[str, str]  # what a child process (the CLI) needs to reach this S3
+
+    def put_input(self, name: str, body: bytes) -> str:
+        self.s3.client().put_object(Bucket=INPUTS_BUCKET, Key=name, Body=body)
+        return f"s3://{INPUTS_BUCKET}/{name}"
+
+    def cli_env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, **self.env, "PYTHONPATH": str(REPO_ROOT), **extra}
+
+
+@contextmanager
+def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
+               model_cache: Path) -> Iterator[LiveStack]:
+    redis_server.client().flushall()
+    s3_server.reset()
+    for bucket in (JOBS_BUCKET, INPUTS_BUCKET):
+        s3_server.client().create_bucket(Bucket=bucket)
+    worker_models = {"tiny": str(tiny_checkpoint), "small": "/nonexistent/small"}
+    api_models = {**worker_models, "retired": "/nonexistent/retired"}
+    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/bulkinfer",
+                        s3_endpoint_url=s3_server.endpoint_url, models=json.dumps(api_models))
+    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_MODELS": json.dumps(worker_models),
+                  "BULKINFER_WORKER_MODELS": "tiny", "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
+                  "HF_HUB_OFFLINE": "1", "BULKINFER_MODEL_CACHE": str(model_cache)}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in s3_server.env().items():  # S3 credentials for the API in this process
+            patch.setenv(name, value)
+        with celery_worker("worker.celery_app", redis_server.url, env=worker_env,
+                           queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
+                ServerThread(create_app(settings), port=free_port()) as server, \
+                Client(server.url, timeout=30, backoff=0.05) as client:
+            yield LiveStack(server.url, client, settings.repository(), s3_server, s3_server.env())

@@ -1,0 +1,180 @@
+"""`bulkinfer submit | status | list | cancel | results | wait` as real processes against a live
+deployment: output, --json, and the exit code of each job outcome (see tests/api/live_stack.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pyarrow.parquet as pq
+import pytest
+
+from api.cli_jobs import (
+    EXIT_CANCELLED,
+    EXIT_ERROR,
+    EXIT_FAILED,
+    EXIT_NOT_FINISHED,
+    EXIT_ROWS_FAILED,
+    EXIT_SUCCEEDED,
+    EXIT_TIMEOUT,
+)
+from api.client import JobState
+from tests.api.live_stack import LiveStack, live_stack
+from tests.fixtures.services import REPO_ROOT, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(300)
+
+ROWS = [{"id": f"q{n}", "q": q} for n, q in enumerate(["def add(a, b):", "import sys", "class Point:"])]
+ROWS.append({"id": "no-q"})  # fails: the template needs q
+
+
+@pytest.fixture(scope="module")
+def stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory) -> Iterator[LiveStack]:
+    with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache")) as live:
+        yield live
+
+
+def cli(stack: LiveStack, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`bulkinfer ARGS` in a child process; the API URL comes from $BULKINFER_API_URL."""
+    return subprocess.run([sys.executable, "-m", "api.cli", *map(str, args)], cwd=REPO_ROOT,
+                          env=stack.cli_env(**{"BULKINFER_API_URL": stack.url, **env}), capture_output=True,
+                          text=True, timeout=180)
+
+
+def rows_file(tmp_path) -> str:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return str(path)
+
+
+def test_a_succeeded_job_submit_wait_status_results_and_list(stack, tmp_path) -> None:
+    submitted = cli(stack, "submit", rows_file(tmp_path), "--model", "tiny", "--template", "Q: {q}",
+                    "--instructions", "Answer briefly.", "--id-column", "id", "--max-tokens", "4",
+                    "--temperature", "0", "--shard-size", "2", "--metadata", "team=cli", "--wait",
+                    "--poll-interval", "0.2", "--json")
+    assert submitted.returncode == EXIT_SUCCEEDED, submitted.stderr
+    final = json.loads(submitted.stdout)
+    job_id = final["job_id"]
+    assert final["state"] == "succeeded" and (final["rows"]["total"], final["rows"]["failed"]) == (4, 1)
+    spec = stack.client.jobs.spec(job_id)
+    assert (spec.template, spec.instructions, spec.id_column, spec.metadata) == (
+        "Q: {q}", "Answer briefly.", "id", {"team": "cli"})
+    assert (spec.sampling.max_tokens, spec.sampling.temperature) == (4, 0)
+
+    status = cli(stack, "status", job_id)
+    assert status.returncode == EXIT_SUCCEEDED and "state     succeeded" in status.stdout
+    assert "rows      4/4 done (3 succeeded, 1 failed)" in status.stdout
+    assert cli(stack, "status", job_id, "--strict").returncode == EXIT_ROWS_FAILED  # failed rows count
+    waited = cli(stack, "wait", job_id, "--strict", "--json")
+    assert waited.returncode == EXIT_ROWS_FAILED and json.loads(waited.stdout)["job_id"] == job_id
+    assert cli(stack, "wait", job_id).returncode == EXIT_SUCCEEDED
+
+    results = cli(stack, "results", job_id)
+    assert results.returncode == EXIT_SUCCEEDED
+    rows = [json.loads(line) for line in results.stdout.splitlines()]
+    assert rows == list(stack.client.jobs.results(job_id))
+    assert [row["id"] for row in rows] == ["q0", "q1", "q2", "no-q"]
+    out = tmp_path / "out.parquet"
+    saved = cli(stack, "results", job_id, "-o", out, "--json")
+    assert saved.returncode == EXIT_SUCCEEDED
+    assert json.loads(saved.stdout) == {"job_id": job_id, "path": str(out), "rows": 4,
+                                        "output_format": "jsonl"}
+    assert pq.read_table(out).column("id").to_pylist() == ["q0", "q1", "q2", "no-q"]
+
+    listed = cli(stack, "list", "--json", "--status", "succeeded")
+    assert listed.returncode == EXIT_SUCCEEDED
+    assert job_id in [job["job_id"] for job in json.loads(listed.stdout)]
+    dead = f"http://127.0.0.1:{free_port()}"
+    table = cli(stack, "list", "--api-url", stack.url, BULKINFER_API_URL=dead)  # the flag wins over the env
+    assert table.returncode == EXIT_SUCCEEDED and job_id in table.stdout and "succeeded" in table.stdout
+
+
+def test_failed_cancelled_and_timed_out_jobs_exit_with_their_own_codes(stack) -> None:
+    uri = stack.put_input("rows.jsonl", "".join(json.dumps(row) + "\n" for row in ROWS[:3]).encode())
+    failed = cli(stack, "submit", uri, "--model", "retired", "--prompt-column", "q", "--wait",
+                 "--poll-interval", "0.2", "--json")
+    assert failed.returncode == EXIT_FAILED, failed.stderr
+    assert json.loads(failed.stdout)["state"] == "failed" and "retired" in json.loads(failed.stdout)["error"]
+
+    timed_out = cli(stack, "submit", uri, "--model", "small", "--prompt-column", "q", "--wait",
+                    "--timeout", "1", "--poll-interval", "0.2", "--json")
+    assert timed_out.returncode == EXIT_TIMEOUT, timed_out.stderr
+    stuck = json.loads(timed_out.stdout)
+    assert stuck["timed_out"] is True and stuck["state"] in ("queued", "running")
+    assert "is still" in timed_out.stderr
+    job_id = stuck["job_id"]
+    assert cli(stack, "status", job_id).returncode == EXIT_NOT_FINISHED
+    assert cli(stack, "wait", job_id, "--timeout", "0.5", "--poll-interval", "0.1").returncode == EXIT_TIMEOUT
+
+    cancelled = cli(stack, "cancel", job_id)
+    assert cancelled.returncode == EXIT_SUCCEEDED and "state     cancelled" in cancelled.stdout
+    assert cli(stack, "cancel", job_id).returncode == EXIT_SUCCEEDED  # again: no change
+    assert cli(stack, "wait", job_id).returncode == EXIT_CANCELLED
+    status = cli(stack, "status", job_id, "--json")
+    assert status.returncode == EXIT_CANCELLED and json.loads(status.stdout)["state"] == "cancelled"
+    no_results = cli(stack, "results", job_id)
+    assert no_results.returncode == EXIT_ERROR and "409: job" in no_results.stderr
+
+
+def test_usage_and_api_errors_exit_2_with_a_message(stack, tmp_path) -> None:
+    path = rows_file(tmp_path)
+    no_model = cli(stack, "submit", path, "--prompt-column", "q")
+    assert no_model.returncode == EXIT_ERROR and "--model" in no_model.stderr
+    both = cli(stack, "submit", path, "--model", "tiny", "--prompt-column", "q", "--template", "{q}")
+    assert both.returncode == EXIT_ERROR and "not allowed with argument" in both.stderr
+    missing = cli(stack, "submit", tmp_path / "nope.jsonl", "--model", "tiny", "--prompt-column", "q")
+    assert missing.returncode == EXIT_ERROR and "is not a file" in missing.stderr
+    unknown = cli(stack, "status", "job-nope", "--json")
+    assert unknown.returncode == EXIT_ERROR and "404: no job 'job-nope'" in unknown.stderr
+    assert json.loads(unknown.stdout) == {"error": "404: no job 'job-nope'"}
+    bad_model = cli(stack, "submit", path, "--model", "gpt-9", "--prompt-column", "q")
+    assert bad_model.returncode == EXIT_ERROR and "bulkinfer submit: 400:" in bad_model.stderr
+    unreachable = cli(stack, "list", "--api-url", f"http://127.0.0.1:{free_port()}")
+    assert unreachable.returncode == EXIT_ERROR and "cannot reach the API at" in unreachable.stderr
+    assert cli(stack, "wait", "--help").returncode == 0
+
+
+def test_submit_with_an_idempotency_key_is_the_same_job_and_another_spec_is_refused(stack, tmp_path) -> None:
+    path = rows_file(tmp_path)
+    args = ["submit", path, "--model", "small", "--template", "{q}", "--idempotency-key", "cli-1", "--json"]
+    first, again = cli(stack, *args), cli(stack, *args)
+    assert first.returncode == again.returncode == EXIT_SUCCEEDED, first.stderr
+    assert json.loads(first.stdout)["job_id"] == json.loads(again.stdout)["job_id"]
+    other = cli(stack, *args[:-1], "--max-tokens", "9")
+    assert other.returncode == EXIT_ERROR
+    assert "409: idempotency key 'cli-1' was already used for job" in other.stderr
+    stack.client.jobs.cancel(json.loads(first.stdout)["job_id"])
+
+
+def test_wait_draws_progress_on_a_terminal_only(stack) -> None:
+    uri = stack.put_input("three.jsonl", "".join(json.dumps(row) + "\n" for row in ROWS[:3]).encode())
+    job = stack.client.jobs.create(uri, model="small", prompt_column="q")
+    wait_until(lambda: stack.client.jobs.get(job).rows.total == 3, timeout=60, what="the job to be planned")
+
+    command = [sys.executable, "-m", "api.cli", "wait", job.job_id, "--timeout", "0.5",
+               "--poll-interval", "0.1"]
+    env = stack.cli_env(BULKINFER_API_URL=stack.url, COLUMNS="160")
+    controller, terminal = pty.openpty()
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=terminal)
+    os.close(terminal)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(controller, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(controller)
+    assert process.wait(timeout=60) == EXIT_TIMEOUT
+    process.stdout.close()
+    assert f"{job.job_id} running" in screen.decode() and "0/3 rows" in screen.decode()
+
+    piped = cli(stack, "wait", job.job_id, "--timeout", "0.5", "--poll-interval", "0.1")
+    assert piped.returncode == EXIT_TIMEOUT and "rows" not in piped.stderr  # no bar in a pipe
+    assert stack.client.jobs.cancel(job).state == JobState.CANCELLED
