@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from jobs.schedules import (
 )
 from jobs.spec import InputFormat, validation_messages
 from jobs.status import JobState
+from tests.fixtures.services import REPO_ROOT
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 JOB = {"model": "tiny", "prompt_column": "q", "sampling": {"max_tokens": 4}}
@@ -240,3 +243,16 @@ def test_a_tick_submits_at_most_its_limit_and_the_next_tick_the_rest(schedules, 
     assert len(tick_schedule(schedules, jobs, schedule, Planner(), limit=2).submitted) == 2
     assert len(tick_schedule(schedules, jobs, schedule, Planner(), limit=2).submitted) == 1
     assert len(all_jobs(jobs)) == 3
+
+
+def test_the_sdk_reads_schedules_back_without_croniter_or_redis() -> None:
+    """croniter and redis belong to the server extra; `client.schedules` must work without them."""
+    probe = ("import sys; sys.modules['croniter'] = None; sys.modules['redis'] = None\n"
+             "from jobs.schedules import ScheduleView\n"
+             "view = ScheduleView.model_validate({'id': 'sched-' + '0' * 32,"
+             " 'created_at': '2026-01-01T00:00:00Z', 'cron': '*/5  * * * *', 'input_prefix': 's3://b/in/',"
+             " 'job': {'model': 'm', 'prompt_column': 'q'}, 'runtime': {}})\n"
+             "print(view.cron)")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "*/5 * * * *"
