@@ -42,7 +42,10 @@ def tick_once(context: WorkerContext) -> list[TickResult]:
                     endpoint_url=context.settings.s3_endpoint_url)
 
 
-def _loop(stop: threading.Event, every_s: float, context: WorkerContext) -> None:
+def _loop(stop: threading.Event) -> None:
+    # Its own context: never build the process's shared one here (it may be a prefork parent).
+    context = WorkerContext(Settings.from_env())
+    every_s = tick_s(context.settings)
     lock = f"{context.repository.namespace}:schedule-ticker:lock"
     while not stop.wait(every_s):
         try:
@@ -55,10 +58,6 @@ def _loop(stop: threading.Event, every_s: float, context: WorkerContext) -> None
 
 def start_ticker() -> threading.Event:
     """Start the ticker thread (daemon); set the returned event to stop it."""
-    # Its own context: never build the process's shared one here (it may be a prefork parent).
-    context = WorkerContext(Settings.from_env())
     stop = threading.Event()
-    thread = threading.Thread(target=_loop, args=(stop, tick_s(context.settings), context),
-                              name="schedule-ticker", daemon=True)
-    thread.start()
+    threading.Thread(target=_loop, args=(stop,), name="schedule-ticker", daemon=True).start()
     return stop
