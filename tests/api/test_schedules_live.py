@@ -23,9 +23,11 @@ from jobs.models import QUEUE_PREFIX
 from jobs.repository import JobRepository
 from jobs.schedules import ScheduleView
 from jobs.settings import Settings
+from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import RedisServer, S3Server, celery_worker, free_port, wait_until
 from tests.support.webhook_receiver import webhook_receiver
+from worker.celery_app import create_app as create_celery_app
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -43,6 +45,7 @@ class Deployment:
     repository: JobRepository
     redis: redis.Redis
     s3: S3Server
+    broker_url: str
 
     def put(self, key: str) -> None:
         self.s3.client().put_object(Bucket=INPUTS_BUCKET, Key=key, Body=b'{"q": "def add(a, b):"}\n')
@@ -72,7 +75,8 @@ def deployment(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
                            queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
                 ServerThread(create_app(settings), port=free_port()) as server, \
                 Client(server.url, timeout=30) as client:
-            yield Deployment(client, settings.repository(), redis_server.client(), s3_server)
+            yield Deployment(client, settings.repository(), redis_server.client(), s3_server,
+                             redis_server.url)
 
 
 def ticks_after(deployment: Deployment, schedule: ScheduleView, count: int) -> None:
@@ -136,3 +140,23 @@ def test_a_paused_schedule_is_passed_over_by_the_ticker(deployment: Deployment) 
     assert schedules.get(paused).runtime.last_tick_at is None
     schedules.delete(witness)
     schedules.delete(paused)
+
+
+def test_a_job_cancelled_before_it_ran_and_a_job_that_failed_report_their_end(deployment: Deployment) -> None:
+    sender = create_celery_app(deployment.broker_url, name="bulkinfer-test-sender")
+    with webhook_receiver() as receiver:
+        cancelled = deployment.repository.create(JobSpec(
+            input_uri=f"s3://{INPUTS_BUCKET}/never.jsonl", webhook_url=receiver.url, **JOB)).job_id
+        deployment.client.jobs.cancel(cancelled)
+        failed = deployment.repository.create(JobSpec(
+            input_uri=f"s3://{INPUTS_BUCKET}/missing.jsonl", webhook_url=receiver.url, **JOB)).job_id
+        for job_id in (cancelled, failed):  # what the API sends at submit
+            sender.send_task("bulkinfer.plan_job", args=[job_id], queue="bulkinfer.control")
+        wait_until(lambda: len(receiver.requests) == 2, timeout=WAIT_S, what="two webhook requests")
+    sender.close()
+
+    bodies = {body["job"]["job_id"]: body for body in (json.loads(r.body) for r in receiver.requests)}
+    assert bodies[cancelled]["job"]["state"] == "cancelled"
+    assert bodies[failed]["job"]["state"] == "failed" and "missing.jsonl" in bodies[failed]["job"]["error"]
+    assert all(webhooks.verify_signature(SECRET, r.body, r.headers[webhooks.SIGNATURE_HEADER])
+               for r in receiver.requests)
