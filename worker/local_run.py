@@ -16,11 +16,10 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import RequestOutput
 from jobs.formats.detect import resolve_spec
 from jobs.formats.output import OutputRow
 from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.formats.rows import Row, RowError
 from jobs.models import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.object_store.factory import store_for_uri
@@ -28,10 +27,11 @@ from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
 from worker.engine_host import EngineRequest, Submission
+from worker.engine_outputs import output_row
 from worker.local_output import ResumableOutput, open_output
 from worker.local_progress import RunProgress
 from worker.model_hosts import HostedModel, ModelHosts
-from worker.prompts import RowRejected, engine_error_code, engine_sampling
+from worker.prompts import RowRejected, engine_sampling
 
 DEFAULT_BATCH_ROWS = 64
 IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
@@ -101,16 +101,6 @@ def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[l
         yield batch
 
 
-def output_row(row: Row, result: RequestOutput) -> OutputRow:
-    """A row's outcome from the engine, as the shard runner builds it."""
-    if result.finish_reason in ("error", "abort"):
-        message = result.error or "aborted"
-        return OutputRow.engine_failed(row, engine_error_code(result.error), message)
-    return OutputRow.completed(row, result.text, result.finish_reason or "stop",
-                               prompt_tokens=result.num_prompt_tokens, cached_tokens=result.num_cached_tokens,
-                               completion_tokens=result.num_completion_tokens)
-
-
 class _Batch:
     """A batch in the engine: the outcomes of rows that could not run, and the submission of the rest."""
 
@@ -121,11 +111,9 @@ class _Batch:
             if isinstance(item, RowError):
                 self.outputs[position] = OutputRow.from_error(item)
                 continue
-            try:
-                request = EngineRequest(hosted.renderer.token_ids(item), engine_sampling(item.sampling))
-                if item.response_format is not None:
-                    raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT, "response_format (structured "
-                                      "output) is not supported by the engine yet")
+            try:  # as the shard runner prepares a row
+                params = engine_sampling(item.sampling, item.response_format)
+                request = EngineRequest(hosted.renderer.token_ids(item), params)
             except RowRejected as rejected:
                 self.outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue

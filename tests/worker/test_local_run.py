@@ -65,6 +65,22 @@ def test_jsonl_in_and_out_every_row_once_with_errors_in_place(tiny_checkpoint: P
     assert len(out.read_text().splitlines()) == 12
 
 
+def test_a_spec_with_flags_over_it_n_samples_and_logprobs(tiny_checkpoint: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "in.jsonl", [{"ticket": f"printer {i}"} for i in range(3)])
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"template": "Ticket: {ticket}", "sampling": {"max_tokens": 9, "seed": 1}}))
+    out = tmp_path / "out.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--spec", f"@{spec}",
+                           "--max-tokens", "3", "--n", "2", "--logprobs", "1")
+    assert code == 0, stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["id"] for line in lines] == ["0", "24", "48"]  # no id column: as jobs, the line's offset
+    for line in lines:
+        assert len(line["choices"]) == 2 and line["usage"]["completion_tokens"] == 6  # the flag beat the spec
+        assert all(len(choice["logprobs"]) == 3 for choice in line["choices"])
+
+
 def test_parquet_in_and_out_with_passthrough(tiny_checkpoint: Path, tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     source = tmp_path / "in.parquet"
