@@ -23,7 +23,8 @@ from jobs.settings_args import add_settings_arguments, settings_from_args
 
 API_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "api_host", "api_port")
 WORKER_ONLY_SETTINGS = ("engine_options", "model_cache", "shard_lease_ttl_s", "reaper_interval_s",
-                        "worker_concurrency")
+                        "worker_concurrency", "schedule_tick_s", "webhook_secret", "webhook_max_attempts",
+                        "webhook_retry_base_s")
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_STOP_TIMEOUT_S = 30
 

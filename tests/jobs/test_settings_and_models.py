@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from jobs.models import ModelRegistry, UnknownModel
 from jobs.object_store import LocalObjectStore, S3ObjectStore
-from jobs.settings import DEFAULT_BROKER_URL, ConfigError, Settings
+from jobs.settings import DEFAULT_BROKER_URL, ENVIRONMENT_NAMES, ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 
 
@@ -131,3 +132,10 @@ def test_command_flags_map_onto_settings(tmp_path) -> None:
     settings = settings_from_args(args)
     assert settings.broker_url == "redis://file:6379/0"  # from the file
     assert (settings.api_port, settings.shard_lease_ttl_s) == (9001, 4.0)  # from flags (--port: an alias)
+
+
+def test_every_setting_is_documented_in_the_configuration_page() -> None:
+    page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    for field, variable in ENVIRONMENT_NAMES.items():
+        flag = f"--{field.replace('_', '-')}"
+        assert f"| `{field}` | `{variable}` | `{flag}`" in page, f"{field} is not in docs/configuration.md"
