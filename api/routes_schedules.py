@@ -97,7 +97,13 @@ def _check_input(context: ApiContext, spec: ScheduleSpec) -> None:
                                 "folder; put inputs elsewhere")
 
 
-@router.post("/schedules", status_code=201, response_model=ScheduleView, summary="Create a schedule")
+# The body is parsed by hand (errors phrased as for a JobSpec); its schema is published here.
+CREATE_BODY = {"required": True,
+               "content": {"application/json": {"schema": ScheduleSpec.model_json_schema()}}}
+
+
+@router.post("/schedules", status_code=201, response_model=ScheduleView, summary="Create a schedule",
+             openapi_extra={"requestBody": CREATE_BODY})
 def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -> ScheduleView:
     """A cron expression (UTC; 6 fields = seconds last), an input prefix or glob, and a job template
     (a JobSpec without `input_uri` and `idempotency_key`). A bad cron or template answers 422
