@@ -52,6 +52,7 @@ class RunSummary:
     cached_tokens: int
     completion_tokens: int
     seconds: float  # this run's
+    run_completion_tokens: int  # this run's (the token counts above add up every run)
 
 
 def resolve_model(model: str, registry: ModelRegistry) -> str:
@@ -188,7 +189,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     return RunSummary(rows=done.rows_done, skipped=skipped, computed=done.rows_done - skipped,
                       failed=done.rows_failed, prompt_tokens=done.prompt_tokens,
                       cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
-                      seconds=time.monotonic() - started)
+                      seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens)
 
 
 def _job_id(spec: JobSpec) -> str:
@@ -222,5 +223,6 @@ def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], N
         f"already done), {summary.failed} failed")
     say(f"tokens: prompt {summary.prompt_tokens}, from prefix cache {summary.cached_tokens}, "
         f"completion {summary.completion_tokens}")
-    say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s")
+    say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s, "
+        f"{summary.run_completion_tokens / seconds:.1f} output tok/s")
 
