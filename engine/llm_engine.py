@@ -20,7 +20,7 @@ from engine.models.loader import load_model, model_config_from_dir
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from engine.request import FinishReason, Request
 from engine.sampler import RowLogprobs, Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import STRUCTURED_FIELDS, SamplingParams
 from engine.sampling_random import SEED_MASK
 from engine.scheduler import Scheduler
 from engine.token_bytes import TokenBytes
@@ -131,6 +131,9 @@ class LLMEngine:
         arrival = time.monotonic() if arrival_time is None else arrival_time
         if error is None:
             error = _params_error(params)
+        spec = None
+        if error is None:
+            spec, error = self._structured_spec(params)
         n = params.n if error is None else 1
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         children = [
@@ -159,7 +162,6 @@ class LLMEngine:
                 self._reject(parent, n)
                 return
         self._parents[request_id] = parent
-        spec = params.structured
         for child in children:
             sample = _Sample(
                 parent=parent,
@@ -294,6 +296,17 @@ class LLMEngine:
             finished.append(request)
 
     # ---- structured output ----------------------------------------------------------------------
+
+    def _structured_spec(self, params: SamplingParams) -> tuple[Any, str | None]:
+        """The request's spec, with the manager built on first use; an error if xgrammar is missing."""
+        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
+            return None, None
+        try:
+            spec = params.structured
+            self._structured_manager()
+        except ImportError as exc:
+            return None, f"structured output needs xgrammar (the worker extra): {exc}"
+        return spec, None
 
     def _structured_manager(self) -> Any:
         if self._structured is None:
