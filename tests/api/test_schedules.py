@@ -157,3 +157,15 @@ def test_the_async_client_drives_a_schedule_the_same_way(api: RunningApi) -> Non
             assert await client.schedules.list() == []
 
     asyncio.run(scenario())
+
+
+def test_an_object_rewritten_with_new_content_is_new_input_and_gets_a_new_job(api: RunningApi) -> None:
+    schedules = api.client.schedules
+    schedule = schedules.create(cron="0 * * * *", input_prefix=prefix(api, "changing"), job=JOB)
+    put(api, "changing", "a.jsonl")
+    first = schedules.tick(schedule).submitted
+    api.put_input("changing/a.jsonl", b'{"q": "hello"}\n{"q": "again"}\n')  # a new ETag
+    second = schedules.tick(schedule).submitted
+    assert [item.key for item in first] == [item.key for item in second]
+    assert first[0].etag != second[0].etag and first[0].job_id != second[0].job_id
+    assert len(list(api.client.jobs.list())) == 2
