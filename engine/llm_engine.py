@@ -435,10 +435,10 @@ class LLMEngine:
 
         return [
             PositionLogprobs(
-                chosen=entry(token_id, row.chosen),
+                chosen=entry(row.token_id, row.chosen),
                 top=[entry(t, lp) for t, lp in zip(row.top_ids, row.top_logprobs, strict=True)],
             )
-            for row, token_id in zip(rows, [row.token_id for row in rows], strict=True)
+            for row in rows
         ]
 
     # ---- helpers -------------------------------------------------------------------------------
