@@ -93,9 +93,14 @@ def serve_all(argv: list[str]) -> int:
     settings = _settings(args, "serve all")
     if settings is None:
         return 2
-    if not settings.model_registry().names():
-        print("bulkinfer serve all: no models to serve: set BULKINFER_MODELS or `models` in the config file",
-              file=sys.stderr)
+    registry = settings.model_registry()
+    try:
+        if not registry.names():
+            raise ValueError("no models to serve: set BULKINFER_MODELS or `models` in the config file")
+        for name in args.served_models or []:
+            registry.queue_for(name)  # UnknownModel names the served ones
+    except (LookupError, ValueError) as error:
+        print(f"bulkinfer serve all: {error}", file=sys.stderr)
         return 2
     env = {**os.environ, **settings.to_env(),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))}
@@ -111,7 +116,7 @@ def serve_all(argv: list[str]) -> int:
         server = ServerThread(create_app(settings), host=settings.api_host, port=settings.api_port,
                               log_level=args.log_level).start()
         print(f"api     {server.url} (OpenAPI docs at {server.url}/docs)", flush=True)
-        models = args.served_models or settings.model_registry().names()
+        models = args.served_models or registry.names()
         print(f"worker  pid {worker.pid}, models {', '.join(models)}", flush=True)
         while not stop.wait(0.5):
             if worker.poll() is not None:

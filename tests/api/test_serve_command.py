@@ -94,3 +94,13 @@ def test_a_bad_config_file_stops_a_server_command_with_the_key_named(
     config.write_text('broker_url = "redis://127.0.0.1:1/0"\napi_prot = 8001\n')
     assert main([*command.split(), "--config", str(config)]) == 2
     assert f"{config}: unknown key 'api_prot'" in capsys.readouterr().err
+
+
+def test_serve_all_refuses_a_model_it_does_not_serve(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+
+    config = tmp_path / "bulkinfer.toml"
+    config.write_text('[models]\ntiny = "/models/tiny"\n')
+    assert main(["serve", "all", "--config", str(config), "--model", "big"]) == 2
+    assert "model 'big' is not served here (served: tiny)" in capsys.readouterr().err
