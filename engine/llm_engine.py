@@ -129,12 +129,12 @@ class LLMEngine:
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids, error = self._tokenize(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        if error is None:
-            error = _params_error(params)
+        params_error = _params_error(params)
+        error = error or params_error
         spec = None
         if error is None:
             spec, error = self._structured_spec(params)
-        n = params.n if error is None else 1
+        n = params.n if params_error is None else 1  # outputs to report, even for a rejection
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         children = [
             Request(
@@ -146,7 +146,7 @@ class LLMEngine:
                 sample_seed=seed & SEED_MASK,
                 sample_index=i,
             )
-            for i in range(n)
+            for i in range(n if error is None else 1)
         ]
         parent = _Parent(request_id, prompt_text, list(token_ids), children)
         if error is not None:

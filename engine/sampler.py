@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import GREEDY_EPSILON, SamplingParams
 from engine.sampling_random import split_seed, uniforms
 
 
@@ -109,7 +109,7 @@ class SamplingBatch:
         logprob_rows: list[int] = []
         for i, row in enumerate(rows):
             p = row.sampling_params
-            if p.temperature >= 1e-5:  # SamplingParams.is_greedy, inlined: this loop runs per step
+            if p.temperature >= GREEDY_EPSILON:  # not SamplingParams.is_greedy: this loop runs per step
                 random_rows.append(i)
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 penalty_rows.append(i)
