@@ -25,18 +25,17 @@ def _sampling_flag(group: argparse._ArgumentGroup, name: str, annotation: Any, h
     """One flag per job sampling field, typed from the field (so a new field gets its flag)."""
     kinds = [kind for kind in get_args(annotation) if kind is not type(None)] or [annotation]
     kind = kinds[0]
-    flag = f"--{name.replace('_', '-')}"
-    if kind is bool:
-        group.add_argument(flag, dest=f"sampling_{name}", action="store_const", const=True, default=None,
-                           help=help_text)
+    flag, common = f"--{name.replace('_', '-')}", {"dest": f"sampling_{name}", "default": None}
+    if kind is bool:  # --ignore-eos / --no-ignore-eos; neither: the job's default
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **common)
     elif get_origin(kind) is list:
-        group.add_argument(flag, dest=f"sampling_{name}", action="append", type=get_args(kind)[0],
-                           default=None, help=f"{help_text or name} (repeatable)")
+        group.add_argument(flag, action="append", type=get_args(kind)[0], metavar=name.upper(),
+                           help=f"{help_text or name} (repeatable)", **common)
     elif get_origin(kind) in (Union, types.UnionType) or kind not in (int, float, str):
-        group.add_argument(flag, dest=f"sampling_{name}", type=json.loads, default=None,
-                           help=f"{help_text or name} (JSON)")
+        group.add_argument(flag, type=json.loads, metavar="JSON", help=f"{help_text or name} (JSON)",
+                           **common)
     else:
-        group.add_argument(flag, dest=f"sampling_{name}", type=kind, default=None, help=help_text)
+        group.add_argument(flag, type=kind, metavar=name.upper(), help=help_text, **common)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     mapping.add_argument("--messages-column", help="the column holding each row's chat messages")
     mapping.add_argument("--template", help="prompt text with {column} placeholders")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
-    parser.add_argument("--id-column", help="the column of row ids (default: the row's position)")
+    parser.add_argument("--id-column", help="the column of row ids (default: the row number for Parquet, "
+                        "the line's byte offset for JSONL, as in jobs)")
     parser.add_argument("--passthrough", action="append", dest="passthrough_columns", metavar="COLUMN",
                         help="copy this input column to the output (repeatable)")
     parser.add_argument("--input-format", choices=FORMATS, help="default: detected from the file")

@@ -173,12 +173,13 @@ def test_resuming_drops_what_a_killed_run_wrote_after_its_last_record(tmp_path: 
     assert not work_dir_for(out).exists()
 
 
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
 def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_rows(
-        tiny_checkpoint: Path, tmp_path: Path) -> None:
+        tiny_checkpoint: Path, tmp_path: Path, suffix: str) -> None:
     total = 96
     source = _write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": f"row {i} says hello"}
                                                   for i in range(total)])
-    out = tmp_path / "out.jsonl"
+    out = tmp_path / f"out.{suffix}"
     command = [sys.executable, "-m", "api.cli", "run", str(source), "-o", str(out), "--model",
                str(tiny_checkpoint), "--prompt-column", "text", "--id-column", "id", "--max-tokens", "8",
                "--temperature", "0", "--batch-size", "4", "--no-progress"]
@@ -200,13 +201,17 @@ def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_r
         first.stdout.close()
     recorded = json.loads(progress_file.read_text())["rows_done"]
     assert 8 <= recorded < total
-    before = out.read_bytes()
+    before = out.read_bytes() if suffix == "jsonl" else b""
 
     second = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert second.returncode == 0, second.stderr
     skipped = int(re.search(r"(\d+) rows already done", second.stdout).group(1))
     assert skipped == recorded  # exactly what the killed run had made durable
     assert f"({total - skipped} this run, {skipped} skipped as already done)" in second.stdout
+    assert not work_dir_for(out).exists()
+    if suffix == "parquet":
+        assert pq.read_table(out).column("id").to_pylist() == [f"r{i}" for i in range(total)]
+        return
     lines = out.read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == [f"r{i}" for i in range(total)]
     # The rows done before the kill are the killed run's own bytes, not rewritten.
