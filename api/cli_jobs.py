@@ -10,6 +10,7 @@ Exit codes, for cron and CI (`EXIT_*` below):
     5  the job succeeded but some rows failed, with --strict (without it, that is 0: failed rows are
        part of a succeeded job's output, each with its error)
     6  status: the job has not finished yet (queued, running or finalizing)
+  130  interrupted (Ctrl-C); the job is not cancelled
 
 Every command takes --api-url (default $BULKINFER_API_URL, else http://127.0.0.1:8000) and
 --api-key (default $BULKINFER_API_KEY); --json prints machine-readable JSON on stdout. Progress goes
@@ -38,6 +39,7 @@ EXIT_CANCELLED = 3
 EXIT_TIMEOUT = 4
 EXIT_ROWS_FAILED = 5
 EXIT_NOT_FINISHED = 6
+EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 STRICT_HELP = "exit 5 when the job succeeded with failed rows"
 EXIT_CODES_HELP = ("exit codes: 0 succeeded, 1 failed, 2 usage/API error, 3 cancelled, 4 timed out, "
@@ -99,6 +101,10 @@ def _run(command: str, args: argparse.Namespace, body: Callable[[Client], int]) 
         _fail(command, f"cannot reach the API at {resolve_base_url(args.api_url)}: {error}", args)
     except (OSError, TypeError, ValueError) as error:
         _fail(command, str(error), args)
+    except KeyboardInterrupt:  # a wait stopped by hand: the job itself keeps going
+        print(f"bulkinfer {command}: interrupted (the job is not cancelled: bulkinfer cancel JOB_ID)",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_ERROR
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import pty
+import select
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +19,7 @@ from api.cli_jobs import (
     EXIT_CANCELLED,
     EXIT_ERROR,
     EXIT_FAILED,
+    EXIT_INTERRUPTED,
     EXIT_NOT_FINISHED,
     EXIT_ROWS_FAILED,
     EXIT_SUCCEEDED,
@@ -150,30 +153,34 @@ def test_submit_with_an_idempotency_key_is_the_same_job_and_another_spec_is_refu
     stack.client.jobs.cancel(json.loads(first.stdout)["job_id"])
 
 
-def test_wait_draws_progress_on_a_terminal_only(stack) -> None:
+def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_running(stack) -> None:
     uri = stack.put_input("three.jsonl", "".join(json.dumps(row) + "\n" for row in ROWS[:3]).encode())
     job = stack.client.jobs.create(uri, model="small", prompt_column="q")
     wait_until(lambda: stack.client.jobs.get(job).rows.total == 3, timeout=60, what="the job to be planned")
 
-    command = [sys.executable, "-m", "api.cli", "wait", job.job_id, "--timeout", "0.5",
-               "--poll-interval", "0.1"]
+    command = [sys.executable, "-m", "api.cli", "wait", job.job_id, "--poll-interval", "0.1"]
     env = stack.cli_env(BULKINFER_API_URL=stack.url, COLUMNS="160")
     controller, terminal = pty.openpty()
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=terminal)
     os.close(terminal)
-    screen = b""
-    while True:
-        try:
-            chunk = os.read(controller, 4096)
-        except OSError:  # EIO: the child closed the terminal
-            break
-        if not chunk:
-            break
-        screen += chunk
-    os.close(controller)
-    assert process.wait(timeout=60) == EXIT_TIMEOUT
-    process.stdout.close()
-    assert f"{job.job_id} running" in screen.decode() and "0/3 rows" in screen.decode()
+    screen = bytearray()
+
+    def bar_drawn() -> bool:
+        if select.select([controller], [], [], 0.1)[0]:
+            screen.extend(os.read(controller, 4096))
+        return b"0/3 rows" in screen
+
+    try:
+        wait_until(bar_drawn, timeout=60, what="the progress bar")
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=60) == EXIT_INTERRUPTED
+    finally:
+        if process.poll() is None:
+            process.kill()
+        os.close(controller)
+        process.stdout.close()
+    assert f"{job.job_id} running" in screen.decode()
+    assert stack.client.jobs.get(job).state == JobState.RUNNING  # Ctrl-C does not cancel
 
     piped = cli(stack, "wait", job.job_id, "--timeout", "0.5", "--poll-interval", "0.1")
     assert piped.returncode == EXIT_TIMEOUT and "rows" not in piped.stderr  # no bar in a pipe

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -13,7 +16,7 @@ import httpx
 import pytest
 
 from api.client import ApiError, AsyncClient, Client, JobState
-from tests.fixtures.services import free_port
+from tests.fixtures.services import REPO_ROOT, free_port
 
 STATUS = {"job_id": "job-1", "state": "running"}
 
@@ -205,3 +208,27 @@ def test_the_base_url_and_key_come_from_the_environment(monkeypatch) -> None:
         client.jobs.get("job-1")
     assert str(recorder.requests[0].url) == "http://from-env.test:9000/jobs/job-1"
     assert recorder.requests[0].headers["authorization"] == "Bearer env-key"
+
+
+SERVER_SIDE = ["torch", "engine", "worker", "fastapi", "uvicorn", "celery", "redis", "boto3", "botocore",
+               "pandas"]
+
+
+def test_the_sdk_and_the_job_commands_load_without_torch_or_server_packages() -> None:
+    """What `pip install bulkinfer[client]` gives: the SDK and the CLI must not need anything else."""
+    script = f"""
+import sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {SERVER_SIDE!r}:
+            raise ImportError("not installed: " + name)
+sys.meta_path.insert(0, Blocked())
+from api.client import AsyncClient, Client
+import api.cli_jobs
+from api.cli import main
+assert main(["wait", "--help"]) == 0
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exit codes: 0 succeeded, 1 failed" in done.stdout
