@@ -8,6 +8,9 @@ token-id prompts, and the figures and ratios printed come from this one run. Wor
 
 64 output tokens per request, greedy, EOS ignored. The baseline is `transformers` `generate` in
 static batches of 32 with left padding.
+
+With ``--structured``: JSON-schema-constrained against unconstrained generation on one workload
+instead (engine/bench_structured.py; defaults 32 requests of 64 prompt tokens, 96 output tokens).
 """
 
 from __future__ import annotations
@@ -139,15 +142,30 @@ def bench_cli(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--arch", default="llama")
-    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --structured)")
     parser.add_argument("--shared-len", type=int, default=400)
     parser.add_argument("--tail-len", type=int, default=50)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (96 with --structured)")
     parser.add_argument("--baseline-batch", type=int, default=32)
     parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--structured", action="store_true",
+                        help="structured output (JSON schema) vs unconstrained on the same workload")
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (--structured)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs per side, best counts (--structured)")
     args = parser.parse_args(argv)
+    if args.structured:
+        from engine.bench_structured import run_structured_bench
+
+        run_structured_bench(
+            preset=args.preset, arch=args.arch, requests=args.requests or 32, prompt_len=args.prompt_len,
+            max_tokens=args.max_tokens or 96, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, rounds=args.rounds,
+        )
+        return 0
+    args.requests = args.requests or 256
+    args.max_tokens = args.max_tokens or 64
 
     model_dir = str(cached_checkpoint(preset=args.preset, arch=args.arch, seed=0))
     from transformers import AutoTokenizer

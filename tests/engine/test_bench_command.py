@@ -18,3 +18,17 @@ def test_bench_engine_prints_both_runs_and_the_ratio(capsys: pytest.CaptureFixtu
         assert f"workload: {workload} — 8 requests, 320 prompt tokens, 4 output tokens each" in out
     assert out.count("engine / baseline output tok/s") == 2
     assert "prefix-cache hit rate" in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_structured_prints_both_runs_and_the_ratio(capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_cli(["--structured", "--preset", "tiny", "--requests", "4", "--prompt-len", "16",
+                      "--max-tokens", "24", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "== structured output: 4 requests, 64 prompt tokens, 24 output tokens each" in out
+    # Both sides produced every token: the schema is long enough that no output completes early.
+    assert out.count("(96 tokens; best of 1)") == 2
+    assert "unconstrained" in out and "json_schema" in out
+    assert "grammar compile (first request of the schema, then cached): " in out
+    assert "structured / unconstrained output tok/s: " in out and "(target >= 0.7x: " in out
