@@ -98,3 +98,10 @@ def test_an_invalid_request_with_n_fails_once(engine):
     assert output.finish_reason == "error" and output.error == "prompt is empty"
     assert len(output.outputs) == 3 and all(o.finish_reason == "error" for o in output.outputs)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_prompt_error_with_valid_n_reports_n_outputs(engine):
+    engine.add_request("oov", [7, 10**6], SamplingParams(n=2))
+    [output] = engine.step()
+    assert output.finish_reason == "error" and "vocabulary" in output.error
+    assert [o.index for o in output.outputs] == [0, 1]

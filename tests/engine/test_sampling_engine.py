@@ -72,3 +72,15 @@ def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, penalty
                 pad_token_id=model.config.pad_token_id,
             )[0, len(prompt) :].tolist()
         assert output.token_ids == reference
+
+
+def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(tiny_checkpoint):
+    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    greedy = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    for params in (
+        SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=1e-6, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=1.0, min_p=1.0, max_tokens=8, ignore_eos=True),
+    ):
+        outputs = llm.generate(PROMPTS[:4], params)
+        assert [o.token_ids for o in outputs] == [o.token_ids for o in greedy]
