@@ -6,7 +6,7 @@ import json
 
 import xgrammar as xgr
 
-from engine.structured_output.schema import prepare_json_schema
+from engine.structured_output.schema import ANY_CHAR_CLASS, prepare_json_schema, safe_regex
 from engine.structured_output.spec import StructuredSpec
 
 # "Any JSON object": xgrammar's builtin JSON grammar also allows a top-level array.
@@ -27,7 +27,7 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec) -> xgr.Com
             text = json.dumps(prepare_json_schema(schema), ensure_ascii=False)
             return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
         if spec.kind == "regex":
-            return compiler.compile_regex(spec.value)
+            return compiler.compile_regex(safe_regex(spec.value, ANY_CHAR_CLASS))
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
         return compiler.compile_grammar(spec.value, root_rule_name="root")

@@ -108,6 +108,8 @@ class StructuredOutputManager:
 
     def fill_bitmask(self, request_ids: list[str | None]) -> torch.Tensor | None:
         """One bitmask row per sampled row (None = no grammar: all tokens allowed)."""
+        if len(request_ids) > self._bitmask.shape[0]:
+            raise ValueError(f"{len(request_ids)} rows, more than max_num_seqs={self._bitmask.shape[0]}")
         rows, matchers = [], []
         for row, request_id in enumerate(request_ids):
             request = self._requests.get(request_id) if request_id is not None else None

@@ -11,8 +11,8 @@ Each rewrite below answers a case where xgrammar's grammar admits outputs that s
    no escapes in such strings, which only narrows the choice).
 2. ``format`` date / time / date-time / ipv4: xgrammar allows Nov 31 and leading-zero octets;
    they become exact-or-narrower patterns.
-3. An optional group holding a quantifier in a ``pattern`` (``(a[0-9]+)?``) is mis-compiled;
-   it becomes the counted form ``(...){0,1}``, which compiles right.
+3. ``pattern`` regexes (and ``regex`` specs, see compile.py): an optional group holding a
+   quantifier (``(a[0-9]+)?``) is mis-compiled, and ``.`` admits invalid UTF-8; see safe_regex.
 4. Keywords xgrammar silently ignores (``not``, ``if``, ``contains``, ``uniqueItems``, ...), or
    drops when combined (pattern/format with minLength/maxLength): the schema fails to compile,
    naming the keyword and where, instead of producing outputs that do not validate.
@@ -48,6 +48,9 @@ _SCHEMA_LIST = ("anyOf", "oneOf", "allOf", "prefixItems")
 # (E0 85 AE) and encoded surrogates (ED A0 80), bytes that decode to U+FFFD replacement
 # characters, which breaks the length count (measured on xgrammar 0.2.9).
 SAFE_CHAR_CLASS = "[ !#-\\[\\]-\ud7ff\ue000-\U0010ffff]"
+# Python's ``.`` (any character but a newline), valid UTF-8 only, for the ``regex`` kind. NUL is
+# escaped: xgrammar refuses a literal NUL in a regex.
+ANY_CHAR_CLASS = "[\\x00\x01-\t\x0b-\ud7ff\ue000-\U0010ffff]"
 
 # `format`s whose xgrammar grammar is looser than what validators check, as equivalent-or-narrower
 # patterns: dates with the right days per month (Feb 29 left out), IPv4 octets without leading
@@ -109,16 +112,20 @@ def _visit(node: Any, where: str) -> None:
 
 def _rewrite_patterns(node: dict) -> None:
     if isinstance(node.get("pattern"), str):
-        node["pattern"] = optional_groups_as_counts(node["pattern"])
+        node["pattern"] = safe_regex(node["pattern"], SAFE_CHAR_CLASS)
     properties = node.get("patternProperties")
     if isinstance(properties, dict):
-        node["patternProperties"] = {optional_groups_as_counts(k): v for k, v in properties.items()}
+        node["patternProperties"] = {safe_regex(k, SAFE_CHAR_CLASS): v for k, v in properties.items()}
 
 
-def optional_groups_as_counts(pattern: str) -> str:
-    """``(...)?`` -> ``(...){0,1}``: same language. xgrammar 0.2.9 mis-compiles an optional group
-    holding a quantifier inside a JSON-schema ``pattern`` (``^x(a[0-9]{1,6})?Z$`` accepts "x1Z")
-    but compiles the counted form right."""
+def safe_regex(pattern: str, dot: str) -> str:
+    """Rewrite a regex into one xgrammar 0.2.9 compiles right, with the same or a narrower language:
+
+    - ``(...)?`` -> ``(...){0,1}``: an optional group holding a quantifier inside a JSON-schema
+      ``pattern`` is mis-compiled (``^x(a[0-9]{1,6})?Z$`` accepts "x1Z"); the counted form is not.
+    - ``.`` -> ``dot``, a class of literal characters: xgrammar's ``.`` also admits overlong UTF-8
+      and encoded surrogates, which decode to U+FFFD (and then break the pattern's own counts).
+    """
     out, i, in_class = [], 0, False
     while i < len(pattern):
         char = pattern[i]
@@ -134,6 +141,8 @@ def optional_groups_as_counts(pattern: str) -> str:
             out.append("){0,1}")
             i += 2
             continue
+        elif char == ".":
+            char = dot
         out.append(char)
         i += 1
     return "".join(out)

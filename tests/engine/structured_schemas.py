@@ -239,8 +239,10 @@ SCHEMAS: dict[str, dict[str, Any]] = {
         "properties": {
             "plate": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
             "hex": {"type": "string", "pattern": "^#[0-9a-f]{6}$"},
+            "any": {"type": "string", "pattern": "^.{1,6}$"},
+            "version": {"type": "string", "pattern": "^v[0-9]{1,2}(\\.[0-9]{1,2})?(-rc[0-9])?$"},
         },
-        "required": ["plate", "hex"],
+        "required": ["plate", "hex", "any", "version"],
     },
     "mixed_enum": {
         "type": "object",

@@ -184,6 +184,13 @@ def test_regex_outputs_match(manager, tokenizer) -> None:
     assert all(text is not None and re.fullmatch(pattern, text) for text in texts), texts
 
 
+def test_regex_dot_outputs_valid_utf8(manager, tokenizer) -> None:
+    """xgrammar's own ``.`` admits overlong UTF-8 and encoded surrogates (decoded: U+FFFD)."""
+    spec = StructuredSpec.regex(".{1,5}")
+    texts = [t for seed in range(5) for t in _run(manager, tokenizer, spec, 64, seed)]
+    assert all(text is not None and re.fullmatch(".{1,5}", text) for text in texts), texts
+
+
 def test_ebnf_grammar_outputs_match(manager, tokenizer) -> None:
     grammar = 'root ::= "(" num (" + " num){0,3} ")"\nnum ::= [1-9] [0-9]{0,2}'
     texts = _run(manager, tokenizer, StructuredSpec.grammar(grammar), 60)
@@ -197,6 +204,11 @@ def test_any_json_object_is_an_object(manager, tokenizer) -> None:
     # Unbounded strings and nesting: random logits may wander past max_steps; what ends is an object.
     assert finished
     assert all(isinstance(json.loads(text), dict) for text in finished), finished
+
+
+def test_more_rows_than_max_num_seqs_is_a_caller_bug(manager) -> None:
+    with pytest.raises(ValueError, match="65 rows, more than max_num_seqs=64"):
+        manager.fill_bitmask([None] * 65)
 
 
 def test_release_forgets_the_request(manager) -> None:

@@ -18,8 +18,8 @@ from engine.structured_output import StructuredOutputManager, StructuredSpec
 from engine.structured_output.schema import (
     FORMAT_PATTERNS,
     UnsupportedSchema,
-    optional_groups_as_counts,
     prepare_json_schema,
+    safe_regex,
 )
 from tests.engine.structured_schemas import SCHEMAS, sample_with_random_logits
 
@@ -166,10 +166,10 @@ def test_rewrites() -> None:
 @pytest.mark.parametrize(
     ("pattern", "expected"),
     [("(a)?", "(a){0,1}"), (r"\)?", r"\)?"), ("[)?]", "[)?]"), ("((a)?b)?", "((a){0,1}b){0,1}"),
-     (r"[\])?](a)?", r"[\])?](a){0,1}"), ("a?", "a?")],
+     (r"[\])?](a)?", r"[\])?](a){0,1}"), ("a?", "a?"), (r"a.\.[.]", r"a<dot>\.[.]")],
 )
-def test_optional_groups_as_counts(pattern: str, expected: str) -> None:
-    assert optional_groups_as_counts(pattern) == expected
+def test_safe_regex(pattern: str, expected: str) -> None:
+    assert safe_regex(pattern, "<dot>") == expected
 
 
 @pytest.mark.parametrize(
