@@ -12,7 +12,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from engine.structured_output.compile import compile_spec
+from engine.structured_output.compile_pool import CompilePool
 from engine.structured_output.spec import StructuredSpec
 
 State = Literal["compiling", "ready", "failed"]
@@ -55,7 +56,7 @@ class StructuredOutputManager:
         self.compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=compile_workers, cache_enabled=False
         )
-        self._pool = ThreadPoolExecutor(max_workers=compile_workers, thread_name_prefix="grammar-compile")
+        self._pool = CompilePool(compile_workers)
         self._cache: OrderedDict[StructuredSpec, Future] = OrderedDict()
         self._cache_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -153,7 +154,7 @@ class StructuredOutputManager:
         return request is not None and request.terminated
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     # ---- compile cache -------------------------------------------------------------------------
 

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -119,6 +122,28 @@ def test_a_compile_past_the_time_limit_fails_the_request_and_later_ones_reuse_th
     assert manager.state("slow") == "failed"  # a timed-out request stays failed
     assert manager.num_compiles == 1
     manager.shutdown()
+
+
+def test_a_compile_still_running_does_not_hold_up_the_process_exit(tiny_checkpoint: Path) -> None:
+    script = textwrap.dedent(f"""
+        import time
+        from transformers import AutoTokenizer
+        from engine.structured_output import StructuredOutputManager, StructuredSpec
+
+        class Stuck(StructuredOutputManager):
+            def _compile(self, spec):
+                time.sleep(3600)
+
+        tokenizer = AutoTokenizer.from_pretrained({str(tiny_checkpoint)!r})
+        manager = Stuck(tokenizer, 2048, 4, compile_timeout_s=0.01)
+        manager.register("r", StructuredSpec.regex("a"))
+        while manager.state("r") == "compiling":
+            time.sleep(0.01)
+        print(manager.error("r"), flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "grammar for regex did not compile within 0.01 s (compile_timeout_s)"
 
 
 def test_bitmask_rows_without_grammar_allow_everything_and_padding_ids_are_masked(manager, tokenizer) -> None:
