@@ -127,3 +127,32 @@ def test_max_tokens_cuts_the_output_before_the_grammar_completes(llm: LLM) -> No
     assert output.text.startswith('{"s')
     with pytest.raises(json.JSONDecodeError):
         json.loads(output.text)
+
+
+def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -> None:
+    """While one request's grammar compiles (held here), the engine runs the others to the end."""
+    import threading
+
+    from engine.structured_output import StructuredOutputManager
+
+    class Gated(StructuredOutputManager):
+        gate = threading.Event()
+
+        def _compile(self, spec):
+            self.gate.wait(60)
+            return super()._compile(spec)
+
+    llm = LLM(model=str(tiny_checkpoint), max_num_seqs=8)
+    engine = llm.engine
+    engine._structured = Gated(engine.tokenizer, engine._vocab_size, 8)  # the engine's manager slot
+    engine.add_request("json", "a", SamplingParams(json_schema={"type": "boolean"}, max_tokens=8))
+    engine.add_request("plain", "b", SamplingParams(max_tokens=8, ignore_eos=True))
+    done: dict[str, object] = {}
+    while "plain" not in done:
+        done.update({o.request_id: o for o in engine.step()})
+    assert "json" not in done and engine.has_unfinished_requests()
+    Gated.gate.set()
+    while "json" not in done:
+        done.update({o.request_id: o for o in engine.step()})
+    assert done["json"].finish_reason == "stop" and done["json"].text in ("true", "false")
+    assert len(done["plain"].token_ids) == 8
