@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import xgrammar as xgr
 
@@ -32,8 +33,17 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec) -> xgr.Com
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
         return compiler.compile_grammar(spec.value, root_rule_name="root")
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
-        reason = " ".join(str(exc).split())  # C++ messages carry newlines and a log prefix
+        reason = clean_reason(str(exc))
         raise GrammarError(f"grammar for {spec.kind_name} failed to compile: {reason}") from exc
+
+
+# xgrammar's C++ messages start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes
+# "Check failed: (error.empty()) is false: "; the user needs the part after them.
+_LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: (Check failed: .*? is false: )?")
+
+
+def clean_reason(message: str) -> str:
+    return _LOG_PREFIX.sub("", " ".join(message.split()))
 
 
 def choice_ebnf(choices: list[str]) -> str:

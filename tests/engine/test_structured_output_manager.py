@@ -85,7 +85,7 @@ def test_register_does_not_wait_for_the_compile_and_a_key_compiles_once(tokenize
         (StructuredSpec.grammar('root ::= "a" undefined_rule'), "grammar for grammar failed to compile: "),
         (
             StructuredSpec("json", '{"type": "integer", "minimum": 1.5}'),
-            "grammar for json_schema failed to compile: ",
+            "grammar for json_schema failed to compile: Integer constraint must be a whole number",
         ),
         (StructuredSpec("json", "{not json"), "grammar for json_schema failed to compile: "),
         (
