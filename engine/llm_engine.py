@@ -37,6 +37,10 @@ __all__ = [
 CHILD_SEPARATOR = "\x1fn"
 
 
+# How long a step with nothing to run but grammars still compiling sleeps.
+GRAMMAR_WAIT_S = 0.002
+
+
 @dataclass(eq=False)
 class _Parent:
     """A request as the caller sees it: one prompt, n samples."""
@@ -226,6 +230,10 @@ class LLMEngine:
             self.counters.record_step(
                 time.monotonic() - started, scheduled.num_scheduled_tokens, prefill_tokens
             )
+        elif self._compiling and not outputs and not finished:
+            # Only requests waiting for their grammars: yield the CPU to the compile threads
+            # instead of spinning (the LLM loop and the worker's engine thread call step() back to back).
+            time.sleep(GRAMMAR_WAIT_S)
         for request in finished:
             output = self._sample_finished(request)
             if output is not None:

@@ -161,9 +161,7 @@ class Sampler:
             assert batch.apply_bitmask is not None, "a bitmask needs its applier"
             batch.apply_bitmask(logits, batch.bitmask)
         if batch.min_tokens_mask is not None:
-            mask_rows, mask_ids = batch.min_tokens_mask
-            keep = mask_ids < logits.shape[-1]
-            logits[mask_rows[keep].to(logits.device), mask_ids[keep].to(logits.device)] = float("-inf")
+            _mask_until_min_tokens(logits, *batch.min_tokens_mask)
         if batch.penalties is not None:
             _apply_penalties(logits, batch.penalties)
 
@@ -253,6 +251,18 @@ def _min_tokens_mask(
 
 
 # ---- applying it --------------------------------------------------------------------------------
+
+
+def _mask_until_min_tokens(logits: torch.Tensor, mask_rows: torch.Tensor, mask_ids: torch.Tensor) -> None:
+    """EOS / stop ids become -inf, except in a row where they are all that is left (a grammar that
+    can only end now): there min_tokens yields, since masking would leave no token to sample."""
+    keep = mask_ids < logits.shape[-1]
+    rows, ids = mask_rows[keep].to(logits.device), mask_ids[keep].to(logits.device)
+    saved = logits[rows, ids]
+    logits[rows, ids] = float("-inf")
+    dead = ~torch.isfinite(logits[rows].amax(dim=-1))  # one entry per (row, id) pair
+    if bool(dead.any()):
+        logits[rows[dead], ids[dead]] = saved[dead]
 
 
 def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:

@@ -245,6 +245,21 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     assert sample(logits, [row(ignoring)], eos=1) == [1]  # EOS ends nothing, so it is not masked
 
 
+def test_min_tokens_yields_where_the_grammar_allows_only_the_end():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 3.0], [0.0, 5.0, 4.0, 3.0]])  # EOS = 1
+    bitmask = torch.tensor([[0b0010], [0b1010]], dtype=torch.int32)  # row 0: EOS only; row 1: EOS or 3
+
+    def apply(target: torch.Tensor, mask: torch.Tensor) -> None:
+        allowed = (mask[:, :1] >> torch.arange(4)) & 1
+        target.masked_fill_(allowed == 0, float("-inf"))
+
+    params = SamplingParams(temperature=0.0, min_tokens=3)
+    rows = [row(params), row(params)]
+    batch = SamplingBatch.build(rows, eos_token_id=1, bitmask=bitmask, apply_bitmask=apply)
+    # Row 0 must end (masking EOS would leave no token); row 1 still has a token other than EOS.
+    assert Sampler().sample(logits.clone(), batch).token_ids == [1, 3]
+
+
 def test_grammar_bitmask_is_applied_before_everything():
     logits = torch.tensor([[5.0, 4.0, 3.0, 2.0], [5.0, 4.0, 3.0, 2.0]])
     bitmask = torch.tensor([[0b1100], [-1]], dtype=torch.int32)  # row 0: tokens 2, 3 only

@@ -56,6 +56,13 @@ def test_choice_regex_and_json_constrain_the_output(llm):
     assert all(o.text in choices and o.finish_reason == "stop" for o in outputs[3].outputs)
 
 
+def test_a_grammar_that_must_end_ends_before_min_tokens(llm):
+    # The only choice is one token long: min_tokens cannot be met, and the request must not fail.
+    params = SamplingParams(choice=["a"], min_tokens=5, temperature=0.0, max_tokens=8)
+    [out] = llm.generate(["Answer:"], params)
+    assert (out.text, out.finish_reason, out.error) == ("a", "stop", None)
+
+
 def test_a_failing_grammar_fails_its_request_alone(llm):
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
     bad = SamplingParams(grammar="root ::= (", max_tokens=6)
