@@ -128,9 +128,9 @@ class OutputRow:
 
 
 def _parse_json(text: str) -> tuple[Any, str | None]:
-    # strict=False: xgrammar may emit raw control characters inside strings (mlc-ai/xgrammar#800); the
-    # value is still the JSON the schema asked for, and writers re-encode it escaped.
+    # Strict, as users will parse it: the engine rewrites schemas so that xgrammar cannot emit raw
+    # control characters in strings (mlc-ai/xgrammar#800, docs/structured_output.md).
     try:
-        return json.loads(text, strict=False), None
+        return json.loads(text), None
     except json.JSONDecodeError as error:
         return None, error.msg

@@ -153,6 +153,13 @@ def test_a_sample_that_is_not_json_fails_the_row_naming_the_choice(store) -> Non
     assert [choice.json_value for choice in output.choices] == [{}, None]
 
 
+def test_json_outputs_are_parsed_strictly_as_users_will(store) -> None:
+    # A raw control character inside a string is not JSON for a strict parser: the row says so.
+    job = spec("jsonl", response_format={"type": "json_object"})
+    output = sampled(job, ['{"a": "line\nbreak"}'])
+    assert output.error_code == "invalid_output_json" and "control character" in output.error_message
+
+
 def test_parquet_logprobs_and_choices_columns_are_typed_and_fixed_per_job(store) -> None:
     job = spec("parquet", sampling={"n": 2, "logprobs": 2})
     rows = [sampled(job, ["a", "b"]), OutputRow.from_error(RowBuilder(job).build(1, {}))]
