@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import io
 import json
+import sys
 from collections.abc import Iterator
 
 import httpx
+import pandas
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -98,13 +100,25 @@ def test_a_pyarrow_table_job_reads_back_as_arrow_pandas_and_files(stack, finishe
     assert pq.read_table(written).equals(table)
     lines = results.download(tmp_path / "all.jsonl").read_text().splitlines()
     assert [json.loads(line)["id"] for line in lines] == table.column("id").to_pylist()
-    try:
-        import pandas  # noqa: F401
-    except ModuleNotFoundError:
-        with pytest.raises(ModuleNotFoundError, match="to_pandas needs pandas"):
-            results.to_pandas()
-    else:
-        assert list(results.to_pandas()["id"]) == table.column("id").to_pylist()
+    frame = results.to_pandas()
+    assert list(frame["id"]) == table.column("id").to_pylist()
+    assert list(frame["text"]) == [row["text"] for row in rows]
+
+
+def test_to_pandas_without_pandas_says_what_to_install(stack, finished, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "pandas", None)  # as on an install without pandas
+    with pytest.raises(ModuleNotFoundError, match="to_pandas needs pandas"):
+        stack.client.jobs.results(finished["parquet"]).to_pandas()
+
+
+def test_a_pandas_dataframe_is_uploaded_as_parquet(stack) -> None:
+    frame = pandas.DataFrame({"id": ["d0", "d1"], "q": QUESTIONS[:2]})
+    job = stack.client.jobs.create(frame, model="small", prompt_column="q", id_column="id")
+    uri = stack.client.jobs.spec(job).input_uri
+    assert uri.endswith(".parquet")
+    bucket, key = uri.removeprefix("s3://").split("/", 1)
+    body = stack.s3.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert pq.read_table(io.BytesIO(body)).to_pylist() == frame.to_dict("records")
 
 
 def test_an_s3_uri_a_local_path_and_a_file_object_are_each_submitted_as_given(stack, tmp_path) -> None:
