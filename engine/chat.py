@@ -46,6 +46,12 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
     return text
 
 
+def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The prompt token ids of `messages`, ready for the reply (raises ChatTemplateError)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))  # the template placed its specials
+
+
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Checked copies with string content; raises ChatTemplateError naming the message and the problem."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:

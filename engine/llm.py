@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.chat import ChatTemplateError, chat_token_ids
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
+Messages = Sequence[Mapping[str, Any]]
 
 
 class LLM:
@@ -55,6 +57,25 @@ class LLM:
         if progress is not None:
             progress.close()
         return [results[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        conversations: Messages | Sequence[Messages],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """``generate`` for OpenAI-style messages (one conversation or a list of them), rendered with
+        the tokenizer's chat template, or ChatML when it has none (engine/chat.py). A conversation
+        that cannot be rendered raises ChatTemplateError naming it, before anything runs."""
+        if conversations and isinstance(conversations[0], Mapping):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = []
+        for index, messages in enumerate(conversations):
+            try:
+                prompts.append(chat_token_ids(self.tokenizer, messages))  # type: ignore[arg-type]
+            except ChatTemplateError as error:
+                raise ChatTemplateError(f"conversation {index}: {error}") from None
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()

@@ -13,7 +13,7 @@ import threading
 from typing import Any
 
 from engine import SamplingParams
-from engine.chat import ChatTemplateError, render_chat
+from engine.chat import ChatTemplateError, chat_token_ids
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import SamplingParams as JobSampling
 
@@ -81,10 +81,9 @@ class PromptRenderer:
             if row.messages is None:
                 return list(self._tokenizer.encode(row.prompt or ""))
             try:
-                text = render_chat(self._tokenizer, row.messages, add_generation_prompt=True)
+                return chat_token_ids(self._tokenizer, row.messages)
             except ChatTemplateError as error:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
-            return list(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def engine_error_code(message: str | None) -> RowErrorCode:

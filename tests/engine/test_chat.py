@@ -66,3 +66,19 @@ def test_a_failing_template_raises_a_value_error_with_its_message(tokenizer):
     with pytest.raises(ValueError, match="system messages are not supported") as raised:
         render_chat(tokenizer, MESSAGES)
     assert isinstance(raised.value, ChatTemplateError)
+
+
+def test_llm_chat_generates_from_the_rendered_conversation(tiny_checkpoint: Path):
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    [as_chat, second] = llm.chat([MESSAGES, MESSAGES[1:]], params)
+    prompt_ids = llm.tokenizer.encode(CHATML, add_special_tokens=False)
+    [as_tokens] = llm.generate([prompt_ids], params)
+    assert as_chat.prompt_token_ids == prompt_ids and as_chat.token_ids == as_tokens.token_ids
+    assert second.num_prompt_tokens < as_chat.num_prompt_tokens
+    [single] = llm.chat(MESSAGES, params)  # one conversation on its own
+    assert single.token_ids == as_chat.token_ids
+    with pytest.raises(ChatTemplateError, match=r"conversation 1: messages\[0\] needs a role"):
+        llm.chat([MESSAGES, [{"content": "no role"}]], params)
