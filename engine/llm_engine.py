@@ -6,7 +6,6 @@ import dataclasses
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,16 +13,24 @@ import torch
 from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
-from engine.metrics import EngineCounters, RequestMetrics
+from engine.grammar_tracking import GrammarTracker
+from engine.metrics import EngineCounters
 from engine.model_runner import DTYPES, ModelRunner
 from engine.models.loader import load_model, model_config_from_dir
+from engine.output_assembly import (
+    OutputAssembler,
+    Parent,
+    Sample,
+    parent_output,
+    rejection_output,
+    text_includes_last_token,
+)
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from engine.request import FinishReason, Request
 from engine.sampler import RowLogprobs, Sampler, SamplingBatch
-from engine.sampling_params import STRUCTURED_FIELDS, SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sampling_random import SEED_MASK
 from engine.scheduler import Scheduler
-from engine.token_bytes import TokenBytes
 
 __all__ = [
     "CompletionOutput",
@@ -39,28 +46,6 @@ CHILD_SEPARATOR = "\x1fn"
 
 # How long a step with nothing to run but grammars still compiling sleeps.
 GRAMMAR_WAIT_S = 0.002
-
-
-@dataclass(eq=False)
-class _Parent:
-    """A request as the caller sees it: one prompt, n samples."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    outputs: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _Sample:
-    """Engine-side state of one scheduled sequence (one sample of a parent)."""
-
-    parent: _Parent
-    request: Request
-    detokenizer: IncrementalDetokenizer | None  # only with stop strings
-    logprobs: list[RowLogprobs] | None
-    structured: bool
 
 
 class LLMEngine:
@@ -100,20 +85,19 @@ class LLMEngine:
             eos = model_config.eos_token_ids[0]
         self.eos_token_id = eos
         self.scheduler = Scheduler(config, num_blocks, eos)
-        self.scheduler.can_admit = self._can_admit
+        # Structured output: grammars of live samples; xgrammar is imported on the first such request.
+        self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
+        self.scheduler.can_admit = self._grammars.can_admit
         self.sampler = Sampler()
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
         self.counters = EngineCounters()
         self._vocab_size = model_config.vocab_size
-        self._parents: dict[str, _Parent] = {}
-        self._samples: dict[str, _Sample] = {}  # by scheduler request id
+        self._parents: dict[str, Parent] = {}
+        self._samples: dict[str, Sample] = {}  # by scheduler request id
         # Samples that need per-token work after sampling (stop strings, grammar, logprobs).
         self._post_ids: set[str] = set()
-        self._structured: Any = None  # StructuredOutputManager, built on the first structured request
-        self._structured_ids: set[str] = set()  # live samples with a grammar
-        self._compiling: set[str] = set()  # of those, the ones whose grammar is not ready yet
-        self._token_bytes: TokenBytes | None = None
+        self._assembler = OutputAssembler(self.tokenizer)
         self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
 
     # ---- requests ------------------------------------------------------------------------------
@@ -137,7 +121,7 @@ class LLMEngine:
         error = error or params_error
         spec = None
         if error is None:
-            spec, error = self._structured_spec(params)
+            spec, error = self._grammars.spec(params)
         n = params.n if params_error is None else 1  # outputs to report, even for a rejection
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         children = [
@@ -152,7 +136,7 @@ class LLMEngine:
             )
             for i in range(n if error is None else 1)
         ]
-        parent = _Parent(request_id, prompt_text, list(token_ids), children)
+        parent = Parent(request_id, prompt_text, list(token_ids), children)
         if error is not None:
             children[0].finish(FinishReason.ERROR, time.monotonic(), error=error)
             self._reject(parent, n)
@@ -167,7 +151,7 @@ class LLMEngine:
                 return
         self._parents[request_id] = parent
         for child in children:
-            sample = _Sample(
+            sample = Sample(
                 parent=parent,
                 request=child,
                 detokenizer=self._detokenizer(child) if params.stop else None,
@@ -178,11 +162,7 @@ class LLMEngine:
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
         if spec is not None:
-            manager = self._structured_manager()
-            for child in children:
-                manager.register(child.request_id, spec)
-                self._structured_ids.add(child.request_id)
-                self._compiling.add(child.request_id)
+            self._grammars.register([child.request_id for child in children], spec)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (all its samples); its output (``finish_reason="abort"``) comes from the
@@ -207,7 +187,7 @@ class LLMEngine:
         """Run one step; returns the requests that finished (including rejected and aborted ones)."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
-        finished: list[Request] = self._poll_grammars() if self._compiling else []
+        finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         scheduled = self.scheduler.schedule()
         if scheduled.chunks:
             sampling = [c.request for c in scheduled.chunks if c.samples]
@@ -230,7 +210,7 @@ class LLMEngine:
             self.counters.record_step(
                 time.monotonic() - started, scheduled.num_scheduled_tokens, prefill_tokens
             )
-        elif self._compiling and not outputs and not finished:
+        elif self._grammars.compiling and not outputs and not finished:
             # Only requests waiting for their grammars: yield the CPU to the compile threads
             # instead of spinning (the LLM loop and the worker's engine thread call step() back to back).
             time.sleep(GRAMMAR_WAIT_S)
@@ -249,17 +229,8 @@ class LLMEngine:
     ) -> tuple[dict[str, int], list[RowLogprobs | None]]:
         if not requests:
             return {}, []
-        bitmask = None
-        if self._structured_ids:
-            structured = self._structured_ids
-            ids = [r.request_id if r.request_id in structured else None for r in requests]
-            bitmask = self._structured.fill_bitmask(ids)
-        batch = SamplingBatch.build(
-            requests,
-            self.eos_token_id,
-            bitmask=bitmask,
-            apply_bitmask=self._structured.apply_bitmask if bitmask is not None else None,
-        )
+        bitmask, apply_bitmask = self._grammars.bitmask(requests)
+        batch = SamplingBatch.build(requests, self.eos_token_id, bitmask=bitmask, apply_bitmask=apply_bitmask)
         result = self.sampler.sample(logits, batch)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         return sampled, result.logprobs
@@ -277,7 +248,7 @@ class LLMEngine:
             token_id = sampled[request.request_id]
             if sample.logprobs is not None and logprobs[row] is not None:
                 sample.logprobs.append(logprobs[row])  # type: ignore[arg-type]
-            if sample.detokenizer is not None and self._text_includes_last_token(request):
+            if sample.detokenizer is not None and text_includes_last_token(request):
                 stop = sample.detokenizer.add_token(token_id)
                 if stop is not None:
                     self._stop_on_string(request, stop, finished)
@@ -294,55 +265,19 @@ class LLMEngine:
         request.stop_reason = stop
 
     def _advance_grammar(self, request: Request, token_id: int, finished: list[Request]) -> None:
-        manager = self._structured
-        if not manager.accept_token(request.request_id, token_id):
-            error = f"structured output: the grammar rejected token {token_id}"
-            self.scheduler.finish_request(request.request_id, FinishReason.ERROR, error)
+        end = self._grammars.advance(request.request_id, token_id)
+        if end is not None:
+            reason, error = end
+            self.scheduler.finish_request(request.request_id, reason, error)
             finished.append(request)
-        elif manager.is_terminated(request.request_id):
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-            finished.append(request)
-
-    # ---- structured output ----------------------------------------------------------------------
-
-    def _structured_spec(self, params: SamplingParams) -> tuple[Any, str | None]:
-        """The request's spec, with the manager built on first use; an error if xgrammar is missing."""
-        if all(getattr(params, name) is None for name in STRUCTURED_FIELDS):
-            return None, None
-        try:
-            spec = params.structured
-            self._structured_manager()
-        except ImportError as exc:
-            return None, f"structured output needs xgrammar (the worker extra): {exc}"
-        return spec, None
-
-    def _structured_manager(self) -> Any:
-        if self._structured is None:
-            from engine.structured_output import StructuredOutputManager  # xgrammar: only when used
-
-            self._structured = StructuredOutputManager(
-                self.tokenizer, self._vocab_size, self.config.max_num_seqs
-            )
-        return self._structured
-
-    def _can_admit(self, request: Request) -> bool:
-        return request.request_id not in self._compiling
 
     def _poll_grammars(self) -> list[Request]:
         """Requests whose grammar failed to compile end with an error; ready ones may start."""
         failed: list[Request] = []
-        for request_id in list(self._compiling):
-            state = self._structured.state(request_id)
-            if state == "compiling":
-                continue
-            self._compiling.discard(request_id)
-            if state == "failed":
-                reason = self._structured.error(request_id) or "the grammar failed to compile"
-                request = self.scheduler.finish_request(
-                    request_id, FinishReason.ERROR, f"structured output: {reason}"
-                )
-                if request is not None:
-                    failed.append(request)
+        for request_id, error in self._grammars.poll():
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, error)
+            if request is not None:
+                failed.append(request)
         return failed
 
     # ---- finishing ----------------------------------------------------------------------------
@@ -354,100 +289,16 @@ class LLMEngine:
             return None
         self._post_ids.discard(request.request_id)
         if sample.structured:
-            self._compiling.discard(request.request_id)
-            self._structured_ids.discard(request.request_id)
-            self._structured.release(request.request_id)
-        sample.parent.outputs[request.sample_index] = self._completion(sample)
-        return self._parent_output(sample.parent)
+            self._grammars.release(request.request_id)
+        sample.parent.outputs[request.sample_index] = self._assembler.completion(sample)
+        output = parent_output(sample.parent)
+        if output is not None:
+            self._parents.pop(sample.parent.request_id, None)
+        return output
 
-    def _completion(self, sample: _Sample) -> CompletionOutput:
-        request = sample.request
-        params = request.sampling_params
-        if sample.detokenizer is not None:
-            stop = sample.detokenizer.finish()  # flush an incomplete trailing character
-            if stop is not None and request.finish_reason is not FinishReason.STOP:
-                request.finish_reason, request.stop_reason = FinishReason.STOP, stop
-            text = sample.detokenizer.text
-        else:
-            token_ids = request.output_token_ids
-            if token_ids and not self._text_includes_last_token(request):
-                token_ids = token_ids[:-1]
-            text = self.tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
-        return CompletionOutput(
-            index=request.sample_index,
-            text=text if request.output_token_ids else "",
-            token_ids=list(request.output_token_ids),
-            finish_reason=str(request.finish_reason) if request.finish_reason is not None else None,
-            stop_reason=request.stop_reason,
-            logprobs=self._position_logprobs(sample.logprobs) if sample.logprobs is not None else None,
-        )
-
-    @staticmethod
-    def _text_includes_last_token(request: Request) -> bool:
-        """A stop token (EOS or stop id) is left out of the text, as in vLLM."""
-        return not request.stopped_on_token or request.sampling_params.include_stop_str_in_output
-
-    def _parent_output(self, parent: _Parent) -> RequestOutput | None:
-        if len(parent.outputs) < len(parent.children):
-            return None
-        self._parents.pop(parent.request_id, None)
-        outputs = [parent.outputs[i] for i in range(len(parent.children))]
-        first = parent.children[0]
-        error = next((c.error for c in parent.children if c.error is not None), None)
-        return RequestOutput(
-            request_id=parent.request_id,
-            prompt=parent.prompt,
-            prompt_token_ids=list(parent.prompt_token_ids),
-            text=outputs[0].text,
-            token_ids=outputs[0].token_ids,
-            finish_reason=outputs[0].finish_reason,
-            error=error,
-            num_prompt_tokens=first.num_prompt_tokens,
-            num_cached_tokens=first.num_cached_tokens,
-            num_completion_tokens=sum(len(o.token_ids) for o in outputs),
-            metrics=RequestMetrics.merged([RequestMetrics.from_request(c) for c in parent.children]),
-            finished=all(c.is_finished for c in parent.children),
-            outputs=outputs,
-        )
-
-    def _reject(self, parent: _Parent, n: int) -> None:
+    def _reject(self, parent: Parent, n: int) -> None:
         self.counters.num_errors += 1
-        request = parent.children[0]
-        completion = CompletionOutput(0, "", [], str(FinishReason.ERROR))
-        self._pending.append(
-            RequestOutput(
-                request_id=parent.request_id,
-                prompt=parent.prompt,
-                prompt_token_ids=list(parent.prompt_token_ids),
-                text="",
-                token_ids=[],
-                finish_reason=str(FinishReason.ERROR),
-                error=request.error,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=0,
-                num_completion_tokens=0,
-                metrics=RequestMetrics.from_request(request),
-                finished=True,
-                outputs=[dataclasses.replace(completion, index=i) for i in range(n)],
-            )
-        )
-
-    def _position_logprobs(self, rows: list[RowLogprobs]) -> list[PositionLogprobs]:
-        if self._token_bytes is None:
-            self._token_bytes = TokenBytes(self.tokenizer)
-        token_bytes = self._token_bytes
-
-        def entry(token_id: int, logprob: float) -> TokenLogprob:
-            text, raw = token_bytes.get(token_id)
-            return TokenLogprob(token_id, text, logprob, raw)
-
-        return [
-            PositionLogprobs(
-                chosen=entry(row.token_id, row.chosen),
-                top=[entry(t, lp) for t, lp in zip(row.top_ids, row.top_logprobs, strict=True)],
-            )
-            for row in rows
-        ]
+        self._pending.append(rejection_output(parent, n))
 
     # ---- helpers -------------------------------------------------------------------------------
 

@@ -31,7 +31,7 @@ def test_no_structured_request_builds_no_manager(tiny_checkpoint):
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=32))
     engine.add_request("plain", PROMPTS[0], GREEDY)
     run(engine)
-    assert engine._structured is None
+    assert engine._grammars.manager is None
 
 
 def test_choice_regex_and_json_constrain_the_output(llm):
@@ -76,7 +76,7 @@ def test_a_failing_grammar_fails_its_request_alone(llm):
 
 def test_a_compiling_grammar_does_not_hold_back_other_requests(tiny_checkpoint):
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64))
-    manager = engine._structured_manager()
+    manager = engine._grammars.ensure_manager()
     gate = threading.Event()
     compile_now = manager._compile
 

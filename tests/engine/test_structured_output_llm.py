@@ -144,7 +144,7 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -
 
     llm = LLM(model=str(tiny_checkpoint), max_num_seqs=8)
     engine = llm.engine
-    engine._structured = Gated(engine.tokenizer, engine._vocab_size, 8)  # the engine's manager slot
+    engine._grammars.manager = Gated(engine.tokenizer, engine._vocab_size, 8)  # the engine's manager slot
     engine.add_request("json", "a", SamplingParams(json_schema={"type": "boolean"}, max_tokens=8))
     engine.add_request("plain", "b", SamplingParams(max_tokens=8, ignore_eos=True))
     done: dict[str, object] = {}
