@@ -20,10 +20,14 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.checkpoints import cached_checkpoint
+
+if TYPE_CHECKING:
+    from engine import LLM, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -97,17 +101,25 @@ def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: in
     return RunResult(label, wall, workload.prompt_tokens, output_tokens, {})
 
 
+def timed_generate(
+    llm: LLM, prompts: list[list[int]], params: SamplingParams
+) -> tuple[list[RequestOutput], float]:
+    """``llm.generate`` and its wall time in seconds; any failed request fails the benchmark."""
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in the benchmark, first: {errors[0]}")
+    return outputs, wall
+
+
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunResult:
     from engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
-    started = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params)
-    wall = time.perf_counter() - started
-    errors = [o.error for o in outputs if o.finish_reason == "error"]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed in the benchmark, first: {errors[0]}")
+    outputs, wall = timed_generate(llm, workload.prompts, params)
     cached = sum(o.num_cached_tokens for o in outputs)
     metrics = llm.get_metrics()
     extra = {

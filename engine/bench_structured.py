@@ -64,7 +64,7 @@ def run_structured_bench(*, preset: str, arch: str, requests: int, prompt_len: i
     import torch
 
     from engine import LLM, SamplingParams
-    from engine.bench import make_workload
+    from engine.bench import make_workload, timed_generate
 
     model_dir = str(cached_checkpoint(preset=preset, arch=arch, seed=0))
     llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -79,12 +79,7 @@ def run_structured_bench(*, preset: str, arch: str, requests: int, prompt_len: i
 
     def run(label: str, **constraint: object) -> StructuredRun:
         params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, **constraint)
-        started = time.perf_counter()
-        outputs = llm.generate(workload.prompts, params)
-        wall = time.perf_counter() - started
-        errors = [o.error for o in outputs if o.finish_reason == "error"]
-        if errors:
-            raise RuntimeError(f"{len(errors)} requests failed in the benchmark, first: {errors[0]}")
+        outputs, wall = timed_generate(llm, workload.prompts, params)
         return StructuredRun(label, wall, sum(o.num_completion_tokens for o in outputs))
 
     llm.generate(workload.prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
