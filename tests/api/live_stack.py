@@ -1,5 +1,6 @@
 """One live deployment per test module, for the SDK and CLI tests: Redis, moto S3, the API over real
-HTTP (uvicorn) and a real Celery worker process serving the tiny model.
+HTTP (uvicorn) and a real Celery worker process serving the tiny model. test_end_to_end.py and
+test_schedules_live.py build theirs with the same `live_stack`, with their own models, buckets and settings.
 
 Three models, so every job outcome is real and cheap:
 - `tiny`: served by the worker; jobs run through the engine and succeed.
@@ -19,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,34 +44,51 @@ class LiveStack:
     repository: JobRepository
     s3: S3Server
     env: dict[str, str]  # what a child process (the CLI) needs to reach this S3
+    inputs_bucket: str = INPUTS_BUCKET
 
     def put_input(self, name: str, body: bytes) -> str:
-        self.s3.client().put_object(Bucket=INPUTS_BUCKET, Key=name, Body=body)
-        return f"s3://{INPUTS_BUCKET}/{name}"
+        self.s3.client().put_object(Bucket=self.inputs_bucket, Key=name, Body=body)
+        return f"s3://{self.inputs_bucket}/{name}"
 
     def cli_env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, **self.env, "PYTHONPATH": str(REPO_ROOT), **extra}
 
 
 @contextmanager
-def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
-               model_cache: Path) -> Iterator[LiveStack]:
+def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path, model_cache: Path, *,
+               models: dict[str, str] | None = None, worker_models: dict[str, str] | None = None,
+               jobs_bucket: str = JOBS_BUCKET, inputs_bucket: str = INPUTS_BUCKET,
+               engine_options: dict[str, Any] | None = None, client_options: dict[str, Any] | None = None,
+               settings_fields: dict[str, Any] | None = None) -> Iterator[LiveStack]:
+    """Flush Redis, reset S3 and make the buckets, then run a worker serving `tiny`, the API and a client.
+
+    `models=None` is the SDK tests' deployment (the three models of the module docstring);
+    otherwise `models` are the API's and `worker_models` the worker's (None: the same as the API's).
+    `settings_fields` are extra `Settings` fields (the worker gets them too, through its environment).
+    """
+    if models is None:
+        worker_models = {"tiny": str(tiny_checkpoint), "small": "/nonexistent/small"}
+        models = {**worker_models, "retired": "/nonexistent/retired"}
+    engine_options = ENGINE_OPTIONS if engine_options is None else engine_options
+    client_options = {"timeout": 30, "backoff": 0.05} if client_options is None else client_options
     redis_server.client().flushall()
     s3_server.reset()
-    for bucket in (JOBS_BUCKET, INPUTS_BUCKET):
+    for bucket in (jobs_bucket, inputs_bucket):
         s3_server.client().create_bucket(Bucket=bucket)
-    worker_models = {"tiny": str(tiny_checkpoint), "small": "/nonexistent/small"}
-    api_models = {**worker_models, "retired": "/nonexistent/retired"}
-    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/bulkinfer",
-                        s3_endpoint_url=s3_server.endpoint_url, models=json.dumps(api_models))
-    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_MODELS": json.dumps(worker_models),
-                  "BULKINFER_WORKER_MODELS": "tiny", "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
-                  "HF_HUB_OFFLINE": "1", "BULKINFER_MODEL_CACHE": str(model_cache)}
+    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{jobs_bucket}/bulkinfer",
+                        s3_endpoint_url=s3_server.endpoint_url, models=json.dumps(models),
+                        **(settings_fields or {}))
+    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_WORKER_MODELS": "tiny",
+                  "BULKINFER_ENGINE_OPTIONS": json.dumps(engine_options), "HF_HUB_OFFLINE": "1",
+                  "BULKINFER_MODEL_CACHE": str(model_cache)}
+    if worker_models is not None:
+        worker_env["BULKINFER_MODELS"] = json.dumps(worker_models)
     with pytest.MonkeyPatch.context() as patch:
         for name, value in s3_server.env().items():  # S3 credentials for the API in this process
             patch.setenv(name, value)
         with celery_worker("worker.celery_app", redis_server.url, env=worker_env,
                            queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
                 ServerThread(create_app(settings), port=free_port()) as server, \
-                Client(server.url, timeout=30, backoff=0.05) as client:
-            yield LiveStack(server.url, client, settings.repository(), s3_server, s3_server.env())
+                Client(server.url, **client_options) as client:
+            yield LiveStack(server.url, client, settings.repository(), s3_server, s3_server.env(),
+                            inputs_bucket)

@@ -18,15 +18,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.app import create_app
 from api.client import Client
-from api.server import ServerThread
 from engine import LLM, SamplingParams
 from jobs.models import QUEUE_PREFIX
 from jobs.repository import JobRepository
-from jobs.settings import Settings
 from jobs.status import JobState, JobStatus
-from tests.fixtures.services import RedisServer, S3Server, celery_worker, free_port
+from tests.api.live_stack import live_stack
+from tests.fixtures.services import RedisServer, S3Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -56,24 +54,11 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    redis_server.client().flushall()
-    s3_server.reset()
-    for bucket in (JOBS_BUCKET, INPUTS_BUCKET):
-        s3_server.client().create_bucket(Bucket=bucket)
-    models = json.dumps({"tiny": str(tiny_checkpoint)})
-    settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{JOBS_BUCKET}/bulkinfer",
-                        s3_endpoint_url=s3_server.endpoint_url, models=models)
-    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_WORKER_MODELS": "tiny",
-                  "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS), "HF_HUB_OFFLINE": "1",
-                  "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache"))}
-    with pytest.MonkeyPatch.context() as patch:
-        for name, value in s3_server.env().items():  # S3 credentials for the API in this process
-            patch.setenv(name, value)
-        with celery_worker("worker.celery_app", redis_server.url, env=worker_env,
-                           queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
-                ServerThread(create_app(settings), port=free_port()) as server, \
-                Client(server.url, timeout=30) as client:
-            yield Deployment(client, server.url, settings.repository(), s3_server, redis_server.url)
+    with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
+                    models={"tiny": str(tiny_checkpoint)}, jobs_bucket=JOBS_BUCKET,
+                    inputs_bucket=INPUTS_BUCKET, engine_options=ENGINE_OPTIONS,
+                    client_options={"timeout": 30}) as live:
+        yield Deployment(live.client, live.url, live.repository, live.s3, redis_server.url)
 
 
 @pytest.fixture(scope="module")
