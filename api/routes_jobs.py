@@ -16,9 +16,11 @@ from api.schemas import ERROR_RESPONSES, JobPage, JobResults
 from api.submission import parse_spec, submit_spec
 from api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
 from jobs.layout import JOB_ID_PATTERN
+from jobs.models import CONTROL_QUEUE
 from jobs.repository import JobNotFound
 from jobs.spec import JobSpec
 from jobs.status import JobState, JobStatus
+from jobs.webhook_claims import DELIVER_WEBHOOK, claim_delivery
 
 MAX_JSON_BODY_BYTES = 1 << 20
 CURSOR_PATTERN = r"^\d{17}:[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"
@@ -100,6 +102,9 @@ def cancel_job(job_id: str, context: Context) -> JobStatus:
     status = context.repository.request_cancel(_known_id(job_id))
     if status.state != JobState.CANCELLED:
         raise ApiError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
+    # The job may sit behind other work (or on a model no worker serves): its webhook goes now.
+    if claim_delivery(context.repository, job_id):
+        context.tasks.send(DELIVER_WEBHOOK, [job_id], CONTROL_QUEUE)
     return status
 
 

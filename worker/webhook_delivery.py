@@ -1,11 +1,12 @@
 """Completion webhooks: when a job with a `webhook_url` ends, POST its final status, signed.
 
 `notify_if_final` runs after the tasks that can end a job (plan, a failed or cancelled shard,
-finalize). A Redis marker per job (`SET NX`) makes it send `bulkinfer.deliver_webhook` once, however
-many tasks see the job ended. The delivery task retries connection errors, timeouts, 5xx and 429
-after base·2^n seconds (at most 10 min apart) up to the attempt limit; other 4xx answers are final.
-The marker ends as `delivered` or `failed: <why>`. Delivery is at-least-once: an answer lost after
-the receiver acted makes it see the delivery again (same X-Bulkinfer-Delivery id).
+finalize), and the API's cancel does the same; a Redis marker per job (`SET NX`,
+jobs/webhook_claims.py) makes exactly one of them send `bulkinfer.deliver_webhook`. The delivery
+task retries connection errors, timeouts, 5xx and 429 after base·2^n seconds (at most 10 min apart)
+up to the attempt limit; other 4xx answers are final. The marker ends as `delivered` or
+`failed: <why>`. Delivery is at-least-once: an answer lost after the receiver acted makes it see
+the delivery again (same X-Bulkinfer-Delivery id).
 """
 
 from __future__ import annotations
@@ -20,18 +21,17 @@ from celery import Task
 
 from jobs import webhooks
 from jobs.models import CONTROL_QUEUE
+from jobs.webhook_claims import DELIVER_WEBHOOK, MARKER_TTL_S, claim_delivery, marker_key
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
 
-DELIVER_WEBHOOK = "bulkinfer.deliver_webhook"
 DEFAULT_MAX_ATTEMPTS = 8
 DEFAULT_RETRY_BASE_S = 2.0
 MAX_RETRY_DELAY_S = 600.0
 REQUEST_TIMEOUT_S = 10.0
-MARKER_TTL_S = 30 * 24 * 3600
 
 
 class RetryableDelivery(Exception):
@@ -40,10 +40,6 @@ class RetryableDelivery(Exception):
 
 class RejectedDelivery(Exception):
     """The receiver refused it (4xx other than 408/429): retrying would not help."""
-
-
-def marker_key(namespace: str, job_id: str) -> str:
-    return f"{namespace}:job:{{{job_id}}}:webhook"
 
 
 def delivery_state(context: WorkerContext, job_id: str) -> str | None:
@@ -60,13 +56,8 @@ def send_delivery(job_id: str) -> None:
 def notify_if_final(context: WorkerContext, job_id: str,
                     send: Callable[[str], None] = send_delivery) -> bool:
     """Start the job's webhook delivery if it has ended and has a URL, once per job."""
-    repository = context.repository
-    if not repository.get(job_id).state.is_terminal:
-        return False
-    if not repository.get_spec(job_id).webhook_url:
-        return False
-    if not repository.redis.set(marker_key(repository.namespace, job_id), "queued", nx=True, ex=MARKER_TTL_S):
-        return False  # another task already started it
+    if not claim_delivery(context.repository, job_id):
+        return False  # not ended, no URL, or another task (or the API's cancel) started it
     send(job_id)
     return True
 

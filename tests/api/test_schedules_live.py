@@ -126,18 +126,20 @@ def test_a_paused_schedule_is_passed_over_by_the_ticker(deployment: Deployment) 
     schedules.delete(paused)
 
 
-def test_a_job_cancelled_before_it_ran_and_a_job_that_failed_report_their_end(deployment: Deployment) -> None:
+def test_a_job_cancelled_through_the_api_and_a_failed_job_report_their_end(deployment: Deployment) -> None:
     sender = create_celery_app(deployment.broker_url, name="bulkinfer-test-sender")
     with webhook_receiver() as receiver:
+        # Never planned, so no worker task ever sees this job: the API's cancel sends its webhook.
         cancelled = deployment.repository.create(JobSpec(
             input_uri=f"s3://{INPUTS_BUCKET}/never.jsonl", webhook_url=receiver.url, **JOB)).job_id
         deployment.client.jobs.cancel(cancelled)
+        deployment.client.jobs.cancel(cancelled)  # again: still one delivery
         failed = deployment.repository.create(JobSpec(
             input_uri=f"s3://{INPUTS_BUCKET}/missing.jsonl", webhook_url=receiver.url, **JOB)).job_id
-        for job_id in (cancelled, failed):  # what the API sends at submit
-            sender.send_task("bulkinfer.plan_job", args=[job_id], queue="bulkinfer.control")
+        sender.send_task("bulkinfer.plan_job", args=[failed], queue="bulkinfer.control")  # as at submit
         wait_until(lambda: len(receiver.requests) == 2, timeout=WAIT_S, what="two webhook requests")
     sender.close()
+    assert len(receiver.requests) == 2
 
     bodies = {body["job"]["job_id"]: body for body in (json.loads(r.body) for r in receiver.requests)}
     assert bodies[cancelled]["job"]["state"] == "cancelled"
