@@ -13,6 +13,7 @@ from typing import Any
 from celery import Celery, signals
 
 from jobs.models import CONTROL_QUEUE
+from jobs.settings import Settings, config_path
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 # Models this worker loads at start, in the background (comma-separated registry names).
@@ -75,6 +76,15 @@ def create_pipeline_app(broker_url: str | None = None) -> Celery:
     return app
 
 
+def apply_config_file() -> None:
+    """A worker started with plain `celery -A worker.celery_app worker` gets the config file too:
+    the merged settings (variables over the file) go into this process's environment, where the
+    broker URL, engine options, lease TTL and reaper interval are read. `serve worker` does the same."""
+    if config_path(os.environ) is not None:
+        Settings.from_env().export()
+
+
+apply_config_file()
 app = create_pipeline_app()
 
 

@@ -72,3 +72,23 @@ def test_serve_worker_runs_a_worker_on_the_model_queues(redis_server: RedisServe
         control.close()
         process.terminate()
         process.wait(timeout=30)
+
+
+def test_a_plain_celery_worker_reads_the_config_file_under_its_environment(tmp_path: Path) -> None:
+    config = tmp_path / "bulkinfer.toml"
+    config.write_text('broker_url = "redis://127.0.0.1:6390/3"\nshard_lease_ttl_s = 12.5\n'
+                      '[engine_options]\nnum_kv_blocks = 48\n')
+    probe = ("import json, os; from worker.celery_app import app; "
+             "print(json.dumps([app.conf.broker_url, os.environ.get('BULKINFER_ENGINE_OPTIONS'), "
+             "os.environ.get('BULKINFER_SHARD_LEASE_TTL_S')]))")
+    base = {key: value for key, value in os.environ.items() if not key.startswith("BULKINFER_")}
+
+    def imported_with(**variables: str) -> list:
+        result = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True,
+                                env={**base, "PYTHONPATH": str(REPO_ROOT), "BULKINFER_CONFIG": str(config),
+                                     **variables}, timeout=60, check=True)
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    assert imported_with() == ["redis://127.0.0.1:6390/3", '{"num_kv_blocks": 48}', "12.5"]
+    # A variable beats the file, as everywhere else.
+    assert imported_with(BULKINFER_BROKER_URL="redis://127.0.0.1:6391/0")[0] == "redis://127.0.0.1:6391/0"
