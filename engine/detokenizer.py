@@ -69,13 +69,15 @@ class IncrementalDetokenizer:
             self._pieces = ["".join(self._pieces)]
         return self._pieces[0] if self._pieces else ""
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one output token; return the stop string it completed, or None."""
+    def add_token(self, token_id: int, check_stop: bool = True) -> str | None:
+        """Append one output token; return the stop string it completed, or None. With
+        `check_stop=False` (before `min_tokens`, as in vLLM) the text grows but nothing stops it; a
+        stop string that completes later still matches, one that completed meanwhile never does."""
         if self.finished:
             return None
         self.token_ids.append(token_id)
         new_text = self._decode_window(final=False)
-        return self._release(new_text) if new_text else None
+        return self._release(new_text, check_stop) if new_text else None
 
     def finish(self) -> str | None:
         """End the text: release an incomplete trailing character (as decode renders it) and any
@@ -114,9 +116,10 @@ class IncrementalDetokenizer:
         self._read_offset = len(ids)
         return window_text[len(prefix_text) :]
 
-    def _release(self, new_text: str) -> str | None:
+    def _release(self, new_text: str, check_stop: bool = True) -> str | None:
         window = self._tail + new_text
-        match = _earliest_stop(window, self._stop)
+        # Only matches that complete in the new text: the tail was checked before (or not to be).
+        match = _earliest_stop(window, self._stop, min_end=len(self._tail) + 1) if check_stop else None
         if match is None:
             self._append(new_text)
             self._tail = window[max(0, len(window) - self._tail_len) :] if self._tail_len else ""
@@ -155,11 +158,12 @@ class IncrementalDetokenizer:
         return 0
 
 
-def _earliest_stop(text: str, stops: list[str]) -> tuple[str, int] | None:
-    """The stop string that completes first in `text` (ties: the one starting first) and its start."""
+def _earliest_stop(text: str, stops: list[str], min_end: int = 0) -> tuple[str, int] | None:
+    """The stop string that completes first in `text` at or after `min_end` (ties: the one
+    starting first) and its start."""
     best: tuple[int, int, str] | None = None
     for stop in stops:
-        start = text.find(stop)
+        start = text.find(stop, max(0, min_end - len(stop)))
         if start >= 0:
             key = (start + len(stop), start, stop)
             if best is None or key[:2] < best[:2]:

@@ -249,7 +249,9 @@ class LLMEngine:
             if sample.logprobs is not None and logprobs[row] is not None:
                 sample.logprobs.append(logprobs[row])  # type: ignore[arg-type]
             if sample.detokenizer is not None and text_includes_last_token(request):
-                stop = sample.detokenizer.add_token(token_id)
+                # As in vLLM, stop strings end nothing before min_tokens.
+                reached = request.num_output_tokens >= request.sampling_params.min_tokens
+                stop = sample.detokenizer.add_token(token_id, check_stop=reached)
                 if stop is not None:
                     self._stop_on_string(request, stop, finished)
             if sample.structured and not request.is_finished:

@@ -168,3 +168,16 @@ def test_random_token_streams_match_decode_and_a_reference_stop_search(tokenizer
     deltas, matched = feed(detok, ids)
     end, start, expected = min((full.find(s) + len(s), full.find(s), s) for s in stops)
     assert matched == expected and detok.text == full[:start] == "".join(deltas)
+
+
+def test_stops_are_not_checked_before_min_tokens_and_never_matched_in_text_seen_then(tokenizer):
+    ids = tokenizer.encode("ab xy ab cd")
+    detok = IncrementalDetokenizer(tokenizer, prompt_token_ids=[], stop=["ab", "zzzzzz"])
+    first_ab = len(tokenizer.encode("ab"))  # the tokens of the first "ab": unchecked (before min_tokens)
+    assert all(detok.add_token(t, check_stop=False) is None for t in ids[:first_ab])
+    matched = None
+    for token_id in ids[first_ab:]:  # checked from here: the first "ab" stays, the second one stops
+        matched = detok.add_token(token_id)
+        if matched:
+            break
+    assert matched == "ab" and detok.text == "ab xy "

@@ -105,3 +105,17 @@ def test_min_tokens_holds_off_stop_token_ids(llm, greedy):
     assert held.token_ids[0] != first and len(held.token_ids) >= 3
     assert first not in held.token_ids[:3]
     assert held.finish_reason == ("stop" if first in held.token_ids else "length")
+
+
+def test_min_tokens_holds_off_stop_strings_as_in_vllm(llm, greedy):
+    stop, completing = boundary_stop(llm, greedy.token_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=MAX, stop=stop, min_tokens=completing + 2,
+                            ignore_eos=True)
+    [output] = llm.generate(PROMPT, params)
+    # The first match completed before min_tokens, so it ended nothing; only a later one may stop it.
+    later = greedy.text.find(stop, greedy.text.find(stop) + 1)
+    assert len(output.token_ids) > completing + 1
+    if later >= 0:
+        assert (output.text, output.finish_reason) == (greedy.text[:later], "stop")
+    else:
+        assert (output.text, output.finish_reason) == (greedy.text, "length")
