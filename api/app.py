@@ -6,11 +6,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
 from api import routes_jobs, routes_schedules, routes_service
+from api.auth import ApiKeyCheck
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -35,7 +36,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         context.tasks.close()
         context.repository.redis.close()
 
-    app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
+                  dependencies=[Depends(ApiKeyCheck(settings.api_key_list()))])
     app.state.context = context
     install_error_handlers(app)
     app.include_router(routes_jobs.router)

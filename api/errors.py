@@ -17,11 +17,13 @@ from jobs.status import IllegalTransition
 class ApiError(Exception):
     """An error with the status code and the message the client should see."""
 
-    def __init__(self, status_code: int, message: str, messages: list[str] | None = None) -> None:
+    def __init__(self, status_code: int, message: str, messages: list[str] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.messages = messages or []
+        self.headers = headers or {}
 
 
 def invalid_spec(error: ValidationError) -> ApiError:
@@ -30,7 +32,8 @@ def invalid_spec(error: ValidationError) -> ApiError:
 
 
 def _body(error: ApiError) -> JSONResponse:
-    return JSONResponse({"detail": error.message, "messages": error.messages}, status_code=error.status_code)
+    return JSONResponse({"detail": error.message, "messages": error.messages}, status_code=error.status_code,
+                        headers=error.headers or None)
 
 
 # Domain errors and the status each one means at the API.

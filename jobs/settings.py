@@ -43,6 +43,7 @@ ENVIRONMENT_NAMES = {
     "api_host": "BULKINFER_API_HOST",
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
+    "api_keys": "BULKINFER_API_KEYS",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
@@ -71,6 +72,8 @@ class Settings(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
+    # Keys (comma-separated) the API accepts as `Authorization: Bearer <key>`; unset: no auth.
+    api_keys: str | None = None
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
@@ -147,6 +150,9 @@ class Settings(BaseModel):
         their variable directly (engine options, lease TTL, …) and for child processes.
         """
         (os.environ if environ is None else environ).update(self.to_env())
+
+    def api_key_list(self) -> list[str]:
+        return [key.strip() for key in (self.api_keys or "").split(",") if key.strip()]
 
     def engine_options_dict(self) -> dict[str, Any]:
         return json.loads(self.engine_options) if self.engine_options else {}

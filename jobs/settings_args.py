@@ -22,6 +22,7 @@ HELP = {
     "api_host": "address the API listens on",
     "api_port": "port the API listens on (0: any free port)",
     "worker_concurrency": "task threads per worker",
+    "api_keys": "comma-separated API keys clients must send as Bearer tokens (unset: no auth)",
     "schedule_tick_s": "seconds between schedule ticks",
     "webhook_secret": "HMAC key that signs webhook deliveries",
     "webhook_max_attempts": "webhook delivery attempts",
