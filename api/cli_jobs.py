@@ -24,6 +24,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -180,8 +181,14 @@ def submit(argv: list[str]) -> int:
     parser.add_argument("--id-column", help="the column holding row ids (default: the row's index)")
     parser.add_argument("--max-tokens", type=int, help="sampling.max_tokens")
     parser.add_argument("--temperature", type=float, help="sampling.temperature")
-    parser.add_argument("--sampling", type=json.loads, default=None, help="sampling as a JSON object "
-                        "(--max-tokens/--temperature override its fields)")
+    parser.add_argument("--sampling", type=json_argument, default=None, help="sampling as a JSON object "
+                        "or @file.json (--max-tokens/--temperature override its fields)")
+    output_shape = parser.add_mutually_exclusive_group()
+    output_shape.add_argument("--json-schema", type=json_argument, metavar="SCHEMA", help="constrain every "
+                              "output to this JSON schema (JSON or @schema.json); outputs are written parsed")
+    output_shape.add_argument("--json-object", action="store_true",
+                              help="constrain every output to a JSON object")
+    parser.add_argument("--webhook-url", help="POSTed the job's final status, signed, when it ends")
     parser.add_argument("--output", dest="output_uri", help="where output parts go (s3://bucket/prefix/)")
     parser.add_argument("--output-format", choices=["parquet", "jsonl", "openai_batch"])
     parser.add_argument("--shard-size", type=int, help="rows per shard")
@@ -189,8 +196,8 @@ def submit(argv: list[str]) -> int:
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--idempotency-key", help="submitting again with the same key and spec returns "
                         "the same job (and makes the submit safe to retry)")
-    parser.add_argument("--spec", type=json.loads, default=None, metavar="JSON",
-                        help="more JobSpec fields as a JSON object (the options above win)")
+    parser.add_argument("--spec", type=json_argument, default=None, metavar="JSON",
+                        help="more JobSpec fields as a JSON object or @spec.json (the options above win)")
     parser.add_argument("--wait", action="store_true", help="wait for the job; the exit code is its outcome")
     _wait_options(parser)
     args = _parse(parser, argv)
@@ -219,6 +226,19 @@ def submit(argv: list[str]) -> int:
     return _run("submit", args, body)
 
 
+def json_argument(text: str) -> Any:
+    """A JSON value given inline, or as @path to a file holding it."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as error:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {error.strerror}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error.msg} (line {error.lineno})") from None
+
+
 def _local_file(path: str) -> str:
     if not os.path.isfile(path):
         raise ValueError(f"{path!r} is not a file (an object in S3 is s3://bucket/key)")
@@ -236,8 +256,15 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
         sampling["temperature"] = args.temperature
     if sampling:
         spec["sampling"] = sampling
+    if args.json_schema is not None:
+        if not isinstance(args.json_schema, dict):
+            raise ValueError("--json-schema must be a JSON object (a JSON schema)")
+        spec["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": args.json_schema}}
+    elif args.json_object:
+        spec["response_format"] = {"type": "json_object"}
     for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
-                  "output_uri", "output_format", "shard_size", "priority", "idempotency_key"):
+                  "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url"):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value

@@ -185,3 +185,32 @@ def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_runnin
     piped = cli(stack, "wait", job.job_id, "--timeout", "0.5", "--poll-interval", "0.1")
     assert piped.returncode == EXIT_TIMEOUT and "rows" not in piped.stderr  # no bar in a pipe
     assert stack.client.jobs.cancel(job).state == JobState.CANCELLED
+
+
+def test_submit_takes_a_json_schema_a_webhook_and_json_options_from_files(stack, tmp_path) -> None:
+    schema = {"type": "object", "properties": {"team": {"enum": ["billing", "tech"]}}, "required": ["team"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "spec.json").write_text(json.dumps({"sampling": {"seed": 7}, "priority": 3}))
+    submitted = cli(stack, "submit", rows_file(tmp_path), "--model", "small", "--prompt-column", "q",
+                    "--json-schema", f"@{tmp_path / 'schema.json'}", "--spec", f"@{tmp_path / 'spec.json'}",
+                    "--webhook-url", "https://hooks.example.com/bulkinfer", "--json")
+    assert submitted.returncode == EXIT_SUCCEEDED, submitted.stderr
+    spec = stack.client.jobs.spec(json.loads(submitted.stdout)["job_id"])
+    assert spec.response_format.model_dump(by_alias=True, exclude_none=True) == {
+        "type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert spec.webhook_url == "https://hooks.example.com/bulkinfer"
+    assert (spec.sampling.seed, spec.priority) == (7, 3)
+
+    as_object = cli(stack, "submit", rows_file(tmp_path), "--model", "small", "--prompt-column", "q",
+                    "--json-object", "--json")
+    assert as_object.returncode == EXIT_SUCCEEDED, as_object.stderr
+    object_spec = stack.client.jobs.spec(json.loads(as_object.stdout)["job_id"])
+    assert object_spec.response_format.type == "json_object"
+
+    missing = cli(stack, "submit", rows_file(tmp_path), "--model", "small", "--prompt-column", "q",
+                  "--json-schema", f"@{tmp_path / 'nope.json'}")
+    assert missing.returncode == EXIT_ERROR and "cannot read" in missing.stderr
+    assert "nope.json" in missing.stderr
+    both = cli(stack, "submit", rows_file(tmp_path), "--model", "small", "--prompt-column", "q",
+               "--json-object", "--json-schema", "{}")
+    assert both.returncode == EXIT_ERROR and "not allowed with argument" in both.stderr
