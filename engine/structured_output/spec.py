@@ -61,4 +61,18 @@ class StructuredSpec:
 
 
 def canonical_json(value: object) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """Schema text for the cache key: keys sorted (equal schemas share one compile), except the
+    order of a `properties` map, which is kept: outputs list their fields in the schema's order, and
+    that order is the user's (e.g. "reasoning" before "answer")."""
+    return json.dumps(_ordered(value, keep_order=False), separators=(",", ":"), ensure_ascii=False)
+
+
+def _ordered(value: object, keep_order: bool) -> object:
+    if isinstance(value, dict):
+        items = value.items() if keep_order else sorted(value.items())
+        # Only a schema's own "properties" keeps its order, not a property that happens to be so named.
+        return {key: _ordered(item, keep_order=key == "properties" and not keep_order)
+                for key, item in items}
+    if isinstance(value, list):
+        return [_ordered(item, keep_order=False) for item in value]
+    return value

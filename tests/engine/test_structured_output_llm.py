@@ -101,6 +101,17 @@ def test_any_json_object(llm: LLM) -> None:
     assert all(isinstance(json.loads(text), dict) for text in finished)
 
 
+def test_properties_come_in_the_schemas_order(llm: LLM) -> None:
+    # Users order fields on purpose ("reasoning" before "answer"): the output keeps that order.
+    names = ["zeta", "alpha", "mid", "beta"]
+    schema = {"type": "object", "properties": {name: {"type": "boolean"} for name in names},
+              "required": names, "additionalProperties": False}
+    outputs = llm.generate([f"Flags {i}:" for i in range(4)],
+                           SamplingParams(json_schema=schema, temperature=1.0, seed=5, max_tokens=64))
+    assert all(o.finish_reason == "stop" for o in outputs)
+    assert all(list(json.loads(o.text)) == names for o in outputs)
+
+
 def test_a_schema_that_fails_to_compile_fails_only_its_row(llm: LLM) -> None:
     good = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
     outputs = llm.generate(

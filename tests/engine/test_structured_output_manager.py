@@ -249,6 +249,15 @@ def test_release_forgets_the_request(manager) -> None:
 def test_spec_keys() -> None:
     assert StructuredSpec.json_schema(True) == StructuredSpec("json", "")
     assert StructuredSpec.json_schema({"b": 1, "a": 2}) == StructuredSpec.json_schema({"a": 2, "b": 1})
+    # The order of properties is the output's field order: it is part of the key.
+    z, a = {"type": "integer", "minimum": 0}, {"type": "string"}
+    first = {"type": "object", "properties": {"z": z, "a": a}}
+    same = {"properties": {"z": dict(reversed(z.items())), "a": a}, "type": "object"}
+    swapped = {"type": "object", "properties": {"a": a, "z": z}}
+    assert StructuredSpec.json_schema(first) == StructuredSpec.json_schema(same)
+    assert StructuredSpec.json_schema(first) != StructuredSpec.json_schema(swapped)
+    nested = {"properties": {"properties": {"properties": {"b": {}, "a": {}}}}}
+    assert json.loads(StructuredSpec.json_schema(nested).value) == nested  # "properties" named so, kept
     assert StructuredSpec.choice(["a", "b"]) != StructuredSpec.choice(["b", "a"])
     with pytest.raises(ValueError, match="kind must be one of"):
         StructuredSpec("yaml", "")  # type: ignore[arg-type]
