@@ -100,6 +100,10 @@ def _run(command: str, args: argparse.Namespace, body: Callable[[Client], int]) 
         _fail(command, f"{error.status_code}: {error.message}", args)
     except httpx.TransportError as error:
         _fail(command, f"cannot reach the API at {resolve_base_url(args.api_url)}: {error}", args)
+    except BrokenPipeError:
+        # `bulkinfer results ID | head`: the reader had enough. Not an error; say nothing more.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_SUCCEEDED
     except (OSError, TypeError, ValueError) as error:
         _fail(command, str(error), args)
     except KeyboardInterrupt:  # a wait stopped by hand: the job itself keeps going

@@ -81,6 +81,14 @@ def test_a_succeeded_job_submit_wait_status_results_and_list(stack, tmp_path) ->
     rows = [json.loads(line) for line in results.stdout.splitlines()]
     assert rows == list(stack.client.jobs.results(job_id))
     assert [row["id"] for row in rows] == ["q0", "q1", "q2", "no-q"]
+    # `bulkinfer results ID | head`: a reader that went away is not an error.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    piped = subprocess.run([sys.executable, "-m", "api.cli", "results", job_id], cwd=REPO_ROOT,
+                           env=stack.cli_env(BULKINFER_API_URL=stack.url), stdout=write_end,
+                           stderr=subprocess.PIPE, text=True, timeout=180)
+    os.close(write_end)
+    assert (piped.returncode, piped.stderr) == (EXIT_SUCCEEDED, "")
     out = tmp_path / "out.parquet"
     saved = cli(stack, "results", job_id, "-o", out, "--json")
     assert saved.returncode == EXIT_SUCCEEDED
