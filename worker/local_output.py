@@ -13,8 +13,10 @@ each batch is durable, so it never claims more than is written:
   `progress.json` lists the parts. On resume parts it does not list are deleted. At the end the
   parts are combined into OUT (temp file, rename).
 
-When OUT is complete the work directory is removed; OUT without a work directory is a finished
-output, which a rerun leaves alone unless told to overwrite it.
+When OUT is complete the parts go and `progress.json` stays, marked finished with OUT's size and
+mtime: rerunning the same command is then a no-op that succeeds (`AlreadyComplete`), as make or a
+cron retry expects. OUT changed since, OUT without a work directory, or another run's output is
+left alone unless told to overwrite it.
 """
 
 from __future__ import annotations
@@ -39,6 +41,14 @@ class OutputConflict(RuntimeError):
     """OUT holds something this run must not touch (a finished output, another run's rows)."""
 
 
+class AlreadyComplete(Exception):
+    """OUT is the finished output of this same run (spec and input): nothing to do."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__(f"{progress.rows_done} rows already done")
+        self.progress = progress
+
+
 @dataclass
 class Progress:
     fingerprint: str  # the spec and the input this output belongs to
@@ -50,6 +60,9 @@ class Progress:
     completion_tokens: int = 0
     output_bytes: int = 0  # JSONL / OpenAI batch: OUT's durable length
     parts: list[str] = field(default_factory=list)  # Parquet: part files, in order
+    finished: bool = False  # OUT is complete; then OUT's size and mtime as the run left it
+    output_size: int = 0
+    output_mtime_ns: int = 0
 
     def add(self, rows: Sequence[OutputRow]) -> None:
         self.rows_done += len(rows)
@@ -139,11 +152,15 @@ class ResumableOutput:
         self._save()
 
     def finish(self) -> None:
-        """Complete OUT (Parquet: combine the parts) and remove the work directory."""
+        """Complete OUT (Parquet: combine the parts), drop the parts, and record OUT as finished."""
         if self.is_parquet:
             combine_parquet([self.work_dir / "parts" / name for name in self.progress.parts], self.output,
                             self.spec)
-        shutil.rmtree(self.work_dir)
+        shutil.rmtree(self.work_dir / "parts", ignore_errors=True)
+        stat = self.output.stat()
+        self.progress.finished = True
+        self.progress.output_size, self.progress.output_mtime_ns = stat.st_size, stat.st_mtime_ns
+        self._save()
 
 
 def open_output(output: Path, spec: JobSpec, fingerprint: str, *, job_id: str, created: int,
@@ -161,8 +178,15 @@ def open_output(output: Path, spec: JobSpec, fingerprint: str, *, job_id: str, c
     if progress_file.is_file():
         progress = Progress(**json.loads(progress_file.read_text()))
         if progress.fingerprint != fingerprint:
-            raise OutputConflict(f"{output} is a partial output of another run (different options or input); "
+            raise OutputConflict(f"{output} is the output of another run (different options or input); "
                                  "pass --overwrite to start over")
+        if progress.finished:
+            stat = output.stat() if output.exists() else None
+            if stat is not None and (stat.st_size, stat.st_mtime_ns) == (progress.output_size,
+                                                                          progress.output_mtime_ns):
+                raise AlreadyComplete(progress)
+            raise OutputConflict(f"{output} changed or went away since this run finished; "
+                                 "pass --overwrite to run it again")
     elif output.exists():
         raise OutputConflict(f"{output} already exists (a finished run, or another file); "
                              "pass --overwrite to replace it")

@@ -118,7 +118,7 @@ def run_cli(argv: list[str] | None = None) -> int:
         return 2
     # Imported here: the engine (torch) loads only once the command line is known to be good.
     from worker.engine_host import EngineUnavailable
-    from worker.local_output import OutputConflict
+    from worker.local_output import AlreadyComplete, OutputConflict
     from worker.local_run import RunError, print_summary, resolve_model, resolved_spec, run_file
     from worker.model_files import ModelUnavailable
 
@@ -141,6 +141,11 @@ def run_cli(argv: list[str] | None = None) -> int:
         print(f"{prog}: interrupted; the rows written so far are kept: run the same command again to resume",
               file=sys.stderr)
         return 130
+    except AlreadyComplete as complete:
+        print(f"{args.output} is already complete: {complete.progress.rows_done} rows "
+              f"({complete.progress.rows_failed} failed) from this same run; nothing to do "
+              "(--overwrite runs it again)")
+        return 0
     except (RunError, OutputConflict, EngineUnavailable, ModelUnavailable, InputError, OSError,
             ValueError) as error:
         print(f"{prog}: {error}", file=sys.stderr)

@@ -19,7 +19,7 @@ import pytest
 from jobs.formats.output import OutputRow
 from jobs.spec import JobSpec
 from tests.fixtures.services import REPO_ROOT, ServiceDied, wait_until
-from worker.local_output import OutputConflict, open_output, work_dir_for
+from worker.local_output import AlreadyComplete, OutputConflict, open_output, work_dir_for
 from worker.local_run_cli import run_cli
 
 pytestmark = pytest.mark.timeout(300)
@@ -54,11 +54,21 @@ def test_jsonl_in_and_out_every_row_once_with_errors_in_place(tiny_checkpoint: P
     assert lines[4]["error"]["code"] == "invalid_json" and lines[7]["error"]["code"] == "missing_column"
     assert all(line["usage"]["completion_tokens"] == 4 for line in lines if line["error"] is None)
     assert "12 in" in stdout and "2 failed" in stdout
-    assert not work_dir_for(out).exists()  # a finished output leaves no work directory behind
+    assert not (work_dir_for(out) / "parts").exists()  # only the finished record stays
 
-    # A finished output is left alone unless told to overwrite it.
+    # The same command again is a no-op that succeeds (make, a cron retry); other options are refused.
+    before = out.read_bytes()
+    argv = [source, "-o", out, "--model", tiny_checkpoint, "--template", "Ticket: {ticket}", "--id-column",
+            "id", "--instructions", "Triage it.", "--max-tokens", "4", "--temperature", "0",
+            "--batch-size", "3"]
+    code, stdout, stderr = _run(capsys, *argv)
+    assert code == 0 and "already complete: 12 rows (2 failed)" in stdout and out.read_bytes() == before
     code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template", "{ticket}")
-    assert code == 1 and "already exists" in stderr and len(out.read_text().splitlines()) == 12
+    assert code == 1 and "output of another run" in stderr and out.read_bytes() == before
+    with out.open("a") as edited:  # OUT changed since the run finished: left alone, not re-declared done
+        edited.write("\n")
+    code, _, stderr = _run(capsys, *argv)
+    assert code == 1 and "changed or went away since this run finished" in stderr
     code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template", "{ticket}",
                            "--max-tokens", "2", "--overwrite")
     assert code == 0, stderr
@@ -97,7 +107,7 @@ def test_parquet_in_and_out_with_passthrough(tiny_checkpoint: Path, tmp_path: Pa
     assert result.column("team").to_pylist() == ["a", "b", "c"] * 3
     assert result.column("completion_tokens").to_pylist() == [3] * 9
     assert result.column("error").null_count == 9
-    assert not work_dir_for(out).exists()
+    assert not (work_dir_for(out) / "parts").exists()
 
 
 def test_openai_batch_in_and_out(tiny_checkpoint: Path, tmp_path: Path,
@@ -159,7 +169,7 @@ def test_resuming_drops_what_a_killed_run_wrote_after_its_last_record(tmp_path: 
     else:
         pq.write_table(pa.table({"id": ["r3"]}), parts / "part-000002.parquet")
 
-    with pytest.raises(OutputConflict, match="partial output of another run"):
+    with pytest.raises(OutputConflict, match="the output of another run"):
         open_output(out, spec, "other-fingerprint", job_id="local-x", created=2)
     resumed = open_output(out, spec, "fp", job_id="local-x", created=2)
     assert resumed.progress.rows_done == 3 and resumed.progress.created == 1
@@ -170,7 +180,9 @@ def test_resuming_drops_what_a_killed_run_wrote_after_its_last_record(tmp_path: 
     else:
         ids = pq.read_table(out).column("id").to_pylist()
     assert ids == ["r0", "r1", "r2", "r3", "r4"]
-    assert not work_dir_for(out).exists()
+    assert json.loads((work_dir_for(out) / "progress.json").read_text())["finished"]
+    with pytest.raises(AlreadyComplete, match="5 rows already done"):
+        open_output(out, spec, "fp", job_id="local-x", created=3)
 
 
 @pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
@@ -208,7 +220,7 @@ def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_r
     skipped = int(re.search(r"(\d+) rows already done", second.stdout).group(1))
     assert skipped == recorded  # exactly what the killed run had made durable
     assert f"({total - skipped} this run, {skipped} skipped as already done)" in second.stdout
-    assert not work_dir_for(out).exists()
+    assert json.loads(progress_file.read_text())["finished"]
     if suffix == "parquet":
         assert pq.read_table(out).column("id").to_pylist() == [f"r{i}" for i in range(total)]
         return
