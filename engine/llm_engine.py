@@ -16,7 +16,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.grammar_tracking import GrammarTracker
 from engine.metrics import EngineCounters
 from engine.model_runner import DTYPES, ModelRunner
-from engine.models.loader import load_model, model_config_from_dir
+from engine.models.loader import eos_token_ids, load_model, model_config_from_dir
 from engine.output_assembly import (
     OutputAssembler,
     Parent,
@@ -80,11 +80,9 @@ class LLMEngine:
         )
         self.runner = ModelRunner(config, self.model)
         num_blocks = self.runner.initialize_kv_cache()
-        eos = self.tokenizer.eos_token_id
-        if eos is None and model_config.eos_token_ids:
-            eos = model_config.eos_token_ids[0]
-        self.eos_token_id = eos
-        self.scheduler = Scheduler(config, num_blocks, eos)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
+        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids)
         # Structured output: grammars of live samples; xgrammar is imported on the first such request.
         self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
         self.scheduler.can_admit = self._grammars.can_admit
@@ -230,7 +228,8 @@ class LLMEngine:
         if not requests:
             return {}, []
         bitmask, apply_bitmask = self._grammars.bitmask(requests)
-        batch = SamplingBatch.build(requests, self.eos_token_id, bitmask=bitmask, apply_bitmask=apply_bitmask)
+        batch = SamplingBatch.build(requests, self.eos_token_ids, bitmask=bitmask,
+                                    apply_bitmask=apply_bitmask)
         result = self.sampler.sample(logits, batch)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
         return sampled, result.logprobs

@@ -24,6 +24,7 @@ import torch
 
 from engine.sampling_params import GREEDY_EPSILON, SamplingParams
 from engine.sampling_random import split_seed, uniforms
+from engine.scheduler import eos_id_set
 
 
 class SampledRow(Protocol):
@@ -99,7 +100,7 @@ class SamplingBatch:
     @staticmethod
     def build(
         rows: Sequence[SampledRow],
-        eos_token_id: int | None = None,
+        eos_token_id: int | Sequence[int] | None = None,
         bitmask: torch.Tensor | None = None,
         apply_bitmask: BitmaskApplier | None = None,
     ) -> SamplingBatch:
@@ -234,15 +235,16 @@ def _row_ids(lists: list[list[int]]) -> torch.Tensor:
 
 
 def _min_tokens_mask(
-    rows: Sequence[SampledRow], indices: list[int], eos_token_id: int | None
+    rows: Sequence[SampledRow], indices: list[int], eos_token_id: int | Sequence[int] | None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    eos_ids = sorted(eos_id_set(eos_token_id))
     mask_rows: list[int] = []
     mask_ids: list[int] = []
     for i in indices:
         p = rows[i].sampling_params
         ids = list(p.stop_token_ids)
-        if eos_token_id is not None and not p.ignore_eos:  # with ignore_eos, EOS ends nothing
-            ids.append(eos_token_id)
+        if not p.ignore_eos:  # with ignore_eos, EOS ends nothing
+            ids += eos_ids
         mask_rows += [i] * len(ids)
         mask_ids += ids
     if not mask_ids:

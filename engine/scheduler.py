@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -142,10 +142,12 @@ class Scheduler:
     running alone always fits and preemption can never livelock.
     """
 
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, eos_token_id: int | None) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int,
+                 eos_token_id: int | Sequence[int] | None) -> None:
         config.validate()
         self.config = config
-        self.eos_token_id = eos_token_id
+        # Every id that ends a sequence (Llama 3 instruct has two: <|end_of_text|>, <|eot_id|>).
+        self.eos_token_ids = eos_id_set(eos_token_id)
         self.kv_cache_manager = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, hash_extra_keys=(config.model,)
         )
@@ -377,7 +379,7 @@ class Scheduler:
             request.stop_reason = token_id
             request.stopped_on_token = True
             return FinishReason.STOP
-        if token_id == self.eos_token_id and not params.ignore_eos:
+        if token_id in self.eos_token_ids and not params.ignore_eos:
             request.stopped_on_token = True
             return FinishReason.STOP
         return self._length_reason(request)
@@ -417,3 +419,10 @@ class Scheduler:
                 f"{self.kv_cache_manager.capacity_tokens} tokens in all"
             )
         return None
+
+
+def eos_id_set(eos: int | Sequence[int] | None) -> frozenset[int]:
+    """One EOS id, several, or none, as a set."""
+    if eos is None:
+        return frozenset()
+    return frozenset([eos]) if isinstance(eos, int) else frozenset(eos)

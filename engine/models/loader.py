@@ -61,6 +61,19 @@ def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
     return LlamaFamilyConfig.from_hf_dict(supported[0], cfg)
 
 
+def eos_token_ids(model_dir: str | Path, tokenizer: Any, config_ids: tuple[int, ...] = ()) -> list[int]:
+    """Every id that ends a sequence, the tokenizer's first: the tokenizer's EOS, then config.json's
+    and generation_config.json's ``eos_token_id`` (an int or a list; Llama 3 instruct lists two)."""
+    ids: list[int] = []
+    generation = Path(model_dir) / "generation_config.json"
+    listed = json.loads(generation.read_text()).get("eos_token_id") if generation.is_file() else None
+    listed = listed if isinstance(listed, list) else [] if listed is None else [listed]
+    for token_id in [getattr(tokenizer, "eos_token_id", None), *config_ids, *listed]:
+        if isinstance(token_id, int) and token_id not in ids:
+            ids.append(token_id)
+    return ids
+
+
 def _tensor_files(model_dir: Path) -> list[Path]:
     index = model_dir / INDEX_FILE
     if index.is_file():

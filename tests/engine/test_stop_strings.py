@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -119,3 +122,24 @@ def test_min_tokens_holds_off_stop_strings_as_in_vllm(llm, greedy):
         assert (output.text, output.finish_reason) == (greedy.text[:later], "stop")
     else:
         assert (output.text, output.finish_reason) == (greedy.text, "length")
+
+
+def test_every_eos_id_of_generation_config_ends_a_request(tiny_checkpoint, tmp_path, greedy):
+    # Llama 3 instruct lists two EOS ids (<|end_of_text|>, <|eot_id|>); a model that ends turns with
+    # the second must stop there, not run to max_tokens.
+    second_eos = greedy.token_ids[2]
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model_dir)
+    config_file = model_dir / "generation_config.json"
+    generation = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**generation, "eos_token_id": [1, second_eos]}))
+    llm = LLM(model=str(model_dir), num_kv_blocks=64)
+    assert llm.engine.eos_token_ids == [1, second_eos]
+    [output] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX))
+    stop_at = greedy.token_ids.index(second_eos)
+    assert output.token_ids == greedy.token_ids[: stop_at + 1] and output.finish_reason == "stop"
+    assert output.outputs[0].stop_reason is None  # EOS, not a stop id of the request
+    [held] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX, min_tokens=stop_at + 2))
+    assert second_eos not in held.token_ids[: stop_at + 2]  # min_tokens masks every EOS id
+    [ignored] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX, ignore_eos=True))
+    assert ignored.token_ids == greedy.token_ids
