@@ -16,11 +16,13 @@ from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
 from jobs.object_store.factory import store_for_uri
 from jobs.repository import JobRepository
+from jobs.response_format import engine_response_format
 from jobs.results import load_shard_results
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
+from worker.prompts import response_format_problem
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -69,6 +71,7 @@ def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict
     spec = repository.get_spec(job_id)
     try:
         queue = context.registry.queue_for(spec.model)
+        _check_response_format(spec)
         plan = _plan(context, resolved_spec(context, spec))
     except (UnknownModel, JobCannotRun) as error:
         fail_job(repository, job_id, str(error))
@@ -83,6 +86,13 @@ def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict
         send_shard(job_id, shard.index, queue)
     logger.info("job %s planned: %d shard(s) on %s", job_id, len(plan), queue)
     return {"job_id": job_id, "status": "planned", "shards": len(plan)}
+
+
+def _check_response_format(spec: JobSpec) -> None:
+    """A job-wide schema that cannot compile fails the job once, instead of every row."""
+    problem = response_format_problem(engine_response_format(spec.response_format))
+    if problem is not None:
+        raise JobCannotRun(f"response_format: {problem}")
 
 
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:

@@ -61,6 +61,24 @@ def engine_json_schema(response_format: dict[str, Any] | None) -> dict[str, Any]
                       f"response_format type {response_format.get('type')!r} is not supported")
 
 
+def response_format_problem(response_format: dict[str, Any] | None) -> str | None:
+    """Why a job-level response_format can never compile (checked once, at plan, without a model),
+    or None. Rows' own formats are still checked by the engine, row by row."""
+    try:
+        schema = engine_json_schema(response_format)
+    except RowRejected as rejected:
+        return str(rejected)
+    if schema is None:
+        return None
+    from engine.structured_output import StructuredSpec, check_spec  # xgrammar: only when used
+
+    try:
+        check_spec(StructuredSpec.json_schema(schema))
+    except ValueError as error:  # GrammarError, or a schema that is not a dict
+        return str(error)
+    return None
+
+
 class PromptRenderer:
     """Turns rows into prompt token ids with the model's tokenizer.
 

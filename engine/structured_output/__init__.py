@@ -5,8 +5,8 @@ specs off the engine loop (cached by spec), fills the per-step token bitmask and
 sampled tokens. See docs/structured_output.md.
 """
 
-from engine.structured_output.compile import GrammarError
+from engine.structured_output.compile import GrammarError, check_spec
 from engine.structured_output.manager import StructuredOutputManager
 from engine.structured_output.spec import StructuredSpec
 
-__all__ = ["GrammarError", "StructuredOutputManager", "StructuredSpec"]
+__all__ = ["GrammarError", "StructuredOutputManager", "StructuredSpec", "check_spec"]

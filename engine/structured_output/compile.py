@@ -22,19 +22,41 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec) -> xgr.Com
     """Compile one spec. Raises GrammarError("grammar for <kind> failed to compile: <why>")."""
     try:
         if spec.kind == "json":
-            schema = ANY_JSON_OBJECT if spec.value == "" else json.loads(spec.value)
             # Compact output (no free whitespace: a random or weak model can't pad forever) and
             # strict mode (no properties beyond those listed unless the schema allows them).
-            text = json.dumps(prepare_json_schema(schema), ensure_ascii=False)
-            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            return compiler.compile_json_schema(_schema_text(spec), any_whitespace=False, strict_mode=True)
         if spec.kind == "regex":
             return compiler.compile_regex(safe_regex(spec.value, ANY_CHAR_CLASS))
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
         return compiler.compile_grammar(spec.value, root_rule_name="root")
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
-        reason = clean_reason(str(exc))
-        raise GrammarError(f"grammar for {spec.kind_name} failed to compile: {reason}") from exc
+        raise _grammar_error(spec, exc) from exc
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """Build the spec's grammar without a tokenizer (milliseconds, no model): raises the same
+    GrammarError a compile would, so a job can refuse a bad schema once instead of on every row."""
+    try:
+        if spec.kind == "json":
+            xgr.Grammar.from_json_schema(_schema_text(spec), any_whitespace=False, strict_mode=True)
+        elif spec.kind == "regex":
+            xgr.Grammar.from_regex(safe_regex(spec.value, ANY_CHAR_CLASS))
+        elif spec.kind == "choice":
+            xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.value)))
+        else:
+            xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
+    except Exception as exc:  # noqa: BLE001 - as in compile_spec
+        raise _grammar_error(spec, exc) from exc
+
+
+def _schema_text(spec: StructuredSpec) -> str:
+    schema = ANY_JSON_OBJECT if spec.value == "" else json.loads(spec.value)
+    return json.dumps(prepare_json_schema(schema), ensure_ascii=False)
+
+
+def _grammar_error(spec: StructuredSpec, exc: Exception) -> GrammarError:
+    return GrammarError(f"grammar for {spec.kind_name} failed to compile: {clean_reason(str(exc))}")
 
 
 # xgrammar's C++ messages start with "[12:00:00] /project/cpp/file.cc:123: " and sometimes

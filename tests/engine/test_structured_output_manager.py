@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.structured_output import StructuredOutputManager, StructuredSpec
+from engine.structured_output import GrammarError, StructuredOutputManager, StructuredSpec, check_spec
 from tests.engine.structured_schemas import sample_with_random_logits
 
 PADDED_VOCAB = 2048 + 40  # the model's vocab may be larger than the tokenizer's (padding ids)
@@ -263,3 +263,14 @@ def test_spec_keys() -> None:
         StructuredSpec("yaml", "")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="non-empty list of strings"):
         StructuredSpec.choice([])
+
+
+def test_check_spec_finds_what_a_compile_would_refuse_without_a_tokenizer() -> None:
+    for good in (StructuredSpec.json_schema(True), StructuredSpec.regex("[a-z]{2}"),
+                 StructuredSpec.choice(["a", "b"]), StructuredSpec.grammar('root ::= "x" | "y"')):
+        check_spec(good)
+    for bad, reason in ((StructuredSpec.json_schema({"$ref": "#/$defs/nowhere"}), "Cannot find field"),
+                        (StructuredSpec.json_schema({"type": "array", "uniqueItems": True}), "uniqueItems"),
+                        (StructuredSpec.grammar("root ::= undefined_rule"), "undefined_rule")):
+        with pytest.raises(GrammarError, match=f"^grammar for {bad.kind_name} failed to compile: .*{reason}"):
+            check_spec(bad)

@@ -146,6 +146,13 @@ def test_a_bad_model_or_mapping_is_a_usage_error(tiny_checkpoint: Path, tmp_path
     code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
                            "--prompt-column", "q", "--template", "{q}")
     assert code == 2 and "give exactly one of prompt_column, messages_column or template" in stderr
+    bad_schema = {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "out", "schema": {"type": "object", "not": {"required": ["a"]}}}}}
+    out = tmp_path / "schema.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--prompt-column", "q",
+                           "--spec", json.dumps(bad_schema))
+    assert code == 1 and "response_format: grammar for json_schema failed to compile" in stderr
+    assert "'not' is not enforced" in stderr and not out.exists()  # refused once, before any row
 
 
 def _rows(*indexes: int) -> list[OutputRow]:

@@ -113,6 +113,23 @@ def test_an_unreadable_input_fails_the_job_with_a_message(pipeline: Pipeline) ->
     assert "cannot read the input" in status.error and "nowhere.jsonl" in status.error
 
 
+@pytest.mark.parametrize(("schema", "reason"), [
+    ({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, "Cannot find field '$defs'"),
+    ({"type": "object", "not": {"required": ["a"]}}, "'not' is not enforced"),
+])
+def test_a_job_schema_that_cannot_compile_fails_the_job_at_plan_not_every_row(
+        pipeline: Pipeline, schema: dict, reason: str) -> None:
+    lines = [json.dumps({"q": f"row {n}"}) for n in range(5)]
+    spec = JobSpec(input_uri=pipeline.put_input("schema.jsonl", lines), model="tiny", prompt_column="q",
+                   response_format={"type": "json_schema", "json_schema": {"name": "out", "schema": schema}})
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.FAILED and status.shards.total == 0  # no shard ever ran
+    assert status.error.startswith("response_format: grammar for json_schema failed to compile")
+    assert reason in status.error
+
+
 def test_a_model_whose_files_are_missing_fails_the_job_from_its_shard(pipeline: Pipeline) -> None:
     spec = JobSpec(input_uri=pipeline.put_input("one.jsonl", [json.dumps({"q": "x"})]), model="missing",
                    prompt_column="q")
