@@ -11,17 +11,10 @@ _HEX_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # sentencepiece byte-fallback t
 
 @cache
 def _byte_decoder() -> dict[str, int]:
-    """GPT-2's bytes_to_unicode table, inverted: byte-level BPE character -> byte."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = list(printable)
-    extra = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + extra)
-            extra += 1
-    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
+    """GPT-2's bytes_to_unicode table (transformers' own), inverted: byte-level BPE character -> byte."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
 
 
 class TokenBytes:
