@@ -159,7 +159,12 @@ class Results:
         with self._transport.stream("GET", part.url, external=True) as response:
             yield from response.iter_bytes(CHUNK_BYTES)
 
-    def _server_chunks(self) -> Iterator[bytes]:
+    def _chunks(self) -> Iterator[bytes]:
+        """The JSON-lines bytes of every row: the parts themselves, or the server's stream."""
+        if self._direct():
+            for part in self.info.parts:
+                yield from self._part_chunks(part)
+            return
         with self._transport.stream("GET", f"/jobs/{self.job_id}/results",
                                     params={"download": "true"}) as response:
             yield from response.iter_bytes(CHUNK_BYTES)
@@ -168,18 +173,19 @@ class Results:
         for part in self.info.parts:
             yield parquet_table(b"".join(self._part_chunks(part)))
 
+    def _parquet_direct(self) -> bool:
+        return self._direct() and self.output_format == "parquet"
+
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        if self._direct() and self.output_format == "parquet":
+        if self._parquet_direct():
             for table in self._part_tables():
                 yield from table.to_pylist()
             return
-        chunks = (chunk for part in self.info.parts for chunk in self._part_chunks(part)) \
-            if self._direct() else self._server_chunks()
-        yield from _json_rows(chunks)
+        yield from _json_rows(self._chunks())
 
     def to_arrow(self) -> pa.Table:
         """Every row as one pyarrow Table (Parquet parts keep their column types)."""
-        if self._direct() and self.output_format == "parquet":
+        if self._parquet_direct():
             return concat(list(self._part_tables()))
         return table_from_rows(list(self))
 
@@ -200,10 +206,8 @@ class Results:
         if wanted == "parquet":
             write_table(self.to_arrow(), temp)
         elif self.output_format != "parquet":
-            chunks = (chunk for part in self.info.parts for chunk in self._part_chunks(part)) \
-                if self._direct() else self._server_chunks()
             with temp.open("wb") as out:
-                for chunk in chunks:
+                for chunk in self._chunks():
                     out.write(chunk)
         else:
             with temp.open("wb") as out:
