@@ -9,6 +9,8 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from api.client.errors import WaitTimeout
 from api.client.inputs import InputSource, Upload, is_uri, prepare_upload
 from api.client.models import JobPage, JobResults, JobSpec, JobState, JobStatus
@@ -24,8 +26,12 @@ def job_id_of(job: JobRef) -> str:
     return job.job_id if isinstance(job, JobStatus) else str(job)
 
 
-def spec_body(spec: JobSpec | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> dict[str, Any]:
-    body = spec.model_dump(mode="json", exclude_unset=True) if isinstance(spec, JobSpec) else dict(spec or {})
+def spec_body(spec: BaseModel | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """A request body: `spec` (a model's set fields, or a mapping) with the non-None `fields` over it."""
+    if isinstance(spec, BaseModel):
+        body = spec.model_dump(mode="json", exclude_unset=True)
+    else:
+        body = dict(spec or {})
     body.update({name: value for name, value in fields.items() if value is not None})
     return body
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from api.client.jobs import spec_body
 from api.client.transport import AsyncTransport, Transport
 from jobs.schedules import ScheduleSpec, ScheduleView, SubmittedObject, TickReport
 
@@ -24,15 +25,6 @@ def schedule_id_of(schedule: ScheduleRef) -> str:
     return schedule.id if isinstance(schedule, ScheduleView) else str(schedule)
 
 
-def create_body(spec: ScheduleSpec | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(spec, ScheduleSpec):
-        body = spec.model_dump(mode="json", exclude_unset=True)
-    else:
-        body = dict(spec or {})
-    body.update({name: value for name, value in fields.items() if value is not None})
-    return body
-
-
 class Schedules:
     def __init__(self, transport: Transport) -> None:
         self._transport = transport
@@ -41,8 +33,8 @@ class Schedules:
                input_prefix: str | None = None, job: Mapping[str, Any] | None = None, name: str | None = None,
                webhook_url: str | None = None, paused: bool | None = None) -> ScheduleView:
         """A new schedule; keyword fields override `spec`'s. `ApiError` 422 names a bad field."""
-        body = create_body(spec, {"cron": cron, "input_prefix": input_prefix, "job": job, "name": name,
-                                  "webhook_url": webhook_url, "paused": paused})
+        body = spec_body(spec, {"cron": cron, "input_prefix": input_prefix, "job": job, "name": name,
+                                "webhook_url": webhook_url, "paused": paused})
         response = self._transport.request("POST", "/schedules", json=body, idempotent=False)
         return ScheduleView.model_validate(response.json())
 
@@ -87,8 +79,8 @@ class AsyncSchedules:
                      input_prefix: str | None = None, job: Mapping[str, Any] | None = None,
                      name: str | None = None, webhook_url: str | None = None,
                      paused: bool | None = None) -> ScheduleView:
-        body = create_body(spec, {"cron": cron, "input_prefix": input_prefix, "job": job, "name": name,
-                                  "webhook_url": webhook_url, "paused": paused})
+        body = spec_body(spec, {"cron": cron, "input_prefix": input_prefix, "job": job, "name": name,
+                                "webhook_url": webhook_url, "paused": paused})
         response = await self._transport.request("POST", "/schedules", json=body, idempotent=False)
         return ScheduleView.model_validate(response.json())
 
