@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import ApiError
 from api.schemas import ERROR_RESPONSES
-from api.submission import locate
+from api.submission import locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
@@ -29,7 +29,6 @@ from jobs.schedules import (
     TickReport,
     split_input,
 )
-from jobs.spec import validation_messages
 
 router = APIRouter(tags=["schedules"], responses=ERROR_RESPONSES)
 
@@ -51,16 +50,6 @@ def _get(schedules: ScheduleRepository, schedule_id: str) -> Schedule:
         return schedules.get(schedule_id)
     except ScheduleNotFound as error:
         raise ApiError(404, str(error)) from None
-
-
-def _parse(body: object) -> ScheduleSpec:
-    if not isinstance(body, dict):
-        raise ApiError(422, "the schedule must be a JSON object")
-    try:
-        return ScheduleSpec.model_validate(body)
-    except ValidationError as error:
-        messages = validation_messages(error)
-        raise ApiError(422, "invalid schedule: " + "; ".join(messages), messages) from None
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -109,7 +98,7 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -
     (a JobSpec without `input_uri` and `idempotency_key`). A bad cron or template answers 422
     naming the field; an unknown model or an unreadable prefix 400.
     """
-    spec = _parse(body)
+    spec = parse_object(body, ScheduleSpec, "schedule")
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     _check_input(context, spec)
     schedules = _repository(context)

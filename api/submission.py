@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
@@ -19,8 +20,10 @@ from jobs.formats.lines import iter_lines_in_range
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.sharding import open_parquet
-from jobs.spec import InputFormat, JobSpec
+from jobs.spec import InputFormat, JobSpec, validation_messages
 from jobs.status import JobState, JobStatus
+
+M = TypeVar("M", bound=BaseModel)
 
 HEAD_ROWS = 5
 HEAD_BYTES = 1 << 20
@@ -128,13 +131,19 @@ def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = 
     return status
 
 
-def parse_spec(data: object) -> JobSpec:
+def parse_object(data: object, model: type[M], what: str) -> M:
+    """A JSON body as `model`; else 422 `invalid <what>: ...` with one message per field."""
     if not isinstance(data, dict):
-        raise ApiError(422, "the job spec must be a JSON object")
+        raise ApiError(422, f"the {what} must be a JSON object")
     try:
-        return JobSpec.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as error:
-        raise invalid_spec(error) from None
+        messages = validation_messages(error)
+        raise ApiError(422, f"invalid {what}: " + "; ".join(messages), messages) from None
+
+
+def parse_spec(data: object) -> JobSpec:
+    return parse_object(data, JobSpec, "job spec")
 
 
 def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus:
