@@ -8,8 +8,10 @@ difference is a true fp32 tie — at the first differing position, the top-2 log
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -25,18 +27,25 @@ def hf_model(model_dir: str) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@cache
-def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
-    model = hf_model(model_dir)
+def hf_generate(model_dir: str | Path, prompt: Sequence[int], max_new_tokens: int,
+                **options: Any) -> list[int]:
+    """transformers' greedy `generate` of one unpadded prompt; `options` go to `generate`."""
+    model = hf_model(str(model_dir))
     with torch.inference_mode():
         out = model.generate(
-            torch.tensor([prompt]),
+            torch.tensor([list(prompt)]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=max_new_tokens,
             pad_token_id=model.config.pad_token_id,
+            **options,
         )
-    return tuple(out[0, len(prompt) :].tolist())
+    return out[0, len(prompt) :].tolist()
+
+
+@cache
+def _hf_greedy(model_dir: str, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    return tuple(hf_generate(model_dir, prompt, max_new_tokens))
 
 
 def hf_greedy(model_dir: str | Path, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM, SamplingParams
-from tests.engine.hf_reference import hf_model
+from tests.engine.hf_reference import hf_generate
 from tests.engine.test_llm_correctness import PROMPTS
 
 SEEDED = [
@@ -53,7 +52,6 @@ def test_unseeded_requests_are_reproducible_per_engine_seed(tiny_checkpoint):
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, penalty):
-    model = hf_model(str(tiny_checkpoint))
     llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
     prompts = [PROMPTS[11], PROMPTS[13]]
     params = SamplingParams(temperature=0.0, repetition_penalty=penalty, max_tokens=12, ignore_eos=True)
@@ -61,16 +59,7 @@ def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, penalty
     plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     assert [o.token_ids for o in outputs] != [o.token_ids for o in plain]  # the penalty did something
     for prompt, output in zip(prompts, outputs, strict=True):
-        with torch.inference_mode():
-            reference = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                repetition_penalty=penalty,
-                max_new_tokens=12,
-                min_new_tokens=12,
-                pad_token_id=model.config.pad_token_id,
-            )[0, len(prompt) :].tolist()
+        reference = hf_generate(tiny_checkpoint, prompt, 12, repetition_penalty=penalty, min_new_tokens=12)
         assert output.token_ids == reference
 
 
