@@ -1,15 +1,63 @@
-"""An engine `RequestOutput` as a job `OutputRow`: one choice per sample, logprobs in the jobs' form."""
+"""Job rows to engine requests and back: `PreparedBatch` readies a batch of rows for the engine (the
+shard runner's and `bulkinfer run`'s alike); an engine `RequestOutput` becomes a job `OutputRow`, one
+choice per sample, logprobs in the jobs' form.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from engine import RequestOutput
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
-from jobs.formats.rows import Row
-from worker.prompts import engine_error_code
+from jobs.formats.rows import Row, RowError
+from worker.engine_host import EngineRequest
+from worker.prompts import PromptRenderer, RowRejected, engine_error_code, engine_sampling
 
 FAILED = ("error", "abort")
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    position: int  # in the batch's input order
+    row: Row
+    request: EngineRequest
+
+
+class PreparedBatch:
+    """A batch of rows readied for the engine: the outcomes of rows that cannot run (a read error, a
+    rejected sampling or prompt), and a request for each of the rest.
+    """
+
+    def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0) -> None:
+        self._outputs: list[OutputRow | None] = [None] * len(items)
+        prepared: list[PreparedRow] = []
+        for position, item in enumerate(items):
+            if isinstance(item, RowError):
+                self._outputs[position] = OutputRow.from_error(item)
+                continue
+            try:
+                params = engine_sampling(item.sampling, item.response_format)
+                request = EngineRequest(renderer.token_ids(item), params, priority)
+            except RowRejected as rejected:
+                self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
+                continue
+            prepared.append(PreparedRow(position, item, request))
+        # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
+        prepared.sort(key=lambda entry: list(entry.request.prompt))
+        self._prepared = prepared
+
+    @property
+    def requests(self) -> list[EngineRequest]:
+        """What to submit, in the order `outputs` takes the results back."""
+        return [entry.request for entry in self._prepared]
+
+    def outputs(self, results: Sequence[RequestOutput]) -> list[OutputRow]:
+        """Every row's outcome in input order, given the engine's results for `requests`."""
+        outputs = list(self._outputs)
+        for entry, result in zip(self._prepared, results, strict=True):
+            outputs[entry.position] = output_row(entry.row, result)
+        return [output for output in outputs if output is not None]
 
 
 def output_row(row: Row, result: RequestOutput) -> OutputRow:

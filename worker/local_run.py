@@ -27,12 +27,12 @@ from jobs.response_format import engine_response_format
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
-from worker.engine_host import EngineRequest, Submission
-from worker.engine_outputs import output_row
+from worker.engine_host import Submission
+from worker.engine_outputs import PreparedBatch
 from worker.local_output import ResumableOutput, open_output
 from worker.local_progress import RunProgress
 from worker.model_hosts import HostedModel, ModelHosts
-from worker.prompts import RowRejected, engine_sampling, response_format_problem
+from worker.prompts import response_format_problem
 
 DEFAULT_BATCH_ROWS = 64
 IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
@@ -104,35 +104,20 @@ def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[l
 
 
 class _Batch:
-    """A batch in the engine: the outcomes of rows that could not run, and the submission of the rest."""
+    """A batch in the engine: the rows readied as the shard runner readies them, and the submission of
+    those that can run."""
 
     def __init__(self, hosted: HostedModel, items: list[Row | RowError]) -> None:
-        self.outputs: list[OutputRow | None] = [None] * len(items)
-        runnable: list[tuple[int, Row, EngineRequest]] = []
-        for position, item in enumerate(items):
-            if isinstance(item, RowError):
-                self.outputs[position] = OutputRow.from_error(item)
-                continue
-            try:  # as the shard runner prepares a row
-                params = engine_sampling(item.sampling, item.response_format)
-                request = EngineRequest(hosted.renderer.token_ids(item), params)
-            except RowRejected as rejected:
-                self.outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
-                continue
-            runnable.append((position, item, request))
-        # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
-        runnable.sort(key=lambda entry: list(entry[2].prompt))
-        self._runnable = runnable
-        self.submission: Submission | None = (
-            hosted.host.submit([request for _, _, request in runnable]) if runnable else None)
+        self._prepared = PreparedBatch(hosted.renderer, items)
+        requests = self._prepared.requests
+        self.submission: Submission | None = hosted.host.submit(requests) if requests else None
 
     def results(self) -> list[OutputRow]:
         """Every row's outcome in input order, once the engine is done with them."""
-        if self.submission is not None:
-            self.submission.wait()
-            for (position, row, _), result in zip(self._runnable, self.submission.results(), strict=True):
-                self.outputs[position] = output_row(row, result)
-        return [output for output in self.outputs if output is not None]
+        if self.submission is None:
+            return self._prepared.outputs([])
+        self.submission.wait()
+        return self._prepared.outputs(self.submission.results())
 
     def abort(self) -> None:
         if self.submission is not None:

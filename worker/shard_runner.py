@@ -19,7 +19,6 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -36,11 +35,10 @@ from jobs.results import ShardResult, save_shard_result
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from worker.context import WorkerContext
-from worker.engine_host import EngineRequest, EngineUnavailable, Submission
-from worker.engine_outputs import output_row
+from worker.engine_host import EngineUnavailable, Submission
+from worker.engine_outputs import PreparedBatch
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
-from worker.prompts import RowRejected, engine_sampling
 from worker.shard_lease import ShardLease, lease_ttl_s
 from worker.transient import is_transient
 
@@ -66,13 +64,6 @@ class PhaseTimings:
 
     def rounded(self) -> dict[str, float]:
         return {name: round(value, 3) for name, value in self.seconds.items()}
-
-
-@dataclass(frozen=True)
-class PreparedRow:
-    position: int  # in the shard's input order
-    row: Row
-    request: EngineRequest
 
 
 def run_shard(context: WorkerContext, job_id: str, shard_index: int,
@@ -146,26 +137,9 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
     with timings.phase("read"):
         items = _read_rows(context, spec, shard)
-    outputs: list[OutputRow | None] = [None] * len(items)
-    prepared: list[PreparedRow] = []
-    priority = MAX_JOB_PRIORITY - spec.priority
-    for position, item in enumerate(items):
-        if isinstance(item, RowError):
-            outputs[position] = OutputRow.from_error(item)
-            continue
-        try:
-            params = engine_sampling(item.sampling, item.response_format)
-            request = EngineRequest(hosted.renderer.token_ids(item), params, priority)
-        except RowRejected as rejected:
-            outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
-            continue
-        prepared.append(PreparedRow(position, item, request))
-    # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
-    prepared.sort(key=lambda entry: list(entry.request.prompt))
+    batch = PreparedBatch(hosted.renderer, items, priority=MAX_JOB_PRIORITY - spec.priority)
     with timings.phase("engine"):
-        if not _run_on_engine(context, hosted, job_id, prepared, outputs):
-            return None
-    return [output for output in outputs if output is not None]
+        return _run_on_engine(context, hosted, job_id, batch)
 
 
 def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
@@ -178,26 +152,25 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
-def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, prepared: Sequence[PreparedRow],
-                   outputs: list[OutputRow | None]) -> bool:
-    """Fill `outputs` from the engine; False if the job was cancelled while its rows ran."""
-    if not prepared:
-        return True
+def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
+                   batch: PreparedBatch) -> list[OutputRow] | None:
+    """Every row's outcome in input order; None if the job was cancelled while its rows ran."""
+    requests = batch.requests
+    if not requests:
+        return batch.outputs([])
     try:
-        submission: Submission = hosted.host.submit([entry.request for entry in prepared])
+        submission: Submission = hosted.host.submit(requests)
     except EngineUnavailable as error:
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
     while not submission.wait(CANCEL_POLL_S):
         if context.repository.is_cancel_requested(job_id):
             submission.abort()
-            return False
+            return None
     try:
         results = submission.results()
     except EngineUnavailable as error:
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
-    for entry, result in zip(prepared, results, strict=True):
-        outputs[entry.position] = output_row(entry.row, result)
-    return True
+    return batch.outputs(results)
 
 
 def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
