@@ -23,6 +23,7 @@ def engine(tiny_checkpoint) -> LLMEngine:
 
 
 def run(engine: LLMEngine) -> dict:
+    """Step until idle; every output by request id."""
     outputs = {}
     while engine.has_unfinished_requests():
         outputs.update({o.request_id: o for o in engine.step()})

@@ -11,6 +11,7 @@ import pytest
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine.test_llm_correctness import PROMPTS
+from tests.engine.test_n_samples import run
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
@@ -18,13 +19,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
     return LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
-
-
-def run(engine: LLMEngine) -> dict:
-    outputs = {}
-    while engine.has_unfinished_requests():
-        outputs.update({o.request_id: o for o in engine.step()})
-    return outputs
 
 
 def test_no_structured_request_builds_no_manager(tiny_checkpoint):
