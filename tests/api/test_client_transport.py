@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -17,6 +16,7 @@ import pytest
 
 from api.client import ApiError, AsyncClient, Client, JobState
 from tests.fixtures.services import REPO_ROOT, free_port
+from tests.support.http_server import serving
 
 STATUS = {"job_id": "job-1", "state": "running"}
 
@@ -49,14 +49,8 @@ class FlakyHandler(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def flaky() -> Iterator[FlakyServer]:
-    server = FlakyServer(failures=2)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(FlakyServer(failures=2)) as server:
         yield server
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_get_is_retried_through_two_503s_over_real_http_with_the_api_key(flaky) -> None:

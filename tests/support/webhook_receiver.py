@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from tests.support.http_server import serving
+
 
 @dataclass
 class Received:
@@ -51,10 +53,5 @@ def webhook_receiver(statuses: list[int] | None = None) -> Iterator[Receiver]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     url = f"http://127.0.0.1:{server.server_address[1]}/hook"
     receiver = Receiver(url=url, statuses=list(statuses or []))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with serving(server):
         yield receiver
-    finally:
-        server.shutdown()
-        server.server_close()
