@@ -17,12 +17,7 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
     is there when the row has more than one sample (`n` > 1): `{index, text, [json,] finish_reason,
     [logprobs]}` each, choice 0 included.
     """
-    record: dict[str, Any] = {"id": row.row_id, "text": row.text}
-    if include_json:
-        record["json"] = row.json_value
-    record["finish_reason"] = row.finish_reason
-    if row.logprobs is not None:
-        record["logprobs"] = logprobs_records(row.logprobs)
+    record: dict[str, Any] = {"id": row.row_id, **_sample_fields(row, include_json)}
     if len(row.choices) > 1:
         record["choices"] = [choice_record(choice, include_json) for choice in row.choices]
     record["usage"] = None if row.prompt_tokens is None else {
@@ -34,13 +29,18 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
 
 
 def choice_record(choice: Choice, include_json: bool) -> dict[str, Any]:
-    record: dict[str, Any] = {"index": choice.index, "text": choice.text}
+    return {"index": choice.index, **_sample_fields(choice, include_json)}
+
+
+def _sample_fields(sample: Choice | OutputRow, include_json: bool) -> dict[str, Any]:
+    """`text`, [`json`,] `finish_reason`, [`logprobs`]: of a choice, or of a row's first sample."""
+    fields: dict[str, Any] = {"text": sample.text}
     if include_json:
-        record["json"] = choice.json_value
-    record["finish_reason"] = choice.finish_reason
-    if choice.logprobs is not None:
-        record["logprobs"] = logprobs_records(choice.logprobs)
-    return record
+        fields["json"] = sample.json_value
+    fields["finish_reason"] = sample.finish_reason
+    if sample.logprobs is not None:
+        fields["logprobs"] = logprobs_records(sample.logprobs)
+    return fields
 
 
 def logprobs_records(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
