@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import threading
 
-from jobs.models import CONTROL_QUEUE
 from jobs.schedule_tick import TickResult, tick_due
 from jobs.schedules import ScheduleRepository
 from jobs.settings import Settings
@@ -19,7 +18,6 @@ from worker.context import WorkerContext
 logger = logging.getLogger(__name__)
 
 DEFAULT_TICK_S = 15.0
-PLAN_JOB = "bulkinfer.plan_job"
 
 
 def tick_s(settings: Settings) -> float:
@@ -29,14 +27,10 @@ def tick_s(settings: Settings) -> float:
     return settings.schedule_tick_s or DEFAULT_TICK_S
 
 
-def send_plan(job_id: str) -> None:
-    from worker.celery_app import app
-
-    app.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
-
-
 def tick_once(context: WorkerContext) -> list[TickResult]:
     """One pass: tick every due schedule."""
+    from worker.tasks import send_plan
+
     repository = context.repository
     return tick_due(ScheduleRepository.beside(repository), repository, send_plan,
                     endpoint_url=context.settings.s3_endpoint_url)

@@ -34,6 +34,10 @@ def finalize_task_id(job_id: str) -> str:
     return f"{job_id}.finalize"
 
 
+def send_plan(job_id: str) -> None:
+    app.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
+
+
 def send_shard(job_id: str, shard_index: int, queue: str) -> None:
     app.send_task(RUN_SHARD, args=[job_id, shard_index], queue=queue,
                   task_id=shard_task_id(job_id, shard_index))
