@@ -18,7 +18,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -30,6 +30,8 @@ USER_AGENT = "bulkinfer-sdk/0.1"
 
 # A factory of the multipart `files` argument: called once per attempt, so a retry re-reads the file.
 FilesFactory = Callable[[], Mapping[str, Any]]
+
+H = TypeVar("H", httpx.Client, httpx.AsyncClient)
 
 
 @dataclass(frozen=True)
@@ -95,21 +97,34 @@ def default_headers(api_key: str | None, headers: Mapping[str, str] | None) -> d
     return merged
 
 
-class Transport:
-    """The sync transport: one `httpx.Client` for the API, and a bare one for presigned part URLs
-    (those carry their own signature: sending the API key along would break it)."""
+class _Clients(Generic[H]):
+    """What both transports hold: one httpx client (`HTTP`) for the API, and a bare one, made on first
+    use, for presigned part URLs (those carry their own signature: sending the API key would break it)."""
+
+    HTTP: type[H]
 
     def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 30.0,
                  retry: RetryPolicy | None = None, headers: Mapping[str, str] | None = None,
-                 http_transport: httpx.BaseTransport | None = None) -> None:
+                 http_transport: Any = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        self.http = httpx.Client(base_url=self.base_url, timeout=timeout,
-                                 headers=default_headers(api_key, headers), transport=http_transport)
-        self._downloads: httpx.Client | None = None
+        self.http = self.HTTP(base_url=self.base_url, timeout=timeout,
+                              headers=default_headers(api_key, headers), transport=http_transport)
+        self._downloads: H | None = None
         self._timeout = timeout
         self._http_transport = http_transport
-        self.sleep: Callable[[float], None] = time.sleep
+
+    def _external(self) -> H:
+        if self._downloads is None:
+            self._downloads = self.HTTP(timeout=self._timeout, transport=self._http_transport)
+        return self._downloads
+
+
+class Transport(_Clients[httpx.Client]):
+    """The sync transport over `httpx.Client` (`http_transport`: an `httpx.BaseTransport`)."""
+
+    HTTP = httpx.Client
+    sleep: Callable[[float], None] = staticmethod(time.sleep)  # tests set their own on the instance
 
     def request(self, method: str, path: str, *, json: Any = None, params: Mapping[str, Any] | None = None,
                 idempotent: bool, data: Mapping[str, Any] | None = None,
@@ -154,30 +169,17 @@ class Transport:
             self.sleep(delay)
             attempt += 1
 
-    def _external(self) -> httpx.Client:
-        if self._downloads is None:
-            self._downloads = httpx.Client(timeout=self._timeout, transport=self._http_transport)
-        return self._downloads
-
     def close(self) -> None:
         self.http.close()
         if self._downloads is not None:
             self._downloads.close()
 
 
-class AsyncTransport:
-    """`Transport` over `httpx.AsyncClient`: the same retries, `await`ed."""
+class AsyncTransport(_Clients[httpx.AsyncClient]):
+    """`Transport` over `httpx.AsyncClient` (`http_transport`: an `httpx.AsyncBaseTransport`): the
+    same retries, `await`ed."""
 
-    def __init__(self, base_url: str, *, api_key: str | None = None, timeout: float = 30.0,
-                 retry: RetryPolicy | None = None, headers: Mapping[str, str] | None = None,
-                 http_transport: httpx.AsyncBaseTransport | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.retry = retry or RetryPolicy()
-        self.http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout,
-                                      headers=default_headers(api_key, headers), transport=http_transport)
-        self._downloads: httpx.AsyncClient | None = None
-        self._timeout = timeout
-        self._http_transport = http_transport
+    HTTP = httpx.AsyncClient
 
     async def request(self, method: str, path: str, *, json: Any = None,
                       params: Mapping[str, Any] | None = None, idempotent: bool,
@@ -219,11 +221,6 @@ class AsyncTransport:
                 delay = self.retry.delay(attempt, None)
             await asyncio.sleep(delay)
             attempt += 1
-
-    def _external(self) -> httpx.AsyncClient:
-        if self._downloads is None:
-            self._downloads = httpx.AsyncClient(timeout=self._timeout, transport=self._http_transport)
-        return self._downloads
 
     async def aclose(self) -> None:
         await self.http.aclose()
