@@ -19,12 +19,10 @@ import threading
 from pathlib import Path
 
 from jobs.settings import ConfigError, Settings
-from jobs.settings_args import add_settings_arguments, settings_from_args
+from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
 
 API_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "api_host", "api_port", "api_keys")
-WORKER_ONLY_SETTINGS = ("engine_options", "model_cache", "shard_lease_ttl_s", "reaper_interval_s",
-                        "worker_concurrency", "schedule_tick_s", "webhook_secret", "webhook_max_attempts",
-                        "webhook_retry_base_s")
+WORKER_ONLY_SETTINGS = tuple(name for name in WORKER_SETTINGS if name not in API_SETTINGS)
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_STOP_TIMEOUT_S = 30
 

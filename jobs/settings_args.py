@@ -28,6 +28,10 @@ HELP = {
     "webhook_max_attempts": "webhook delivery attempts",
     "webhook_retry_base_s": "first webhook retry delay in seconds (doubles)",
 }
+# The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
+WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "model_cache",
+                   "shard_lease_ttl_s", "reaper_interval_s", "worker_concurrency", "schedule_tick_s",
+                   "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

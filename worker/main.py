@@ -14,12 +14,9 @@ import argparse
 import os
 
 from jobs.models import CONTROL_QUEUE, ModelRegistry
-from jobs.settings_args import add_settings_arguments, settings_from_args
+from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
 
 DEFAULT_CONCURRENCY = 2
-WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "model_cache",
-                   "shard_lease_ttl_s", "reaper_interval_s", "worker_concurrency", "schedule_tick_s",
-                   "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s")
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
