@@ -6,6 +6,8 @@ workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules_and_we
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -45,11 +47,18 @@ def _repository(context: ApiContext) -> ScheduleRepository:
     return ScheduleRepository.beside(context.repository)
 
 
-def _get(schedules: ScheduleRepository, schedule_id: str) -> Schedule:
+@contextmanager
+def _found() -> Iterator[None]:
+    """An unknown schedule id, wherever the repository meets it, answers 404."""
     try:
-        return schedules.get(schedule_id)
+        yield
     except ScheduleNotFound as error:
         raise ApiError(404, str(error)) from None
+
+
+def _get(schedules: ScheduleRepository, schedule_id: str) -> Schedule:
+    with _found():
+        return schedules.get(schedule_id)
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -119,8 +128,8 @@ def get_schedule(schedule_id: str, context: Context) -> ScheduleView:
 
 def _set_paused(context: ApiContext, schedule_id: str, paused: bool) -> ScheduleView:
     schedules = _repository(context)
-    _get(schedules, schedule_id)
-    return schedules.view(schedules.set_paused(schedule_id, paused))
+    with _found():
+        return schedules.view(schedules.set_paused(schedule_id, paused))
 
 
 @router.post("/schedules/{schedule_id}/pause", response_model=ScheduleView, summary="Pause a schedule")
@@ -137,9 +146,8 @@ def resume_schedule(schedule_id: str, context: Context) -> ScheduleView:
 @router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
 def delete_schedule(schedule_id: str, context: Context) -> Response:
     """The jobs it submitted stay."""
-    schedules = _repository(context)
-    _get(schedules, schedule_id)
-    schedules.delete(schedule_id)
+    with _found():
+        _repository(context).delete(schedule_id)
     return Response(status_code=204)
 
 
