@@ -42,6 +42,13 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
+def _require_pandas() -> None:
+    try:
+        import pandas  # noqa: F401
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError("to_pandas needs pandas: pip install pandas") from None
+
+
 def _has_pyarrow() -> bool:
     try:
         import pyarrow.parquet  # noqa: F401
@@ -191,10 +198,7 @@ class Results:
 
     def to_pandas(self) -> Any:
         """Every row as a pandas DataFrame (needs pandas)."""
-        try:
-            import pandas  # noqa: F401
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError("to_pandas needs pandas: pip install pandas") from None
+        _require_pandas()
         return self.to_arrow().to_pandas()
 
     def download(self, path: str | Path) -> Path:
@@ -296,10 +300,7 @@ class AsyncResults:
         return table_from_rows(await self.rows())
 
     async def to_pandas(self) -> Any:
-        try:
-            import pandas  # noqa: F401
-        except ModuleNotFoundError:
-            raise ModuleNotFoundError("to_pandas needs pandas: pip install pandas") from None
+        _require_pandas()
         return (await self.to_arrow()).to_pandas()
 
     async def download(self, path: str | Path) -> Path:
