@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from jobs.errors import InputError
 from jobs.models import UnknownModel
 from jobs.repository import JobConflict, JobNotFound
+from jobs.schedules import ScheduleNotFound
 from jobs.spec import validation_messages
 from jobs.status import IllegalTransition
 
@@ -26,9 +27,10 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def invalid_spec(error: ValidationError) -> ApiError:
+def invalid_model(error: ValidationError, what: str = "job spec") -> ApiError:
+    """422 `invalid <what>: ...` with one message per field."""
     messages = validation_messages(error)
-    return ApiError(422, "invalid job spec: " + "; ".join(messages), messages)
+    return ApiError(422, f"invalid {what}: " + "; ".join(messages), messages)
 
 
 def _body(error: ApiError) -> JSONResponse:
@@ -38,7 +40,8 @@ def _body(error: ApiError) -> JSONResponse:
 
 # Domain errors and the status each one means at the API.
 _STATUS_FOR = [
-    (JobNotFound, 404), (JobConflict, 409), (IllegalTransition, 409), (UnknownModel, 400), (InputError, 400)]
+    (JobNotFound, 404), (ScheduleNotFound, 404), (JobConflict, 409), (IllegalTransition, 409),
+    (UnknownModel, 400), (InputError, 400)]
 
 
 def install_error_handlers(app: FastAPI) -> None:

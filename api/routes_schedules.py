@@ -6,8 +6,6 @@ workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules_and_we
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,8 +20,6 @@ from api.submission import locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
-    Schedule,
-    ScheduleNotFound,
     ScheduleRepository,
     ScheduleSpec,
     ScheduleView,
@@ -45,20 +41,6 @@ class SubmittedList(BaseModel):
 
 def _repository(context: ApiContext) -> ScheduleRepository:
     return ScheduleRepository.beside(context.repository)
-
-
-@contextmanager
-def _found() -> Iterator[None]:
-    """An unknown schedule id, wherever the repository meets it, answers 404."""
-    try:
-        yield
-    except ScheduleNotFound as error:
-        raise ApiError(404, str(error)) from None
-
-
-def _get(schedules: ScheduleRepository, schedule_id: str) -> Schedule:
-    with _found():
-        return schedules.get(schedule_id)
 
 
 def _overlaps(a: str, b: str) -> bool:
@@ -123,13 +105,12 @@ def list_schedules(context: Context) -> ScheduleList:
 @router.get("/schedules/{schedule_id}", response_model=ScheduleView, summary="A schedule and its tick state")
 def get_schedule(schedule_id: str, context: Context) -> ScheduleView:
     schedules = _repository(context)
-    return schedules.view(_get(schedules, schedule_id))
+    return schedules.view(schedules.get(schedule_id))
 
 
 def _set_paused(context: ApiContext, schedule_id: str, paused: bool) -> ScheduleView:
     schedules = _repository(context)
-    with _found():
-        return schedules.view(schedules.set_paused(schedule_id, paused))
+    return schedules.view(schedules.set_paused(schedule_id, paused))
 
 
 @router.post("/schedules/{schedule_id}/pause", response_model=ScheduleView, summary="Pause a schedule")
@@ -146,8 +127,7 @@ def resume_schedule(schedule_id: str, context: Context) -> ScheduleView:
 @router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
 def delete_schedule(schedule_id: str, context: Context) -> Response:
     """The jobs it submitted stay."""
-    with _found():
-        _repository(context).delete(schedule_id)
+    _repository(context).delete(schedule_id)
     return Response(status_code=204)
 
 
@@ -155,7 +135,7 @@ def delete_schedule(schedule_id: str, context: Context) -> Response:
 def tick_now(schedule_id: str, context: Context) -> TickReport:
     """Submit the schedule's new objects now, whatever its cron says (paused: 409)."""
     schedules = _repository(context)
-    schedule = _get(schedules, schedule_id)
+    schedule = schedules.get(schedule_id)
     if schedule.paused:
         raise ApiError(409, f"schedule {schedule_id} is paused; resume it first")
     result = tick_schedule(schedules, context.repository, schedule,
@@ -168,5 +148,5 @@ def tick_now(schedule_id: str, context: Context) -> TickReport:
             summary="The objects a schedule has submitted, with their jobs")
 def submitted_objects(schedule_id: str, context: Context) -> SubmittedList:
     schedules = _repository(context)
-    _get(schedules, schedule_id)
+    schedules.get(schedule_id)  # 404 for an unknown schedule
     return SubmittedList(objects=schedules.submitted(schedule_id))

@@ -13,14 +13,14 @@ from pydantic import BaseModel, ValidationError
 
 from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
-from api.errors import ApiError, invalid_spec
+from api.errors import ApiError, invalid_model
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.sharding import open_parquet
-from jobs.spec import InputFormat, JobSpec, validation_messages
+from jobs.spec import InputFormat, JobSpec
 from jobs.status import JobState, JobStatus
 
 M = TypeVar("M", bound=BaseModel)
@@ -110,7 +110,7 @@ def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: 
     try:
         resolved = resolve_spec(spec, store, key)
     except ValidationError as error:
-        raise invalid_spec(error) from None
+        raise invalid_model(error) from None
     check_columns(resolved, store, key, spec.input_uri)
     if resolved.output_uri:
         locate(context, resolved.output_uri, "output_uri")
@@ -138,8 +138,7 @@ def parse_object(data: object, model: type[M], what: str) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as error:
-        messages = validation_messages(error)
-        raise ApiError(422, f"invalid {what}: " + "; ".join(messages), messages) from None
+        raise invalid_model(error, what) from None
 
 
 def parse_spec(data: object) -> JobSpec:

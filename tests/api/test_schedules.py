@@ -84,6 +84,14 @@ def test_schedules_are_listed_read_and_deleted(api: RunningApi) -> None:
     assert caught.value.status_code == 404 and first.id in caught.value.message
 
 
+def test_every_route_answers_404_for_an_unknown_schedule(api: RunningApi) -> None:
+    for method, path in (("GET", ""), ("POST", "/pause"), ("POST", "/resume"), ("DELETE", ""),
+                         ("POST", "/tick"), ("GET", "/jobs")):
+        response = httpx.request(method, f"{api.url}/schedules/sched-nope{path}")
+        assert response.status_code == 404, (method, path, response.text)
+        assert response.json()["detail"] == "no schedule 'sched-nope'"
+
+
 def test_a_bad_cron_is_a_422_naming_it(api: RunningApi) -> None:
     body = {"cron": "61 * * * *", "input_prefix": prefix(api, "x"), "job": JOB}
     response = httpx.post(f"{api.url}/schedules", json=body)
