@@ -6,3 +6,11 @@ class InputError(ValueError):
 
     The message is written for the user: the API returns it at submit, or the job fails with it.
     """
+
+
+class LookupFailed(LookupError):
+    """Something asked for by name or id is not there; the message is shown as is (LookupError
+    alone would quote it like a dict key)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])

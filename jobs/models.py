@@ -11,20 +11,19 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from jobs.errors import LookupFailed
+
 MODELS_ENV = "BULKINFER_MODELS"
 QUEUE_PREFIX = "bulkinfer.model."
 CONTROL_QUEUE = "bulkinfer.control"
 
 
-class UnknownModel(LookupError):
+class UnknownModel(LookupFailed):
     def __init__(self, name: str, served: list[str]) -> None:
         served_text = ", ".join(served) if served else "none: set BULKINFER_MODELS"
         super().__init__(f"model {name!r} is not served here (served: {served_text})")
         self.name = name
         self.served = served
-
-    def __str__(self) -> str:  # LookupError would quote the message like a key
-        return str(self.args[0])
 
 
 class ModelRegistry:

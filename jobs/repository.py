@@ -22,6 +22,7 @@ import redis
 from pydantic import BaseModel
 
 from jobs.counters import CountersMissing, CounterSnapshot, JobCounters
+from jobs.errors import LookupFailed
 from jobs.layout import JobLayout
 from jobs.manifest import read_manifest
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
@@ -75,13 +76,10 @@ return {'moved', current}
 """
 
 
-class JobNotFound(LookupError):
+class JobNotFound(LookupFailed):
     def __init__(self, job_id: str) -> None:
         super().__init__(f"no job {job_id!r}")
         self.job_id = job_id
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 class JobConflict(ValueError):

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from jobs.errors import LookupFailed
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.spec import JobSpec, validation_messages
@@ -37,13 +38,10 @@ TICK_FIELDS = ("input_uri", "idempotency_key")
 SCHEDULE_METADATA_KEY = "schedule_id"
 
 
-class ScheduleNotFound(LookupError):
+class ScheduleNotFound(LookupFailed):
     def __init__(self, schedule_id: str) -> None:
         super().__init__(f"no schedule {schedule_id!r}")
         self.schedule_id = schedule_id
-
-    def __str__(self) -> str:
-        return str(self.args[0])
 
 
 def check_cron(expression: str) -> str:
