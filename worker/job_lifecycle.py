@@ -16,13 +16,12 @@ from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
 from jobs.object_store.factory import store_for_uri
 from jobs.repository import JobRepository
-from jobs.response_format import engine_response_format
 from jobs.results import load_shard_results
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
-from worker.prompts import response_format_problem
+from worker.prompts import job_response_format_problem
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -90,9 +89,9 @@ def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict
 
 def _check_response_format(spec: JobSpec) -> None:
     """A job-wide schema that cannot compile fails the job once, instead of every row."""
-    problem = response_format_problem(engine_response_format(spec.response_format))
+    problem = job_response_format_problem(spec)
     if problem is not None:
-        raise JobCannotRun(f"response_format: {problem}")
+        raise JobCannotRun(problem)
 
 
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:

@@ -23,7 +23,6 @@ from jobs.formats.rows import Row, RowError
 from jobs.models import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.object_store.factory import store_for_uri
-from jobs.response_format import engine_response_format
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
@@ -32,7 +31,7 @@ from worker.engine_outputs import PreparedBatch
 from worker.local_output import ResumableOutput, open_output
 from worker.local_progress import RunProgress
 from worker.model_hosts import HostedModel, ModelHosts
-from worker.prompts import response_format_problem
+from worker.prompts import job_response_format_problem
 
 DEFAULT_BATCH_ROWS = 64
 IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
@@ -153,9 +152,9 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     """Run `spec`'s input (format resolved) through the engine into `output_path`, resuming a partial
     output of the same spec and input. Raises `RunError` or `OutputConflict`.
     """
-    problem = response_format_problem(engine_response_format(spec.response_format))
+    problem = job_response_format_problem(spec)
     if problem is not None:  # once for the run, not once per row
-        raise RunError(f"response_format: {problem}")
+        raise RunError(problem)
     store, key = store_for_uri(spec.input_uri, endpoint_url=settings.s3_endpoint_url)
     shard, estimated_rows = whole_file_shard(store, key, spec)
     output = open_output(output_path, spec, fingerprint(spec, store, key), job_id=_job_id(spec),

@@ -15,7 +15,9 @@ from typing import Any
 from engine import SamplingParams
 from engine.chat import ChatTemplateError, chat_token_ids
 from jobs.formats.rows import Row, RowErrorCode
+from jobs.response_format import engine_response_format
 from jobs.sampling import SamplingParams as JobSampling
+from jobs.spec import JobSpec
 
 ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 # Engine messages about a structured-output constraint start with one of these (the field names the
@@ -61,13 +63,14 @@ def engine_json_schema(response_format: dict[str, Any] | None) -> dict[str, Any]
                       f"response_format type {response_format.get('type')!r} is not supported")
 
 
-def response_format_problem(response_format: dict[str, Any] | None) -> str | None:
-    """Why a job-level response_format can never compile (checked once, at plan, without a model),
-    or None. Rows' own formats are still checked by the engine, row by row."""
+def job_response_format_problem(spec: JobSpec) -> str | None:
+    """Why the job's own response_format can never compile, as `response_format: <reason>` (checked
+    once, without a model, at plan and before `bulkinfer run`), or None. Rows' own formats are
+    still checked by the engine, row by row."""
     try:
-        schema = engine_json_schema(response_format)
+        schema = engine_json_schema(engine_response_format(spec.response_format))
     except RowRejected as rejected:
-        return str(rejected)
+        return f"response_format: {rejected}"
     if schema is None:
         return None
     from engine.structured_output import StructuredSpec, check_spec  # xgrammar: only when used
@@ -75,7 +78,7 @@ def response_format_problem(response_format: dict[str, Any] | None) -> str | Non
     try:
         check_spec(StructuredSpec.json_schema(schema))
     except ValueError as error:  # GrammarError, or a schema that is not a dict
-        return str(error)
+        return f"response_format: {error}"
     return None
 
 
