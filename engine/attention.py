@@ -177,11 +177,12 @@ def attention_with_lse(
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             query, key, value, 0.0, False, attn_mask=bias
         )
-    scores = torch.matmul(query, key.transpose(-1, -2)) * query.shape[-1] ** -0.5
+    # Scores, softmax and LSE in fp32 whatever the model dtype; the output in the query's dtype.
+    scores = torch.matmul(query.float(), key.float().transpose(-1, -2)) * query.shape[-1] ** -0.5
     if bias is not None:
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)
-    return torch.matmul(torch.exp(scores - lse[..., None]), value), lse
+    return torch.matmul(torch.exp(scores - lse[..., None]), value.float()).to(query.dtype), lse
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -319,10 +320,12 @@ class TorchPagedAttention(AttentionBackend):
             shared_lse = shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
             own_out, own_lse = out[prefix.rows], lse[prefix.rows]
             total_lse = torch.logaddexp(own_lse, shared_lse)
-            out[prefix.rows] = (
-                own_out * torch.exp(own_lse - total_lse)[..., None]
-                + shared_out * torch.exp(shared_lse - total_lse)[..., None]
+            # The merge runs in fp32 (the LSEs are fp32) and is stored back in the model's dtype.
+            merged = (
+                own_out.float() * torch.exp(own_lse - total_lse)[..., None]
+                + shared_out.float() * torch.exp(shared_lse - total_lse)[..., None]
             )
+            out[prefix.rows] = merged.to(out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
 
     @staticmethod

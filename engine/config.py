@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
-DTYPES = ("float32", "float16", "bfloat16")
+# "auto": chosen from the device and checkpoint when the engine starts (engine/dtype_choice.py).
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 @dataclass
@@ -25,7 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory: int | float | None = None
     num_kv_blocks: int | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

@@ -8,6 +8,7 @@ from typing import Any
 
 from engine.chat import ChatTemplateError, chat_token_ids
 from engine.config import EngineConfig
+from engine.dtype_choice import DtypeChoice
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -25,6 +26,11 @@ class LLM:
     @property
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    @property
+    def dtype_choice(self) -> DtypeChoice:
+        """The dtype the engine runs in and why (``dtype="auto"`` resolves at start-up)."""
+        return self.engine.dtype_choice
 
     def generate(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -13,9 +14,10 @@ import torch
 from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
+from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from engine.grammar_tracking import GrammarTracker
 from engine.metrics import EngineCounters
-from engine.model_runner import DTYPES, ModelRunner
+from engine.model_runner import ModelRunner
 from engine.models.loader import eos_token_ids, load_model, model_config_from_dir
 from engine.output_assembly import (
     OutputAssembler,
@@ -31,6 +33,8 @@ from engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.sampling_random import SEED_MASK
 from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "CompletionOutput",
@@ -61,6 +65,11 @@ class LLMEngine:
 
         config.validate()
         model_config = model_config_from_dir(config.model)
+        self.dtype_choice: DtypeChoice = resolve_dtype(
+            config.dtype, config.device, checkpoint_dtype(config.model)
+        )
+        logger.info("dtype %s (%s)", self.dtype_choice.dtype, self.dtype_choice.reason)
+        config = dataclasses.replace(config, dtype=self.dtype_choice.dtype)
         max_len = model_config.max_position_embeddings
         if config.max_model_len is None:
             config = dataclasses.replace(config, max_model_len=max_len)
@@ -73,7 +82,7 @@ class LLMEngine:
         self.model = load_model(
             config.model,
             TorchPagedAttention(),
-            dtype=DTYPES[config.dtype],
+            dtype=self.dtype_choice.torch_dtype,
             device=config.device,
             # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
             batch_hint=config.max_num_batched_tokens,

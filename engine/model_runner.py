@@ -24,12 +24,11 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.dtype_choice import DTYPES
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 # CPU default: a quarter of the memory available after profiling, at most 4 GiB — a worker shares
 # its box with the OS, its own activations and object-store I/O buffers.
@@ -52,6 +51,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
         if config.max_model_len is None:
             raise ValueError("ModelRunner needs a resolved max_model_len")
+        if config.dtype not in DTYPES:
+            raise ValueError(f"ModelRunner needs a resolved dtype, got {config.dtype!r}")
         self.config = config
         self.model = model
         self.device = torch.device(config.device)

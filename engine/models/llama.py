@@ -150,9 +150,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The fused kernel: 3x faster than transformers' five-op formula, and bitwise equal to it
-        # in fp32 on our CPUs (measured).
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        if x.dtype == torch.float32:
+            # The fused kernel: 3x faster than transformers' five-op formula, and bitwise equal to
+            # it in fp32 on our CPUs (measured).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # bf16/fp16: normalize in fp32, round to the model dtype, then scale — transformers' order
+        # of roundings (the fused kernel scales before rounding, 1 ulp off on many elements).
+        normalized = F.rms_norm(x.float(), self.weight.shape, None, self.eps)
+        return normalized.to(x.dtype).mul_(self.weight)
 
 
 class RotaryEmbedding(nn.Module):

@@ -30,7 +30,9 @@ pytestmark = pytest.mark.timeout(300)
 
 JOBS_BUCKET = "e2e-jobs"
 INPUTS_BUCKET = "e2e-inputs"
-ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16}
+# dtype pinned: outputs are compared with an fp32 offline engine.
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16,
+                  "dtype": "float32"}
 MAX_TOKENS = 6
 INSTRUCTIONS = "Complete the Python line, in the style of the standard library. " * 4  # several KV blocks
 QUESTIONS = ["def add(a, b):", "import sys\n", "class Point:", "for i in range(", "while True:",

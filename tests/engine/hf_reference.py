@@ -1,8 +1,15 @@
-"""transformers as the reference: greedy continuations, and the fp32-tie check for any mismatch.
+"""transformers as the reference: greedy continuations, and the tie checks for any mismatch.
 
-Exact means exact: engine and transformers greedy tokens must be identical. The only accepted
+fp32: exact means exact. Engine and transformers greedy tokens must be identical; the only accepted
 difference is a true fp32 tie — at the first differing position, the top-2 logit gap is below
 ``TIE_GAP`` in *both* implementations — which ``assert_same_greedy`` checks instead of loosening.
+
+bf16/fp16 (``assert_greedy_within_noise``): two correct implementations round differently, so a
+near-tie can flip and the continuations then part ways for good. Every token the engine emitted is
+checked against transformers *in the same dtype on the engine's own context* (teacher forcing):
+it must be transformers' argmax on at least ``MIN_AGREEMENT`` of the positions, and wherever it is
+not, the two tokens must be within ``NOISE_ULPS`` units in the last place of the dtype at the
+logits' scale in both implementations — a proven near-tie, not a wrong token.
 """
 
 from __future__ import annotations
@@ -20,11 +27,15 @@ from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
 TIE_GAP = 1e-5
+MIN_AGREEMENT = 0.95
+# Measured on the tiny checkpoints of all four archs in bf16: flips happen at gaps of 0-6 ulps.
+NOISE_ULPS = 8
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
 
 
 @cache
-def hf_model(model_dir: str) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def hf_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def hf_generate(model_dir: str | Path, prompt: Sequence[int], max_new_tokens: int,
@@ -62,7 +73,9 @@ def engine_last_logits(model: LlamaForCausalLM, token_ids: list[int], block_size
     """Our model's logits after ``token_ids``: one prefill into a private KV cache."""
     c = model.config
     num_blocks = math.ceil(len(token_ids) / block_size)
-    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, block_size, c.head_dim) for _ in range(c.num_layers)]
+    dtype = model.embed_tokens.weight.dtype
+    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, block_size, c.head_dim, dtype=dtype)
+              for _ in range(c.num_layers)]
     n = len(token_ids)
     metadata = AttentionMetadata(
         block_size=block_size,
@@ -101,3 +114,46 @@ def assert_same_greedy(
         f"token {first} differs: engine {ours} vs transformers {reference}; top-2 gaps "
         f"{our_gap:.3g} (engine) / {hf_gap:.3g} (transformers) — not an fp32 tie"
     )
+
+
+def noise_bound(logits: torch.Tensor, dtype: torch.dtype) -> float:
+    """``NOISE_ULPS`` units in the last place of ``dtype`` at the scale of the largest logit."""
+    exponent = math.floor(math.log2(max(float(logits.abs().max()), 1e-30)))
+    return NOISE_ULPS * 2.0 ** (exponent - MANTISSA_BITS[dtype])
+
+
+def assert_greedy_within_noise(
+    outputs: Sequence[tuple[list[int], list[int]]], model_dir: str | Path, model: LlamaForCausalLM,
+    dtype: torch.dtype,
+) -> float:
+    """``outputs``: (prompt, engine greedy tokens) pairs. Returns the agreement (see module doc)."""
+    reference = hf_model(str(model_dir), dtype)
+    agree = total = 0
+    flips = []
+    for prompt, tokens in outputs:
+        if not tokens:
+            continue
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
+        for step, (ours, row) in enumerate(zip(tokens, logits, strict=True)):
+            total += 1
+            theirs = int(row.argmax())
+            if theirs == ours:
+                agree += 1
+                continue
+            context = prompt + tokens[:step]
+            our_row = engine_last_logits(model, context)
+            hf_gap = float(row[theirs] - row[ours])
+            our_gap = float(our_row[ours] - our_row[theirs])
+            bound = noise_bound(row, dtype)
+            flips.append((len(context), ours, theirs, hf_gap, our_gap))
+            assert hf_gap <= bound and our_gap <= bound, (
+                f"after {len(context)} tokens the engine chose {ours}, transformers {theirs}: gaps "
+                f"{our_gap:.3g} (engine) / {hf_gap:.3g} (transformers) exceed {dtype} noise {bound:.3g}"
+            )
+    agreement = agree / max(total, 1)
+    assert agreement >= MIN_AGREEMENT, (
+        f"{dtype}: engine tokens are transformers' argmax on {agree}/{total} positions "
+        f"({agreement:.1%} < {MIN_AGREEMENT:.0%}); near-tie flips: {flips}"
+    )
+    return agreement

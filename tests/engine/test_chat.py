@@ -71,7 +71,7 @@ def test_a_failing_template_raises_a_value_error_with_its_message(tokenizer):
 def test_llm_chat_generates_from_the_rendered_conversation(tiny_checkpoint: Path):
     from engine import LLM, SamplingParams
 
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     [as_chat, second] = llm.chat([MESSAGES, MESSAGES[1:]], params)
     prompt_ids = llm.tokenizer.encode(CHATML, add_special_tokens=False)

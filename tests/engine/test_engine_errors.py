@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint), num_kv_blocks=64, max_model_len=128)
+    return LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64, max_model_len=128)
 
 
 def test_bad_requests_fail_alone_in_a_batch(llm, tiny_checkpoint):
@@ -45,7 +45,8 @@ def test_bad_requests_fail_alone_in_a_batch(llm, tiny_checkpoint):
 
 
 def test_error_is_reported_on_next_step_and_engine_keeps_serving(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64, max_model_len=128))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64,
+                                    max_model_len=128))
     engine.add_request("good", PROMPTS[1], GREEDY)
     engine.add_request("bad", [], GREEDY)
     first = engine.step()
@@ -61,7 +62,7 @@ def test_error_is_reported_on_next_step_and_engine_keeps_serving(tiny_checkpoint
 
 
 def test_abort_running_request(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64))
     engine.add_request("keep", PROMPTS[2], GREEDY)
     engine.add_request("drop", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=50))
     engine.step()
@@ -78,7 +79,7 @@ def test_abort_running_request(tiny_checkpoint):
 
 
 def test_duplicate_live_request_id_is_a_caller_error(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64))
     engine.add_request("x", PROMPTS[0], GREEDY)
     with pytest.raises(ValueError, match="already"):
         engine.add_request("x", PROMPTS[1], GREEDY)
@@ -86,7 +87,8 @@ def test_duplicate_live_request_id_is_a_caller_error(tiny_checkpoint):
 
 def test_max_model_len_beyond_the_model_is_rejected(tiny_checkpoint):
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64, max_model_len=100_000))
+        LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64,
+                               max_model_len=100_000))
 
 
 def test_params_count_must_match_prompts(llm):

@@ -12,7 +12,7 @@ from tests.engine.test_llm_correctness import PROMPTS
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    return LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128)
 
 
 def hf_logprobs(model_dir: str, prompt: list[int], output: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint) -> LLMEngine:
-    return LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64))
+    return LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64))
 
 
 def run(engine: LLMEngine) -> dict:
@@ -59,7 +59,7 @@ def test_children_share_the_full_prompt_blocks_and_own_their_tails(engine):
 
 
 def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
     tokens = prompt(20, seed=1)
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     [three] = llm.generate([tokens], params)
@@ -73,7 +73,7 @@ def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint):
 
 
 def test_greedy_children_are_identical(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=64)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
     [output] = llm.generate([prompt(10, seed=2)], SamplingParams(n=3, temperature=0.0, max_tokens=5))
     assert len({tuple(o.token_ids) for o in output.outputs}) == 1
 

@@ -302,7 +302,7 @@ def test_logprobs_are_the_raw_log_softmax_with_the_top_k():
 
 
 def test_seeded_request_in_the_engine_is_independent_of_its_neighbours(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128)
     seeded = SamplingParams(temperature=1.0, top_k=50, seed=7, max_tokens=12, ignore_eos=True)
     other = SamplingParams(temperature=0.9, max_tokens=12, ignore_eos=True)
     [alone] = llm.generate([PROMPTS[3]], seeded)

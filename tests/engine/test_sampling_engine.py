@@ -18,7 +18,7 @@ SEEDED = [
 
 
 def seeded_alone(model: str, **config) -> list[list[int]]:
-    llm = LLM(model=model, num_kv_blocks=256, **config)
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, **config)
     return [llm.generate([PROMPTS[2]], p)[0].token_ids for p in SEEDED]
 
 
@@ -27,7 +27,7 @@ def test_seeded_requests_reproduce_alone_in_a_crowd_and_with_another_token_budge
     alone = seeded_alone(model)
     assert all(len(set(tokens)) > 1 for tokens in alone)
 
-    llm = LLM(model=model, num_kv_blocks=256)
+    llm = LLM(model=model, dtype="float32", num_kv_blocks=256)
     crowd = [PROMPTS[i] for i in range(10)]
     others = [SamplingParams(temperature=0.9, max_tokens=10 + i, ignore_eos=True) for i in range(10)]
     outputs = llm.generate(crowd[:4] + [PROMPTS[2]] * 3 + crowd[4:], others[:4] + SEEDED + others[4:])
@@ -41,7 +41,7 @@ def test_unseeded_requests_are_reproducible_per_engine_seed(tiny_checkpoint):
     params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
 
     def run(seed: int) -> list[list[int]]:
-        llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128, seed=seed)
+        llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128, seed=seed)
         return [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
 
     first = run(0)
@@ -52,7 +52,7 @@ def test_unseeded_requests_are_reproducible_per_engine_seed(tiny_checkpoint):
 
 @pytest.mark.parametrize("penalty", [1.5, 0.7])
 def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, penalty):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128)
     prompts = [PROMPTS[11], PROMPTS[13]]
     params = SamplingParams(temperature=0.0, repetition_penalty=penalty, max_tokens=12, ignore_eos=True)
     outputs = llm.generate(prompts, params)
@@ -64,7 +64,7 @@ def test_repetition_penalty_greedy_matches_transformers(tiny_checkpoint, penalty
 
 
 def test_top_k_1_and_tiny_top_p_sample_the_greedy_tokens(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128)
     greedy = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     for params in (
         SamplingParams(temperature=1.5, top_k=1, max_tokens=8, ignore_eos=True),

@@ -18,11 +18,11 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint), num_kv_blocks=128)
+    return LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128)
 
 
 def test_no_structured_request_builds_no_manager(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=32))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=32))
     engine.add_request("plain", PROMPTS[0], GREEDY)
     run(engine)
     assert engine._grammars.manager is None
@@ -69,7 +69,7 @@ def test_a_failing_grammar_fails_its_request_alone(llm):
 
 
 def test_a_compiling_grammar_does_not_hold_back_other_requests(tiny_checkpoint):
-    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=64))
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64))
     manager = engine._grammars.ensure_manager()
     gate = threading.Event()
     compile_now = manager._compile
@@ -93,7 +93,7 @@ def test_a_compiling_grammar_does_not_hold_back_other_requests(tiny_checkpoint):
 
 
 def test_preemption_keeps_the_grammar_state(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=15)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=15)
     pattern = r"[a-z]{1,12}(,[a-z]{1,12}){2}\."
     params = SamplingParams(regex=pattern, temperature=1.0, seed=9, max_tokens=80)
     outputs = llm.generate(PROMPTS[:10], params)

@@ -16,7 +16,7 @@ MAX = 40
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint) -> LLM:
-    return LLM(model=str(tiny_checkpoint), num_kv_blocks=64)
+    return LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +133,7 @@ def test_every_eos_id_of_generation_config_ends_a_request(tiny_checkpoint, tmp_p
     config_file = model_dir / "generation_config.json"
     generation = json.loads(config_file.read_text())
     config_file.write_text(json.dumps({**generation, "eos_token_id": [1, second_eos]}))
-    llm = LLM(model=str(model_dir), num_kv_blocks=64)
+    llm = LLM(model=str(model_dir), dtype="float32", num_kv_blocks=64)
     assert llm.engine.eos_token_ids == [1, second_eos]
     [output] = llm.generate(PROMPT, SamplingParams(temperature=0.0, max_tokens=MAX))
     stop_at = greedy.token_ids.index(second_eos)

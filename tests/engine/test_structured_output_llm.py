@@ -32,7 +32,7 @@ LENGTH_LIMITED = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_checkpoint: Path) -> LLM:
-    return LLM(model=str(tiny_checkpoint), max_num_seqs=128)
+    return LLM(model=str(tiny_checkpoint), dtype="float32", max_num_seqs=128)
 
 
 def validator(schema: dict) -> jsonschema.protocols.Validator:
@@ -153,7 +153,7 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -
             self.gate.wait(60)
             return super()._compile(spec)
 
-    llm = LLM(model=str(tiny_checkpoint), max_num_seqs=8)
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", max_num_seqs=8)
     engine = llm.engine
     engine._grammars.manager = Gated(engine.tokenizer, engine._vocab_size, 8)  # the engine's manager slot
     engine.add_request("json", "a", SamplingParams(json_schema={"type": "boolean"}, max_tokens=8))

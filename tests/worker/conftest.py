@@ -26,7 +26,9 @@ INPUTS_BUCKET = "inputs"
 MODELS_BUCKET = "models"
 STORE_PREFIX = "bulkinfer"
 # Small enough to be quick, and to make a prompt of a few hundred tokens "too long".
-ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16}
+# dtype pinned: outputs are compared with an fp32 offline engine.
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 16,
+                  "dtype": "float32"}
 JOB_TIMEOUT_S = 90
 
 

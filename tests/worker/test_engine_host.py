@@ -11,7 +11,9 @@ import pytest
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from worker.engine_host import EngineHost, EngineRequest, EngineUnavailable
 
-ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_seqs": 16}
+# dtype pinned: outputs are compared with an fp32 offline engine.
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_seqs": 16,
+                  "dtype": "float32"}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 PROMPTS = ["def main():", "import os\n", "class Foo(", "the quick brown fox", "return self.", "x = [1, 2,"]
 WAIT_S = 60
