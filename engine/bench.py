@@ -1,7 +1,9 @@
 """`bulkinfer bench engine`: the engine against the batch loop a user would write with transformers.
 
-Both run in this one process, on the same machine, threads and weights (fp32), over the same
-token-id prompts, and the figures and ratios printed come from this one run. Workloads:
+Both run in this one process, on the same machine, threads and weights, over the same token-id
+prompts, and the figures and ratios printed come from this one run. ``--dtype`` lists the engine
+runs (``auto`` = what the engine picks on this machine; the line ``cpu: native bf16 …`` says what
+and why); the baseline runs in fp32, as a user without a bf16 kernel story would. Workloads:
 
 - shared-prefix: each request = one of 4 shared instructions (~400 tokens) + a unique ~50-token tail;
 - no-shared-prefix: the same lengths, every prompt unique.
@@ -76,11 +78,12 @@ def make_workload(name: str, *, num_requests: int, vocab_size: int, special_ids:
     return Workload(name=name, prompts=prompts, max_tokens=max_tokens)
 
 
-def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: int) -> RunResult:
+def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: int,
+                              dtype: torch.dtype = torch.float32) -> RunResult:
     """What a user would write: static batches, left padding, `generate`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     output_tokens = 0
     started = time.perf_counter()
@@ -97,7 +100,7 @@ def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: in
             )
             output_tokens += (generated.shape[1] - width) * len(batch)
     wall = time.perf_counter() - started
-    label = f"transformers generate (batches of {batch_size})"
+    label = f"transformers generate {str(dtype).removeprefix('torch.')} (batches of {batch_size})"
     return RunResult(label, wall, workload.prompt_tokens, output_tokens, {})
 
 
@@ -116,9 +119,13 @@ def timed_generate(
 
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunResult:
     from engine import LLM, SamplingParams
+    from engine.metrics import EngineCounters
 
     llm = LLM(model=model_dir, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
+    # Warm-up (first-call kernel selection) on prompts shorter than a block, so nothing is cached.
+    timed_generate(llm, [p[-8:] for p in workload.prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True))
+    llm.engine.counters = EngineCounters()
     outputs, wall = timed_generate(llm, workload.prompts, params)
     cached = sum(o.num_cached_tokens for o in outputs)
     metrics = llm.get_metrics()
@@ -128,30 +135,55 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunRe
         "preemptions": float(metrics["num_preemptions"]),
     }
     output_tokens = sum(o.num_completion_tokens for o in outputs)
-    return RunResult("bulkinfer engine", wall, workload.prompt_tokens, output_tokens, extra)
+    requested, chosen = engine_kwargs.get("dtype", "auto"), llm.dtype_choice.dtype
+    label = f"bulkinfer engine {chosen if requested == chosen else f'{requested}->{chosen}'}"
+    return RunResult(label, wall, workload.prompt_tokens, output_tokens, extra)
 
 
-def print_comparison(workload: Workload, baseline: RunResult, engine: RunResult, target: float,
+def print_comparison(workload: Workload, baseline: RunResult | None, engines: list[RunResult], target: float,
                      out: Callable[[str], None] = print) -> bool:
+    """Every run's figures, then each engine run against the baseline and each dtype against fp32."""
     out(f"\n== workload: {workload.name} — {len(workload.prompts)} requests, "
         f"{workload.prompt_tokens} prompt tokens, {workload.max_tokens} output tokens each")
-    for result in (baseline, engine):
-        out(f"  {result.label:<40} wall {result.wall_s:8.2f}s   output {result.output_tps:8.1f} tok/s   "
+    for result in ([baseline] if baseline else []) + engines:
+        out(f"  {result.label:<44} wall {result.wall_s:8.2f}s   output {result.output_tps:8.1f} tok/s   "
             f"total {result.total_tps:9.1f} tok/s")
-    ratio = engine.output_tps / baseline.output_tps
-    met = ratio >= target
-    verdict = "met" if met else "NOT met"
-    out(f"  engine / baseline output tok/s: {ratio:.2f}x (target >= {target}x: {verdict})")
-    if "prefix_hit_rate" in engine.extra:
-        out(f"  prefix-cache hit rate: {engine.extra['prefix_hit_rate']:.1%} of prompt tokens; "
-            f"prefill tokens computed {int(engine.extra['prefill_tokens_computed'])} "
+    met = True
+    for engine in engines:
+        if baseline is not None:
+            ratio = engine.output_tps / baseline.output_tps
+            met = met and ratio >= target
+            verdict = "met" if ratio >= target else "NOT met"
+            out(f"  {engine.label} / baseline output tok/s: {ratio:.2f}x (target >= {target}x: {verdict})")
+        out(f"  {engine.label}: prefix-cache hit rate {engine.extra['prefix_hit_rate']:.1%} of prompt "
+            f"tokens; prefill tokens computed {int(engine.extra['prefill_tokens_computed'])} "
             f"vs prompt tokens {workload.prompt_tokens}; preemptions {int(engine.extra['preemptions'])}")
+    fp32 = next((e for e in engines if e.label.endswith(" float32")), None)
+    for engine in engines:
+        if fp32 is not None and engine is not fp32:
+            out(f"  {engine.label.rsplit(' ', 1)[-1]} / float32 output tok/s: "
+                f"{engine.output_tps / fp32.output_tps:.2f}x")
     return met
 
 
-def bench_cli(argv: list[str] | None = None) -> int:
+def describe_cpu(out: Callable[[str], None] = print) -> None:
+    """Whether this CPU multiplies bf16 natively, and what ``dtype="auto"`` picks here."""
+    from engine.dtype_choice import probe_cpu_bf16, resolve_dtype
+
+    probe = probe_cpu_bf16()
+    choice = resolve_dtype("auto", "cpu", None, probe=lambda: probe)
+    out(f"cpu: native bf16 {'yes' if probe.native_bf16 else 'no'} ({probe.describe()}); "
+        f"dtype auto -> {choice.dtype}")
+
+
+def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:
+    """``resolve_model``: turns ``--model`` (a folder, or a name the caller knows) into a folder."""
     parser = argparse.ArgumentParser(prog="bulkinfer bench engine", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model folder (or, from the CLI, a catalog name such "
+                        "as smollm2-135m-instruct, or a .gguf file); default: the --preset checkpoint")
+    parser.add_argument("--dtype", default="auto", help="comma list of auto, float32, bfloat16, float16: "
+                        "one engine run per entry, compared with float32 when it is listed")
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --structured)")
@@ -159,6 +191,7 @@ def bench_cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--tail-len", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (96 with --structured)")
     parser.add_argument("--baseline-batch", type=int, default=32)
+    parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -167,6 +200,12 @@ def bench_cli(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (--structured)")
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, best counts (--structured)")
     args = parser.parse_args(argv)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    from engine.dtype_choice import DTYPE_CHOICES
+
+    bad = [d for d in dtypes if d not in DTYPE_CHOICES]
+    if bad or not dtypes:
+        parser.error(f"--dtype: {bad[0] if bad else '(empty)'!r} is not one of {', '.join(DTYPE_CHOICES)}")
     if args.structured:
         from engine.bench_structured import run_structured_bench
 
@@ -179,11 +218,15 @@ def bench_cli(argv: list[str] | None = None) -> int:
     args.requests = args.requests or 256
     args.max_tokens = args.max_tokens or 64
 
-    model_dir = str(cached_checkpoint(preset=args.preset, arch=args.arch, seed=0))
+    if args.model:
+        model_dir = resolve_model(args.model) if resolve_model else args.model
+    else:
+        model_dir = str(cached_checkpoint(preset=args.preset, arch=args.arch, seed=0))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}; dtype float32")
+    print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}; dtypes: {', '.join(dtypes)}")
+    describe_cpu()
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
     targets = {"shared": 3.0, "unique": 1.2}
     for name in args.workloads.split(","):
@@ -193,9 +236,10 @@ def bench_cli(argv: list[str] | None = None) -> int:
             shared_len=args.shared_len, tail_len=args.tail_len, num_shared=4 if name == "shared" else 0,
             max_tokens=args.max_tokens,
         )
-        baseline = run_transformers_baseline(model_dir, workload, args.baseline_batch)
-        engine = run_engine(model_dir, workload, engine_kwargs)
-        print_comparison(workload, baseline, engine, targets[name])
+        baseline = (None if args.no_baseline
+                    else run_transformers_baseline(model_dir, workload, args.baseline_batch))
+        engines = [run_engine(model_dir, workload, {**engine_kwargs, "dtype": dtype}) for dtype in dtypes]
+        print_comparison(workload, baseline, engines, targets[name])
     return 0
 
 

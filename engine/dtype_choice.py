@@ -72,15 +72,21 @@ def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
 
 
 def _matmul_gflops(dtype: torch.dtype, seconds: float = 0.05) -> float:
-    # The shape of a decoder projection over a prefill chunk: big enough to reach the kernel's
-    # steady state, small enough that the whole probe costs ~0.1 s.
+    """GFLOP/s of a decoder projection over a prefill chunk, through the kernel the model's
+    projections use (oneDNN with a packed weight where available): big enough to reach the
+    kernel's steady state, small enough that the whole probe costs ~0.1 s."""
+    from engine.models.llama import Linear, onednn_linear_available
+
+    layer = Linear(1024, 1024, bias=False).to(dtype).requires_grad_(False)
+    if onednn_linear_available(torch.device("cpu"), dtype):
+        layer.pack_for_onednn(256)
     a = torch.randn(256, 1024).to(dtype)
-    w = torch.randn(1024, 1024).to(dtype)
-    torch.nn.functional.linear(a, w)  # first call: kernel selection, weight reorder
-    runs, started = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - started) < seconds or runs < 3:
-        torch.nn.functional.linear(a, w)
-        runs += 1
+    with torch.inference_mode():
+        layer(a)  # first call: kernel selection
+        runs, started = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - started) < seconds or runs < 3:
+            layer(a)
+            runs += 1
     return 2 * 256 * 1024 * 1024 * runs / elapsed / 1e9
 
 

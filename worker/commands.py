@@ -22,6 +22,11 @@ def bench(argv: list[str]) -> int:
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     import importlib
 
+    if argv[0] == "engine":  # --model may name a catalog model or a .gguf file: resolved like the worker's
+        from engine.bench import bench_cli
+        from worker.model_files import local_model_dir
+
+        return bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))
     return importlib.import_module(targets[argv[0]]).bench_cli(argv[1:])
 
 

@@ -16,8 +16,32 @@ def test_bench_engine_prints_both_runs_and_the_ratio(capsys: pytest.CaptureFixtu
     assert code == 0
     for workload in ("shared-prefix", "no-shared-prefix"):
         assert f"workload: {workload} — 8 requests, 320 prompt tokens, 4 output tokens each" in out
-    assert out.count("engine / baseline output tok/s") == 2
+    assert out.count("/ baseline output tok/s") == 2
     assert "prefix-cache hit rate" in out
+    assert "cpu: native bf16 " in out and "dtype auto -> " in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_compares_dtypes_on_a_given_model(
+    tiny_checkpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = bench_cli(["--model", str(tiny_checkpoint), "--dtype", "float32,bfloat16,auto", "--no-baseline",
+                      "--workloads", "shared", "--requests", "6", "--shared-len", "32", "--tail-len", "4",
+                      "--max-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"model: {tiny_checkpoint}; torch threads: " in out and "dtypes: float32, bfloat16, auto" in out
+    assert "bulkinfer engine float32 " in out and "bulkinfer engine bfloat16 " in out
+    assert "bulkinfer engine auto->" in out or out.count("bulkinfer engine bfloat16 ") + out.count(
+        "bulkinfer engine float32 ") == 4  # auto resolved to a listed dtype: same label
+    assert "bfloat16 / float32 output tok/s: " in out and "transformers" not in out
+
+
+def test_bench_engine_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench_cli(["--dtype", "float32,fp8"])
+    assert exit_info.value.code == 2
+    assert "--dtype: 'fp8' is not one of auto, float32, float16, bfloat16" in capsys.readouterr().err
 
 
 @pytest.mark.timeout(300)
