@@ -38,6 +38,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot of every new token
     # Decode requests: rows [0, num_decodes) of the batch, one token each.
     num_decodes: int
+    # Host (CPU) tensors whatever the device: the decode plan is worked out on the host once per
+    # step (grouping needs data-dependent shapes), so a GPU step never waits on a device read.
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
     decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks], padded with block 0
     # Prefill chunks follow the decodes; plain lists because they are iterated in Python.
@@ -59,8 +61,9 @@ class AttentionMetadata:
             return None
         key = (f"prefill{index}", sliding_window)
         if key not in self.step_cache:
-            query_pos = torch.arange(seq_len - query_len, seq_len)[:, None]
-            key_pos = torch.arange(seq_len)[None, :]
+            device = self.slot_mapping.device
+            query_pos = torch.arange(seq_len - query_len, seq_len, device=device)[:, None]
+            key_pos = torch.arange(seq_len, device=device)[None, :]
             valid = key_pos <= query_pos
             if sliding_window is not None:
                 valid &= key_pos > query_pos - sliding_window
@@ -156,7 +159,12 @@ def plan_decode(
         # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
     bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(cache_rows.reshape(num_rows, -1), bias[:, None, None, :], prefixes)
+    device = metadata.slot_mapping.device
+    if device.type != "cpu":
+        prefixes = [SharedPrefix(p.rows.to(device), p.block_ids.to(device)) for p in prefixes]
+    return DecodePlan(
+        cache_rows.reshape(num_rows, -1).to(device), bias[:, None, None, :].to(device), prefixes
+    )
 
 
 def attention_with_lse(

@@ -79,11 +79,11 @@ def make_workload(name: str, *, num_requests: int, vocab_size: int, special_ids:
 
 
 def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: int,
-                              dtype: torch.dtype = torch.float32) -> RunResult:
+                              dtype: torch.dtype = torch.float32, device: str = "cpu") -> RunResult:
     """What a user would write: static batches, left padding, `generate`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     output_tokens = 0
     started = time.perf_counter()
@@ -94,7 +94,7 @@ def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: in
             input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch])
             attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
             generated = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), do_sample=False,
                 max_new_tokens=workload.max_tokens, min_new_tokens=workload.max_tokens,
                 pad_token_id=pad_id,
             )
@@ -184,6 +184,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         "as smollm2-135m-instruct, or a .gguf file); default: the --preset checkpoint")
     parser.add_argument("--dtype", default="auto", help="comma list of auto, float32, bfloat16, float16: "
                         "one engine run per entry, compared with float32 when it is listed")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (engine and baseline)")
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
     parser.add_argument("--arch", default="llama")
     parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --structured)")
@@ -226,8 +227,12 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}; dtypes: {', '.join(dtypes)}")
-    describe_cpu()
-    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.device == "cpu":
+        describe_cpu()
+    else:
+        print(f"device: {args.device} ({torch.cuda.get_device_name(args.device)})")
+    engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                     "device": args.device}
     targets = {"shared": 3.0, "unique": 1.2}
     for name in args.workloads.split(","):
         workload = make_workload(
@@ -237,7 +242,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
             max_tokens=args.max_tokens,
         )
         baseline = (None if args.no_baseline
-                    else run_transformers_baseline(model_dir, workload, args.baseline_batch))
+                    else run_transformers_baseline(model_dir, workload, args.baseline_batch,
+                                                   device=args.device))
         engines = [run_engine(model_dir, workload, {**engine_kwargs, "dtype": dtype}) for dtype in dtypes]
         print_comparison(workload, baseline, engines, targets[name])
     return 0

@@ -140,25 +140,25 @@ class ModelRunner:
         shape = (2, blocks_per_seq * len(query_lens), c.num_kv_heads, self.block_size, c.head_dim)
         caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
         starts = list(itertools.accumulate(query_lens, initial=0))[:-1]
+        # Built on the host, then moved: like a real step's batch.
         tables = [
-            torch.arange(
-                i * blocks_per_seq, i * blocks_per_seq + math.ceil(n / self.block_size), device=self.device
-            )
+            torch.arange(i * blocks_per_seq, i * blocks_per_seq + math.ceil(n / self.block_size))
             for i, n in enumerate(query_lens)
         ]
-        positions = torch.cat([torch.arange(n, device=self.device) for n in query_lens])
+        positions = torch.cat([torch.arange(n) for n in query_lens]).to(self.device)
         slot_mapping = torch.cat(
             [
                 t[torch.arange(n) // self.block_size] * self.block_size + torch.arange(n) % self.block_size
                 for t, n in zip(tables, query_lens, strict=True)
             ]
-        )
+        ).to(self.device)
+        tables = [t.to(self.device) for t in tables]
         metadata = AttentionMetadata(
             block_size=self.block_size,
             slot_mapping=slot_mapping,
             num_decodes=0,
-            decode_seq_lens=torch.empty(0, dtype=torch.long, device=self.device),
-            decode_block_tables=torch.empty(0, 1, dtype=torch.long, device=self.device),
+            decode_seq_lens=torch.empty(0, dtype=torch.long),
+            decode_block_tables=torch.empty(0, 1, dtype=torch.long),
             prefill_query_starts=starts,
             prefill_query_lens=query_lens,
             prefill_seq_lens=query_lens,
@@ -232,8 +232,8 @@ class ModelRunner:
             block_size=bs,
             slot_mapping=slot_mapping.to(dev),
             num_decodes=num_decodes,
-            decode_seq_lens=seq_lens_t[:num_decodes].to(dev),
-            decode_block_tables=block_tables[:num_decodes, :decode_blocks].to(dev),
+            decode_seq_lens=seq_lens_t[:num_decodes],
+            decode_block_tables=block_tables[:num_decodes, :decode_blocks],
             prefill_query_starts=qsl[num_decodes:-1],
             prefill_query_lens=query_lens[num_decodes:],
             prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),

@@ -171,6 +171,8 @@ class RotaryEmbedding(nn.Module):
 
         transformers builds cos/sin over ``cat(freqs, freqs)``; both halves are equal, so one is kept.
         """
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 

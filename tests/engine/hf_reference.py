@@ -15,6 +15,7 @@ logits' scale in both implementations — a proven near-tie, not a wrong token.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
@@ -26,6 +27,8 @@ from transformers import AutoModelForCausalLM
 from engine.attention import AttentionMetadata
 from engine.models.llama import LlamaForCausalLM
 
+# Where the engine under test runs: benchmarks/gpu_check.sh sets cuda; transformers stays on the CPU.
+TEST_DEVICE = os.environ.get("BULKINFER_TEST_DEVICE", "cpu")
 TIE_GAP = 1e-5
 MIN_AGREEMENT = 0.95
 # Measured on the tiny checkpoints of all four archs in bf16: flips happen at gaps of 0-6 ulps.
@@ -73,24 +76,25 @@ def engine_last_logits(model: LlamaForCausalLM, token_ids: list[int], block_size
     """Our model's logits after ``token_ids``: one prefill into a private KV cache."""
     c = model.config
     num_blocks = math.ceil(len(token_ids) / block_size)
-    dtype = model.embed_tokens.weight.dtype
-    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, block_size, c.head_dim, dtype=dtype)
+    dtype, device = model.embed_tokens.weight.dtype, model.embed_tokens.weight.device
+    caches = [torch.zeros(2, num_blocks, c.num_kv_heads, block_size, c.head_dim, dtype=dtype, device=device)
               for _ in range(c.num_layers)]
     n = len(token_ids)
     metadata = AttentionMetadata(
         block_size=block_size,
-        slot_mapping=torch.arange(n),
+        slot_mapping=torch.arange(n, device=device),
         num_decodes=0,
         decode_seq_lens=torch.empty(0, dtype=torch.long),
         decode_block_tables=torch.empty(0, 1, dtype=torch.long),
         prefill_query_starts=[0],
         prefill_query_lens=[n],
         prefill_seq_lens=[n],
-        prefill_block_tables=[torch.arange(num_blocks)],
+        prefill_block_tables=[torch.arange(num_blocks, device=device)],
     )
     with torch.inference_mode():
-        hidden = model(torch.tensor(token_ids), torch.arange(n), metadata, caches)
-        return model.compute_logits(hidden[-1:])[0]
+        ids, positions = torch.tensor(token_ids, device=device), torch.arange(n, device=device)
+        hidden = model(ids, positions, metadata, caches)
+        return model.compute_logits(hidden[-1:])[0].cpu()
 
 
 def top2_gap(logits: torch.Tensor) -> float:

@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from tests.engine.hf_reference import assert_greedy_within_noise, assert_same_greedy, hf_greedy
+from tests.engine.hf_reference import (
+    TEST_DEVICE,
+    assert_greedy_within_noise,
+    assert_same_greedy,
+    hf_greedy,
+)
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 DTYPES = ["float32", "bfloat16"]
@@ -73,7 +78,7 @@ def assert_all_match(model_dir: str, llm_or_engine, prompts: list[list[int]], ou
 
 
 def test_single_request(arch_dir, dtype):
-    llm = LLM(model=arch_dir, num_kv_blocks=64, dtype=dtype)
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=64, dtype=dtype)
     [output] = llm.generate([PROMPTS[0]], greedy(dtype))
     assert output.num_completion_tokens == len(output.token_ids) > 0
     assert_all_match(arch_dir, llm, [PROMPTS[0]], [output])
@@ -81,7 +86,8 @@ def test_single_request(arch_dir, dtype):
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
 def test_many_requests_together(arch_dir, prefix_caching, dtype):
-    llm = LLM(model=arch_dir, num_kv_blocks=256, enable_prefix_caching=prefix_caching, dtype=dtype)
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, enable_prefix_caching=prefix_caching,
+              dtype=dtype)
     outputs = llm.generate(PROMPTS, greedy(dtype))
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     assert_all_match(arch_dir, llm, PROMPTS, outputs)
@@ -96,14 +102,16 @@ def test_many_requests_together(arch_dir, prefix_caching, dtype):
 
 
 def test_chunked_prefill_with_tiny_token_budget(arch_dir, dtype):
-    llm = LLM(model=arch_dir, num_kv_blocks=256, max_num_batched_tokens=7, dtype=dtype)
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, max_num_batched_tokens=7,
+              dtype=dtype)
     outputs = llm.generate(PROMPTS, greedy(dtype))
     assert_all_match(arch_dir, llm, PROMPTS, outputs)
 
 
 def test_requests_added_while_others_decode(arch_dir, dtype):
     engine = LLMEngine(
-        EngineConfig(model=arch_dir, num_kv_blocks=256, max_num_batched_tokens=64, dtype=dtype)
+        EngineConfig(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, max_num_batched_tokens=64,
+                     dtype=dtype)
     )
     finished = {}
     waves = [PROMPTS[0:4], PROMPTS[4:11], PROMPTS[11:]]
@@ -123,7 +131,7 @@ def test_requests_added_while_others_decode(arch_dir, dtype):
 
 def test_preemption_with_small_kv_pool(arch_dir, dtype):
     # 14 usable blocks of 16 tokens for 18 requests of up to 129 tokens: requests must be preempted.
-    llm = LLM(model=arch_dir, num_kv_blocks=15, dtype=dtype)
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=15, dtype=dtype)
     outputs = llm.generate(PROMPTS, greedy(dtype))
     assert llm.get_metrics()["num_preemptions"] > 0
     assert_all_match(arch_dir, llm, PROMPTS, outputs)
@@ -131,8 +139,8 @@ def test_preemption_with_small_kv_pool(arch_dir, dtype):
 
 def test_priority_scheduling(arch_dir, dtype):
     engine = LLMEngine(
-        EngineConfig(model=arch_dir, num_kv_blocks=256, scheduling_policy="priority", max_num_seqs=4,
-                     dtype=dtype)
+        EngineConfig(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, scheduling_policy="priority",
+                     max_num_seqs=4, dtype=dtype)
     )
     priorities = [len(PROMPTS) - i for i in range(len(PROMPTS))]  # the last prompt is the most urgent
     for i, (prompt, priority) in enumerate(zip(PROMPTS, priorities, strict=True)):

@@ -19,7 +19,7 @@ from engine.models.llama import rope_inverse_frequencies
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from tests.engine.hf_reference import assert_same_greedy, hf_greedy, noise_bound
+from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy, noise_bound
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 DTYPES = ["float32", "bfloat16", "float16"]
@@ -40,9 +40,11 @@ def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, req
     fp32: logits within 1e-4 and the same argmax. bf16/fp16: transformers in the same dtype; logits
     within the dtype's noise (``noise_bound``), and a different argmax only between near-tied tokens.
     """
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512, dtype=dtype)
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512, dtype=dtype,
+                          device=TEST_DEVICE)
     torch_dtype = getattr(torch, dtype)
-    model = load_model(model_dir, backend or TorchPagedAttention(), dtype=torch_dtype)
+    model = load_model(model_dir, backend or TorchPagedAttention(), dtype=torch_dtype,
+                       device=TEST_DEVICE)
     runner = ModelRunner(config, model)
     runner.initialize_kv_cache()
     vocab = model.config.vocab_size
@@ -56,7 +58,7 @@ def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, req
     sampled_rows: list[tuple[Request, int, torch.Tensor]] = []  # request, position, logits
     for step in plan:
         chunks = [ScheduledChunk(requests[i], n, requests[i].block_ids) for i, n in step.items()]
-        logits = runner.execute(SchedulerOutput(chunks, sum(step.values())))
+        logits = runner.execute(SchedulerOutput(chunks, sum(step.values()))).cpu()
         samplers = [
             c.request
             for c in chunks
