@@ -101,6 +101,14 @@ def test_many_requests_together(arch_dir, prefix_caching, dtype):
         assert metrics["prefill_tokens_computed"] == sum(map(len, PROMPTS))
 
 
+def test_many_requests_together_in_float16(arch_dir):
+    # fp16 on a CPU is slow (no native kernels) but runs: tiny models keep it affordable.
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, dtype="float16")
+    outputs = llm.generate(PROMPTS, greedy("float16"))
+    assert llm.engine.runner.kv_caches[0].dtype == torch.float16
+    assert_all_match(arch_dir, llm, PROMPTS, outputs)
+
+
 def test_chunked_prefill_with_tiny_token_budget(arch_dir, dtype):
     llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, max_num_batched_tokens=7,
               dtype=dtype)
