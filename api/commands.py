@@ -12,8 +12,16 @@ import time
 from pathlib import Path
 
 from api.client import Client
-from api.stack import Stack, StackError, StackOptions
-from jobs.demo_data import INSTRUCTION, TEMPLATE, sample_jsonl
+from api.stack import Stack, StackError, StackOptions, parse_model_spec
+from jobs.demo_data import (
+    INSTRUCTION,
+    ORDERS,
+    TEMPLATE,
+    extraction_score,
+    extraction_spec,
+    order_jsonl,
+    sample_jsonl,
+)
 from jobs.settings import ConfigError, Settings
 from jobs.status import JobState, JobStatus
 
@@ -26,10 +34,23 @@ def _stack_arguments(parser: argparse.ArgumentParser, port: int | None) -> None:
                         help="where Redis data, the job store, logs and models live (default: .bulkinfer)")
     parser.add_argument("--port", type=int, default=port, help="API port (0: any free port)")
     parser.add_argument("--host", default=None if port is None else "127.0.0.1")
-    parser.add_argument("--preset", choices=PRESETS, default="small",
-                        help="the locally built checkpoint to serve, registered under this name")
+    parser.add_argument("--model", action="append", dest="models", metavar="NAME[=LOCATION]", default=[],
+                        help="serve this model (repeatable): a catalog name (smollm2-135m-instruct), or "
+                        "NAME=a folder, s3://… or FILE.gguf (imported once); default: the config "
+                        "file's `models` table, else the --preset checkpoint")
+    parser.add_argument("--preset", choices=PRESETS, default=None,
+                        help="the locally built random-weight checkpoint to serve, under this name")
     parser.add_argument("--models-dir", type=Path, default=None,
-                        help="where checkpoints are built and kept (default: HOME/models)")
+                        help="where preset checkpoints are built and kept (default: HOME/models)")
+
+
+def _served_models(args: argparse.Namespace, settings: Settings | None) -> dict[str, str]:
+    """--model flags, else (without --preset) the config's `models` table; {} means the preset."""
+    if args.models:
+        return dict(parse_model_spec(spec) for spec in args.models)
+    if args.preset is None and settings is not None and settings.models:
+        return {name: settings.model_registry().location(name) for name in settings.model_registry().names()}
+    return {}
 
 
 def up(argv: list[str]) -> int:
@@ -46,9 +67,11 @@ def up(argv: list[str]) -> int:
         print(f"bulkinfer up: {error}", file=sys.stderr)
         return 2
     settings.export()  # the worker child inherits the file's worker settings (lease TTL, model cache, …)
-    options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port, preset=args.preset,
-                           models_dir=args.models_dir, engine_options=settings.engine_options_dict())
     try:
+        options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port,
+                               preset=args.preset or "small", models_dir=args.models_dir,
+                               engine_options=settings.engine_options_dict(),
+                               models=_served_models(args, settings))
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
@@ -100,32 +123,42 @@ def _print_figures(status: JobStatus, submit_to_done_s: float) -> None:
           f"{(usage.prompt + usage.completion) / running_s:.1f} total tok/s")
 
 
+DEMO_MODEL = "smollm2-135m-instruct"
+
+
 def demo(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="bulkinfer demo", description="Start the embedded stack, run a job of support tickets under "
-        "one shared instruction through API → Celery → worker → object store, print results and figures.")
+        prog="bulkinfer demo", description="Start the embedded stack and run a real job through API → "
+        f"Celery → worker → object store: by default {DEMO_MODEL} (fetched once) extracts fields from "
+        "short order messages under one shared instruction with a JSON schema; --preset runs the old "
+        "support-ticket job on a random-weight checkpoint. Prints outputs and the job's figures.")
     _stack_arguments(parser, port=0)
     parser.add_argument("--rows", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (32 with --preset)")
     parser.add_argument("--shard-size", type=int, default=16, help="rows per shard")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the job")
     parser.add_argument("--offline", action="store_true",
                         help="run the engine-only demo instead (no API, Celery or store)")
     args = parser.parse_args(argv)
+    if args.preset is None and not args.models:
+        args.models = [DEMO_MODEL]
+    args.max_tokens = args.max_tokens or (32 if args.preset else 64)
     if args.offline:
         from api.cli import Command  # the engine's own demo, loaded by name like every engine command
 
-        offline = ["--rows", str(args.rows), "--preset", args.preset, "--max-tokens", str(args.max_tokens)]
+        offline = ["--rows", str(args.rows), "--max-tokens", str(args.max_tokens)]
+        offline += ["--preset", args.preset] if args.preset else ["--model", args.models[0]]
         return Command("worker.commands:demo", "the engine-only demo", "worker").load()(offline)
 
     demo_home = args.home / "demo"
     for leftover in ("redis", "store", "logs"):  # each demo starts from an empty Redis and store
         shutil.rmtree(demo_home / leftover, ignore_errors=True)
-    options = StackOptions(home=demo_home, host=args.host, port=args.port, preset=args.preset,
-                           models_dir=args.models_dir or args.home / "models")
-    print(f"bulkinfer demo: {args.rows} rows through API → Celery → worker → object store")
-    started = time.perf_counter()
     try:
+        options = StackOptions(home=demo_home, host=args.host, port=args.port, preset=args.preset or "small",
+                               models_dir=args.models_dir or args.home / "models",
+                               models=_served_models(args, None))
+        print(f"bulkinfer demo: {args.rows} rows through API → Celery → worker → object store")
+        started = time.perf_counter()
         with Stack(options) as stack:
             print(f"api     {stack.url}\nstack ready in {time.perf_counter() - started:.1f}s", flush=True)
             return _run_demo_job(stack, args)
@@ -135,12 +168,18 @@ def demo(argv: list[str]) -> int:
 
 
 def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
-    spec = {"model": stack.options.model_name, "id_column": "id", "template": TEMPLATE,
-            "instructions": INSTRUCTION, "shard_size": args.shard_size,
-            "sampling": {"temperature": 0, "max_tokens": args.max_tokens}}
+    real_model = bool(stack.options.models)
+    if real_model:
+        spec = extraction_spec(stack.options.model_name, args.shard_size, args.max_tokens)
+        data = order_jsonl(args.rows)
+    else:
+        spec = {"model": stack.options.model_name, "id_column": "id", "template": TEMPLATE,
+                "instructions": INSTRUCTION, "shard_size": args.shard_size,
+                "sampling": {"temperature": 0, "max_tokens": args.max_tokens}}
+        data = sample_jsonl(args.rows)
     with Client(stack.url, timeout=60) as client, tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "tickets.jsonl"
-        path.write_bytes(sample_jsonl(args.rows))
+        path = Path(scratch) / "rows.jsonl"
+        path.write_bytes(data)
         submitted = time.perf_counter()
         job = client.jobs.create(spec, file=path)
         print(f"\nsubmitted {job.job_id} (model '{spec['model']}', upload {path.stat().st_size} bytes)")
@@ -150,11 +189,22 @@ def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
         if final.state != JobState.SUCCEEDED:
             print(f"\njob {final.job_id} {final.state.value}: {final.error}", file=sys.stderr)
             return 1
-        rows = iter(client.jobs.results(final.job_id))
-        for row in (next(rows) for _ in range(min(3, final.rows.total))):
-            print(f"\n- {row['id']}\n  output ({row['finish_reason']}): {str(row['text'])[:120]!r}")
-        rows.close()
-        print("\n(a random-weight checkpoint built locally: its text is noise, its figures are real)")
+        rows = list(client.jobs.results(final.job_id))
+        if real_model:
+            _print_extractions(rows)
+        else:
+            for row in rows[:3]:
+                print(f"\n- {row['id']}\n  output ({row['finish_reason']}): {str(row['text'])[:120]!r}")
+            print("\n(a random-weight checkpoint built locally: its text is noise, its figures are real)")
         _print_figures(final, submit_to_done)
         print(f"outputs: {final.output_uris[0] if final.output_uris else '-'} …")
     return 0 if final.rows.failed == 0 else 1
+
+
+def _print_extractions(rows: list[dict]) -> None:
+    print()
+    for row in rows[: len(ORDERS)]:
+        print(f"- {row['id']} {row['order']}\n  -> {row['text']}")
+    right, valid = extraction_score(rows)
+    print(f"\nvalid JSON in {valid}/{len(rows)} rows; "
+          f"name, city and quantity all right in {right}/{len(rows)}")

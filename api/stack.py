@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,6 +35,19 @@ class StackError(RuntimeError):
     """A part of the stack could not start; the message says which and where its log is."""
 
 
+def parse_model_spec(spec: str) -> tuple[str, str]:
+    """`NAME=LOCATION` → (NAME, LOCATION); a bare catalog name is its own location
+    (`smollm2-135m-instruct`), and a bare path is served under its file or folder name."""
+    name, sep, location = spec.partition("=")
+    if sep:
+        if not name.strip() or not location.strip():
+            raise StackError(f"--model {spec!r}: expected NAME=LOCATION (a folder, s3://… or a .gguf file)")
+        return name.strip(), location.strip()
+    if "/" in spec or spec.endswith(".gguf"):
+        return Path(spec.rstrip("/")).stem, spec
+    return spec, spec
+
+
 @dataclass(frozen=True)
 class StackOptions:
     home: Path = Path(".bulkinfer")
@@ -42,10 +56,13 @@ class StackOptions:
     preset: str = "small"
     models_dir: Path | None = None  # default: <home>/models
     engine_options: dict[str, object] = field(default_factory=dict)  # BULKINFER_ENGINE_OPTIONS
+    # name → location (a folder, s3://…, a .gguf file or a catalog name); empty: the built preset.
+    models: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
-        return self.preset
+        """The first model served: the one a demo job uses."""
+        return next(iter(self.models), self.preset)
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -138,10 +155,10 @@ class Stack:
         self.logs.mkdir(parents=True, exist_ok=True)
         self._lock_home()
         try:
-            checkpoint = self._ensure_checkpoint()
+            models = self._prepare_models()
             broker_url = self._start_redis()
             self.settings = Settings(broker_url=broker_url, store_uri=str(self.home / "store"),
-                                     models=json.dumps({options.model_name: str(checkpoint)}))
+                                     models=json.dumps(models))
             self._start_worker(self.settings)
             self._server = ServerThread(create_app(self.settings), host=options.host, port=port).start()
             self.url = self._server.url
@@ -161,6 +178,30 @@ class Stack:
             lock.close()
             raise StackError(f"another bulkinfer stack is running with its data in {self.home}") from None
         self._log_files.append(lock)  # closing it releases the lock
+
+    def _prepare_models(self) -> dict[str, str]:
+        """name → local folder of every model served. Catalog names, .gguf files and s3:// folders
+        are fetched / imported once into the model cache here (a child process: this one never
+        imports the engine), so a bad model stops `up` with its reason before anything starts."""
+        if not self.options.models:
+            return {self.options.preset: str(self._ensure_checkpoint())}
+        folders = {}
+        for name, location in self.options.models.items():
+            path = Path(location).expanduser()
+            if (path / "config.json").is_file():
+                folders[name] = str(path.resolve())
+                continue
+            self.say(f"preparing model '{name}' from {location} (fetched and imported once, then cached)…")
+            script = ("import sys; from worker.model_files import local_model_dir; "
+                      "print(local_model_dir(sys.argv[1]))")
+            result = subprocess.run([sys.executable, "-c", script, location], env=self._child_env({}),
+                                    capture_output=True, text=True)
+            if result.returncode != 0:
+                reason = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+                reason = re.sub(r"^[\w.]+(Error|Unavailable|Exception): ", "", reason)  # the class name
+                raise StackError(f"model '{name}' ({location}) cannot be served: {reason}")
+            folders[name] = result.stdout.strip().splitlines()[-1]
+        return folders
 
     def _ensure_checkpoint(self) -> Path:
         directory = self.options.checkpoint_dir.resolve()
@@ -196,11 +237,11 @@ class Stack:
         return url
 
     def _start_worker(self, settings: Settings) -> None:
-        name = self.options.model_name
+        names = settings.model_registry().names()
         node = f"bulkinfer-{os.getpid()}@127.0.0.1"
         log = self.logs / "worker.log"
-        queues = f"{CONTROL_QUEUE},{QUEUE_PREFIX}{name}"
-        extra = {**settings.to_env(), "BULKINFER_WORKER_MODELS": name, "HF_HUB_OFFLINE": "1"}
+        queues = ",".join([CONTROL_QUEUE, *(f"{QUEUE_PREFIX}{name}" for name in names)])
+        extra = {**settings.to_env(), "BULKINFER_WORKER_MODELS": ",".join(names), "HF_HUB_OFFLINE": "1"}
         if self.options.engine_options:
             extra["BULKINFER_ENGINE_OPTIONS"] = json.dumps(self.options.engine_options)
         self._worker = self._spawn(
@@ -215,7 +256,7 @@ class Stack:
                      "the worker", self._worker, log)
         finally:
             pinger.close()
-        self.say(f"worker  pid {self._worker.pid}, model '{name}' (log: {log})")
+        self.say(f"worker  pid {self._worker.pid}, models {', '.join(names)} (log: {log})")
 
     def _child_env(self, extra: dict[str, str]) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))

@@ -7,7 +7,14 @@ import argparse
 import time
 
 from engine.checkpoints import cached_checkpoint
-from jobs.demo_data import INSTRUCTION, TEMPLATE, sample_rows
+from jobs.demo_data import (
+    EXTRACTION_INSTRUCTIONS,
+    EXTRACTION_SCHEMA,
+    INSTRUCTION,
+    TEMPLATE,
+    order_rows,
+    sample_rows,
+)
 from jobs.formats.rows import with_instructions_prompt
 
 
@@ -16,24 +23,43 @@ def demo_cli(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="bulkinfer demo", description=__doc__)
     parser.add_argument("--rows", type=int, default=64, help="number of rows to process")
-    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None,
+                        help="a real model (catalog name, folder or .gguf): the extraction job's rows")
+    source.add_argument("--preset", default=None, choices=["tiny", "small"],
+                        help="a random-weight checkpoint: the support-ticket rows")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    model_dir = cached_checkpoint(preset=args.preset, arch="llama", seed=0)
-    print(f"model: {model_dir} (a locally built random-weight '{args.preset}' checkpoint: "
-          "its text is noise, its figures are real)")
-    llm = LLM(model=str(model_dir))
-    print(f"engine ready in {time.perf_counter() - started:.1f}s")
+    if args.preset or not args.model:
+        preset = args.preset or "small"
+        model_dir = cached_checkpoint(preset=preset, arch="llama", seed=0)
+        print(f"model: {model_dir} (a locally built random-weight '{preset}' checkpoint: "
+              "its text is noise, its figures are real)")
+    else:
+        from worker.model_files import local_model_dir
 
-    # The same prompts the demo job builds: the shared instructions, then the filled-in template.
-    rows = [row["ticket"] for row in sample_rows(args.rows)]
-    prompts = [with_instructions_prompt(INSTRUCTION, TEMPLATE.format(ticket=row)) for row in rows]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        model_dir = local_model_dir(args.model)
+        print(f"model: {args.model} ({model_dir})")
+    llm = LLM(model=str(model_dir))
+    print(f"engine ready in {time.perf_counter() - started:.1f}s; dtype {llm.dtype_choice.dtype} "
+          f"({llm.dtype_choice.reason})")
 
     run_started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    if args.preset or not args.model:
+        # The same prompts the demo job builds: the shared instructions, then the filled-in template.
+        rows = [row["ticket"] for row in sample_rows(args.rows)]
+        prompts = [with_instructions_prompt(INSTRUCTION, TEMPLATE.format(ticket=row)) for row in rows]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+        outputs = llm.generate(prompts, params)
+    else:
+        # The extraction job's requests: instructions as the system message, the order as the user's.
+        rows = [row["order"] for row in order_rows(args.rows)]
+        conversations = [[{"role": "system", "content": EXTRACTION_INSTRUCTIONS},
+                          {"role": "user", "content": row}] for row in rows]
+        params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, json_schema=EXTRACTION_SCHEMA)
+        outputs = llm.chat(conversations, params)
     wall = time.perf_counter() - run_started
 
     for row, output in list(zip(rows, outputs, strict=True))[:3]:

@@ -93,3 +93,43 @@ def test_demo_offline_runs_the_engine_alone(capsys: pytest.CaptureFixture[str]) 
     assert demo(["--offline", "--preset", "tiny", "--rows", "4", "--max-tokens", "2"]) == 0
     output = capsys.readouterr().out
     assert "rows: 4 (0 errors)" in output and "throughput:" in output
+
+
+def test_model_specs_name_their_location() -> None:
+    from api.stack import StackError, parse_model_spec
+
+    assert parse_model_spec("smollm2-135m-instruct") == ("smollm2-135m-instruct", "smollm2-135m-instruct")
+    assert parse_model_spec("mine=/models/llama") == ("mine", "/models/llama")
+    assert parse_model_spec("q=s3://bucket/models/q/") == ("q", "s3://bucket/models/q/")
+    assert parse_model_spec("/data/SmolLM2.Q4_1.gguf") == ("SmolLM2.Q4_1", "/data/SmolLM2.Q4_1.gguf")
+    assert parse_model_spec("./ckpt/tiny/") == ("tiny", "./ckpt/tiny/")
+    with pytest.raises(StackError, match="expected NAME=LOCATION"):
+        parse_model_spec("=/models/x")
+
+
+def test_up_serves_every_model_given_and_each_answers_a_job(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    from api.client import Client
+    from api.stack import Stack, StackOptions
+
+    options = StackOptions(home=tmp_path, port=0, models={"first": str(tiny_checkpoint),
+                                                          "second": str(tiny_checkpoint)},
+                           engine_options={"num_kv_blocks": 64, "max_model_len": 256})
+    lines: list[str] = []
+    with Stack(options, say=lines.append) as stack, Client(stack.url, timeout=30) as client:
+        assert httpx.get(f"{stack.url}/models", timeout=10).json() == {"models": ["first", "second"]}
+        assert any("models first, second" in line for line in lines)
+        for name in ("first", "second"):
+            job = client.jobs.create({"model": name, "prompt_column": "p",
+                                      "sampling": {"max_tokens": 2, "temperature": 0}},
+                                     input=[{"p": "def f(x):"}, {"p": "import os"}])
+            final = client.jobs.wait(job.job_id, timeout=120, progress=False)
+            assert final.state.value == "succeeded" and final.rows.succeeded == 2, final.error
+
+
+def test_up_refuses_a_model_it_cannot_serve_before_starting_anything(tmp_path: Path) -> None:
+    process = bulkinfer("up", "--port", "0", "--home", str(tmp_path),
+                        "--model", f"broken={tmp_path / 'no-such-folder'}")
+    output, _ = process.communicate(timeout=120)
+    assert process.returncode == 1, output
+    assert "bulkinfer up: model 'broken'" in output and "no-such-folder" in output
+    assert not (tmp_path / "redis").exists()  # nothing was started
