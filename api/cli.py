@@ -32,6 +32,8 @@ COMMANDS: dict[str, Command] = {
     "make-checkpoint": Command("worker.commands:make_checkpoint",
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),
+    "models": Command("worker.commands:models", "Real models: `models import FILE.gguf DIR`, "
+                      "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
     "bench": Command("worker.commands:bench", "Benchmarks: `bench engine` | `bench service`", "worker"),
     # The stack and the client live in api/; its engine side runs as `python -m worker.bench_engine_only`.
     "bench service": Command("api.bench_service:bench_cli", "The engine benchmark's shared-prefix workload "

@@ -15,6 +15,12 @@ def make_checkpoint(argv: list[str]) -> int:
     return make_checkpoint_cli(argv)
 
 
+def models(argv: list[str]) -> int:
+    from worker.model_commands import models_cli
+
+    return models_cli(argv)
+
+
 def bench(argv: list[str]) -> int:
     targets = {"engine": "engine.bench"}
     if not argv or argv[0] not in targets:

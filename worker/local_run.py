@@ -30,6 +30,7 @@ from worker.engine_host import Submission
 from worker.engine_outputs import PreparedBatch
 from worker.local_output import ResumableOutput, open_output
 from worker.local_progress import RunProgress
+from worker.model_files import ModelUnavailable, local_model_dir
 from worker.model_hosts import HostedModel, ModelHosts
 from worker.prompts import job_response_format_problem
 
@@ -53,18 +54,19 @@ class RunSummary:
     completion_tokens: int
     seconds: float  # this run's
     run_completion_tokens: int  # this run's (the token counts above add up every run)
+    dtype: str = ""  # the engine's compute dtype, and why
 
 
-def resolve_model(model: str, registry: ModelRegistry) -> str:
-    """Where the model's files are: a registry name, else a checkpoint directory."""
+def resolve_model(model: str, registry: ModelRegistry, cache_dir: Path | None = None) -> str:
+    """Where the model's files are: a registry name's location, else the local folder of a
+    checkpoint directory, `.gguf` file (imported once) or catalog name (fetched once)."""
     if model in registry:
         return registry.location(model)
-    path = Path(model).expanduser()
-    if (path / "config.json").is_file():
-        return str(path.resolve())
-    served = ", ".join(registry.names()) or "none registered"
-    raise RunError(f"model {model!r} is neither a registered model ({served}) nor a checkpoint directory "
-                   "(a folder with config.json)")
+    try:
+        return str(local_model_dir(model, cache_dir).resolve())
+    except ModelUnavailable as error:
+        served = ", ".join(registry.names()) or "none registered"
+        raise RunError(f"model {model!r} is not a registered model ({served}), and {error}") from None
 
 
 def fingerprint(spec: JobSpec, store: ObjectStore, key: str) -> str:
@@ -166,6 +168,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     try:
         hosted = hosts.get(LOCAL_MODEL)
         hosted.host.wait_ready()
+        choice = hosted.host.dtype_choice
         started = time.monotonic()  # rates count inference, not the model load
         with RunProgress(total=max(estimated_rows, skipped), done=skipped, enabled=show_progress) as progress:
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
@@ -177,7 +180,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     return RunSummary(rows=done.rows_done, skipped=skipped, computed=done.rows_done - skipped,
                       failed=done.rows_failed, prompt_tokens=done.prompt_tokens,
                       cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
-                      seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens)
+                      seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens,
+                      dtype=f"{choice.dtype} ({choice.reason})" if choice else "")
 
 
 def _job_id(spec: JobSpec) -> str:
@@ -212,5 +216,6 @@ def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], N
     say(f"tokens: prompt {summary.prompt_tokens}, from prefix cache {summary.cached_tokens}, "
         f"completion {summary.completion_tokens}")
     say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s, "
-        f"{summary.run_completion_tokens / seconds:.1f} output tok/s")
+        f"{summary.run_completion_tokens / seconds:.1f} output tok/s"
+        + (f", dtype {summary.dtype}" if summary.dtype else ""))
 

@@ -17,7 +17,7 @@ from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, validation_messages
 
-RUN_SETTINGS = ("models", "engine_options", "model_cache", "s3_endpoint_url")
+RUN_SETTINGS = ("models", "engine_options", "dtype", "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
 
 
@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "resumes: rows already written are skipped, none is written twice.")
     parser.add_argument("input", metavar="FILE", help="the input: a local path or s3://bucket/key")
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="OUT", help="the output file")
-    parser.add_argument("--model", help="a registered model name (BULKINFER_MODELS) or a checkpoint "
-                        "directory")
+    parser.add_argument("--model", help="a registered model name (BULKINFER_MODELS), a checkpoint folder, "
+                        "a .gguf file (imported once) or a catalog name (smollm2-135m-instruct, fetched "
+                        "once)")
     parser.add_argument("--spec", help="a JobSpec as JSON (or @path of a JSON file), without input_uri; "
                         "the flags below override its fields")
     mapping = parser.add_argument_group("rows → prompts (one of; none for OpenAI batch input)")
@@ -111,7 +112,8 @@ def run_cli(argv: list[str] | None = None) -> int:
         return 2
     model = args.model or spec_model
     if not model:
-        print(f"{prog}: give --model (a registered name or a checkpoint directory)", file=sys.stderr)
+        print(f"{prog}: give --model (a registered name, a checkpoint folder, a .gguf file or a catalog "
+              "name)", file=sys.stderr)
         return 2
     if args.batch_size < 1:
         print(f"{prog}: --batch-size must be at least 1", file=sys.stderr)

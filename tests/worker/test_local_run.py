@@ -142,7 +142,7 @@ def test_a_bad_model_or_mapping_is_a_usage_error(tiny_checkpoint: Path, tmp_path
     source = _write_jsonl(tmp_path / "in.jsonl", [{"q": "x"}])
     code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", "nope",
                            "--prompt-column", "q")
-    assert code == 2 and "'nope' is neither a registered model" in stderr
+    assert code == 2 and "'nope' is not a registered model" in stderr and "catalog name" in stderr
     code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
                            "--prompt-column", "q", "--template", "{q}")
     assert code == 2 and "give exactly one of prompt_column, messages_column or template" in stderr
