@@ -26,6 +26,7 @@ from jobs.settings import ConfigError, Settings
 from jobs.status import JobState, JobStatus
 
 PRESETS = ["tiny", "small"]
+DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
 def _stack_arguments(parser: argparse.ArgumentParser, port: int | None) -> None:
@@ -42,6 +43,9 @@ def _stack_arguments(parser: argparse.ArgumentParser, port: int | None) -> None:
                         help="the locally built random-weight checkpoint to serve, under this name")
     parser.add_argument("--models-dir", type=Path, default=None,
                         help="where preset checkpoints are built and kept (default: HOME/models)")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="the engine's compute dtype (default: the dtype setting, else auto: bf16 on a "
+                        "CPU with native bf16 matmul, the checkpoint's on CUDA, else fp32)")
 
 
 def _served_models(args: argparse.Namespace, settings: Settings | None) -> dict[str, str]:
@@ -62,7 +66,8 @@ def up(argv: list[str]) -> int:
                         "from it, and runs its own Redis and store")
     args = parser.parse_args(argv)
     try:
-        settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port)
+        settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port,
+                                     dtype=args.dtype)
     except ConfigError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
         return 2
@@ -147,6 +152,7 @@ def demo(argv: list[str]) -> int:
         from api.cli import Command  # the engine's own demo, loaded by name like every engine command
 
         offline = ["--rows", str(args.rows), "--max-tokens", str(args.max_tokens)]
+        offline += ["--dtype", args.dtype] if args.dtype else []
         offline += ["--preset", args.preset] if args.preset else ["--model", args.models[0]]
         return Command("worker.commands:demo", "the engine-only demo", "worker").load()(offline)
 
@@ -156,7 +162,8 @@ def demo(argv: list[str]) -> int:
     try:
         options = StackOptions(home=demo_home, host=args.host, port=args.port, preset=args.preset or "small",
                                models_dir=args.models_dir or args.home / "models",
-                               models=_served_models(args, None))
+                               models=_served_models(args, None),
+                               engine_options={"dtype": args.dtype} if args.dtype else {})
         print(f"bulkinfer demo: {args.rows} rows through API → Celery → worker → object store")
         started = time.perf_counter()
         with Stack(options) as stack:
@@ -197,6 +204,9 @@ def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
                 print(f"\n- {row['id']}\n  output ({row['finish_reason']}): {str(row['text'])[:120]!r}")
             print("\n(a random-weight checkpoint built locally: its text is noise, its figures are real)")
         _print_figures(final, submit_to_done)
+        dtypes = client.jobs.result_parts(final.job_id).dtypes
+        print(f"engine dtype: {', '.join(dtypes) or '?'} (chosen by the worker for this machine; "
+              "--dtype overrides)")
         print(f"outputs: {final.output_uris[0] if final.output_uris else '-'} …")
     return 0 if final.rows.failed == 0 else 1
 

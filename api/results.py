@@ -52,7 +52,8 @@ def job_results(context: ApiContext, job_id: str) -> JobResults:
     return JobResults(
         job_id=job_id, output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
         parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],
-        error_parts=[_result_part(context, p.shard_index, None, p.errors) for p in manifest.parts])
+        error_parts=[_result_part(context, p.shard_index, None, p.errors) for p in manifest.parts],
+        dtypes=manifest.dtypes)
 
 
 def stream_rows(context: ApiContext, manifest: Manifest) -> Iterator[bytes]:

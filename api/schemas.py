@@ -35,6 +35,7 @@ class JobResults(BaseModel):
     usage: TokenUsage
     parts: list[ResultPart]
     error_parts: list[ResultPart] = Field(description="the failed rows of each shard, with reasons")
+    dtypes: list[str] = Field([], description="the dtypes the engines computed in (float32, bfloat16, …)")
 
 
 class ModelList(BaseModel):

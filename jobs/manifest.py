@@ -32,6 +32,7 @@ class ManifestPart(BaseModel):
     usage: TokenUsage
     output: PartFile
     errors: PartFile
+    dtype: str | None = None  # the engine's compute dtype for this part
 
 
 class Timings(BaseModel):
@@ -52,6 +53,8 @@ class Manifest(BaseModel):
     usage: TokenUsage
     parts: list[ManifestPart]
     timings: Timings
+    # The dtypes the engines computed in (one, unless workers on different hardware chose differently).
+    dtypes: list[str] = []
 
     def to_bytes(self) -> bytes:
         """Canonical JSON: sorted keys, so equal manifests are equal bytes."""
@@ -76,7 +79,8 @@ def build_manifest(job_id: str, spec_hash: str, output_format: str, shard_count:
     for result in ordered:
         parts.append(ManifestPart(shard_index=result.shard_index, first_row=first_row,
                                   rows_succeeded=result.rows_succeeded, rows_failed=result.rows_failed,
-                                  usage=result.usage, output=result.output, errors=result.errors))
+                                  usage=result.usage, output=result.output, errors=result.errors,
+                                  dtype=result.dtype))
         first_row += result.rows
     return Manifest(
         job_id=job_id, spec_hash=spec_hash, output_format=output_format,
@@ -84,6 +88,7 @@ def build_manifest(job_id: str, spec_hash: str, output_format: str, shard_count:
                        failed=sum(r.rows_failed for r in ordered)),
         usage=sum((result.usage for result in ordered), TokenUsage()),
         parts=parts,
+        dtypes=sorted({result.dtype for result in ordered if result.dtype}),
         timings=Timings(
             first_shard_started_at=min((r.started_at for r in ordered), default=None),
             last_shard_finished_at=max((r.finished_at for r in ordered), default=None),

@@ -14,7 +14,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -37,6 +37,7 @@ ENVIRONMENT_NAMES = {
     "s3_endpoint_url": "BULKINFER_S3_ENDPOINT_URL",
     "models": "BULKINFER_MODELS",
     "engine_options": "BULKINFER_ENGINE_OPTIONS",
+    "dtype": "BULKINFER_DTYPE",
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
@@ -65,6 +66,8 @@ class Settings(BaseModel):
     models: str | None = None  # JSON {"name": "dir or s3://…"}, or a path to such a file
     # Worker side. None: the reading module's own default (see docs/configuration.md).
     engine_options: str | None = None  # JSON object of EngineConfig fields
+    # The engines' compute dtype (over engine_options' `dtype`); None: "auto", chosen per machine.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
@@ -155,7 +158,9 @@ class Settings(BaseModel):
         return [key.strip() for key in (self.api_keys or "").split(",") if key.strip()]
 
     def engine_options_dict(self) -> dict[str, Any]:
-        return json.loads(self.engine_options) if self.engine_options else {}
+        """`engine_options` with the `dtype` setting over its own `dtype`, when that is set."""
+        options = json.loads(self.engine_options) if self.engine_options else {}
+        return {**options, "dtype": self.dtype} if self.dtype else options
 
     @property
     def is_local_store(self) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable, Iterable
-from typing import get_args
+from typing import Literal, get_args, get_origin
 
 from jobs.settings import ENVIRONMENT_NAMES, Settings
 
@@ -16,6 +16,8 @@ HELP = {
     "s3_endpoint_url": "S3 endpoint (MinIO, moto, …); default AWS",
     "models": "served models: JSON {name: dir or s3://…} or a path to such a file",
     "engine_options": "JSON object of EngineConfig fields for every engine",
+    "dtype": "compute dtype: auto (bf16 where the CPU has native bf16 matmul, the checkpoint's on CUDA, "
+             "else fp32) | float32 | bfloat16 | float16",
     "model_cache": "where s3:// models are downloaded",
     "shard_lease_ttl_s": "shard lease TTL in seconds",
     "reaper_interval_s": "seconds between shard reaper ticks",
@@ -29,9 +31,9 @@ HELP = {
     "webhook_retry_base_s": "first webhook retry delay in seconds (doubles)",
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
-WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "model_cache",
-                   "shard_lease_ttl_s", "reaper_interval_s", "worker_concurrency", "schedule_tick_s",
-                   "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s")
+WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
+                   "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "worker_concurrency",
+                   "schedule_tick_s", "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 
@@ -40,6 +42,13 @@ def _flag_type(field: str) -> Callable[[str], object]:
     annotation = Settings.model_fields[field].annotation
     kinds = get_args(annotation) or (annotation,)
     return next((kind for kind in (int, float) if kind in kinds), str)
+
+
+def _choices(field: str) -> tuple[str, ...] | None:
+    """The values of a setting typed as a Literal (e.g. `dtype`), for argparse to list and check."""
+    kinds = get_args(Settings.model_fields[field].annotation)
+    literal = next((kind for kind in kinds if get_origin(kind) is Literal), None)
+    return get_args(literal) if literal is not None else None
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str]) -> None:
@@ -52,7 +61,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str
         if field not in ENVIRONMENT_NAMES:
             raise ValueError(f"not a setting: {field!r}")
         flags = [f"--{field.replace('_', '-')}", *ALIASES.get(field, [])]
-        group.add_argument(*flags, dest=field, type=_flag_type(field), default=None,
+        group.add_argument(*flags, dest=field, type=_flag_type(field), default=None, choices=_choices(field),
                            help=f"{HELP.get(field, field)} (${ENVIRONMENT_NAMES[field]})")
 
 

@@ -171,9 +171,11 @@ class JobSpec(BaseModel):
         return JobSpec.model_validate(data)
 
     def canonical_json(self) -> str:
-        """One string per meaning: defaults filled in, keys sorted (what job.json holds)."""
+        """What job.json holds: defaults filled in, fields in the model's order, and the user's own
+        objects (a JSON schema above all) in the user's order: a schema's property order is the
+        order the model writes the properties in, which changes what it writes."""
         data = self.model_dump(mode="json", by_alias=True)
-        return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+        return json.dumps(data, separators=(",", ":"), ensure_ascii=False)
 
     def spec_hash(self) -> str:
         """sha256 of the spec without its idempotency key: equal work, equal hash.

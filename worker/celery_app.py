@@ -88,6 +88,14 @@ apply_config_file()
 app = create_pipeline_app()
 
 
+@signals.worker_init.connect
+def _import_shared_libraries(sender: Any = None, **_: Any) -> None:
+    """Before any task or engine thread starts: see worker/eager_imports.py."""
+    from worker.eager_imports import import_shared_libraries
+
+    import_shared_libraries()
+
+
 @signals.worker_ready.connect
 def _preload_models(sender: Any = None, **_: Any) -> None:
     """Start loading the worker's models in a background thread: never in `worker_process_init`

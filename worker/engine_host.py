@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import LLMEngine, RequestOutput, SamplingParams
+from engine.dtype_choice import DtypeChoice
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class EngineHost:
         self._failure: BaseException | None = None
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self.dtype_choice: DtypeChoice | None = None  # the engine's dtype and why, once it is loaded
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -184,9 +186,11 @@ class EngineHost:
             logger.exception("engine %s failed to load", self.name)
             self._die(error)
             return
+        self.dtype_choice = engine.dtype_choice
         self._ready.set()
         self._settled.set()
-        logger.info("engine %s ready", self.name)
+        logger.info("engine %s ready (dtype %s: %s)", self.name, engine.dtype_choice.dtype,
+                    engine.dtype_choice.reason)
         pending: dict[str, Future[RequestOutput]] = {}
         try:
             while True:

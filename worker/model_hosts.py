@@ -25,16 +25,21 @@ from worker.prompts import PromptRenderer
 logger = logging.getLogger(__name__)
 
 ENGINE_OPTIONS_ENV = "BULKINFER_ENGINE_OPTIONS"
+DTYPE_ENV = "BULKINFER_DTYPE"  # the `dtype` setting: wins over engine options' own `dtype`
 # Jobs say "higher priority runs sooner" (0-9); the engine schedules lower values first.
 DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {"scheduling_policy": "priority"}
 
 
 def engine_options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """`EngineConfig` fields (other than `model`) from `BULKINFER_ENGINE_OPTIONS` (a JSON object)."""
-    text = (os.environ if environ is None else environ).get(ENGINE_OPTIONS_ENV, "").strip()
+    """`EngineConfig` fields (other than `model`) from `BULKINFER_ENGINE_OPTIONS` (a JSON object),
+    with `BULKINFER_DTYPE` as its `dtype` when set."""
+    environ = os.environ if environ is None else environ
+    text = environ.get(ENGINE_OPTIONS_ENV, "").strip()
     options = json.loads(text) if text else {}
     if not isinstance(options, dict):
         raise ValueError(f"{ENGINE_OPTIONS_ENV} must be a JSON object of EngineConfig fields")
+    if environ.get(DTYPE_ENV, "").strip():
+        options["dtype"] = environ[DTYPE_ENV].strip()
     known = {field.name for field in dataclasses.fields(EngineConfig)} - {"model"}
     unknown = sorted(set(options) - known)
     if unknown:

@@ -7,6 +7,7 @@ import argparse
 import time
 
 from engine.checkpoints import cached_checkpoint
+from engine.dtype_choice import DTYPE_CHOICES
 from jobs.demo_data import (
     EXTRACTION_INSTRUCTIONS,
     EXTRACTION_SCHEMA,
@@ -29,6 +30,8 @@ def demo_cli(argv: list[str] | None = None) -> int:
     source.add_argument("--preset", default=None, choices=["tiny", "small"],
                         help="a random-weight checkpoint: the support-ticket rows")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                        help="compute dtype (auto: bf16 where the CPU has native bf16 matmul, else fp32)")
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
@@ -42,7 +45,7 @@ def demo_cli(argv: list[str] | None = None) -> int:
 
         model_dir = local_model_dir(args.model)
         print(f"model: {args.model} ({model_dir})")
-    llm = LLM(model=str(model_dir))
+    llm = LLM(model=str(model_dir), dtype=args.dtype)
     print(f"engine ready in {time.perf_counter() - started:.1f}s; dtype {llm.dtype_choice.dtype} "
           f"({llm.dtype_choice.reason})")
 

@@ -97,7 +97,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
-            outputs = _infer(context, job_id, spec, plan[shard_index], timings)
+            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             return {"status": "failed", "error": str(error)}
@@ -108,7 +108,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
             return {"status": "skipped: lost the shard lease to another run"}
         with timings.phase("write"):
             result = _write(repository, layout, spec, plan[shard_index], outputs,
-                            created=int(job.created_at.timestamp()), started_at=started_at)
+                            created=int(job.created_at.timestamp()), started_at=started_at, dtype=dtype)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
@@ -126,8 +126,9 @@ def _committed_result(repository: JobRepository, layout: JobLayout, shard_index:
 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
-           timings: PhaseTimings) -> list[OutputRow] | None:
-    """Every row's outcome in input order, or None when the job was cancelled meanwhile."""
+           timings: PhaseTimings) -> tuple[list[OutputRow] | None, str | None]:
+    """Every row's outcome in input order (None when the job was cancelled meanwhile) and the
+    dtype the engine computed them in."""
     try:
         with timings.phase("model"):
             hosted = context.hosts.get(spec.model)
@@ -139,7 +140,9 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = _read_rows(context, spec, shard)
     batch = PreparedBatch(hosted.renderer, items, priority=MAX_JOB_PRIORITY - spec.priority)
     with timings.phase("engine"):
-        return _run_on_engine(context, hosted, job_id, batch)
+        outputs = _run_on_engine(context, hosted, job_id, batch)
+    choice = hosted.host.dtype_choice
+    return outputs, choice.dtype if choice else None
 
 
 def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
@@ -174,7 +177,8 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
 
 
 def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
-           outputs: list[OutputRow], *, created: int, started_at: datetime) -> ShardResult:
+           outputs: list[OutputRow], *, created: int, started_at: datetime,
+           dtype: str | None) -> ShardResult:
     """Write the parts (replacing any a crashed run left) and commit the result; returns the
     result that stands (an earlier run's, if one committed first).
     """
@@ -184,7 +188,7 @@ def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: S
     errors = write_error_part(repository.store, layout.error_part_key(shard.index), outputs,
                               if_none_match=False)
     result = ShardResult.from_outputs(shard, outputs, output=output, errors=errors, started_at=started_at,
-                                      finished_at=datetime.now(UTC))
+                                      finished_at=datetime.now(UTC), dtype=dtype)
     return save_shard_result(repository.store, layout, result)
 
 

@@ -32,7 +32,7 @@ def bulkinfer(*args: str, **popen) -> subprocess.Popen[str]:
 
 def test_demo_runs_a_job_through_the_stack_and_prints_its_figures(tmp_path: Path, models_dir: Path) -> None:
     process = bulkinfer("demo", "--preset", "tiny", "--rows", "12", "--max-tokens", "4", "--shard-size", "4",
-                        "--home", str(tmp_path), "--models-dir", str(models_dir))
+                        "--home", str(tmp_path), "--models-dir", str(models_dir), "--dtype", "float32")
     output, _ = process.communicate(timeout=240)
     assert process.returncode == 0, output
     assert "rows 12/12 done, shards 3/3" in output
@@ -41,8 +41,20 @@ def test_demo_runs_a_job_through_the_stack_and_prints_its_figures(tmp_path: Path
     assert re.search(figures, output)
     assert re.search(r"throughput: [\d.]+ rows/s, [\d.]+ output tok/s", output)
     assert "- ticket-0000" in output
+    assert "engine dtype: float32" in output
     worker_pid = int(re.search(r"worker  pid (\d+)", output).group(1))
     assert not Path(f"/proc/{worker_pid}").exists()  # the stack was stopped
+
+
+def test_demo_serves_the_real_model_by_default_and_prints_real_answers(tmp_path: Path, real_model: Path) -> None:
+    process = bulkinfer("demo", "--rows", "8", "--shard-size", "4", "--home", str(tmp_path))
+    output, _ = process.communicate(timeout=480)
+    assert process.returncode == 0, output
+    assert "model 'smollm2-135m-instruct'" in output
+    assert '-> {"name": "Alice Martin", "city": "Berlin", "quantity": 3' in output
+    right = re.search(r"valid JSON in 8/8 rows; name, city and quantity all right in (\d)/8", output)
+    assert right and int(right.group(1)) >= 6, output
+    assert re.search(r"engine dtype: (bfloat16|float32) \(chosen by the worker", output)
 
 
 def test_up_serves_until_ctrl_c_then_stops_every_process(tmp_path: Path, models_dir: Path) -> None:

@@ -134,6 +134,20 @@ def test_command_flags_map_onto_settings(tmp_path) -> None:
     assert (settings.api_port, settings.shard_lease_ttl_s) == (9001, 4.0)  # from flags (--port: an alias)
 
 
+def test_the_dtype_setting_takes_only_the_engine_dtypes_and_overrides_engine_options(tmp_path) -> None:
+    settings = Settings.from_env({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16", "max_num_seqs": 8}'},
+                                 dtype="bfloat16")
+    assert settings.engine_options_dict() == {"dtype": "bfloat16", "max_num_seqs": 8}
+    assert Settings.from_env({}).engine_options_dict() == {}  # unset: each engine picks "auto"
+    with pytest.raises(ConfigError, match="variable BULKINFER_DTYPE: Input should be 'auto', 'float32'"):
+        Settings.from_env({"BULKINFER_DTYPE": "fp8"})
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, ["dtype"])
+    assert settings_from_args(parser.parse_args(["--dtype", "float16"])).dtype == "float16"
+    with pytest.raises(SystemExit):  # argparse lists the choices
+        parser.parse_args(["--dtype", "half"])
+
+
 def test_every_setting_is_documented_in_the_configuration_page() -> None:
     page = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     for field, variable in ENVIRONMENT_NAMES.items():

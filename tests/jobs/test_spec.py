@@ -90,6 +90,16 @@ def test_spec_hash_ignores_key_order_defaults_and_the_idempotency_key() -> None:
     assert JobSpec.model_validate_json(explicit.canonical_json()).spec_hash() == explicit.spec_hash()
 
 
+def test_the_stored_spec_keeps_a_json_schemas_property_order() -> None:
+    """The model writes properties in the schema's order: job.json must not re-sort them."""
+    schema = {"type": "object", "required": ["name", "city"],
+              "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}}}
+    spec = JobSpec.model_validate({**BASE, "response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "p", "schema": schema}}})
+    stored = JobSpec.model_validate_json(spec.canonical_json())
+    assert list(stored.response_format.json_schema.json_schema["properties"]) == ["name", "city", "age"]
+
+
 def test_with_formats_fills_the_output_format_and_revalidates() -> None:
     spec = JobSpec.model_validate(BASE).with_formats(InputFormat.JSONL)
     assert (spec.input_format, spec.output_format) == (InputFormat.JSONL, InputFormat.JSONL)

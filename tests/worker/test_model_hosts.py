@@ -64,3 +64,10 @@ def test_engine_options_come_from_the_environment_and_unknown_ones_are_refused()
         engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"max_len": 64}'})
     with pytest.raises(ValueError, match="JSON object"):
         engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": "[1]"})
+
+
+def test_the_dtype_setting_wins_over_the_engine_options_dtype() -> None:
+    assert engine_options_from_env({"BULKINFER_DTYPE": "bfloat16"})["dtype"] == "bfloat16"
+    assert engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}',
+                                    "BULKINFER_DTYPE": "float32"})["dtype"] == "float32"
+    assert engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}'})["dtype"] == "float16"

@@ -48,6 +48,7 @@ def test_a_jsonl_job_completes_with_every_row_once_in_order_equal_to_offline_gen
     assert {record["finish_reason"] for record in records} <= {"length", "stop"}
     manifest = pipeline.manifest(job_id)
     assert len(manifest.parts) == 4
+    assert manifest.dtypes == ["float32"] and {part.dtype for part in manifest.parts} == {"float32"}
     assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
     assert (status.shards.done, status.shards.total) == (4, 4)
     assert status.usage == manifest.usage
