@@ -25,9 +25,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
 
 
 @dataclass
@@ -113,21 +117,30 @@ class SharedPrefix:
 
 @dataclass
 class DecodePlan:
-    """How decode rows read their context this step; computed once, used by every layer."""
+    """How decode rows read their context this step; computed once, used by every layer.
 
-    # Each row's context after its shared prefix, as rows of the cache viewed
-    # [blocks * kv_heads, block_size * dim], ordered [R, kv_heads, S]: gathering them yields K/V
-    # already in the attention kernel's [R, kv_heads, L, dim] layout.
-    own_cache_rows: torch.Tensor  # [R, kv_heads * S], L = S * block_size; padding reads block 0
-    own_key_bias: torch.Tensor  # [R, 1, 1, L] 0 where a key is visible, -inf elsewhere
+    Each row's own part (its context after its shared prefix) is described twice over, for the two
+    ways of attending it: block tables for the native kernel, or cache rows and a key bias for the
+    PyTorch path (only the one the backend uses is built)."""
+
     shared_prefixes: list[SharedPrefix]
+    # Native kernel: row r reads tokens [own_first[r], own_tokens[r]) along own_tables[r].
+    own_tables: torch.Tensor | None = None  # [R, W] block ids, padded with block 0
+    own_tokens: torch.Tensor | None = None  # [R]
+    own_first: torch.Tensor | None = None  # [R] > 0 only under a sliding window
+    # PyTorch path: each row's own part as rows of the cache viewed [blocks * kv_heads,
+    # block_size * dim], ordered [R, kv_heads, S]: gathering them yields K/V already in the
+    # attention kernel's [R, kv_heads, L, dim] layout.
+    own_cache_rows: torch.Tensor | None = None  # [R, kv_heads * S], L = S * block_size
+    own_key_bias: torch.Tensor | None = None  # [R, 1, 1, L] 0 where a key is visible, -inf elsewhere
 
 
 def plan_decode(
-    metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int, num_kv_heads: int
+    metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int, num_kv_heads: int,
+    for_kernel: bool = False,
 ) -> DecodePlan:
     """Find groups of decode rows with common leading blocks (worth it when they save at least
-    ``min_shared_tokens`` token reads) and the block tables of what each row reads on its own."""
+    ``min_shared_tokens`` token reads) and what each row reads on its own."""
     tables, seq_lens, block_size = metadata.decode_block_tables, metadata.decode_seq_lens, metadata.block_size
     num_rows, num_cols = tables.shape
     shift = torch.zeros(num_rows, dtype=torch.long)
@@ -151,6 +164,15 @@ def plan_decode(
     cols = torch.arange(width)[None, :]
     own_tables = tables.gather(1, (shift[:, None] + cols).clamp(max=num_cols - 1))
     own_tables.masked_fill_(cols >= num_own_blocks[:, None], 0)
+    device = metadata.slot_mapping.device
+    if device.type != "cpu":
+        prefixes = [SharedPrefix(p.rows.to(device), p.block_ids.to(device)) for p in prefixes]
+    if for_kernel:
+        own_tokens = seq_lens - shift * block_size
+        first = torch.zeros_like(own_tokens)
+        if sliding_window is not None:  # visible iff key_pos >= seq_len - window (transformers' rule)
+            first = (own_tokens - sliding_window).clamp(min=0)
+        return DecodePlan(prefixes, own_tables=own_tables, own_tokens=own_tokens, own_first=first)
     local_pos = torch.arange(width * block_size)
     cache_rows = own_tables[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
     key_pos = shift[:, None] * block_size + local_pos[None, :]
@@ -159,12 +181,8 @@ def plan_decode(
         # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
     bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    device = metadata.slot_mapping.device
-    if device.type != "cpu":
-        prefixes = [SharedPrefix(p.rows.to(device), p.block_ids.to(device)) for p in prefixes]
-    return DecodePlan(
-        cache_rows.reshape(num_rows, -1).to(device), bias[:, None, None, :].to(device), prefixes
-    )
+    return DecodePlan(prefixes, own_cache_rows=cache_rows.reshape(num_rows, -1).to(device),
+                      own_key_bias=bias[:, None, None, :].to(device))
 
 
 def attention_with_lse(
@@ -201,8 +219,11 @@ class TorchPagedAttention(AttentionBackend):
     ``decode_chunk_bytes``: decode rows are gathered and attended in chunks of about this many bytes of K+V.
     """
 
-    def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20) -> None:
+    def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20,
+                 kernels: CpuKernels | None = None) -> None:
         self.min_shared_tokens = min_shared_tokens
+        # Native decode attention for CPU caches it supports (engine/cpu_kernels); None: PyTorch only.
+        self.kernels = kernels
         # Decode rows gathered per kernel call: their K+V (about this many bytes) stays in the CPU's
         # last-level cache between the gather and the kernel instead of round-tripping through DRAM.
         self.decode_chunk_bytes = decode_chunk_bytes
@@ -263,14 +284,19 @@ class TorchPagedAttention(AttentionBackend):
         return out
 
     def decode_plan(
-        self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int
+        self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int,
+        for_kernel: bool = False,
     ) -> DecodePlan:
         key = ("decode_plan", sliding_window)
         if key not in metadata.step_cache:
             metadata.step_cache[key] = plan_decode(
-                metadata, sliding_window, self.min_shared_tokens, num_kv_heads
+                metadata, sliding_window, self.min_shared_tokens, num_kv_heads, for_kernel
             )
         return metadata.step_cache[key]  # type: ignore[return-value]
+
+    def _uses_kernel(self, k_cache: torch.Tensor) -> bool:
+        return (self.kernels is not None and k_cache.device.type == "cpu"
+                and self.kernels.supports(k_cache.dtype, k_cache.shape[-1], k_cache.shape[-2]))
 
     def _gather_rows(self, cache: torch.Tensor, rows: torch.Tensor, workspace: int) -> torch.Tensor:
         """Copy ``rows`` of ``cache`` viewed as [blocks * kv_heads, block_size * dim] into a reused buffer."""
@@ -283,22 +309,32 @@ class TorchPagedAttention(AttentionBackend):
         torch.index_select(cache.view(-1, row_size), 0, rows, out=gathered)
         return gathered
 
-    def _decode(
-        self,
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        sliding_window: int | None,
-    ) -> torch.Tensor:
-        """One query token per row. The G query heads of a kv head act as G "query positions", so
-        GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
-        num_rows, num_heads, head_dim = query.shape
-        num_kv_heads = k_cache.shape[-3]
-        group = num_heads // num_kv_heads
-        plan = self.decode_plan(metadata, sliding_window, num_kv_heads)
-        q = query.view(num_rows, num_kv_heads, group, head_dim)
+    @staticmethod
+    def _attend_prefix(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: SharedPrefix
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's shared blocks attended once for all its rows, as one block of queries:
+        (output [n, kv_heads, group, dim], lse [n, kv_heads, group])."""
+        n, (_, num_kv_heads, group, head_dim) = len(prefix.rows), q.shape
+        # Rows of the cache viewed [blocks * kv_heads, block_size * dim], ordered (head, block): one
+        # gather gives K/V as [1, kvh, k * block_size, dim], with no transposing copy after it.
+        rows = (prefix.block_ids[None, :] * num_kv_heads
+                + torch.arange(num_kv_heads, device=prefix.block_ids.device)[:, None]).reshape(-1)
+        row_size = k_cache.shape[-2] * head_dim
+        prefix_keys = k_cache.view(-1, row_size).index_select(0, rows).view(1, num_kv_heads, -1, head_dim)
+        prefix_values = v_cache.view(-1, row_size).index_select(0, rows).view(1, num_kv_heads, -1, head_dim)
+        group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
+        shared_out, shared_lse = attention_with_lse(group_q, prefix_keys, prefix_values)
+        shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
+        return shared_out, shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
 
+    def _decode_own_parts(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """PyTorch path: each row's own part gathered a chunk of rows at a time (the chunk's K/V still
+        in the CPU's cache when the kernel reads it), then SDPA's flash kernel with its LSE."""
+        assert plan.own_cache_rows is not None and plan.own_key_bias is not None
+        num_rows, num_kv_heads, _, head_dim = q.shape
         context_len = plan.own_key_bias.shape[-1]
         row_bytes = 2 * num_kv_heads * context_len * head_dim * k_cache.element_size()
         step = max(1, self.decode_chunk_bytes // row_bytes)
@@ -313,19 +349,40 @@ class TorchPagedAttention(AttentionBackend):
             out[first:last], lse[first:last] = attention_with_lse(
                 q[first:last], keys, values, plan.own_key_bias[first:last]
             )
+        return out, lse
 
-        for prefix in plan.shared_prefixes:
-            n = len(prefix.rows)
-            # [k, kvh, block_size, dim] -> [1, kvh, k * block_size, dim]
-            prefix_keys = k_cache.index_select(0, prefix.block_ids).transpose(0, 1)
-            prefix_values = v_cache.index_select(0, prefix.block_ids).transpose(0, 1)
-            prefix_keys = prefix_keys.reshape(1, num_kv_heads, -1, head_dim)
-            prefix_values = prefix_values.reshape(1, num_kv_heads, -1, head_dim)
-            # All rows of the group as one block of queries: [1, kvh, n * group, dim].
-            group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-            shared_out, shared_lse = attention_with_lse(group_q, prefix_keys, prefix_values)
-            shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
-            shared_lse = shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
+    def _decode(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """One query token per row. The G query heads of a kv head act as G "query positions", so
+        GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
+        num_rows, num_heads, head_dim = query.shape
+        num_kv_heads = k_cache.shape[-3]
+        group = num_heads // num_kv_heads
+        use_kernel = self._uses_kernel(k_cache)
+        plan = self.decode_plan(metadata, sliding_window, num_kv_heads, for_kernel=use_kernel)
+        q = query.view(num_rows, num_kv_heads, group, head_dim)
+        shared = [(prefix, *self._attend_prefix(q, k_cache, v_cache, prefix))
+                  for prefix in plan.shared_prefixes]
+        if use_kernel:
+            # Each row's own part continues the online softmax of its prefix's partial result.
+            assert self.kernels is not None and plan.own_tables is not None
+            initial = None
+            if shared:
+                # Rows outside every group keep lse -inf: they start afresh (their output is not read).
+                initial = (torch.empty_like(q), torch.full(q.shape[:-1], float("-inf")))
+                for prefix, shared_out, shared_lse in shared:
+                    initial[0][prefix.rows], initial[1][prefix.rows] = shared_out, shared_lse
+            out, _ = self.kernels.decode_attention(q, k_cache, v_cache, plan.own_tables, plan.own_tokens,
+                                                   plan.own_first, initial)
+            return out.reshape(num_rows, num_heads, head_dim)
+        out, lse = self._decode_own_parts(q, k_cache, v_cache, plan)
+        for prefix, shared_out, shared_lse in shared:
             own_out, own_lse = out[prefix.rows], lse[prefix.rows]
             total_lse = torch.logaddexp(own_lse, shared_lse)
             # The merge runs in fp32 (the LSEs are fp32) and is stored back in the model's dtype.

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from engine import cpu_kernels
 from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -79,14 +80,16 @@ class LLMEngine:
             )
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
+        kernels = cpu_kernels.load() if config.device == "cpu" else None
         self.model = load_model(
             config.model,
-            TorchPagedAttention(),
+            TorchPagedAttention(kernels=kernels),
             dtype=self.dtype_choice.torch_dtype,
             device=config.device,
             # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
             batch_hint=config.max_num_batched_tokens,
         )
+        self.model.use_cpu_kernels(kernels)
         self.runner = ModelRunner(config, self.model)
         num_blocks = self.runner.initialize_kv_cache()
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)

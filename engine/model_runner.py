@@ -177,12 +177,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Forward the scheduled chunks; logits [num_sampling_chunks, vocab] (fp32) in chunk order."""
+        """Forward the scheduled chunks; logits [num_sampling_chunks, vocab] in chunk order, in the
+        model's dtype (the sampler takes them to fp32)."""
         batch = self.prepare_batch(output)
         if batch is None:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
         hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
-        return self.model.compute_logits(hidden[batch.sample_rows])
+        return self.model.compute_logits_in_model_dtype(hidden[batch.sample_rows])
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
         """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""

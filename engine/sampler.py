@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from engine.argmax import argmax_rows
 from engine.sampling_params import GREEDY_EPSILON, SamplingParams
 from engine.sampling_random import split_seed, uniforms
 from engine.scheduler import eos_id_set
@@ -149,10 +150,12 @@ class SamplerOutput:
 class Sampler:
     @torch.inference_mode()  # the runner's logits are inference tensors, updated in place here
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits [N, vocab] (fp32; modified in place) -> one token id per row (+ logprobs)."""
-        logits = logits.float()
+        """logits [N, vocab] (any float dtype; worked on in fp32, in place when already fp32) -> one
+        token id per row (+ logprobs). A plain greedy step takes the argmax in the logits' own
+        dtype: rounding to fp32 is exact and monotone, so the argmax (ties included) is the same."""
         if batch.plain_greedy:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * batch.num_rows)
+            return SamplerOutput(argmax_rows(logits).tolist(), [None] * batch.num_rows)
+        logits = logits.float()
         raw_logprobs = None
         if batch.logprob_rows:
             rows = torch.tensor(batch.logprob_rows, device=logits.device)
@@ -170,7 +173,7 @@ class Sampler:
         if random is not None and len(random.rows) == batch.num_rows:
             tokens = _sample_random(logits, random)  # all rows sample: no argmax, no gather
         else:
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
             if random is not None:
                 rows = random.rows.to(logits.device)
                 tokens[rows] = _sample_random(logits[rows], random)

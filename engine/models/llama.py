@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
 
 
 class UnsupportedModelError(ValueError):
@@ -144,12 +147,26 @@ def rope_inverse_frequencies(config: LlamaFamilyConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with the residual stream: ``residual += x`` (in x's dtype, in place), then
+        ``(norm(residual), residual)`` — one pass on CPU in bf16 (engine/cpu_kernels)."""
+        if self.kernels is not None and self.kernels.layer_ops_apply(x):
+            return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is not None:
+            residual = residual.add_(x)
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             # The fused kernel: 3x faster than transformers' five-op formula, and bitwise equal to
             # it in fp32 on our CPUs (measured).
@@ -177,9 +194,14 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kernels: CpuKernels | None = None) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, per half and without the concatenations:
-    the same products and sums (so the same fp32 results) in about half the memory traffic."""
+    the same products and sums (so the same fp32 results) in about half the memory traffic. With
+    ``kernels`` (bf16 on CPU): in place, in one pass."""
+    heads_packed = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
+    if kernels is not None and kernels.layer_ops_apply(x) and heads_packed:
+        return kernels.rope_(x, cos, sin)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -223,6 +245,8 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 class Attention(nn.Module):
+    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+
     def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.num_heads = config.num_heads
@@ -254,8 +278,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = rope
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = apply_rope(q, cos, sin, self.kernels)
+        k = apply_rope(k, cos, sin, self.kernels)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.backend.write_kv(k, v, k_cache, v_cache, metadata)
         out = self.backend.forward(
@@ -265,6 +289,8 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+
     def __init__(self, config: LlamaFamilyConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
@@ -272,7 +298,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and self.kernels.layer_ops_apply(gate_up):
+            return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate).mul_(up))
 
 
@@ -287,12 +316,20 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        hidden = self.self_attn(self.input_layernorm(hidden), rope, metadata, kv_cache).add_(hidden)
-        return self.mlp(self.post_attention_layernorm(hidden)).add_(hidden)
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): each residual add happens inside
+        the norm that follows it (vLLM's layout), so the pair can be one fused op."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, metadata, kv_cache)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -319,12 +356,26 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(hidden, rope, metadata, kv_cache)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, metadata, kv_cache)
+        return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits (what sampling, penalties, grammar masks and logprobs work on)."""
         return self.lm_head(hidden).float()
+
+    def compute_logits_in_model_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits as the LM head computes them: the sampler takes them to fp32 unless all it does
+        is an argmax, which the fp32 copy cannot change (50 MB a step at 256 rows x 49k vocab)."""
+        return self.lm_head(hidden)
+
+    def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
+        """Run norms, rotary and the MLP activation through the native bf16 kernels (on CPU in bf16;
+        other dtypes and devices keep PyTorch); None: PyTorch everywhere."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = kernels
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:
         """Switch every projection to oneDNN with packed weights (call after loading weights)."""

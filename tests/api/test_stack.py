@@ -46,7 +46,8 @@ def test_demo_runs_a_job_through_the_stack_and_prints_its_figures(tmp_path: Path
     assert not Path(f"/proc/{worker_pid}").exists()  # the stack was stopped
 
 
-def test_demo_serves_the_real_model_by_default_and_prints_real_answers(tmp_path: Path, real_model: Path) -> None:
+def test_demo_serves_the_real_model_by_default_and_prints_real_answers(tmp_path: Path, real_model: Path
+                                                                        ) -> None:
     process = bulkinfer("demo", "--rows", "8", "--shard-size", "4", "--home", str(tmp_path))
     output, _ = process.communicate(timeout=480)
     assert process.returncode == 0, output

@@ -94,7 +94,7 @@ def engine_last_logits(model: LlamaForCausalLM, token_ids: list[int], block_size
     with torch.inference_mode():
         ids, positions = torch.tensor(token_ids, device=device), torch.arange(n, device=device)
         hidden = model(ids, positions, metadata, caches)
-        return model.compute_logits(hidden[-1:])[0].cpu()
+        return model.compute_logits(hidden[-1:])[0].cpu()  # fp32
 
 
 def top2_gap(logits: torch.Tensor) -> float:

@@ -92,10 +92,10 @@ def test_spec_hash_ignores_key_order_defaults_and_the_idempotency_key() -> None:
 
 def test_the_stored_spec_keeps_a_json_schemas_property_order() -> None:
     """The model writes properties in the schema's order: job.json must not re-sort them."""
-    schema = {"type": "object", "required": ["name", "city"],
-              "properties": {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}}}
-    spec = JobSpec.model_validate({**BASE, "response_format": {"type": "json_schema",
-                                                               "json_schema": {"name": "p", "schema": schema}}})
+    properties = {"name": {"type": "string"}, "city": {"type": "string"}, "age": {"type": "integer"}}
+    schema = {"type": "object", "required": ["name", "city"], "properties": properties}
+    response_format = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    spec = JobSpec.model_validate({**BASE, "response_format": response_format})
     stored = JobSpec.model_validate_json(spec.canonical_json())
     assert list(stored.response_format.json_schema.json_schema["properties"]) == ["name", "city", "age"]
 

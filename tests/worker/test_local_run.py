@@ -32,7 +32,12 @@ def _write_jsonl(path: Path, records: list[dict | str]) -> Path:
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str | Path) -> tuple[int, str, str]:
-    code = run_cli([str(arg) for arg in argv] + ["--no-progress"])
+    saved = dict(os.environ)
+    try:
+        code = run_cli([str(arg) for arg in argv] + ["--no-progress"])
+    finally:  # run exports its settings into the environment: they must not reach later tests
+        os.environ.clear()
+        os.environ.update(saved)
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

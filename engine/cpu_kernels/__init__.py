@@ -1,0 +1,218 @@
+"""Native CPU kernels of the engine: C compiled once per machine, used where they exist.
+
+Decode attention is memory-bound and small per request, so in PyTorch its cost is the gathering
+of each request's blocks into a contiguous tensor and the per-call overhead of a kernel built for
+long queries. `decode_attention.c` reads K/V straight from the paged cache instead. It is compiled
+with the machine's C compiler (`$CC`, else `cc`) and OpenMP (`-march=native`, so the library is
+cached per CPU kind and source, in `$BULKINFER_KERNEL_CACHE` or ~/.cache/bulkinfer/kernels) and
+loaded with ctypes; OpenMP resolves to the libgomp torch already loaded, so the kernels share
+torch's threads. No compiler, a failed build or `BULKINFER_CPU_KERNELS=0`: the engine uses its
+PyTorch path (same results within rounding), and says why once in its log.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "layer_ops.c")]
+HEADERS = [Path(__file__).with_name("simd.h")]
+DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
+CACHE_ENV = "BULKINFER_KERNEL_CACHE"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
+ABI_VERSION = 3
+HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
+_POINTER = ctypes.c_void_p
+_INT = ctypes.c_int64
+_DECODE_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
+                     _INT, ctypes.c_float, _POINTER, _POINTER, _POINTER, _POINTER]
+
+
+class CpuKernels:
+    """The loaded library; each method checks what it is handed before passing raw pointers."""
+
+    def __init__(self, library: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self.vector_lanes = int(library.kernel_vector_lanes())  # 16 with AVX-512, else 8
+        self._decode = {torch.float32: _declare(library.decode_attention_f32, _DECODE_ARGUMENTS),
+                        torch.bfloat16: _declare(library.decode_attention_bf16, _DECODE_ARGUMENTS)}
+        self._add_rms_norm = _declare(library.add_rms_norm_bf16,
+                                      [_POINTER] * 4 + [_INT, _INT, ctypes.c_float])
+        self._rope = _declare(library.rope_bf16, [_POINTER] * 3 + [_INT] * 4)
+        self._silu_and_mul = _declare(library.silu_and_mul_bf16, [_POINTER] * 2 + [_INT] * 2)
+
+    def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0
+                and block_size % self.vector_lanes == 0)
+
+    def decode_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        num_tokens: torch.Tensor,
+        first_token: torch.Tensor,
+        initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention of ``query [R, kv_heads, Q, dim]`` (the Q query rows that read each kv head)
+        over each row r's tokens ``[first_token[r], num_tokens[r])``, counted along its row of
+        ``block_tables [R, W]`` in the cache ``[blocks, kv_heads, block_size, dim]``. Returns the
+        output (query's dtype) and the log-sum-exp of the scaled scores ``[R, kv_heads, Q]`` (fp32).
+        ``initial``: (output, lse) of an earlier part of each query's context (a shared prefix) to
+        continue from; an lse of -inf means none. Every row must see at least one token."""
+        rows, kv_heads, queries, head_dim = query.shape
+        block_size = k_cache.shape[-2]
+        consistent = (
+            query.dtype == k_cache.dtype == v_cache.dtype
+            and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
+            and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and block_tables.dtype == num_tokens.dtype == first_token.dtype == torch.int64
+            and len(num_tokens) == len(first_token) == len(block_tables) == rows
+        )
+        if initial is not None:
+            consistent = consistent and initial[0].shape == query.shape and initial[0].dtype == query.dtype \
+                and initial[1].shape == query.shape[:-1] and initial[1].dtype == torch.float32
+            initial = (initial[0].contiguous(), initial[1].contiguous())
+        if not (consistent and self.supports(query.dtype, head_dim, block_size)):
+            raise ValueError("decode_attention: unsupported or inconsistent inputs")
+        query = query.contiguous()
+        block_tables, num_tokens, first_token = (
+            block_tables.contiguous(), num_tokens.contiguous(), first_token.contiguous())
+        out = torch.empty_like(query)
+        lse = torch.empty(rows, kv_heads, queries, dtype=torch.float32)
+        initial_out, initial_lse = (initial[0].data_ptr(), initial[1].data_ptr()) if initial else (None, None)
+        self._decode[query.dtype](
+            query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), num_tokens.data_ptr(), first_token.data_ptr(), rows, kv_heads, queries,
+            head_dim, block_size, head_dim ** -0.5, initial_out, initial_lse, out.data_ptr(), lse.data_ptr(),
+            torch.get_num_threads())
+        return out, lse
+
+
+    # ---- bf16 layer ops (engine/cpu_kernels/layer_ops.c) -----------------------------------------
+
+    @staticmethod
+    def layer_ops_apply(tensor: torch.Tensor) -> bool:
+        return tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu"
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``norm(x)``; with ``residual``: ``residual += x`` in place, then ``(norm(residual),
+        residual)``. x, residual: [rows, hidden] bf16; weight [hidden] bf16."""
+        hidden = x.shape[-1]
+        _require(x.dtype == weight.dtype == torch.bfloat16 and weight.shape == (hidden,)
+                 and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                           and residual.is_contiguous())), "add_rms_norm")
+        x, weight = x.contiguous(), weight.contiguous()
+        out = torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                           weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
+                           torch.get_num_threads())
+        return out if residual is None else (out, residual)
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of ``x [T, heads, dim]`` in place (rows may be strided, heads and dims
+        not); cos/sin: [T, 1, dim / 2] bf16."""
+        tokens, heads, dim = x.shape
+        cos, sin = cos.reshape(tokens, dim // 2).contiguous(), sin.reshape(tokens, dim // 2).contiguous()
+        _require(x.dtype == cos.dtype == sin.dtype == torch.bfloat16 and x.stride(2) == 1
+                 and x.stride(1) == dim, "rope_")
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, x.stride(0), dim,
+                   torch.get_num_threads())
+        return x
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of ``gate_up [rows, 2 * width]`` (gate first), bf16."""
+        rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+        _require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2, "silu_and_mul")
+        gate_up = gate_up.contiguous()
+        out = torch.empty(rows, width, dtype=gate_up.dtype)
+        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        return out
+
+
+def _declare(function: ctypes._CFuncPtr, arguments: list[type]) -> ctypes._CFuncPtr:
+    function.argtypes = [*arguments, ctypes.c_int]  # every kernel takes its thread count last
+    function.restype = None
+    return function
+
+
+def _require(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(f"{what}: unsupported or inconsistent inputs")
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU model and its feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return os.uname().machine
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
+    """Compile the kernels into the shared library `target` (tests also build other ISAs)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        staging = Path(scratch) / target.name
+        command = [compiler, *flags, "-o", str(staging), *map(str, SOURCES), "-lm"]
+        result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
+        os.replace(staging, target)  # atomic: two processes building at once both end well
+
+
+def open_library(path: Path) -> CpuKernels:
+    library = ctypes.CDLL(str(path))
+    if library.kernel_abi_version() != ABI_VERSION:
+        raise RuntimeError(f"{path} has ABI {library.kernel_abi_version()}, expected {ABI_VERSION}")
+    return CpuKernels(library, path)
+
+
+@functools.cache
+def load() -> CpuKernels | None:
+    """The kernels, built the first time on this machine; None (and one log line) where they
+    cannot be had. Once per process."""
+    if os.environ.get(DISABLE_ENV, "1").strip() == "0":
+        logger.info("native CPU kernels disabled (%s=0): PyTorch paths", DISABLE_ENV)
+        return None
+    cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bulkinfer" / "kernels")
+    return build_and_open(_compiler(), cache)
+
+
+def build_and_open(compiler: str | None, cache: Path, flags: list[str] = FLAGS) -> CpuKernels | None:
+    """The library for these sources, flags, compiler and CPU from `cache`, built there if absent."""
+    if compiler is None:
+        logger.warning("no C compiler (cc, gcc or $CC): native CPU kernels not built, PyTorch paths")
+        return None
+    texts = [source.read_text() for source in SOURCES + HEADERS]
+    key = hashlib.sha256("\n".join([*texts, " ".join(flags), compiler, _cpu_signature(),
+                                    str(ABI_VERSION)]).encode()).hexdigest()[:16]
+    target = cache / key / "libbulkinfer_cpu.so"
+    try:
+        if not target.is_file():
+            logger.info("building native CPU kernels with %s into %s (once per machine)", compiler, target)
+            build(compiler, target, flags)
+        return open_library(target)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        logger.warning("native CPU kernels unavailable (%s): PyTorch paths", error)
+        return None

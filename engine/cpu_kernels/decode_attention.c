@@ -1,0 +1,146 @@
+/* Paged decode attention for CPUs, reading K/V straight from the paged cache.
+ *
+ * PyTorch needs each request's blocks gathered into one tensor before its attention kernel runs,
+ * and its kernels are built for long queries; a decode step has one query token per request and
+ * is memory-bound. Here one work item = one request, one kv head and up to QCHUNK of the query
+ * heads that read it (GQA): it walks the request's blocks through its block table with an online
+ * softmax, VL tokens at a time (scores of VL tokens land in one vector through a shuffle tree,
+ * so there is no horizontal sum per token), and writes the output and each query's log-sum-exp
+ * (to merge with a shared prefix's partial result). K/V are stored fp32 or bf16; scores, softmax
+ * and the weighted sum are fp32, the output is rounded once (to nearest even) to the storage dtype.
+ * A row may start from a partial result (init_out, init_lse: its shared prefix's attention), so
+ * the cascade's two parts merge inside the online softmax instead of in a pass of their own.
+ *
+ * Layout: q [R, H, Q, D]; cache [blocks, H, BS, D]; block_tables [R, W]; row r reads its tokens
+ * [first_token[r], num_tokens[r]) counted along its table row. Needs D in {16, 32, 64, 80, 96, 128}
+ * (a multiple of VL) and BS a
+ * multiple of VL (the Python side checks, and falls back to PyTorch otherwise).
+ */
+#include "simd.h"
+
+#define QCHUNK 8
+
+/* One work item: request r, kv head h, queries [q0, q0 + nq) of that head. NV = head_dim / VL. */
+#define DEFINE_ITEM(NAME, NV)                                                                          \
+static inline __attribute__((always_inline)) void NAME(                                               \
+    const void* q, const void* kc, const void* vc, const int64_t* table, int64_t n, int64_t t0,       \
+    int64_t r, int64_t h, int64_t q0, int64_t nq, int64_t H, int64_t Q, int64_t BS, float scale,      \
+    const void* init_out, const float* init_lse, void* out, float* lse, const int bf16) {             \
+    const int64_t D = NV * VL;                                                                        \
+    vf qv[QCHUNK][NV], acc[QCHUNK][NV], lsum[QCHUNK];                                                 \
+    float m[QCHUNK];                                                                                  \
+    for (int64_t g = 0; g < nq; g++) {                                                                \
+        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
+        /* A partial result to continue from (a shared prefix's): its softmax state is            \
+         * (max = its lse, sum = 1, weighted sum = its output). */                                     \
+        const int resume = init_lse != NULL && init_lse[row] > -INFINITY;                             \
+        for (int c = 0; c < NV; c++) {                                                                \
+            qv[g][c] = load_vec(q, row * D + c * VL, bf16) * scale;                                   \
+            acc[g][c] = resume ? load_vec(init_out, row * D + c * VL, bf16) : splat(0.0f);            \
+        }                                                                                             \
+        lsum[g] = splat(0.0f);                                                                        \
+        lsum[g][0] = resume ? 1.0f : 0.0f;                                                            \
+        m[g] = resume ? init_lse[row] : -INFINITY;                                                    \
+    }                                                                                                 \
+    vf lane;                                                                                          \
+    for (int i = 0; i < VL; i++) lane[i] = (float)i;                                                  \
+    for (int64_t b = t0 / BS; b * BS < n; b++) {                                                      \
+        const int64_t off = (table[b] * H + h) * BS * D;                                              \
+        const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;     \
+        if ((b + 1) * BS < n) { /* the next block is elsewhere in the cache: fetch it meanwhile */    \
+            const int64_t next = (table[b + 1] * H + h) * BS * D * (bf16 ? 2 : 4);                    \
+            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64) {                      \
+                __builtin_prefetch((const char*)kc + next + byte);                                     \
+                __builtin_prefetch((const char*)vc + next + byte);                                     \
+            }                                                                                         \
+        }                                                                                             \
+        for (int64_t ts = lo / VL * VL; ts < hi; ts += VL) {                                          \
+            vf dots[QCHUNK][VL];                                                                      \
+            for (int t = 0; t < VL; t++) {                                                            \
+                vf kv[NV];                                                                            \
+                for (int c = 0; c < NV; c++) kv[c] = load_vec(kc, off + (ts + t) * D + c * VL, bf16); \
+                for (int64_t g = 0; g < nq; g++) {                                                    \
+                    vf a = qv[g][0] * kv[0];                                                          \
+                    for (int c = 1; c < NV; c++) a += qv[g][c] * kv[c];                               \
+                    dots[g][t] = a;                                                                   \
+                }                                                                                     \
+            }                                                                                         \
+            const vf pos = lane + (float)ts;                                                          \
+            const vi32 visible = (pos >= (float)lo) & (pos < (float)hi);                              \
+            vf p[QCHUNK];                                                                             \
+            for (int64_t g = 0; g < nq; g++) {                                                        \
+                const vf scores = vselect(visible, reduce_lanes(dots[g]), splat(-INFINITY));          \
+                const float top = fmaxf(m[g], hmax(scores));                                          \
+                const float alpha = m[g] == -INFINITY ? 0.0f : vexp(splat(m[g] - top))[0];            \
+                p[g] = vselect(visible, vexp(scores - top), splat(0.0f));                             \
+                lsum[g] = lsum[g] * alpha + p[g];                                                     \
+                m[g] = top;                                                                           \
+                for (int c = 0; c < NV; c++) acc[g][c] *= alpha;                                      \
+            }                                                                                         \
+            const int64_t a0 = ts > lo ? ts : lo, a1 = ts + VL < hi ? ts + VL : hi;                   \
+            for (int64_t t = a0; t < a1; t++) {                                                       \
+                vf vv[NV];                                                                            \
+                for (int c = 0; c < NV; c++) vv[c] = load_vec(vc, off + t * D + c * VL, bf16);        \
+                for (int64_t g = 0; g < nq; g++) {                                                    \
+                    const float w = p[g][t - ts];                                                     \
+                    for (int c = 0; c < NV; c++) acc[g][c] += w * vv[c];                              \
+                }                                                                                     \
+            }                                                                                         \
+        }                                                                                             \
+    }                                                                                                 \
+    for (int64_t g = 0; g < nq; g++) {                                                                \
+        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
+        const float l = hsum(lsum[g]), inv = 1.0f / l;                                                \
+        for (int c = 0; c < NV; c++) {                                                                \
+            const vf o = acc[g][c] * inv;                                                             \
+            if (bf16) store_bf16((uint16_t*)out + row * D + c * VL, o);                               \
+            else store_f32((float*)out + row * D + c * VL, o);                                         \
+        }                                                                                             \
+        lse[row] = m[g] + logf(l);                                                                    \
+    }                                                                                                 \
+}
+
+DEFINE_ITEM(item_d16, 16 / VL)
+DEFINE_ITEM(item_d32, 32 / VL)
+DEFINE_ITEM(item_d64, 64 / VL)
+DEFINE_ITEM(item_d80, 80 / VL)
+DEFINE_ITEM(item_d96, 96 / VL)
+DEFINE_ITEM(item_d128, 128 / VL)
+
+static inline __attribute__((always_inline)) void attend(
+    const void* q, const void* kc, const void* vc, const int64_t* tables, int64_t ts,
+    const int64_t* ntok, const int64_t* first, int64_t R, int64_t H, int64_t Q, int64_t D, int64_t BS,
+    float scale, const void* init_out, const float* init_lse, void* out, float* lse, int nt, const int bf16) {
+    const int64_t chunks = (Q + QCHUNK - 1) / QCHUNK, items = R * H * chunks;
+    #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
+    for (int64_t item = 0; item < items; item++) {
+        const int64_t r = item / (H * chunks), h = (item / chunks) % H, q0 = (item % chunks) * QCHUNK;
+        const int64_t nq = Q - q0 < QCHUNK ? Q - q0 : QCHUNK;
+#define ITEM(FN) FN(q, kc, vc, tables + r * ts, ntok[r], first[r], r, h, q0, nq, H, Q, BS, scale, init_out, \
+                    init_lse, out, lse, bf16)
+        switch (D) {
+            case 16: ITEM(item_d16); break;
+            case 32: ITEM(item_d32); break;
+            case 64: ITEM(item_d64); break;
+            case 80: ITEM(item_d80); break;
+            case 96: ITEM(item_d96); break;
+            default: ITEM(item_d128); break;
+        }
+#undef ITEM
+    }
+}
+
+void decode_attention_f32(const void* q, const void* kc, const void* vc, const int64_t* t, int64_t ts,
+                          const int64_t* n, const int64_t* f, int64_t R, int64_t H, int64_t Q, int64_t D,
+                          int64_t BS, float sc, const void* init_out, const float* init_lse, void* o,
+                          float* lse, int nt) {
+    attend(q, kc, vc, t, ts, n, f, R, H, Q, D, BS, sc, init_out, init_lse, o, lse, nt, 0);
+}
+void decode_attention_bf16(const void* q, const void* kc, const void* vc, const int64_t* t, int64_t ts,
+                           const int64_t* n, const int64_t* f, int64_t R, int64_t H, int64_t Q, int64_t D,
+                           int64_t BS, float sc, const void* init_out, const float* init_lse, void* o,
+                           float* lse, int nt) {
+    attend(q, kc, vc, t, ts, n, f, R, H, Q, D, BS, sc, init_out, init_lse, o, lse, nt, 1);
+}
+int kernel_abi_version(void) { return 3; }
+int kernel_vector_lanes(void) { return VL; }

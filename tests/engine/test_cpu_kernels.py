@@ -1,0 +1,174 @@
+"""The native CPU kernels against PyTorch, built for this CPU (-march=native: AVX-512 here or not)
+and for plain AVX2 (the 8-lane path, what AVX2-only machines run): paged decode attention over
+random block tables (every supported head size, GQA groups across the 8-query chunk, sliding-window
+starts, continuing a shared prefix's partial result), and the bf16 layer ops (residual + RMSNorm,
+rotary, SiLU x up) against the PyTorch formulas they replace."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import cpu_kernels
+from engine.cpu_kernels import HEAD_DIMS, CpuKernels, build_and_open
+from engine.dtype_choice import cpu_flags
+from engine.models.llama import RMSNorm, apply_rope
+
+BUILDS = {"native": cpu_kernels.FLAGS,
+          "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]}
+
+
+@pytest.fixture(scope="module", params=list(BUILDS))
+def kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    if request.param == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+        pytest.fail("this CPU has no AVX2: the suite's CPUs all do")
+    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+    assert built is not None, "the kernels did not build (see the log)"
+    if request.param == "avx2":
+        assert built.vector_lanes == 8
+    return built
+
+
+def reference_attention(q, k_cache, v_cache, table, first, count):
+    """q [kvh, Q, D] over the row's tokens [first, count) read through its table: (out, lse) in fp32."""
+    kv_heads, block, dim = k_cache.shape[1:]
+    keys = k_cache[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, first:count].float()
+    values = v_cache[table].transpose(0, 1).reshape(kv_heads, -1, dim)[:, first:count].float()
+    scores = q.float() @ keys.transpose(-1, -2) * dim ** -0.5
+    return torch.softmax(scores, dim=-1) @ values, torch.logsumexp(scores, dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("queries", [1, 3, 8, 9, 20])
+def test_decode_attention_matches_pytorch(kernels: CpuKernels, dtype, head_dim: int, queries: int) -> None:
+    generator = torch.Generator().manual_seed(head_dim * 100 + queries)
+    blocks, kv_heads, block_size, rows, width = 64, 2, 16, 7, 5
+    k_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    tables = torch.randint(1, blocks, (rows, width), generator=generator)
+    counts = torch.tensor([1, 15, 16, 17, 40, 77, 80])
+    first = torch.tensor([0, 3, 0, 16, 25, 0, 79])  # a sliding window starts inside or at a block edge
+    q = torch.randn(rows, kv_heads, queries, head_dim, generator=generator).to(dtype)
+    out, lse = kernels.decode_attention(q, k_cache, v_cache, tables, counts, first)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    for r in range(rows):
+        expected, expected_lse = reference_attention(q[r], k_cache, v_cache, tables[r], int(first[r]),
+                                                     int(counts[r]))
+        torch.testing.assert_close(out[r].float(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(lse[r], expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_continues_a_prefix_partial_result_exactly(kernels: CpuKernels, dtype) -> None:
+    """Attending blocks A then B from A's (output, lse) equals attending A + B at once."""
+    generator = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(20, 3, 16, 64, generator=generator).to(dtype)
+    v_cache = torch.randn(20, 3, 16, 64, generator=generator).to(dtype)
+    q = torch.randn(4, 3, 3, 64, generator=generator).to(dtype)
+    whole = torch.tensor([[1, 2, 3, 4, 5]] * 4)
+    counts = torch.tensor([70, 65, 49, 80])
+    prefix_out, prefix_lse = kernels.decode_attention(q, k_cache, v_cache, whole[:, :3], torch.full((4,), 48),
+                                                      torch.zeros(4, dtype=torch.long))
+    prefix_lse[2] = float("-inf")  # row 2 has no prefix part: it reads its whole context itself
+    own = torch.where(torch.arange(4)[:, None] == 2, whole, torch.cat([whole[:, 3:], whole[:, :3]], 1))
+    own_counts = torch.where(torch.arange(4) == 2, counts, counts - 48)
+    zeros = torch.zeros(4, dtype=torch.long)
+    out, lse = kernels.decode_attention(q, k_cache, v_cache, own, own_counts, zeros, (prefix_out, prefix_lse))
+    reference, reference_lse = kernels.decode_attention(q, k_cache, v_cache, whole, counts,
+                                                        torch.zeros(4, dtype=torch.long))
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), reference.float(), atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(lse, reference_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
+    q = torch.zeros(1, 1, 1, 24)
+    cache = torch.zeros(4, 1, 16, 24)
+    one = torch.ones(1, dtype=torch.long)
+    assert not kernels.supports(torch.float32, 24, 16) and not kernels.supports(torch.float16, 64, 16)
+    with pytest.raises(ValueError, match="unsupported or inconsistent"):
+        kernels.decode_attention(q, cache, cache, torch.ones(1, 1, dtype=torch.long), one, one * 0)
+
+
+def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart two bf16 tensors are, element-wise."""
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        bits = x.view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+    return (ordered(a) - ordered(b)).abs()
+
+
+def assert_nearly_bitwise(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Equal but for a last-place rounding flip on a few elements (fp32 intermediates that differ
+    in their last bit land on the other side of a bf16 rounding boundary)."""
+    apart = _ulps_apart(ours, theirs)
+    assert int(apart.max()) <= 1, f"{int(apart.max())} bf16 ulps apart"
+    assert float((apart > 0).float().mean()) < 0.01
+
+
+def test_add_rms_norm_matches_the_pytorch_norm_and_residual(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.copy_(torch.randn(576, generator=generator))
+    norm = norm.to(torch.bfloat16)
+    x = torch.randn(37, 576, generator=generator).to(torch.bfloat16)
+    residual = (torch.randn(37, 576, generator=generator) * 4).to(torch.bfloat16)
+    expected_out, expected_residual = norm(x.clone(), residual.clone())  # PyTorch: no kernels set
+    plain = norm(x)
+    norm.kernels = kernels
+    out, new_residual = norm(x.clone(), residual.clone())
+    assert torch.equal(new_residual, expected_residual)  # the residual add is one bf16 rounding either way
+    assert_nearly_bitwise(out, expected_out)
+    assert_nearly_bitwise(norm(x), plain)
+
+
+def test_rope_matches_the_pytorch_rotary_in_place_on_strided_rows(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(4)
+    tokens, heads, dim = 11, 9, 64
+    qkv = torch.randn(tokens, heads * dim + 2 * 3 * dim, generator=generator).to(torch.bfloat16)
+    positions = torch.arange(tokens) * 37.0
+    freqs = positions[:, None] / 10000 ** (torch.arange(0, dim, 2) / dim)
+    cos, sin = freqs.cos().to(torch.bfloat16)[:, None, :], freqs.sin().to(torch.bfloat16)[:, None, :]
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)  # rows strided by the fused qkv width
+    expected = apply_rope(q.clone(), cos, sin)
+    ours = apply_rope(q, cos, sin, kernels)
+    assert ours.data_ptr() == q.data_ptr()  # in place
+    assert torch.equal(ours, expected)
+
+
+def test_silu_and_mul_matches_pytorch(kernels: CpuKernels) -> None:
+    generator = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(19, 2 * 344, generator=generator) * 6).to(torch.bfloat16)  # 344: a tail
+    gate, up = gate_up.split(344, dim=-1)
+    assert_nearly_bitwise(kernels.silu_and_mul(gate_up), F.silu(gate).mul_(up))
+
+
+def test_no_compiler_means_the_pytorch_paths(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING):
+        assert build_and_open(None, tmp_path) is None
+        assert build_and_open(str(tmp_path / "no-such-cc"), tmp_path) is None
+    assert "no C compiler" in caplog.text and "native CPU kernels unavailable" in caplog.text
+
+
+def test_kernels_can_be_turned_off_and_the_engine_then_runs_pytorch(monkeypatch, tiny_checkpoint) -> None:
+    from engine import LLM, SamplingParams
+    from tests.engine.hf_reference import assert_same_greedy, hf_greedy
+
+    cpu_kernels.load.cache_clear()
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "0")
+    try:
+        assert cpu_kernels.load() is None
+        llm = LLM(str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
+        assert llm.engine.model.layers[0].self_attn.backend.kernels is None
+        prompt = list(range(5, 75))
+        [output] = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8))
+        assert_same_greedy(output.token_ids, hf_greedy(tiny_checkpoint, prompt, 8), prompt, tiny_checkpoint,
+                           llm.engine.model)
+    finally:
+        cpu_kernels.load.cache_clear()
