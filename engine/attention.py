@@ -116,6 +116,70 @@ class SharedPrefix:
 
 
 @dataclass
+class PrefixBatch:
+    """Shared prefixes of one shape (rows per group, blocks): attended in one batched kernel call.
+    Several instructions in one step (several jobs, or a job whose rows use a few) are common."""
+
+    rows: torch.Tensor  # [groups * n] the decode rows, group after group
+    # Rows of the cache viewed [blocks * kv_heads, block_size * dim], ordered (group, head, block):
+    # one gather gives every group's K (or V) as [groups, kv_heads, k * block_size, dim].
+    cache_rows: torch.Tensor
+    groups: int
+
+
+def batch_prefixes(prefixes: list[SharedPrefix], num_kv_heads: int) -> list[PrefixBatch]:
+    by_shape: dict[tuple[int, int], list[SharedPrefix]] = {}
+    for prefix in prefixes:
+        by_shape.setdefault((len(prefix.rows), len(prefix.block_ids)), []).append(prefix)
+    batches = []
+    for members in by_shape.values():
+        blocks = torch.stack([prefix.block_ids for prefix in members])  # [groups, k]
+        heads = torch.arange(num_kv_heads, device=blocks.device)
+        cache_rows = (blocks[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+        batches.append(PrefixBatch(torch.cat([prefix.rows for prefix in members]), cache_rows, len(members)))
+    return batches
+
+
+@dataclass
+class PrefillGroup:
+    """Prefill chunks of one step whose cached context starts with the same full blocks (a shared
+    instruction): those blocks are attended once for every query token of the group."""
+
+    chunks: list[int]  # prefill indices, in batch order
+    block_ids: torch.Tensor  # [k] the shared leading blocks
+    token_rows: torch.Tensor  # [T] rows of the flattened batch holding the chunks' query tokens
+
+
+def plan_prefill_groups(metadata: AttentionMetadata, min_shared_tokens: int) -> list[PrefillGroup]:
+    """Group prefill chunks by common leading blocks of their already-computed context (never of
+    their own query tokens), when that saves at least ``min_shared_tokens`` token reads."""
+    block_size = metadata.block_size
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(metadata.prefill_block_tables):
+        cached_blocks = (metadata.prefill_seq_lens[i] - metadata.prefill_query_lens[i]) // block_size
+        if cached_blocks >= 1:
+            by_first.setdefault(int(table[0]), []).append(i)
+    groups = []
+    for chunks in by_first.values():
+        if len(chunks) < 2:
+            continue
+        tables = [metadata.prefill_block_tables[i] for i in chunks]
+        seq_lens, query_lens = metadata.prefill_seq_lens, metadata.prefill_query_lens
+        shared = min((seq_lens[i] - query_lens[i]) // block_size for i in chunks)
+        first = tables[0][:shared]
+        for table in tables[1:]:
+            equal = (table[:shared] == first).int().cumprod(0)
+            shared = int(equal.sum())
+            first = first[:shared]
+        if shared * block_size * (len(chunks) - 1) < max(min_shared_tokens, 1):
+            continue
+        starts, lens = metadata.prefill_query_starts, metadata.prefill_query_lens
+        token_rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in chunks])
+        groups.append(PrefillGroup(chunks, first.clone(), token_rows.to(metadata.slot_mapping.device)))
+    return groups
+
+
+@dataclass
 class DecodePlan:
     """How decode rows read their context this step; computed once, used by every layer.
 
@@ -124,6 +188,7 @@ class DecodePlan:
     PyTorch path (only the one the backend uses is built)."""
 
     shared_prefixes: list[SharedPrefix]
+    prefix_batches: list[PrefixBatch]
     # Native kernel: row r reads tokens [own_first[r], own_tokens[r]) along own_tables[r].
     own_tables: torch.Tensor | None = None  # [R, W] block ids, padded with block 0
     own_tokens: torch.Tensor | None = None  # [R]
@@ -167,12 +232,13 @@ def plan_decode(
     device = metadata.slot_mapping.device
     if device.type != "cpu":
         prefixes = [SharedPrefix(p.rows.to(device), p.block_ids.to(device)) for p in prefixes]
+    batches = batch_prefixes(prefixes, num_kv_heads)
     if for_kernel:
         own_tokens = seq_lens - shift * block_size
         first = torch.zeros_like(own_tokens)
         if sliding_window is not None:  # visible iff key_pos >= seq_len - window (transformers' rule)
             first = (own_tokens - sliding_window).clamp(min=0)
-        return DecodePlan(prefixes, own_tables=own_tables, own_tokens=own_tokens, own_first=first)
+        return DecodePlan(prefixes, batches, own_tables=own_tables, own_tokens=own_tokens, own_first=first)
     local_pos = torch.arange(width * block_size)
     cache_rows = own_tables[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
     key_pos = shift[:, None] * block_size + local_pos[None, :]
@@ -181,7 +247,7 @@ def plan_decode(
         # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
     bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(prefixes, own_cache_rows=cache_rows.reshape(num_rows, -1).to(device),
+    return DecodePlan(prefixes, batches, own_cache_rows=cache_rows.reshape(num_rows, -1).to(device),
                       own_key_bias=bias[:, None, None, :].to(device))
 
 
@@ -271,7 +337,14 @@ class TorchPagedAttention(AttentionBackend):
             out[: metadata.num_decodes] = self._decode(
                 query[: metadata.num_decodes], k_cache, v_cache, metadata, sliding_window
             )
+        grouped: set[int] = set()
+        if sliding_window is None and metadata.num_prefills > 1:
+            for group in self.prefill_groups(metadata):
+                out[group.token_rows] = self._prefill_group(query, k_cache, v_cache, metadata, group)
+                grouped.update(group.chunks)
         for i in range(metadata.num_prefills):
+            if i in grouped:
+                continue
             start, length = metadata.prefill_query_starts[i], metadata.prefill_query_lens[i]
             if key is not None and value is not None and metadata.prefill_seq_lens[i] == length:
                 # A chunk with no earlier context: its K/V are exactly the new rows, no gather needed.
@@ -310,23 +383,26 @@ class TorchPagedAttention(AttentionBackend):
         return gathered
 
     @staticmethod
-    def _attend_prefix(
-        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefix: SharedPrefix
+    def _attend_prefixes(
+        q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PrefixBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The group's shared blocks attended once for all its rows, as one block of queries:
-        (output [n, kv_heads, group, dim], lse [n, kv_heads, group])."""
-        n, (_, num_kv_heads, group, head_dim) = len(prefix.rows), q.shape
-        # Rows of the cache viewed [blocks * kv_heads, block_size * dim], ordered (head, block): one
-        # gather gives K/V as [1, kvh, k * block_size, dim], with no transposing copy after it.
-        rows = (prefix.block_ids[None, :] * num_kv_heads
-                + torch.arange(num_kv_heads, device=prefix.block_ids.device)[:, None]).reshape(-1)
+        """Each group's shared blocks attended once for all its rows, as one block of queries per
+        group, every group of the batch in one call: (output [rows, kv_heads, group, dim], lse
+        [rows, kv_heads, group]) for ``batch.rows``."""
+        _, num_kv_heads, group, head_dim = q.shape
+        groups, n = batch.groups, len(batch.rows) // batch.groups
         row_size = k_cache.shape[-2] * head_dim
-        prefix_keys = k_cache.view(-1, row_size).index_select(0, rows).view(1, num_kv_heads, -1, head_dim)
-        prefix_values = v_cache.view(-1, row_size).index_select(0, rows).view(1, num_kv_heads, -1, head_dim)
-        group_q = q[prefix.rows].transpose(0, 1).reshape(1, num_kv_heads, n * group, head_dim)
-        shared_out, shared_lse = attention_with_lse(group_q, prefix_keys, prefix_values)
-        shared_out = shared_out.view(num_kv_heads, n, group, head_dim).transpose(0, 1)
-        return shared_out, shared_lse.view(num_kv_heads, n, group).transpose(0, 1)
+        context = (groups, num_kv_heads, -1, head_dim)
+        keys = k_cache.view(-1, row_size).index_select(0, batch.cache_rows).view(context)
+        values = v_cache.view(-1, row_size).index_select(0, batch.cache_rows).view(context)
+        # [groups * n, kvh, group, dim] -> [groups, kvh, n * group, dim]
+        queries = q[batch.rows].view(groups, n, num_kv_heads, group, head_dim).transpose(1, 2)
+        queries = queries.reshape(groups, num_kv_heads, n * group, head_dim)
+        out, lse = attention_with_lse(queries, keys, values)
+        out = out.view(groups, num_kv_heads, n, group, head_dim).transpose(1, 2)
+        lse = lse.view(groups, num_kv_heads, n, group).transpose(1, 2)
+        rows = groups * n
+        return out.reshape(rows, num_kv_heads, group, head_dim), lse.reshape(rows, num_kv_heads, group)
 
     def _decode_own_parts(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
@@ -367,8 +443,8 @@ class TorchPagedAttention(AttentionBackend):
         use_kernel = self._uses_kernel(k_cache)
         plan = self.decode_plan(metadata, sliding_window, num_kv_heads, for_kernel=use_kernel)
         q = query.view(num_rows, num_kv_heads, group, head_dim)
-        shared = [(prefix, *self._attend_prefix(q, k_cache, v_cache, prefix))
-                  for prefix in plan.shared_prefixes]
+        shared = [(batch.rows, *self._attend_prefixes(q, k_cache, v_cache, batch))
+                  for batch in plan.prefix_batches]
         if use_kernel:
             # Each row's own part continues the online softmax of its prefix's partial result.
             assert self.kernels is not None and plan.own_tables is not None
@@ -376,22 +452,122 @@ class TorchPagedAttention(AttentionBackend):
             if shared:
                 # Rows outside every group keep lse -inf: they start afresh (their output is not read).
                 initial = (torch.empty_like(q), torch.full(q.shape[:-1], float("-inf")))
-                for prefix, shared_out, shared_lse in shared:
-                    initial[0][prefix.rows], initial[1][prefix.rows] = shared_out, shared_lse
+                for rows, shared_out, shared_lse in shared:
+                    initial[0][rows], initial[1][rows] = shared_out, shared_lse
             out, _ = self.kernels.decode_attention(q, k_cache, v_cache, plan.own_tables, plan.own_tokens,
                                                    plan.own_first, initial)
             return out.reshape(num_rows, num_heads, head_dim)
         out, lse = self._decode_own_parts(q, k_cache, v_cache, plan)
-        for prefix, shared_out, shared_lse in shared:
-            own_out, own_lse = out[prefix.rows], lse[prefix.rows]
+        for rows, shared_out, shared_lse in shared:
+            own_out, own_lse = out[rows], lse[rows]
             total_lse = torch.logaddexp(own_lse, shared_lse)
             # The merge runs in fp32 (the LSEs are fp32) and is stored back in the model's dtype.
             merged = (
                 own_out.float() * torch.exp(own_lse - total_lse)[..., None]
                 + shared_out.float() * torch.exp(shared_lse - total_lse)[..., None]
             )
-            out[prefix.rows] = merged.to(out.dtype)
+            out[rows] = merged.to(out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
+
+    def prefill_groups(self, metadata: AttentionMetadata) -> list[PrefillGroup]:
+        key = ("prefill_groups", None)
+        if key not in metadata.step_cache:
+            metadata.step_cache[key] = plan_prefill_groups(metadata, self.min_shared_tokens)
+        return metadata.step_cache[key]  # type: ignore[return-value]
+
+    def _prefill_group(
+        self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+        group: PrefillGroup,
+    ) -> torch.Tensor:
+        """Cascade prefill: every query token of the group over the shared blocks in one call, each
+        chunk over the rest of its context (causal) on its own, merged exactly by log-sum-exp.
+        Returns [T, heads, dim] for ``group.token_rows``."""
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads, block_size = k_cache.shape[-3], k_cache.shape[-2]
+        per_kv = num_heads // num_kv_heads
+        # GQA folded into the query length: [T, heads, dim] -> [1, kvh, T * per_kv, dim].
+        queries = query[group.token_rows].view(-1, num_kv_heads, per_kv, head_dim).transpose(0, 1)
+        queries = queries.reshape(1, num_kv_heads, -1, head_dim)
+        keys, values = self._gather_blocks(k_cache, v_cache, group.block_ids)
+        shared_out, shared_lse = attention_with_lse(queries, keys, values)
+        if self._uses_kernel(k_cache):
+            # Each query token is a row of the native kernel: its own part (causal: the tokens up to
+            # its own) read through its chunk's blocks, continuing the shared part's softmax.
+            assert self.kernels is not None
+            tables, counts = self._own_rows(metadata, group, block_size)
+            unfold = (num_kv_heads, -1, per_kv)
+            initial = (shared_out.view(*unfold, head_dim).transpose(0, 1),
+                       shared_lse.view(unfold).transpose(0, 1))
+            rows_q = query[group.token_rows].view(-1, num_kv_heads, per_kv, head_dim)
+            out, _ = self.kernels.decode_attention(rows_q, k_cache, v_cache, tables, counts,
+                                                   torch.zeros_like(counts), initial)
+            return out.view(-1, num_heads, head_dim)
+        own_out, own_lse = torch.empty_like(shared_out), torch.empty_like(shared_lse)
+        shared_len, row = len(group.block_ids) * block_size, 0
+        for i in group.chunks:
+            length, seq_len = metadata.prefill_query_lens[i], metadata.prefill_seq_lens[i]
+            rows = slice(row * per_kv, (row + length) * per_kv)
+            own_blocks = metadata.prefill_block_tables[i][len(group.block_ids): -(-seq_len // block_size)]
+            keys, values = self._gather_blocks(k_cache, v_cache, own_blocks)
+            bias = self._own_bias(metadata, i, shared_len, keys.shape[2], per_kv)
+            own = attention_with_lse(queries[:, :, rows], keys, values, bias)
+            own_out[:, :, rows], own_lse[:, :, rows] = own
+            row += length
+        total = torch.logaddexp(own_lse, shared_lse)
+        merged = (own_out.float() * torch.exp(own_lse - total)[..., None]
+                  + shared_out.float() * torch.exp(shared_lse - total)[..., None]).to(query.dtype)
+        # [1, kvh, T * per_kv, dim] -> [T, heads, dim]
+        merged = merged.view(num_kv_heads, -1, per_kv, head_dim).transpose(0, 1)
+        return merged.reshape(-1, num_heads, head_dim)
+
+    @staticmethod
+    def _own_rows(metadata: AttentionMetadata, group: PrefillGroup, block_size: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per query token of the group: its chunk's blocks after the shared ones ([T, W], padded
+        with block 0) and how many of their tokens it sees (causal); the same for every layer."""
+        key = ("own_rows", int(group.token_rows[0]))
+        if key not in metadata.step_cache:
+            shared = len(group.block_ids)
+            width = max(-(-metadata.prefill_seq_lens[i] // block_size) - shared for i in group.chunks)
+            tables, counts = [], []
+            for i in group.chunks:
+                length, seq_len = metadata.prefill_query_lens[i], metadata.prefill_seq_lens[i]
+                own = metadata.prefill_block_tables[i][shared: -(-seq_len // block_size)]
+                padded = torch.zeros(width, dtype=torch.long)
+                padded[: len(own)] = own
+                tables.append(padded.expand(length, width))
+                counts.append(torch.arange(seq_len - length, seq_len) + 1 - shared * block_size)
+            metadata.step_cache[key] = (torch.cat(tables), torch.cat(counts))
+        return metadata.step_cache[key]  # type: ignore[return-value]
+
+    @staticmethod
+    def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of these blocks as [1, kvh, len(block_ids) * block_size, dim]: one gather of cache
+        rows in (head, block) order, no transposing copy."""
+        num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
+        rows = (block_ids[None, :] * num_kv_heads
+                + torch.arange(num_kv_heads, device=block_ids.device)[:, None]).reshape(-1)
+        shape = (1, num_kv_heads, -1, head_dim)
+        row_size = block_size * head_dim
+        return (k_cache.view(-1, row_size).index_select(0, rows).view(shape),
+                v_cache.view(-1, row_size).index_select(0, rows).view(shape))
+
+    @staticmethod
+    def _own_bias(metadata: AttentionMetadata, index: int, shared_len: int, keys_len: int, per_kv: int
+                  ) -> torch.Tensor:
+        """[q_len * per_kv, keys_len] 0/-inf: a chunk's queries over its context after the shared
+        blocks, causal, padding of the last block hidden; the same for every layer of the step."""
+        key = (f"own_bias{index}", shared_len)
+        if key not in metadata.step_cache:
+            length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
+            device = metadata.slot_mapping.device
+            query_pos = torch.arange(seq_len - length, seq_len, device=device).repeat_interleave(per_kv)
+            key_pos = shared_len + torch.arange(keys_len, device=device)
+            visible = key_pos[None, :] <= query_pos[:, None]
+            bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+            metadata.step_cache[key] = bias[None, None]
+        return metadata.step_cache[key]  # type: ignore[return-value]
 
     @staticmethod
     def _context(

@@ -101,6 +101,28 @@ def test_many_requests_together(arch_dir, prefix_caching, dtype):
         assert metrics["prefill_tokens_computed"] == sum(map(len, PROMPTS))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernels", "pytorch"])
+def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, dtype, native, monkeypatch):
+    """Rows under one instruction reach prefill together with the instruction cached: its blocks are
+    attended once for every query token of them, each row's own part causally on its own."""
+    from engine.attention import TorchPagedAttention
+
+    rng = random.Random(5)
+    instruction = [rng.randrange(5, 2048) for _ in range(64)]  # 4 blocks, as long as PROMPTS' prefixes
+    tails = (1, 7, 16, 25, 40, 3, 33, 18)
+    prompts = [instruction + [rng.randrange(5, 2048) for _ in range(n)] for n in tails]
+    groups = []
+    original = TorchPagedAttention._prefill_group
+    monkeypatch.setattr(TorchPagedAttention, "_prefill_group",
+                        lambda self, *args: groups.append(len(args[-1].chunks)) or original(self, *args))
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, dtype=dtype)
+    if not native:
+        llm.engine.model.layers[0].self_attn.backend.kernels = None  # one backend for every layer
+    outputs = llm.generate(prompts, greedy(dtype))
+    assert groups and max(groups) >= 2, "no prefill chunks were attended as a cascade"
+    assert_all_match(arch_dir, llm, prompts, outputs)
+
+
 def test_many_requests_together_in_float16(arch_dir):
     # fp16 on a CPU is slow (no native kernels) but runs: tiny models keep it affordable.
     llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, dtype="float16")
