@@ -51,6 +51,9 @@ class AttentionMetadata:
     prefill_query_lens: list[int] = field(default_factory=list)
     prefill_seq_lens: list[int] = field(default_factory=list)
     prefill_block_tables: list[torch.Tensor] = field(default_factory=list)
+    # The same block ids on the host, for planning without reading device tensors (empty: read
+    # from prefill_block_tables).
+    prefill_block_lists: list[list[int]] = field(default_factory=list)
     # Values derived once per step and shared by all layers (masks, the backend's decode plan).
     step_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
 
@@ -152,30 +155,30 @@ class PrefillGroup:
 
 def plan_prefill_groups(metadata: AttentionMetadata, min_shared_tokens: int) -> list[PrefillGroup]:
     """Group prefill chunks by common leading blocks of their already-computed context (never of
-    their own query tokens), when that saves at least ``min_shared_tokens`` token reads."""
+    their own query tokens), when that saves at least ``min_shared_tokens`` token reads. Works on
+    host block lists: no device read."""
     block_size = metadata.block_size
+    seq_lens, query_lens = metadata.prefill_seq_lens, metadata.prefill_query_lens
+    lists = metadata.prefill_block_lists or [table.tolist() for table in metadata.prefill_block_tables]
     by_first: dict[int, list[int]] = {}
-    for i, table in enumerate(metadata.prefill_block_tables):
-        cached_blocks = (metadata.prefill_seq_lens[i] - metadata.prefill_query_lens[i]) // block_size
-        if cached_blocks >= 1:
-            by_first.setdefault(int(table[0]), []).append(i)
+    for i, blocks in enumerate(lists):
+        if (seq_lens[i] - query_lens[i]) // block_size >= 1:
+            by_first.setdefault(blocks[0], []).append(i)
     groups = []
     for chunks in by_first.values():
         if len(chunks) < 2:
             continue
-        tables = [metadata.prefill_block_tables[i] for i in chunks]
-        seq_lens, query_lens = metadata.prefill_seq_lens, metadata.prefill_query_lens
         shared = min((seq_lens[i] - query_lens[i]) // block_size for i in chunks)
-        first = tables[0][:shared]
-        for table in tables[1:]:
-            equal = (table[:shared] == first).int().cumprod(0)
-            shared = int(equal.sum())
-            first = first[:shared]
+        first = lists[chunks[0]]
+        for i in chunks[1:]:
+            shared = next((j for j in range(shared) if lists[i][j] != first[j]), shared)
         if shared * block_size * (len(chunks) - 1) < max(min_shared_tokens, 1):
             continue
-        starts, lens = metadata.prefill_query_starts, metadata.prefill_query_lens
-        token_rows = torch.cat([torch.arange(starts[i], starts[i] + lens[i]) for i in chunks])
-        groups.append(PrefillGroup(chunks, first.clone(), token_rows.to(metadata.slot_mapping.device)))
+        starts = metadata.prefill_query_starts
+        token_rows = [row for i in chunks for row in range(starts[i], starts[i] + query_lens[i])]
+        device = metadata.slot_mapping.device
+        groups.append(PrefillGroup(chunks, torch.tensor(first[:shared], device=device),
+                                   torch.tensor(token_rows, device=device)))
     return groups
 
 
@@ -529,15 +532,14 @@ class TorchPagedAttention(AttentionBackend):
         if key not in metadata.step_cache:
             shared = len(group.block_ids)
             width = max(-(-metadata.prefill_seq_lens[i] // block_size) - shared for i in group.chunks)
+            lists = metadata.prefill_block_lists or [t.tolist() for t in metadata.prefill_block_tables]
             tables, counts = [], []
             for i in group.chunks:
                 length, seq_len = metadata.prefill_query_lens[i], metadata.prefill_seq_lens[i]
-                own = metadata.prefill_block_tables[i][shared: -(-seq_len // block_size)]
-                padded = torch.zeros(width, dtype=torch.long)
-                padded[: len(own)] = own
-                tables.append(padded.expand(length, width))
-                counts.append(torch.arange(seq_len - length, seq_len) + 1 - shared * block_size)
-            metadata.step_cache[key] = (torch.cat(tables), torch.cat(counts))
+                own = lists[i][shared: -(-seq_len // block_size)]
+                tables += [own + [0] * (width - len(own))] * length
+                counts += range(seq_len - length + 1 - shared * block_size, seq_len + 1 - shared * block_size)
+            metadata.step_cache[key] = (torch.tensor(tables), torch.tensor(counts))
         return metadata.step_cache[key]  # type: ignore[return-value]
 
     @staticmethod
