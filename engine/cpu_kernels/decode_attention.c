@@ -3,57 +3,69 @@
  * PyTorch needs each request's blocks gathered into one tensor before its attention kernel runs,
  * and its kernels are built for long queries; a decode step has one query token per request and
  * is memory-bound. Here one work item = one request, one kv head and up to QCHUNK of the query
- * heads that read it (GQA): it walks the request's blocks through its block table with an online
- * softmax, VL tokens at a time (scores of VL tokens land in one vector through a shuffle tree,
- * so there is no horizontal sum per token), and writes the output and each query's log-sum-exp
- * (to merge with a shared prefix's partial result). K/V are stored fp32 or bf16; scores, softmax
- * and the weighted sum are fp32, the output is rounded once (to nearest even) to the storage dtype.
- * A row may start from a partial result (init_out, init_lse: its shared prefix's attention), so
- * the cascade's two parts merge inside the online softmax instead of in a pass of their own.
+ * heads that read it (GQA). It walks the request's blocks through its block table twice: scores
+ * first, VL tokens at a time (a shuffle tree puts VL tokens' scores in one vector: no horizontal
+ * sum per token), then, with the softmax's max known, the weighted sum of V. It writes the output
+ * and each query's log-sum-exp. K/V are stored fp32 or bf16; scores, softmax and the weighted sum
+ * are fp32, the output is rounded once (to nearest even) to the storage dtype. A row may start
+ * from a partial result (init_out, init_lse: its shared prefix's attention), so the cascade's two
+ * parts merge inside the softmax instead of in a pass of their own.
  *
  * Layout: q [R, H, Q, D]; cache [blocks, H, BS, D]; block_tables [R, W]; row r reads its tokens
  * [first_token[r], num_tokens[r]) counted along its table row. Needs D in {16, 32, 64, 80, 96, 128}
- * (a multiple of VL) and BS a
- * multiple of VL (the Python side checks, and falls back to PyTorch otherwise).
+ * (a multiple of VL) and BS a multiple of VL (the Python side checks, and falls back to PyTorch
+ * otherwise).
  */
+#include <stdlib.h>
+
 #include "simd.h"
 
 #define QCHUNK 8
 
-/* One work item: request r, kv head h, queries [q0, q0 + nq) of that head. NV = head_dim / VL. */
+/* Scores of one work item, per query: a buffer per thread, grown as contexts grow (never freed:
+ * the threads are OpenMP's, kept for the life of the process). */
+static __thread float* score_buffer = NULL;
+static __thread int64_t score_capacity = 0;
+
+static float* scores_for(int64_t floats) {
+    if (floats > score_capacity) {
+        free(score_buffer);
+        score_capacity = floats * 2;
+        score_buffer = (float*)aligned_alloc(64, (size_t)score_capacity * sizeof(float));
+    }
+    return score_buffer;
+}
+
+/* One work item: request r, kv head h, queries [q0, q0 + nq) of that head. NV = head_dim / VL.
+ * Two passes: every score first (kept in the thread's buffer), so the softmax's max is known
+ * before any exp and nothing is rescaled block by block; then the weighted sum of V. */
 #define DEFINE_ITEM(NAME, NV)                                                                          \
 static inline __attribute__((always_inline)) void NAME(                                               \
     const void* q, const void* kc, const void* vc, const int64_t* table, int64_t n, int64_t t0,       \
     int64_t r, int64_t h, int64_t q0, int64_t nq, int64_t H, int64_t Q, int64_t BS, float scale,      \
     const void* init_out, const float* init_lse, void* out, float* lse, const int bf16) {             \
     const int64_t D = NV * VL;                                                                        \
-    vf qv[QCHUNK][NV], acc[QCHUNK][NV], lsum[QCHUNK];                                                 \
-    float m[QCHUNK];                                                                                  \
+    const int64_t base = t0 / BS * BS, span = (n - base + VL - 1) / VL * VL;                          \
+    float* scores = scores_for(nq * span);                                                            \
+    vf qv[QCHUNK][NV], top[QCHUNK];                                                                   \
     for (int64_t g = 0; g < nq; g++) {                                                                \
         const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
-        /* A partial result to continue from (a shared prefix's): its softmax state is            \
-         * (max = its lse, sum = 1, weighted sum = its output). */                                     \
-        const int resume = init_lse != NULL && init_lse[row] > -INFINITY;                             \
-        for (int c = 0; c < NV; c++) {                                                                \
-            qv[g][c] = load_vec(q, row * D + c * VL, bf16) * scale;                                   \
-            acc[g][c] = resume ? load_vec(init_out, row * D + c * VL, bf16) : splat(0.0f);            \
-        }                                                                                             \
-        lsum[g] = splat(0.0f);                                                                        \
-        lsum[g][0] = resume ? 1.0f : 0.0f;                                                            \
-        m[g] = resume ? init_lse[row] : -INFINITY;                                                    \
+        for (int c = 0; c < NV; c++) qv[g][c] = load_vec(q, row * D + c * VL, bf16) * scale;         \
+        top[g] = splat(-INFINITY);                                                                    \
+        /* the whole VL-groups of the first block before the first visible token are not scored */   \
+        for (int64_t i = 0; i < (t0 - base) / VL * VL; i++) scores[g * span + i] = -INFINITY;        \
     }                                                                                                 \
     vf lane;                                                                                          \
     for (int i = 0; i < VL; i++) lane[i] = (float)i;                                                  \
+    /* pass 1: scores, VL tokens at a time (one dot-product vector per token, then the lane tree) */ \
     for (int64_t b = t0 / BS; b * BS < n; b++) {                                                      \
         const int64_t off = (table[b] * H + h) * BS * D;                                              \
-        const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;     \
         if ((b + 1) * BS < n) { /* the next block is elsewhere in the cache: fetch it meanwhile */    \
             const int64_t next = (table[b + 1] * H + h) * BS * D * (bf16 ? 2 : 4);                    \
-            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64) {                      \
+            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64)                        \
                 __builtin_prefetch((const char*)kc + next + byte);                                     \
-                __builtin_prefetch((const char*)vc + next + byte);                                     \
-            }                                                                                         \
         }                                                                                             \
+        const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;     \
         for (int64_t ts = lo / VL * VL; ts < hi; ts += VL) {                                          \
             vf dots[QCHUNK][VL];                                                                      \
             for (int t = 0; t < VL; t++) {                                                            \
@@ -67,24 +79,51 @@ static inline __attribute__((always_inline)) void NAME(                         
             }                                                                                         \
             const vf pos = lane + (float)ts;                                                          \
             const vi32 visible = (pos >= (float)lo) & (pos < (float)hi);                              \
-            vf p[QCHUNK];                                                                             \
             for (int64_t g = 0; g < nq; g++) {                                                        \
-                const vf scores = vselect(visible, reduce_lanes(dots[g]), splat(-INFINITY));          \
-                const float top = fmaxf(m[g], hmax(scores));                                          \
-                const float alpha = m[g] == -INFINITY ? 0.0f : vexp(splat(m[g] - top))[0];            \
-                p[g] = vselect(visible, vexp(scores - top), splat(0.0f));                             \
-                lsum[g] = lsum[g] * alpha + p[g];                                                     \
-                m[g] = top;                                                                           \
-                for (int c = 0; c < NV; c++) acc[g][c] *= alpha;                                      \
+                const vf s = vselect(visible, reduce_lanes(dots[g]), splat(-INFINITY));               \
+                top[g] = vmax(top[g], s);                                                             \
+                store_f32(scores + g * span + b * BS + ts - base, s);                                 \
             }                                                                                         \
-            const int64_t a0 = ts > lo ? ts : lo, a1 = ts + VL < hi ? ts + VL : hi;                   \
-            for (int64_t t = a0; t < a1; t++) {                                                       \
-                vf vv[NV];                                                                            \
-                for (int c = 0; c < NV; c++) vv[c] = load_vec(vc, off + t * D + c * VL, bf16);        \
-                for (int64_t g = 0; g < nq; g++) {                                                    \
-                    const float w = p[g][t - ts];                                                     \
-                    for (int c = 0; c < NV; c++) acc[g][c] += w * vv[c];                              \
-                }                                                                                     \
+        }                                                                                             \
+    }                                                                                                 \
+    /* the softmax: max (with a prefix partial's lse when continuing one), exp, sum */               \
+    vf acc[QCHUNK][NV], lsum[QCHUNK];                                                                 \
+    float m[QCHUNK];                                                                                  \
+    for (int64_t g = 0; g < nq; g++) {                                                                \
+        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
+        const int resume = init_lse != NULL && init_lse[row] > -INFINITY;                             \
+        m[g] = hmax(top[g]);                                                                          \
+        if (resume && init_lse[row] > m[g]) m[g] = init_lse[row];                                     \
+        /* a partial result's softmax state: (max = its lse, sum = 1, weighted sum = its output) */  \
+        const float carry = resume ? vexp(splat(init_lse[row] - m[g]))[0] : 0.0f;                     \
+        lsum[g] = splat(0.0f);                                                                        \
+        lsum[g][0] = carry;                                                                           \
+        for (int c = 0; c < NV; c++)                                                                  \
+            acc[g][c] = resume ? load_vec(init_out, row * D + c * VL, bf16) * carry : splat(0.0f);    \
+        float* sg = scores + g * span;                                                                \
+        for (int64_t i = 0; i < span; i += VL) {                                                      \
+            vf s;                                                                                     \
+            memcpy(&s, sg + i, sizeof s);                                                             \
+            const vf p = vselect(s > -INFINITY, vexp(s - m[g]), splat(0.0f));                         \
+            lsum[g] += p;                                                                             \
+            store_f32(sg + i, p);                                                                     \
+        }                                                                                             \
+    }                                                                                                 \
+    /* pass 2: the weighted sum of V */                                                               \
+    for (int64_t b = t0 / BS; b * BS < n; b++) {                                                      \
+        const int64_t off = (table[b] * H + h) * BS * D;                                              \
+        if ((b + 1) * BS < n) {                                                                       \
+            const int64_t next = (table[b + 1] * H + h) * BS * D * (bf16 ? 2 : 4);                    \
+            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64)                        \
+                __builtin_prefetch((const char*)vc + next + byte);                                     \
+        }                                                                                             \
+        const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;     \
+        for (int64_t t = lo; t < hi; t++) {                                                           \
+            vf vv[NV];                                                                                \
+            for (int c = 0; c < NV; c++) vv[c] = load_vec(vc, off + t * D + c * VL, bf16);            \
+            for (int64_t g = 0; g < nq; g++) {                                                        \
+                const float w = scores[g * span + b * BS + t - base];                                 \
+                for (int c = 0; c < NV; c++) acc[g][c] += w * vv[c];                                  \
             }                                                                                         \
         }                                                                                             \
     }                                                                                                 \
