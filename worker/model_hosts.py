@@ -90,9 +90,13 @@ class ModelHosts:
                                     endpoint_url=self.s3_endpoint_url)
         options = engine_options_from_env() if self.engine_options is None else self.engine_options
         config = EngineConfig(model=str(directory), **options)
+        # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
+        # the engine's start-up dtype probe (engine/dtype_choice.py) timed beside it read 4-5x
+        # low and once chose fp32 on an AMX CPU.
+        renderer = PromptRenderer(AutoTokenizer.from_pretrained(directory))
         host = EngineHost(lambda: LLMEngine(config), name=name).start()
         logger.info("loading model %s from %s", name, directory)
-        return HostedModel(name, directory, host, PromptRenderer(AutoTokenizer.from_pretrained(directory)))
+        return HostedModel(name, directory, host, renderer)
 
     def preload(self, names: Iterable[str]) -> threading.Thread:
         """Load these models in a background thread (at worker start), logging failures."""
