@@ -51,8 +51,10 @@ def test_jsonl_in_and_out_every_row_once_with_errors_in_place(tiny_checkpoint: P
     out = tmp_path / "out.jsonl"
     code, stdout, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template",
                                 "Ticket: {ticket}", "--id-column", "id", "--instructions", "Triage it.",
-                                "--max-tokens", "4", "--temperature", "0", "--batch-size", "3")
+                                "--max-tokens", "4", "--temperature", "0", "--batch-size", "3",
+                                "--dtype", "float32")
     assert code == 0, stderr
+    assert "dtype float32 (float32 requested)" in stdout  # the summary says what ran and why
     lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(lines) == 12
     assert [line["id"] for line in lines if line["error"] is None] == [f"r{i}" for i in range(10)]
@@ -65,7 +67,7 @@ def test_jsonl_in_and_out_every_row_once_with_errors_in_place(tiny_checkpoint: P
     before = out.read_bytes()
     argv = [source, "-o", out, "--model", tiny_checkpoint, "--template", "Ticket: {ticket}", "--id-column",
             "id", "--instructions", "Triage it.", "--max-tokens", "4", "--temperature", "0",
-            "--batch-size", "3"]
+            "--batch-size", "3", "--dtype", "float32"]
     code, stdout, stderr = _run(capsys, *argv)
     assert code == 0 and "already complete: 12 rows (2 failed)" in stdout and out.read_bytes() == before
     code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--template", "{ticket}")
