@@ -5,6 +5,7 @@ greedy tokens equal to transformers' on the same weights (fp32 exact, bf16 withi
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.chat import chat_token_ids
+from engine.dtype_choice import probe_cpu_bf16
 from jobs.demo_data import EXTRACTION_INSTRUCTIONS, EXTRACTION_SCHEMA, ORDERS
 from tests.engine.hf_reference import assert_greedy_within_noise, assert_same_greedy, hf_greedy
 
@@ -19,6 +21,9 @@ IM_END = 2  # <|im_end|>: the model's EOS, and the end of each chat turn
 QUESTIONS = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo",
              "Name three primary colors.": "Red"}
 DTYPES = ["float32", "bfloat16"]
+# bf16 is emulated (tens of times slower) on CPUs without native bf16: fewer rows there, same checks.
+NATIVE_BF16 = probe_cpu_bf16().native_bf16
+TESTED_ORDERS = ORDERS if NATIVE_BF16 else ORDERS[:8]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,7 @@ def answers(engines: dict[str, LLM]) -> dict[str, dict[str, object]]:
     results = {}
     for dtype, engine in engines.items():
         questions = engine.chat([[{"role": "user", "content": q}] for q in QUESTIONS], _greedy(48))
-        orders = engine.chat([_order_chat(text) for text, *_ in ORDERS],
+        orders = engine.chat([_order_chat(text) for text, *_ in TESTED_ORDERS],
                              _greedy(64, json_schema=EXTRACTION_SCHEMA))
         results[dtype] = {"questions": [out.outputs[0].text for out in questions],
                           "orders": [json.loads(out.outputs[0].text) for out in orders]}
@@ -77,12 +82,13 @@ def test_prompts_render_with_the_models_own_chat_template(llm: LLM) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_json_schema_extraction_is_valid_json_with_the_right_values_in_most_rows(answers, dtype) -> None:
     extracted = answers[dtype]["orders"]
-    assert len(extracted) == len(ORDERS)
+    assert len(extracted) == len(TESTED_ORDERS)
     right = 0
-    for got, (_text, name, city, quantity) in zip(extracted, ORDERS, strict=True):
+    for got, (_text, name, city, quantity) in zip(extracted, TESTED_ORDERS, strict=True):
         assert set(got) == {"name", "city", "quantity", "product"}
         right += (got["name"], got["city"], got["quantity"]) == (name, city, quantity)
-    assert right >= 12, f"{dtype}: name, city and quantity right in only {right}/{len(ORDERS)} orders"
+    needed = math.ceil(0.7 * len(TESTED_ORDERS))  # measured: 14/16 (7/8 of the first 8) in both dtypes
+    assert right >= needed, f"{dtype}: name, city and quantity right in only {right}/{len(TESTED_ORDERS)}"
 
 
 def test_fp32_and_bf16_give_the_same_answers(answers) -> None:
@@ -92,20 +98,24 @@ def test_fp32_and_bf16_give_the_same_answers(answers) -> None:
     fields = ("name", "city", "quantity")
     same = sum(all(a[f] == b[f] for f in fields)
                for a, b in zip(answers["float32"]["orders"], answers["bfloat16"]["orders"], strict=True))
-    assert same >= len(ORDERS) - 2, f"fp32 and bf16 extract the same fields in only {same}/{len(ORDERS)}"
+    count = len(TESTED_ORDERS)
+    assert same >= count - 2, f"fp32 and bf16 extract the same fields in only {same}/{count}"
 
 
 def test_greedy_tokens_match_transformers_on_the_real_model(llm: LLM, real_model: Path) -> None:
     """A shared system prompt (prefix-cache hits, shared-prefix decode) over several turns."""
-    prompts = [chat_token_ids(llm.tokenizer, _order_chat(text)) for text, *_ in ORDERS[:4]]
-    prompts += [chat_token_ids(llm.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    few = not NATIVE_BF16 and llm.dtype_choice.dtype == "bfloat16"
+    max_tokens = 16 if few else 32
+    prompts = [chat_token_ids(llm.tokenizer, _order_chat(text)) for text, *_ in ORDERS[: 2 if few else 4]]
+    prompts += [chat_token_ids(llm.tokenizer, [{"role": "user", "content": q}])
+                for q in list(QUESTIONS)[: 1 if few else 3]]
     hits_before = llm.engine.get_metrics()["prefix_cache_hits"]
-    outputs = llm.generate(prompts, _greedy(32))
+    outputs = llm.generate(prompts, _greedy(max_tokens))
     assert llm.engine.get_metrics()["prefix_cache_hits"] > hits_before  # the system prompt, shared
     dtype = llm.dtype_choice.dtype
     if dtype == "float32":
         for prompt, output in zip(prompts, outputs, strict=True):
-            reference = hf_greedy(real_model, prompt, 32)
+            reference = hf_greedy(real_model, prompt, max_tokens)
             assert_same_greedy(output.token_ids, reference, prompt, real_model, llm.engine.model)
     else:
         pairs = [(prompt, output.token_ids) for prompt, output in zip(prompts, outputs, strict=True)]
