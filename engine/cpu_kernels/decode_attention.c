@@ -60,10 +60,13 @@ static inline __attribute__((always_inline)) void NAME(                         
     /* pass 1: scores, VL tokens at a time (one dot-product vector per token, then the lane tree) */ \
     for (int64_t b = t0 / BS; b * BS < n; b++) {                                                      \
         const int64_t off = (table[b] * H + h) * BS * D;                                              \
-        if ((b + 1) * BS < n) { /* the next block is elsewhere in the cache: fetch it meanwhile */    \
-            const int64_t next = (table[b + 1] * H + h) * BS * D * (bf16 ? 2 : 4);                    \
-            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64)                        \
+        for (int64_t ahead = 1; ahead <= 2; ahead++) {                                               \
+            if ((b + ahead) * BS >= n) break;                                                         \
+            const int64_t next = (table[b + ahead] * H + h) * BS * D * (bf16 ? 2 : 4);                \
+            for (int64_t byte = 0; byte < BS * D * (bf16 ? 2 : 4); byte += 64) {                      \
                 __builtin_prefetch((const char*)kc + next + byte);                                     \
+                if (ahead == 2) __builtin_prefetch((const char*)vc + next + byte);                     \
+            }                                                                                         \
         }                                                                                             \
         const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;     \
         for (int64_t ts = lo / VL * VL; ts < hi; ts += VL) {                                          \
