@@ -129,11 +129,22 @@ static inline vu32 bf16_bits(vf v) {
     const vi32 nan = (vi32)((bits & 0x7fffffffu) > 0x7f800000u);
     return (vu32)(((vi32)((bits >> 16) | 0x40u) & nan) | ((vi32)rounded & ~nan));
 }
+#if defined(__AVX512BF16__) && VL == 16
+/* AVX512-BF16 rounds 16 lanes to bf16 (nearest even, NaN kept) in one instruction. */
+static inline void store_bf16(uint16_t* p, vf v) {
+    const __m256bh narrow = _mm512_cvtneps_pbh((__m512)v);
+    memcpy(p, &narrow, sizeof narrow);
+}
+/* The bf16 value nearest to each lane, as fp32: what a bf16 tensor op rounds its result to. */
+static inline vf round_bf16(vf v) {
+    const __m256bh narrow = _mm512_cvtneps_pbh((__m512)v);
+    return (vf)_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)narrow), 16));
+}
+#else
 static inline void store_bf16(uint16_t* p, vf v) {
     const vu16 narrow = __builtin_convertvector(bf16_bits(v), vu16);
     memcpy(p, &narrow, sizeof narrow);
 }
-static inline void store_f32(float* p, vf v) { memcpy(p, &v, sizeof v); }
 /* The bf16 value nearest to each lane, as fp32: what a bf16 tensor op rounds its result to. */
 static inline vf round_bf16(vf v) {
     const vu32 bits = bf16_bits(v) << 16;
@@ -141,6 +152,8 @@ static inline vf round_bf16(vf v) {
     memcpy(&out, &bits, sizeof out);
     return out;
 }
+#endif
+static inline void store_f32(float* p, vf v) { memcpy(p, &v, sizeof v); }
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float value;
