@@ -110,6 +110,28 @@ class AttentionBackend(ABC):
         """
 
 
+def head_major_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Rows of a cache viewed [blocks * kv_heads, block_size * dim] holding these blocks, ordered
+    (head, block): ``block_ids [..., k]`` -> ``[..., kv_heads, k]``. Gathered, they are K (or V) in
+    the attention kernels' [kv_heads, k * block_size, dim] layout, with no transposing copy."""
+    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None]
+    return block_ids.unsqueeze(-2) * num_kv_heads + heads
+
+
+def gather_cache_rows(cache: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``rows`` (see head_major_rows) of ``cache [blocks, kv_heads, block_size, dim]``, as ``shape``."""
+    return cache.view(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, rows).view(shape)
+
+
+def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """Attention over two disjoint parts of a context, merged exactly through their log-sum-exps;
+    in fp32 (the LSEs are fp32), the result in ``dtype``."""
+    total = torch.logaddexp(lse_a, lse_b)
+    return (out_a.float() * torch.exp(lse_a - total)[..., None]
+            + out_b.float() * torch.exp(lse_b - total)[..., None]).to(dtype)
+
+
 @dataclass
 class SharedPrefix:
     """Decode rows whose block tables start with the same blocks."""
@@ -137,8 +159,7 @@ def batch_prefixes(prefixes: list[SharedPrefix], num_kv_heads: int) -> list[Pref
     batches = []
     for members in by_shape.values():
         blocks = torch.stack([prefix.block_ids for prefix in members])  # [groups, k]
-        heads = torch.arange(num_kv_heads, device=blocks.device)
-        cache_rows = (blocks[:, None, :] * num_kv_heads + heads[None, :, None]).reshape(-1)
+        cache_rows = head_major_rows(blocks, num_kv_heads).reshape(-1)
         batches.append(PrefixBatch(torch.cat([prefix.rows for prefix in members]), cache_rows, len(members)))
     return batches
 
@@ -243,7 +264,7 @@ def plan_decode(
             first = (own_tokens - sliding_window).clamp(min=0)
         return DecodePlan(prefixes, batches, own_tables=own_tables, own_tokens=own_tokens, own_first=first)
     local_pos = torch.arange(width * block_size)
-    cache_rows = own_tables[:, None, :] * num_kv_heads + torch.arange(num_kv_heads)[None, :, None]
+    cache_rows = head_major_rows(own_tables, num_kv_heads)
     key_pos = shift[:, None] * block_size + local_pos[None, :]
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:
@@ -394,10 +415,9 @@ class TorchPagedAttention(AttentionBackend):
         [rows, kv_heads, group]) for ``batch.rows``."""
         _, num_kv_heads, group, head_dim = q.shape
         groups, n = batch.groups, len(batch.rows) // batch.groups
-        row_size = k_cache.shape[-2] * head_dim
         context = (groups, num_kv_heads, -1, head_dim)
-        keys = k_cache.view(-1, row_size).index_select(0, batch.cache_rows).view(context)
-        values = v_cache.view(-1, row_size).index_select(0, batch.cache_rows).view(context)
+        keys = gather_cache_rows(k_cache, batch.cache_rows, context)
+        values = gather_cache_rows(v_cache, batch.cache_rows, context)
         # [groups * n, kvh, group, dim] -> [groups, kvh, n * group, dim]
         queries = q[batch.rows].view(groups, n, num_kv_heads, group, head_dim).transpose(1, 2)
         queries = queries.reshape(groups, num_kv_heads, n * group, head_dim)
@@ -462,14 +482,7 @@ class TorchPagedAttention(AttentionBackend):
             return out.reshape(num_rows, num_heads, head_dim)
         out, lse = self._decode_own_parts(q, k_cache, v_cache, plan)
         for rows, shared_out, shared_lse in shared:
-            own_out, own_lse = out[rows], lse[rows]
-            total_lse = torch.logaddexp(own_lse, shared_lse)
-            # The merge runs in fp32 (the LSEs are fp32) and is stored back in the model's dtype.
-            merged = (
-                own_out.float() * torch.exp(own_lse - total_lse)[..., None]
-                + shared_out.float() * torch.exp(shared_lse - total_lse)[..., None]
-            )
-            out[rows] = merged.to(out.dtype)
+            out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
 
     def prefill_groups(self, metadata: AttentionMetadata) -> list[PrefillGroup]:
@@ -516,9 +529,7 @@ class TorchPagedAttention(AttentionBackend):
             own = attention_with_lse(queries[:, :, rows], keys, values, bias)
             own_out[:, :, rows], own_lse[:, :, rows] = own
             row += length
-        total = torch.logaddexp(own_lse, shared_lse)
-        merged = (own_out.float() * torch.exp(own_lse - total)[..., None]
-                  + shared_out.float() * torch.exp(shared_lse - total)[..., None]).to(query.dtype)
+        merged = merge_partials(own_out, own_lse, shared_out, shared_lse, query.dtype)
         # [1, kvh, T * per_kv, dim] -> [T, heads, dim]
         merged = merged.view(num_kv_heads, -1, per_kv, head_dim).transpose(0, 1)
         return merged.reshape(-1, num_heads, head_dim)
@@ -545,15 +556,10 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def _gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of these blocks as [1, kvh, len(block_ids) * block_size, dim]: one gather of cache
-        rows in (head, block) order, no transposing copy."""
-        num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
-        rows = (block_ids[None, :] * num_kv_heads
-                + torch.arange(num_kv_heads, device=block_ids.device)[:, None]).reshape(-1)
-        shape = (1, num_kv_heads, -1, head_dim)
-        row_size = block_size * head_dim
-        return (k_cache.view(-1, row_size).index_select(0, rows).view(shape),
-                v_cache.view(-1, row_size).index_select(0, rows).view(shape))
+        """K and V of these blocks as [1, kvh, len(block_ids) * block_size, dim]."""
+        num_kv_heads, head_dim = k_cache.shape[-3], k_cache.shape[-1]
+        rows, shape = head_major_rows(block_ids, num_kv_heads).reshape(-1), (1, num_kv_heads, -1, head_dim)
+        return gather_cache_rows(k_cache, rows, shape), gather_cache_rows(v_cache, rows, shape)
 
     @staticmethod
     def _own_bias(metadata: AttentionMetadata, index: int, shared_len: int, keys_len: int, per_kv: int
