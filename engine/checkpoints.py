@@ -408,10 +408,10 @@ def _write_checkpoint(out: Path, config: PretrainedConfig, preset: str, arch: st
     missing = [name for name in CHECKPOINT_FILES if not (out / name).is_file()]
     if missing:
         raise RuntimeError(f"checkpoint build did not write {missing}")
-    _make_readable(out)
+    make_readable(out)
 
 
-def _make_readable(out: Path) -> None:
+def make_readable(out: Path) -> None:
     """mkdtemp creates the folder 0700 (and some writers 0600 files); give the published checkpoint
     ordinary umask-based permissions so other users and containers can read it."""
     umask = os.umask(0)

@@ -241,7 +241,7 @@ class ModelRunner:
             prefill_block_tables=[
                 torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]
             ],
-            prefill_block_lists=[list(t) for t in tables[num_decodes:]],
+            prefill_block_lists=tables[num_decodes:],
         )
         return StepBatch(
             input_ids=torch.tensor(

@@ -91,8 +91,7 @@ def _field(reader: Any, key: str) -> Any:
     field = reader.fields.get(key)
     if field is None or not field.data:
         return None
-    value = field.contents()
-    return value
+    return field.contents()
 
 
 def _check_dequantizable(path: Path, tensor: Any) -> None:
@@ -117,11 +116,13 @@ def import_gguf(gguf_path: str | Path, target: str | Path, dtype: str = "bfloat1
     if target.exists() and any(target.iterdir()) and not overwrite:
         raise GgufImportError(f"{target} exists and is not empty: choose another folder or overwrite it")
     summary = inspect_gguf(gguf_path)
+    from engine.checkpoints import make_readable  # torch and transformers: only once a file is good
+
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.importing-", dir=target.parent))
     try:
         _convert(summary, staging, dtype)
-        _make_readable(staging)
+        make_readable(staging)  # mkdtemp made it private; every worker on the machine reads it
         if target.exists():
             shutil.rmtree(target)
         os.replace(staging, target)
@@ -161,13 +162,6 @@ def _convert(summary: GgufSummary, folder: Path, dtype: str) -> None:
         "tensor_types": summary.tensor_types, "dtype": dtype, "end_token_ids": end_ids,
         "chat_template": bool(getattr(tokenizer, "chat_template", None)),
     }, indent=1) + "\n")
-
-
-def _make_readable(folder: Path) -> None:
-    # mkdtemp makes a private folder; a model folder is shared by every worker on the machine.
-    folder.chmod(0o755)
-    for path in folder.iterdir():
-        path.chmod(0o644)
 
 
 def _ints(value: Any) -> list[int]:
