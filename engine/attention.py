@@ -331,6 +331,9 @@ class TorchPagedAttention(AttentionBackend):
     ) -> None:
         num_kv_heads, block_size, head_dim = k_cache.shape[-3:]
         rows = self.write_rows(metadata, num_kv_heads)
+        if self.kernels is not None and k_cache.device.type == "cpu":
+            self.kernels.store_kv(key, value, k_cache, v_cache, rows)
+            return
         k_cache.view(-1, head_dim).index_copy_(0, rows, key.reshape(-1, head_dim))
         v_cache.view(-1, head_dim).index_copy_(0, rows, value.reshape(-1, head_dim))
 
@@ -356,6 +359,8 @@ class TorchPagedAttention(AttentionBackend):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if metadata.num_prefills == 0:  # a pure decode step: no output buffer to copy into
+            return self._decode(query, k_cache, v_cache, metadata, sliding_window)
         out = torch.empty_like(query)
         if metadata.num_decodes:
             out[: metadata.num_decodes] = self._decode(

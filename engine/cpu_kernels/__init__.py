@@ -26,12 +26,12 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "layer_ops.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "layer_ops.c", "kv_store.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 3
+ABI_VERSION = 5
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -51,6 +51,7 @@ class CpuKernels:
                                       [_POINTER] * 4 + [_INT, _INT, ctypes.c_float])
         self._rope = _declare(library.rope_bf16, [_POINTER] * 3 + [_INT] * 4)
         self._silu_and_mul = _declare(library.silu_and_mul_bf16, [_POINTER] * 2 + [_INT] * 2)
+        self._store_kv = _declare(library.store_kv, [_POINTER] * 5 + [_INT] * 4)
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0
@@ -100,6 +101,24 @@ class CpuKernels:
             torch.get_num_threads())
         return out, lse
 
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 rows: torch.Tensor) -> None:
+        """Head h of token t of ``key``/``value`` ``[T, kv_heads, dim]`` (tokens may be strided, as
+        views into a fused QKV output; heads and dims not) into row ``rows[t * kv_heads + h]`` of the
+        caches viewed ``[-1, dim]``; any dtype, CPU."""
+        tokens, heads, dim = key.shape
+        packed = all(t.stride(2) == 1 and t.stride(1) == dim for t in (key, value))
+        if not packed or key.stride(0) != value.stride(0):
+            key, value = key.contiguous(), value.contiguous()
+        _require(key.dtype == value.dtype == k_cache.dtype == v_cache.dtype and rows.dtype == torch.int64
+                 and key.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+                 and k_cache.shape[-1] == dim and value.shape == key.shape and rows.numel() == tokens * heads
+                 and k_cache.shape == v_cache.shape and rows.is_contiguous(), "store_kv")
+        size = key.element_size()
+        self._store_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                       rows.data_ptr(), tokens, heads, key.stride(0) * size, dim * size,
+                       torch.get_num_threads())
 
     # ---- bf16 layer ops (engine/cpu_kernels/layer_ops.c) -----------------------------------------
 

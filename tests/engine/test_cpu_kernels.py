@@ -149,6 +149,25 @@ def test_silu_and_mul_matches_pytorch(kernels: CpuKernels) -> None:
     assert_nearly_bitwise(kernels.silu_and_mul(gate_up), F.silu(gate).mul_(up))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_strided_qkv_views_where_index_copy_would(kernels: CpuKernels, dtype) -> None:
+    torch.manual_seed(0)
+    tokens, heads, dim = 37, 3, 64
+    qkv = torch.randn(tokens, (9 + 2 * heads) * dim).to(dtype)  # key/value are views into it
+    key = qkv[:, 9 * dim:(9 + heads) * dim].view(tokens, heads, dim)
+    value = qkv[:, (9 + heads) * dim:].view(tokens, heads, dim)
+    k_cache = torch.zeros(20, heads, 16, dim, dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    rows = torch.randperm(k_cache.numel() // dim)[: tokens * heads]
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    expected_k.view(-1, dim).index_copy_(0, rows, key.reshape(-1, dim))
+    expected_v.view(-1, dim).index_copy_(0, rows, value.reshape(-1, dim))
+    kernels.store_kv(key, value, k_cache, v_cache, rows)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    with pytest.raises(ValueError, match="store_kv"):
+        kernels.store_kv(key, value, k_cache, v_cache, rows[:-1])
+
+
 def test_no_compiler_means_the_pytorch_paths(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING):
         assert build_and_open(None, tmp_path) is None
