@@ -41,6 +41,7 @@ ENVIRONMENT_NAMES = {
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
+    "max_task_attempts": "BULKINFER_MAX_TASK_ATTEMPTS",
     "api_host": "BULKINFER_API_HOST",
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
@@ -71,6 +72,9 @@ class Settings(BaseModel):
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
+    # Failures (other than Redis or the store being down) of one plan, shard or finalize before its
+    # job fails with the reason; None: 3 (worker/task_attempts.py).
+    max_task_attempts: int | None = Field(None, ge=1)
     # Servers: what `serve api|all` and `up` listen on, and `serve worker|all`'s task threads.
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)

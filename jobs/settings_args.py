@@ -20,7 +20,8 @@ HELP = {
              "else fp32) | float32 | bfloat16 | float16",
     "model_cache": "where s3:// models are downloaded",
     "shard_lease_ttl_s": "shard lease TTL in seconds",
-    "reaper_interval_s": "seconds between shard reaper ticks",
+    "reaper_interval_s": "seconds between reaper ticks (re-sending steps whose worker died)",
+    "max_task_attempts": "failures of one plan, shard or finalize before its job fails with the reason",
     "api_host": "address the API listens on",
     "api_port": "port the API listens on (0: any free port)",
     "worker_concurrency": "task threads per worker",
@@ -32,8 +33,9 @@ HELP = {
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
-                   "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "worker_concurrency",
-                   "schedule_tick_s", "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s")
+                   "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
+                   "worker_concurrency", "schedule_tick_s", "webhook_secret", "webhook_max_attempts",
+                   "webhook_retry_base_s")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -1,12 +1,13 @@
-"""`ShardLease`: at most one live run per shard, so a shard delivered twice never runs twice at once.
+"""Leases: at most one live run of a job's step (a shard, its plan, its finalize) at a time.
 
 A run holds a Redis key (`SET NX PX`) that a background thread keeps extending while the run
-lives. A second delivery of the shard waits for the key to go, then finds the first run's shard
-result and only counts it. If the holder's process dies, nothing extends the key, it expires
-after `ttl_s`, and the waiting (or redelivered) run takes over.
+lives. A second delivery of the step waits for the key to go, then finds the first run's work
+done (the shard result, the plan, the manifest). If the holder's process dies, nothing extends the
+key, it expires after `ttl_s`, and the waiting (or re-sent) run takes over; the reaper
+(`worker/shard_reaper.py`) re-sends steps whose lease lapsed with the work undone.
 
-Taking the lease also adds the shard's index to the job's set of started shards, so the shard
-reaper (`worker/shard_reaper.py`) can tell a shard whose worker died from one still queued.
+Taking a `ShardLease` also adds the shard's index to the job's set of started shards, so the
+reaper can tell a shard whose worker died from one still queued.
 """
 
 from __future__ import annotations
@@ -51,13 +52,15 @@ def started_key(namespace: str, job_id: str) -> str:
     return f"{namespace}:job:{{{job_id}}}:shards-started"
 
 
-class ShardLease:
-    def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *,
-                 ttl_s: float = DEFAULT_LEASE_TTL_S, namespace: str = "bulkinfer") -> None:
+def step_lease_key(namespace: str, job_id: str, step: str) -> str:
+    """The lease of a job-wide step ("plan", "finalize")."""
+    return f"{namespace}:job:{{{job_id}}}:{step}:lease"
+
+
+class Lease:
+    def __init__(self, client: redis.Redis, key: str, *, ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         self.client = client
-        self.key = lease_key(namespace, job_id, shard_index)
-        self.started_key = started_key(namespace, job_id)
-        self.shard_index = shard_index
+        self.key = key
         self.ttl_ms = int(ttl_s * 1000)
         self.token = uuid.uuid4().hex
         self._extend = client.register_script(EXTEND_SCRIPT)
@@ -72,20 +75,31 @@ class ShardLease:
             if give_up():
                 return False
             time.sleep(poll_s)  # the holder is alive: ask again shortly
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.sadd(self.started_key, self.shard_index)
-            pipe.expire(self.started_key, STARTED_TTL_S)
-            pipe.execute()
+        self._on_acquired()
         self._keeper = threading.Thread(target=self._keep, name=f"lease-{self.key}", daemon=True)
         self._keeper.start()
         return True
 
+    def _on_acquired(self) -> None:
+        """What a kind of lease records once taken (nothing here)."""
+
     def _keep(self) -> None:
         # Extend three times per TTL, so a slow Redis round trip never lets a live run's lease lapse.
+        extended_at = time.monotonic()
         while not self._released.wait(self.ttl_ms / 3000):
-            if not self._extend(keys=[self.key], args=[self.token, self.ttl_ms]):
+            try:
+                extended = self._extend(keys=[self.key], args=[self.token, self.ttl_ms])
+            except redis.RedisError:
+                # Redis unreachable for a moment: keep trying while the key may still be ours; past
+                # its TTL another run may hold it, so this one must write nothing.
+                if time.monotonic() - extended_at >= self.ttl_ms / 1000:
+                    self._lost.set()
+                    return
+                continue
+            if not extended:
                 self._lost.set()  # expired while this process stalled: the run that holds it now wins
                 return
+            extended_at = time.monotonic()
 
     @property
     def held(self) -> bool:
@@ -96,11 +110,28 @@ class ShardLease:
         self._released.set()
         if self._keeper is not None:
             self._keeper.join()
-            self._release(keys=[self.key], args=[self.token])
+            try:
+                self._release(keys=[self.key], args=[self.token])
+            except redis.RedisError:  # it expires by itself within its TTL
+                pass
 
-    def __enter__(self) -> ShardLease:
+    def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.release()
+
+
+class ShardLease(Lease):
+    def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *,
+                 ttl_s: float = DEFAULT_LEASE_TTL_S, namespace: str = "bulkinfer") -> None:
+        super().__init__(client, lease_key(namespace, job_id, shard_index), ttl_s=ttl_s)
+        self.started_key = started_key(namespace, job_id)
+        self.shard_index = shard_index
+
+    def _on_acquired(self) -> None:
+        with self.client.pipeline(transaction=False) as pipe:
+            pipe.sadd(self.started_key, self.shard_index)
+            pipe.expire(self.started_key, STARTED_TTL_S)
+            pipe.execute()

@@ -16,7 +16,8 @@ from celery import Task
 from jobs.models import CONTROL_QUEUE
 from worker import job_lifecycle, shard_runner, webhook_delivery
 from worker.celery_app import app
-from worker.context import worker_context
+from worker.context import WorkerContext, worker_context
+from worker.task_attempts import DEFAULT_MAX_ATTEMPTS, failure_message, record_failure
 from worker.transient import is_transient, retry_delay_s
 
 logger = logging.getLogger(__name__)
@@ -47,46 +48,58 @@ def send_finalize(job_id: str) -> None:
     app.send_task(FINALIZE_JOB, args=[job_id], queue=CONTROL_QUEUE, task_id=finalize_task_id(job_id))
 
 
-def retrying_transient_errors(task: Task, work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run `work`; when Redis or the store is unreachable, retry the task later (with backoff, for
-    as long as the outage lasts) instead of failing it: a failed task would leave its job stuck.
-    """
-    try:
-        return work()
-    except Exception as error:
-        if not is_transient(error):
-            raise
-        delay = retry_delay_s(task.request.retries)
-        logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
-        raise task.retry(exc=error, countdown=delay, max_retries=None) from error
-
-
 # Summaries of a task run that saw its job end: the job's webhook is due (worker/webhook_delivery.py).
 ENDED_SUMMARIES = ("succeeded", "failed", "cancelled", "skipped: job")
 
 
-def notifying_when_ended(job_id: str, work: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
-    def run() -> dict[str, Any]:
+def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
+             work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run one step of a job (`step`: "plan", "shard 3", "finalize") and notify when the job ended.
+
+    Redis or the store unreachable: retry later (with backoff, for as long as the outage lasts)
+    instead of failing, since a failed task would leave its job stuck. Any other error: retry with
+    backoff until the step has failed `max_task_attempts` times, then fail the job with the reason
+    (worker/task_attempts.py), so no step is re-sent forever.
+    """
+    try:
         summary = work()
-        if str(summary.get("status", "")).startswith(ENDED_SUMMARIES):
-            webhook_delivery.notify_if_final(worker_context(), job_id)
-        return summary
-    return run
+    except Exception as error:
+        if is_transient(error):
+            delay = retry_delay_s(task.request.retries)
+            logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
+            raise task.retry(exc=error, countdown=delay, max_retries=None) from error
+        repository = context.repository
+        attempts = record_failure(repository.redis, repository.namespace, job_id, step)
+        limit = context.settings.max_task_attempts or DEFAULT_MAX_ATTEMPTS
+        if attempts < limit:
+            delay = retry_delay_s(attempts - 1)
+            logger.exception("job %s: %s failed (attempt %d of %d); retrying in %.0fs", job_id, step,
+                             attempts, limit, delay)
+            raise task.retry(exc=error, countdown=delay, max_retries=None) from error
+        message = failure_message(step, attempts, error)
+        logger.exception("job %s: %s failed %d times; failing the job", job_id, step, attempts)
+        job_lifecycle.fail_job(repository, job_id, message)
+        summary = {"job_id": job_id, "status": "failed", "error": message}
+    if str(summary.get("status", "")).startswith(ENDED_SUMMARIES):
+        webhook_delivery.notify_if_final(context, job_id)
+    return summary
 
 
 @app.task(name=PLAN_JOB, bind=True)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
-    return retrying_transient_errors(self, notifying_when_ended(
-        job_id, lambda: job_lifecycle.plan_job(worker_context(), job_id, send_shard)))
+    context = worker_context()
+    return run_step(self, context, job_id, "plan",
+                    lambda: job_lifecycle.plan_job(context, job_id, send_shard))
 
 
 @app.task(name=RUN_SHARD, bind=True)
 def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
-    return retrying_transient_errors(self, notifying_when_ended(
-        job_id, lambda: shard_runner.run_shard(worker_context(), job_id, shard_index, send_finalize)))
+    context = worker_context()
+    return run_step(self, context, job_id, f"shard {shard_index}",
+                    lambda: shard_runner.run_shard(context, job_id, shard_index, send_finalize))
 
 
 @app.task(name=FINALIZE_JOB, bind=True)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
-    return retrying_transient_errors(self, notifying_when_ended(
-        job_id, lambda: job_lifecycle.finalize_job(worker_context(), job_id)))
+    context = worker_context()
+    return run_step(self, context, job_id, "finalize", lambda: job_lifecycle.finalize_job(context, job_id))

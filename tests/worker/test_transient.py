@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -10,10 +11,11 @@ from botocore.exceptions import ClientError, EndpointConnectionError
 
 from jobs.settings import Settings
 from jobs.spec import JobSpec
+from jobs.status import JobState
 from tests.fixtures.services import S3Server, free_port
 from worker.context import WorkerContext
 from worker.job_lifecycle import JobCannotRun, resolved_spec
-from worker.tasks import retrying_transient_errors
+from worker.tasks import run_step
 from worker.transient import is_transient, retry_delay_s
 
 
@@ -52,21 +54,48 @@ class RecordingTask:
         return RuntimeError("retry scheduled")
 
 
-def test_a_task_retries_transient_errors_with_backoff_and_lets_others_through() -> None:
-    task = RecordingTask(retries=3)
+@pytest.fixture
+def context(redis_url: str, tmp_path: Path) -> WorkerContext:
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), max_task_attempts=3)
+    return WorkerContext(settings)
+
+
+def test_a_step_retries_transient_errors_for_as_long_as_they_last(context: WorkerContext) -> None:
+    job_id = context.repository.create(JobSpec(input_uri="s3://inputs/rows.jsonl", model="tiny",
+                                               prompt_column="q")).job_id
 
     def unreachable() -> dict:
         raise redis.ConnectionError("refused")
 
-    with pytest.raises(RuntimeError, match="retry scheduled"):
-        retrying_transient_errors(task, unreachable)  # type: ignore[arg-type]
-    assert task.retried["countdown"] == 8 and task.retried["max_retries"] is None
-    assert retry_delay_s(20) == 60
+    for retries in (3, 30):  # never counted as an attempt: an outage of any length is waited out
+        task = RecordingTask(retries=retries)
+        with pytest.raises(RuntimeError, match="retry scheduled"):
+            run_step(task, context, job_id, "shard 0", unreachable)  # type: ignore[arg-type]
+        assert task.retried["max_retries"] is None
+    assert task.retried["countdown"] == 60 and retry_delay_s(3) == 8
+    assert context.repository.get(job_id).state == JobState.QUEUED
+    done = run_step(RecordingTask(0), context, job_id, "shard 0", lambda: {"status": "done"})  # type: ignore[arg-type]
+    assert done == {"status": "done"}
+
+
+def test_a_step_that_keeps_failing_the_same_way_fails_its_job_with_the_reason(context: WorkerContext) -> None:
+    job_id = context.repository.create(JobSpec(input_uri="s3://inputs/rows.jsonl", model="tiny",
+                                               prompt_column="q")).job_id
 
     def broken() -> dict:
-        raise KeyError("a bug")
+        raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
 
-    with pytest.raises(KeyError):
-        retrying_transient_errors(RecordingTask(0), broken)  # type: ignore[arg-type]
-    done = retrying_transient_errors(RecordingTask(0), lambda: {"status": "done"})  # type: ignore[arg-type]
-    assert done == {"status": "done"}
+    delays = []
+    for _ in range(2):  # attempts 1 and 2: retried with backoff, the job still waits
+        task = RecordingTask(0)
+        with pytest.raises(RuntimeError, match="retry scheduled"):
+            run_step(task, context, job_id, "shard 4", broken)  # type: ignore[arg-type]
+        delays.append(task.retried["countdown"])
+        assert context.repository.get(job_id).state == JobState.QUEUED
+    assert delays == [1, 2]
+    summary = run_step(RecordingTask(0), context, job_id, "shard 4", broken)  # type: ignore[arg-type]
+    status = context.repository.get(job_id)
+    assert summary["status"] == "failed" and status.state == JobState.FAILED
+    assert status.error is not None
+    assert status.error.startswith("shard 4 failed 3 time(s); last error: UnicodeEncodeError:")
+    assert "surrogates not allowed" in status.error
