@@ -14,6 +14,7 @@ from typing import Any
 from jobs.formats.detect import resolve_spec
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
+from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
 from jobs.repository import JobRepository
 from jobs.results import load_shard_results
@@ -22,11 +23,13 @@ from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
 from worker.prompts import job_response_format_problem
+from worker.shard_lease import Lease, lease_ttl_s, step_lease_key
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
 
 SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
+DISPATCHED_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
 
 
 class JobCannotRun(Exception):
@@ -61,30 +64,73 @@ def _input_errors_fail_the_job(input_uri: str) -> Iterator[None]:
         raise JobCannotRun(f"cannot read the input {input_uri}: {error}") from error
 
 
+def dispatched_key(namespace: str, job_id: str) -> str:
+    """Set once every shard task of the job was sent: a planner that died before has to run again."""
+    return f"{namespace}:job:{{{job_id}}}:dispatched"
+
+
+def _step_lease(repository: JobRepository, job_id: str, step: str) -> Lease:
+    return Lease(repository.redis, step_lease_key(repository.namespace, job_id, step), ttl_s=lease_ttl_s())
+
+
 def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict[str, Any]:
-    """Plan shards, save the plan, start the counters, `queued → running`, send one task per shard."""
+    """Plan shards, save the plan, start the counters, `queued → running`, send one task per shard.
+
+    One planner at a time (a lease). Run again on a job whose planner died (the reaper does that),
+    it keeps the saved plan and sends the shards that have no result yet.
+    """
     repository = context.repository
     status = repository.get(job_id)
     if status.state.is_terminal or repository.is_cancel_requested(job_id):
         return {"job_id": job_id, "status": f"skipped: job is {status.state.value}"}
+    lease = _step_lease(repository, job_id, "plan")
+    if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
+        return {"job_id": job_id, "status": "skipped: job is cancelled"}
+    with lease:
+        return {"job_id": job_id, **_plan_holding_lease(context, job_id, send_shard)}
+
+
+def _plan_holding_lease(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict[str, Any]:
+    repository = context.repository
+    status = repository.get(job_id)
+    if status.state not in (JobState.QUEUED, JobState.RUNNING):
+        return {"status": f"skipped: job is {status.state.value}"}
+    dispatched = dispatched_key(repository.namespace, job_id)
+    if status.state == JobState.RUNNING and repository.redis.exists(dispatched):
+        return {"status": "skipped: already planned"}  # a duplicate plan message
     spec = repository.get_spec(job_id)
     try:
         queue = context.registry.queue_for(spec.model)
-        _check_response_format(spec)
-        plan = _plan(context, resolved_spec(context, spec))
+        plan = _saved_plan(repository, job_id)
+        if plan is None:
+            _check_response_format(spec)
+            plan = repository.save_plan(job_id, _plan(context, resolved_spec(context, spec)))
     except (UnknownModel, JobCannotRun) as error:
         fail_job(repository, job_id, str(error))
-        return {"job_id": job_id, "status": "failed", "error": str(error)}
-    plan = repository.save_plan(job_id, plan)  # a second planner gets the first plan back
+        return {"status": "failed", "error": str(error)}
     repository.counters(job_id).initialize(plan)
     try:
         repository.transition(job_id, JobState.RUNNING)
     except IllegalTransition:  # cancelled or failed while we planned
-        return {"job_id": job_id, "status": "skipped: job ended while planning"}
+        return {"status": "skipped: job ended while planning"}
+    layout = repository.layout(job_id)
+    resuming = status.state == JobState.RUNNING  # an earlier planner died while sending
+    sent = 0
     for shard in plan:
+        if resuming and repository.store.exists(layout.shard_result_key(shard.index)):
+            continue
         send_shard(job_id, shard.index, queue)
-    logger.info("job %s planned: %d shard(s) on %s", job_id, len(plan), queue)
-    return {"job_id": job_id, "status": "planned", "shards": len(plan)}
+        sent += 1
+    repository.redis.set(dispatched, 1, ex=DISPATCHED_TTL_S)
+    logger.info("job %s planned: %d shard(s) on %s (%d sent)", job_id, len(plan), queue, sent)
+    return {"status": "planned", "shards": len(plan), "sent": sent}
+
+
+def _saved_plan(repository: JobRepository, job_id: str) -> list[ShardPlan] | None:
+    try:
+        return repository.load_plan(job_id)
+    except ObjectNotFound:
+        return None
 
 
 def _check_response_format(spec: JobSpec) -> None:
@@ -101,11 +147,24 @@ def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
 
 
 def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:
-    """`running → finalizing`, write manifest.json, `→ succeeded`. Running it again changes nothing."""
+    """`running → finalizing`, write manifest.json, `→ succeeded`. Running it again changes nothing;
+    one finalizer at a time (a lease); one that died is re-sent by the reaper."""
     repository = context.repository
     status = repository.get(job_id)
     if status.state.is_terminal:
         return {"job_id": job_id, "status": f"skipped: job is {status.state.value}"}
+    lease = _step_lease(repository, job_id, "finalize")
+    if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
+        return {"job_id": job_id, "status": "skipped: job is cancelled"}
+    with lease:
+        return {"job_id": job_id, **_finalize_holding_lease(context, job_id)}
+
+
+def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, Any]:
+    repository = context.repository
+    status = repository.get(job_id)
+    if status.state.is_terminal:
+        return {"status": f"skipped: job is {status.state.value}"}
     spec = repository.get_spec(job_id)
     layout = repository.layout(job_id)
     plan = repository.load_plan(job_id)
@@ -113,13 +172,16 @@ def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:
     try:
         manifest = build_manifest(job_id, spec.spec_hash(), str(output_format), len(plan),
                                   load_shard_results(repository.store, layout))
-    except IncompleteJob as error:  # sent early (by hand, or a stale redelivery): a later shard resends
-        return {"job_id": job_id, "status": f"waiting: {error}"}
+    except IncompleteJob as error:
+        if status.shards.done < len(plan):  # sent early (by hand, a stale redelivery): a later shard resends
+            return {"status": f"waiting: {error}"}
+        # Every shard was counted, yet a result is not there: retried, then the job fails saying so.
+        raise
     try:
         repository.transition(job_id, JobState.FINALIZING)
         write_manifest(repository.store, layout, manifest)
         repository.transition(job_id, JobState.SUCCEEDED)
     except IllegalTransition:  # cancelled meanwhile: the parts stay, the job stays cancelled
-        return {"job_id": job_id, "status": "skipped: job ended while finalizing"}
+        return {"status": "skipped: job ended while finalizing"}
     logger.info("job %s succeeded: %d rows (%d failed)", job_id, manifest.rows.total, manifest.rows.failed)
-    return {"job_id": job_id, "status": "succeeded", "rows": manifest.rows.total}
+    return {"status": "succeeded", "rows": manifest.rows.total}

@@ -1,12 +1,21 @@
-"""The shard reaper: re-sends shards whose worker died mid-run, instead of waiting for the broker.
+"""The reaper: re-sends the steps of jobs whose worker died mid-run, instead of waiting for the broker.
 
-A worker killed mid-shard leaves the shard's message unacknowledged in Redis, which would deliver it
-again only after the 12 h visibility timeout. Every worker runs a reaper thread; each tick (one
-worker at a time, via a short Redis lock) it looks at every `running` job for shards that were
-started (a run took the lease), have no shard result and no live lease (the holder died, so its
-lease lapsed), and sends `bulkinfer.run_shard` for them again. That is safe: the lease and the
-write-once shard result make shard runs idempotent. A shard is re-sent at most once per two lease
-TTLs, and a shard never started (still waiting in its queue) is never re-sent.
+A worker killed mid-task leaves its message unacknowledged in Redis, which would deliver it again
+only after the 12 h visibility timeout. Every worker runs a reaper thread; each tick (one worker at
+a time, via a short Redis lock) it looks at the jobs that have not ended:
+
+- shards of `running` jobs that were started (a run took the lease), have no shard result and no
+  live lease (the holder died, so its lease lapsed): `run_shard` again, at most once per two lease
+  TTLs; a shard never started (still waiting in its queue) is never re-sent;
+- `queued` jobs (the API died between creating and queueing one, or its planner died) and `running`
+  jobs whose planner died before sending every shard: `plan_job` again;
+- `running` jobs with every shard counted, and `finalizing` ones (the finalizer died): `finalize_job`
+  again.
+
+A plan or finalize is re-sent only when no run holds its lease and the reaper has seen it due for
+two lease TTLs (its message may just be waiting behind busy workers), then at most once per two
+TTLs. All of it is safe: leases, write-once results and plans, and idempotent transitions make
+every step safe to run twice. So a job whose worker died ends within a few lease TTLs plus a tick.
 """
 
 from __future__ import annotations
@@ -14,12 +23,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
+
+import redis
 
 from jobs.settings import Settings
 from jobs.status import JobState
 from worker.context import WorkerContext
-from worker.shard_lease import lease_key, lease_ttl_s, started_key
+from worker.job_lifecycle import dispatched_key
+from worker.shard_lease import lease_key, lease_ttl_s, started_key, step_lease_key
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +40,8 @@ INTERVAL_ENV = "BULKINFER_REAPER_INTERVAL_S"
 DEFAULT_INTERVAL_S = 15.0
 
 SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
+SendJobStep = Callable[[str], None]  # (job_id)
+DUE_TTL_S = 24 * 3600
 
 
 def interval_s() -> float:
@@ -68,8 +83,50 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float) -> li
             return resent
 
 
+def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize: SendJobStep,
+                   ttl_s: float) -> list[tuple[str, str]]:
+    """One pass over the jobs whose plan or finalize may have died; returns the (job, step) pairs
+    it re-sent."""
+    repository = context.repository
+    client, namespace = repository.redis, repository.namespace
+    resent: list[tuple[str, str]] = []
+    for state in (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING):
+        cursor: str | None = None
+        while True:
+            jobs, cursor = repository.list(state, cursor=cursor, limit=100)
+            for job in jobs:
+                all_counted = bool(job.shards.total) and job.shards.done >= job.shards.total
+                if state == JobState.FINALIZING or (state == JobState.RUNNING and all_counted):
+                    step, send = "finalize", send_finalize
+                elif state == JobState.QUEUED or not client.exists(dispatched_key(namespace, job.job_id)):
+                    step, send = "plan", send_plan
+                else:
+                    continue
+                if client.exists(step_lease_key(namespace, job.job_id, step)):
+                    continue  # a live run holds it
+                if _due_for_resend(client, f"{namespace}:job:{{{job.job_id}}}:{step}:due", 2 * ttl_s):
+                    send(job.job_id)
+                    resent.append((job.job_id, step))
+                    logger.warning("job %s (%s): %s due, no live run; re-sent", job.job_id, state.value, step)
+            if cursor is None:
+                break
+    return resent
+
+
+def _due_for_resend(client: redis.Redis, key: str, grace_s: float) -> bool:
+    """True once the step has been seen due (on every tick) for `grace_s`; then again every `grace_s`."""
+    now = time.time()
+    if client.set(key, now, nx=True, ex=DUE_TTL_S):
+        return False  # first seen now
+    seen = float(client.get(key) or now)
+    if now - seen < grace_s:
+        return False
+    client.set(key, now, ex=DUE_TTL_S)
+    return True
+
+
 def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
-    from worker.tasks import send_shard
+    from worker.tasks import send_finalize, send_plan, send_shard
 
     # Its own context: never build the process's shared one here (it may be a prefork parent).
     context = WorkerContext(Settings.from_env())
@@ -79,6 +136,7 @@ def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
             # Held until it expires: at most one tick per interval across all workers.
             if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
                 reap_once(context, send_shard, ttl_s)
+                reap_job_steps(context, send_plan, send_finalize, ttl_s)
         except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next tick
             logger.exception("shard reaper tick failed")
 

@@ -25,7 +25,25 @@ def decode_object_line(line: Line) -> dict[str, Any] | RowError:
     if not isinstance(record, dict):
         return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_ROW,
                         f"{where}: a JSON {type(record).__name__} where an object was expected", line.number)
+    if _may_escape_a_surrogate(line.data) and not _is_valid_unicode(record):
+        # JSON can escape half of a UTF-16 pair ("\ud800"): valid JSON, but no Unicode text, so
+        # neither a prompt nor an output line can hold it.
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON,
+                        f"{where}: a string escapes a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                        "which is not valid Unicode text", line.number)
     return record
+
+
+def _may_escape_a_surrogate(data: bytes) -> bool:
+    return b"\\ud" in data or b"\\uD" in data
+
+
+def _is_valid_unicode(record: dict[str, Any]) -> bool:
+    try:
+        json.dumps(record, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def iter_jsonl_rows(store: ObjectStore, key: str, start: int, end: int,

@@ -113,3 +113,94 @@ def test_the_reaper_resends_only_started_shards_with_no_live_lease(
 
     assert first == [(job_id, 2)] and again == []  # the second tick is rate-limited
     assert sent == [(job_id, 2, "bulkinfer.model.tiny")]
+
+
+QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
+# A dead step is re-sent once the reaper has seen it due for two lease TTLs, ticking every second.
+RESEND_BOUND_S = 2 * LEASE_TTL_S + 10
+
+
+def small_job(pipeline: Pipeline, name: str, rows: int = 6, **fields) -> tuple[JobSpec, list[str]]:  # noqa: ANN003
+    ids = [f"r{n}" for n in range(rows)]
+    lines = [json.dumps({"id": row_id, "question": f"def {row_id}(x):"}) for row_id in ids]
+    spec = JobSpec(input_uri=pipeline.put_input(name, lines), model="tiny", id_column="id",
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": 4}, shard_size=2,
+                   **fields)
+    return spec, ids
+
+
+def assert_every_row_once(pipeline: Pipeline, job_id: str, ids: list[str]) -> None:
+    status = pipeline.repository.get(job_id)
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert [record["id"] for record in pipeline.output_records(job_id)] == ids
+    assert (status.rows.total, status.rows.succeeded, status.shards.done) == (len(ids), len(ids), 3)
+
+
+def test_a_job_created_but_never_queued_is_planned_by_the_reaper(
+        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    spec, ids = small_job(pipeline, "orphan.jsonl")
+    job_id = pipeline.repository.create(spec).job_id  # the API died before sending plan_job
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+                       concurrency=2, ready_timeout=120):
+        started = time.monotonic()
+        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    assert_every_row_once(pipeline, job_id, ids)
+    assert time.monotonic() - started < RESEND_BOUND_S + 60
+
+
+def test_a_planner_that_died_before_sending_every_shard_is_run_again(
+        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    spec, ids = small_job(pipeline, "half-sent.jsonl")
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+
+    def dies_after_the_first_shard(job: str, index: int, queue: str) -> None:
+        if index > 0:
+            raise SystemExit("killed")  # what kill -9 leaves: running, two shards never sent
+        pipeline.client.send_task("bulkinfer.run_shard", args=[job, index], queue=queue)
+
+    with pytest.raises(SystemExit):
+        plan_job(WorkerContext(pipeline.settings), job_id, dies_after_the_first_shard)
+    assert repository.get(job_id).state == JobState.RUNNING
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+                       concurrency=2, ready_timeout=120):
+        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    assert_every_row_once(pipeline, job_id, ids)
+
+
+def test_a_finalizer_that_died_is_run_again(parts: tuple[Pipeline, dict[str, str]],
+                                            redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    spec, ids = small_job(pipeline, "unfinished.jsonl")
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+    plan_job(WorkerContext(pipeline.settings), job_id,
+             lambda job, index, queue: pipeline.client.send_task("bulkinfer.run_shard", args=[job, index],
+                                                                 queue=queue))
+    # A worker on the model queue only runs the shards; the finalize they send waits on the control queue.
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues="bulkinfer.model.tiny",
+                       pool="threads", concurrency=2, ready_timeout=120):
+        wait_for(lambda: repository.get(job_id).shards.done == 3, 120, "every shard to be counted")
+    # The finalizer took the message, moved the job to finalizing and was killed: the message is gone.
+    repository.redis.delete("bulkinfer.control")
+    repository.transition(job_id, JobState.FINALIZING)
+    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+                       concurrency=2, ready_timeout=120):
+        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    assert_every_row_once(pipeline, job_id, ids)
+
+
+def test_a_shard_that_fails_the_same_way_every_time_fails_the_job_with_the_reason(
+        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    # Outputs go to a bucket that does not exist: every attempt at writing shard parts fails alike.
+    spec, _ = small_job(pipeline, "nowhere.jsonl", output_uri="s3://no-such-bucket/out/")
+    with celery_worker("worker.celery_app", redis_server.url, env={**env, "BULKINFER_MAX_TASK_ATTEMPTS": "2"},
+                       queues=QUEUES, pool="threads", concurrency=2, ready_timeout=120):
+        job_id = pipeline.submit(spec)
+        status = pipeline.wait_for_end(job_id, timeout=120)
+    assert status.state == JobState.FAILED
+    assert status.error is not None and "failed 2 time(s); last error:" in status.error
+    assert status.error.startswith("shard ") and "NoSuchBucket" in status.error
