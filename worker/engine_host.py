@@ -10,6 +10,7 @@ The engine thread does no object-store I/O: callers hand it prompts and take out
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import queue
@@ -22,6 +23,8 @@ from typing import Any
 
 from engine import LLMEngine, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
+from engine.outputs import CompletionOutput
+from worker.crash_isolation import CrashIsolation
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +117,7 @@ class EngineHost:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self.dtype_choice: DtypeChoice | None = None  # the engine's dtype and why, once it is loaded
+        self.crashes = 0  # engine steps that raised (each rebuilt the engine)
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -132,6 +136,11 @@ class EngineHost:
         self._settled.wait(timeout)
         if self._dead.is_set():
             raise self._unavailable()
+        return self._ready.is_set()
+
+    @property
+    def loaded(self) -> bool:
+        """True once the engine has loaded (it may have died since)."""
         return self._ready.is_set()
 
     @property
@@ -191,23 +200,46 @@ class EngineHost:
         self._settled.set()
         logger.info("engine %s ready (dtype %s: %s)", self.name, engine.dtype_choice.dtype,
                     engine.dtype_choice.reason)
-        pending: dict[str, Future[RequestOutput]] = {}
+        requests = _Requests()
         try:
             while True:
                 busy = engine.has_unfinished_requests()
                 for command in self._drain(block=not busy):
                     if isinstance(command, _Stop):
-                        self._die(EngineUnavailable(f"engine {self.name} was stopped"), pending)
+                        self._die(EngineUnavailable(f"engine {self.name} was stopped"), requests.futures())
                         return
-                    self._apply(engine, command, pending)
-                if engine.has_unfinished_requests():
-                    for output in engine.step():
-                        future = pending.pop(output.request_id, None)
-                        if future is not None:
-                            future.set_result(output)
+                    self._apply(engine, command, requests)
+                if not engine.has_unfinished_requests():
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # noqa: BLE001 - find the request at fault, rerun the rest
+                    engine = self._recover(engine, error, requests)
+                    continue
+                for output in outputs:
+                    requests.finish(output)
+                if len(requests.accepted) > len(requests.in_engine):  # a crash search goes on
+                    requests.advance(engine)
         except BaseException as error:  # noqa: BLE001 - a crashed step fails its submitters, not silently
             logger.exception("engine %s crashed", self.name)
-            self._die(error, pending)
+            self._die(error, requests.futures())
+
+    def _recover(self, engine: LLMEngine, error: Exception, requests: _Requests) -> LLMEngine:
+        """A step raised: fail the request found at fault (if any), rebuild the engine, and rerun
+        the suspects a group at a time (worker/crash_isolation.py)."""
+        self.crashes += 1
+        culprits = requests.isolation.crashed(requests.in_engine)
+        logger.error("engine %s: a step with %d request(s) raised %r; %s", self.name, len(requests.in_engine),
+                     error, f"failing {culprits[0]}, which crashed it alone" if culprits
+                     else "rebuilding the engine and rerunning them in groups")
+        for request_id in culprits:
+            requests.fail(request_id, f"the engine crashed twice while running this request: {error!r}")
+        requests.in_engine.clear()
+        del engine
+        gc.collect()  # the old engine's KV cache must go before the new one is sized
+        engine = self._load_engine()
+        requests.advance(engine)
+        return engine
 
     def _drain(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
         commands = []
@@ -223,32 +255,26 @@ class EngineHost:
                 return commands
 
     @staticmethod
-    def _apply(engine: LLMEngine, command: _Add | _Abort | _Call,
-               pending: dict[str, Future[RequestOutput]]) -> None:
+    def _apply(engine: LLMEngine, command: _Add | _Abort | _Call, requests: _Requests) -> None:
         if isinstance(command, _Add):
             if not command.future.set_running_or_notify_cancel():
                 return  # the submitter gave up on it before it reached the engine
-            try:
-                engine.add_request(command.request_id, command.request.prompt, command.request.params,
-                                   priority=command.request.priority)
-            except Exception as error:  # noqa: BLE001 - a caller bug for this request only
-                command.future.set_exception(error)
-            else:
-                pending[command.request_id] = command.future
+            requests.accept(engine, command)
         elif isinstance(command, _Abort):
             for request_id in command.request_ids:
-                engine.abort_request(request_id)
+                if not requests.abort_outside_engine(request_id):
+                    engine.abort_request(request_id)
         else:
             try:
                 command.future.set_result(command.function(engine))
             except Exception as error:  # noqa: BLE001 - the caller gets it back
                 command.future.set_exception(error)
 
-    def _die(self, error: BaseException, pending: dict[str, Future[RequestOutput]] | None = None) -> None:
+    def _die(self, error: BaseException, pending: Iterable[Future[RequestOutput]] = ()) -> None:
         self._failure = error
         self._dead.set()
         self._settled.set()
-        self._fail_futures(list((pending or {}).values()))
+        self._fail_futures(list(pending))
         # Commands that arrived after the last drain: nobody will ever answer them.
         for command in self._drain(block=False):
             if isinstance(command, _Add | _Call):
@@ -267,3 +293,74 @@ class EngineHost:
         if isinstance(self._failure, EngineUnavailable):
             return self._failure
         return EngineUnavailable(f"engine {self.name} is unavailable: {self._failure!r}")
+
+
+class _Requests:
+    """The engine thread's view of the requests it accepted: which are in the engine now, which
+    wait out a crash search (suspects, and requests that arrived during it)."""
+
+    def __init__(self) -> None:
+        self.accepted: dict[str, _Add] = {}  # not finished yet, in the engine or not
+        self.in_engine: set[str] = set()
+        self.isolation = CrashIsolation()
+
+    def futures(self) -> list[Future[RequestOutput]]:
+        return [add.future for add in self.accepted.values()]
+
+    def accept(self, engine: LLMEngine, add: _Add) -> None:
+        self.accepted[add.request_id] = add
+        if not self.isolation.active:
+            self._add(engine, add.request_id)
+
+    def _add(self, engine: LLMEngine, request_id: str) -> None:
+        add = self.accepted[request_id]
+        try:
+            engine.add_request(request_id, add.request.prompt, add.request.params,
+                               priority=add.request.priority)
+        except Exception as error:  # noqa: BLE001 - a caller bug for this request only
+            del self.accepted[request_id]
+            add.future.set_exception(error)
+        else:
+            self.in_engine.add(request_id)
+
+    def finish(self, output: RequestOutput) -> None:
+        add = self.accepted.pop(output.request_id, None)
+        self.in_engine.discard(output.request_id)
+        self.isolation.finished(output.request_id)
+        if add is not None:
+            add.future.set_result(output)
+
+    def fail(self, request_id: str, message: str) -> None:
+        add = self.accepted.pop(request_id)
+        self.in_engine.discard(request_id)
+        add.future.set_result(_unrun_output(request_id, add.request, "error", message))
+
+    def abort_outside_engine(self, request_id: str) -> bool:
+        """Abort a request waiting out a crash search (True); False if it is in the engine (or gone)."""
+        if request_id in self.in_engine or request_id not in self.accepted:
+            return False
+        self.isolation.forget(request_id)
+        add = self.accepted.pop(request_id)
+        add.future.set_result(_unrun_output(request_id, add.request, "abort", None))
+        return True
+
+    def advance(self, engine: LLMEngine) -> None:
+        """Once the group on trial is done: put the next one in the engine, or, the search over,
+        every request that waited."""
+        if self.in_engine:
+            return
+        group = self.isolation.next_trial()
+        if group is None and self.isolation.active:
+            return
+        for request_id in group if group is not None else list(self.accepted):
+            self._add(engine, request_id)
+
+
+def _unrun_output(request_id: str, request: EngineRequest, reason: str, error: str | None) -> RequestOutput:
+    """The output of a request that ended outside the engine: failed (`error`) or aborted."""
+    prompt_ids = [] if isinstance(request.prompt, str) else list(request.prompt)
+    samples = [CompletionOutput(index, "", [], reason) for index in range(request.params.n)]
+    text = request.prompt if isinstance(request.prompt, str) else None
+    return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=prompt_ids, text="",
+                         token_ids=[], finish_reason=reason, error=error, num_prompt_tokens=len(prompt_ids),
+                         num_cached_tokens=0, num_completion_tokens=0, metrics=None, outputs=samples)

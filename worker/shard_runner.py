@@ -163,17 +163,21 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
         return batch.outputs([])
     try:
         submission: Submission = hosted.host.submit(requests)
-    except EngineUnavailable as error:
-        raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
-    while not submission.wait(CANCEL_POLL_S):
-        if context.repository.is_cancel_requested(job_id):
-            submission.abort()
-            return None
-    try:
+        while not submission.wait(CANCEL_POLL_S):
+            if context.repository.is_cancel_requested(job_id):
+                submission.abort()
+                return None
         results = submission.results()
     except EngineUnavailable as error:
+        if hosted.host.loaded:  # it ran, then died: the shard is retried on a fresh engine
+            raise EngineDied(f"model {hosted.name!r}: the engine died while running the shard: {error}") \
+                from error
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
     return batch.outputs(results)
+
+
+class EngineDied(RuntimeError):
+    """The engine was stopped or could not be rebuilt after a crash; the next attempt loads a new one."""
 
 
 def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: ShardPlan,

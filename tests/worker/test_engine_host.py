@@ -108,19 +108,81 @@ def test_a_model_that_fails_to_load_fails_every_submission_with_the_reason(tmp_p
         broken.submit([EngineRequest("hello", GREEDY)])
 
 
-def test_a_step_that_crashes_fails_the_waiting_submissions(tiny_checkpoint: Path) -> None:
-    def load() -> LLMEngine:
-        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_OPTIONS))
+def crashing_engine(tiny_checkpoint: Path, crashes_when) -> LLMEngine:  # noqa: ANN001
+    """An engine whose step raises whenever `crashes_when(engine)` says so."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), **ENGINE_OPTIONS))
+    step = engine.step
 
-        def crash() -> list:
+    def maybe_crash() -> list:
+        if crashes_when(engine):
             raise RuntimeError("kernel exploded")
+        return step()
 
-        engine.step = crash  # type: ignore[method-assign]
-        return engine
+    engine.step = maybe_crash  # type: ignore[method-assign]
+    return engine
+
+
+def test_a_request_that_crashes_the_engine_fails_alone_and_every_other_request_finishes(
+        tiny_checkpoint: Path, offline_texts: dict[str, str]) -> None:
+    poison = "this prompt breaks a kernel"
+
+    def poison_is_running(engine: LLMEngine) -> bool:
+        poison_ids = engine.tokenizer.encode(poison)
+        return any(list(parent.prompt_token_ids) == poison_ids for parent in engine._parents.values())
+
+    def load() -> LLMEngine:
+        return crashing_engine(tiny_checkpoint, poison_is_running)
+
+    host = EngineHost(load, name="crashing").start()
+    try:
+        mine = host.submit([EngineRequest(prompt, GREEDY) for prompt in [*PROMPTS[:3], poison, *PROMPTS[3:]]])
+        theirs = host.submit([EngineRequest(prompt, GREEDY) for prompt in PROMPTS[:3]])  # another job's
+        assert mine.wait(WAIT_S) and theirs.wait(WAIT_S)
+        outputs = mine.results()
+        failed = outputs[3]
+        assert failed.finish_reason == "error" and failed.error is not None
+        assert "crashed twice" in failed.error and "kernel exploded" in failed.error
+        rest = outputs[:3] + outputs[4:]
+        assert [output.text for output in rest] == [offline_texts[prompt] for prompt in PROMPTS]
+        assert [output.text for output in theirs.results()] == [offline_texts[p] for p in PROMPTS[:3]]
+        assert host.failure is None and host.crashes >= 2
+        later = host.submit([EngineRequest(PROMPTS[0], GREEDY)])  # the host goes on serving
+        assert later.wait(WAIT_S) and later.results()[0].text == offline_texts[PROMPTS[0]]
+    finally:
+        host.stop()
+
+
+def test_a_passing_crash_reruns_the_requests_with_the_same_outputs(
+        tiny_checkpoint: Path, offline_texts: dict[str, str]) -> None:
+    steps = []
+
+    def first_step_crashes(engine: LLMEngine) -> bool:
+        steps.append(1)
+        return len(steps) == 3  # mid-generation, once
+
+    host = EngineHost(lambda: crashing_engine(tiny_checkpoint, first_step_crashes), name="flaky").start()
+    try:
+        submission = host.submit([EngineRequest(prompt, GREEDY) for prompt in PROMPTS])
+        assert submission.wait(WAIT_S)
+        assert [output.text for output in submission.results()] == [offline_texts[p] for p in PROMPTS]
+        assert host.crashes == 1 and host.failure is None
+    finally:
+        host.stop()
+
+
+def test_an_engine_that_cannot_be_rebuilt_after_a_crash_fails_the_waiting_submissions(
+        tiny_checkpoint: Path) -> None:
+    loads = []
+
+    def load() -> LLMEngine:
+        loads.append(1)
+        if len(loads) > 1:
+            raise OSError("weights vanished")
+        return crashing_engine(tiny_checkpoint, lambda engine: True)
 
     crashing = EngineHost(load, name="crashing").start()
     submission = crashing.submit([EngineRequest("hello", GREEDY)])
     assert submission.wait(WAIT_S)
-    with pytest.raises(EngineUnavailable, match="kernel exploded"):
+    with pytest.raises(EngineUnavailable, match="weights vanished"):
         submission.results()
-    assert isinstance(crashing.failure, RuntimeError)
+    assert isinstance(crashing.failure, OSError)
