@@ -51,6 +51,7 @@ CHILD_SEPARATOR = "\x1fn"
 
 # How long a step with nothing to run but grammars still compiling sleeps.
 GRAMMAR_WAIT_S = 0.002
+NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request; no token was emitted"
 
 
 class LLMEngine:
@@ -211,7 +212,7 @@ class LLMEngine:
             )
             first_tokens = sum(r.num_prompt_tokens for r in sampling if not r.output_token_ids)
             logits = self.runner.execute(scheduled)
-            sampled, logprobs = self._sample(logits, sampling)
+            sampled, logprobs = self._sample(logits, sampling, finished)
             finished += self.scheduler.update_from_output(scheduled, sampled)
             if self._post_ids:
                 finished += self._after_sampling(sampling, sampled, logprobs)
@@ -235,8 +236,11 @@ class LLMEngine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request]
+        self, logits: torch.Tensor, requests: list[Request], finished: list[Request]
     ) -> tuple[dict[str, int], list[RowLogprobs | None]]:
+        """A token per request; a request whose logits are not finite (NaN/inf: a numerical fault
+        in the model or its dtype) ends with an error instead of emitting junk (added to
+        `finished`, left out of the returned tokens)."""
         if not requests:
             return {}, []
         bitmask, apply_bitmask = self._grammars.bitmask(requests)
@@ -244,6 +248,12 @@ class LLMEngine:
                                     apply_bitmask=apply_bitmask)
         result = self.sampler.sample(logits, batch)
         sampled = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
+        for row in result.invalid_rows:
+            request_id = requests[row].request_id
+            del sampled[request_id]  # nothing appends it: the request ends here
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, NON_FINITE_LOGITS)
+            if request is not None:
+                finished.append(request)
         return sampled, result.logprobs
 
     def _after_sampling(
@@ -254,7 +264,7 @@ class LLMEngine:
         finished: list[Request] = []
         for row, request in enumerate(requests):
             sample = self._samples.get(request.request_id) if request.request_id in self._post_ids else None
-            if sample is None:
+            if sample is None or request.request_id not in sampled:  # not sampled: ended on bad logits
                 continue
             token_id = sampled[request.request_id]
             if sample.logprobs is not None and logprobs[row] is not None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -145,6 +145,21 @@ class RowLogprobs:
 class SamplerOutput:
     token_ids: list[int]  # one per row
     logprobs: list[RowLogprobs | None]  # one per row (None where the row did not ask)
+    # Rows whose logits held NaN or +inf, or allowed no token at all: their token is meaningless.
+    invalid_rows: list[int] = field(default_factory=list)
+
+
+def _invalid_rows(logits: torch.Tensor, tokens: torch.Tensor, random_rows: torch.Tensor | None) -> list[int]:
+    """Rows whose chosen logit is not finite (an argmax lands on a NaN or +inf, and on -inf when
+    every token is masked), and sampled rows whose largest logit is not (a softmax over NaN draws
+    junk). A cheap gather per step where all is well."""
+    chosen = logits.gather(1, tokens[:, None].to(logits.device))[:, 0]
+    bad = ~torch.isfinite(chosen)
+    if random_rows is not None:
+        bad[random_rows] |= ~torch.isfinite(logits[random_rows].amax(dim=-1))
+    if not bool(bad.any()):
+        return []
+    return bad.nonzero()[:, 0].tolist()
 
 
 class Sampler:
@@ -154,7 +169,9 @@ class Sampler:
         token id per row (+ logprobs). A plain greedy step takes the argmax in the logits' own
         dtype: rounding to fp32 is exact and monotone, so the argmax (ties included) is the same."""
         if batch.plain_greedy:
-            return SamplerOutput(argmax_rows(logits).tolist(), [None] * batch.num_rows)
+            tokens = argmax_rows(logits)
+            return SamplerOutput(tokens.tolist(), [None] * batch.num_rows,
+                                 _invalid_rows(logits, tokens, None))
         logits = logits.float()
         raw_logprobs = None
         if batch.logprob_rows:
@@ -170,15 +187,16 @@ class Sampler:
             _apply_penalties(logits, batch.penalties)
 
         random = batch.random
+        random_rows = None if random is None else random.rows.to(logits.device)
         if random is not None and len(random.rows) == batch.num_rows:
             tokens = _sample_random(logits, random)  # all rows sample: no argmax, no gather
         else:
             tokens = argmax_rows(logits)
             if random is not None:
-                rows = random.rows.to(logits.device)
-                tokens[rows] = _sample_random(logits[rows], random)
+                tokens[random_rows] = _sample_random(logits[random_rows], random)
         token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, batch, token_list))
+        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, batch, token_list),
+                             _invalid_rows(logits, tokens, random_rows))
 
 
 # ---- building the batch ---------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine.hf_reference import assert_same_greedy, hf_greedy
@@ -105,3 +106,21 @@ def test_request_metrics_are_filled(llm):
     metrics = llm.get_metrics()
     assert metrics["generation_tokens"] > 0 and metrics["generation_tokens_per_s"] > 0
     assert metrics["num_steps"] > 0 and metrics["kv_blocks_total"] == 63
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_non_finite_logits_fail_that_request_with_a_reason_instead_of_emitting_tokens(tiny_checkpoint, dtype):
+    llm = LLM(model=str(tiny_checkpoint), dtype=dtype, num_kv_blocks=64, max_model_len=128)
+    bad_token = 11
+    clean = [PROMPTS[0], PROMPTS[7]]
+    expected = [output.token_ids for output in llm.generate(clean, GREEDY)]
+    with torch.no_grad():  # a weight gone NaN (a bad conversion, an fp16 overflow): only this token's row
+        llm.engine.model.embed_tokens.weight[bad_token] = float("nan")
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=6)
+    poisoned = [[5, bad_token, 9, 14], [bad_token, 20]]
+    outputs = llm.generate([clean[0], *poisoned, clean[1]], [GREEDY, GREEDY, sampled, GREEDY])
+    for output in outputs[1:3]:
+        assert output.finish_reason == "error" and output.token_ids == []
+        assert output.error is not None and "non-finite logits" in output.error
+    assert [outputs[0].token_ids, outputs[3].token_ids] == expected
+    assert all(output.finish_reason == "length" for output in (outputs[0], outputs[3]))
