@@ -31,6 +31,7 @@ from jobs.spec import JobSpec
 from jobs.status import ALLOWED_TRANSITIONS, IllegalTransition, JobState, JobStatus
 
 DEFAULT_NAMESPACE = "bulkinfer"
+INDEX_REBUILD_LOCK_MS = 5 * 60 * 1000
 STATES = list(JobState)
 # How far along the lifecycle a state is: a transition to an earlier state was already made.
 LIFECYCLE_RANK = {JobState.QUEUED: 0, JobState.RUNNING: 1, JobState.FINALIZING: 2,
@@ -145,6 +146,11 @@ class JobRepository:
     def _state_index_key(self, state: JobState) -> str:
         return f"{self._tag}:state:{state.value}"
 
+    @property
+    def _index_whole_key(self) -> str:
+        """Present while the index holds every job in the store; a Redis that lost its data lacks it."""
+        return f"{self._tag}:index-whole"
+
     def _cancel_key(self, job_id: str) -> str:
         return f"{self.namespace}:job:{{{job_id}}}:cancel"
 
@@ -218,6 +224,7 @@ class JobRepository:
         """
         if not 1 <= limit <= 1000:
             raise ValueError(f"limit must be 1 to 1000, got {limit}")
+        self.ensure_index()
         key = self._state_index_key(JobState(state)) if state else self._index_key
         upper = f"({cursor}" if cursor else "+"
         members = self.redis.zrange(key, upper, "-", desc=True, bylex=True, offset=0, num=limit + 1)
@@ -229,6 +236,42 @@ class JobRepository:
             except JobNotFound:  # deleted from the store; the index entry is stale
                 continue
         return statuses, names[limit - 1] if len(names) > limit else None
+
+    def ensure_index(self) -> int:
+        """Put back every job of the store that Redis does not know (after Redis lost its data, or
+        on a new Redis beside an old store), from its status.json; returns how many. Once done, a
+        marker makes later calls one EXISTS; one process rebuilds at a time (the others list what
+        is there meanwhile)."""
+        if self.redis.exists(self._index_whole_key):
+            return 0
+        lock = f"{self._tag}:index-rebuild"
+        if not self.redis.set(lock, 1, nx=True, px=INDEX_REBUILD_LOCK_MS):
+            return 0
+        restored = 0
+        try:
+            for job_id in self._stored_job_ids():
+                if not self.redis.exists(self._job_key(job_id)):
+                    self._record(self._stored_status(job_id))
+                    restored += 1
+            self.redis.set(self._index_whole_key, 1)
+        finally:
+            self.redis.delete(lock)
+        return restored
+
+    def _stored_job_ids(self) -> builtins.list[str]:
+        jobs_dir = f"{self.prefix}/jobs/" if self.prefix else "jobs/"
+        ids = []
+        for info in self.store.list(jobs_dir):
+            job_id, _, name = info.key[len(jobs_dir):].partition("/")
+            if name == "job.json":
+                ids.append(job_id)
+        return ids
+
+    def _stored_status(self, job_id: str) -> JobStatus:
+        try:
+            return JobStatus.model_validate_json(self.store.get_bytes(self.layout(job_id).status_key))
+        except ObjectNotFound:  # a create that stopped before writing it: the job is still queued
+            return JobStatus(job_id=job_id)
 
     # -- transitions and cancel -------------------------------------------------------------
 
@@ -317,10 +360,7 @@ class JobRepository:
         layout = self.layout(job_id)
         if not self.store.exists(layout.spec_key):
             raise JobNotFound(job_id)
-        try:
-            status = JobStatus.model_validate_json(self.store.get_bytes(layout.status_key))
-        except ObjectNotFound:
-            status = JobStatus(job_id=job_id)
+        status = self._stored_status(job_id)
         self._record(status)
         raw = self.redis.hgetall(self._job_key(job_id))
         status = self._status_from_hash(job_id, raw) if raw else status

@@ -190,8 +190,11 @@ class Settings(BaseModel):
     def redis_client(self) -> redis.Redis:
         import redis
 
-        # A Redis that is unreachable (not refusing) must fail a request, not hang it.
-        return redis.Redis.from_url(self.broker_url, socket_connect_timeout=5)
+        # A Redis that is unreachable (not refusing), or that stops answering mid-command, must fail
+        # the call (tasks retry it; the API answers 503), not hang it. No command of ours blocks
+        # server-side, so 10 s is only ever reached by a dead connection.
+        return redis.Redis.from_url(self.broker_url, socket_connect_timeout=5, socket_timeout=10,
+                                    health_check_interval=30)
 
     def model_registry(self) -> ModelRegistry:
         from jobs.models import ModelRegistry

@@ -21,9 +21,13 @@ from types import TracebackType
 
 import redis
 
-# KEYS: lease key. ARGV: token, ttl ms. Extends the lease only if this run still holds it.
+# KEYS: lease key. ARGV: token, ttl ms. Extends the lease if this run still holds it, takes it back
+# if nobody does (Redis restarted without its data, or this run stalled and nobody took over);
+# 0 only when another run holds it.
 EXTEND_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+local holder = redis.call('GET', KEYS[1])
+if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
 return 0
 """
 # KEYS: lease key. ARGV: token. Deletes the lease only if this run holds it.

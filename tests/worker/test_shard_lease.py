@@ -53,15 +53,29 @@ def test_waiting_stops_when_told_to_give_up(redis_url: str) -> None:
     holder.release()
 
 
-def test_a_run_knows_when_its_lease_lapsed_under_it(redis_url: str) -> None:
+def test_a_run_knows_when_another_run_took_its_lapsed_lease(redis_url: str) -> None:
     client = redis.Redis.from_url(redis_url)
     lease = ShardLease(client, "job-d", 0, ttl_s=0.3)
     assert not lease.held
     assert lease.acquire(never)
     assert lease.held
-    client.delete(lease.key)  # as if it expired while this process stalled
+    client.set(lease.key, "another-run")  # it lapsed while this process stalled, and a rerun took it
     deadline = time.monotonic() + 5
     while lease.held and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not lease.held
     lease.release()
+    assert client.get(lease.key) == b"another-run"  # releasing never drops another run's lease
+
+
+def test_a_lease_that_vanished_with_nobody_holding_it_is_taken_back(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    lease = ShardLease(client, "job-e", 0, ttl_s=0.3)
+    assert lease.acquire(never)
+    client.delete(lease.key)  # Redis restarted without its data
+    deadline = time.monotonic() + 5
+    while client.get(lease.key) != lease.token.encode() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lease.held and client.get(lease.key) == lease.token.encode()
+    lease.release()
+    assert not client.exists(lease.key)
