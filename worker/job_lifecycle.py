@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from jobs.formats.detect import resolve_spec
+from jobs.layout import JobLayout, output_location
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
 from jobs.object_store.base import ObjectNotFound
@@ -183,5 +184,22 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
         repository.transition(job_id, JobState.SUCCEEDED)
     except IllegalTransition:  # cancelled meanwhile: the parts stay, the job stays cancelled
         return {"status": "skipped: job ended while finalizing"}
+    _abort_unfinished_writes(context, spec, layout)
     logger.info("job %s succeeded: %d rows (%d failed)", job_id, manifest.rows.total, manifest.rows.failed)
     return {"status": "succeeded", "rows": manifest.rows.total}
+
+
+def _abort_unfinished_writes(context: WorkerContext, spec: JobSpec, layout: JobLayout) -> None:
+    """Multipart uploads (or temp files) a killed shard run left in the job's folders: nothing
+    writes there once the manifest is in, so whatever is unfinished is garbage."""
+    try:
+        store = context.repository.store
+        location = output_location(resolved_spec(context, spec), store, layout)
+        removed = store.abort_unfinished_writes(layout.job_dir + "/")
+        if location.store is not store or not location.directory.startswith(layout.job_dir):
+            removed += location.store.abort_unfinished_writes(location.directory.rstrip("/") + "/")
+    except Exception:  # noqa: BLE001 - the job has succeeded; leftovers are only storage
+        logger.exception("job %s: could not clean up unfinished uploads", layout.job_id)
+        return
+    if removed:
+        logger.info("job %s: aborted %d unfinished upload(s) left by killed runs", layout.job_id, removed)

@@ -109,6 +109,12 @@ class ObjectStore(ABC):
             return False
         return True
 
+    def abort_unfinished_writes(self, prefix: str) -> int:
+        """Remove what writers under `prefix` left when their process died mid-write (S3 multipart
+        uploads never completed, local temp files); returns how many. Call it only where no write
+        is running (a job's finalize). Default: nothing to remove."""
+        return 0
+
     def open_seekable(self, key: str) -> BinaryIO:
         """A seekable read-only file over range reads (what pyarrow needs for Parquet footers).
 

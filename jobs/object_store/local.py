@@ -56,6 +56,17 @@ class LocalObjectStore(ObjectStore):
     def open_write(self, key: str, if_none_match: bool = False) -> ObjectWriter:
         return _LocalWriter(self.path(key), key, if_none_match)
 
+    def abort_unfinished_writes(self, prefix: str) -> int:
+        base = self.path(prefix)
+        folder = base if base.is_dir() else base.parent
+        if not folder.is_dir():
+            return 0
+        removed = 0
+        for temp in folder.rglob(f"{TEMP_PREFIX}*"):
+            temp.unlink(missing_ok=True)
+            removed += 1
+        return removed
+
     def head(self, key: str) -> ObjectInfo:
         try:
             info = self.path(key).stat()

@@ -20,11 +20,23 @@ def _error_code(error: Exception) -> str:
     return str(getattr(error, "response", {}).get("Error", {}).get("Code", ""))
 
 
+# botocore's "standard" retries: 5xx, SlowDown and other throttling, and dropped or reset
+# connections, with exponential backoff and jitter (at most 20 s apart), then the error. Every call
+# ends within about MAX_ATTEMPTS x (READ_TIMEOUT_S + 20 s); past that a task retries the whole step.
+MAX_ATTEMPTS = 8
+CONNECT_TIMEOUT_S = 5
+READ_TIMEOUT_S = 60
+
+
 def make_s3_client(endpoint_url: str | None = None) -> Any:  # boto3 clients are untyped
     """A boto3 S3 client; the endpoint comes from the argument, else `BULKINFER_S3_ENDPOINT_URL`."""
     import boto3
+    from botocore.config import Config
 
-    return boto3.client("s3", endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None)
+    config = Config(retries={"mode": "standard", "max_attempts": MAX_ATTEMPTS},
+                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S)
+    return boto3.client("s3", endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
+                        config=config)
 
 
 class S3ObjectStore(ObjectStore):
@@ -114,6 +126,17 @@ class S3ObjectStore(ObjectStore):
 
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{key}"
+
+
+    def abort_unfinished_writes(self, prefix: str) -> int:
+        aborted = 0
+        paginator = self.client.get_paginator("list_multipart_uploads")
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+            for upload in page.get("Uploads", []):
+                self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
+                                                   UploadId=upload["UploadId"])
+                aborted += 1
+        return aborted
 
 
 class _S3MultipartWriter(ObjectWriter):

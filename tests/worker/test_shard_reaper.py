@@ -13,6 +13,7 @@ from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import RedisServer, S3Server, celery_worker
+from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 from tests.worker import conftest
 from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, JOBS_BUCKET, MODELS_BUCKET, Pipeline
 from worker.celery_app import create_app
@@ -204,3 +205,21 @@ def test_a_shard_that_fails_the_same_way_every_time_fails_the_job_with_the_reaso
     assert status.state == JobState.FAILED
     assert status.error is not None and "failed 2 time(s); last error:" in status.error
     assert status.error.startswith("shard ") and "NoSuchBucket" in status.error
+
+
+def test_a_job_completes_every_row_once_through_a_flaky_s3(
+        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
+    pipeline, env = parts
+    spec, ids = small_job(pipeline, "flaky.jsonl", rows=12)
+    spec = spec.model_copy(update={"shard_size": 3})
+    plan = FaultPlan(["slowdown", "reset", "internal", "slow"], every=4, slow_s=0.5)
+    with s3_fault_proxy(pipeline.s3.endpoint_url, plan) as proxy:
+        flaky_env = {**env, "BULKINFER_S3_ENDPOINT_URL": proxy.endpoint_url}
+        with celery_worker("worker.celery_app", redis_server.url, env=flaky_env, queues=QUEUES,
+                           pool="threads", concurrency=2, ready_timeout=120):
+            job_id = pipeline.submit(spec)
+            status = pipeline.wait_for_end(job_id, timeout=180)
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert [record["id"] for record in pipeline.output_records(job_id)] == ids
+    assert (status.rows.total, status.rows.succeeded, status.shards.done) == (12, 12, 4)
+    assert sum(plan.injected.values()) >= 8 and len(plan.injected) == 4
