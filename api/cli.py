@@ -34,10 +34,13 @@ COMMANDS: dict[str, Command] = {
                                "worker"),
     "models": Command("worker.commands:models", "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
-    "bench": Command("worker.commands:bench", "Benchmarks: `bench engine` | `bench service`", "worker"),
+    "bench": Command("worker.commands:bench", "Benchmarks: `bench engine` | `bench service` | `bench faults`",
+                     "worker"),
     # The stack and the client live in api/; its engine side runs as `python -m worker.bench_engine_only`.
     "bench service": Command("api.bench_service:bench_cli", "The engine benchmark's shared-prefix workload "
                              "as a job through the whole stack, against the engine alone", "worker"),
+    "bench faults": Command("api.bench_faults:bench_cli", "Jobs on several workers while workers are "
+                            "killed and Redis loses its data: rows lost and duplicated", "worker"),
     "serve api": Command("api.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)", "server"),
     "serve worker": Command("worker.commands:serve_worker",
                             "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),

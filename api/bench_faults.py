@@ -1,0 +1,240 @@
+"""`bulkinfer bench faults`: jobs of hundreds of rows on several workers while faults are injected,
+then every output counted: rows lost, rows duplicated.
+
+It starts its own Redis (no persistence) and `--workers` Celery worker processes on a local store
+and the `tiny` checkpoint (built once), submits `--jobs` jobs, and injects in turn, each once the
+jobs have made progress since the last: `kill -9` of a worker in the middle of its shards (a fresh
+worker replaces it), and a Redis restart with all its data lost. Leases and the reaper run with
+short TTLs (4 s, ticks of 1 s) so the run takes a minute or two. The last line with `--json` is
+one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated` (and details).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from api.stack import SOURCE_ROOT, StackError, free_port, redis_server_binary, stop_process, tail, wait_for
+from jobs.models import CONTROL_QUEUE, QUEUE_PREFIX
+from jobs.settings import Settings
+from jobs.spec import JobSpec
+from jobs.status import JobState
+
+LEASE_TTL_S = 4
+MODEL = "tiny"
+ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": "float32"}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="bulkinfer bench faults", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=400, help="rows per job (default 400)")
+    parser.add_argument("--jobs", type=int, default=2, help="jobs submitted at once (default 2)")
+    parser.add_argument("--shard-size", type=int, default=20)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--faults", default="worker-kill,redis-restart,worker-kill",
+                        help="comma-separated, in order: worker-kill, redis-restart")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for every job to end")
+    parser.add_argument("--home", type=Path, help="working folder (default: a temporary one)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
+    return parser.parse_args(argv)
+
+
+class FaultBench:
+    def __init__(self, home: Path, args: argparse.Namespace) -> None:
+        self.home = home
+        self.args = args
+        self.logs = home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.redis_port = free_port()
+        self.redis: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.started_workers = 0
+        self.settings: Settings | None = None
+
+    # -- processes --------------------------------------------------------------------------
+
+    def start_redis(self) -> None:
+        log = self.logs / "redis.log"
+        self.redis = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.redis_port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.home)],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT)  # noqa: SIM115 - the child keeps it
+        import redis
+
+        client = redis.Redis.from_url(self.broker_url)
+        try:
+            wait_for(lambda: bool(client.ping()), 20, "redis-server", self.redis, log)
+        finally:
+            client.close()
+
+    @property
+    def broker_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    def start_worker(self) -> None:
+        assert self.settings is not None
+        self.started_workers += 1
+        node = f"faults-{self.started_workers}@127.0.0.1"
+        log = self.logs / f"worker-{self.started_workers}.log"
+        env = {**self.settings.to_env(), "BULKINFER_WORKER_MODELS": MODEL, "HF_HUB_OFFLINE": "1",
+               "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
+               "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1",
+               "PYTHONPATH": str(SOURCE_ROOT)}
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
+             "--concurrency=2", "-Q", f"{CONTROL_QUEUE},{QUEUE_PREFIX}{MODEL}", "-n", node,
+             "--loglevel=INFO", "--without-gossip", "--without-mingle"],
+            stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, **env})  # noqa: SIM115
+        self.workers.append(worker)
+
+    def stop(self) -> None:
+        for worker in self.workers:
+            stop_process(worker, 20)
+        stop_process(self.redis, 10)
+
+    # -- the run ----------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        args = self.args
+        checkpoint = build_checkpoint(self.home / "tiny")
+        self.start_redis()
+        self.settings = Settings(broker_url=self.broker_url, store_uri=str(self.home / "store"),
+                                 models=json.dumps({MODEL: str(checkpoint)}))
+        for _ in range(args.workers):
+            self.start_worker()
+        repository = self.settings.repository()
+        from celery import Celery
+
+        sender = Celery(broker=self.broker_url)
+        expected: dict[str, list[str]] = {}
+        for job_number in range(args.jobs):
+            ids = [f"j{job_number}-r{n:04d}" for n in range(args.rows)]
+            path = self.home / f"input-{job_number}.jsonl"
+            lines = [json.dumps({"id": row_id, "question": f"def f_{row_id.replace('-', '_')}(x):"})
+                     for row_id in ids]
+            path.write_text("\n".join(lines) + "\n")
+            spec = JobSpec(input_uri=str(path), model=MODEL, id_column="id", prompt_column="question",
+                           sampling={"temperature": 0.0, "max_tokens": args.max_tokens},
+                           shard_size=args.shard_size)
+            job_id = repository.create(spec).job_id
+            sender.send_task("bulkinfer.plan_job", args=[job_id], queue=CONTROL_QUEUE)
+            expected[job_id] = ids
+        faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
+        injected: list[str] = []
+        started = time.monotonic()
+        total_shards = args.jobs * -(-args.rows // args.shard_size)
+        for number, fault in enumerate(faults, start=1):
+            # Each fault once a share of the shards is done: spread over the run, never after it.
+            target = total_shards * number // (len(faults) + 1)
+            self._wait_progress(repository, expected, target, started)
+            self._inject(fault)
+            injected.append(fault)
+        sender.close()
+        statuses = self._wait_end(repository, expected, started)
+        return {**count_rows(self.home / "store", expected), "faults": injected,
+                "faults_injected": len(injected), "workers_started": self.started_workers,
+                "jobs_completed": sum(status == JobState.SUCCEEDED for status in statuses.values()),
+                "jobs": len(expected), "rows_per_job": args.rows,
+                "seconds": round(time.monotonic() - started, 1)}
+
+    def _inject(self, fault: str) -> None:
+        if fault == "worker-kill":
+            victim = next(worker for worker in self.workers if worker.poll() is None)
+            victim.kill()  # kill -9: no warm shutdown, its shards' messages stay unacknowledged
+            victim.wait(10)
+            self.start_worker()
+        elif fault == "redis-restart":
+            assert self.redis is not None
+            self.redis.kill()
+            self.redis.wait(10)
+            self.start_redis()  # the same port, nothing kept
+        else:
+            raise StackError(f"unknown fault {fault!r} (known: worker-kill, redis-restart)")
+
+    def _wait_progress(self, repository: Any, expected: dict[str, list[str]], shards: int,
+                       started: float) -> None:
+        while time.monotonic() - started < self.args.timeout:
+            try:
+                done = sum(repository.get(job_id).shards.done for job_id in expected)
+            except Exception:  # noqa: BLE001 - Redis just restarted
+                done = 0
+            if done >= shards:
+                return
+            time.sleep(0.2)
+        raise StackError(f"the jobs made no progress to {shards} shards in {self.args.timeout:.0f}s; "
+                         f"see {self.logs}:\n{tail(self.logs / f'worker-{self.started_workers}.log')}")
+
+    def _wait_end(self, repository: Any, expected: dict[str, list[str]], started: float
+                  ) -> dict[str, JobState]:
+        states: dict[str, JobState] = {}
+        while time.monotonic() - started < self.args.timeout:
+            try:
+                states = {job_id: repository.get(job_id).state for job_id in expected}
+            except Exception:  # noqa: BLE001 - Redis just restarted
+                states = {}
+            if states and all(state.is_terminal for state in states.values()):
+                return states
+            time.sleep(0.5)
+        return states
+
+
+def build_checkpoint(directory: Path) -> Path:
+    if (directory / "config.json").is_file():
+        return directory
+    command = [sys.executable, "-m", "engine.checkpoints", str(directory), "--preset", "tiny"]
+    result = subprocess.run(command, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
+    if result.returncode != 0:
+        raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
+    return directory
+
+
+def count_rows(store_dir: Path, expected: dict[str, list[str]]) -> dict[str, int]:
+    """Every output row of every job that succeeded, against the ids each should hold once."""
+    lost = duplicated = 0
+    for job_id, ids in expected.items():
+        seen: Counter[str] = Counter()
+        for part in sorted((store_dir / "jobs" / job_id / "output").glob("part-*.jsonl")):
+            for line in part.read_text().splitlines():
+                seen[json.loads(line)["id"]] += 1
+        wanted = set(ids)
+        lost += sum(1 for row_id in ids if seen[row_id] == 0)
+        duplicated += sum(count - 1 for count in seen.values() if count > 1)
+        duplicated += sum(count for row_id, count in seen.items() if row_id not in wanted)
+    return {"rows_lost": lost, "rows_duplicated": duplicated}
+
+
+def bench_cli(argv: list[str]) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bulkinfer-faults-") as scratch:
+        home = (args.home or Path(scratch)).resolve()
+        bench = FaultBench(home, args)
+        print(f"bench faults: {args.jobs} job(s) x {args.rows} rows, shards of {args.shard_size}, "
+              f"{args.workers} workers, faults {args.faults} (working in {home})", flush=True)
+        try:
+            figures = bench.run()
+        except StackError as error:
+            print(f"bench faults: {error}", file=sys.stderr)
+            return 2
+        finally:
+            bench.stop()
+    print(f"  faults injected   {figures['faults_injected']} ({', '.join(figures['faults'])}; "
+          f"{figures['workers_started']} worker processes started in all)")
+    print(f"  jobs completed    {figures['jobs_completed']} of {figures['jobs']} in {figures['seconds']} s")
+    print(f"  rows lost         {figures['rows_lost']}")
+    print(f"  rows duplicated   {figures['rows_duplicated']}")
+    if args.json:
+        print(json.dumps(figures))
+    whole = figures["jobs_completed"] == figures["jobs"] and not figures["rows_lost"] \
+        and not figures["rows_duplicated"]
+    return 0 if whole else 1

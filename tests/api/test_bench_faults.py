@@ -1,0 +1,32 @@
+"""`bulkinfer bench faults`: faults injected into real workers and Redis, every output row counted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from api.bench_faults import bench_cli, count_rows
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Path) -> None:
+    output = tmp_path / "jobs" / "job-a" / "output"
+    output.mkdir(parents=True)
+    (output / "part-00000.jsonl").write_text("".join(json.dumps({"id": i}) + "\n" for i in ["a", "b", "b"]))
+    (output / "part-00001.jsonl").write_text(json.dumps({"id": "stranger"}) + "\n")
+    assert count_rows(tmp_path, {"job-a": ["a", "b", "c"]}) == {"rows_lost": 1, "rows_duplicated": 2}
+
+
+def test_bench_faults_kills_workers_and_redis_and_loses_no_row(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--json", "--home", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert code == 0, lines
+    assert figures["faults_injected"] == 3 and figures["faults"] == ["worker-kill", "redis-restart",
+                                                                     "worker-kill"]
+    assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (2, 0, 0)
+    assert any(line.strip().startswith("rows lost") for line in lines)
