@@ -16,7 +16,7 @@ from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import ApiError
 from api.schemas import ERROR_RESPONSES
-from api.submission import locate, parse_object
+from api.submission import check_webhook, locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
@@ -91,6 +91,8 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -
     """
     spec = parse_object(body, ScheduleSpec, "schedule")
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
+    check_webhook(context, spec.webhook_url)
+    check_webhook(context, spec.job.get("webhook_url"))
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))

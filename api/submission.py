@@ -22,6 +22,7 @@ from jobs.object_store.factory import split_uri
 from jobs.sharding import open_parquet
 from jobs.spec import InputFormat, JobSpec
 from jobs.status import JobState, JobStatus
+from jobs.webhooks import destination_problem
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -104,8 +105,21 @@ def check_columns(spec: JobSpec, store: ObjectStore, key: str, uri: str) -> None
                              f"(their columns: {', '.join(seen)})")
 
 
+def check_webhook(context: ApiContext, url: str | None) -> None:
+    """A webhook_url this deployment may call (https, not an address of this network, unless the
+    settings allow it); 400 naming the rule otherwise. Names are checked again when delivering."""
+    if url is None:
+        return
+    settings = context.settings
+    problem = destination_problem(url, allow_http=settings.webhook_allow_http,
+                                  allow_private=settings.webhook_allow_private)
+    if problem is not None:
+        raise ApiError(400, problem)
+
+
 def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
     """The spec resolved against its input (format detected, columns checked): what job.json holds."""
+    check_webhook(context, spec.webhook_url)
     check_readable(store, key, spec.input_uri)
     try:
         resolved = resolve_spec(spec, store, key)

@@ -51,6 +51,8 @@ ENVIRONMENT_NAMES = {
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
     "webhook_max_attempts": "BULKINFER_WEBHOOK_MAX_ATTEMPTS",
     "webhook_retry_base_s": "BULKINFER_WEBHOOK_RETRY_BASE_S",
+    "webhook_allow_http": "BULKINFER_WEBHOOK_ALLOW_HTTP",
+    "webhook_allow_private": "BULKINFER_WEBHOOK_ALLOW_PRIVATE",
 }
 
 
@@ -86,6 +88,9 @@ class Settings(BaseModel):
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
     webhook_max_attempts: int | None = Field(None, ge=1)
     webhook_retry_base_s: float | None = Field(None, gt=0)
+    # Where webhooks may go: https only, and only to public addresses, unless these allow more.
+    webhook_allow_http: bool = False
+    webhook_allow_private: bool = False
 
     @field_validator("store_uri")
     @classmethod

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
-from urllib.parse import urlparse
+from urllib.parse import urlparse, urlunparse
 
 SIGNATURE_HEADER = "X-Bulkinfer-Signature"
 TIMESTAMP_HEADER = "X-Bulkinfer-Timestamp"
@@ -39,6 +40,55 @@ def check_webhook_url(url: str) -> str:
     if not parsed.hostname:
         raise ValueError(f"no host in {url[:200]!r}")
     return url
+
+
+def destination_problem(url: str, *, allow_http: bool, allow_private: bool) -> str | None:
+    """Why a deployment must not POST to `url` (None: it may), as far as the URL alone tells: the
+    scheme, and a host that is an address or a name of this machine. Names are resolved (and
+    their addresses checked) at delivery: see `address_problem`."""
+    parsed = urlparse(url)
+    if parsed.scheme != "https" and not allow_http:
+        return ("webhook_url must be an https:// URL (http:// is allowed only when the deployment "
+                "sets webhook_allow_http)")
+    host = (parsed.hostname or "").rstrip(".").lower()
+    if allow_private:
+        return None
+    if host == "localhost" or host.endswith(".localhost"):
+        return f"webhook_url's host {host!r} is this machine ({PRIVATE_HINT})"
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    return address_problem(host)
+
+
+PRIVATE_HINT = "allowed only when the deployment sets webhook_allow_private"
+
+
+def address_problem(address: str) -> str | None:
+    """Why a webhook must not go to this IP address: loopback, private, link-local (cloud metadata
+    services live at 169.254.169.254), multicast, reserved or unspecified; None for a public one."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    mapped = getattr(ip, "ipv4_mapped", None)
+    if mapped is not None:
+        ip = mapped
+    kinds = [("loopback", ip.is_loopback), ("unspecified", ip.is_unspecified),
+             ("link-local", ip.is_link_local), ("private", ip.is_private), ("multicast", ip.is_multicast),
+             ("reserved", ip.is_reserved)]
+    kind = next((name for name, matches in kinds if matches), None)
+    if kind is None:
+        return None
+    return f"webhook_url resolves to {ip}, a {kind} address ({PRIVATE_HINT})"
+
+
+def redacted(url: str) -> str:
+    """The URL without its query, fragment or credentials: what logs and errors may show (query
+    strings often carry tokens)."""
+    parsed = urlparse(url)
+    netloc = parsed.hostname or ""
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    return urlunparse((parsed.scheme, netloc, parsed.path, "", "", ""))
 
 
 def sign(secret: str, body: bytes) -> str:

@@ -12,9 +12,11 @@ the delivery again (same X-Bulkinfer-Delivery id).
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 from celery import Task
@@ -62,19 +64,58 @@ def notify_if_final(context: WorkerContext, job_id: str,
     return True
 
 
-def post(url: str, body: bytes, headers: dict[str, str]) -> int:
-    """POST once; the status code on 2xx, else `RetryableDelivery` / `RejectedDelivery`."""
+def post(url: str, body: bytes, headers: dict[str, str], *, allow_private: bool = False) -> int:
+    """POST once; the status code on 2xx, else `RetryableDelivery` / `RejectedDelivery`.
+
+    Unless `allow_private`, the host is resolved here and every address checked
+    (`webhooks.address_problem`), and the request goes to the checked address (the name kept for
+    the Host header and TLS), so a name that resolves elsewhere a moment later (DNS rebinding)
+    cannot turn a webhook into a request to an internal service. Redirects are not followed, and
+    nothing of the answer but its status code is kept.
+    """
+    target, host_header, extensions = url, None, {}
+    if not allow_private:
+        target, host_header, sni = _pinned(url)
+        if sni:
+            extensions["sni_hostname"] = sni
+    request_headers = {**headers, **({"Host": host_header} if host_header else {})}
     try:
-        response = httpx.post(url, content=body, headers=headers, timeout=REQUEST_TIMEOUT_S,
-                              follow_redirects=False)
-    except httpx.TransportError as error:  # refused, reset, DNS, timeout
+        with httpx.Client(timeout=REQUEST_TIMEOUT_S, follow_redirects=False, trust_env=False) as client:
+            request = client.build_request("POST", target, content=body, headers=request_headers,
+                                           extensions=extensions)
+            response = client.send(request)
+    except httpx.TransportError as error:  # refused, reset, timeout
         raise RetryableDelivery(f"{type(error).__name__}: {error}") from error
     if 200 <= response.status_code < 300:
         return response.status_code
-    reason = f"HTTP {response.status_code}: {response.text[:200]}"
+    reason = f"HTTP {response.status_code}"
     if response.status_code >= 500 or response.status_code in (408, 429):
         raise RetryableDelivery(reason)
+    if 300 <= response.status_code < 400:
+        reason += " (redirects are not followed)"
     raise RejectedDelivery(reason)
+
+
+def _pinned(url: str) -> tuple[str, str, str | None]:
+    """(the URL with its host replaced by a checked address, the Host header, the TLS name)."""
+    parsed = urlparse(url)
+    host = parsed.hostname or ""
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise RetryableDelivery(f"cannot resolve {host!r}: {error}") from error
+    addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+    for address in addresses:
+        problem = webhooks.address_problem(address)
+        if problem is not None:
+            raise RejectedDelivery(problem)
+    address = addresses[0]
+    netloc = f"[{address}]" if ":" in address else address
+    if parsed.port:
+        netloc += f":{parsed.port}"
+    host_header = host if not parsed.port else f"{host}:{parsed.port}"
+    return parsed._replace(netloc=netloc).geturl(), host_header, host if parsed.scheme == "https" else None
 
 
 def deliver(context: WorkerContext, job_id: str) -> dict[str, Any]:
@@ -89,9 +130,14 @@ def deliver(context: WorkerContext, job_id: str) -> dict[str, Any]:
     timestamp = int(time.time())
     body = webhooks.payload(status.model_dump(mode="json"), timestamp)
     headers = webhooks.headers(context.settings.webhook_secret, body, job_id, status.state.value, timestamp)
-    code = post(url, body, headers)
+    settings = context.settings
+    problem = webhooks.destination_problem(url, allow_http=bool(settings.webhook_allow_http),
+                                           allow_private=bool(settings.webhook_allow_private))
+    if problem is not None:  # the rules may have tightened since the job was submitted
+        raise RejectedDelivery(problem)
+    code = post(url, body, headers, allow_private=bool(settings.webhook_allow_private))
     repository.redis.set(marker_key(repository.namespace, job_id), "delivered", ex=MARKER_TTL_S)
-    logger.info("job %s: webhook delivered to %s (HTTP %d)", job_id, url, code)
+    logger.info("job %s: webhook delivered to %s (HTTP %d)", job_id, webhooks.redacted(url), code)
     return {"job_id": job_id, "status": "delivered", "http_status": code}
 
 

@@ -34,7 +34,7 @@ def detect_input_format(store: ObjectStore, key: str) -> InputFormat:
 
 
 def _first_non_blank_line(store: ObjectStore, key: str) -> bytes | None:
-    for line in iter_lines_in_range(store, key, 0, FIRST_LINE_LIMIT):
+    for line in iter_lines_in_range(store, key, 0, FIRST_LINE_LIMIT, max_line_bytes=FIRST_LINE_LIMIT):
         if line.data.strip():
             return line.data
     return None

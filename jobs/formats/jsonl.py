@@ -6,7 +6,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from jobs.formats.lines import Line, iter_lines_in_range
+from jobs.formats.lines import MAX_LINE_BYTES, Line, iter_lines_in_range
 from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
 from jobs.object_store.base import ObjectStore
 
@@ -14,6 +14,10 @@ from jobs.object_store.base import ObjectStore
 def decode_object_line(line: Line) -> dict[str, Any] | RowError:
     """The line's JSON object, or the per-row error that says why it is not one."""
     where = f"line {line.number} of the shard (byte {line.offset})"
+    if line.too_long:
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_ROW,
+                        f"{where}: the line is {line.too_long:,} bytes, over the {MAX_LINE_BYTES >> 20} MiB "
+                        "a row may have (it was skipped, not read)", line.number)
     try:
         record = json.loads(line.data)
     except UnicodeDecodeError as error:
@@ -53,7 +57,7 @@ def iter_jsonl_rows(store: ObjectStore, key: str, start: int, end: int,
     Blank lines are not rows and are skipped; every other line yields exactly one item.
     """
     for line in iter_lines_in_range(store, key, start, end):
-        if not line.data.strip():
+        if not line.data.strip() and not line.too_long:
             continue
         record = decode_object_line(line)
         if isinstance(record, RowError):

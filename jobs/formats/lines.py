@@ -15,18 +15,23 @@ from jobs.object_store.base import ObjectStore
 
 READ_CHUNK_BYTES = 1 << 20
 UTF8_BOM = b"\xef\xbb\xbf"
+# A line longer than this is not held in memory: it is skipped to its end and reported by size.
+MAX_LINE_BYTES = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class Line:
     offset: int  # byte offset of the line's first byte in the object
     number: int  # 1-based, counted from the shard's first line
-    data: bytes  # without the newline (and a trailing \r)
+    data: bytes  # without the newline (and a trailing \r); empty when the line is too long
+    too_long: int = 0  # the line's size in bytes when it was over the limit (its data not read)
 
 
 def iter_lines_in_range(store: ObjectStore, key: str, start: int, end: int,
-                        chunk_size: int = READ_CHUNK_BYTES) -> Iterator[Line]:
-    """The lines that start in `[start, end)`, streamed; blank lines are yielded too."""
+                        chunk_size: int = READ_CHUNK_BYTES,
+                        max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Line]:
+    """The lines that start in `[start, end)`, streamed; blank lines are yielded too. A line over
+    `max_line_bytes` comes back with no data and its size in `too_long`, read past in chunks."""
     if end <= start:
         return
     read_from = start - 1 if start > 0 else 0
@@ -52,11 +57,29 @@ def iter_lines_in_range(store: ObjectStore, key: str, start: int, end: int,
                     return  # the file ends inside a line that an earlier shard owns
             position = newline + 1
 
+        def skip_long_line() -> Line:
+            """Drop the buffered start of an overlong line and read on to its newline."""
+            nonlocal buffer, position, buffer_offset, search_from
+            line_offset = buffer_offset + position
+            while (newline := buffer.find(b"\n", search_from)) < 0:
+                buffer_offset += len(buffer)
+                buffer, position, search_from = b"", 0, 0
+                if not refill():
+                    newline = len(buffer)
+                    break
+            size = buffer_offset + newline - line_offset
+            position = search_from = newline + 1
+            return Line(line_offset, number, b"", too_long=size)
+
         number = 0
         search_from = position
         while buffer_offset + position < end:
             newline = buffer.find(b"\n", search_from)
             if newline < 0:
+                if len(buffer) - position > max_line_bytes:
+                    number += 1
+                    yield skip_long_line()
+                    continue
                 search_from = len(buffer) - position  # relative: refill moves the buffer
                 if refill():
                     search_from += position
@@ -66,6 +89,10 @@ def iter_lines_in_range(store: ObjectStore, key: str, start: int, end: int,
                 newline = len(buffer)  # the last line has no trailing newline
             number += 1
             line_offset = buffer_offset + position
+            if newline - position > max_line_bytes:  # the whole line came in one read
+                yield Line(line_offset, number, b"", too_long=newline - position)
+                position = search_from = newline + 1
+                continue
             data = buffer[position:newline]
             if line_offset == 0 and data.startswith(UTF8_BOM):
                 data = data[len(UTF8_BOM):]

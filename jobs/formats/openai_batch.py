@@ -130,7 +130,7 @@ def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int,
     builder = OpenAIBatchRowBuilder(spec)
     seen: set[str] = set()
     for line in iter_lines_in_range(store, key, start, end):
-        if not line.data.strip():
+        if not line.data.strip() and not line.too_long:
             continue
         record = decode_object_line(line)
         if isinstance(record, dict):

@@ -54,7 +54,8 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    settings_fields = {"schedule_tick_s": 0.5, "webhook_secret": SECRET, "webhook_retry_base_s": 0.2}
+    settings_fields = {"schedule_tick_s": 0.5, "webhook_secret": SECRET, "webhook_retry_base_s": 0.2,
+                       "webhook_allow_http": True, "webhook_allow_private": True}  # a receiver on 127.0.0.1
     with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
                     models={"tiny": str(tiny_checkpoint)}, jobs_bucket=JOBS_BUCKET,
                     inputs_bucket=INPUTS_BUCKET, engine_options=ENGINE_OPTIONS,

@@ -62,6 +62,39 @@ def test_an_invalid_spec_is_422_with_one_message_per_field(api) -> None:
     assert api.control_queue_messages() == []
 
 
+def nested_schema(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}}
+    return schema
+
+
+def test_an_enormous_or_deeply_nested_schema_is_422_naming_the_limit(api) -> None:
+    uri = api.put_input("rows.jsonl", ROWS)
+    deep = {"type": "json_schema", "json_schema": {"name": "deep", "schema": nested_schema(40)}}
+    error = refused(lambda: api.client.jobs.create(spec(uri, response_format=deep)))
+    assert error.status_code == 422
+    assert any("nests" in m and "at most 32" in m for m in error.messages), error.messages
+    huge = {"type": "json_schema", "json_schema": {"name": "huge", "schema": {
+        "type": "object", "properties": {f"field_{n}": {"type": "string", "description": "x" * 200}
+                                         for n in range(400)}}}}
+    error = refused(lambda: api.client.jobs.create(spec(uri, response_format=huge)))
+    assert error.status_code == 422 and any("at most 65,536 are allowed" in m for m in error.messages)
+    assert api.control_queue_messages() == []
+
+
+def test_a_webhook_to_plain_http_or_to_this_network_is_refused_naming_the_rule(api) -> None:
+    uri = api.put_input("rows.jsonl", ROWS)
+    for url, rule in [("http://hooks.example.com/done", "must be an https:// URL"),
+                      ("https://169.254.169.254/latest/meta-data/", "link-local address"),
+                      ("https://localhost:8080/hook", "is this machine")]:
+        error = refused(lambda url=url: api.client.jobs.create(spec(uri, webhook_url=url)))
+        assert error.status_code == 400 and rule in error.message and "webhook_allow_" in error.message
+    assert api.control_queue_messages() == []
+    job = api.client.jobs.create(spec(uri, webhook_url="https://hooks.example.com/done?token=t"))
+    assert job.state == JobState.QUEUED
+
+
 def test_an_unknown_model_is_refused_naming_the_served_ones(api) -> None:
     error = refused(lambda: api.client.jobs.create(spec(api.put_input("rows.jsonl", ROWS), model="gpt-9")))
     assert error.status_code == 400

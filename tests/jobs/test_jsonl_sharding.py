@@ -127,3 +127,47 @@ def test_byte_range_reads_work_the_same_on_s3(s3_store) -> None:
 def test_an_empty_range_owns_no_lines(local_store, start, end) -> None:
     local_store.put_bytes("rows.jsonl", b'{"q": 1}\n{"q": 2}\n')
     assert list(iter_lines_in_range(local_store, "rows.jsonl", start, end)) == []
+
+
+@pytest.mark.parametrize("chunk_size", [7, 4096, 1 << 20])
+def test_an_overlong_line_is_skipped_unread_and_reported_by_size_wherever_the_cut(local_store,
+                                                                                 chunk_size: int) -> None:
+    long_line = b'{"q": "' + b"x" * 20_000 + b'"}'
+    lines = [b'{"q": "a"}', long_line, b'{"q": "b"}', long_line]  # the last one has no newline
+    data = b"\n".join(lines)
+    local_store.put_bytes("long.jsonl", data)
+    got = []
+    for start, end in [(0, 5), (5, 20_000), (20_000, len(data))]:  # cuts inside the long lines
+        got += list(iter_lines_in_range(local_store, "long.jsonl", start, end, chunk_size=chunk_size,
+                                        max_line_bytes=1000))
+    assert [(line.offset, line.data, line.too_long) for line in got] == [
+        (0, lines[0], 0), (11, b"", len(long_line)), (12 + len(long_line), lines[2], 0),
+        (23 + len(long_line), b"", len(long_line))]
+
+
+def test_an_overlong_jsonl_line_is_that_rows_error(local_store, monkeypatch: pytest.MonkeyPatch) -> None:
+    from jobs.formats import lines
+
+    monkeypatch.setattr(lines, "MAX_LINE_BYTES", 1000)
+    monkeypatch.setattr(lines.iter_lines_in_range, "__defaults__", (lines.READ_CHUNK_BYTES, 1000))
+    data = b'{"q": "a"}\n{"q": "' + b"y" * 5000 + b'"}\n{"q": "b"}\n'
+    local_store.put_bytes("rows.jsonl", data)
+    spec = JobSpec(input_uri="s3://b/rows.jsonl", model="m", prompt_column="q")
+    items = list(iter_jsonl_rows(local_store, "rows.jsonl", 0, len(data), RowBuilder(spec)))
+    assert [type(item) for item in items] == [Row, RowError, Row]
+    assert items[1].code == RowErrorCode.INVALID_ROW and "5,009 bytes" in items[1].message
+
+
+def test_a_rows_deeply_nested_schema_is_that_rows_error(local_store) -> None:
+    schema: dict = {"type": "string"}
+    for _ in range(40):
+        schema = {"type": "array", "items": schema}
+    lines = [{"q": "fine"}, {"q": "deep", "format": {"type": "json_schema",
+                                                     "json_schema": {"name": "deep", "schema": schema}}}]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    local_store.put_bytes("rows.jsonl", data)
+    spec = JobSpec(input_uri="s3://b/rows.jsonl", model="m", prompt_column="q",
+                   response_format_column="format")
+    items = list(iter_jsonl_rows(local_store, "rows.jsonl", 0, len(data), RowBuilder(spec)))
+    assert isinstance(items[0], Row) and isinstance(items[1], RowError)
+    assert items[1].code == RowErrorCode.INVALID_RESPONSE_FORMAT and "at most 32" in items[1].message

@@ -13,6 +13,7 @@ from jobs import webhooks
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
+from jobs.webhooks import destination_problem, redacted
 from tests.fixtures.services import free_port
 from tests.support.webhook_receiver import webhook_receiver
 from worker.context import WorkerContext
@@ -30,7 +31,9 @@ SECRET = "test-secret"
 
 @pytest.fixture
 def context(redis_url, tmp_path) -> WorkerContext:
-    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), webhook_secret=SECRET)
+    # The receivers here listen on 127.0.0.1 over http: both allowed only by these settings.
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), webhook_secret=SECRET,
+                        webhook_allow_http=True, webhook_allow_private=True)
     return WorkerContext(settings)
 
 
@@ -77,10 +80,45 @@ def test_an_answer_that_may_change_is_retryable_and_a_refusal_is_final() -> None
     with webhook_receiver([503, 429, 400]) as receiver:
         for expected in (RetryableDelivery, RetryableDelivery, RejectedDelivery):
             with pytest.raises(expected):
-                post(receiver.url, b"{}", {})
-        assert post(receiver.url, b"{}", {}) == 200
+                post(receiver.url, b"{}", {}, allow_private=True)
+        assert post(receiver.url, b"{}", {}, allow_private=True) == 200
     with pytest.raises(RetryableDelivery, match="ConnectError"):
-        post(f"http://127.0.0.1:{free_port()}/hook", b"{}", {})
+        post(f"http://127.0.0.1:{free_port()}/hook", b"{}", {}, allow_private=True)
+
+
+@pytest.mark.parametrize(("url", "problem"), [
+    ("http://hooks.example.com/x", "must be an https:// URL"),
+    ("https://localhost/x", "is this machine"),
+    ("https://127.0.0.1:8443/x", "loopback"),
+    ("https://169.254.169.254/latest/meta-data", "link-local"),
+    ("https://10.1.2.3/x", "private"),
+    ("https://[::1]/x", "loopback"),
+    ("https://[::ffff:127.0.0.1]/x", "loopback"),
+    ("https://0.0.0.0/x", "unspecified"),
+])
+def test_webhooks_to_plain_http_or_this_network_are_refused_by_default(url: str, problem: str) -> None:
+    found = destination_problem(url, allow_http=False, allow_private=False)
+    assert found is not None and problem in found
+    public = "https://hooks.example.com/x?token=1"
+    assert destination_problem(public, allow_http=False, allow_private=False) is None
+    assert destination_problem(url, allow_http=True, allow_private=True) is None
+
+
+def test_a_name_that_resolves_to_this_machine_is_refused_when_delivering_and_no_reply_is_kept() -> None:
+    with webhook_receiver([200]) as receiver:
+        port = receiver.url.split(":")[2].split("/")[0]
+        with pytest.raises(RejectedDelivery, match="resolves to 127.0.0.1, a loopback address"):
+            post(f"http://localhost:{port}/hook", b"{}", {})
+        assert receiver.requests == []  # refused before any connection
+    with webhook_receiver([400]) as receiver:
+        with pytest.raises(RejectedDelivery) as refused:
+            post(receiver.url, b"{}", {}, allow_private=True)
+        assert str(refused.value) == "HTTP 400"  # the receiver's reply is not stored
+
+
+def test_urls_in_logs_lose_their_query_and_credentials() -> None:
+    assert redacted("https://user:pw@hooks.example.com:8443/a/b?token=s3cret#x") == \
+        "https://hooks.example.com:8443/a/b"
 
 
 def test_a_job_that_ended_starts_one_delivery_however_many_tasks_see_it_end(context) -> None:
