@@ -7,11 +7,13 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
 from api import routes_jobs, routes_schedules, routes_service
-from api.auth import ApiKeyCheck
+from api.auth import ApiKeyCheck, parse_keys
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -36,9 +38,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         context.tasks.close()
         context.repository.redis.close()
 
+    auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys))
+    # With keys, the schema and its page are behind them too (FastAPI's own docs routes skip app
+    # dependencies): they are served below by routes that need a key.
+    docs = {} if not auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
-                  dependencies=[Depends(ApiKeyCheck(settings.api_key_list()))])
+                  dependencies=[Depends(auth)], **docs)
     app.state.context = context
+    app.state.auth = auth
     install_error_handlers(app)
     app.include_router(routes_jobs.router)
     app.include_router(routes_service.router)
@@ -56,4 +63,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    if auth.enabled:
+        @app.get("/openapi.json", include_in_schema=False)
+        def openapi_behind_keys() -> JSONResponse:
+            return JSONResponse(app.openapi())
+
+        @app.get("/docs", include_in_schema=False)
+        def docs_behind_keys() -> HTMLResponse:
+            return get_swagger_ui_html(openapi_url="/openapi.json", title="bulkinfer API")
     return app

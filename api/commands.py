@@ -64,10 +64,15 @@ def up(argv: list[str]) -> int:
     parser.add_argument("--config", metavar="PATH", help="TOML config file (default: $BULKINFER_CONFIG, else "
                         "./bulkinfer.toml if present); `up` takes api_host, api_port and the worker settings "
                         "from it, and runs its own Redis and store")
+    parser.add_argument("--api-keys", default=None, metavar="TENANT=KEY,...",
+                        help="keys the API requires, per tenant (default: the api_keys setting; unset: open)")
+    parser.add_argument("--admin-api-keys", default=None, metavar="KEY,...",
+                        help="admin keys, which see every tenant's jobs (default: admin_api_keys)")
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port,
-                                     dtype=args.dtype)
+                                     dtype=args.dtype, api_keys=args.api_keys,
+                                     admin_api_keys=args.admin_api_keys)
     except ConfigError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
         return 2
@@ -76,7 +81,8 @@ def up(argv: list[str]) -> int:
         options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port,
                                preset=args.preset or "small", models_dir=args.models_dir,
                                engine_options=settings.engine_options_dict(),
-                               models=_served_models(args, settings))
+                               models=_served_models(args, settings), api_keys=settings.api_keys,
+                               admin_api_keys=settings.admin_api_keys)
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)

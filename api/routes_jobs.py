@@ -9,7 +9,8 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.dependencies import Context
+from api.auth import Caller, CallerDep
+from api.dependencies import ApiContext, Context
 from api.errors import ApiError
 from api.results import finished_manifest, job_results, stream_rows
 from api.schemas import ERROR_RESPONSES, JobPage, JobResults
@@ -63,43 +64,54 @@ async def _read_json_body(request: Request) -> object:
 
 @router.post("/jobs", status_code=201, response_model=JobStatus, summary="Submit a job",
              openapi_extra={"requestBody": SUBMIT_BODY})
-async def create_job(request: Request, context: Context) -> JobStatus:
+async def create_job(request: Request, context: Context, caller: CallerDep) -> JobStatus:
     """A JobSpec as JSON whose `input_uri` names an `s3://` object or a file in the local store;
     or multipart with the spec and the input file. The job is validated against the head of its
     input, created, and queued for planning. The same `idempotency_key` and spec return the same job.
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        return await submit_upload(context, request)
+        return await submit_upload(context, request, caller.tenant)
     if content_type in ("application/json", ""):
-        spec = parse_spec(await _read_json_body(request))
+        spec = parse_spec(await _read_json_body(request)).model_copy(update={"tenant": caller.tenant})
         return await run_in_threadpool(submit_spec, context, spec)
     raise ApiError(415, f"unsupported content type {content_type!r}: send the spec as application/json, "
                         f"or multipart/form-data with {SPEC_FIELD!r} and {FILE_FIELD!r}")
 
 
 @router.get("/jobs", response_model=JobPage, summary="List jobs, newest first")
-def list_jobs(context: Context, status: JobState | None = None,
+def list_jobs(context: Context, caller: CallerDep, status: JobState | None = None,
               cursor: Annotated[str | None, Query(pattern=CURSOR_PATTERN)] = None,
               limit: Annotated[int, Query(ge=1, le=1000)] = 50) -> JobPage:
-    jobs, next_cursor = context.repository.list(state=status, cursor=cursor, limit=limit)
+    """The caller's tenant's jobs (an admin key: every tenant's)."""
+    jobs, next_cursor = context.repository.list(state=status, cursor=cursor, limit=limit, tenant=caller.scope)
     return JobPage(jobs=jobs, next_cursor=next_cursor)
 
 
+def _owned(context: ApiContext, caller: Caller, job_id: str) -> JobStatus:
+    """The job, if the caller may see it; another tenant's job is not found, as if it did not exist."""
+    status = context.repository.get(_known_id(job_id))
+    if not caller.sees(status.tenant):
+        raise JobNotFound(job_id)
+    return status
+
+
 @router.get("/jobs/{job_id}", response_model=JobStatus, summary="A job's state, counts and usage")
-def get_job(job_id: str, context: Context) -> JobStatus:
-    return context.repository.get(_known_id(job_id))
+def get_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
+    return _owned(context, caller, job_id)
 
 
 @router.get("/jobs/{job_id}/spec", response_model=JobSpec, summary="The spec the job runs (job.json)")
-def get_job_spec(job_id: str, context: Context) -> JobSpec:
-    return context.repository.get_spec(_known_id(job_id))
+def get_job_spec(job_id: str, context: Context, caller: CallerDep) -> JobSpec:
+    _owned(context, caller, job_id)
+    return context.repository.get_spec(job_id)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobStatus, summary="Cancel a job")
-def cancel_job(job_id: str, context: Context) -> JobStatus:
+def cancel_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
     """Cancelling a cancelled job is a no-op; a job that already succeeded or failed answers 409."""
-    status = context.repository.request_cancel(_known_id(job_id))
+    _owned(context, caller, job_id)
+    status = context.repository.request_cancel(job_id)
     if status.state != JobState.CANCELLED:
         raise ApiError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
     # The job may sit behind other work (or on a model no worker serves): its webhook goes now.
@@ -111,9 +123,11 @@ def cancel_job(job_id: str, context: Context) -> JobStatus:
 @router.get("/jobs/{job_id}/results", response_model=JobResults, summary="A finished job's output",
             responses={200: {"content": {"application/x-ndjson": {}}, "description":
                              "the part list; with ?download=true, every output row as JSON lines"}})
-def get_results(job_id: str, context: Context, download: bool = False) -> JobResults | StreamingResponse:
+def get_results(job_id: str, context: Context, caller: CallerDep,
+                download: bool = False) -> JobResults | StreamingResponse:
     """The output parts with presigned URLs; `?download=true` streams every row, in input order,
     as JSON lines (Parquet parts are converted)."""
+    _owned(context, caller, job_id)
     if not download:
         return job_results(context, _known_id(job_id))
     manifest = finished_manifest(context, _known_id(job_id))

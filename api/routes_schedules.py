@@ -12,6 +12,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Response
 from pydantic import BaseModel
 
+from api.auth import Caller, CallerDep
 from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import ApiError
@@ -20,6 +21,8 @@ from api.submission import check_webhook, locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
+    Schedule,
+    ScheduleNotFound,
     ScheduleRepository,
     ScheduleSpec,
     ScheduleView,
@@ -84,12 +87,13 @@ CREATE_BODY = {"required": True,
 
 @router.post("/schedules", status_code=201, response_model=ScheduleView, summary="Create a schedule",
              openapi_extra={"requestBody": CREATE_BODY})
-def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -> ScheduleView:
+def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
+                    caller: CallerDep) -> ScheduleView:
     """A cron expression (UTC; 6 fields = seconds last), an input prefix or glob, and a job template
     (a JobSpec without `input_uri` and `idempotency_key`). A bad cron or template answers 422
     naming the field; an unknown model or an unreadable prefix 400.
     """
-    spec = parse_object(body, ScheduleSpec, "schedule")
+    spec = parse_object(body, ScheduleSpec, "schedule").model_copy(update={"tenant": caller.tenant})
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
@@ -99,45 +103,56 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context) -
 
 
 @router.get("/schedules", response_model=ScheduleList, summary="List schedules, oldest first")
-def list_schedules(context: Context) -> ScheduleList:
+def list_schedules(context: Context, caller: CallerDep) -> ScheduleList:
+    """The caller's tenant's schedules (an admin key: every tenant's)."""
     schedules = _repository(context)
-    return ScheduleList(schedules=[schedules.view(schedule) for schedule in schedules.list()])
+    return ScheduleList(schedules=[schedules.view(schedule) for schedule in schedules.list()
+                                   if caller.sees(schedule.tenant)])
+
+
+def _owned(context: ApiContext, caller: Caller, schedule_id: str) -> Schedule:
+    """The schedule, if the caller may see it; another tenant's is not found, as if it did not exist."""
+    schedule = _repository(context).get(schedule_id)
+    if not caller.sees(schedule.tenant):
+        raise ScheduleNotFound(schedule_id)
+    return schedule
 
 
 @router.get("/schedules/{schedule_id}", response_model=ScheduleView, summary="A schedule and its tick state")
-def get_schedule(schedule_id: str, context: Context) -> ScheduleView:
-    schedules = _repository(context)
-    return schedules.view(schedules.get(schedule_id))
+def get_schedule(schedule_id: str, context: Context, caller: CallerDep) -> ScheduleView:
+    return _repository(context).view(_owned(context, caller, schedule_id))
 
 
-def _set_paused(context: ApiContext, schedule_id: str, paused: bool) -> ScheduleView:
+def _set_paused(context: ApiContext, caller: Caller, schedule_id: str, paused: bool) -> ScheduleView:
+    _owned(context, caller, schedule_id)
     schedules = _repository(context)
     return schedules.view(schedules.set_paused(schedule_id, paused))
 
 
 @router.post("/schedules/{schedule_id}/pause", response_model=ScheduleView, summary="Pause a schedule")
-def pause_schedule(schedule_id: str, context: Context) -> ScheduleView:
+def pause_schedule(schedule_id: str, context: Context, caller: CallerDep) -> ScheduleView:
     """No tick submits anything while paused; objects that arrive meanwhile are submitted after resume."""
-    return _set_paused(context, schedule_id, True)
+    return _set_paused(context, caller, schedule_id, True)
 
 
 @router.post("/schedules/{schedule_id}/resume", response_model=ScheduleView, summary="Resume a schedule")
-def resume_schedule(schedule_id: str, context: Context) -> ScheduleView:
-    return _set_paused(context, schedule_id, False)
+def resume_schedule(schedule_id: str, context: Context, caller: CallerDep) -> ScheduleView:
+    return _set_paused(context, caller, schedule_id, False)
 
 
 @router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
-def delete_schedule(schedule_id: str, context: Context) -> Response:
+def delete_schedule(schedule_id: str, context: Context, caller: CallerDep) -> Response:
     """The jobs it submitted stay."""
+    _owned(context, caller, schedule_id)
     _repository(context).delete(schedule_id)
     return Response(status_code=204)
 
 
 @router.post("/schedules/{schedule_id}/tick", response_model=TickReport, summary="Tick a schedule now")
-def tick_now(schedule_id: str, context: Context) -> TickReport:
+def tick_now(schedule_id: str, context: Context, caller: CallerDep) -> TickReport:
     """Submit the schedule's new objects now, whatever its cron says (paused: 409)."""
     schedules = _repository(context)
-    schedule = schedules.get(schedule_id)
+    schedule = _owned(context, caller, schedule_id)
     if schedule.paused:
         raise ApiError(409, f"schedule {schedule_id} is paused; resume it first")
     result = tick_schedule(schedules, context.repository, schedule,
@@ -148,7 +163,7 @@ def tick_now(schedule_id: str, context: Context) -> TickReport:
 
 @router.get("/schedules/{schedule_id}/jobs", response_model=SubmittedList,
             summary="The objects a schedule has submitted, with their jobs")
-def submitted_objects(schedule_id: str, context: Context) -> SubmittedList:
+def submitted_objects(schedule_id: str, context: Context, caller: CallerDep) -> SubmittedList:
     schedules = _repository(context)
-    schedules.get(schedule_id)  # 404 for an unknown schedule
+    _owned(context, caller, schedule_id)  # 404 for an unknown schedule, or another tenant's
     return SubmittedList(objects=schedules.submitted(schedule_id))

@@ -58,6 +58,8 @@ class StackOptions:
     engine_options: dict[str, object] = field(default_factory=dict)  # BULKINFER_ENGINE_OPTIONS
     # name → location (a folder, s3://…, a .gguf file or a catalog name); empty: the built preset.
     models: dict[str, str] = field(default_factory=dict)
+    api_keys: str | None = None  # the API's keys per tenant (api/auth.py); None: an open API
+    admin_api_keys: str | None = None
 
     @property
     def model_name(self) -> str:
@@ -158,7 +160,8 @@ class Stack:
             models = self._prepare_models()
             broker_url = self._start_redis()
             self.settings = Settings(broker_url=broker_url, store_uri=str(self.home / "store"),
-                                     models=json.dumps(models))
+                                     models=json.dumps(models), api_keys=options.api_keys,
+                                     admin_api_keys=options.admin_api_keys)
             self._start_worker(self.settings)
             self._server = ServerThread(create_app(self.settings), host=options.host, port=port).start()
             self.url = self._server.url

@@ -164,9 +164,10 @@ async def _drain(events: AsyncIterator[PartStart | PartData | PartEnd]) -> None:
         pass
 
 
-async def submit_upload(context: ApiContext, request: Request) -> JobStatus:
+async def submit_upload(context: ApiContext, request: Request, tenant: str | None = None) -> JobStatus:
+    """The spec and the file of a multipart submit; the job belongs to `tenant`."""
     events = iter_multipart(request)
-    receiver = _Receiver(context)
+    receiver = _Receiver(context, tenant)
     try:
         spec, upload = await receiver.receive(events)
         resolved = await run_in_threadpool(validate_input, context, spec, upload.store, upload.key)
@@ -180,8 +181,9 @@ async def submit_upload(context: ApiContext, request: Request) -> JobStatus:
 class _Receiver:
     """Walks the parts: the spec first, then the file into `jobs/<id>/input/<name>`."""
 
-    def __init__(self, context: ApiContext) -> None:
+    def __init__(self, context: ApiContext, tenant: str | None) -> None:
         self.context = context
+        self.tenant = tenant
         self.job_id: str | None = None
         self.upload: _Upload | None = None
         self._wrote = False
@@ -220,6 +222,7 @@ class _Receiver:
     async def _start_file(self, spec_data: dict[str, object], filename: str | None) -> JobSpec:
         if self.upload is not None:
             raise ApiError(400, f"one {FILE_FIELD!r} per job")
+        spec_data = {**spec_data, "tenant": self.tenant}  # the caller's, whatever the spec said
         self.job_id = JobRepository.job_id_for(parse_spec({**spec_data, "input_uri": PENDING_UPLOAD_URI}))
         key = self.context.repository.layout(self.job_id).input_key(input_name(filename))
         spec = parse_spec({**spec_data, "input_uri": self.context.store.uri(key)})

@@ -32,6 +32,7 @@ from jobs.status import ALLOWED_TRANSITIONS, IllegalTransition, JobState, JobSta
 
 DEFAULT_NAMESPACE = "bulkinfer"
 INDEX_REBUILD_LOCK_MS = 5 * 60 * 1000
+LIST_SCAN_PAGE = 200  # index entries read at a time when a listing keeps one tenant's jobs
 STATES = list(JobState)
 # How far along the lifecycle a state is: a transition to an earlier state was already made.
 LIFECYCLE_RANK = {JobState.QUEUED: 0, JobState.RUNNING: 1, JobState.FINALIZING: 2,
@@ -103,8 +104,10 @@ def new_job_id() -> str:
     return f"job-{uuid.uuid4().hex}"
 
 
-def idempotent_job_id(idempotency_key: str) -> str:
-    digest = hashlib.sha256(f"bulkinfer-idempotency:{idempotency_key}".encode()).hexdigest()
+def idempotent_job_id(idempotency_key: str, tenant: str | None = None) -> str:
+    """The job id an idempotency key gives: per tenant, so two tenants' equal keys never meet."""
+    scope = f"{tenant}\x00" if tenant else ""
+    digest = hashlib.sha256(f"bulkinfer-idempotency:{scope}{idempotency_key}".encode()).hexdigest()
     return f"job-{digest[:32]}"
 
 
@@ -160,7 +163,7 @@ class JobRepository:
 
         The API uses it to place an upload under `jobs/<id>/input/` before the job exists.
         """
-        return idempotent_job_id(spec.idempotency_key) if spec.idempotency_key else new_job_id()
+        return idempotent_job_id(spec.idempotency_key, spec.tenant) if spec.idempotency_key else new_job_id()
 
     # -- create and read --------------------------------------------------------------------
 
@@ -171,7 +174,7 @@ class JobRepository:
         with a different spec it raises `IdempotencyConflict` (`JobConflict` for a bare job id).
         """
         if spec.idempotency_key:
-            derived = idempotent_job_id(spec.idempotency_key)
+            derived = idempotent_job_id(spec.idempotency_key, spec.tenant)
             if job_id is not None and job_id != derived:
                 raise ValueError(f"a job with an idempotency key has the id {derived} (from "
                                  f"JobRepository.job_id_for), not {job_id}")
@@ -183,7 +186,7 @@ class JobRepository:
         except AlreadyExists:
             self._check_same_spec(job_id, spec)
             return self._restore(job_id)
-        status = JobStatus(job_id=job_id)
+        status = JobStatus(job_id=job_id, tenant=spec.tenant)
         try:
             self.store.put_bytes(layout.status_key, status.model_dump_json().encode(), if_none_match=True)
         except AlreadyExists:  # a racing create of the same job wrote it first
@@ -218,24 +221,35 @@ class JobRepository:
         return status.with_counts(counts.rows, counts.shards, counts.usage) if counts else status
 
     def list(self, state: JobState | str | None = None, cursor: str | None = None,
-             limit: int = 50) -> tuple[builtins.list[JobStatus], str | None]:
-        """Newest first. `next_cursor` is None on the last page; jobs created after the first
-        page never shift later pages (the cursor is a position in creation order).
+             limit: int = 50, tenant: str | None = None) -> tuple[builtins.list[JobStatus], str | None]:
+        """Newest first; only `tenant`'s jobs when given. `next_cursor` is None on the last page;
+        jobs created after the first page never shift later pages (the cursor is a position in
+        creation order).
         """
         if not 1 <= limit <= 1000:
             raise ValueError(f"limit must be 1 to 1000, got {limit}")
         self.ensure_index()
         key = self._state_index_key(JobState(state)) if state else self._index_key
         upper = f"({cursor}" if cursor else "+"
-        members = self.redis.zrange(key, upper, "-", desc=True, bylex=True, offset=0, num=limit + 1)
-        names = [member.decode() if isinstance(member, bytes) else member for member in members]
-        statuses = []
-        for member in names[:limit]:
-            try:
-                statuses.append(self.get(member.split(":", 1)[1]))
-            except JobNotFound:  # deleted from the store; the index entry is stale
-                continue
-        return statuses, names[limit - 1] if len(names) > limit else None
+        found: builtins.list[tuple[str, JobStatus]] = []  # up to limit + 1: one more says "more"
+        while len(found) <= limit:
+            members = self.redis.zrange(key, upper, "-", desc=True, bylex=True, offset=0,
+                                        num=limit + 1 - len(found) if tenant is None else LIST_SCAN_PAGE)
+            names = [member.decode() if isinstance(member, bytes) else member for member in members]
+            for member in names:
+                try:
+                    status = self.get(member.split(":", 1)[1])
+                except JobNotFound:  # deleted from the store; the index entry is stale
+                    continue
+                if tenant is None or status.tenant == tenant:
+                    found.append((member, status))
+                    if len(found) > limit:
+                        break
+            if not names or len(found) > limit:
+                break
+            upper = f"({names[-1]}"
+        statuses = [status for _, status in found[:limit]]
+        return statuses, found[limit - 1][0] if len(found) > limit else None
 
     def ensure_index(self) -> int:
         """Put back every job of the store that Redis does not know (after Redis lost its data, or
@@ -271,7 +285,7 @@ class JobRepository:
         try:
             return JobStatus.model_validate_json(self.store.get_bytes(self.layout(job_id).status_key))
         except ObjectNotFound:  # a create that stopped before writing it: the job is still queued
-            return JobStatus(job_id=job_id)
+            return JobStatus(job_id=job_id, tenant=self.get_spec(job_id).tenant)
 
     # -- transitions and cancel -------------------------------------------------------------
 
@@ -344,7 +358,8 @@ class JobRepository:
         fields = {"state": status.state.value, "created_at": _timestamp(status.created_at),
                   "started_at": _timestamp(status.started_at),
                   "finished_at": _timestamp(status.finished_at), "error": status.error or "",
-                  "output_uris": json.dumps(status.output_uris), "manifest_uri": status.manifest_uri or ""}
+                  "output_uris": json.dumps(status.output_uris), "manifest_uri": status.manifest_uri or "",
+                  "tenant": status.tenant or ""}
         arguments = [member]
         for name, value in fields.items():
             arguments += [name, value]
@@ -373,7 +388,7 @@ class JobRepository:
             job_id=job_id, state=JobState(fields["state"]), created_at=_datetime(fields["created_at"]),
             started_at=_datetime(fields.get("started_at")), finished_at=_datetime(fields.get("finished_at")),
             error=fields.get("error") or None, output_uris=json.loads(fields.get("output_uris") or "[]"),
-            manifest_uri=fields.get("manifest_uri") or None)
+            manifest_uri=fields.get("manifest_uri") or None, tenant=fields.get("tenant") or None)
 
     def _counts(self, job_id: str, state: JobState) -> CounterSnapshot | None:
         """The live counts; rebuilt from the store when Redis lost them; None before planning."""

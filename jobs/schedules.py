@@ -101,6 +101,8 @@ class ScheduleSpec(BaseModel):
     job: dict[str, Any] = Field(description="a JobSpec without input_uri and idempotency_key")
     webhook_url: str | None = Field(None, description="copied into every job the schedule submits")
     paused: bool = False
+    tenant: str | None = Field(None, description="whose schedule it is (and its jobs'): set by the API from "
+                                                 "the caller's key (a value sent is replaced)")
 
     @field_validator("cron")
     @classmethod
@@ -150,6 +152,7 @@ class Schedule(ScheduleSpec):
         data["metadata"] = {**(data.get("metadata") or {}), SCHEDULE_METADATA_KEY: self.id}
         if self.webhook_url and not data.get("webhook_url"):
             data["webhook_url"] = self.webhook_url
+        data["tenant"] = self.tenant  # the schedule's owner owns its jobs
         return JobSpec.model_validate(data)
 
 

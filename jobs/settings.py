@@ -46,6 +46,7 @@ ENVIRONMENT_NAMES = {
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
     "api_keys": "BULKINFER_API_KEYS",
+    "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
@@ -81,8 +82,10 @@ class Settings(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
-    # Keys (comma-separated) the API accepts as `Authorization: Bearer <key>`; unset: no auth.
+    # Keys the API accepts as `Authorization: Bearer <key>`: comma-separated `tenant=key` (a key may be
+    # `sha256:<hex>`; a bare key is the tenant "default"); unset: no auth (api/auth.py).
     api_keys: str | None = None
+    admin_api_keys: str | None = None  # keys that see every tenant's jobs and schedules
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
@@ -162,9 +165,6 @@ class Settings(BaseModel):
         their variable directly (engine options, lease TTL, …) and for child processes.
         """
         (os.environ if environ is None else environ).update(self.to_env())
-
-    def api_key_list(self) -> list[str]:
-        return [key.strip() for key in (self.api_keys or "").split(",") if key.strip()]
 
     def engine_options_dict(self) -> dict[str, Any]:
         """`engine_options` with the `dtype` setting over its own `dtype`, when that is set."""

@@ -30,12 +30,15 @@ HELP = {
     "webhook_secret": "HMAC key that signs webhook deliveries",
     "webhook_max_attempts": "webhook delivery attempts",
     "webhook_retry_base_s": "first webhook retry delay in seconds (doubles)",
+    "webhook_allow_http": "true: accept and call http:// webhook URLs",
+    "webhook_allow_private": "true: accept and call webhooks to loopback, private and link-local addresses",
+    "admin_api_keys": "comma-separated admin keys (or sha256:<hex>): they see every tenant's jobs",
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "worker_concurrency", "schedule_tick_s", "webhook_secret", "webhook_max_attempts",
-                   "webhook_retry_base_s")
+                   "webhook_retry_base_s", "webhook_allow_http", "webhook_allow_private")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

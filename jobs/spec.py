@@ -72,6 +72,8 @@ class JobSpec(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
     webhook_url: str | None = Field(None, description="POSTed the final status when the job ends (signed)")
+    tenant: str | None = Field(None, description="whose job it is: set by the API from the caller's key "
+                                                 "(a value sent in a submit is replaced)")
 
     @field_validator("input_uri", "output_uri")
     @classmethod

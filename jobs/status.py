@@ -86,6 +86,7 @@ class JobStatus(BaseModel):
     output_uris: list[str] = Field(default_factory=list)
     manifest_uri: str | None = None
     error: str | None = Field(None, description="why the job failed")
+    tenant: str | None = Field(None, description="whose job it is (the tenant of the key that created it)")
 
     def transition(self, target: JobState, *, at: datetime | None = None,
                    error: str | None = None) -> JobStatus:
