@@ -17,6 +17,7 @@ from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import ApiError
 from api.schemas import ERROR_RESPONSES
+from api.storage_rules import check_allowed
 from api.submission import check_webhook, locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
@@ -97,6 +98,8 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
+    rules = context.settings.tenant_prefixes
+    check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix")
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))

@@ -14,11 +14,13 @@ from pydantic import BaseModel, ValidationError
 from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
 from api.errors import ApiError, invalid_model
+from api.storage_rules import check_allowed, claim_output_folder
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
+from jobs.repository import JobRepository
 from jobs.sharding import open_parquet
 from jobs.spec import InputFormat, JobSpec
 from jobs.status import JobState, JobStatus
@@ -127,8 +129,29 @@ def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: 
         raise invalid_model(error) from None
     check_columns(resolved, store, key, spec.input_uri)
     if resolved.output_uri:
-        locate(context, resolved.output_uri, "output_uri")
+        check_allowed(context.settings.tenant_prefixes, resolved.tenant, resolved.output_uri, "output_uri")
+        output_store, output_key = locate(context, resolved.output_uri, "output_uri")
+        if _in_job_folders(context, output_store, output_key):
+            raise ApiError(403, f"output_uri {resolved.output_uri!r} is inside the job store's jobs/ folder, "
+                                "where each job keeps its own files; leave output_uri out to write there")
     return resolved
+
+
+def _in_job_folders(context: ApiContext, store: ObjectStore, key: str) -> bool:
+    settings = context.settings
+    if settings.is_local_store:
+        path = Path("/", key)
+        jobs = settings.local_store_root() / "jobs"
+        return path == jobs or jobs in path.parents
+    jobs_prefix = f"{context.repository.prefix}/jobs".lstrip("/")
+    return store.uri("") == context.store.uri("") and (key.rstrip("/") + "/").startswith(jobs_prefix + "/")
+
+
+def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:
+    """An output_uri folder holds one job's parts: claim it for this job (409 if another has it)."""
+    if spec.output_uri:
+        store, key = locate(context, spec.output_uri, "output_uri")
+        claim_output_folder(store, key, spec.output_uri, job_id)
 
 
 def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = None) -> JobStatus:
@@ -162,6 +185,9 @@ def parse_spec(data: object) -> JobSpec:
 def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus:
     """A JSON submit: the input is already in S3 or the local store."""
     check_model(context, spec)
+    check_allowed(context.settings.tenant_prefixes, spec.tenant, spec.input_uri, "input_uri")
     store, key = locate(context, spec.input_uri, "input_uri")
     resolved = validate_input(context, spec, store, key)
-    return create_and_enqueue(context, resolved)
+    job_id = JobRepository.job_id_for(resolved)
+    claim_output(context, resolved, job_id)
+    return create_and_enqueue(context, resolved, job_id)

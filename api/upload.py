@@ -20,7 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.dependencies import ApiContext
 from api.errors import ApiError
-from api.submission import check_model, create_and_enqueue, parse_spec, validate_input
+from api.submission import check_model, claim_output, create_and_enqueue, parse_spec, validate_input
 from jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
 from jobs.repository import JobRepository
 from jobs.spec import JobSpec
@@ -175,6 +175,8 @@ async def submit_upload(context: ApiContext, request: Request, tenant: str | Non
         await _drain(events)
         await receiver.discard()
         raise
+    assert receiver.job_id is not None
+    await run_in_threadpool(claim_output, context, resolved, receiver.job_id)
     return await run_in_threadpool(create_and_enqueue, context, resolved, receiver.job_id)
 
 

@@ -126,6 +126,10 @@ class ScheduleSpec(BaseModel):
         present = [name for name in TICK_FIELDS if name in value]
         if present:
             raise ValueError(f"{', '.join(present)}: set per input object by the schedule; leave it out")
+        if value.get("output_uri"):
+            raise ValueError("output_uri: every job a schedule submits writes to its own folder (one "
+                             "output_uri for all of them would make their parts overwrite each other); "
+                             "leave it out")
         probe = {**value, "input_uri": "s3://bucket/template-check"}
         if isinstance(value.get("metadata", {}), dict):  # leaves room for the schedule id
             probe["metadata"] = {**value.get("metadata", {}), SCHEDULE_METADATA_KEY: "x"}

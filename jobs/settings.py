@@ -47,6 +47,7 @@ ENVIRONMENT_NAMES = {
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
     "api_keys": "BULKINFER_API_KEYS",
     "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
+    "tenant_prefixes": "BULKINFER_TENANT_PREFIXES",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
@@ -86,6 +87,8 @@ class Settings(BaseModel):
     # `sha256:<hex>`; a bare key is the tenant "default"); unset: no auth (api/auth.py).
     api_keys: str | None = None
     admin_api_keys: str | None = None  # keys that see every tenant's jobs and schedules
+    # JSON {tenant: [prefixes its input_uri, output_uri, input_prefix must lie under]} (api/storage_rules.py)
+    tenant_prefixes: str | None = None
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
@@ -105,7 +108,7 @@ class Settings(BaseModel):
             raise ValueError(f"store URI must be s3://bucket/prefix or a local directory, got {value!r}")
         return value
 
-    @field_validator("models", "engine_options", mode="before")
+    @field_validator("models", "engine_options", "tenant_prefixes", mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.

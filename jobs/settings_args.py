@@ -33,6 +33,7 @@ HELP = {
     "webhook_allow_http": "true: accept and call http:// webhook URLs",
     "webhook_allow_private": "true: accept and call webhooks to loopback, private and link-local addresses",
     "admin_api_keys": "comma-separated admin keys (or sha256:<hex>): they see every tenant's jobs",
+    "tenant_prefixes": "JSON {tenant: [s3:// prefixes its inputs and outputs must lie under]}",
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",

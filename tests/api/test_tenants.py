@@ -4,6 +4,7 @@ another tenant gets 404 for it and never sees it listed; an admin key sees all."
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
 import httpx
@@ -105,3 +106,50 @@ def test_the_schema_and_its_page_need_a_key_when_keys_are_set(api) -> None:
         assert answer.status_code == 200
     assert "/jobs" in httpx.get(f"{api.url}/openapi.json",
                                 headers={"Authorization": "Bearer acme-secret"}).json()["paths"]
+
+
+@pytest.fixture
+def ruled_api(redis_url, tmp_path):
+    root = tmp_path / "store"
+    rules = {"acme": [str(root / "inputs" / "acme")], "globex": [str(root / "inputs" / "globex")]}
+    settings = Settings(broker_url=redis_url, store_uri=str(root), models=json.dumps(MODELS),
+                        api_keys=KEYS, admin_api_keys="root-secret", tenant_prefixes=json.dumps(rules))
+    with serve(settings) as running:
+        yield running
+
+
+def test_a_tenant_reads_and_writes_only_under_its_prefixes(ruled_api) -> None:
+    api = ruled_api
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key="root-secret") as admin:
+        ok = acme.jobs.create(spec(api, "acme/rows.jsonl", output_uri=api.input_uri("acme/out/")))
+        assert ok.tenant == "acme"
+        for fields, field in [({"name": "globex/rows.jsonl"}, "input_uri"),
+                              ({"name": "acme-evil/rows.jsonl"}, "input_uri"),  # a prefix is a folder
+                              ({"name": "acme/r.jsonl", "output_uri": api.input_uri("globex/out/")},
+                               "output_uri")]:
+            name = fields.pop("name")
+            with pytest.raises(ApiError) as refused:
+                acme.jobs.create(spec(api, name, **fields))
+            assert refused.value.status_code == 403 and refused.value.message.startswith(field)
+            message = refused.value.message
+            assert "tenant 'acme' may use" in message and "tenant_prefixes" in message
+        assert admin.jobs.create(spec(api, "globex/any.jsonl")).tenant is None  # admins are not limited
+        # Uploads live in the job's own folder: no rule needed.
+        uploaded = acme.jobs.create({"model": "tiny", "prompt_column": "q"}, file=io.BytesIO(ROWS),
+                                    filename="up.jsonl")
+        assert uploaded.tenant == "acme"
+
+
+def test_an_output_folder_holds_one_jobs_parts(api) -> None:
+    with Client(api.url, api_key="acme-secret") as acme:
+        folder = api.input_uri("shared-out/")
+        first = acme.jobs.create(spec(api, "one.jsonl", output_uri=folder, idempotency_key="one"))
+        again = acme.jobs.create(spec(api, "one.jsonl", output_uri=folder, idempotency_key="one"))
+        assert again.job_id == first.job_id  # the same job may come back to its folder
+        with pytest.raises(ApiError) as refused:
+            acme.jobs.create(spec(api, "two.jsonl", output_uri=folder))
+        assert refused.value.status_code == 409 and first.job_id in refused.value.message
+        inside = str(api.settings.local_store_root() / "jobs" / first.job_id / "output")
+        with pytest.raises(ApiError) as refused:
+            acme.jobs.create(spec(api, "three.jsonl", output_uri=inside))
+        assert refused.value.status_code == 403 and "jobs/ folder" in refused.value.message

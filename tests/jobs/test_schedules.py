@@ -101,6 +101,8 @@ def test_the_job_template_is_checked_as_a_job_spec_without_its_per_object_fields
     assert errors(job={"prompt_column": "q"}) == ["job: model: Field required"]
     assert errors(webhook_url="ftp://example.com/x") == [
         "webhook_url: must be an http:// or https:// URL, got 'ftp://example.com/x'"]
+    [shared_output] = errors(job={**JOB, "output_uri": "s3://b/out/"})
+    assert shared_output.startswith("job: output_uri: every job a schedule submits writes to its own folder")
     too_many = {f"k{n}": "v" for n in range(16)}  # the schedule id takes the 17th place
     assert "at most 16" in errors(job={**JOB, "metadata": too_many})[0]
 

@@ -1,0 +1,60 @@
+"""Where a tenant's jobs may read and write, and whose outputs a folder holds.
+
+`tenant_prefixes` (a setting: JSON `{"acme": ["s3://acme-data/", "s3://shared/acme/"], ...}`) lists
+the prefixes each tenant's `input_uri`, `output_uri` and schedule `input_prefix` must lie under;
+anything else is a 403 naming the rule. Unset, there is no such rule (a single team's deployment).
+Admin keys and an open API are not limited; files uploaded through the API live in the job's own
+folder and need no rule.
+
+Whatever the rules, an `output_uri` folder belongs to one job: the first job to use it writes
+`<folder>/.bulkinfer-job` (write-once, holding its id), and another job naming the same folder is
+refused with 409, so no job's parts are ever written over another's. Folders inside the job store's
+`jobs/` tree (other jobs' own folders) are refused outright.
+"""
+
+from __future__ import annotations
+
+import json
+
+from api.errors import ApiError
+from jobs.object_store.base import AlreadyExists, ObjectStore
+
+OWNER_MARKER = ".bulkinfer-job"
+
+
+def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
+    """The parsed setting (every prefix ending in '/', so `s3://acme` never matches `s3://acme-x`)."""
+    if not setting:
+        return None
+    try:
+        rules = json.loads(setting)
+    except ValueError as error:
+        raise ApiError(500, f"the tenant_prefixes setting is not JSON: {error}") from None
+    if not isinstance(rules, dict) or not all(isinstance(v, list) for v in rules.values()):
+        raise ApiError(500, "the tenant_prefixes setting must be a JSON object of tenant → list of prefixes")
+    return {tenant: [p if p.endswith("/") else p + "/" for p in map(str, prefixes)]
+            for tenant, prefixes in rules.items()}
+
+
+def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str) -> None:
+    """403 unless `tenant` may use `uri` (None: an admin or an open API, never limited)."""
+    rules = tenant_prefixes(setting)
+    if rules is None or tenant is None:
+        return
+    allowed = rules.get(tenant, [])
+    if not any(uri == prefix.rstrip("/") or uri.startswith(prefix) for prefix in allowed):
+        names = ", ".join(allowed) or "none: upload files instead"
+        raise ApiError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use ({names}); "
+                            "the deployment's tenant_prefixes setting says where each tenant's data may be")
+
+
+def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str) -> None:
+    """Make the folder this job's (or find it already is); 409 when another job has it."""
+    marker = f"{folder_key.rstrip('/')}/{OWNER_MARKER}" if folder_key.strip("/") else OWNER_MARKER
+    try:
+        store.put_bytes(marker, job_id.encode(), if_none_match=True)
+    except AlreadyExists:
+        owner = store.get_bytes(marker).decode(errors="replace").strip()
+        if owner != job_id:
+            raise ApiError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+                                "job a folder of its own") from None
