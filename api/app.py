@@ -17,6 +17,7 @@ from api.auth import ApiKeyCheck, parse_keys
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
+from api.rate_limit import RateLimit
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 
@@ -42,8 +43,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # With keys, the schema and its page are behind them too (FastAPI's own docs routes skip app
     # dependencies): they are served below by routes that need a key.
     docs = {} if not auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    repository = context.repository
+    rate_limit = RateLimit(repository.redis, repository.namespace, settings.max_requests_per_s)
     app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,
-                  dependencies=[Depends(auth)], **docs)
+                  dependencies=[Depends(auth), Depends(rate_limit)], **docs)
     app.state.context = context
     app.state.auth = auth
     install_error_handlers(app)

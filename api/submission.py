@@ -189,5 +189,27 @@ def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus:
     store, key = locate(context, spec.input_uri, "input_uri")
     resolved = validate_input(context, spec, store, key)
     job_id = JobRepository.job_id_for(resolved)
+    check_in_flight(context, resolved, job_id)
     claim_output(context, resolved, job_id)
     return create_and_enqueue(context, resolved, job_id)
+
+
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING)
+
+
+def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
+    """429 when the tenant already has `max_jobs_in_flight` jobs not yet ended (a submit that finds
+    its own job again, by its idempotency key, is never refused)."""
+    limit = context.settings.max_jobs_in_flight
+    repository = context.repository
+    if limit is None or repository.store.exists(repository.layout(job_id).spec_key):
+        return
+    active = 0
+    for state in ACTIVE_STATES:
+        jobs, _ = repository.list(state, limit=min(1000, limit), tenant=spec.tenant)
+        active += len(jobs)
+        if active >= limit:
+            who = f"tenant {spec.tenant!r}" if spec.tenant else "this deployment"
+            raise ApiError(429, f"{who} already has {limit} job(s) queued or running, the "
+                                "max_jobs_in_flight limit; submit again when one has ended",
+                           headers={"Retry-After": "30"})

@@ -20,7 +20,14 @@ from starlette.concurrency import run_in_threadpool
 
 from api.dependencies import ApiContext
 from api.errors import ApiError
-from api.submission import check_model, claim_output, create_and_enqueue, parse_spec, validate_input
+from api.submission import (
+    check_in_flight,
+    check_model,
+    claim_output,
+    create_and_enqueue,
+    parse_spec,
+    validate_input,
+)
 from jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
 from jobs.repository import JobRepository
 from jobs.spec import JobSpec
@@ -176,6 +183,7 @@ async def submit_upload(context: ApiContext, request: Request, tenant: str | Non
         await receiver.discard()
         raise
     assert receiver.job_id is not None
+    await run_in_threadpool(check_in_flight, context, resolved, receiver.job_id)
     await run_in_threadpool(claim_output, context, resolved, receiver.job_id)
     return await run_in_threadpool(create_and_enqueue, context, resolved, receiver.job_id)
 
@@ -186,6 +194,7 @@ class _Receiver:
     def __init__(self, context: ApiContext, tenant: str | None) -> None:
         self.context = context
         self.tenant = tenant
+        self.received = 0  # bytes of the file so far
         self.job_id: str | None = None
         self.upload: _Upload | None = None
         self._wrote = False
@@ -211,6 +220,11 @@ class _Receiver:
                     if len(spec_bytes) > MAX_SPEC_BYTES:
                         raise ApiError(413, f"the {SPEC_FIELD!r} field is larger than {MAX_SPEC_BYTES} bytes")
                 elif self.upload is not None:
+                    limit = self.context.settings.max_upload_bytes
+                    self.received += len(event.data)
+                    if limit is not None and self.received > limit:
+                        raise ApiError(413, f"the uploaded file is larger than this deployment's "
+                                            f"max_upload_bytes ({limit:,} bytes); nothing of it was kept")
                     await self.upload.write(event.data)
             elif current == SPEC_FIELD:
                 spec_data = _spec_for_upload(self.context, bytes(spec_bytes))

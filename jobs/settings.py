@@ -48,6 +48,11 @@ ENVIRONMENT_NAMES = {
     "api_keys": "BULKINFER_API_KEYS",
     "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
     "tenant_prefixes": "BULKINFER_TENANT_PREFIXES",
+    "max_upload_bytes": "BULKINFER_MAX_UPLOAD_BYTES",
+    "max_rows_per_job": "BULKINFER_MAX_ROWS_PER_JOB",
+    "max_shards_per_job": "BULKINFER_MAX_SHARDS_PER_JOB",
+    "max_jobs_in_flight": "BULKINFER_MAX_JOBS_IN_FLIGHT",
+    "max_requests_per_s": "BULKINFER_MAX_REQUESTS_PER_S",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
@@ -89,6 +94,13 @@ class Settings(BaseModel):
     admin_api_keys: str | None = None  # keys that see every tenant's jobs and schedules
     # JSON {tenant: [prefixes its input_uri, output_uri, input_prefix must lie under]} (api/storage_rules.py)
     tenant_prefixes: str | None = None
+    # Limits (docs/configuration.md); None: no limit. Uploads and request rates answer 413 / 429 at
+    # the API; rows and shards fail the job at planning, naming the limit.
+    max_upload_bytes: int | None = Field(None, ge=1)
+    max_rows_per_job: int | None = Field(None, ge=1)
+    max_shards_per_job: int | None = Field(None, ge=1)
+    max_jobs_in_flight: int | None = Field(None, ge=1)  # per tenant: queued, running or finalizing
+    max_requests_per_s: int | None = Field(None, ge=1)  # per API key (per tenant on an open API)
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned

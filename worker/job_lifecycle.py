@@ -105,7 +105,9 @@ def _plan_holding_lease(context: WorkerContext, job_id: str, send_shard: SendSha
         plan = _saved_plan(repository, job_id)
         if plan is None:
             _check_response_format(spec)
-            plan = repository.save_plan(job_id, _plan(context, resolved_spec(context, spec)))
+            planned = _plan(context, resolved_spec(context, spec))
+            _check_limits(context, planned, spec)
+            plan = repository.save_plan(job_id, planned)
     except (UnknownModel, JobCannotRun) as error:
         fail_job(repository, job_id, str(error))
         return {"status": "failed", "error": str(error)}
@@ -125,6 +127,20 @@ def _plan_holding_lease(context: WorkerContext, job_id: str, send_shard: SendSha
     repository.redis.set(dispatched, 1, ex=DISPATCHED_TTL_S)
     logger.info("job %s planned: %d shard(s) on %s (%d sent)", job_id, len(plan), queue, sent)
     return {"status": "planned", "shards": len(plan), "sent": sent}
+
+
+def _check_limits(context: WorkerContext, plan: Sequence[ShardPlan], spec: JobSpec) -> None:
+    """The deployment's max_rows_per_job and max_shards_per_job: a job past them fails, saying so."""
+    settings = context.settings
+    rows = sum(shard.estimated_rows for shard in plan)
+    if settings.max_rows_per_job is not None and rows > settings.max_rows_per_job:
+        about = "" if all(shard.rows_exact for shard in plan) else "about "
+        raise JobCannotRun(f"the input has {about}{rows:,} rows; this deployment takes at most "
+                           f"{settings.max_rows_per_job:,} per job (max_rows_per_job): split it")
+    if settings.max_shards_per_job is not None and len(plan) > settings.max_shards_per_job:
+        raise JobCannotRun(f"the job plans into {len(plan):,} shards of {spec.shard_size} rows; this "
+                           f"deployment takes at most {settings.max_shards_per_job:,} (max_shards_per_job): "
+                           "raise shard_size")
 
 
 def _saved_plan(repository: JobRepository, job_id: str) -> list[ShardPlan] | None:

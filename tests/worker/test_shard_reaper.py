@@ -223,3 +223,18 @@ def test_a_job_completes_every_row_once_through_a_flaky_s3(
     assert [record["id"] for record in pipeline.output_records(job_id)] == ids
     assert (status.rows.total, status.rows.succeeded, status.shards.done) == (12, 12, 4)
     assert sum(plan.injected.values()) >= 8 and len(plan.injected) == 4
+
+
+def test_a_job_past_the_shard_or_row_limit_fails_at_planning_naming_it(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    pipeline, _ = parts
+    spec, _ = small_job(pipeline, "limits.jsonl")  # 6 rows in shards of 2: 3 shards
+    for limit, phrase in [({"max_shards_per_job": 2}, "plans into 3 shards of 2 rows"),
+                          ({"max_rows_per_job": 5}, "6 rows; this deployment takes at most 5")]:
+        context = WorkerContext(pipeline.settings.model_copy(update=limit))
+        distinct = spec.model_copy(update={"metadata": {"limit": phrase[:20]}})
+        job_id = pipeline.repository.create(distinct).job_id
+        summary = plan_job(context, job_id, lambda *_: None)
+        status = pipeline.repository.get(job_id)
+        assert summary["status"] == "failed" and status.state == JobState.FAILED
+        assert status.error is not None and phrase in status.error and next(iter(limit)) in status.error

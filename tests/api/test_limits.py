@@ -1,0 +1,73 @@
+"""Limits over real HTTP: uploads past max_upload_bytes are 413, a tenant past max_jobs_in_flight
+gets 429, and so does a key past max_requests_per_s; each message names its limit."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import httpx
+import pytest
+
+from api.client import ApiError, Client
+from jobs.settings import Settings
+from tests.api.conftest import MODELS, serve
+
+ROWS = b'{"q": "def f(x):"}\n'
+KEYS = "acme=acme-secret,globex=globex-secret"
+
+
+def limited(redis_url, tmp_path, **limits):  # noqa: ANN001, ANN003, ANN201
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS),
+                        api_keys=KEYS, **limits)
+    return serve(settings)
+
+
+def spec(api, name: str, **fields) -> dict:  # noqa: ANN001, ANN003
+    return {"input_uri": api.put_input(name, ROWS), "model": "tiny", "prompt_column": "q", **fields}
+
+
+def test_an_upload_past_max_upload_bytes_is_413_and_leaves_nothing(redis_url, tmp_path) -> None:
+    with limited(redis_url, tmp_path, max_upload_bytes=1000) as api, \
+            Client(api.url, api_key="acme-secret") as acme:
+        with pytest.raises(ApiError) as refused:
+            acme.jobs.create({"model": "tiny", "prompt_column": "q"}, file=io.BytesIO(ROWS * 200),
+                             filename="big.jsonl")
+        assert refused.value.status_code == 413 and "max_upload_bytes (1,000 bytes)" in refused.value.message
+        assert list(acme.jobs.list()) == []
+        stored = [p.name for p in (tmp_path / "store").rglob("*") if p.is_file()]
+        assert not any(name.endswith(".jsonl") for name in stored), stored
+        small = acme.jobs.create({"model": "tiny", "prompt_column": "q"}, file=io.BytesIO(ROWS),
+                                 filename="small.jsonl")
+        assert small.state == "queued"
+
+
+def test_a_tenant_past_max_jobs_in_flight_gets_429_and_others_do_not(redis_url, tmp_path) -> None:
+    with limited(redis_url, tmp_path, max_jobs_in_flight=2) as api, \
+            Client(api.url, api_key="acme-secret") as acme, \
+            Client(api.url, api_key="globex-secret") as globex:
+        first = acme.jobs.create(spec(api, "1.jsonl", idempotency_key="first"))
+        acme.jobs.create(spec(api, "2.jsonl"))
+        with pytest.raises(ApiError) as refused:
+            acme.jobs.create(spec(api, "3.jsonl"))
+        assert refused.value.status_code == 429
+        assert "tenant 'acme' already has 2 job(s)" in refused.value.message
+        assert "max_jobs_in_flight" in refused.value.message
+        assert acme.jobs.create(spec(api, "1.jsonl", idempotency_key="first")).job_id == first.job_id
+        assert globex.jobs.create(spec(api, "g.jsonl")).tenant == "globex"
+        acme.jobs.cancel(first.job_id)  # one ended: room again
+        assert acme.jobs.create(spec(api, "3.jsonl")).state == "queued"
+
+
+def test_a_key_past_max_requests_per_s_gets_429_with_retry_after(redis_url, tmp_path) -> None:
+    with limited(redis_url, tmp_path, max_requests_per_s=5) as api:
+        headers = {"Authorization": "Bearer acme-secret"}
+        with httpx.Client(base_url=api.url, headers=headers) as http:  # kept alive: many per second
+            answers = [http.get("/jobs") for _ in range(40)]
+        refused = [answer for answer in answers if answer.status_code == 429]
+        assert refused and all(answer.headers["Retry-After"] == "1" for answer in refused)
+        assert "max_requests_per_s" in refused[0].json()["detail"]
+        assert sum(answer.status_code == 200 for answer in answers) >= 5
+        assert all(httpx.get(f"{api.url}/healthz").status_code == 200 for _ in range(10))
+        other = httpx.get(f"{api.url}/jobs", headers={"Authorization": "Bearer globex-secret"})
+        assert other.status_code == 200  # counted per key
