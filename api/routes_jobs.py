@@ -35,8 +35,9 @@ SUBMIT_BODY = {
         "multipart/form-data": {"schema": {
             "type": "object", "required": [SPEC_FIELD, FILE_FIELD],
             "properties": {
-                SPEC_FIELD: {"type": "string", "description": "the JobSpec as JSON, without input_uri; "
-                             "send it before the file"},
+                SPEC_FIELD: {"type": "string", "contentMediaType": "application/json",
+                             "description": "the JobSpec as JSON, without input_uri; send it before "
+                                            "the file"},
                 FILE_FIELD: {"type": "string", "format": "binary", "description": "the input rows: "
                              "Parquet, JSONL or OpenAI-batch JSONL; streamed to jobs/<id>/input/<name>"}}}},
     },

@@ -25,7 +25,8 @@ class SamplingParams(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     min_tokens: int | None = Field(None, ge=0)
     seed: int | None = None
-    stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES)
+    stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES,
+                                   json_schema_extra={"items": {"type": "string", "minLength": 1}})
     include_stop_str_in_output: bool | None = Field(None, description="keep the matched stop string (vLLM)")
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = Field(None, description="keep generating past EOS (as vLLM's extra knob)")

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from jobs.errors import LookupFailed
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.spec import JobSpec, validation_messages
+from jobs.spec import URI_PATTERN, JobSpec, validation_messages
 from jobs.webhooks import check_webhook_url
 
 if TYPE_CHECKING:
@@ -89,16 +89,23 @@ def matches(pattern: str | None, key: str) -> bool:
     return pattern is None or fnmatch.fnmatchcase(key, pattern)
 
 
+# Five or six fields of cron characters, as the published schema states it (check_cron has the rest).
+CRON_PATTERN = r"^\s*[0-9*,/?LW#A-Za-z-]+(\s+[0-9*,/?LW#A-Za-z-]+){4,5}\s*$"
+
+
 class ScheduleSpec(BaseModel):
     """What a user posts to create a schedule. Unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str | None = Field(None, max_length=200)
-    cron: str = Field(description="5 fields (UTC), or 6 with seconds last; e.g. '*/10 * * * *'")
+    cron: str = Field(description="5 fields (UTC), or 6 with seconds last; e.g. '*/10 * * * *'",
+                      json_schema_extra={"pattern": CRON_PATTERN})
     input_prefix: str = Field(description="s3://bucket/prefix/ (or a local store path); a glob when it "
-                                          "contains * ? or [, e.g. s3://bucket/in/*.jsonl")
-    job: dict[str, Any] = Field(description="a JobSpec without input_uri and idempotency_key")
+                                          "contains * ? or [, e.g. s3://bucket/in/*.jsonl",
+                              json_schema_extra={"pattern": URI_PATTERN})
+    job: dict[str, Any] = Field(description="a JobSpec without input_uri and idempotency_key",
+                                json_schema_extra={"required": ["model"]})
     webhook_url: str | None = Field(None, description="copied into every job the schedule submits")
     paused: bool = False
     tenant: str | None = Field(None, description="whose schedule it is (and its jobs'): set by the API from "

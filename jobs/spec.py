@@ -39,6 +39,16 @@ def format_from_name(key: str) -> InputFormat | None:
     return None
 
 
+# What the validators below enforce, stated in the published schema too (a schema-valid body should
+# not be refused for a rule the schema does not say): split_uri's accepted forms, an http(s) URL.
+URI_PATTERN = r"^(s3://[^/]+/.*|file://(localhost)?/.*|/.*)$"
+# Text, {{ / }} escapes and {field} placeholders, at least one placeholder (jobs/template.py's grammar).
+_TEMPLATE_PIECE = r"([^{}]|\{\{|\}\}|\{[^{}]+\})*"
+TEMPLATE_PATTERN = rf"^{_TEMPLATE_PIECE}\{{[^{{}}]+\}}{_TEMPLATE_PIECE}$"
+OBJECT_URI_PATTERN = r"^(s3://[^/]+/.*[^/]|file://(localhost)?/.*[^/]|/.*[^/])$"  # one object, not a folder
+WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
+
+
 class JobSpec(BaseModel):
     """A batch job. Unknown fields are rejected, so a typo never silently falls back to a default.
 
@@ -48,14 +58,16 @@ class JobSpec(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    input_uri: str = Field(description="s3://bucket/key, file:///abs/path or /abs/path")
+    input_uri: str = Field(description="s3://bucket/key, file:///abs/path or /abs/path",
+                           json_schema_extra={"pattern": OBJECT_URI_PATTERN})
     input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
     model: str = Field(min_length=1)
 
     id_column: str | None = Field(None, description="row ids; default: the row's index")
     prompt_column: str | None = None
     messages_column: str | None = Field(None, description="a list of {role, content} chat messages")
-    template: str | None = Field(None, description="text with {column} placeholders")
+    template: str | None = Field(None, description="text with {column} placeholders ({{ and }}: literal "
+                                                   "braces)", json_schema_extra={"pattern": TEMPLATE_PATTERN})
     instructions: str | None = Field(None, description="shared text placed first in every prompt")
 
     sampling: SamplingParams = Field(default_factory=SamplingParams)
@@ -63,15 +75,20 @@ class JobSpec(BaseModel):
     response_format: ResponseFormat | None = None
     response_format_column: str | None = Field(None, description="per-row response_format (an object)")
 
-    output_uri: str | None = Field(None, description="where output parts go; default: the job's folder")
+    output_uri: str | None = Field(None, description="where output parts go; default: the job's folder",
+                                   json_schema_extra={"pattern": URI_PATTERN})
     output_format: InputFormat | None = Field(None, description="default: the input format")
-    passthrough_columns: list[str] = Field(default_factory=list)
+    passthrough_columns: list[str] = Field(default_factory=list, json_schema_extra={"uniqueItems": True})
 
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="rows per shard (approximate for JSONL)")
     priority: int = Field(5, ge=0, le=9, description="higher runs sooner")
-    metadata: dict[str, str] = Field(default_factory=dict)
+    metadata: dict[str, str] = Field(default_factory=dict, json_schema_extra={
+        "maxProperties": MAX_METADATA_PAIRS,
+        "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY_CHARS},
+        "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_CHARS}})
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
-    webhook_url: str | None = Field(None, description="POSTed the final status when the job ends (signed)")
+    webhook_url: str | None = Field(None, description="POSTed the final status when the job ends (signed)",
+                                    json_schema_extra={"pattern": WEBHOOK_URL_PATTERN, "maxLength": 2048})
     tenant: str | None = Field(None, description="whose job it is: set by the API from the caller's key "
                                                  "(a value sent in a submit is replaced)")
 
