@@ -28,6 +28,7 @@ from collections.abc import Callable
 
 import redis
 
+from jobs.orphan_uploads import sweep_orphan_uploads
 from jobs.settings import Settings
 from jobs.status import JobState
 from worker.context import WorkerContext
@@ -42,6 +43,7 @@ DEFAULT_INTERVAL_S = 15.0
 SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
 SendJobStep = Callable[[str], None]  # (job_id)
 DUE_TTL_S = 24 * 3600
+ORPHAN_SWEEP_S = 600.0
 
 
 def interval_s() -> float:
@@ -125,6 +127,18 @@ def _due_for_resend(client: redis.Redis, key: str, grace_s: float) -> bool:
     return True
 
 
+def _sweep_uploads(context: WorkerContext) -> None:
+    """Now and then (one worker, once per ORPHAN_SWEEP_S): inputs of uploads that never became a job."""
+    repository = context.repository
+    if not repository.redis.set(f"{repository.namespace}:orphan-upload-sweep", 1, nx=True,
+                                px=int(ORPHAN_SWEEP_S * 1000)):
+        return
+    swept = sweep_orphan_uploads(repository.store, repository.prefix)
+    if swept.inputs_removed or swept.writes_aborted:
+        logger.warning("removed %d input(s) and aborted %d unfinished upload(s) that never became a job",
+                       swept.inputs_removed, swept.writes_aborted)
+
+
 def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
     from worker.tasks import send_finalize, send_plan, send_shard
 
@@ -137,6 +151,7 @@ def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
             if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
                 reap_once(context, send_shard, ttl_s)
                 reap_job_steps(context, send_plan, send_finalize, ttl_s)
+                _sweep_uploads(context)
         except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next tick
             logger.exception("shard reaper tick failed")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,16 @@ class ObjectInfo:
     key: str
     size: int
     etag: str
+    modified: float | None = None  # unix seconds of the last write, where the store says
+
+
+@dataclass(frozen=True)
+class UnfinishedWrite:
+    """A write that never completed (an S3 multipart upload, a local temp file)."""
+
+    key: str
+    started: float  # unix seconds
+    handle: str  # what the store needs to abort it (the upload id, the temp file's key)
 
 
 class ObjectWriter(io.RawIOBase):
@@ -109,11 +120,25 @@ class ObjectStore(ABC):
             return False
         return True
 
-    def abort_unfinished_writes(self, prefix: str) -> int:
+    def unfinished_writes(self, prefix: str) -> list[UnfinishedWrite]:
+        """Writes under `prefix` that never completed. Default: none (a store without such state)."""
+        return []
+
+    def abort_write(self, write: UnfinishedWrite) -> None:
+        """Drop one unfinished write (one `unfinished_writes` returned)."""
+        raise NotImplementedError(f"{type(self).__name__} has no unfinished writes to abort")
+
+    def abort_unfinished_writes(self, prefix: str, older_than_s: float = 0.0) -> int:
         """Remove what writers under `prefix` left when their process died mid-write (S3 multipart
-        uploads never completed, local temp files); returns how many. Call it only where no write
-        is running (a job's finalize). Default: nothing to remove."""
-        return 0
+        uploads never completed, local temp files) and started more than `older_than_s` ago;
+        returns how many. With no age, call it only where no write is running (a job's finalize)."""
+        now = time.time()
+        aborted = 0
+        for write in self.unfinished_writes(prefix):
+            if now - write.started >= older_than_s:
+                self.abort_write(write)
+                aborted += 1
+        return aborted
 
     def open_seekable(self, key: str) -> BinaryIO:
         """A seekable read-only file over range reads (what pyarrow needs for Parquet footers).

@@ -9,7 +9,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from jobs.object_store.base import AlreadyExists, ObjectInfo, ObjectNotFound, ObjectStore, ObjectWriter
+from jobs.object_store.base import (
+    AlreadyExists,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectWriter,
+    UnfinishedWrite,
+)
 
 # Half-written files carry this prefix; `list` never shows them.
 TEMP_PREFIX = ".bulkinfer-tmp-"
@@ -56,16 +63,22 @@ class LocalObjectStore(ObjectStore):
     def open_write(self, key: str, if_none_match: bool = False) -> ObjectWriter:
         return _LocalWriter(self.path(key), key, if_none_match)
 
-    def abort_unfinished_writes(self, prefix: str) -> int:
+    def unfinished_writes(self, prefix: str) -> list[UnfinishedWrite]:
         base = self.path(prefix)
         folder = base if base.is_dir() else base.parent
         if not folder.is_dir():
-            return 0
-        removed = 0
+            return []
+        writes = []
         for temp in folder.rglob(f"{TEMP_PREFIX}*"):
-            temp.unlink(missing_ok=True)
-            removed += 1
-        return removed
+            key = temp.relative_to(self.root).as_posix()
+            try:
+                writes.append(UnfinishedWrite(key, temp.stat().st_mtime, key))
+            except FileNotFoundError:  # finished meanwhile
+                continue
+        return writes
+
+    def abort_write(self, write: UnfinishedWrite) -> None:
+        self.path(write.handle).unlink(missing_ok=True)
 
     def head(self, key: str) -> ObjectInfo:
         try:
@@ -74,7 +87,8 @@ class LocalObjectStore(ObjectStore):
             raise ObjectNotFound(key) from None
         if not stat.S_ISREG(info.st_mode):  # a folder is not an object
             raise ObjectNotFound(key)
-        return ObjectInfo(key=key, size=info.st_size, etag=f"{info.st_size:x}-{info.st_mtime_ns:x}")
+        return ObjectInfo(key=key, size=info.st_size, etag=f"{info.st_size:x}-{info.st_mtime_ns:x}",
+                          modified=info.st_mtime)
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         # Walk only the deepest directory the prefix names, then filter by the full prefix.

@@ -7,7 +7,14 @@ import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from jobs.object_store.base import AlreadyExists, ObjectInfo, ObjectNotFound, ObjectStore, ObjectWriter
+from jobs.object_store.base import (
+    AlreadyExists,
+    ObjectInfo,
+    ObjectNotFound,
+    ObjectStore,
+    ObjectWriter,
+    UnfinishedWrite,
+)
 
 ENDPOINT_ENV = "BULKINFER_S3_ENDPOINT_URL"
 MIN_PART_SIZE = 5 * 1024 * 1024  # S3's minimum size for every multipart part but the last
@@ -107,7 +114,8 @@ class S3ObjectStore(ObjectStore):
             if _error_code(error) in NOT_FOUND_CODES:
                 raise ObjectNotFound(key) from None
             raise
-        return ObjectInfo(key=key, size=response["ContentLength"], etag=response["ETag"].strip('"'))
+        return ObjectInfo(key=key, size=response["ContentLength"], etag=response["ETag"].strip('"'),
+                          modified=response["LastModified"].timestamp())
 
     def list(self, prefix: str = "") -> Iterator[ObjectInfo]:
         paginator = self.client.get_paginator("list_objects_v2")
@@ -115,7 +123,8 @@ class S3ObjectStore(ObjectStore):
                                    PaginationConfig={"PageSize": self.list_page_size})
         for page in pages:
             for item in page.get("Contents", []):
-                yield ObjectInfo(key=item["Key"], size=item["Size"], etag=item["ETag"].strip('"'))
+                yield ObjectInfo(key=item["Key"], size=item["Size"], etag=item["ETag"].strip('"'),
+                                 modified=item["LastModified"].timestamp())
 
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
@@ -128,15 +137,14 @@ class S3ObjectStore(ObjectStore):
         return f"s3://{self.bucket}/{key}"
 
 
-    def abort_unfinished_writes(self, prefix: str) -> int:
-        aborted = 0
+    def unfinished_writes(self, prefix: str) -> list[UnfinishedWrite]:
         paginator = self.client.get_paginator("list_multipart_uploads")
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
-            for upload in page.get("Uploads", []):
-                self.client.abort_multipart_upload(Bucket=self.bucket, Key=upload["Key"],
-                                                   UploadId=upload["UploadId"])
-                aborted += 1
-        return aborted
+        return [UnfinishedWrite(upload["Key"], upload["Initiated"].timestamp(), upload["UploadId"])
+                for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix)
+                for upload in page.get("Uploads", [])]
+
+    def abort_write(self, write: UnfinishedWrite) -> None:
+        self.client.abort_multipart_upload(Bucket=self.bucket, Key=write.key, UploadId=write.handle)
 
 
 class _S3MultipartWriter(ObjectWriter):

@@ -4,11 +4,13 @@ front of moto: every store call still succeeds, with the same bytes."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from jobs.object_store.local import TEMP_PREFIX, LocalObjectStore
 from jobs.object_store.s3 import MIN_PART_SIZE, S3ObjectStore
+from jobs.orphan_uploads import SweepResult, sweep_orphan_uploads
 from tests.fixtures.services import S3Server
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 
@@ -56,3 +58,27 @@ def test_uploads_a_killed_writer_left_are_aborted(s3: S3Server, bucket: str, tmp
     (tmp_path / "jobs/j1/output" / f"{TEMP_PREFIX}abc").write_bytes(b"half a part")
     assert local.abort_unfinished_writes("jobs/j1/") == 1
     assert sorted(p.name for p in (tmp_path / "jobs/j1/output").iterdir()) == ["part-00000.jsonl"]
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_uploads_that_never_became_a_job_are_swept_once_old(s3: S3Server, tmp_path, kind: str) -> None:  # noqa: ANN001
+    local = LocalObjectStore(tmp_path)
+    store = S3ObjectStore(BUCKET, endpoint_url=s3.endpoint_url) if kind == "s3" else local
+    if kind == "s3":
+        s3.client().create_bucket(Bucket=BUCKET)
+    store.put_bytes("p/jobs/job-real/job.json", b"{}")
+    store.put_bytes("p/jobs/job-real/input/rows.jsonl", b"kept: a job reads it")
+    store.put_bytes("p/jobs/job-orphan/input/rows.jsonl", b"the API died before job.json")
+    writer = store.open_write("p/jobs/job-half/input/big.jsonl")  # still streaming, or killed
+    writer.write(b"x" * 10)
+    if kind == "s3":  # an S3 upload becomes a multipart upload once it passes one part
+        s3.client().create_multipart_upload(Bucket=BUCKET, Key="p/jobs/job-half/input/big.jsonl")
+    # moto dates every multipart upload 2010: measure "too young" from the dates the store reports.
+    [write] = store.unfinished_writes("p/jobs/")
+    young = min(time.time(), write.started + 60)
+    assert sweep_orphan_uploads(store, "p", now=young) == SweepResult(0, 0)  # all too young to tell
+    later = time.time() + 7 * 3600
+    assert sweep_orphan_uploads(store, "p", now=later) == SweepResult(1, 1)
+    keys = [info.key for info in store.list("p/")]
+    assert keys == ["p/jobs/job-real/input/rows.jsonl", "p/jobs/job-real/job.json"]
+    assert store.unfinished_writes("p/jobs/") == []
