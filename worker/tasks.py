@@ -8,10 +8,14 @@ spot in logs and results, and tests can wait on a shard's result by id.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Task
+from celery.exceptions import Retry
+from kombu.exceptions import OperationalError
 
 from jobs.models import CONTROL_QUEUE
 from worker import job_lifecycle, shard_runner, webhook_delivery
@@ -48,6 +52,29 @@ def send_finalize(job_id: str) -> None:
     app.send_task(FINALIZE_JOB, args=[job_id], queue=CONTROL_QUEUE, task_id=finalize_task_id(job_id))
 
 
+PUBLISH_DEADLINE_S = 15 * 60
+
+
+def retry_published(task: Task, error: BaseException, delay: float,
+                    sleep: Callable[[float], None] = time.sleep) -> BaseException:
+    """`task.retry`, sent again until the broker takes it. With Redis down, the retry message cannot
+    be published, and a message dropped then would leave its job waiting for the 12 h visibility
+    timeout; so this thread waits the outage out (up to PUBLISH_DEADLINE_S), then the retry goes."""
+    started, wait = time.monotonic(), 1.0
+    while True:
+        try:
+            return task.retry(exc=error, countdown=delay, max_retries=None)
+        except Retry:
+            raise
+        except (OperationalError, redis.RedisError, OSError) as publish_error:
+            if time.monotonic() - started > PUBLISH_DEADLINE_S:
+                raise
+            logger.warning("%s %s: the retry could not be sent (%s); trying again in %.0fs", task.name,
+                           task.request.id, publish_error, wait)
+            sleep(wait)
+            wait = min(wait * 2, 30.0)
+
+
 # Summaries of a task run that saw its job end: the job's webhook is due (worker/webhook_delivery.py).
 ENDED_SUMMARIES = ("succeeded", "failed", "cancelled", "skipped: job")
 
@@ -67,7 +94,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
         if is_transient(error):
             delay = retry_delay_s(task.request.retries)
             logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
-            raise task.retry(exc=error, countdown=delay, max_retries=None) from error
+            raise retry_published(task, error, delay) from error
         repository = context.repository
         attempts = record_failure(repository.redis, repository.namespace, job_id, step)
         limit = context.settings.max_task_attempts or DEFAULT_MAX_ATTEMPTS
@@ -75,7 +102,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
             delay = retry_delay_s(attempts - 1)
             logger.exception("job %s: %s failed (attempt %d of %d); retrying in %.0fs", job_id, step,
                              attempts, limit, delay)
-            raise task.retry(exc=error, countdown=delay, max_retries=None) from error
+            raise retry_published(task, error, delay) from error
         message = failure_message(step, attempts, error)
         logger.exception("job %s: %s failed %d times; failing the job", job_id, step, attempts)
         job_lifecycle.fail_job(repository, job_id, message)

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 from botocore.exceptions import ClientError, EndpointConnectionError
+from kombu.exceptions import OperationalError
 
 from jobs.settings import Settings
 from jobs.spec import JobSpec
@@ -15,7 +16,7 @@ from jobs.status import JobState
 from tests.fixtures.services import S3Server, free_port
 from worker.context import WorkerContext
 from worker.job_lifecycle import JobCannotRun, resolved_spec
-from worker.tasks import run_step
+from worker.tasks import retry_published, run_step
 from worker.transient import is_transient, retry_delay_s
 
 
@@ -99,3 +100,25 @@ def test_a_step_that_keeps_failing_the_same_way_fails_its_job_with_the_reason(co
     assert status.error is not None
     assert status.error.startswith("shard 4 failed 3 time(s); last error: UnicodeEncodeError:")
     assert "surrogates not allowed" in status.error
+
+
+class FlakyBrokerTask(RecordingTask):
+    """retry() cannot publish the first `failures` times (Redis down), then it can."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__(retries=0)
+        self.failures = failures
+        self.tries = 0
+
+    def retry(self, **options: object) -> Exception:
+        self.tries += 1
+        if self.tries <= self.failures:
+            raise OperationalError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+        return super().retry(**options)
+
+
+def test_a_retry_that_cannot_be_published_is_sent_again_until_the_broker_takes_it() -> None:
+    task, slept = FlakyBrokerTask(failures=3), []
+    outcome = retry_published(task, redis.ConnectionError("refused"), 4.0, sleep=slept.append)  # type: ignore[arg-type]
+    assert str(outcome) == "retry scheduled" and task.tries == 4
+    assert slept == [1.0, 2.0, 4.0] and task.retried["countdown"] == 4.0
