@@ -17,6 +17,7 @@ from api.auth import ApiKeyCheck, parse_keys
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
+from api.methods import install_method_handlers
 from api.rate_limit import RateLimit
 from jobs.settings import Settings
 from jobs.spec import JobSpec
@@ -50,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.context = context
     app.state.auth = auth
     install_error_handlers(app)
+    install_method_handlers(app)
     app.include_router(routes_jobs.router)
     app.include_router(routes_service.router)
     app.include_router(routes_schedules.router)

@@ -33,7 +33,8 @@ def invalid_model(error: ValidationError, what: str = "job spec") -> ApiError:
     return ApiError(422, f"invalid {what}: " + "; ".join(messages), messages)
 
 
-def _body(error: ApiError) -> JSONResponse:
+def error_response(error: ApiError) -> JSONResponse:
+    """The API's error body (`detail`, `messages`) with the error's status and headers."""
     return JSONResponse({"detail": error.message, "messages": error.messages}, status_code=error.status_code,
                         headers=error.headers or None)
 
@@ -47,11 +48,11 @@ _STATUS_FOR = [
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, ApiError)
-        return _body(error)
+        return error_response(error)
 
     async def domain_error(_request: Request, error: Exception) -> JSONResponse:
         status = next(code for kind, code in _STATUS_FOR if isinstance(error, kind))
-        return _body(ApiError(status, str(error)))
+        return error_response(ApiError(status, str(error)))
 
     async def request_invalid(_request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
@@ -59,7 +60,7 @@ def install_error_handlers(app: FastAPI) -> None:
         for item in error.errors():
             where = ".".join(str(part) for part in item["loc"] if part not in ("body", "query", "path"))
             messages.append(f"{where}: {item['msg']}" if where else item["msg"])
-        return _body(ApiError(422, "invalid request: " + "; ".join(messages), messages))
+        return error_response(ApiError(422, "invalid request: " + "; ".join(messages), messages))
 
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, request_invalid)

@@ -63,3 +63,20 @@ def test_generated_requests_get_no_server_error_and_answers_the_schema_describes
     unexplained = [(label, detail) for label, detail in refused
                    if not any(reason in detail for reason in explained)]
     assert unexplained == [], "\n".join(map(str, unexplained))
+
+
+def test_options_and_405_answers_name_every_method_the_path_takes(redis_url, tmp_path) -> None:
+    from fastapi.testclient import TestClient
+
+    settings_ = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS))
+    with TestClient(create_app(settings_)) as client:
+        for path, allow in [("/jobs", "GET, OPTIONS, POST"),
+                            ("/schedules", "GET, OPTIONS, POST"),
+                            ("/jobs/job-x", "GET, OPTIONS"),
+                            ("/schedules/s-1", "DELETE, GET, OPTIONS")]:
+            options = client.options(path)
+            assert (options.status_code, options.headers["allow"]) == (204, allow), path
+            refused = client.put(path)
+            assert (refused.status_code, refused.headers["allow"]) == (405, allow), path
+            assert refused.json()["detail"] == f"PUT is not allowed on {path} (allowed: {allow})"
+        assert client.options("/no-such-route").status_code == 404
