@@ -28,12 +28,15 @@ from collections.abc import Callable
 
 import redis
 
+from jobs.layout import JobLayout
 from jobs.orphan_uploads import sweep_orphan_uploads
+from jobs.repository import JobRepository
 from jobs.settings import Settings
 from jobs.status import JobState
 from worker.context import WorkerContext
 from worker.job_lifecycle import dispatched_key
 from worker.shard_lease import lease_key, lease_ttl_s, started_key, step_lease_key
+from worker.shard_runner import committed_result, count_shard
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +54,11 @@ def interval_s() -> float:
     return float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S)
 
 
-def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float) -> list[tuple[str, int]]:
-    """One pass over the running jobs; returns the (job, shard) pairs it re-sent."""
+def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
+              send_finalize: SendJobStep = lambda _job_id: None) -> list[tuple[str, int]]:
+    """One pass over the running jobs; returns the (job, shard) pairs it re-sent. A started shard
+    with a result but no live lease whose run died before counting it is counted here (and the
+    job finalized when that was the last one)."""
     repository = context.repository
     client, namespace = repository.redis, repository.namespace
     resent: list[tuple[str, int]] = []
@@ -70,6 +76,8 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float) -> li
                     if client.exists(lease_key(namespace, job.job_id, index)):
                         continue  # a live run holds it
                     if repository.store.exists(layout.shard_result_key(index)):
+                        if not client.sismember(repository.counters(job.job_id).counted_key, index):
+                            _count_late(repository, layout, index, send_finalize)
                         continue  # done
                     marker = f"{namespace}:job:{{{job.job_id}}}:shard:{index}:resent"
                     if not client.set(marker, 1, nx=True, px=int(2 * ttl_s * 1000)):
@@ -83,6 +91,15 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float) -> li
                 logger.exception("shard reaper: job %s skipped", job.job_id)
         if cursor is None:
             return resent
+
+
+def _count_late(repository: JobRepository, layout: JobLayout, index: int, send_finalize: SendJobStep) -> None:
+    """The run committed the shard's result, then died before counting it: count it now."""
+    result = committed_result(repository, layout, index)
+    if result is None:
+        return
+    logger.warning("job %s shard %d: done but not counted (its run died); counting it", layout.job_id, index)
+    count_shard(repository, layout, repository.load_plan(layout.job_id), result, send_finalize)
 
 
 def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize: SendJobStep,
@@ -149,7 +166,7 @@ def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
         try:
             # Held until it expires: at most one tick per interval across all workers.
             if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
-                reap_once(context, send_shard, ttl_s)
+                reap_once(context, send_shard, ttl_s, send_finalize)
                 reap_job_steps(context, send_plan, send_finalize, ttl_s)
                 _sweep_uploads(context)
         except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next tick

@@ -89,7 +89,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         return {"status": f"skipped: job is {job.state.value}"}
     layout = repository.layout(job_id)
     plan = repository.load_plan(job_id)
-    result = _committed_result(repository, layout, shard_index)
+    result = committed_result(repository, layout, shard_index)
     summary: dict[str, Any] = {"already_done": result is not None}
     if result is None:
         started_at = datetime.now(UTC)
@@ -113,11 +113,11 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
                     result.usage.cached, result.usage.completion, summary["seconds"])
-    _count(repository, layout, plan, result, send_finalize)
+    count_shard(repository, layout, plan, result, send_finalize)
     return {**summary, "status": "done", "rows": result.rows, "rows_failed": result.rows_failed}
 
 
-def _committed_result(repository: JobRepository, layout: JobLayout, shard_index: int) -> ShardResult | None:
+def committed_result(repository: JobRepository, layout: JobLayout, shard_index: int) -> ShardResult | None:
     try:
         data = repository.store.get_bytes(layout.shard_result_key(shard_index))
     except ObjectNotFound:
@@ -196,8 +196,8 @@ def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: S
     return save_shard_result(repository.store, layout, result)
 
 
-def _count(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
-           send_finalize: Callable[[str], None]) -> None:
+def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
+                send_finalize: Callable[[str], None]) -> None:
     """Count the shard once; whoever sees every shard done sends finalize (it may go twice: harmless)."""
     counters = repository.counters(layout.job_id)
     try:

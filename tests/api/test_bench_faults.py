@@ -22,7 +22,8 @@ def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Pa
 
 def test_bench_faults_kills_workers_and_redis_and_loses_no_row(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--json", "--home", str(tmp_path)])
+    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "240", "--json",
+                      "--home", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
     figures = json.loads(lines[-1])
     assert code == 0, lines

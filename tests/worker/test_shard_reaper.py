@@ -238,3 +238,30 @@ def test_a_job_past_the_shard_or_row_limit_fails_at_planning_naming_it(
         status = pipeline.repository.get(job_id)
         assert summary["status"] == "failed" and status.state == JobState.FAILED
         assert status.error is not None and phrase in status.error and next(iter(limit)) in status.error
+
+
+def test_a_shard_committed_but_not_counted_before_its_worker_died_is_counted_and_finalized(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    from datetime import UTC, datetime
+
+    from jobs.results import PartFile, ShardResult, save_shard_result
+
+    pipeline, _ = parts
+    spec, _ = small_job(pipeline, "uncounted.jsonl", rows=2)  # one shard
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+    context = WorkerContext(pipeline.settings)
+    plan_job(context, job_id, lambda *_: None)
+    [shard] = repository.load_plan(job_id)
+    # The run took the lease, committed the shard's result, and was killed before counting it.
+    repository.redis.sadd(started_key(repository.namespace, job_id), 0)
+    part = PartFile(key="k", uri="s3://b/k", rows=0, bytes=0, sha256="0" * 64)
+    now = datetime.now(UTC)
+    result = ShardResult.from_outputs(shard, [], output=part, errors=part, started_at=now, finished_at=now)
+    save_shard_result(repository.store, repository.layout(job_id), result)
+    assert repository.get(job_id).shards.done == 0
+    finalized: list[str] = []
+    assert reap_once(context, lambda *_: None, ttl_s=30, send_finalize=finalized.append) == []
+    assert repository.get(job_id).shards.done == 1 and finalized == [job_id]
+    reap_once(context, lambda *_: None, ttl_s=30, send_finalize=finalized.append)
+    assert finalized == [job_id]  # counted once
