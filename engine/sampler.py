@@ -155,8 +155,8 @@ def _invalid_rows(logits: torch.Tensor, tokens: torch.Tensor, random_rows: torch
     junk). A cheap gather per step where all is well."""
     chosen = logits.gather(1, tokens[:, None].to(logits.device))[:, 0]
     bad = ~torch.isfinite(chosen)
-    if random_rows is not None:
-        bad[random_rows] |= ~torch.isfinite(logits[random_rows].amax(dim=-1))
+    if random_rows is not None:  # the row maxima of the whole batch: a pass, not a copy of the rows
+        bad[random_rows] |= ~torch.isfinite(logits.amax(dim=-1)[random_rows])
     if not bool(bad.any()):
         return []
     return bad.nonzero()[:, 0].tolist()

@@ -24,6 +24,12 @@ PART_EXTENSIONS = {
     InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl"}
 
 
+def jobs_root(prefix: str = "") -> str:
+    """The folder (with its trailing '/') every job's folder sits in: `<prefix>/jobs/`."""
+    prefix = prefix.strip("/")
+    return f"{prefix}/jobs/" if prefix else "jobs/"
+
+
 def part_name(shard_index: int, extension: str) -> str:
     return f"part-{shard_index:05d}.{extension}"
 
@@ -40,7 +46,7 @@ class JobLayout:
 
     @property
     def job_dir(self) -> str:
-        return f"{self.prefix}/jobs/{self.job_id}" if self.prefix else f"jobs/{self.job_id}"
+        return f"{jobs_root(self.prefix)}{self.job_id}"
 
     @property
     def spec_key(self) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from jobs.layout import jobs_root
 from jobs.object_store.base import ObjectStore
 
 FINISHED_GRACE_S = 3600.0
@@ -29,7 +30,7 @@ def sweep_orphan_uploads(store: ObjectStore, prefix: str = "", *, now: float | N
                          finished_grace_s: float = FINISHED_GRACE_S,
                          unfinished_grace_s: float = UNFINISHED_GRACE_S) -> SweepResult:
     now = time.time() if now is None else now
-    jobs_dir = f"{prefix.strip('/')}/jobs/" if prefix.strip("/") else "jobs/"
+    jobs_dir = jobs_root(prefix)
     with_spec: set[str] = set()
     inputs: list[tuple[str, str, float | None]] = []  # (job id, key, modified)
     for info in store.list(jobs_dir):

@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from jobs.counters import CountersMissing, CounterSnapshot, JobCounters
 from jobs.errors import LookupFailed
-from jobs.layout import JobLayout
+from jobs.layout import JobLayout, jobs_root
 from jobs.manifest import read_manifest
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.sharding import ShardPlan
@@ -273,7 +273,7 @@ class JobRepository:
         return restored
 
     def _stored_job_ids(self) -> builtins.list[str]:
-        jobs_dir = f"{self.prefix}/jobs/" if self.prefix else "jobs/"
+        jobs_dir = jobs_root(self.prefix)
         ids = []
         for info in self.store.list(jobs_dir):
             job_id, _, name = info.key[len(jobs_dir):].partition("/")

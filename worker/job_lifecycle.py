@@ -185,9 +185,9 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
     spec = repository.get_spec(job_id)
     layout = repository.layout(job_id)
     plan = repository.load_plan(job_id)
-    output_format = resolved_spec(context, spec).effective_output_format
+    resolved = resolved_spec(context, spec)
     try:
-        manifest = build_manifest(job_id, spec.spec_hash(), str(output_format), len(plan),
+        manifest = build_manifest(job_id, spec.spec_hash(), str(resolved.effective_output_format), len(plan),
                                   load_shard_results(repository.store, layout))
     except IncompleteJob as error:
         if status.shards.done < len(plan):  # sent early (by hand, a stale redelivery): a later shard resends
@@ -200,17 +200,17 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
         repository.transition(job_id, JobState.SUCCEEDED)
     except IllegalTransition:  # cancelled meanwhile: the parts stay, the job stays cancelled
         return {"status": "skipped: job ended while finalizing"}
-    _abort_unfinished_writes(context, spec, layout)
+    _abort_unfinished_writes(context, resolved, layout)
     logger.info("job %s succeeded: %d rows (%d failed)", job_id, manifest.rows.total, manifest.rows.failed)
     return {"status": "succeeded", "rows": manifest.rows.total}
 
 
-def _abort_unfinished_writes(context: WorkerContext, spec: JobSpec, layout: JobLayout) -> None:
+def _abort_unfinished_writes(context: WorkerContext, resolved: JobSpec, layout: JobLayout) -> None:
     """Multipart uploads (or temp files) a killed shard run left in the job's folders: nothing
     writes there once the manifest is in, so whatever is unfinished is garbage."""
     try:
         store = context.repository.store
-        location = output_location(resolved_spec(context, spec), store, layout)
+        location = output_location(resolved, store, layout)
         removed = store.abort_unfinished_writes(layout.job_dir + "/")
         if location.store is not store or not location.directory.startswith(layout.job_dir):
             removed += location.store.abort_unfinished_writes(location.directory.rstrip("/") + "/")

@@ -71,13 +71,15 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
                 continue
             try:
                 layout = repository.layout(job.job_id)
+                counted = {int(i) for i in client.smembers(repository.counters(job.job_id).counted_key)}
                 queue = None
                 for index in started:
+                    if index in counted:
+                        continue  # done and counted: no need to ask the store
                     if client.exists(lease_key(namespace, job.job_id, index)):
                         continue  # a live run holds it
                     if repository.store.exists(layout.shard_result_key(index)):
-                        if not client.sismember(repository.counters(job.job_id).counted_key, index):
-                            _count_late(repository, layout, index, send_finalize)
+                        _count_late(repository, layout, index, send_finalize)
                         continue  # done
                     marker = f"{namespace}:job:{{{job.job_id}}}:shard:{index}:resent"
                     if not client.set(marker, 1, nx=True, px=int(2 * ttl_s * 1000)):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,6 +92,29 @@ def worker_process(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoi
     with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
                        concurrency=2):
         yield env["BULKINFER_MODELS"]
+
+
+@contextmanager
+def bare_pipeline(redis_url: str, s3: S3Server, tiny_checkpoint: Path, model_cache: Path,
+                  lease_ttl_s: float = 4) -> Iterator[tuple[Pipeline, dict[str, str]]]:
+    """A pipeline with no worker yet (buckets made, a client to send tasks), and the environment a
+    worker process needs: the tiny model, short leases and a reaper ticking every second."""
+    client = s3.client()
+    for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
+        client.create_bucket(Bucket=bucket)
+    models = json.dumps({"tiny": str(tiny_checkpoint)})
+    store_uri = f"s3://{JOBS_BUCKET}/{STORE_PREFIX}"
+    env = {**s3.env(), "BULKINFER_STORE_URI": store_uri, "BULKINFER_MODELS": models,
+           "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS), "BULKINFER_MODEL_CACHE": str(model_cache),
+           "BULKINFER_WORKER_MODELS": "tiny", "HF_HUB_OFFLINE": "1",
+           "BULKINFER_SHARD_LEASE_TTL_S": str(lease_ttl_s), "BULKINFER_REAPER_INTERVAL_S": "1"}
+    settings = Settings(broker_url=redis_url, store_uri=store_uri, s3_endpoint_url=s3.endpoint_url,
+                        models=models)
+    app = create_app(redis_url, name="bulkinfer-test-client")
+    try:
+        yield Pipeline(settings, settings.repository(), app, s3), env
+    finally:
+        app.close()
 
 
 @pytest.fixture

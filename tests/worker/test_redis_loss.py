@@ -11,13 +11,10 @@ from pathlib import Path
 import pytest
 
 from api.stack import free_port, redis_server_binary
-from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import S3Server, celery_worker, wait_until
-from tests.worker import conftest
-from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, JOBS_BUCKET, MODELS_BUCKET, Pipeline
-from worker.celery_app import create_app
+from tests.worker.conftest import Pipeline, bare_pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,23 +60,17 @@ def private_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
         server.stop()
 
 
+@pytest.fixture
+def parts(private_redis: RestartableRedis, s3: S3Server, tiny_checkpoint: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
+    with bare_pipeline(private_redis.url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
+                       LEASE_TTL_S) as made:
+        yield made
+
+
 def test_jobs_finish_after_redis_restarts_without_its_data(
-        private_redis: RestartableRedis, s3: S3Server, tiny_checkpoint: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
-    client = s3.client()
-    for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
-        client.create_bucket(Bucket=bucket)
-    models = json.dumps({"tiny": str(tiny_checkpoint)})
-    store_uri = f"s3://{JOBS_BUCKET}/{conftest.STORE_PREFIX}"
-    env = {**s3.env(), "BULKINFER_STORE_URI": store_uri, "BULKINFER_MODELS": models,
-           "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
-           "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache")),
-           "BULKINFER_WORKER_MODELS": "tiny", "HF_HUB_OFFLINE": "1",
-           "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1"}
-    settings = Settings(broker_url=private_redis.url, store_uri=store_uri, s3_endpoint_url=s3.endpoint_url,
-                        models=models)
-    app = create_app(private_redis.url, name="bulkinfer-test-client")
-    pipeline = Pipeline(settings, settings.repository(), app, s3)
+        private_redis: RestartableRedis, parts: tuple[Pipeline, dict[str, str]]) -> None:
+    pipeline, env = parts
     repository = pipeline.repository
 
     def job(name: str, rows: int, max_tokens: int) -> tuple[JobSpec, list[str]]:
@@ -90,31 +81,28 @@ def test_jobs_finish_after_redis_restarts_without_its_data(
                        prompt_column="question", sampling={"temperature": 0.0, "max_tokens": max_tokens},
                        shard_size=4), ids
 
-    try:
-        with celery_worker("worker.celery_app", private_redis.url, env=env, queues=QUEUES, pool="threads",
-                           concurrency=2, ready_timeout=120):
-            done_spec, done_ids = job("done", 4, 4)
-            done_id = pipeline.submit(done_spec)
-            assert pipeline.wait_for_end(done_id).state == JobState.SUCCEEDED
-            running_spec, running_ids = job("running", 32, 120)  # 8 shards, several seconds each
-            running_id = pipeline.submit(running_spec)
-            wait_until(lambda: repository.get(running_id).shards.done >= 1, 180, "a first shard to finish")
-            queued_spec, queued_ids = job("queued", 4, 4)
-            queued_id = repository.create(queued_spec).job_id  # its plan message is lost with Redis
-            assert repository.get(running_id).shards.done < 8, "the job ended before Redis was lost"
-            private_redis.restart_empty()
-            started = time.monotonic()
-            statuses = {job_id: pipeline.wait_for_end(job_id, timeout=240)
-                        for job_id in (running_id, queued_id)}
-        for job_id, ids in ((running_id, running_ids), (queued_id, queued_ids)):
-            status = statuses[job_id]
-            assert status.state == JobState.SUCCEEDED, status.error
-            assert [record["id"] for record in pipeline.output_records(job_id)] == ids  # each row once
-            assert (status.rows.total, status.rows.succeeded) == (len(ids), len(ids))
-        assert time.monotonic() - started < 240
-        listed = {status.job_id: status.state for status in repository.list(limit=10)[0]}
-        assert listed == {done_id: JobState.SUCCEEDED, running_id: JobState.SUCCEEDED,
-                          queued_id: JobState.SUCCEEDED}  # the job that ended before is listed again
-        assert [record["id"] for record in pipeline.output_records(done_id)] == done_ids
-    finally:
-        app.close()
+    with celery_worker("worker.celery_app", private_redis.url, env=env, queues=QUEUES, pool="threads",
+                       concurrency=2, ready_timeout=120):
+        done_spec, done_ids = job("done", 4, 4)
+        done_id = pipeline.submit(done_spec)
+        assert pipeline.wait_for_end(done_id).state == JobState.SUCCEEDED
+        running_spec, running_ids = job("running", 32, 120)  # 8 shards, several seconds each
+        running_id = pipeline.submit(running_spec)
+        wait_until(lambda: repository.get(running_id).shards.done >= 1, 180, "a first shard to finish")
+        queued_spec, queued_ids = job("queued", 4, 4)
+        queued_id = repository.create(queued_spec).job_id  # its plan message is lost with Redis
+        assert repository.get(running_id).shards.done < 8, "the job ended before Redis was lost"
+        private_redis.restart_empty()
+        started = time.monotonic()
+        statuses = {job_id: pipeline.wait_for_end(job_id, timeout=240)
+                    for job_id in (running_id, queued_id)}
+    for job_id, ids in ((running_id, running_ids), (queued_id, queued_ids)):
+        status = statuses[job_id]
+        assert status.state == JobState.SUCCEEDED, status.error
+        assert [record["id"] for record in pipeline.output_records(job_id)] == ids  # each row once
+        assert (status.rows.total, status.rows.succeeded) == (len(ids), len(ids))
+    assert time.monotonic() - started < 240
+    listed = {status.job_id: status.state for status in repository.list(limit=10)[0]}
+    assert listed == {done_id: JobState.SUCCEEDED, running_id: JobState.SUCCEEDED,
+                      queued_id: JobState.SUCCEEDED}  # the job that ended before is listed again
+    assert [record["id"] for record in pipeline.output_records(done_id)] == done_ids

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import RedisServer, S3Server, celery_worker
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
-from tests.worker import conftest
-from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, JOBS_BUCKET, MODELS_BUCKET, Pipeline
-from worker.celery_app import create_app
+from tests.worker.conftest import Pipeline, bare_pipeline
 from worker.context import WorkerContext
 from worker.job_lifecycle import plan_job
 from worker.shard_lease import ShardLease, lease_key, started_key
@@ -31,23 +28,9 @@ LEASE_TTL_S = 4
 def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
     """A pipeline with no worker yet, and the environment a worker process needs."""
-    client = s3.client()
-    for bucket in (JOBS_BUCKET, INPUTS_BUCKET, MODELS_BUCKET):
-        client.create_bucket(Bucket=bucket)
-    models = json.dumps({"tiny": str(tiny_checkpoint)})
-    store_uri = f"s3://{JOBS_BUCKET}/{conftest.STORE_PREFIX}"
-    env = {**s3.env(), "BULKINFER_STORE_URI": store_uri, "BULKINFER_MODELS": models,
-           "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
-           "BULKINFER_MODEL_CACHE": str(tmp_path_factory.mktemp("model-cache")),
-           "BULKINFER_WORKER_MODELS": "tiny", "HF_HUB_OFFLINE": "1",
-           "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1"}
-    settings = Settings(broker_url=redis_url, store_uri=store_uri,
-                        s3_endpoint_url=s3.endpoint_url, models=models)
-    app = create_app(redis_url, name="bulkinfer-test-client")
-    try:
-        yield Pipeline(settings, settings.repository(), app, s3), env
-    finally:
-        app.close()
+    with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
+                       LEASE_TTL_S) as made:
+        yield made
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
