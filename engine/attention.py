@@ -146,6 +146,7 @@ class PrefixBatch:
     Several instructions in one step (several jobs, or a job whose rows use a few) are common."""
 
     rows: torch.Tensor  # [groups * n] the decode rows, group after group
+    block_ids: torch.Tensor  # [groups, k] each group's shared blocks
     # Rows of the cache viewed [blocks * kv_heads, block_size * dim], ordered (group, head, block):
     # one gather gives every group's K (or V) as [groups, kv_heads, k * block_size, dim].
     cache_rows: torch.Tensor
@@ -160,7 +161,8 @@ def batch_prefixes(prefixes: list[SharedPrefix], num_kv_heads: int) -> list[Pref
     for members in by_shape.values():
         blocks = torch.stack([prefix.block_ids for prefix in members])  # [groups, k]
         cache_rows = head_major_rows(blocks, num_kv_heads).reshape(-1)
-        batches.append(PrefixBatch(torch.cat([prefix.rows for prefix in members]), cache_rows, len(members)))
+        batches.append(PrefixBatch(torch.cat([prefix.rows for prefix in members]), blocks, cache_rows,
+                                   len(members)))
     return batches
 
 
@@ -432,6 +434,21 @@ class TorchPagedAttention(AttentionBackend):
         rows = groups * n
         return out.reshape(rows, num_kv_heads, group, head_dim), lse.reshape(rows, num_kv_heads, group)
 
+    def _prefix_partials(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, lse) of every row's shared prefix, shaped like ``q``; rows outside every group keep
+        lse -inf, so the decode kernel starts them afresh (their output is not read)."""
+        assert self.kernels is not None
+        initial = (torch.empty_like(q), torch.full(q.shape[:-1], float("-inf")))
+        if self.kernels.supports_prefix_attention(q.dtype, q.shape[-1], k_cache.shape[-2]):
+            for batch in plan.prefix_batches:  # AMX, straight from the cache into the buffers
+                self.kernels.prefix_attention(q, k_cache, v_cache, batch.rows, batch.block_ids, *initial)
+            return initial
+        for batch in plan.prefix_batches:
+            shared_out, shared_lse = self._attend_prefixes(q, k_cache, v_cache, batch)
+            initial[0][batch.rows], initial[1][batch.rows] = shared_out, shared_lse
+        return initial
+
     def _decode_own_parts(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: DecodePlan
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,20 +488,16 @@ class TorchPagedAttention(AttentionBackend):
         use_kernel = self._uses_kernel(k_cache)
         plan = self.decode_plan(metadata, sliding_window, num_kv_heads, for_kernel=use_kernel)
         q = query.view(num_rows, num_kv_heads, group, head_dim)
-        shared = [(batch.rows, *self._attend_prefixes(q, k_cache, v_cache, batch))
-                  for batch in plan.prefix_batches]
         if use_kernel:
+            q = q.contiguous()  # once for both kernels (the query is a view into the fused QKV output)
             # Each row's own part continues the online softmax of its prefix's partial result.
             assert self.kernels is not None and plan.own_tables is not None
-            initial = None
-            if shared:
-                # Rows outside every group keep lse -inf: they start afresh (their output is not read).
-                initial = (torch.empty_like(q), torch.full(q.shape[:-1], float("-inf")))
-                for rows, shared_out, shared_lse in shared:
-                    initial[0][rows], initial[1][rows] = shared_out, shared_lse
+            initial = self._prefix_partials(q, k_cache, v_cache, plan) if plan.prefix_batches else None
             out, _ = self.kernels.decode_attention(q, k_cache, v_cache, plan.own_tables, plan.own_tokens,
                                                    plan.own_first, initial)
             return out.reshape(num_rows, num_heads, head_dim)
+        shared = [(batch.rows, *self._attend_prefixes(q, k_cache, v_cache, batch))
+                  for batch in plan.prefix_batches]
         out, lse = self._decode_own_parts(q, k_cache, v_cache, plan)
         for rows, shared_out, shared_lse in shared:
             out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
@@ -506,23 +519,21 @@ class TorchPagedAttention(AttentionBackend):
         num_heads, head_dim = query.shape[1:]
         num_kv_heads, block_size = k_cache.shape[-3], k_cache.shape[-2]
         per_kv = num_heads // num_kv_heads
-        # GQA folded into the query length: [T, heads, dim] -> [1, kvh, T * per_kv, dim].
-        queries = query[group.token_rows].view(-1, num_kv_heads, per_kv, head_dim).transpose(0, 1)
-        queries = queries.reshape(1, num_kv_heads, -1, head_dim)
-        keys, values = self._gather_blocks(k_cache, v_cache, group.block_ids)
-        shared_out, shared_lse = attention_with_lse(queries, keys, values)
         if self._uses_kernel(k_cache):
             # Each query token is a row of the native kernel: its own part (causal: the tokens up to
             # its own) read through its chunk's blocks, continuing the shared part's softmax.
             assert self.kernels is not None
             tables, counts = self._own_rows(metadata, group, block_size)
-            unfold = (num_kv_heads, -1, per_kv)
-            initial = (shared_out.view(*unfold, head_dim).transpose(0, 1),
-                       shared_lse.view(unfold).transpose(0, 1))
             rows_q = query[group.token_rows].view(-1, num_kv_heads, per_kv, head_dim)
+            initial = self._shared_part(rows_q, k_cache, v_cache, group.block_ids)
             out, _ = self.kernels.decode_attention(rows_q, k_cache, v_cache, tables, counts,
                                                    torch.zeros_like(counts), initial)
             return out.view(-1, num_heads, head_dim)
+        # GQA folded into the query length: [T, heads, dim] -> [1, kvh, T * per_kv, dim].
+        queries = query[group.token_rows].view(-1, num_kv_heads, per_kv, head_dim).transpose(0, 1)
+        queries = queries.reshape(1, num_kv_heads, -1, head_dim)
+        keys, values = self._gather_blocks(k_cache, v_cache, group.block_ids)
+        shared_out, shared_lse = attention_with_lse(queries, keys, values)
         own_out, own_lse = torch.empty_like(shared_out), torch.empty_like(shared_lse)
         shared_len, row = len(group.block_ids) * block_size, 0
         for i in group.chunks:
@@ -538,6 +549,23 @@ class TorchPagedAttention(AttentionBackend):
         # [1, kvh, T * per_kv, dim] -> [T, heads, dim]
         merged = merged.view(num_kv_heads, -1, per_kv, head_dim).transpose(0, 1)
         return merged.reshape(-1, num_heads, head_dim)
+
+    def _shared_part(self, rows_q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(output, lse) of every query row ``rows_q [T, kvh, per_kv, dim]`` over the shared blocks,
+        in the decode kernel's layout."""
+        assert self.kernels is not None
+        num_kv_heads, per_kv, head_dim = rows_q.shape[1:]
+        if self.kernels.supports_prefix_attention(rows_q.dtype, head_dim, k_cache.shape[-2]):
+            out, lse = torch.empty_like(rows_q), torch.empty(rows_q.shape[:-1])
+            rows = torch.arange(len(rows_q))
+            self.kernels.prefix_attention(rows_q, k_cache, v_cache, rows, block_ids[None], out, lse)
+            return out, lse
+        queries = rows_q.transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
+        keys, values = self._gather_blocks(k_cache, v_cache, block_ids)
+        shared_out, shared_lse = attention_with_lse(queries, keys, values)
+        unfold = (num_kv_heads, -1, per_kv)
+        return shared_out.view(*unfold, head_dim).transpose(0, 1), shared_lse.view(unfold).transpose(0, 1)
 
     @staticmethod
     def _own_rows(metadata: AttentionMetadata, group: PrefillGroup, block_size: int

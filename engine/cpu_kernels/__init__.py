@@ -2,12 +2,14 @@
 
 Decode attention is memory-bound and small per request, so in PyTorch its cost is the gathering
 of each request's blocks into a contiguous tensor and the per-call overhead of a kernel built for
-long queries. `decode_attention.c` reads K/V straight from the paged cache instead. It is compiled
-with the machine's C compiler (`$CC`, else `cc`) and OpenMP (`-march=native`, so the library is
-cached per CPU kind and source, in `$BULKINFER_KERNEL_CACHE` or ~/.cache/bulkinfer/kernels) and
-loaded with ctypes; OpenMP resolves to the libgomp torch already loaded, so the kernels share
-torch's threads. No compiler, a failed build or `BULKINFER_CPU_KERNELS=0`: the engine uses its
-PyTorch path (same results within rounding), and says why once in its log.
+long queries. `decode_attention.c` reads K/V straight from the paged cache instead; on CPUs with
+AMX, `prefix_attention.c` attends the blocks a group of rows shares (an instruction) on the tile
+unit, also straight from the cache. They are compiled with the machine's C compiler (`$CC`, else
+`cc`) and OpenMP (`-march=native`, so the library is cached per CPU kind and source, in
+`$BULKINFER_KERNEL_CACHE` or ~/.cache/bulkinfer/kernels) and loaded with ctypes; OpenMP resolves to
+the libgomp torch already loaded, so the kernels share torch's threads. No compiler, a failed build
+or `BULKINFER_CPU_KERNELS=0`: the engine uses its PyTorch path (same results within rounding), and
+says why once in its log.
 """
 
 from __future__ import annotations
@@ -26,13 +28,15 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(name) for name in ("decode_attention.c", "layer_ops.c", "kv_store.c")]
+SOURCES = [Path(__file__).with_name(name)
+           for name in ("decode_attention.c", "prefix_attention.c", "layer_ops.c", "kv_store.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 5
+ABI_VERSION = 6
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
+PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 _DECODE_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
@@ -52,6 +56,12 @@ class CpuKernels:
         self._rope = _declare(library.rope_bf16, [_POINTER] * 3 + [_INT] * 4)
         self._silu_and_mul = _declare(library.silu_and_mul_bf16, [_POINTER] * 2 + [_INT] * 2)
         self._store_kv = _declare(library.store_kv, [_POINTER] * 5 + [_INT] * 4)
+        # AMX shared-prefix attention: built only for CPUs with AMX, usable once Linux grants it.
+        self._prefix = None
+        if hasattr(library, "prefix_attention_bf16") and library.prefix_attention_available() == 1:
+            self._prefix = _declare(library.prefix_attention_bf16,
+                                    [_POINTER] * 5 + [_INT] * 7 + [ctypes.c_float] + [_POINTER] * 3)
+        self._packed = torch.empty(0, dtype=torch.bfloat16)  # prefix K/V in tile layout, reused
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0
@@ -101,6 +111,45 @@ class CpuKernels:
             torch.get_num_threads())
         return out, lse
 
+
+    def supports_prefix_attention(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+        return (self._prefix is not None and dtype == torch.bfloat16 and head_dim in PREFIX_HEAD_DIMS
+                and block_size % 16 == 0)
+
+    def prefix_attention(
+        self,
+        query: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        rows: torch.Tensor,
+        block_ids: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Attention of ``query [R, kv_heads, Q, dim]`` rows ``rows`` (``groups * n``, group after
+        group) over their group's shared blocks ``block_ids [groups, k]`` of the cache ``[blocks,
+        kv_heads, block_size, dim]``: writes the output into ``out`` (like ``query``) and the
+        log-sum-exp of the scaled scores into ``lse [R, kv_heads, Q]`` (fp32) at those rows."""
+        num_rows, kv_heads, queries, head_dim = query.shape
+        block_size = k_cache.shape[-2]
+        groups, shared = block_ids.shape
+        _require(self.supports_prefix_attention(query.dtype, head_dim, block_size)
+                 and query.dtype == k_cache.dtype == v_cache.dtype == out.dtype
+                 and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
+                 and out.shape == query.shape and lse.shape == query.shape[:-1] and lse.dtype == torch.float32
+                 and all(t.is_contiguous() for t in (query, k_cache, v_cache, out, lse))
+                 and rows.dtype == block_ids.dtype == torch.int64 and groups > 0 and shared > 0
+                 and rows.numel() % groups == 0 and rows.numel() > 0, "prefix_attention")
+        rows, block_ids = rows.contiguous(), block_ids.contiguous()
+        length = shared * block_size
+        needed = groups * kv_heads * (length + -(-length // 32) * 32) * head_dim
+        if self._packed.numel() < needed:
+            self._packed = torch.empty(needed, dtype=torch.bfloat16)
+        assert self._prefix is not None
+        self._prefix(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
+                     block_ids.data_ptr(), groups, rows.numel() // groups, shared, kv_heads, queries,
+                     head_dim, block_size, head_dim ** -0.5, self._packed.data_ptr(), out.data_ptr(),
+                     lse.data_ptr(), torch.get_num_threads())
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rows: torch.Tensor) -> None:

@@ -2,7 +2,9 @@
 and for plain AVX2 (the 8-lane path, what AVX2-only machines run): paged decode attention over
 random block tables (every supported head size, GQA groups across the 8-query chunk, sliding-window
 starts, continuing a shared prefix's partial result), and the bf16 layer ops (residual + RMSNorm,
-rotary, SiLU x up) against the PyTorch formulas they replace."""
+rotary, SiLU x up) against the PyTorch formulas they replace. The AMX shared-prefix attention is
+built where the CPU has AMX (the native build here when it does; never the AVX2 build), and then
+checked against the fp32 formula."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.cpu_kernels import HEAD_DIMS, CpuKernels, build_and_open
+from engine.cpu_kernels import HEAD_DIMS, PREFIX_HEAD_DIMS, CpuKernels, build_and_open
 from engine.dtype_choice import cpu_flags
 from engine.models.llama import RMSNorm, apply_rope
 
@@ -94,6 +96,90 @@ def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) 
     assert not kernels.supports(torch.float32, 24, 16) and not kernels.supports(torch.float16, 64, 16)
     with pytest.raises(ValueError, match="unsupported or inconsistent"):
         kernels.decode_attention(q, cache, cache, torch.ones(1, 1, dtype=torch.long), one, one * 0)
+
+
+def test_prefix_attention_exists_exactly_where_the_cpu_has_amx(kernels: CpuKernels, request) -> None:
+    has_amx = {"amx_bf16", "amx_tile"} <= cpu_flags() and request.node.callspec.params["kernels"] == "native"
+    assert kernels.supports_prefix_attention(torch.bfloat16, 64, 16) == has_amx
+    assert not kernels.supports_prefix_attention(torch.float32, 64, 16)  # bf16 tiles only
+    assert not kernels.supports_prefix_attention(torch.bfloat16, 80, 16)  # whole 32-dim tiles
+    assert not kernels.supports_prefix_attention(torch.bfloat16, 64, 8)  # 16-key tiles
+
+
+@pytest.fixture(scope="module")
+def amx(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """The native build, on a CPU with AMX (elsewhere the kernel does not exist: the test above)."""
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("this CPU has no AMX: the engine keeps SDPA's kernel for shared prefixes")
+    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("amx"), cpu_kernels.FLAGS)
+    assert built is not None and built.supports_prefix_attention(torch.bfloat16, 64, 16)
+    return built
+
+
+@pytest.mark.parametrize("head_dim", PREFIX_HEAD_DIMS)
+@pytest.mark.parametrize(("queries", "rows_per_group", "groups", "shared_blocks", "block_size"), [
+    (3, 64, 4, 25, 16),  # SmolLM2's decode step: 4 instructions of 400 tokens, 9 heads over 3
+    (1, 7, 1, 1, 16),  # one block (16 keys: half a P x V tile), 7 queries (most of a tile padding)
+    (4, 5, 2, 3, 16),  # 20 queries: a second tile of 32 mostly padding
+    (8, 9, 3, 2, 32),  # larger blocks
+])
+def test_prefix_attention_matches_the_fp32_formula(amx: CpuKernels, head_dim: int, queries: int,
+                                                   rows_per_group: int, groups: int, shared_blocks: int,
+                                                   block_size: int) -> None:
+    """Rows in any order, several groups over their own blocks; rows outside every group untouched."""
+    generator = torch.Generator().manual_seed(head_dim + queries)
+    kv_heads, blocks = 2, 128
+    k_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(torch.bfloat16)
+    num_rows = groups * rows_per_group + 3
+    q = (torch.randn(num_rows, kv_heads, queries, head_dim, generator=generator) * 2).to(torch.bfloat16)
+    rows = torch.randperm(num_rows, generator=generator)[: groups * rows_per_group]
+    block_ids = torch.randint(1, blocks, (groups, shared_blocks), generator=generator)
+    out = torch.zeros_like(q)
+    lse = torch.full((num_rows, kv_heads, queries), float("-inf"))
+    amx.prefix_attention(q, k_cache, v_cache, rows, block_ids, out, lse)
+    for group in range(groups):
+        table = block_ids[group]
+        count = shared_blocks * block_size
+        for row in rows[group * rows_per_group: (group + 1) * rows_per_group]:
+            expected, expected_lse = reference_attention(q[row], k_cache, v_cache, table, 0, count)
+            # bf16: the probabilities and the output are rounded to bf16
+            torch.testing.assert_close(out[row].float(), expected, atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(lse[row], expected_lse, atol=1e-4, rtol=1e-5)
+    untouched = torch.ones(num_rows, dtype=torch.bool)
+    untouched[rows] = False
+    assert bool((out[untouched] == 0).all()) and bool(torch.isinf(lse[untouched]).all())
+
+
+def test_prefix_attention_then_decode_attention_equals_one_pass(amx: CpuKernels) -> None:
+    """The cascade as the engine runs it: the prefix's (output, lse) continued by each row's own part."""
+    kernels = amx
+    generator = torch.Generator().manual_seed(3)
+    k_cache = torch.randn(30, 3, 16, 64, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(30, 3, 16, 64, generator=generator).to(torch.bfloat16)
+    q = torch.randn(5, 3, 3, 64, generator=generator).to(torch.bfloat16)
+    whole = torch.tensor([[4, 5, 6, 7, 8 + r] for r in range(5)])
+    counts = torch.tensor([70, 65, 79, 80, 66])
+    initial = (torch.empty_like(q), torch.full((5, 3, 3), float("-inf")))
+    kernels.prefix_attention(q, k_cache, v_cache, torch.arange(5), whole[:1, :4], *initial)
+    zeros = torch.zeros(5, dtype=torch.long)
+    out, lse = kernels.decode_attention(q, k_cache, v_cache, whole[:, 4:], counts - 64, zeros, initial)
+    reference, reference_lse = kernels.decode_attention(q, k_cache, v_cache, whole, counts, zeros)
+    torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, reference_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_prefix_attention_refuses_what_it_does_not_support(amx: CpuKernels) -> None:
+    kernels = amx
+    cache = torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16)
+    q = torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 1, 1)
+    rows, blocks = torch.arange(2), torch.ones(1, 1, dtype=torch.long)
+    with pytest.raises(ValueError, match="prefix_attention"):
+        kernels.prefix_attention(q, cache, cache, rows, blocks, torch.zeros(2, 1, 1, 64), lse)  # fp32 out
+    with pytest.raises(ValueError, match="prefix_attention"):
+        kernels.prefix_attention(q, cache, cache, rows[:1], torch.ones(2, 1, dtype=torch.long),
+                                 torch.zeros_like(q), lse)  # 1 row for 2 groups
 
 
 def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine.dtype_choice import cpu_flags
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_within_noise,
@@ -116,10 +117,18 @@ def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, 
     monkeypatch.setattr(TorchPagedAttention, "_prefill_group",
                         lambda self, *args: groups.append(len(args[-1].chunks)) or original(self, *args))
     llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, dtype=dtype)
+    kernels = llm.engine.model.layers[0].self_attn.backend.kernels  # one backend for every layer
     if not native:
-        llm.engine.model.layers[0].self_attn.backend.kernels = None  # one backend for every layer
+        llm.engine.model.layers[0].self_attn.backend.kernels = None
+    amx_calls = []
+    if native and kernels is not None and kernels.supports_prefix_attention(getattr(torch, dtype), 32, 16):
+        prefix_attention = kernels.prefix_attention
+        monkeypatch.setattr(kernels, "prefix_attention",
+                            lambda *args: amx_calls.append(1) or prefix_attention(*args))
     outputs = llm.generate(prompts, greedy(dtype))
     assert groups and max(groups) >= 2, "no prefill chunks were attended as a cascade"
+    if native and dtype == "bfloat16" and {"amx_bf16", "amx_tile"} <= cpu_flags() and TEST_DEVICE == "cpu":
+        assert amx_calls, "bf16 on an AMX CPU: the shared blocks go through the AMX kernel"
     assert_all_match(arch_dir, llm, prompts, outputs)
 
 
