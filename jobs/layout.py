@@ -6,6 +6,8 @@
     <prefix>/jobs/<job_id>/input/<name>             the input, when uploaded through the API
     <prefix>/jobs/<job_id>/output/part-00000.<ext>  one output part per shard (or under output_uri)
     <prefix>/jobs/<job_id>/errors/part-00000.jsonl  the shard's failed rows, with reasons
+    .../output/_temporary/<fence>/part-00000.<ext>  a run's staged parts (and errors/_temporary/),
+                                                    copied to the part keys once its result commits
     <prefix>/jobs/<job_id>/shards/part-00000.json   the shard's result, written after its parts
     <prefix>/jobs/<job_id>/manifest.json            written last
 """
@@ -77,8 +79,12 @@ class JobLayout:
             raise ValueError(f"input name {name!r} must be a plain file name")
         return f"{self.job_dir}/input/{name}"
 
+    @property
+    def errors_dir(self) -> str:
+        return f"{self.job_dir}/errors"
+
     def error_part_key(self, shard_index: int) -> str:
-        return f"{self.job_dir}/errors/{part_name(shard_index, 'jsonl')}"
+        return f"{self.errors_dir}/{part_name(shard_index, 'jsonl')}"
 
     def shard_result_key(self, shard_index: int) -> str:
         return f"{self.shard_results_dir}/{part_name(shard_index, 'json')}"

@@ -57,6 +57,9 @@ class ShardResult(BaseModel):
     started_at: datetime
     finished_at: datetime
     dtype: str | None = Field(None, description="the dtype the engine computed this shard in")
+    fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
+                              "under it and are published from there (jobs/part_publication.py); "
+                              "None: written in place")
 
     @property
     def rows(self) -> int:
@@ -65,7 +68,7 @@ class ShardResult(BaseModel):
     @classmethod
     def from_outputs(cls, shard: ShardPlan, outputs: Sequence[OutputRow], *, output: PartFile,
                      errors: PartFile, started_at: datetime, finished_at: datetime,
-                     dtype: str | None = None) -> ShardResult:
+                     dtype: str | None = None, fence: str | None = None) -> ShardResult:
         """The result of a shard whose `outputs` were written as `output` and `errors`."""
         failed = sum(row.failed for row in outputs)
         usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in outputs),
@@ -73,7 +76,8 @@ class ShardResult(BaseModel):
                            completion=sum(row.completion_tokens or 0 for row in outputs))
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
-                   errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype)
+                   errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
+                   fence=fence)
 
 
 def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult) -> ShardResult:

@@ -17,8 +17,9 @@ from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
+from jobs.part_publication import settle_staged
 from jobs.repository import JobRepository
-from jobs.results import load_shard_results
+from jobs.results import ShardResult, load_shard_results
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
@@ -186,14 +187,16 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
     layout = repository.layout(job_id)
     plan = repository.load_plan(job_id)
     resolved = resolved_spec(context, spec)
+    results = load_shard_results(repository.store, layout)
     try:
         manifest = build_manifest(job_id, spec.spec_hash(), str(resolved.effective_output_format), len(plan),
-                                  load_shard_results(repository.store, layout))
+                                  results)
     except IncompleteJob as error:
         if status.shards.done < len(plan):  # sent early (by hand, a stale redelivery): a later shard resends
             return {"status": f"waiting: {error}"}
         # Every shard was counted, yet a result is not there: retried, then the job fails saying so.
         raise
+    _settle_staged_parts(context, resolved, layout, results)
     try:
         repository.transition(job_id, JobState.FINALIZING)
         write_manifest(repository.store, layout, manifest)
@@ -203,6 +206,19 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
     _abort_unfinished_writes(context, resolved, layout)
     logger.info("job %s succeeded: %d rows (%d failed)", job_id, manifest.rows.total, manifest.rows.failed)
     return {"status": "succeeded", "rows": manifest.rows.total}
+
+
+def _settle_staged_parts(context: WorkerContext, resolved: JobSpec, layout: JobLayout,
+                         results: list[ShardResult]) -> None:
+    """Every committed part published, every losing run's staged part gone, before the manifest."""
+    store = context.repository.store
+    location = output_location(resolved, store, layout)
+    outputs = settle_staged(location.store, location.directory, results)
+    errors = settle_staged(store, layout.errors_dir, results)
+    published, deleted = outputs[0] + errors[0], outputs[1] + errors[1]
+    if published or deleted:
+        logger.info("job %s: published %d staged part(s), removed %d staged by runs that did not commit",
+                    layout.job_id, published, deleted)
 
 
 def _abort_unfinished_writes(context: WorkerContext, resolved: JobSpec, layout: JobLayout) -> None:

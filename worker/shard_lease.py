@@ -7,7 +7,9 @@ key, it expires after `ttl_s`, and the waiting (or re-sent) run takes over; the 
 (`worker/shard_reaper.py`) re-sends steps whose lease lapsed with the work undone.
 
 Taking a `ShardLease` also adds the shard's index to the job's set of started shards, so the
-reaper can tell a shard whose worker died from one still queued.
+reaper can tell a shard whose worker died from one still queued, and numbers the take (the
+lease's generation): with the run's token it is the run's fencing token (`fence`), under which the
+run stages its parts (jobs/part_publication.py), so a run that lost its lease overwrites nothing.
 """
 
 from __future__ import annotations
@@ -134,8 +136,19 @@ class ShardLease(Lease):
         self.started_key = started_key(namespace, job_id)
         self.shard_index = shard_index
 
+    generation = 0  # how many times the shard's lease was taken, this take included
+
+    @property
+    def fence(self) -> str:
+        """This run's fencing token: the generation orders runs; the token keeps two runs apart
+        even when Redis lost its data and counts generations afresh."""
+        return f"g{self.generation}-{self.token[:8]}"
+
     def _on_acquired(self) -> None:
+        generation_key = f"{self.key}:generation"
         with self.client.pipeline(transaction=False) as pipe:
             pipe.sadd(self.started_key, self.shard_index)
             pipe.expire(self.started_key, STARTED_TTL_S)
-            pipe.execute()
+            pipe.incr(generation_key)
+            pipe.expire(generation_key, STARTED_TTL_S)
+            self.generation = int(pipe.execute()[2])

@@ -1,10 +1,13 @@
 """`run_shard`: one shard's rows through the worker's engine, written once, counted once.
 
-The commit point is the shard result (`shards/part-NNNNN.json`, write-once). Output and error
-parts have deterministic keys and are overwritten while no result exists: a run that died after
-writing a part but before its result left a part nothing counts, and the rerun replaces it. Once a
-result exists, a rerun writes nothing and only makes sure the shard is counted (and the job
-finalized), so a row never appears twice.
+The commit point is the shard result (`shards/part-NNNNN.json`, write-once). A run writes its
+output and error parts staged under its fencing token (the lease's generation and its own token),
+then tries to commit its result; whoever commits, and every later delivery that finds the result,
+publishes that result's staged parts to their deterministic keys (jobs/part_publication.py) before
+counting the shard. So a run that died before committing left only staged copies nothing reads,
+and a run that lost its lease (stalled past the TTL) cannot overwrite the parts of the run that
+did commit. Once a result exists, a rerun writes nothing and only makes sure the shard is
+published and counted (and the job finalized), so a row never appears twice.
 
 A `ShardLease` keeps two deliveries of one shard from running at the same time: the second
 waits for the first, then finds its result.
@@ -24,14 +27,14 @@ from typing import Any
 
 from jobs.counters import CountersMissing
 from jobs.formats.output import OutputRow
-from jobs.formats.parts import write_error_part, write_output_part
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
-from jobs.layout import JobLayout, output_location
+from jobs.layout import JobLayout
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
+from jobs.part_publication import publish_parts, write_fenced
 from jobs.repository import JobRepository
-from jobs.results import ShardResult, save_shard_result
+from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from worker.context import WorkerContext
@@ -39,6 +42,7 @@ from worker.engine_host import EngineUnavailable, Submission
 from worker.engine_outputs import PreparedBatch
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
+from worker.schema_limit import limit_schemas
 from worker.shard_lease import ShardLease, lease_ttl_s
 from worker.transient import is_transient
 
@@ -107,8 +111,9 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         if not lease.held:  # this process stalled past the lease's TTL: another run owns the shard now
             return {"status": "skipped: lost the shard lease to another run"}
         with timings.phase("write"):
-            result = _write(repository, layout, spec, plan[shard_index], outputs,
-                            created=int(job.created_at.timestamp()), started_at=started_at, dtype=dtype)
+            result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
+                                  fence=lease.fence, created=int(job.created_at.timestamp()),
+                                  started_at=started_at, dtype=dtype)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
@@ -138,6 +143,8 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
     with timings.phase("read"):
         items = _read_rows(context, spec, shard)
+        items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
+                              context.settings.max_schemas_per_job)
     batch = PreparedBatch(hosted.renderer, items, priority=MAX_JOB_PRIORITY - spec.priority)
     with timings.phase("engine"):
         outputs = _run_on_engine(context, hosted, job_id, batch)
@@ -180,25 +187,11 @@ class EngineDied(RuntimeError):
     """The engine was stopped or could not be rebuilt after a crash; the next attempt loads a new one."""
 
 
-def _write(repository: JobRepository, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
-           outputs: list[OutputRow], *, created: int, started_at: datetime,
-           dtype: str | None) -> ShardResult:
-    """Write the parts (replacing any a crashed run left) and commit the result; returns the
-    result that stands (an earlier run's, if one committed first).
-    """
-    location = output_location(spec, repository.store, layout)
-    output = write_output_part(location.store, location.part_key(shard.index), outputs, spec,
-                               job_id=layout.job_id, created=created, if_none_match=False)
-    errors = write_error_part(repository.store, layout.error_part_key(shard.index), outputs,
-                              if_none_match=False)
-    result = ShardResult.from_outputs(shard, outputs, output=output, errors=errors, started_at=started_at,
-                                      finished_at=datetime.now(UTC), dtype=dtype)
-    return save_shard_result(repository.store, layout, result)
-
-
 def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
                 send_finalize: Callable[[str], None]) -> None:
-    """Count the shard once; whoever sees every shard done sends finalize (it may go twice: harmless)."""
+    """Publish the committed result's parts, then count the shard once; whoever sees every shard
+    done sends finalize (it may go twice: harmless)."""
+    publish_parts(repository.store, result)
     counters = repository.counters(layout.job_id)
     try:
         counters.apply_shard(result)

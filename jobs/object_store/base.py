@@ -113,6 +113,13 @@ class ObjectStore(ABC):
     def uri(self, key: str) -> str:
         """The `s3://…` or `file://…` URI of `key`, accepted back by `store_for_uri`."""
 
+    def copy(self, source_key: str, key: str) -> None:
+        """Write the object at `source_key` to `key` (replacing it); raises `ObjectNotFound` if the
+        source is missing. Default: streamed through this process (S3 copies server-side)."""
+        with self.open_read(source_key) as source, self.open_write(key) as writer:
+            while chunk := source.read(8 << 20):
+                writer.write(chunk)
+
     def exists(self, key: str) -> bool:
         try:
             self.head(key)

@@ -129,6 +129,16 @@ class S3ObjectStore(ObjectStore):
     def delete(self, key: str) -> None:
         self.client.delete_object(Bucket=self.bucket, Key=key)
 
+    def copy(self, source_key: str, key: str) -> None:
+        from botocore.exceptions import ClientError
+
+        try:  # boto3's managed copy: server-side, multipart past its threshold
+            self.client.copy({"Bucket": self.bucket, "Key": source_key}, self.bucket, key)
+        except ClientError as error:
+            if _error_code(error) in NOT_FOUND_CODES:
+                raise ObjectNotFound(source_key) from None
+            raise
+
     def presign_get(self, key: str, expires: int = 3600) -> str:
         return self.client.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=expires)

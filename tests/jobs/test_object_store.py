@@ -120,6 +120,18 @@ def test_list_pages_through_every_key_in_order(store) -> None:
     assert {info.key for info in store.list("jobs/j1")} == {"jobs/j1/job.json", "jobs/j10/job.json", *keys}
 
 
+def test_copy_replaces_the_target_and_refuses_a_missing_source(store) -> None:
+    data = os.urandom(9 << 20)  # past boto3's multipart-copy threshold (8 MiB)
+    store.put_bytes("staged/part", data)
+    store.put_bytes("part", b"old")
+    store.copy("staged/part", "part")
+    assert hashlib.sha256(store.get_bytes("part")).digest() == hashlib.sha256(data).digest()
+    assert store.get_bytes("staged/part") == data  # the source stays
+    with pytest.raises(ObjectNotFound):
+        store.copy("no/such", "other")
+    assert not store.exists("other")
+
+
 def test_delete_is_idempotent(store) -> None:
     store.put_bytes("k", b"v")
     store.delete("k")

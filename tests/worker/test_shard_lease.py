@@ -79,3 +79,24 @@ def test_a_lease_that_vanished_with_nobody_holding_it_is_taken_back(redis_url: s
     assert lease.held and client.get(lease.key) == lease.token.encode()
     lease.release()
     assert not client.exists(lease.key)
+
+
+def test_each_take_of_a_shard_lease_gets_a_newer_fencing_token(redis_url: str) -> None:
+    """The generation orders the runs of one shard; the token part keeps them apart when Redis lost
+    its data and counts generations afresh (their parts are staged under the fence)."""
+    client = redis.Redis.from_url(redis_url)
+    fences = []
+    for _ in range(3):
+        lease = ShardLease(client, "job-f", 0, ttl_s=0.3)
+        assert lease.acquire(never)
+        fences.append((lease.generation, lease.fence))
+        lease.release()
+    assert [generation for generation, _ in fences] == [1, 2, 3]
+    assert [fence.split("-")[0] for _, fence in fences] == ["g1", "g2", "g3"]
+    client.delete(f"{lease.key}:generation")  # Redis lost its data: generations restart, fences differ
+    again = ShardLease(client, "job-f", 0, ttl_s=0.3)
+    assert again.acquire(never) and again.generation == 1 and again.fence != fences[0][1]
+    again.release()
+    other = ShardLease(client, "job-f", 1, ttl_s=0.3)  # another shard counts on its own
+    assert other.acquire(never) and other.generation == 1
+    other.release()
