@@ -51,6 +51,7 @@ ENVIRONMENT_NAMES = {
     "max_upload_bytes": "BULKINFER_MAX_UPLOAD_BYTES",
     "max_rows_per_job": "BULKINFER_MAX_ROWS_PER_JOB",
     "max_shards_per_job": "BULKINFER_MAX_SHARDS_PER_JOB",
+    "max_schemas_per_job": "BULKINFER_MAX_SCHEMAS_PER_JOB",
     "max_jobs_in_flight": "BULKINFER_MAX_JOBS_IN_FLIGHT",
     "max_requests_per_s": "BULKINFER_MAX_REQUESTS_PER_S",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
@@ -99,6 +100,8 @@ class Settings(BaseModel):
     max_upload_bytes: int | None = Field(None, ge=1)
     max_rows_per_job: int | None = Field(None, ge=1)
     max_shards_per_job: int | None = Field(None, ge=1)
+    # Distinct response formats a job's rows may carry (worker/schema_limit.py): bounds its compile time.
+    max_schemas_per_job: int = Field(256, ge=1)
     max_jobs_in_flight: int | None = Field(None, ge=1)  # per tenant: queued, running or finalizing
     max_requests_per_s: int | None = Field(None, ge=1)  # per API key (per tenant on an open API)
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.

@@ -27,6 +27,7 @@ class RowErrorCode(StrEnum):
     MISSING_COLUMN = "missing_column"
     INVALID_SAMPLING = "invalid_sampling"
     INVALID_RESPONSE_FORMAT = "invalid_response_format"
+    TOO_MANY_SCHEMAS = "too_many_schemas"  # past the deployment's max_schemas_per_job
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
     UNSUPPORTED_URL = "unsupported_url"
     # Set by the worker, not the readers: the engine refused or failed the row.
