@@ -4,7 +4,10 @@ then every output counted: rows lost, rows duplicated.
 It starts its own Redis (no persistence) and `--workers` Celery worker processes on a local store
 and the `tiny` checkpoint (built once), submits `--jobs` jobs, and injects in turn, each once the
 jobs have made progress since the last: `kill -9` of a worker in the middle of its shards (a fresh
-worker replaces it), and a Redis restart with all its data lost. Leases and the reaper run with
+worker replaces it), a Redis restart with all its data lost, a worker stalled (SIGSTOP) for three
+lease TTLs and then resumed (its leases lapse and other runs take its shards over while it sleeps:
+the fenced writes keep it from overwriting them), and Redis unreachable (SIGSTOP) for three lease
+TTLs. Leases and the reaper run with
 short TTLs (4 s, ticks of 1 s) so the run takes a minute or two. The last line with `--json` is
 one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated` (and details).
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -38,6 +42,9 @@ from jobs.spec import JobSpec
 from jobs.status import JobState
 
 LEASE_TTL_S = 4
+PAUSE_S = 3 * LEASE_TTL_S  # a stall or an outage long enough for every lease to lapse
+FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause")
+DEFAULT_FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", "worker-kill")
 MODEL = "tiny"
 ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": "float32"}
 
@@ -50,8 +57,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--faults", default="worker-kill,redis-restart,worker-kill",
-                        help="comma-separated, in order: worker-kill, redis-restart")
+    parser.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
+                        help=f"comma-separated, in order, of: {', '.join(FAULTS)}")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for every job to end")
     parser.add_argument("--home", type=Path, help="working folder (default: a temporary one)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
@@ -168,8 +175,14 @@ class FaultBench:
             self.redis.kill()
             self.redis.wait(10)
             self.start_redis()  # the same port, nothing kept
+        elif fault == "worker-stall":
+            victim = next(worker for worker in self.workers if worker.poll() is None)
+            pause(victim, PAUSE_S)
+        elif fault == "redis-pause":
+            assert self.redis is not None
+            pause(self.redis, PAUSE_S)
         else:
-            raise StackError(f"unknown fault {fault!r} (known: worker-kill, redis-restart)")
+            raise StackError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
 
     def _wait_progress(self, repository: Any, expected: dict[str, list[str]], shards: int,
                        started: float) -> None:
@@ -196,6 +209,15 @@ class FaultBench:
                 return states
             time.sleep(0.5)
         return states
+
+
+def pause(process: subprocess.Popen[bytes], seconds: float) -> None:
+    """SIGSTOP the process for `seconds`, then let it go on (always, even if interrupted)."""
+    os.kill(process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
 
 
 def count_rows(store_dir: Path, expected: dict[str, list[str]]) -> dict[str, int]:

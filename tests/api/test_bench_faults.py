@@ -20,14 +20,14 @@ def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Pa
     assert count_rows(tmp_path, {"job-a": ["a", "b", "c"]}) == {"rows_lost": 1, "rows_duplicated": 2}
 
 
-def test_bench_faults_kills_workers_and_redis_and_loses_no_row(tmp_path: Path,
+def test_bench_faults_kills_stalls_and_cuts_off_workers_and_redis_and_loses_no_row(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "240", "--json",
                       "--home", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
     figures = json.loads(lines[-1])
     assert code == 0, lines
-    assert figures["faults_injected"] == 3 and figures["faults"] == ["worker-kill", "redis-restart",
-                                                                     "worker-kill"]
+    assert figures["faults"] == ["worker-kill", "redis-restart", "worker-stall", "redis-pause", "worker-kill"]
+    assert figures["faults_injected"] == 5
     assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (2, 0, 0)
     assert any(line.strip().startswith("rows lost") for line in lines)
