@@ -5,6 +5,7 @@ outputs = LLM(model="path/to/hf-folder").generate(["Hello"], SamplingParams(max_
 """
 
 from engine.config import EngineConfig
+from engine.errors import ErrorKind, SamplingParamsError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
@@ -14,9 +15,11 @@ __all__ = [
     "LLM",
     "CompletionOutput",
     "EngineConfig",
+    "ErrorKind",
     "LLMEngine",
     "PositionLogprobs",
     "RequestOutput",
     "SamplingParams",
+    "SamplingParamsError",
     "TokenLogprob",
 ]

@@ -16,6 +16,7 @@ from engine.attention import TorchPagedAttention
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
+from engine.errors import ErrorKind, SamplingParamsError
 from engine.grammar_tracking import GrammarTracker
 from engine.metrics import EngineCounters
 from engine.model_runner import ModelRunner
@@ -127,12 +128,15 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids, error = self._tokenize(prompt)
+        kind = ErrorKind.INVALID_PROMPT if error is not None else None
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        params_error = _params_error(params)
-        error = error or params_error
+        params_error = _params_error(params)  # the one place SamplingParams are validated
+        if error is None and params_error is not None:
+            kind, error = params_error
         spec = None
         if error is None:
             spec, error = self._grammars.spec(params)
+            kind = ErrorKind.STRUCTURED_OUTPUT if error is not None else None
         n = params.n if params_error is None else 1  # outputs to report, even for a rejection
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(64)
         children = [
@@ -149,7 +153,7 @@ class LLMEngine:
         ]
         parent = Parent(request_id, prompt_text, list(token_ids), children)
         if error is not None:
-            children[0].finish(FinishReason.ERROR, time.monotonic(), error=error)
+            children[0].finish(FinishReason.ERROR, time.monotonic(), error=error, kind=kind)
             self._reject(parent, n)
             return
         for child in children:
@@ -251,7 +255,8 @@ class LLMEngine:
         for row in result.invalid_rows:
             request_id = requests[row].request_id
             del sampled[request_id]  # nothing appends it: the request ends here
-            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, NON_FINITE_LOGITS)
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, NON_FINITE_LOGITS,
+                                                    ErrorKind.NON_FINITE_LOGITS)
             if request is not None:
                 finished.append(request)
         return sampled, result.logprobs
@@ -291,14 +296,16 @@ class LLMEngine:
         end = self._grammars.advance(request.request_id, token_id)
         if end is not None:
             reason, error = end
-            self.scheduler.finish_request(request.request_id, reason, error)
+            kind = ErrorKind.STRUCTURED_OUTPUT if error is not None else None
+            self.scheduler.finish_request(request.request_id, reason, error, kind)
             finished.append(request)
 
     def _poll_grammars(self) -> list[Request]:
         """Requests whose grammar failed to compile end with an error; ready ones may start."""
         failed: list[Request] = []
         for request_id, error in self._grammars.poll():
-            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, error)
+            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, error,
+                                                    ErrorKind.STRUCTURED_OUTPUT)
             if request is not None:
                 failed.append(request)
         return failed
@@ -365,9 +372,11 @@ class LLMEngine:
         )
 
 
-def _params_error(params: SamplingParams) -> str | None:
+def _params_error(params: SamplingParams) -> tuple[ErrorKind, str] | None:
     try:
         params.validate()
-    except ValueError as exc:
-        return f"invalid sampling params: {exc}"
+    except SamplingParamsError as exc:
+        return exc.kind, f"invalid sampling params: {exc}"
+    except ValueError as exc:  # a subclass' own check
+        return ErrorKind.INVALID_SAMPLING, f"invalid sampling params: {exc}"
     return None

@@ -99,7 +99,8 @@ def parent_output(parent: Parent) -> RequestOutput | None:
         return None
     outputs = [parent.outputs[i] for i in range(len(parent.children))]
     first = parent.children[0]
-    error = next((c.error for c in parent.children if c.error is not None), None)
+    failed = next((c for c in parent.children if c.error is not None), None)
+    error, error_kind = (failed.error, failed.error_kind) if failed is not None else (None, None)
     return RequestOutput(
         request_id=parent.request_id,
         prompt=parent.prompt,
@@ -108,6 +109,7 @@ def parent_output(parent: Parent) -> RequestOutput | None:
         token_ids=outputs[0].token_ids,
         finish_reason=outputs[0].finish_reason,
         error=error,
+        error_kind=error_kind,
         num_prompt_tokens=first.num_prompt_tokens,
         num_cached_tokens=first.num_cached_tokens,
         num_completion_tokens=sum(len(o.token_ids) for o in outputs),
@@ -129,6 +131,7 @@ def rejection_output(parent: Parent, n: int) -> RequestOutput:
         token_ids=[],
         finish_reason=str(FinishReason.ERROR),
         error=request.error,
+        error_kind=request.error_kind,
         num_prompt_tokens=request.num_prompt_tokens,
         num_cached_tokens=0,
         num_completion_tokens=0,

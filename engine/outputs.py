@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.errors import ErrorKind
 from engine.metrics import RequestMetrics
 
 
@@ -46,10 +47,11 @@ class RequestOutput:
     text: str  # output tokens detokenized
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort", "error"
-    error: str | None
+    error: str | None  # why, in words (finish_reason "error")
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served by the prefix cache (first sample's)
     num_completion_tokens: int
     metrics: RequestMetrics | None
     finished: bool = True
     outputs: list[CompletionOutput] = field(default_factory=list)
+    error_kind: ErrorKind | None = None  # why, as a code (engine/errors.py): what callers branch on

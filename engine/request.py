@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.errors import ErrorKind
 from engine.prefix_hash import BlockHash
 from engine.sampling_params import SamplingParams
 
@@ -66,6 +67,7 @@ class Request:
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
     error: str | None = field(default=None, init=False)
+    error_kind: ErrorKind | None = field(default=None, init=False)  # set with `error`
     # What ended a STOP: the stop string or stop token id (None for EOS or a finished grammar).
     stop_reason: str | int | None = field(default=None, init=False)
     stopped_on_token: bool = field(default=False, init=False)  # EOS or a stop token id ended it
@@ -112,8 +114,11 @@ class Request:
         self.all_token_ids.append(token_id)
         self.token_times.append(now)
 
-    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> None:
+    def finish(self, reason: FinishReason, now: float, error: str | None = None,
+               kind: ErrorKind | None = None) -> None:
+        """`error` says why in words, `kind` as a code (an error without one is an engine failure)."""
         self.status = _FINISHED_STATUS_BY_REASON[reason]
         self.finish_reason = reason
         self.error = error
+        self.error_kind = (kind or ErrorKind.ENGINE_FAILURE) if error is not None else None
         self.finished_time = now

@@ -7,6 +7,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import ErrorKind, SamplingParamsError
+
 if TYPE_CHECKING:
     from engine.structured_output import StructuredSpec
 
@@ -89,51 +91,52 @@ class SamplingParams:
     # ---- validation ----------------------------------------------------------------------------
 
     def validate(self) -> None:
-        """Raise ValueError with a message naming the field, the rule and the value."""
+        """Raise `SamplingParamsError` (a ValueError) with a message naming the field, the rule and
+        the value, and its kind: `STRUCTURED_OUTPUT` for the constraint fields, else `INVALID_SAMPLING`."""
         _check_int(self.n, "n", "must be an integer >= 1", minimum=1)
         if not _is_number(self.temperature) or not self.temperature >= 0.0 or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+            raise _invalid(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise _invalid(f"top_p must be in (0, 1], got {self.top_p!r}")
         _check_int(self.top_k, "top_k", "must be -1 or 0 (off) or >= 1", minimum=-1)
         if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+            raise _invalid(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+            raise _invalid(f"seed must be an integer or None, got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+                raise _invalid(f"{name} must be in [-2, 2], got {value!r}")
         rp = self.repetition_penalty
         if not _is_number(rp) or not rp > 0.0 or math.isinf(rp):
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+            raise _invalid(f"repetition_penalty must be a finite number > 0, got {rp!r}")
         _check_int(self.max_tokens, "max_tokens", "must be >= 1", minimum=1)
         _check_int(self.min_tokens, "min_tokens", "must be >= 0", minimum=0)
         if self.min_tokens > self.max_tokens:
-            raise ValueError(
+            raise _invalid(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
             )
         self._validate_stops()
         if self.logprobs is not None:
             _check_int(self.logprobs, "logprobs", f"must be in [0, {MAX_LOGPROBS}] or None", minimum=0)
             if self.logprobs > MAX_LOGPROBS:
-                raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+                raise _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise _invalid(f"{name} must be a bool, got {getattr(self, name)!r}")
         self._validate_structured()
 
     def _validate_stops(self) -> None:
         if not isinstance(self.stop, list):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+            raise _invalid(f"stop must be a string or a list of strings, got {self.stop!r}")
         for stop in self.stop:
             if not isinstance(stop, str) or not stop:
-                raise ValueError(f"stop must hold non-empty strings, got {stop!r}")
+                raise _invalid(f"stop must hold non-empty strings, got {stop!r}")
         if not isinstance(self.stop_token_ids, list):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+            raise _invalid(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         for token_id in self.stop_token_ids:
             if not _is_int(token_id) or token_id < 0:
-                raise ValueError(f"stop_token_ids must hold token ids >= 0, got {token_id!r}")
+                raise _invalid(f"stop_token_ids must hold token ids >= 0, got {token_id!r}")
 
     def _validate_structured(self) -> None:
         given = [
@@ -142,30 +145,41 @@ class SamplingParams:
             if getattr(self, name) is not None and getattr(self, name) is not False
         ]
         if len(given) > 1:
-            raise ValueError(f"at most one of {', '.join(STRUCTURED_FIELDS)} may be set, got {given}")
+            fields = ", ".join(STRUCTURED_FIELDS)
+            raise _invalid_structured(f"at most one of {fields} may be set, got {given}")
         schema = self.json_schema
         if schema is not None and schema is not True and not isinstance(schema, dict):
-            raise ValueError(f"json_schema must be a dict (a JSON schema), True or None, got {schema!r}")
+            raise _invalid_structured(
+                f"json_schema must be a dict (a JSON schema), True or None, got {schema!r}")
         if isinstance(schema, dict):
             try:
                 json.dumps(schema)
             except (TypeError, ValueError) as exc:
-                raise ValueError(f"json_schema must be JSON-serializable, got {schema!r}: {exc}") from None
+                raise _invalid_structured(
+                    f"json_schema must be JSON-serializable, got {schema!r}: {exc}") from None
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"{name} must be a non-empty string or None, got {value!r}")
+                raise _invalid_structured(f"{name} must be a non-empty string or None, got {value!r}")
         if self.choice is not None:
             if not isinstance(self.choice, (list, tuple)) or not self.choice:
-                raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+                raise _invalid_structured(f"choice must be a non-empty list of strings, got {self.choice!r}")
             for option in self.choice:
                 if not isinstance(option, str) or not option:
-                    raise ValueError(f"choice must hold non-empty strings, got {option!r}")
+                    raise _invalid_structured(f"choice must hold non-empty strings, got {option!r}")
+
+
+def _invalid(message: str) -> SamplingParamsError:
+    return SamplingParamsError(ErrorKind.INVALID_SAMPLING, message)
+
+
+def _invalid_structured(message: str) -> SamplingParamsError:
+    return SamplingParamsError(ErrorKind.STRUCTURED_OUTPUT, message)
 
 
 def _check_int(value: object, name: str, rule: str, minimum: int) -> None:
     if not _is_int(value) or value < minimum:  # type: ignore[operator]
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise _invalid(f"{name} {rule}, got {value!r}")
 
 
 def _is_int(value: object) -> bool:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
 from engine.prefix_hash import BlockHash
 from engine.request import FinishReason, Request, RequestStatus
@@ -144,8 +145,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int,
                  eos_token_id: int | Sequence[int] | None) -> None:
-        config.validate()
-        self.config = config
+        self.config = config  # validated by its owner (LLMEngine), once
         # Every id that ends a sequence (Llama 3 instruct has two: <|end_of_text|>, <|eot_id|>).
         self.eos_token_ids = eos_id_set(eos_token_id)
         self.kv_cache_manager = KVCacheManager(
@@ -181,9 +181,10 @@ class Scheduler:
         is_fresh = request.status is RequestStatus.WAITING and not request.output_token_ids
         if not is_fresh or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id!r} is not fresh (status {request.status.name})")
-        error = self._validation_error(request)
-        if error is not None:
-            request.finish(FinishReason.ERROR, time.monotonic(), error=error)
+        rejection = self._validation_error(request)
+        if rejection is not None:
+            kind, error = rejection
+            request.finish(FinishReason.ERROR, time.monotonic(), error=error, kind=kind)
             return False
         self._requests[request.request_id] = request
         self.waiting.push(request)
@@ -198,7 +199,7 @@ class Scheduler:
         return self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(
-        self, request_id: str, reason: FinishReason, error: str | None = None
+        self, request_id: str, reason: FinishReason, error: str | None = None, kind: ErrorKind | None = None
     ) -> Request | None:
         """Finish an unfinished request (waiting or running) from outside `update_from_output` —
         a stop string, a completed or failed grammar, an abort — and free its blocks (full ones
@@ -212,7 +213,7 @@ class Scheduler:
             self.running.remove(request)  # O(n), but only for the few requests that end this way
         else:
             self.waiting.discard(request)
-        self._finish(request, reason, time.monotonic(), error)
+        self._finish(request, reason, time.monotonic(), error, kind)
         return request
 
     def get_request(self, request_id: str) -> Request | None:
@@ -392,29 +393,29 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
-    def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None) -> None:
+    def _finish(self, request: Request, reason: FinishReason, now: float, error: str | None = None,
+                kind: ErrorKind | None = None) -> None:
         """Mark finished and free its blocks; the caller removes it from `running`."""
-        request.finish(reason, now, error)
+        request.finish(reason, now, error, kind)
         self.kv_cache_manager.free(request)
         del self._requests[request.request_id]
 
-    def _validation_error(self, request: Request) -> str | None:
-        try:
-            request.sampling_params.validate()
-        except ValueError as exc:
-            return f"invalid sampling params: {exc}"
+    def _validation_error(self, request: Request) -> tuple[ErrorKind, str] | None:
+        """Why the scheduler cannot take this request, as (kind, message). Its SamplingParams are
+        the caller's to validate (LLMEngine.add_request does, once)."""
         num_prompt = request.num_prompt_tokens
         if num_prompt == 0:
-            return "prompt is empty"
-        if min(request.prompt_token_ids) < 0:
-            return f"prompt holds a negative token id: {min(request.prompt_token_ids)}"
+            return ErrorKind.EMPTY_PROMPT, "prompt is empty"
+        lowest = min(request.prompt_token_ids)
+        if lowest < 0:
+            return ErrorKind.INVALID_PROMPT, f"prompt holds a negative token id: {lowest}"
         if self.config.max_model_len is not None and num_prompt + 1 > self.config.max_model_len:
-            return (
+            return ErrorKind.PROMPT_TOO_LONG, (
                 f"prompt has {num_prompt} tokens; with at least one generated token that exceeds "
                 f"max_model_len={self.config.max_model_len}"
             )
         if num_prompt + 1 > self.max_model_len:
-            return (
+            return ErrorKind.PROMPT_TOO_LONG, (
                 f"prompt has {num_prompt} tokens but the KV cache holds only "
                 f"{self.kv_cache_manager.capacity_tokens} tokens in all"
             )

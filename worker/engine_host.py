@@ -21,7 +21,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
-from engine import LLMEngine, RequestOutput, SamplingParams
+from engine import ErrorKind, LLMEngine, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
 from engine.outputs import CompletionOutput
 from worker.crash_isolation import CrashIsolation
@@ -361,6 +361,8 @@ def _unrun_output(request_id: str, request: EngineRequest, reason: str, error: s
     prompt_ids = [] if isinstance(request.prompt, str) else list(request.prompt)
     samples = [CompletionOutput(index, "", [], reason) for index in range(request.params.n)]
     text = request.prompt if isinstance(request.prompt, str) else None
+    kind = ErrorKind.ENGINE_FAILURE if error is not None else None  # it crashed the engine, or it died
     return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=prompt_ids, text="",
                          token_ids=[], finish_reason=reason, error=error, num_prompt_tokens=len(prompt_ids),
-                         num_cached_tokens=0, num_completion_tokens=0, metrics=None, outputs=samples)
+                         num_cached_tokens=0, num_completion_tokens=0, metrics=None, outputs=samples,
+                         error_kind=kind)

@@ -68,7 +68,7 @@ def output_row(row: Row, result: RequestOutput) -> OutputRow:
     failed = next((reason for reason in reasons if reason in FAILED), None)
     if failed is not None:
         message = result.error or ("aborted by the worker" if failed == "abort" else "the engine failed")
-        return OutputRow.engine_failed(row, engine_error_code(result.error), message)
+        return OutputRow.engine_failed(row, engine_error_code(result.error_kind), message)
     if outputs:
         choices = [Choice(out.index, out.text, out.finish_reason or "stop", _logprobs(out.logprobs))
                    for out in sorted(outputs, key=lambda out: out.index)]

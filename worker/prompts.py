@@ -12,7 +12,7 @@ import dataclasses
 import threading
 from typing import Any
 
-from engine import SamplingParams
+from engine import ErrorKind, SamplingParams, SamplingParamsError
 from engine.chat import ChatTemplateError, chat_token_ids
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.response_format import engine_response_format
@@ -20,9 +20,17 @@ from jobs.sampling import SamplingParams as JobSampling
 from jobs.spec import JobSpec
 
 ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
-# Engine messages about a structured-output constraint start with one of these (the field names the
-# engine validates, and its grammar compiler's failures).
-RESPONSE_FORMAT_PREFIXES = ("grammar", "response_format", "json_schema", "structured output")
+# The row error code of each way the engine refuses or fails a request (engine/errors.py): the one
+# table between the engine's codes and the jobs' (its messages are for people, never parsed).
+ROW_CODES = {
+    ErrorKind.PROMPT_TOO_LONG: RowErrorCode.PROMPT_TOO_LONG,
+    ErrorKind.EMPTY_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_SAMPLING: RowErrorCode.INVALID_SAMPLING,
+    ErrorKind.STRUCTURED_OUTPUT: RowErrorCode.INVALID_RESPONSE_FORMAT,  # e.g. a schema that does not compile
+    ErrorKind.NON_FINITE_LOGITS: RowErrorCode.ENGINE_ERROR,
+    ErrorKind.ENGINE_FAILURE: RowErrorCode.ENGINE_ERROR,
+}
 
 
 class RowRejected(ValueError):
@@ -40,13 +48,10 @@ def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | Non
     if unknown:  # a job knob this engine build lacks: refused by name, never dropped
         raise RowRejected(RowErrorCode.INVALID_SAMPLING, f"{unknown[0]} is not supported by this engine")
     params = SamplingParams(**settings, json_schema=engine_json_schema(response_format))
-    try:
+    try:  # early, so the row is refused before it is rendered; the engine's own check is the same
         params.validate()
-    except ValueError as error:
-        message = str(error)
-        code = RowErrorCode.INVALID_RESPONSE_FORMAT if message.startswith(RESPONSE_FORMAT_PREFIXES) \
-            else RowErrorCode.INVALID_SAMPLING
-        raise RowRejected(code, message) from None
+    except SamplingParamsError as error:
+        raise RowRejected(engine_error_code(error.kind), str(error)) from None
     return params
 
 
@@ -107,12 +112,9 @@ class PromptRenderer:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
 
 
-def engine_error_code(message: str | None) -> RowErrorCode:
-    """The row error code for an engine rejection or failure (its messages are the engine's own)."""
-    if message and message.startswith("prompt has ") and "tokens" in message:
-        return RowErrorCode.PROMPT_TOO_LONG
-    if message == "prompt is empty":
-        return RowErrorCode.INVALID_ROW
-    if message and message.lower().startswith(RESPONSE_FORMAT_PREFIXES):
-        return RowErrorCode.INVALID_RESPONSE_FORMAT  # e.g. a schema the grammar compiler rejects
-    return RowErrorCode.ENGINE_ERROR
+def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
+    """The row error code for an engine rejection or failure, from its `error_kind`."""
+    try:
+        return ROW_CODES[ErrorKind(kind)] if kind is not None else RowErrorCode.ENGINE_ERROR
+    except (ValueError, KeyError):  # a kind this worker does not know yet
+        return RowErrorCode.ENGINE_ERROR

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from engine import LLM, EngineConfig, ErrorKind, LLMEngine, SamplingParams
 from tests.engine.hf_reference import assert_same_greedy, hf_greedy
 from tests.engine.test_llm_correctness import PROMPTS
 
@@ -20,13 +20,19 @@ def llm(tiny_checkpoint) -> LLM:
 def test_bad_requests_fail_alone_in_a_batch(llm, tiny_checkpoint):
     good = [PROMPTS[0], PROMPTS[7], PROMPTS[12]]
     bad = {
-        "empty prompt": ([], GREEDY, "empty"),
-        "too long": ([7] * 200, GREEDY, "max_model_len"),
-        "max_tokens 0": ([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=0), "max_tokens"),
-        "out of vocab": ([7, 99999], GREEDY, "vocabulary"),
-        "negative id": ([7, -3], GREEDY, "negative"),
-        "not token ids": ([1.5, 2.5], GREEDY, "token ids"),
-        "bad temperature": ([7, 8], SamplingParams(temperature=-1.0), "temperature"),
+        "empty prompt": ([], GREEDY, "empty", ErrorKind.EMPTY_PROMPT),
+        "too long": ([7] * 200, GREEDY, "max_model_len", ErrorKind.PROMPT_TOO_LONG),
+        "max_tokens 0": ([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=0), "max_tokens",
+                         ErrorKind.INVALID_SAMPLING),
+        "out of vocab": ([7, 99999], GREEDY, "vocabulary", ErrorKind.INVALID_PROMPT),
+        "negative id": ([7, -3], GREEDY, "negative", ErrorKind.INVALID_PROMPT),
+        "not token ids": ([1.5, 2.5], GREEDY, "token ids", ErrorKind.INVALID_PROMPT),
+        "bad temperature": ([7, 8], SamplingParams(temperature=-1.0), "temperature",
+                            ErrorKind.INVALID_SAMPLING),
+        "bad top_p": ([7, 8], SamplingParams(top_p=0.0), "top_p must be in (0, 1]",
+                      ErrorKind.INVALID_SAMPLING),
+        "two constraints": ([7, 8], SamplingParams(regex="a+", choice=["a"]), "at most one of",
+                            ErrorKind.STRUCTURED_OUTPUT),
     }
     prompts = [good[0], *[b[0] for b in bad.values()], *good[1:]]
     params = [GREEDY, *[b[1] for b in bad.values()], GREEDY, GREEDY]
@@ -39,9 +45,10 @@ def test_bad_requests_fail_alone_in_a_batch(llm, tiny_checkpoint):
         reference = hf_greedy(tiny_checkpoint, prompt, GREEDY.max_tokens)
         assert_same_greedy(output.token_ids, reference, prompt, tiny_checkpoint, llm.engine.model)
 
-    for (name, (_, _, expected)), output in zip(bad.items(), outputs[1:-2], strict=True):
+    for (name, (_, _, expected, kind)), output in zip(bad.items(), outputs[1:-2], strict=True):
         assert output.finish_reason == "error", name
         assert expected in output.error, (name, output.error)
+        assert output.error_kind == kind, (name, output.error_kind)
         assert output.token_ids == [] and output.text == "", name
 
 
@@ -52,7 +59,7 @@ def test_error_is_reported_on_next_step_and_engine_keeps_serving(tiny_checkpoint
     engine.add_request("bad", [], GREEDY)
     first = engine.step()
     assert [(o.request_id, o.finish_reason) for o in first] == [("bad", "error")]
-    assert first[0].error == "prompt is empty"
+    assert first[0].error == "prompt is empty" and first[0].error_kind == ErrorKind.EMPTY_PROMPT
     outputs = []
     while engine.has_unfinished_requests():
         outputs += engine.step()
@@ -122,5 +129,6 @@ def test_non_finite_logits_fail_that_request_with_a_reason_instead_of_emitting_t
     for output in outputs[1:3]:
         assert output.finish_reason == "error" and output.token_ids == []
         assert output.error is not None and "non-finite logits" in output.error
+        assert output.error_kind == ErrorKind.NON_FINITE_LOGITS
     assert [outputs[0].token_ids, outputs[3].token_ids] == expected
     assert all(output.finish_reason == "length" for output in (outputs[0], outputs[3]))

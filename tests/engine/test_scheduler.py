@@ -4,6 +4,8 @@ from collections.abc import Callable
 import pytest
 
 from engine.config import EngineConfig
+from engine.errors import ErrorKind
+from engine.llm_engine import LLMEngine
 from engine.request import FinishReason, Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
@@ -334,24 +336,22 @@ def test_stop_conditions_in_order():
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "message"),
+    ("prompt", "kind", "message"),
     [
-        ([], SamplingParams(), "prompt is empty"),
-        (list(range(8)), SamplingParams(), "exceeds max_model_len=8"),
-        ([1, -3], SamplingParams(), "negative token id"),
-        ([1, 2], SamplingParams(max_tokens=0), "max_tokens must be >= 1, got 0"),
-        ([1, 2], SamplingParams(temperature=-1.0), "temperature must be >= 0"),
-        ([1, 2], SamplingParams(top_p=0.0), "top_p must be in (0, 1]"),
+        ([], ErrorKind.EMPTY_PROMPT, "prompt is empty"),
+        (list(range(8)), ErrorKind.PROMPT_TOO_LONG, "exceeds max_model_len=8"),
+        ([1, -3], ErrorKind.INVALID_PROMPT, "negative token id"),
     ],
 )
-def test_invalid_requests_finish_with_an_error_and_others_keep_running(prompt, params, message):
+def test_invalid_requests_finish_with_an_error_and_others_keep_running(prompt, kind, message):
+    """(Invalid SamplingParams are the engine's to refuse, once: tests/engine/test_engine_errors.py.)"""
     scheduler = make_scheduler(max_model_len=8)
     good = make_request("good", [3, 4, 5], max_tokens=2)
     scheduler.add_request(good)
-    bad = make_request("bad", prompt, params=params)
+    bad = make_request("bad", prompt, params=SamplingParams())
     assert scheduler.add_request(bad) is False
     assert bad.finish_reason == FinishReason.ERROR and bad.status is RequestStatus.FINISHED_ERROR
-    assert message in bad.error
+    assert message in bad.error and bad.error_kind == kind
     assert scheduler.get_request("bad") is None and scheduler.num_waiting == 1
     finished, _ = run(scheduler, FakeModel(4))
     assert finished == [good] and good.output_token_ids == expected_output(3, 2)
@@ -484,11 +484,12 @@ def test_prefix_caching_disabled_computes_every_prompt():
         ("model", "", "model must be a non-empty string"),
     ],
 )
-def test_scheduler_rejects_an_invalid_config(field, value, message):
-    config = EngineConfig(model="test-model")
+def test_the_engine_rejects_an_invalid_config_before_loading_anything(field, value, message):
+    """Validated once, by its owner (the scheduler takes a valid config)."""
+    config = EngineConfig(model="no/such/model")
     setattr(config, field, value)
     with pytest.raises(ValueError) as excinfo:
-        Scheduler(config, 16, EOS)
+        LLMEngine(config)
     assert message in str(excinfo.value)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM, ErrorKind, SamplingParams
 from tests.engine.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 400  # the corpus' longest random-logits output is ~170 tokens
@@ -127,6 +127,7 @@ def test_a_schema_that_fails_to_compile_fails_only_its_row(llm: LLM) -> None:
     assert "grammar for json_schema failed to compile: 'uniqueItems' is not enforced" in outputs[1].error
     assert outputs[2].finish_reason == "error"
     assert "grammar for regex failed to compile" in outputs[2].error
+    assert outputs[1].error_kind == outputs[2].error_kind == ErrorKind.STRUCTURED_OUTPUT
 
 
 def test_max_tokens_cuts_the_output_before_the_grammar_completes(llm: LLM) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from engine import CompletionOutput, ErrorKind, PositionLogprobs, RequestOutput, TokenLogprob
 from jobs.formats.output import TokenLogprob as JobTokenLogprob
 from jobs.formats.rows import Row
 from jobs.sampling import SamplingParams as JobSampling
@@ -12,11 +12,11 @@ ROW = Row(3, "r3", None, [{"role": "user", "content": "hi"}], JobSampling(), {"t
 
 
 def request_output(outputs: list[CompletionOutput], finish_reason: str = "stop",
-                   error: str | None = None) -> RequestOutput:
+                   error: str | None = None, error_kind: ErrorKind | None = None) -> RequestOutput:
     return RequestOutput("id", None, [1, 2], outputs[0].text, outputs[0].token_ids, finish_reason, error,
                          num_prompt_tokens=2, num_cached_tokens=1,
                          num_completion_tokens=sum(len(o.token_ids) for o in outputs), metrics=None,
-                         outputs=outputs)
+                         outputs=outputs, error_kind=error_kind)
 
 
 def test_every_sample_becomes_a_choice_in_index_order_with_its_logprobs() -> None:
@@ -39,7 +39,8 @@ def test_every_sample_becomes_a_choice_in_index_order_with_its_logprobs() -> Non
 def test_a_failed_sample_fails_the_row_with_the_engines_reason() -> None:
     message = "structured output: the grammar failed to compile: unsupported keyword"
     samples = [CompletionOutput(0, "", [], "error"), CompletionOutput(1, "", [], "error")]
-    row = output_row(ROW, request_output(samples, finish_reason="error", error=message))
+    row = output_row(ROW, request_output(samples, finish_reason="error", error=message,
+                                         error_kind=ErrorKind.STRUCTURED_OUTPUT))
     assert row.failed and row.error_code == "invalid_response_format" and row.error_message == message
     aborted = output_row(ROW, request_output([CompletionOutput(0, "x", [1], "abort")], finish_reason="abort"))
     assert aborted.error_code == "engine_error" and aborted.error_message == "aborted by the worker"

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine import SamplingParams
+from engine import ErrorKind, SamplingParams
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import SamplingParams as JobSampling
-from worker.prompts import PromptRenderer, RowRejected, engine_error_code, engine_sampling
+from worker.prompts import ROW_CODES, PromptRenderer, RowRejected, engine_error_code, engine_sampling
 
 
 def row(prompt: str | None = None, messages: list | None = None) -> Row:
@@ -80,13 +80,19 @@ def test_chat_without_a_template_uses_chatml_and_content_it_cannot_render_is_a_r
     assert PromptRenderer(tokenizer).token_ids(row(messages=plain)) == with_template
 
 
-def test_engine_rejections_get_row_error_codes() -> None:
-    too_long = "prompt has 300 tokens; with at least one generated token that exceeds max_model_len=256"
-    assert engine_error_code(too_long) == RowErrorCode.PROMPT_TOO_LONG
-    assert engine_error_code("prompt has 9000 tokens but the KV cache holds only 4096 tokens in all") \
-        == RowErrorCode.PROMPT_TOO_LONG
-    assert engine_error_code("prompt is empty") == RowErrorCode.INVALID_ROW
-    assert engine_error_code("invalid sampling params: top_p must be in (0, 1]") == RowErrorCode.ENGINE_ERROR
-    # A grammar that does not compile fails the row with the engine's reason.
-    for message in ("structured output: the grammar failed to compile: bad", "grammar compile timed out"):
-        assert engine_error_code(message) == RowErrorCode.INVALID_RESPONSE_FORMAT
+def test_engine_rejections_get_row_error_codes_from_their_kind_never_their_words() -> None:
+    assert engine_error_code(ErrorKind.PROMPT_TOO_LONG) == RowErrorCode.PROMPT_TOO_LONG
+    assert engine_error_code(ErrorKind.EMPTY_PROMPT) == RowErrorCode.INVALID_ROW
+    assert engine_error_code(ErrorKind.INVALID_PROMPT) == RowErrorCode.INVALID_ROW
+    assert engine_error_code(ErrorKind.INVALID_SAMPLING) == RowErrorCode.INVALID_SAMPLING
+    # A grammar that does not compile (or not in time, or rejects a token) fails the row as its format.
+    assert engine_error_code(ErrorKind.STRUCTURED_OUTPUT) == RowErrorCode.INVALID_RESPONSE_FORMAT
+    for kind in (ErrorKind.NON_FINITE_LOGITS, ErrorKind.ENGINE_FAILURE, None, "a-kind-from-a-newer-engine"):
+        assert engine_error_code(kind) == RowErrorCode.ENGINE_ERROR
+    assert set(ROW_CODES) == set(ErrorKind)  # every kind the engine has is mapped
+
+
+def test_structured_output_values_the_engine_refuses_are_format_errors() -> None:
+    with pytest.raises(RowRejected, match="json_schema") as rejected:
+        engine_sampling(JobSampling(), {"type": "json_schema", "json_schema": {"schema": "not a dict"}})
+    assert rejected.value.code == RowErrorCode.INVALID_RESPONSE_FORMAT
