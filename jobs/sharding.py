@@ -40,6 +40,9 @@ class ShardPlan(BaseModel):
     row_groups: list[int] = []
     row_start: int | None = None
     row_end: int | None = None
+    # OpenAI batch input: byte offset of each of the shard's lines that repeats a custom_id first
+    # used earlier in the file -> that first line's number (those lines become row errors).
+    repeated_custom_ids: dict[int, int] = {}
 
     @property
     def shard_id(self) -> str:
@@ -52,7 +55,26 @@ def plan_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
         raise ValueError("plan_shards needs a resolved input_format (see formats.detect.resolve_spec)")
     if spec.input_format == InputFormat.PARQUET:
         return plan_parquet_shards(store, key, spec)
-    return plan_jsonl_shards(store, key, spec.shard_size)
+    shards = plan_jsonl_shards(store, key, spec.shard_size)
+    if spec.input_format == InputFormat.OPENAI_BATCH:
+        return _with_repeated_custom_ids(store, key, shards)
+    return shards
+
+
+def _with_repeated_custom_ids(store: ObjectStore, key: str, shards: list[ShardPlan]) -> list[ShardPlan]:
+    """custom_ids must be unique in the whole file (as OpenAI's batch API requires): one pass at
+    planning finds the lines that repeat one, and each shard's plan lists its own."""
+    from jobs.formats.openai_batch import repeated_custom_id_lines
+
+    repeated = repeated_custom_id_lines(store, key)
+    if not repeated:
+        return shards
+    planned = []
+    for shard in shards:
+        start, end = shard.byte_start or 0, shard.byte_end or 0
+        own = {offset: first for offset, first in repeated.items() if start <= offset < end}
+        planned.append(shard.model_copy(update={"repeated_custom_ids": own}) if own else shard)
+    return planned
 
 
 def plan_jsonl_shards(store: ObjectStore, key: str, shard_size: int) -> list[ShardPlan]:

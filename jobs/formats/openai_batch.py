@@ -1,8 +1,10 @@
 """OpenAI Batch API input lines: `{"custom_id", "method", "url", "body"}`, accepted unchanged.
 
 The job's `model` runs every line; a line's `body.model` is ignored (files written for OpenAI name
-OpenAI models). Duplicate `custom_id`s are caught within a shard; `find_duplicate_custom_ids`
-scans a whole file when a caller wants the global check before planning.
+OpenAI models). A `custom_id` that appears more than once fails every line after its first, as
+that row's `duplicate_custom_id` error: within a shard as it is read, across shards from the plan
+(`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's plan lists its
+lines that repeat an earlier one).
 """
 
 from __future__ import annotations
@@ -124,17 +126,25 @@ def _logprobs(body: dict[str, Any], chat: bool) -> Any:
     return body.get("logprobs")
 
 
-def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int,
-                           spec: JobSpec) -> Iterator[Row | RowError]:
-    """Rows for the lines starting in `[start, end)`; a repeated custom_id fails the later line."""
+def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int, spec: JobSpec,
+                           repeated: dict[int, int] | None = None) -> Iterator[Row | RowError]:
+    """Rows for the lines starting in `[start, end)`; a repeated custom_id fails the later line.
+    `repeated`: byte offset -> file line number of the first use, for lines repeating a custom_id
+    first used before this range (the plan's whole-file check)."""
     builder = OpenAIBatchRowBuilder(spec)
     seen: set[str] = set()
+    repeated = repeated or {}
     for line in iter_lines_in_range(store, key, start, end):
         if not line.data.strip() and not line.too_long:
             continue
         record = decode_object_line(line)
         if isinstance(record, dict):
             custom_id = record.get("custom_id")
+            if isinstance(custom_id, str) and line.offset in repeated:
+                yield RowError(line.offset, custom_id, RowErrorCode.DUPLICATE_CUSTOM_ID,
+                               f"custom_id {custom_id!r} appears more than once (first on line "
+                               f"{repeated[line.offset]} of the file)", line.number)
+                continue
             if isinstance(custom_id, str) and custom_id in seen:
                 yield RowError(line.offset, custom_id, RowErrorCode.DUPLICATE_CUSTOM_ID,
                                f"custom_id {custom_id!r} appears more than once (line {line.number} of "
@@ -148,14 +158,25 @@ def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int,
 
 def find_duplicate_custom_ids(store: ObjectStore, key: str) -> dict[str, list[int]]:
     """custom_id → byte offsets of every line that repeats it (one streaming pass, ids in memory)."""
-    first_seen: dict[str, int] = {}
-    repeats: dict[str, list[int]] = {}
+    return {custom_id: [offset for offset, _ in lines]
+            for custom_id, lines in _repeats(store, key).items()}
+
+
+def repeated_custom_id_lines(store: ObjectStore, key: str) -> dict[int, int]:
+    """Byte offset of every line that repeats an earlier line's custom_id → that earlier line's
+    number in the file (one streaming pass over the whole file, ids in memory)."""
+    return {offset: first for lines in _repeats(store, key).values() for offset, first in lines}
+
+
+def _repeats(store: ObjectStore, key: str) -> dict[str, list[tuple[int, int]]]:
+    first_line: dict[str, int] = {}
+    repeats: dict[str, list[tuple[int, int]]] = {}
     for line in iter_lines_in_range(store, key, 0, store.head(key).size):
         record = decode_object_line(line) if line.data.strip() else None
         if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
             custom_id = record["custom_id"]
-            if custom_id in first_seen:
-                repeats.setdefault(custom_id, []).append(line.offset)
+            if custom_id in first_line:
+                repeats.setdefault(custom_id, []).append((line.offset, first_line[custom_id]))
             else:
-                first_seen[custom_id] = line.offset
+                first_line[custom_id] = line.number
     return repeats

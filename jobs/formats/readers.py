@@ -21,7 +21,8 @@ def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
     if shard.byte_start is None or shard.byte_end is None:
         raise ValueError(f"shard {shard.shard_id} has no byte range; it was not planned for JSONL")
     if spec.input_format == InputFormat.OPENAI_BATCH:
-        return iter_openai_batch_rows(store, key, shard.byte_start, shard.byte_end, spec)
+        return iter_openai_batch_rows(store, key, shard.byte_start, shard.byte_end, spec,
+                                      shard.repeated_custom_ids)
     if spec.input_format == InputFormat.JSONL:
         return iter_jsonl_rows(store, key, shard.byte_start, shard.byte_end, RowBuilder(spec))
     raise ValueError("read_shard_rows needs a resolved input_format (see formats.detect.resolve_spec)")

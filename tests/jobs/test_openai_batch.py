@@ -7,7 +7,9 @@ import json
 from jobs.formats.openai_batch import find_duplicate_custom_ids, iter_openai_batch_rows
 from jobs.formats.openai_batch_writer import openai_batch_record, text_offsets
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
+from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model="tiny-llama",
@@ -77,6 +79,25 @@ def test_duplicates_across_the_whole_file_are_found_in_one_pass(local_store) -> 
     repeats = find_duplicate_custom_ids(local_store, "batch.jsonl")
     line_length = len(data) // 5
     assert repeats == {"a": [2 * line_length, 4 * line_length]}
+
+
+def test_a_custom_id_repeated_in_another_shard_fails_every_line_after_its_first(local_store) -> None:
+    """The plan scans the whole file; each shard's repeats are row errors naming the first line."""
+    ids = ["a", "b", "c", "d", "a", "e", "b", "a", "f"]  # shards of 2 lines: repeats cross shards
+    data = b"".join(json.dumps(request(i, url="/v1/completions", prompt="p")).encode() + b"\n" for i in ids)
+    local_store.put_bytes("batch.jsonl", data)
+    spec = SPEC.model_copy(update={"shard_size": 2})
+    plan = plan_shards(local_store, "batch.jsonl", spec)
+    assert len(plan) == 5
+    items = [item for shard in plan for item in read_shard_rows(local_store, "batch.jsonl", spec, shard)]
+    assert [(item.row_id, getattr(item, "code", None)) for item in items] == [
+        ("a", None), ("b", None), ("c", None), ("d", None), ("a", RowErrorCode.DUPLICATE_CUSTOM_ID),
+        ("e", None), ("b", RowErrorCode.DUPLICATE_CUSTOM_ID), ("a", RowErrorCode.DUPLICATE_CUSTOM_ID),
+        ("f", None)]
+    assert "appears more than once (first on line 1 of the file)" in items[4].message
+    assert "first on line 2 of the file" in items[6].message
+    # The plan (saved as plan.json) carries each shard's repeats and reads back the same.
+    assert [ShardPlan.model_validate_json(shard.model_dump_json()) for shard in plan] == plan
 
 
 def test_completed_rows_are_written_as_openai_responses(local_store) -> None:
