@@ -119,3 +119,11 @@ def test_a_file_that_is_not_parquet_is_an_input_error(local_store) -> None:
     local_store.put_bytes("rows.parquet", b'{"q": "this is JSON"}\n')
     with pytest.raises(InputError, match="rows.parquet is not a readable Parquet file"):
         plan_shards(local_store, "rows.parquet", SPEC)
+
+
+def test_a_truncated_parquet_file_is_an_input_error(local_store, tmp_path) -> None:
+    """An upload cut short keeps the leading magic bytes but loses the footer: planning says so."""
+    data = parquet_bytes(40, 10, tmp_path)
+    local_store.put_bytes("rows.parquet", data[: len(data) // 2])
+    with pytest.raises(InputError, match="rows.parquet is not a readable Parquet file"):
+        plan_shards(local_store, "rows.parquet", SPEC)
