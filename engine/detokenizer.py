@@ -30,14 +30,13 @@ class IncrementalDetokenizer:
     request ends for another reason (EOS, max_tokens): it releases held-back text and an incomplete
     trailing character (as U+FFFD, exactly as `tokenizer.decode` renders it).
 
-    `prompt_token_ids` is accepted for vLLM's signature; the output is decoded on its own, so a
-    finished `text` equals `tokenizer.decode(token_ids, skip_special_tokens=...)`.
+    The output is decoded on its own (never with the prompt), so a finished `text` equals
+    `tokenizer.decode(token_ids, skip_special_tokens=...)`.
     """
 
     def __init__(
         self,
         tokenizer: Any,
-        prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
         stop: Sequence[str] | str = (),
         include_stop_str_in_output: bool = False,
@@ -48,7 +47,6 @@ class IncrementalDetokenizer:
         self._stop = [s for s in stops if s]  # an empty stop string would match everywhere
         self._include_stop = include_stop_str_in_output
         self._tail_len = max((len(s) for s in self._stop), default=1) - 1
-        self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids: list[int] = []
         self.stop_reason: str | None = None  # the stop string that ended the text, if one did
         self._prefix_offset = 0

@@ -47,10 +47,6 @@ class KVCacheManager:
         """Tokens of KV the whole pool can hold (the null block excluded)."""
         return self.block_pool.num_usable_blocks * self.block_size
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
     def block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, hashing only blocks that filled since the last call."""
         if self.enable_prefix_caching:

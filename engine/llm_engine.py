@@ -336,7 +336,6 @@ class LLMEngine:
         params = request.sampling_params
         return IncrementalDetokenizer(
             self.tokenizer,
-            request.prompt_token_ids,
             skip_special_tokens=params.skip_special_tokens,
             stop=params.stop,
             include_stop_str_in_output=params.include_stop_str_in_output,

@@ -84,10 +84,6 @@ class SamplingBatch:
     apply_bitmask: BitmaskApplier | None = None
 
     @property
-    def all_greedy(self) -> bool:
-        return self.random is None
-
-    @property
     def plain_greedy(self) -> bool:
         """Nothing to do but argmax."""
         return (
@@ -111,7 +107,7 @@ class SamplingBatch:
         logprob_rows: list[int] = []
         for i, row in enumerate(rows):
             p = row.sampling_params
-            if p.temperature >= GREEDY_EPSILON:  # not SamplingParams.is_greedy: this loop runs per step
+            if p.temperature >= GREEDY_EPSILON:  # inlined: this loop runs per step
                 random_rows.append(i)
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 penalty_rows.append(i)

@@ -62,16 +62,6 @@ class SamplingParams:
     # ---- derived -------------------------------------------------------------------------------
 
     @property
-    def is_greedy(self) -> bool:
-        return self.temperature < GREEDY_EPSILON
-
-    @property
-    def uses_penalties(self) -> bool:
-        return (
-            self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-        )
-
-    @property
     def structured(self) -> StructuredSpec | None:
         """The output constraint as the structured-output manager's spec (its cache key), or None."""
         if self.json_schema is None and self.regex is None and self.choice is None and self.grammar is None:

@@ -78,5 +78,3 @@ class ModelRegistry:
         self.location(name)
         return f"{QUEUE_PREFIX}{name}"
 
-    def to_json(self) -> str:
-        return json.dumps(self._models, sort_keys=True)

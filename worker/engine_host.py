@@ -84,9 +84,6 @@ class Submission:
         _, not_done = wait_futures(self.futures, timeout=timeout)
         return not not_done
 
-    def done(self) -> bool:
-        return all(future.done() for future in self.futures)
-
     def results(self) -> list[RequestOutput]:
         """Outputs in submit order; raises `EngineUnavailable` if the engine died before finishing."""
         return [future.result(timeout=0) for future in self.futures]
@@ -182,9 +179,6 @@ class EngineHost:
         if self._dead.is_set():
             self._fail_futures([future])
         return future.result(timeout)
-
-    def metrics(self, timeout: float | None = 30) -> dict[str, Any]:
-        return self.call(lambda engine: engine.get_metrics(), timeout)
 
     # ---- the engine thread ---------------------------------------------------------------------
 

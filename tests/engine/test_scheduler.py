@@ -493,6 +493,9 @@ def test_the_engine_rejects_an_invalid_config_before_loading_anything(field, val
     assert message in str(excinfo.value)
 
 
-def test_valid_config_variants_pass_validation():
-    for kv_cache_memory in (None, 1 << 30, 0.5, 1.0):
+def test_every_kind_of_kv_budget_is_valid_and_its_neighbours_are_not():
+    for kv_cache_memory in (None, 1 << 30, 0.5, 1.0):  # default, bytes, fractions up to all of it
         EngineConfig(model="m", kv_cache_memory=kv_cache_memory, scheduling_policy="priority").validate()
+    for kv_cache_memory in (0, 0.0, 1.01, -5, "1G"):
+        with pytest.raises(ValueError, match="kv_cache_memory"):
+            EngineConfig(model="m", kv_cache_memory=kv_cache_memory).validate()
