@@ -200,12 +200,11 @@ class ModelRunner:
         tables: list[list[int]] = []
         for i in order:
             chunk = chunks[i]
-            request = chunk.request
-            start, n = request.num_computed_tokens, chunk.num_new_tokens
+            start, n = chunk.start, chunk.num_new_tokens
             starts.append(start)
             query_lens.append(n)
-            token_lists.append(request.all_token_ids[start : start + n])
-            tables.append(chunk.block_ids[: -(-(start + n) // bs)])
+            token_lists.append(chunk.request.all_token_ids[start : start + n])
+            tables.append(list(chunk.block_ids[: -(-(start + n) // bs)]))
 
         dev = self.device
         num_rows = len(order)

@@ -23,19 +23,25 @@ from engine.prefix_hash import BlockHash
 from engine.request import FinishReason, Request, RequestStatus
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    request: Request
-    num_new_tokens: int  # tokens computed this step, from request.num_computed_tokens
-    # The request's whole block table after allocation for this step. A live view: read it
-    # during this step, do not mutate it.
-    block_ids: list[int]
+    """One request's work in a step, fixed when it was scheduled (vLLM's NewRequestData /
+    CachedRequestData): what the runner computes does not move when the request is updated."""
 
-    @property
-    def samples(self) -> bool:
-        """True when this chunk catches the request up with every known token, so the forward pass
-        yields its next token; False for a partial (chunked) prefill. Read before the update."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    request: Request  # for its token ids and sampling state
+    start: int  # the first token computed this step (num_computed_tokens when scheduled)
+    num_new_tokens: int
+    # True when the chunk catches the request up with every known token, so the forward pass
+    # yields its next token; False for a partial (chunked) prefill.
+    samples: bool
+    block_ids: tuple[int, ...]  # the request's whole block table after this step's allocation
+
+    @classmethod
+    def of(cls, request: Request, num_new_tokens: int) -> ScheduledChunk:
+        """The chunk of `num_new_tokens` from where the request stands now."""
+        start = request.num_computed_tokens
+        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens,
+                   tuple(request.block_ids))
 
 
 @dataclass
@@ -126,7 +132,7 @@ class _StepBudget:
         self.blocks_in_flight: set[BlockHash] = set()
 
     def add(self, request: Request, num_new_tokens: int) -> None:
-        self.output.chunks.append(ScheduledChunk(request, num_new_tokens, request.block_ids))
+        self.output.chunks.append(ScheduledChunk.of(request, num_new_tokens))
         self.output.num_scheduled_tokens += num_new_tokens
         self.token_budget -= num_new_tokens
 
@@ -259,11 +265,10 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
                 continue
-            samples = chunk.samples
-            if samples and request.request_id not in sampled:
+            if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
-            request.num_computed_tokens += chunk.num_new_tokens
-            if samples:
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            if chunk.samples:
                 token_id = sampled[request.request_id]
                 request.append_output_token(token_id, now)
                 reason = self._stop_reason(request, token_id)

@@ -57,15 +57,11 @@ def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, req
 
     sampled_rows: list[tuple[Request, int, torch.Tensor]] = []  # request, position, logits
     for step in plan:
-        chunks = [ScheduledChunk(requests[i], n, requests[i].block_ids) for i, n in step.items()]
+        chunks = [ScheduledChunk.of(requests[i], n) for i, n in step.items()]
         logits = runner.execute(SchedulerOutput(chunks, sum(step.values()))).cpu()
         assert logits.dtype == torch_dtype  # the LM head's own dtype: the sampler takes them to fp32
         logits = logits.float()
-        samplers = [
-            c.request
-            for c in chunks
-            if c.request.num_computed_tokens + c.num_new_tokens == c.request.num_tokens
-        ]
+        samplers = [c.request for c in chunks if c.samples]
         assert logits.shape == (len(samplers), vocab)
         for chunk in chunks:
             chunk.request.num_computed_tokens += chunk.num_new_tokens
@@ -130,9 +126,7 @@ def test_decode_rows_sharing_prefix_blocks_match_transformers(dtype, checkpoint_
                              dtype=dtype)
 
     # The last step's decode plan really grouped the three rows over the two shared blocks.
-    last = [ScheduledChunk(r, 1, r.block_ids) for r in requests]
-    for r in requests:
-        r.num_computed_tokens -= 1
+    last = [ScheduledChunk(r, r.num_computed_tokens - 1, 1, True, tuple(r.block_ids)) for r in requests]
     metadata = runner.prepare_batch(SchedulerOutput(last, 3)).metadata
     [group] = backend.decode_plan(metadata, None, 2).shared_prefixes
     assert group.rows.tolist() == [0, 1, 2] and group.block_ids.tolist() == [1, 2]
