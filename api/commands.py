@@ -76,13 +76,12 @@ def up(argv: list[str]) -> int:
     except ConfigError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
         return 2
-    settings.export()  # the worker child inherits the file's worker settings (lease TTL, model cache, …)
     try:
         options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port,
                                preset=args.preset or "small", models_dir=args.models_dir,
                                engine_options=settings.engine_options_dict(),
                                models=_served_models(args, settings), api_keys=settings.api_keys,
-                               admin_api_keys=settings.admin_api_keys)
+                               admin_api_keys=settings.admin_api_keys, environment=settings.to_env())
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)

@@ -49,7 +49,6 @@ def serve_api(argv: list[str]) -> int:
     settings = _settings(args, "serve api")
     if settings is None:
         return 2
-    settings.export()
     uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
                 log_level=args.log_level)
     return 0

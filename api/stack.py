@@ -60,6 +60,9 @@ class StackOptions:
     models: dict[str, str] = field(default_factory=dict)
     api_keys: str | None = None  # the API's keys per tenant (api/auth.py); None: an open API
     admin_api_keys: str | None = None
+    # The user's settings as variables (`Settings.to_env()`), under the stack's own, for the worker
+    # child: lease TTL, model cache, limits, … from the config file or the flags.
+    environment: dict[str, str] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
@@ -269,7 +272,7 @@ class Stack:
 
     def _child_env(self, extra: dict[str, str]) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
-        return {**os.environ, **extra, "PYTHONPATH": path}
+        return {**os.environ, **self.options.environment, **extra, "PYTHONPATH": path}
 
     def _spawn(self, command: list[str], log: Path, extra: dict[str, str] | None = None
                ) -> subprocess.Popen[bytes]:

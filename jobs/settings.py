@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
+DEFAULT_SHARD_LEASE_TTL_S = 30.0
+DEFAULT_REAPER_INTERVAL_S = 15.0
+DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "bulkinfer" / "models"
 CONFIG_ENV = "BULKINFER_CONFIG"
 DEFAULT_CONFIG_FILE = "bulkinfer.toml"
 # field name → environment variable (the file key is the field name)
@@ -45,6 +48,7 @@ ENVIRONMENT_NAMES = {
     "api_host": "BULKINFER_API_HOST",
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
+    "worker_models": "BULKINFER_WORKER_MODELS",
     "api_keys": "BULKINFER_API_KEYS",
     "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
     "tenant_prefixes": "BULKINFER_TENANT_PREFIXES",
@@ -89,6 +93,7 @@ class Settings(BaseModel):
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
+    worker_models: str | None = None  # comma-separated models a worker loads at start (serve worker sets it)
     # Keys the API accepts as `Authorization: Bearer <key>`: comma-separated `tenant=key` (a key may be
     # `sha256:<hex>`; a bare key is the tenant "default"); unset: no auth (api/auth.py).
     api_keys: str | None = None
@@ -178,11 +183,25 @@ class Settings(BaseModel):
         return {name: str(getattr(self, field)) for field, name in ENVIRONMENT_NAMES.items()
                 if getattr(self, field) is not None}
 
-    def export(self, environ: dict[str, str] | None = None) -> None:
-        """Put these settings into `environ` (default: this process's), for the modules that read
-        their variable directly (engine options, lease TTL, …) and for child processes.
-        """
-        (os.environ if environ is None else environ).update(self.to_env())
+    # Derived values, each with its default in one place; modules take them from the Settings
+    # object they are handed (a worker's context), never from the environment.
+    @property
+    def lease_ttl(self) -> float:
+        """A shard, plan or finalize lease's TTL in seconds."""
+        return self.shard_lease_ttl_s or DEFAULT_SHARD_LEASE_TTL_S
+
+    @property
+    def reaper_tick(self) -> float:
+        """Seconds between the reaper's ticks."""
+        return self.reaper_interval_s or DEFAULT_REAPER_INTERVAL_S
+
+    @property
+    def model_cache_dir(self) -> Path:
+        return Path(self.model_cache).expanduser() if self.model_cache else DEFAULT_MODEL_CACHE
+
+    @property
+    def preload_models(self) -> list[str]:
+        return [name.strip() for name in (self.worker_models or "").split(",") if name.strip()]
 
     def engine_options_dict(self) -> dict[str, Any]:
         """`engine_options` with the `dtype` setting over its own `dtype`, when that is set."""
@@ -259,3 +278,21 @@ def read_config_file(path: Path) -> dict[str, Any]:
             raise ConfigError(f"{path}: unknown key {key!r} (known keys: {', '.join(ENVIRONMENT_NAMES)}; "
                               "see docs/configuration.md)")
     return data
+
+
+_process_settings: Settings | None = None
+
+
+def configure_process(settings: Settings) -> None:
+    """The settings this process runs with (`serve worker` builds them from its flags first)."""
+    global _process_settings
+    _process_settings = settings
+
+
+def process_settings() -> Settings:
+    """This process's settings: those `configure_process` set, else read from the environment and
+    the config file, once. Worker modules get them from here, or from the context built on them."""
+    global _process_settings
+    if _process_settings is None:
+        _process_settings = Settings.from_env()
+    return _process_settings

@@ -37,6 +37,8 @@ HELP = {
     "max_upload_bytes": "largest file a submit may upload (413 beyond)",
     "max_rows_per_job": "rows a job may have (the job fails at planning beyond)",
     "max_shards_per_job": "shards a job may plan into (the job fails at planning beyond)",
+    "worker_models": "comma-separated models to start loading as soon as the worker is up "
+                     "(serve worker: default every served model)",
     "max_schemas_per_job": "distinct response formats a job's rows may carry (row errors beyond)",
     "max_jobs_in_flight": "queued, running or finalizing jobs per tenant (429 beyond)",
     "max_requests_per_s": "API requests per second per key (429 beyond)",
@@ -45,8 +47,9 @@ HELP = {
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
-                   "worker_concurrency", "schedule_tick_s", "webhook_secret", "webhook_max_attempts",
-                   "webhook_retry_base_s", "webhook_allow_http", "webhook_allow_private")
+                   "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",
+                   "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
+                   "webhook_allow_private")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

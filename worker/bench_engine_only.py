@@ -66,10 +66,10 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
 
     from engine import LLM
     from jobs.sampling import SamplingParams as JobSampling
-    from worker.model_hosts import ENGINE_OPTIONS_ENV, engine_options_from_env
+    from worker.model_hosts import engine_options as with_worker_defaults
     from worker.prompts import engine_sampling
 
-    options = engine_options_from_env({ENGINE_OPTIONS_ENV: json.dumps(engine_options)})
+    options = with_worker_defaults(engine_options)
     params = engine_sampling(JobSampling.model_validate(sampling))
     rows = [json.loads(line) for line in rows_path.read_text().splitlines() if line.strip()]
     llm = LLM(model=model_dir, **options)

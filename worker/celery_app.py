@@ -7,17 +7,12 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from celery import Celery, signals
 
 from jobs.models import CONTROL_QUEUE
-from jobs.settings import Settings, config_path
-
-DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-# Models this worker loads at start, in the background (comma-separated registry names).
-PRELOAD_MODELS_ENV = "BULKINFER_WORKER_MODELS"
+from jobs.settings import process_settings
 
 # A shard must never run longer than this, or Redis hands it to a second worker while the first
 # still runs (celery#5935). Shards are sized to take minutes; 12 hours leaves a wide margin.
@@ -26,13 +21,10 @@ VISIBILITY_TIMEOUT_S = 12 * 3600
 logger = logging.getLogger(__name__)
 
 
-def broker_url_from_env() -> str:
-    return os.environ.get("BULKINFER_BROKER_URL", DEFAULT_BROKER_URL)
-
-
 def create_app(broker_url: str | None = None, name: str = "bulkinfer") -> Celery:
-    """A Celery app wired for long, idempotent tasks on a Redis broker."""
-    url = broker_url or broker_url_from_env()
+    """A Celery app wired for long, idempotent tasks on a Redis broker (default: this process's
+    `broker_url` setting)."""
+    url = broker_url or process_settings().broker_url
     app = Celery(name, broker=url, backend=url)
     app.conf.update(
         # Ack only after the task ran, and requeue it if the worker process dies mid-task.
@@ -76,15 +68,8 @@ def create_pipeline_app(broker_url: str | None = None) -> Celery:
     return app
 
 
-def apply_config_file() -> None:
-    """A worker started with plain `celery -A worker.celery_app worker` gets the config file too:
-    the merged settings (variables over the file) go into this process's environment, where the
-    broker URL, engine options, lease TTL and reaper interval are read. `serve worker` does the same."""
-    if config_path(os.environ) is not None:
-        Settings.from_env().export()
-
-
-apply_config_file()
+# The process's settings (flags of `serve worker`, else the variables over the config file, read
+# once): a worker started with plain `celery -A worker.celery_app worker` gets the file too.
 app = create_pipeline_app()
 
 
@@ -101,7 +86,7 @@ def _preload_models(sender: Any = None, **_: Any) -> None:
     """Start loading the worker's models in a background thread: never in `worker_process_init`
     (Celery kills its handlers after ~4 s), and never in a parent that will fork pool children.
     """
-    names = [name for name in os.environ.get(PRELOAD_MODELS_ENV, "").split(",") if name.strip()]
+    names = process_settings().preload_models
     if not names or sender is None or getattr(sender, "app", None) is not app:
         return
     pool = getattr(getattr(sender, "controller", None), "pool_cls", None)
@@ -110,7 +95,7 @@ def _preload_models(sender: Any = None, **_: Any) -> None:
         return
     from worker.context import worker_context
 
-    worker_context().hosts.preload(name.strip() for name in names)
+    worker_context().hosts.preload(names)
 
 
 @signals.worker_ready.connect
@@ -120,7 +105,7 @@ def _start_shard_reaper(sender: Any = None, **_: Any) -> None:
         return
     from worker.shard_reaper import start_reaper
 
-    start_reaper()
+    start_reaper(process_settings())
 
 
 @signals.worker_ready.connect
@@ -130,4 +115,4 @@ def _start_schedule_ticker(sender: Any = None, **_: Any) -> None:
         return
     from worker.schedule_ticker import start_ticker
 
-    start_ticker()
+    start_ticker(process_settings())

@@ -12,7 +12,7 @@ from functools import cached_property
 from jobs.models import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
-from jobs.settings import Settings
+from jobs.settings import Settings, process_settings
 from worker.model_hosts import ModelHosts
 
 
@@ -34,7 +34,9 @@ class WorkerContext:
 
     @cached_property
     def hosts(self) -> ModelHosts:
-        return ModelHosts(self.registry, s3_endpoint_url=self.settings.s3_endpoint_url)
+        settings = self.settings
+        return ModelHosts(self.registry, settings.engine_options_dict(),
+                          s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
 
 
 _context: WorkerContext | None = None
@@ -42,11 +44,11 @@ _context_lock = threading.Lock()
 
 
 def worker_context() -> WorkerContext:
-    """The process's context, built from the environment the first time it is asked for."""
+    """The process's context, built on the process's settings the first time it is asked for."""
     global _context
     with _context_lock:
         if _context is None:
-            context = WorkerContext(Settings.from_env())
+            context = WorkerContext(process_settings())
             # Build the shared members now, under the lock, so two task threads never build two.
             _ = context.repository, context.registry, context.hosts
             _context = context

@@ -25,7 +25,7 @@ from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
 from worker.prompts import job_response_format_problem
-from worker.shard_lease import Lease, lease_ttl_s, step_lease_key
+from worker.shard_lease import Lease, step_lease_key
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -71,8 +71,10 @@ def dispatched_key(namespace: str, job_id: str) -> str:
     return f"{namespace}:job:{{{job_id}}}:dispatched"
 
 
-def _step_lease(repository: JobRepository, job_id: str, step: str) -> Lease:
-    return Lease(repository.redis, step_lease_key(repository.namespace, job_id, step), ttl_s=lease_ttl_s())
+def _step_lease(context: WorkerContext, job_id: str, step: str) -> Lease:
+    repository = context.repository
+    return Lease(repository.redis, step_lease_key(repository.namespace, job_id, step),
+                 ttl_s=context.settings.lease_ttl)
 
 
 def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict[str, Any]:
@@ -85,7 +87,7 @@ def plan_job(context: WorkerContext, job_id: str, send_shard: SendShard) -> dict
     status = repository.get(job_id)
     if status.state.is_terminal or repository.is_cancel_requested(job_id):
         return {"job_id": job_id, "status": f"skipped: job is {status.state.value}"}
-    lease = _step_lease(repository, job_id, "plan")
+    lease = _step_lease(context, job_id, "plan")
     if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
         return {"job_id": job_id, "status": "skipped: job is cancelled"}
     with lease:
@@ -171,7 +173,7 @@ def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:
     status = repository.get(job_id)
     if status.state.is_terminal:
         return {"job_id": job_id, "status": f"skipped: job is {status.state.value}"}
-    lease = _step_lease(repository, job_id, "finalize")
+    lease = _step_lease(context, job_id, "finalize")
     if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
         return {"job_id": job_id, "status": "skipped: job is cancelled"}
     with lease:

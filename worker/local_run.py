@@ -164,7 +164,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     skipped = output.progress.rows_done
     if skipped:
         say(f"resuming {output_path}: {skipped} rows already done, skipping them")
-    hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}), s3_endpoint_url=settings.s3_endpoint_url)
+    hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}), settings.engine_options_dict(),
+                       s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
     try:
         hosted = hosts.get(LOCAL_MODEL)
         hosted.host.wait_ready()

@@ -105,7 +105,6 @@ def run_cli(argv: list[str] | None = None) -> int:
     prog = "bulkinfer run"
     try:
         settings: Settings = settings_from_args(args)
-        settings.export()  # engine options and the model cache are read from the environment
         spec_model = _spec_data(args.spec).get("model")
     except (ConfigError, ValueError, OSError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
@@ -125,7 +124,7 @@ def run_cli(argv: list[str] | None = None) -> int:
     from worker.model_files import ModelUnavailable
 
     try:
-        location = resolve_model(model, settings.model_registry())
+        location = resolve_model(model, settings.model_registry(), settings.model_cache_dir)
         name = model if model in settings.model_registry() else Path(location).name
         output_format = InputFormat(args.output_format) if args.output_format else None
         spec = resolved_spec(spec_from_args(args, name), args.output, output_format, settings)

@@ -4,16 +4,17 @@
         -Q bulkinfer.control,bulkinfer.model.<name>
 
 and starts loading the served models in the background as soon as the worker is up. Settings come
-from flags, `BULKINFER_*` variables and the config file (docs/configuration.md); they are exported
-into this process's environment, where the worker's modules read them.
+from flags, `BULKINFER_*` variables and the config file (docs/configuration.md), read once: the
+process runs on that `Settings` object (`jobs.settings.configure_process`), handed down to every
+module.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
 from jobs.models import CONTROL_QUEUE, ModelRegistry
+from jobs.settings import configure_process
 from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
 
 DEFAULT_CONCURRENCY = 2
@@ -70,13 +71,12 @@ def serve_worker(argv: list[str]) -> int:
     except (LookupError, ValueError) as error:  # ConfigError is a ValueError
         print(f"bulkinfer serve worker: {error}", flush=True)
         return 2
-    settings.export()  # the worker's modules (context, lease, reaper, engine options) read the environment
-    from worker.celery_app import PRELOAD_MODELS_ENV, app
+    # The process runs on these settings (the context, leases, reaper and engines take them from
+    # here); the app is built on them when it is first imported, just below.
+    preload = None if args.no_preload else settings.worker_models or ",".join(models)
+    configure_process(settings.model_copy(update={"worker_models": preload}))
+    from worker.celery_app import app
 
-    if not args.no_preload:
-        os.environ[PRELOAD_MODELS_ENV] = ",".join(models)
-
-    # The app was built at import from the environment of that moment; flags and the file may differ.
     app.conf.update(broker_url=settings.broker_url, result_backend=settings.broker_url)
     app.worker_main(celery_argv)
     return 0

@@ -1,20 +1,20 @@
 """The machine's model cache: downloaded, fetched and imported model folders, shared by every
-worker and command on the machine (`$BULKINFER_MODEL_CACHE`, default ~/.cache/bulkinfer/models)."""
+worker and command on the machine (the `model_cache` setting, default ~/.cache/bulkinfer/models)."""
 
 from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-CACHE_ENV = "BULKINFER_MODEL_CACHE"
+from jobs.settings import process_settings
 
 
 def model_cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bulkinfer" / "models")
+    """The process's `model_cache` setting: where callers that are handed no folder look."""
+    return process_settings().model_cache_dir
 
 
 @contextmanager

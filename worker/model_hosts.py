@@ -7,11 +7,9 @@ build itself runs on the engine thread, so that thread never touches the object 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,26 +22,19 @@ from worker.prompts import PromptRenderer
 
 logger = logging.getLogger(__name__)
 
-ENGINE_OPTIONS_ENV = "BULKINFER_ENGINE_OPTIONS"
-DTYPE_ENV = "BULKINFER_DTYPE"  # the `dtype` setting: wins over engine options' own `dtype`
 # Jobs say "higher priority runs sooner" (0-9); the engine schedules lower values first.
 DEFAULT_ENGINE_OPTIONS: dict[str, Any] = {"scheduling_policy": "priority"}
 
 
-def engine_options_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
-    """`EngineConfig` fields (other than `model`) from `BULKINFER_ENGINE_OPTIONS` (a JSON object),
-    with `BULKINFER_DTYPE` as its `dtype` when set."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(ENGINE_OPTIONS_ENV, "").strip()
-    options = json.loads(text) if text else {}
-    if not isinstance(options, dict):
-        raise ValueError(f"{ENGINE_OPTIONS_ENV} must be a JSON object of EngineConfig fields")
-    if environ.get(DTYPE_ENV, "").strip():
-        options["dtype"] = environ[DTYPE_ENV].strip()
+def engine_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`EngineConfig` fields (other than `model`) over the worker's defaults, from the settings'
+    `engine_options` (with the `dtype` setting in: `Settings.engine_options_dict`); an unknown
+    field is refused by name."""
+    options = dict(options or {})
     known = {field.name for field in dataclasses.fields(EngineConfig)} - {"model"}
     unknown = sorted(set(options) - known)
     if unknown:
-        raise ValueError(f"{ENGINE_OPTIONS_ENV}: unknown engine option {unknown[0]!r} "
+        raise ValueError(f"engine_options: unknown engine option {unknown[0]!r} "
                          f"(known: {', '.join(sorted(known))})")
     return {**DEFAULT_ENGINE_OPTIONS, **options}
 
@@ -59,9 +50,8 @@ class HostedModel:
 class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None) -> None:
-        """`engine_options=None` reads `BULKINFER_ENGINE_OPTIONS` when a model loads, so a bad value
-        fails that model's jobs with the reason instead of every task before it can say why.
-        """
+        """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
+        that model's jobs with the reason instead of every task before it can say why."""
         self.registry = registry
         self.engine_options = engine_options
         self.s3_endpoint_url = s3_endpoint_url
@@ -88,8 +78,7 @@ class ModelHosts:
 
         directory = local_model_dir(self.registry.location(name), self.cache_dir,
                                     endpoint_url=self.s3_endpoint_url)
-        options = engine_options_from_env() if self.engine_options is None else self.engine_options
-        config = EngineConfig(model=str(directory), **options)
+        config = EngineConfig(model=str(directory), **engine_options(self.engine_options))
         # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
         # the engine's start-up dtype probe (engine/dtype_choice.py) timed beside it read 4-5x
         # low and once chose fp32 on an AMX CPU.

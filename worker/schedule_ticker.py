@@ -7,15 +7,13 @@ ticker cannot submit a job twice (job ids derive from schedule, object key and E
 
 from __future__ import annotations
 
-import logging
 import threading
 
 from jobs.schedule_tick import TickResult, tick_due
 from jobs.schedules import ScheduleRepository
 from jobs.settings import Settings
 from worker.context import WorkerContext
-
-logger = logging.getLogger(__name__)
+from worker.periodic import start_periodic
 
 DEFAULT_TICK_S = 15.0
 
@@ -36,22 +34,6 @@ def tick_once(context: WorkerContext) -> list[TickResult]:
                     endpoint_url=context.settings.s3_endpoint_url)
 
 
-def _loop(stop: threading.Event) -> None:
-    # Its own context: never build the process's shared one here (it may be a prefork parent).
-    context = WorkerContext(Settings.from_env())
-    every_s = tick_s(context.settings)
-    lock = f"{context.repository.namespace}:schedule-ticker:lock"
-    while not stop.wait(every_s):
-        try:
-            # Held until it expires: at most one pass per period across all workers.
-            if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
-                tick_once(context)
-        except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next period
-            logger.exception("schedule ticker pass failed")
-
-
-def start_ticker() -> threading.Event:
+def start_ticker(settings: Settings) -> threading.Event:
     """Start the ticker thread (daemon); set the returned event to stop it."""
-    stop = threading.Event()
-    threading.Thread(target=_loop, args=(stop,), name="schedule-ticker", daemon=True).start()
-    return stop
+    return start_periodic("schedule-ticker", settings, tick_s(settings), tick_once)

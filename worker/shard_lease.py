@@ -14,7 +14,6 @@ run stages its parts (jobs/part_publication.py), so a run that lost its lease ov
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import uuid
@@ -22,6 +21,8 @@ from collections.abc import Callable
 from types import TracebackType
 
 import redis
+
+from jobs.settings import DEFAULT_SHARD_LEASE_TTL_S
 
 # KEYS: lease key. ARGV: token, ttl ms. Extends the lease if this run still holds it, takes it back
 # if nobody does (Redis restarted without its data, or this run stalled and nobody took over);
@@ -39,14 +40,8 @@ return 0
 """
 
 
-LEASE_TTL_ENV = "BULKINFER_SHARD_LEASE_TTL_S"
-DEFAULT_LEASE_TTL_S = 30.0
+DEFAULT_LEASE_TTL_S = DEFAULT_SHARD_LEASE_TTL_S  # callers pass `settings.lease_ttl`
 STARTED_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
-
-
-def lease_ttl_s() -> float:
-    """The lease TTL: `BULKINFER_SHARD_LEASE_TTL_S`, default 30 s."""
-    return float(os.environ.get(LEASE_TTL_ENV) or DEFAULT_LEASE_TTL_S)
 
 
 def lease_key(namespace: str, job_id: str, shard_index: int) -> str:

@@ -21,7 +21,6 @@ every step safe to run twice. So a job whose worker died ends within a few lease
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -35,23 +34,16 @@ from jobs.settings import Settings
 from jobs.status import JobState
 from worker.context import WorkerContext
 from worker.job_lifecycle import dispatched_key
-from worker.shard_lease import lease_key, lease_ttl_s, started_key, step_lease_key
+from worker.periodic import start_periodic
+from worker.shard_lease import lease_key, started_key, step_lease_key
 from worker.shard_runner import committed_result, count_shard
 
 logger = logging.getLogger(__name__)
-
-INTERVAL_ENV = "BULKINFER_REAPER_INTERVAL_S"
-DEFAULT_INTERVAL_S = 15.0
 
 SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
 SendJobStep = Callable[[str], None]  # (job_id)
 DUE_TTL_S = 24 * 3600
 ORPHAN_SWEEP_S = 600.0
-
-
-def interval_s() -> float:
-    """Seconds between ticks: `BULKINFER_REAPER_INTERVAL_S`, default 15 s."""
-    return float(os.environ.get(INTERVAL_ENV) or DEFAULT_INTERVAL_S)
 
 
 def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
@@ -158,27 +150,17 @@ def _sweep_uploads(context: WorkerContext) -> None:
                        swept.inputs_removed, swept.writes_aborted)
 
 
-def _loop(stop: threading.Event, every_s: float, ttl_s: float) -> None:
+def tick(context: WorkerContext) -> None:
+    """One reaper pass: shards, then plans and finalizes, then (every 10 min) orphaned uploads."""
     from worker.tasks import send_finalize, send_plan, send_shard
 
-    # Its own context: never build the process's shared one here (it may be a prefork parent).
-    context = WorkerContext(Settings.from_env())
-    lock = f"{context.repository.namespace}:shard-reaper:lock"
-    while not stop.wait(every_s):
-        try:
-            # Held until it expires: at most one tick per interval across all workers.
-            if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):
-                reap_once(context, send_shard, ttl_s, send_finalize)
-                reap_job_steps(context, send_plan, send_finalize, ttl_s)
-                _sweep_uploads(context)
-        except Exception:  # noqa: BLE001 - Redis or the store down for a moment: try next tick
-            logger.exception("shard reaper tick failed")
+    ttl_s = context.settings.lease_ttl
+    reap_once(context, send_shard, ttl_s, send_finalize)
+    reap_job_steps(context, send_plan, send_finalize, ttl_s)
+    _sweep_uploads(context)
 
 
-def start_reaper() -> threading.Event:
-    """Start the reaper thread (daemon); set the returned event to stop it."""
-    stop = threading.Event()
-    thread = threading.Thread(target=_loop, args=(stop, interval_s(), lease_ttl_s()), name="shard-reaper",
-                              daemon=True)
-    thread.start()
-    return stop
+def start_reaper(settings: Settings) -> threading.Event:
+    """Start the reaper thread (daemon), ticking every `settings.reaper_tick` on one worker at a
+    time; set the returned event to stop it."""
+    return start_periodic("shard-reaper", settings, settings.reaper_tick, tick)

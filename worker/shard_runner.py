@@ -43,7 +43,7 @@ from worker.engine_outputs import PreparedBatch
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.schema_limit import limit_schemas
-from worker.shard_lease import ShardLease, lease_ttl_s
+from worker.shard_lease import ShardLease
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
     if repository.is_cancel_requested(job_id):
         return {**summary, "status": "cancelled"}
     # A second delivery of a shard that is still running waits here, then finds its result.
-    lease = ShardLease(repository.redis, job_id, shard_index, ttl_s=lease_ttl_s(),
+    lease = ShardLease(repository.redis, job_id, shard_index, ttl_s=context.settings.lease_ttl,
                        namespace=repository.namespace)
     if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
         return {**summary, "status": "cancelled"}

@@ -9,9 +9,10 @@ import pytest
 
 from engine import SamplingParams
 from jobs.models import ModelRegistry, UnknownModel
+from jobs.settings import Settings
 from worker.engine_host import EngineRequest, EngineUnavailable
 from worker.model_files import ModelUnavailable
-from worker.model_hosts import ModelHosts, engine_options_from_env
+from worker.model_hosts import ModelHosts, engine_options
 
 OPTIONS = {"max_model_len": 128, "num_kv_blocks": 32}
 
@@ -56,18 +57,23 @@ def test_a_model_whose_engine_failed_to_load_is_loaded_again_next_time(tiny_chec
         hosts.stop()
 
 
+def options_from(environ: dict[str, str]) -> dict:
+    """The engine options a worker started with these variables runs its engines with."""
+    return engine_options(Settings.from_env(environ).engine_options_dict())
+
+
 def test_engine_options_come_from_the_environment_and_unknown_ones_are_refused() -> None:
-    assert engine_options_from_env({}) == {"scheduling_policy": "priority"}
-    assert engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"max_model_len": 64, "scheduling_policy": '
-                                    '"fcfs"}'}) == {"max_model_len": 64, "scheduling_policy": "fcfs"}
+    assert options_from({}) == {"scheduling_policy": "priority"}
+    assert options_from({"BULKINFER_ENGINE_OPTIONS": '{"max_model_len": 64, "scheduling_policy": '
+                         '"fcfs"}'}) == {"max_model_len": 64, "scheduling_policy": "fcfs"}
     with pytest.raises(ValueError, match="unknown engine option 'max_len'"):
-        engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"max_len": 64}'})
+        options_from({"BULKINFER_ENGINE_OPTIONS": '{"max_len": 64}'})
     with pytest.raises(ValueError, match="JSON object"):
-        engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": "[1]"})
+        options_from({"BULKINFER_ENGINE_OPTIONS": "[1]"})
 
 
 def test_the_dtype_setting_wins_over_the_engine_options_dtype() -> None:
-    assert engine_options_from_env({"BULKINFER_DTYPE": "bfloat16"})["dtype"] == "bfloat16"
-    assert engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}',
-                                    "BULKINFER_DTYPE": "float32"})["dtype"] == "float32"
-    assert engine_options_from_env({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}'})["dtype"] == "float16"
+    assert options_from({"BULKINFER_DTYPE": "bfloat16"})["dtype"] == "bfloat16"
+    assert options_from({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}',
+                         "BULKINFER_DTYPE": "float32"})["dtype"] == "float32"
+    assert options_from({"BULKINFER_ENGINE_OPTIONS": '{"dtype": "float16"}'})["dtype"] == "float16"

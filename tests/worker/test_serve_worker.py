@@ -78,9 +78,10 @@ def test_a_plain_celery_worker_reads_the_config_file_under_its_environment(tmp_p
     config = tmp_path / "bulkinfer.toml"
     config.write_text('broker_url = "redis://127.0.0.1:6390/3"\nshard_lease_ttl_s = 12.5\n'
                       '[engine_options]\nnum_kv_blocks = 48\n')
-    probe = ("import json, os; from worker.celery_app import app; "
-             "print(json.dumps([app.conf.broker_url, os.environ.get('BULKINFER_ENGINE_OPTIONS'), "
-             "os.environ.get('BULKINFER_SHARD_LEASE_TTL_S')]))")
+    # What the worker's modules are handed: the process's settings, read once (nothing exported).
+    probe = ("import json; from worker.celery_app import app; from jobs.settings import process_settings; "
+             "settings = process_settings(); "
+             "print(json.dumps([app.conf.broker_url, settings.engine_options, str(settings.lease_ttl)]))")
     base = {key: value for key, value in os.environ.items() if not key.startswith("BULKINFER_")}
 
     def imported_with(**variables: str) -> list:
