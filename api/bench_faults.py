@@ -36,7 +36,7 @@ from api.stack import (
     tail,
     wait_for,
 )
-from jobs.models import CONTROL_QUEUE, QUEUE_PREFIX
+from jobs.names import CONTROL_QUEUE, PLAN_JOB, model_queue
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
@@ -108,7 +108,7 @@ class FaultBench:
                "PYTHONPATH": str(SOURCE_ROOT)}
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
-             "--concurrency=2", "-Q", f"{CONTROL_QUEUE},{QUEUE_PREFIX}{MODEL}", "-n", node,
+             "--concurrency=2", "-Q", f"{CONTROL_QUEUE},{model_queue(MODEL)}", "-n", node,
              "--loglevel=INFO", "--without-gossip", "--without-mingle"],
             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, **env})  # noqa: SIM115
         self.workers.append(worker)
@@ -144,7 +144,7 @@ class FaultBench:
                            sampling={"temperature": 0.0, "max_tokens": args.max_tokens},
                            shard_size=args.shard_size)
             job_id = repository.create(spec).job_id
-            sender.send_task("bulkinfer.plan_job", args=[job_id], queue=CONTROL_QUEUE)
+            sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
             expected[job_id] = ids
         faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
         injected: list[str] = []

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jobs.models import CONTROL_QUEUE
-
-PLAN_JOB = "bulkinfer.plan_job"
+from jobs.names import CONTROL_QUEUE, PLAN_JOB
 
 
 class TaskSender(Protocol):

@@ -14,6 +14,7 @@ from fastapi import Request
 
 from api.auth import OPEN_PATHS, caller_of
 from api.errors import ApiError
+from jobs.names import rate_key
 
 
 class RateLimit:
@@ -27,7 +28,7 @@ class RateLimit:
             return
         caller = caller_of(request)
         who = "admin" if caller.admin and caller.tenant is None else f"tenant:{caller.tenant}"
-        key = f"{self._namespace}:rate:{who}:{int(time.time())}"
+        key = rate_key(self._namespace, who, int(time.time()))
         with self._client.pipeline(transaction=False) as pipe:
             pipe.incr(key)
             pipe.expire(key, 2)

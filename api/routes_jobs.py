@@ -17,11 +17,11 @@ from api.schemas import ERROR_RESPONSES, JobPage, JobResults
 from api.submission import parse_spec, submit_spec
 from api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
 from jobs.layout import JOB_ID_PATTERN
-from jobs.models import CONTROL_QUEUE
+from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
 from jobs.repository import JobNotFound
 from jobs.spec import JobSpec
 from jobs.status import JobState, JobStatus
-from jobs.webhook_claims import DELIVER_WEBHOOK, claim_delivery
+from jobs.webhook_claims import claim_delivery
 
 MAX_JSON_BODY_BYTES = 1 << 20
 CURSOR_PATTERN = r"^\d{17}:[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"

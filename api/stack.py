@@ -24,7 +24,7 @@ from typing import IO, Any
 
 from api.app import create_app
 from api.server import ServerThread
-from jobs.models import CONTROL_QUEUE, QUEUE_PREFIX
+from jobs.names import CONTROL_QUEUE, model_queue
 from jobs.settings import Settings
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]  # where `worker` and `engine` import from
@@ -252,7 +252,7 @@ class Stack:
         names = settings.model_registry().names()
         node = f"bulkinfer-{os.getpid()}@127.0.0.1"
         log = self.logs / "worker.log"
-        queues = ",".join([CONTROL_QUEUE, *(f"{QUEUE_PREFIX}{name}" for name in names)])
+        queues = ",".join([CONTROL_QUEUE, *map(model_queue, names)])
         extra = {**settings.to_env(), "BULKINFER_WORKER_MODELS": ",".join(names), "HF_HUB_OFFLINE": "1"}
         if self.options.engine_options:
             extra["BULKINFER_ENGINE_OPTIONS"] = json.dumps(self.options.engine_options)

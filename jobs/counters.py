@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from jobs.layout import JobLayout
 from jobs.manifest import Manifest
+from jobs.names import counted_shards_key, counts_key
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.results import ShardResult, TokenUsage, load_shard_results
 from jobs.sharding import ShardPlan
@@ -75,8 +76,8 @@ class JobCounters:
     def __init__(self, client: redis.Redis, job_id: str, namespace: str = "bulkinfer") -> None:
         self.client = client
         # The {job_id} hash tag keeps both keys in one Redis Cluster slot, as Lua requires.
-        self.counts_key = f"{namespace}:job:{{{job_id}}}:counts"
-        self.counted_key = f"{namespace}:job:{{{job_id}}}:counted-shards"
+        self.counts_key = counts_key(namespace, job_id)
+        self.counted_key = counted_shards_key(namespace, job_id)
         self._apply = client.register_script(APPLY_SHARD_SCRIPT)
         self._initialize = client.register_script(INITIALIZE_SCRIPT)
 

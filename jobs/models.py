@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jobs.errors import LookupFailed
+from jobs.names import model_queue
 
 MODELS_ENV = "BULKINFER_MODELS"
-QUEUE_PREFIX = "bulkinfer.model."
-CONTROL_QUEUE = "bulkinfer.control"
 
 
 class UnknownModel(LookupFailed):
@@ -76,5 +75,5 @@ class ModelRegistry:
 
     def queue_for(self, name: str) -> str:
         self.location(name)
-        return f"{QUEUE_PREFIX}{name}"
+        return model_queue(name)
 

@@ -25,6 +25,7 @@ from jobs.counters import CountersMissing, CounterSnapshot, JobCounters
 from jobs.errors import LookupFailed
 from jobs.layout import JobLayout, jobs_root
 from jobs.manifest import read_manifest
+from jobs.names import cancel_key, jobs_tag
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
@@ -127,7 +128,7 @@ class JobRepository:
         self.prefix = prefix.strip("/")
         self.namespace = namespace
         # One hash tag for the state keys, so each script's keys share a Redis Cluster slot.
-        self._tag = f"{namespace}:{{jobs}}"
+        self._tag = jobs_tag(namespace)
         self._record_if_absent = redis_client.register_script(RECORD_IF_ABSENT_SCRIPT)
         self._transition = redis_client.register_script(TRANSITION_SCRIPT)
 
@@ -155,7 +156,7 @@ class JobRepository:
         return f"{self._tag}:index-whole"
 
     def _cancel_key(self, job_id: str) -> str:
-        return f"{self.namespace}:job:{{{job_id}}}:cancel"
+        return cancel_key(self.namespace, job_id)
 
     @staticmethod
     def job_id_for(spec: JobSpec) -> str:

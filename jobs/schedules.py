@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jobs.errors import LookupFailed
+from jobs.names import schedule_key
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.spec import URI_PATTERN, JobSpec, validation_messages
@@ -236,7 +237,7 @@ class ScheduleRepository:
         return f"{self._folder}{schedule_id}.json"
 
     def _redis_key(self, schedule_id: str, what: str) -> str:
-        return f"{self.namespace}:schedule:{{{schedule_id}}}:{what}"
+        return schedule_key(self.namespace, schedule_id, what)
 
     def lock(self, schedule_id: str, timeout_s: float = 300) -> Any:
         """The tick lock: one tick of a schedule at a time, across workers and the API."""

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from jobs.names import webhook_claim_key
+
 if TYPE_CHECKING:
     from jobs.repository import JobRepository
 
-DELIVER_WEBHOOK = "bulkinfer.deliver_webhook"
 MARKER_TTL_S = 30 * 24 * 3600
 
 
 def marker_key(namespace: str, job_id: str) -> str:
-    return f"{namespace}:job:{{{job_id}}}:webhook"
+    return webhook_claim_key(namespace, job_id)
 
 
 def claim_delivery(repository: JobRepository, job_id: str) -> bool:

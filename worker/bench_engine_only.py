@@ -7,7 +7,7 @@ ids again (checked here) and the shared instructions stay one cacheable prefix.
 
 `run`: the same rows through `engine.LLM.generate`, with the options and sampling a worker would
 use (`BULKINFER_ENGINE_OPTIONS` over the worker's defaults; the job's sampling through
-`worker.prompts.engine_sampling`), after one short warm-up request, as the stack is measured warm.
+`worker.engine_rows.engine_sampling`), after one short warm-up request, as the stack is measured warm.
 Prints one JSON object.
 """
 
@@ -66,8 +66,8 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
 
     from engine import LLM
     from jobs.sampling import SamplingParams as JobSampling
+    from worker.engine_rows import engine_sampling
     from worker.model_hosts import engine_options as with_worker_defaults
-    from worker.prompts import engine_sampling
 
     options = with_worker_defaults(engine_options)
     params = engine_sampling(JobSampling.model_validate(sampling))

@@ -11,7 +11,7 @@ from typing import Any
 
 from celery import Celery, signals
 
-from jobs.models import CONTROL_QUEUE
+from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB
 from jobs.settings import process_settings
 
 # A shard must never run longer than this, or Redis hands it to a second worker while the first
@@ -59,8 +59,7 @@ def create_pipeline_app(broker_url: str | None = None) -> Celery:
     app.conf.update(
         include=["worker.tasks"],
         task_default_queue=CONTROL_QUEUE,
-        task_routes={"bulkinfer.plan_job": {"queue": CONTROL_QUEUE},
-                     "bulkinfer.finalize_job": {"queue": CONTROL_QUEUE}},
+        task_routes={PLAN_JOB: {"queue": CONTROL_QUEUE}, FINALIZE_JOB: {"queue": CONTROL_QUEUE}},
         worker_pool="threads",
         worker_concurrency=2,
         task_track_started=True,

@@ -15,6 +15,7 @@ from jobs.formats.detect import resolve_spec
 from jobs.layout import JobLayout, output_location
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.models import UnknownModel
+from jobs.names import dispatched_key, step_lease_key
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import settle_staged
@@ -24,8 +25,8 @@ from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
-from worker.prompts import job_response_format_problem
-from worker.shard_lease import Lease, step_lease_key
+from worker.engine_rows import job_response_format_problem
+from worker.shard_lease import Lease
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -64,11 +65,6 @@ def _input_errors_fail_the_job(input_uri: str) -> Iterator[None]:
         if is_transient(error):  # …unless the store is unreachable: the task retries
             raise
         raise JobCannotRun(f"cannot read the input {input_uri}: {error}") from error
-
-
-def dispatched_key(namespace: str, job_id: str) -> str:
-    """Set once every shard task of the job was sent: a planner that died before has to run again."""
-    return f"{namespace}:job:{{{job_id}}}:dispatched"
 
 
 def _step_lease(context: WorkerContext, job_id: str, step: str) -> Lease:

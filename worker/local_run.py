@@ -1,7 +1,7 @@
 """`bulkinfer run FILE -o OUT --model M`: a file through the engine here, with no servers.
 
 The job machinery does the work: a `JobSpec` holds the options, the job readers read the input
-(local or `s3://`), `worker.prompts` turns rows into engine requests, one `EngineHost` runs them
+(local or `s3://`), `worker.engine_rows` turns rows into engine requests, one `EngineHost` runs them
 and the job writers write OUT. Rows go in batches, two in the engine at a time (so it never
 drains between batches); each finished batch is made durable before the next is written
 (`worker.local_output`), so a rerun after a kill skips the rows already written and repeats none.
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from jobs.formats.detect import resolve_spec
-from jobs.formats.output import OutputRow
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.models import ModelRegistry
@@ -26,13 +25,11 @@ from jobs.object_store.factory import store_for_uri
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
-from worker.engine_host import Submission
-from worker.engine_outputs import PreparedBatch
+from worker.engine_rows import EngineRun, job_response_format_problem
 from worker.local_output import ResumableOutput, open_output
 from worker.local_progress import RunProgress
 from worker.model_files import ModelUnavailable, local_model_dir
 from worker.model_hosts import HostedModel, ModelHosts
-from worker.prompts import job_response_format_problem
 
 DEFAULT_BATCH_ROWS = 64
 IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
@@ -104,34 +101,13 @@ def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[l
         yield batch
 
 
-class _Batch:
-    """A batch in the engine: the rows readied as the shard runner readies them, and the submission of
-    those that can run."""
-
-    def __init__(self, hosted: HostedModel, items: list[Row | RowError]) -> None:
-        self._prepared = PreparedBatch(hosted.renderer, items)
-        requests = self._prepared.requests
-        self.submission: Submission | None = hosted.host.submit(requests) if requests else None
-
-    def results(self) -> list[OutputRow]:
-        """Every row's outcome in input order, once the engine is done with them."""
-        if self.submission is None:
-            return self._prepared.outputs([])
-        self.submission.wait()
-        return self._prepared.outputs(self.submission.results())
-
-    def abort(self) -> None:
-        if self.submission is not None:
-            self.submission.abort()
-
-
 def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], output: ResumableOutput,
                 progress: RunProgress) -> None:
     """Keep `IN_FLIGHT_BATCHES` batches in the engine; write each one, in order, as it finishes."""
-    in_flight: deque[_Batch] = deque()
+    in_flight: deque[EngineRun] = deque()
     try:
         for items_of_batch in items:
-            in_flight.append(_Batch(hosted, items_of_batch))
+            in_flight.append(EngineRun(hosted, items_of_batch))
             while len(in_flight) >= IN_FLIGHT_BATCHES:
                 _finish(in_flight.popleft(), output, progress)
         while in_flight:
@@ -142,8 +118,8 @@ def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], outp
         raise
 
 
-def _finish(batch: _Batch, output: ResumableOutput, progress: RunProgress) -> None:
-    rows = batch.results()
+def _finish(batch: EngineRun, output: ResumableOutput, progress: RunProgress) -> None:
+    rows = batch.outputs()
     output.append(rows)
     progress.advance(rows)
 

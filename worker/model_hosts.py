@@ -17,8 +17,8 @@ from typing import Any
 from engine import EngineConfig, LLMEngine
 from jobs.models import ModelRegistry
 from worker.engine_host import EngineHost
+from worker.engine_rows import PromptRenderer
 from worker.model_files import local_model_dir
-from worker.prompts import PromptRenderer
 
 logger = logging.getLogger(__name__)
 

@@ -10,6 +10,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from jobs.names import periodic_lock_key
 from jobs.settings import Settings
 from worker.context import WorkerContext
 
@@ -29,7 +30,7 @@ def start_periodic(name: str, settings: Settings, every_s: float,
 
 def _loop(name: str, stop: threading.Event, context: WorkerContext, every_s: float,
           tick: Callable[[WorkerContext], object]) -> None:
-    lock = f"{context.repository.namespace}:{name}:lock"
+    lock = periodic_lock_key(context.repository.namespace, name)
     while not stop.wait(every_s):
         try:
             if context.repository.redis.set(lock, 1, nx=True, px=max(int(every_s * 1000) - 100, 100)):

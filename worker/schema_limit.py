@@ -21,6 +21,7 @@ import redis
 
 from engine.structured_output.spec import canonical_json
 from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.names import schemas_key
 
 DEFAULT_MAX_SCHEMAS_PER_JOB = 256
 SCHEMAS_TTL_S = 7 * 24 * 3600  # as long as the shard leases' bookkeeping
@@ -40,10 +41,6 @@ end
 redis.call('EXPIRE', KEYS[1], ARGV[2])
 return refused
 """
-
-
-def schemas_key(namespace: str, job_id: str) -> str:
-    return f"{namespace}:job:{{{job_id}}}:schemas"
 
 
 def schema_digest(response_format: dict[str, Any]) -> str:

@@ -22,6 +22,7 @@ from types import TracebackType
 
 import redis
 
+from jobs.names import shard_lease_key, shards_started_key
 from jobs.settings import DEFAULT_SHARD_LEASE_TTL_S
 
 # KEYS: lease key. ARGV: token, ttl ms. Extends the lease if this run still holds it, takes it back
@@ -42,20 +43,6 @@ return 0
 
 DEFAULT_LEASE_TTL_S = DEFAULT_SHARD_LEASE_TTL_S  # callers pass `settings.lease_ttl`
 STARTED_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
-
-
-def lease_key(namespace: str, job_id: str, shard_index: int) -> str:
-    return f"{namespace}:job:{{{job_id}}}:shard:{shard_index}:lease"
-
-
-def started_key(namespace: str, job_id: str) -> str:
-    """A Redis set of the job's shard indexes that some run has taken the lease of."""
-    return f"{namespace}:job:{{{job_id}}}:shards-started"
-
-
-def step_lease_key(namespace: str, job_id: str, step: str) -> str:
-    """The lease of a job-wide step ("plan", "finalize")."""
-    return f"{namespace}:job:{{{job_id}}}:{step}:lease"
 
 
 class Lease:
@@ -127,8 +114,8 @@ class Lease:
 class ShardLease(Lease):
     def __init__(self, client: redis.Redis, job_id: str, shard_index: int, *,
                  ttl_s: float = DEFAULT_LEASE_TTL_S, namespace: str = "bulkinfer") -> None:
-        super().__init__(client, lease_key(namespace, job_id, shard_index), ttl_s=ttl_s)
-        self.started_key = started_key(namespace, job_id)
+        super().__init__(client, shard_lease_key(namespace, job_id, shard_index), ttl_s=ttl_s)
+        self.started_key = shards_started_key(namespace, job_id)
         self.shard_index = shard_index
 
     generation = 0  # how many times the shard's lease was taken, this take included

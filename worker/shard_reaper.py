@@ -28,14 +28,21 @@ from collections.abc import Callable
 import redis
 
 from jobs.layout import JobLayout
+from jobs.names import (
+    dispatched_key,
+    orphan_sweep_key,
+    shard_lease_key,
+    shard_resent_key,
+    shards_started_key,
+    step_due_key,
+    step_lease_key,
+)
 from jobs.orphan_uploads import sweep_orphan_uploads
 from jobs.repository import JobRepository
 from jobs.settings import Settings
 from jobs.status import JobState
 from worker.context import WorkerContext
-from worker.job_lifecycle import dispatched_key
 from worker.periodic import start_periodic
-from worker.shard_lease import lease_key, started_key, step_lease_key
 from worker.shard_runner import committed_result, count_shard
 
 logger = logging.getLogger(__name__)
@@ -58,7 +65,8 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
     while True:
         jobs, cursor = repository.list(JobState.RUNNING, cursor=cursor, limit=100)
         for job in jobs:
-            started = sorted(int(index) for index in client.smembers(started_key(namespace, job.job_id)))
+            started_set = shards_started_key(namespace, job.job_id)
+            started = sorted(int(index) for index in client.smembers(started_set))
             if not started:
                 continue
             try:
@@ -68,12 +76,12 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
                 for index in started:
                     if index in counted:
                         continue  # done and counted: no need to ask the store
-                    if client.exists(lease_key(namespace, job.job_id, index)):
+                    if client.exists(shard_lease_key(namespace, job.job_id, index)):
                         continue  # a live run holds it
                     if repository.store.exists(layout.shard_result_key(index)):
                         _count_late(repository, layout, index, send_finalize)
                         continue  # done
-                    marker = f"{namespace}:job:{{{job.job_id}}}:shard:{index}:resent"
+                    marker = shard_resent_key(namespace, job.job_id, index)
                     if not client.set(marker, 1, nx=True, px=int(2 * ttl_s * 1000)):
                         continue  # re-sent recently: give that delivery time to take the lease
                     queue = queue or context.registry.queue_for(repository.get_spec(job.job_id).model)
@@ -117,7 +125,7 @@ def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize
                     continue
                 if client.exists(step_lease_key(namespace, job.job_id, step)):
                     continue  # a live run holds it
-                if _due_for_resend(client, f"{namespace}:job:{{{job.job_id}}}:{step}:due", 2 * ttl_s):
+                if _due_for_resend(client, step_due_key(namespace, job.job_id, step), 2 * ttl_s):
                     send(job.job_id)
                     resent.append((job.job_id, step))
                     logger.warning("job %s (%s): %s due, no live run; re-sent", job.job_id, state.value, step)
@@ -141,7 +149,7 @@ def _due_for_resend(client: redis.Redis, key: str, grace_s: float) -> bool:
 def _sweep_uploads(context: WorkerContext) -> None:
     """Now and then (one worker, once per ORPHAN_SWEEP_S): inputs of uploads that never became a job."""
     repository = context.repository
-    if not repository.redis.set(f"{repository.namespace}:orphan-upload-sweep", 1, nx=True,
+    if not repository.redis.set(orphan_sweep_key(repository.namespace), 1, nx=True,
                                 px=int(ORPHAN_SWEEP_S * 1000)):
         return
     swept = sweep_orphan_uploads(repository.store, repository.prefix)

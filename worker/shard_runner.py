@@ -38,8 +38,8 @@ from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from worker.context import WorkerContext
-from worker.engine_host import EngineUnavailable, Submission
-from worker.engine_outputs import PreparedBatch
+from worker.engine_host import EngineUnavailable
+from worker.engine_rows import run_rows
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.schema_limit import limit_schemas
@@ -145,9 +145,8 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = _read_rows(context, spec, shard)
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
-    batch = PreparedBatch(hosted.renderer, items, priority=MAX_JOB_PRIORITY - spec.priority)
     with timings.phase("engine"):
-        outputs = _run_on_engine(context, hosted, job_id, batch)
+        outputs = _run_on_engine(context, hosted, job_id, items, priority=MAX_JOB_PRIORITY - spec.priority)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
@@ -163,24 +162,16 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
 
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
-                   batch: PreparedBatch) -> list[OutputRow] | None:
+                   items: list[Row | RowError], priority: int) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran."""
-    requests = batch.requests
-    if not requests:
-        return batch.outputs([])
     try:
-        submission: Submission = hosted.host.submit(requests)
-        while not submission.wait(CANCEL_POLL_S):
-            if context.repository.is_cancel_requested(job_id):
-                submission.abort()
-                return None
-        results = submission.results()
+        return run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S,
+                        should_stop=lambda: context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if hosted.host.loaded:  # it ran, then died: the shard is retried on a fresh engine
             raise EngineDied(f"model {hosted.name!r}: the engine died while running the shard: {error}") \
                 from error
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
-    return batch.outputs(results)
 
 
 class EngineDied(RuntimeError):

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import redis
 
+from jobs.names import failures_key
+
 DEFAULT_MAX_ATTEMPTS = 3
 COUNT_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
-
-
-def failures_key(namespace: str, job_id: str, step: str) -> str:
-    return f"{namespace}:job:{{{job_id}}}:failures:{step}"
 
 
 def record_failure(client: redis.Redis, namespace: str, job_id: str, step: str) -> int:

@@ -17,7 +17,7 @@ from celery import Task
 from celery.exceptions import Retry
 from kombu.exceptions import OperationalError
 
-from jobs.models import CONTROL_QUEUE
+from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_SHARD
 from worker import job_lifecycle, shard_runner, webhook_delivery
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
@@ -26,9 +26,6 @@ from worker.transient import is_transient, retry_delay_s
 
 logger = logging.getLogger(__name__)
 
-PLAN_JOB = "bulkinfer.plan_job"
-RUN_SHARD = "bulkinfer.run_shard"
-FINALIZE_JOB = "bulkinfer.finalize_job"
 
 
 def shard_task_id(job_id: str, shard_index: int) -> str:

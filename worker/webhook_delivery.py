@@ -22,8 +22,8 @@ import httpx
 from celery import Task
 
 from jobs import webhooks
-from jobs.models import CONTROL_QUEUE
-from jobs.webhook_claims import DELIVER_WEBHOOK, MARKER_TTL_S, claim_delivery, marker_key
+from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
+from jobs.webhook_claims import MARKER_TTL_S, claim_delivery, marker_key
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
 from worker.transient import is_transient

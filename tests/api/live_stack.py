@@ -27,7 +27,7 @@ import pytest
 from api.app import create_app
 from api.client import Client
 from api.server import ServerThread
-from jobs.models import QUEUE_PREFIX
+from jobs.names import QUEUE_PREFIX
 from jobs.repository import JobRepository
 from jobs.settings import Settings
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server, celery_worker, free_port

@@ -20,7 +20,7 @@ import pytest
 
 from api.client import Client
 from engine import LLM, SamplingParams
-from jobs.models import QUEUE_PREFIX
+from jobs.names import QUEUE_PREFIX
 from jobs.repository import JobRepository
 from jobs.status import JobState, JobStatus
 from tests.api.live_stack import live_stack

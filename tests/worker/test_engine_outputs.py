@@ -6,7 +6,7 @@ from engine import CompletionOutput, ErrorKind, PositionLogprobs, RequestOutput,
 from jobs.formats.output import TokenLogprob as JobTokenLogprob
 from jobs.formats.rows import Row
 from jobs.sampling import SamplingParams as JobSampling
-from worker.engine_outputs import output_row
+from worker.engine_rows import output_row
 
 ROW = Row(3, "r3", None, [{"role": "user", "content": "hi"}], JobSampling(), {"type": "json_object"})
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from engine import ErrorKind, SamplingParams
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import SamplingParams as JobSampling
-from worker.prompts import ROW_CODES, PromptRenderer, RowRejected, engine_error_code, engine_sampling
+from worker.engine_rows import ROW_CODES, PromptRenderer, RowRejected, engine_error_code, engine_sampling
 
 
 def row(prompt: str | None = None, messages: list | None = None) -> Row:

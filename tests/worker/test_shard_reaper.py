@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from jobs.names import shard_lease_key as lease_key
+from jobs.names import shards_started_key as started_key
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import RedisServer, S3Server, celery_worker
@@ -16,7 +18,7 @@ from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 from tests.worker.conftest import Pipeline, bare_pipeline
 from worker.context import WorkerContext
 from worker.job_lifecycle import plan_job
-from worker.shard_lease import ShardLease, lease_key, started_key
+from worker.shard_lease import ShardLease
 from worker.shard_reaper import reap_once
 
 pytestmark = pytest.mark.timeout(600)

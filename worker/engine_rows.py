@@ -1,0 +1,248 @@
+"""Between a job's rows and the engine, both ways: row -> engine request -> output row.
+
+- Rows in: a row's prompt becomes token ids (`PromptRenderer`: completion prompts encoded as the
+  engine encodes text, chat messages through the model's chat template), its merged sampling and
+  `response_format` become `engine.SamplingParams` (`engine_sampling`: every job knob has an engine
+  field of the same name, vLLM's; a `json_schema` format becomes the engine's `json_schema`, a
+  `json_object` one `True`), and a batch of rows is readied for the engine (`PreparedBatch`).
+- Rows out: an engine `RequestOutput` becomes a job `OutputRow` (`output_row`: one choice per
+  sample, logprobs in the jobs' form), and an engine rejection the row error its `error_kind` maps
+  to (`ROW_CODES`: the one table between the engine's codes and the jobs').
+- In between: `run_rows` (and `EngineRun` for several batches in flight) submits a batch to a
+  hosted engine, waits, and collects every row's outcome in input order; the shard runner and
+  `bulkinfer run` both go through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine import ErrorKind, RequestOutput, SamplingParams, SamplingParamsError
+from engine.chat import ChatTemplateError, chat_token_ids
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.rows import Row, RowError, RowErrorCode
+from jobs.response_format import engine_response_format
+from jobs.sampling import SamplingParams as JobSampling
+from jobs.spec import JobSpec
+from worker.engine_host import EngineRequest, Submission
+
+if TYPE_CHECKING:
+    from worker.model_hosts import HostedModel
+
+ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+# The row error code of each way the engine refuses or fails a request (engine/errors.py): the one
+# table between the engine's codes and the jobs' (its messages are for people, never parsed).
+ROW_CODES = {
+    ErrorKind.PROMPT_TOO_LONG: RowErrorCode.PROMPT_TOO_LONG,
+    ErrorKind.EMPTY_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_SAMPLING: RowErrorCode.INVALID_SAMPLING,
+    ErrorKind.STRUCTURED_OUTPUT: RowErrorCode.INVALID_RESPONSE_FORMAT,  # e.g. a schema that does not compile
+    ErrorKind.NON_FINITE_LOGITS: RowErrorCode.ENGINE_ERROR,
+    ErrorKind.ENGINE_FAILURE: RowErrorCode.ENGINE_ERROR,
+}
+
+
+class RowRejected(ValueError):
+    """The worker cannot run this row; becomes the row's error with `code`."""
+
+    def __init__(self, code: RowErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | None = None) -> SamplingParams:
+    """The engine's params for a row's merged sampling and response_format; raises `RowRejected`."""
+    settings = sampling.as_dict()
+    unknown = sorted(set(settings) - ENGINE_FIELDS)
+    if unknown:  # a job knob this engine build lacks: refused by name, never dropped
+        raise RowRejected(RowErrorCode.INVALID_SAMPLING, f"{unknown[0]} is not supported by this engine")
+    params = SamplingParams(**settings, json_schema=engine_json_schema(response_format))
+    try:  # early, so the row is refused before it is rendered; the engine's own check is the same
+        params.validate()
+    except SamplingParamsError as error:
+        raise RowRejected(engine_error_code(error.kind), str(error)) from None
+    return params
+
+
+def engine_json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | bool | None:
+    """A row's response_format (the OpenAI wire shape `jobs.response_format` gives) as the engine's
+    `json_schema`: the schema dict, True for any JSON object, None for plain text."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    if response_format.get("type") == "json_object":
+        return True
+    if response_format.get("type") == "json_schema":
+        return response_format["json_schema"]["schema"]
+    raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT,
+                      f"response_format type {response_format.get('type')!r} is not supported")
+
+
+def job_response_format_problem(spec: JobSpec) -> str | None:
+    """Why the job's own response_format can never compile, as `response_format: <reason>` (checked
+    once, without a model, at plan and before `bulkinfer run`), or None. Rows' own formats are
+    still checked by the engine, row by row."""
+    try:
+        schema = engine_json_schema(engine_response_format(spec.response_format))
+    except RowRejected as rejected:
+        return f"response_format: {rejected}"
+    if schema is None:
+        return None
+    from engine.structured_output import StructuredSpec, check_spec  # xgrammar: only when used
+
+    try:
+        check_spec(StructuredSpec.json_schema(schema))
+    except ValueError as error:  # GrammarError, or a schema that is not a dict
+        return f"response_format: {error}"
+    return None
+
+
+class PromptRenderer:
+    """Turns rows into prompt token ids with the model's tokenizer.
+
+    Completion prompts are encoded exactly as `LLMEngine` encodes text (`tokenizer.encode`), so a
+    row gives the same tokens as the offline `LLM`. Chat messages go through `engine.chat.render_chat`
+    (the tokenizer's chat template, or ChatML when it has none) and are encoded without adding
+    special tokens again (the template places them). A lock guards the tokenizer: the Rust
+    tokenizer is not safe to share between threads.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+
+    def token_ids(self, row: Row) -> list[int]:
+        """Raises `RowRejected` when the row's messages cannot be rendered."""
+        with self._lock:
+            if row.messages is None:
+                return list(self._tokenizer.encode(row.prompt or ""))
+            try:
+                return chat_token_ids(self._tokenizer, row.messages)
+            except ChatTemplateError as error:
+                raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
+
+
+def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
+    """The row error code for an engine rejection or failure, from its `error_kind`."""
+    try:
+        return ROW_CODES[ErrorKind(kind)] if kind is not None else RowErrorCode.ENGINE_ERROR
+    except (ValueError, KeyError):  # a kind this worker does not know yet
+        return RowErrorCode.ENGINE_ERROR
+
+
+FAILED = ("error", "abort")
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    position: int  # in the batch's input order
+    row: Row
+    request: EngineRequest
+
+
+class PreparedBatch:
+    """A batch of rows readied for the engine: the outcomes of rows that cannot run (a read error, a
+    rejected sampling or prompt), and a request for each of the rest.
+    """
+
+    def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0) -> None:
+        self._outputs: list[OutputRow | None] = [None] * len(items)
+        prepared: list[PreparedRow] = []
+        for position, item in enumerate(items):
+            if isinstance(item, RowError):
+                self._outputs[position] = OutputRow.from_error(item)
+                continue
+            try:
+                params = engine_sampling(item.sampling, item.response_format)
+                request = EngineRequest(renderer.token_ids(item), params, priority)
+            except RowRejected as rejected:
+                self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
+                continue
+            prepared.append(PreparedRow(position, item, request))
+        # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
+        prepared.sort(key=lambda entry: list(entry.request.prompt))
+        self._prepared = prepared
+
+    @property
+    def requests(self) -> list[EngineRequest]:
+        """What to submit, in the order `outputs` takes the results back."""
+        return [entry.request for entry in self._prepared]
+
+    def outputs(self, results: Sequence[RequestOutput]) -> list[OutputRow]:
+        """Every row's outcome in input order, given the engine's results for `requests`."""
+        outputs = list(self._outputs)
+        for entry, result in zip(self._prepared, results, strict=True):
+            outputs[entry.position] = output_row(entry.row, result)
+        return [output for output in outputs if output is not None]
+
+
+def output_row(row: Row, result: RequestOutput) -> OutputRow:
+    """The row's outcome: every sample as a choice, or the engine's error when any sample failed
+    (a grammar that does not compile fails them all; an aborted request aborts them all)."""
+    outputs = list(getattr(result, "outputs", None) or [])
+    reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
+    failed = next((reason for reason in reasons if reason in FAILED), None)
+    if failed is not None:
+        message = result.error or ("aborted by the worker" if failed == "abort" else "the engine failed")
+        return OutputRow.engine_failed(row, engine_error_code(result.error_kind), message)
+    if outputs:
+        choices = [Choice(out.index, out.text, out.finish_reason or "stop", _logprobs(out.logprobs))
+                   for out in sorted(outputs, key=lambda out: out.index)]
+    else:  # an engine that reports one sample only on the request itself
+        choices = [Choice(0, result.text, result.finish_reason or "stop")]
+    return OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
+                                  cached_tokens=result.num_cached_tokens,
+                                  completion_tokens=result.num_completion_tokens)
+
+
+def _logprobs(positions: Sequence | None) -> list[PositionLogprobs] | None:
+    if positions is None:
+        return None
+    return [PositionLogprobs(_token(position.chosen), [_token(entry) for entry in position.top])
+            for position in positions]
+
+
+def _token(entry) -> TokenLogprob:  # noqa: ANN001 - engine.outputs.TokenLogprob
+    return TokenLogprob(entry.token_id, entry.token, float(entry.logprob), list(entry.bytes))
+
+
+class EngineRun:
+    """A batch of rows in a hosted engine: readied as `PreparedBatch` readies rows, the runnable
+    ones submitted at once; `outputs()` gives every row's outcome in input order when done."""
+
+    def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0) -> None:
+        self._prepared = PreparedBatch(hosted.renderer, items, priority)
+        requests = self._prepared.requests
+        self.submission: Submission | None = hosted.host.submit(requests) if requests else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the engine is done with every row (at once when none could run)."""
+        return self.submission is None or self.submission.wait(timeout)
+
+    def outputs(self) -> list[OutputRow]:
+        """Every row's outcome in input order; raises `EngineUnavailable` if the engine died."""
+        if self.submission is None:
+            return self._prepared.outputs([])
+        self.submission.wait()
+        return self._prepared.outputs(self.submission.results())
+
+    def abort(self) -> None:
+        """Stop every row still in the engine (their outcomes say so)."""
+        if self.submission is not None:
+            self.submission.abort()
+
+
+def run_rows(hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0, *,
+             should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> list[OutputRow] | None:
+    """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
+    while the rows run) said to stop: the rows still running are then aborted."""
+    run = EngineRun(hosted, items, priority)
+    while not run.wait(poll_s):
+        if should_stop():
+            run.abort()
+            return None
+    return run.outputs()
