@@ -12,13 +12,15 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
-from api import routes_jobs, routes_schedules, routes_service
 from api.auth import ApiKeyCheck, parse_keys
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
 from api.methods import install_method_handlers
 from api.rate_limit import RateLimit
+from api.routes import jobs as job_routes
+from api.routes import schedules as schedule_routes
+from api.routes import service as service_routes
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 
@@ -52,9 +54,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.auth = auth
     install_error_handlers(app)
     install_method_handlers(app)
-    app.include_router(routes_jobs.router)
-    app.include_router(routes_service.router)
-    app.include_router(routes_schedules.router)
+    app.include_router(job_routes.router)
+    app.include_router(service_routes.router)
+    app.include_router(schedule_routes.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -24,7 +24,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.errors import ApiError
+from api.errors import HttpError
 from jobs.settings import ConfigError
 
 OPEN_PATHS = frozenset({"/healthz"})
@@ -119,5 +119,5 @@ def caller_of(request: Request) -> Caller:
 CallerDep = Annotated[Caller, Depends(caller_of)]
 
 
-def _unauthorized(message: str) -> ApiError:
-    return ApiError(401, message, headers={"WWW-Authenticate": "Bearer"})
+def _unauthorized(message: str) -> HttpError:
+    return HttpError(401, message, headers={"WWW-Authenticate": "Bearer"})

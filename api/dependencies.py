@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.dispatch import TaskSender
-from jobs.models import ModelRegistry
+from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings

@@ -8,14 +8,14 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from jobs.errors import InputError
-from jobs.models import UnknownModel
+from jobs.model_registry import UnknownModel
 from jobs.repository import JobConflict, JobNotFound
 from jobs.schedules import ScheduleNotFound
 from jobs.spec import validation_messages
 from jobs.status import IllegalTransition
 
 
-class ApiError(Exception):
+class HttpError(Exception):
     """An error with the status code and the message the client should see."""
 
     def __init__(self, status_code: int, message: str, messages: list[str] | None = None,
@@ -27,13 +27,13 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
-def invalid_model(error: ValidationError, what: str = "job spec") -> ApiError:
+def invalid_model(error: ValidationError, what: str = "job spec") -> HttpError:
     """422 `invalid <what>: ...` with one message per field."""
     messages = validation_messages(error)
-    return ApiError(422, f"invalid {what}: " + "; ".join(messages), messages)
+    return HttpError(422, f"invalid {what}: " + "; ".join(messages), messages)
 
 
-def error_response(error: ApiError) -> JSONResponse:
+def error_response(error: HttpError) -> JSONResponse:
     """The API's error body (`detail`, `messages`) with the error's status and headers."""
     return JSONResponse({"detail": error.message, "messages": error.messages}, status_code=error.status_code,
                         headers=error.headers or None)
@@ -47,12 +47,12 @@ _STATUS_FOR = [
 
 def install_error_handlers(app: FastAPI) -> None:
     async def api_error(_request: Request, error: Exception) -> JSONResponse:
-        assert isinstance(error, ApiError)
+        assert isinstance(error, HttpError)
         return error_response(error)
 
     async def domain_error(_request: Request, error: Exception) -> JSONResponse:
         status = next(code for kind, code in _STATUS_FOR if isinstance(error, kind))
-        return error_response(ApiError(status, str(error)))
+        return error_response(HttpError(status, str(error)))
 
     async def request_invalid(_request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
@@ -60,9 +60,9 @@ def install_error_handlers(app: FastAPI) -> None:
         for item in error.errors():
             where = ".".join(str(part) for part in item["loc"] if part not in ("body", "query", "path"))
             messages.append(f"{where}: {item['msg']}" if where else item["msg"])
-        return error_response(ApiError(422, "invalid request: " + "; ".join(messages), messages))
+        return error_response(HttpError(422, "invalid request: " + "; ".join(messages), messages))
 
-    app.add_exception_handler(ApiError, api_error)
+    app.add_exception_handler(HttpError, api_error)
     app.add_exception_handler(RequestValidationError, request_invalid)
     for kind, _status in _STATUS_FOR:
         app.add_exception_handler(kind, domain_error)

@@ -12,7 +12,7 @@ from fastapi.exception_handlers import http_exception_handler
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from api.errors import ApiError, error_response
+from api.errors import HttpError, error_response
 
 CANDIDATES = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
 
@@ -35,7 +35,7 @@ def install_method_handlers(app: FastAPI) -> None:
         if request.method == "OPTIONS" and allow:
             return Response(status_code=204, headers={"Allow": ", ".join(allow)})
         allowed = ", ".join(allow)
-        return error_response(ApiError(405, f"{request.method} is not allowed on {request.url.path} "
+        return error_response(HttpError(405, f"{request.method} is not allowed on {request.url.path} "
                                             f"(allowed: {allowed})", headers={"Allow": allowed}))
 
     app.add_exception_handler(StarletteHTTPException, not_allowed)

@@ -13,7 +13,7 @@ import redis
 from fastapi import Request
 
 from api.auth import OPEN_PATHS, caller_of
-from api.errors import ApiError
+from api.errors import HttpError
 from jobs.names import rate_key
 
 
@@ -34,5 +34,5 @@ class RateLimit:
             pipe.expire(key, 2)
             count, _ = pipe.execute()
         if int(count) > self.per_second:
-            raise ApiError(429, f"more than {self.per_second} requests in one second from this key "
+            raise HttpError(429, f"more than {self.per_second} requests in one second from this key "
                                 "(max_requests_per_s); slow down and retry", headers={"Retry-After": "1"})

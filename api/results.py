@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from api.dependencies import ApiContext
-from api.errors import ApiError
+from api.errors import HttpError
 from api.schemas import JobResults, ResultPart
 from jobs.formats.jsonl_writer import dumps_line
 from jobs.manifest import Manifest, read_manifest
@@ -23,12 +23,12 @@ def finished_manifest(context: ApiContext, job_id: str) -> Manifest:
     status = context.repository.get(job_id)
     if status.state != JobState.SUCCEEDED:
         reason = f" ({status.error})" if status.error else ""
-        raise ApiError(409, f"job {job_id} is {status.state.value}{reason}: results are ready once it "
+        raise HttpError(409, f"job {job_id} is {status.state.value}{reason}: results are ready once it "
                             "has succeeded")
     try:
         return read_manifest(context.store, context.repository.layout(job_id))
     except ObjectNotFound:
-        raise ApiError(409, f"job {job_id} has succeeded but its manifest is missing") from None
+        raise HttpError(409, f"job {job_id} has succeeded but its manifest is missing") from None
 
 
 def part_store(context: ApiContext, uri: str) -> tuple[ObjectStore, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from api.errors import ApiError
+from api.errors import HttpError
 from jobs.object_store.base import AlreadyExists, ObjectStore
 
 OWNER_MARKER = ".bulkinfer-job"
@@ -29,9 +29,9 @@ def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
     try:
         rules = json.loads(setting)
     except ValueError as error:
-        raise ApiError(500, f"the tenant_prefixes setting is not JSON: {error}") from None
+        raise HttpError(500, f"the tenant_prefixes setting is not JSON: {error}") from None
     if not isinstance(rules, dict) or not all(isinstance(v, list) for v in rules.values()):
-        raise ApiError(500, "the tenant_prefixes setting must be a JSON object of tenant → list of prefixes")
+        raise HttpError(500, "the tenant_prefixes setting must be a JSON object of tenant → list of prefixes")
     return {tenant: [p if p.endswith("/") else p + "/" for p in map(str, prefixes)]
             for tenant, prefixes in rules.items()}
 
@@ -44,7 +44,7 @@ def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str)
     allowed = rules.get(tenant, [])
     if not any(uri == prefix.rstrip("/") or uri.startswith(prefix) for prefix in allowed):
         names = ", ".join(allowed) or "none: upload files instead"
-        raise ApiError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use ({names}); "
+        raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use ({names}); "
                             "the deployment's tenant_prefixes setting says where each tenant's data may be")
 
 
@@ -56,5 +56,5 @@ def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: s
     except AlreadyExists:
         owner = store.get_bytes(marker).decode(errors="replace").strip()
         if owner != job_id:
-            raise ApiError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+            raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
                                 "job a folder of its own") from None

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
-from api.errors import ApiError, invalid_model
+from api.errors import HttpError, invalid_model
 from api.storage_rules import check_allowed, claim_output_folder
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
@@ -42,12 +42,12 @@ def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]
         return context.s3_store(bucket), key
     settings = context.settings
     if not settings.is_local_store:
-        raise ApiError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in "
+        raise HttpError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in "
                             f"{settings.store_uri}; use an s3:// URI or upload the file")
     root = settings.local_store_root()
     path = Path("/", key).resolve()
     if path != root and root not in path.parents:
-        raise ApiError(400, f"{field} {uri!r} is outside the store directory {root}; "
+        raise HttpError(400, f"{field} {uri!r} is outside the store directory {root}; "
                             "put the file there, or upload it")
     from jobs.object_store.local import LocalObjectStore
 
@@ -62,11 +62,11 @@ def check_readable(store: ObjectStore, key: str, uri: str) -> None:
     try:
         info = store.head(key)
     except ObjectNotFound:
-        raise ApiError(400, f"input_uri {uri}: no such object") from None
+        raise HttpError(400, f"input_uri {uri}: no such object") from None
     except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
-        raise ApiError(400, f"input_uri {uri}: cannot read it ({error})") from None
+        raise HttpError(400, f"input_uri {uri}: cannot read it ({error})") from None
     if info.size == 0:
-        raise ApiError(400, f"input_uri {uri}: the file is empty")
+        raise HttpError(400, f"input_uri {uri}: the file is empty")
 
 
 def head_records(store: ObjectStore, key: str) -> list[dict[str, object]]:
@@ -117,7 +117,7 @@ def check_webhook(context: ApiContext, url: str | None) -> None:
     problem = destination_problem(url, allow_http=settings.webhook_allow_http,
                                   allow_private=settings.webhook_allow_private)
     if problem is not None:
-        raise ApiError(400, problem)
+        raise HttpError(400, problem)
 
 
 def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
@@ -133,8 +133,9 @@ def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: 
         check_allowed(context.settings.tenant_prefixes, resolved.tenant, resolved.output_uri, "output_uri")
         output_store, output_key = locate(context, resolved.output_uri, "output_uri")
         if _in_job_folders(context, output_store, output_key):
-            raise ApiError(403, f"output_uri {resolved.output_uri!r} is inside the job store's jobs/ folder, "
-                                "where each job keeps its own files; leave output_uri out to write there")
+            raise HttpError(403, f"output_uri {resolved.output_uri!r} is inside the job store's jobs/ "
+                                 "folder, where each job keeps its own files; leave output_uri out to write "
+                                 "there")
     return resolved
 
 
@@ -164,7 +165,7 @@ def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = 
         try:
             enqueue_plan(context.tasks, status.job_id)
         except Exception as error:  # noqa: BLE001 - the broker is down: say so, the job waits
-            raise ApiError(503, f"job {status.job_id} was created but could not be queued ({error}); "
+            raise HttpError(503, f"job {status.job_id} was created but could not be queued ({error}); "
                                 "submit it again with the same idempotency_key") from None
     return status
 
@@ -172,7 +173,7 @@ def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = 
 def parse_object(data: object, model: type[M], what: str) -> M:
     """A JSON body as `model`; else 422 `invalid <what>: ...` with one message per field."""
     if not isinstance(data, dict):
-        raise ApiError(422, f"the {what} must be a JSON object")
+        raise HttpError(422, f"the {what} must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as error:
@@ -211,6 +212,6 @@ def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
         active += len(jobs)
         if active >= limit:
             who = f"tenant {spec.tenant!r}" if spec.tenant else "this deployment"
-            raise ApiError(429, f"{who} already has {limit} job(s) queued or running, the "
+            raise HttpError(429, f"{who} already has {limit} job(s) queued or running, the "
                                 "max_jobs_in_flight limit; submit again when one has ended",
                            headers={"Retry-After": "30"})

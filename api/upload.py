@@ -19,7 +19,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
 from api.dependencies import ApiContext
-from api.errors import ApiError
+from api.errors import HttpError
 from api.submission import (
     check_in_flight,
     check_model,
@@ -63,7 +63,7 @@ async def iter_multipart(request: Request) -> AsyncIterator[PartStart | PartData
     _kind, options = parse_options_header(request.headers.get("content-type", ""))
     boundary = options.get(b"boundary")
     if not boundary:
-        raise ApiError(400, "multipart body without a boundary")
+        raise HttpError(400, "multipart body without a boundary")
     events: list[PartStart | PartData | PartEnd] = []
     header_name, header_value = bytearray(), bytearray()
     headers: dict[bytes, bytes] = {}
@@ -93,7 +93,7 @@ async def iter_multipart(request: Request) -> AsyncIterator[PartStart | PartData
         try:
             parser.write(chunk)
         except Exception as error:  # noqa: BLE001 - python-multipart raises several types
-            raise ApiError(400, f"malformed multipart body: {error}") from None
+            raise HttpError(400, f"malformed multipart body: {error}") from None
         for event in events:
             yield event
         events.clear()
@@ -156,11 +156,11 @@ def _spec_for_upload(context: ApiContext, raw: bytes) -> dict[str, object]:
     try:
         data = json.loads(raw)
     except ValueError as error:
-        raise ApiError(422, f"the {SPEC_FIELD!r} field is not JSON: {error}") from None
+        raise HttpError(422, f"the {SPEC_FIELD!r} field is not JSON: {error}") from None
     if not isinstance(data, dict):
-        raise ApiError(422, f"the {SPEC_FIELD!r} field must be a JSON object")
+        raise HttpError(422, f"the {SPEC_FIELD!r} field must be a JSON object")
     if "input_uri" in data:
-        raise ApiError(422, "input_uri: leave it out when uploading a file; the upload is the input")
+        raise HttpError(422, "input_uri: leave it out when uploading a file; the upload is the input")
     check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI}))
     return data
 
@@ -209,21 +209,22 @@ class _Receiver:
                 current = event.name
                 if current == FILE_FIELD:
                     if spec_data is None:
-                        raise ApiError(400, f"send the {SPEC_FIELD!r} field before the {FILE_FIELD!r} field")
+                        raise HttpError(400, f"send the {SPEC_FIELD!r} field before the {FILE_FIELD!r} field")
                     spec = await self._start_file(spec_data, event.filename)
                 elif current != SPEC_FIELD:
-                    raise ApiError(400, f"unexpected form field {current!r} (expected {SPEC_FIELD!r}, then "
+                    raise HttpError(400, f"unexpected form field {current!r} (expected {SPEC_FIELD!r}, then "
                                         f"{FILE_FIELD!r})")
             elif isinstance(event, PartData):
                 if current == SPEC_FIELD:
                     spec_bytes += event.data
                     if len(spec_bytes) > MAX_SPEC_BYTES:
-                        raise ApiError(413, f"the {SPEC_FIELD!r} field is larger than {MAX_SPEC_BYTES} bytes")
+                        raise HttpError(413, f"the {SPEC_FIELD!r} field is larger than {MAX_SPEC_BYTES} "
+                                             "bytes")
                 elif self.upload is not None:
                     limit = self.context.settings.max_upload_bytes
                     self.received += len(event.data)
                     if limit is not None and self.received > limit:
-                        raise ApiError(413, f"the uploaded file is larger than this deployment's "
+                        raise HttpError(413, f"the uploaded file is larger than this deployment's "
                                             f"max_upload_bytes ({limit:,} bytes); nothing of it was kept")
                     await self.upload.write(event.data)
             elif current == SPEC_FIELD:
@@ -231,13 +232,13 @@ class _Receiver:
             elif current == FILE_FIELD and self.upload is not None:
                 await self._finish_file(spec_data or {})
         if spec is None or self.upload is None:
-            raise ApiError(400, f"a multipart submit needs a {SPEC_FIELD!r} field, then a {FILE_FIELD!r} "
+            raise HttpError(400, f"a multipart submit needs a {SPEC_FIELD!r} field, then a {FILE_FIELD!r} "
                                 "field")
         return spec, self.upload
 
     async def _start_file(self, spec_data: dict[str, object], filename: str | None) -> JobSpec:
         if self.upload is not None:
-            raise ApiError(400, f"one {FILE_FIELD!r} per job")
+            raise HttpError(400, f"one {FILE_FIELD!r} per job")
         spec_data = {**spec_data, "tenant": self.tenant}  # the caller's, whatever the spec said
         self.job_id = JobRepository.job_id_for(parse_spec({**spec_data, "input_uri": PENDING_UPLOAD_URI}))
         key = self.context.repository.layout(self.job_id).input_key(input_name(filename))
@@ -253,7 +254,7 @@ class _Receiver:
         # An earlier submit with this idempotency key uploaded here: the same file, or a conflict.
         stored = await run_in_threadpool(_stored_sha256, self.upload.store, self.upload.key)
         if stored != self.upload.sha256.hexdigest():
-            raise ApiError(409, f"idempotency_key {spec_data.get('idempotency_key')!r} was already used "
+            raise HttpError(409, f"idempotency_key {spec_data.get('idempotency_key')!r} was already used "
                                 "with a different file")
 
     async def discard(self) -> None:

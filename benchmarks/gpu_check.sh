@@ -30,7 +30,7 @@ status=0
   echo; echo "== engine benchmark on $DEVICE"
   model_args=(--preset small)
   [ -n "$MODEL" ] && model_args=(--model "$MODEL")
-  timeout 240 "$PY" -m engine.bench "${model_args[@]}" --device "$DEVICE" --dtype float32,bfloat16 \
+  timeout 240 "$PY" -m benchmarks.engine "${model_args[@]}" --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
   echo; echo "== exit status $status"
   exit "$status"

@@ -12,7 +12,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_N = 16
 
 
-class SamplingParams(BaseModel):
+class JobSampling(BaseModel):
     """Unset fields mean "the engine's default"; a row's overrides are merged over the job's."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -50,13 +50,13 @@ class SamplingParams(BaseModel):
             raise ValueError("stop strings must not be empty")
         return value
 
-    def merged(self, overrides: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+    def merged(self, overrides: JobSampling | dict[str, Any] | None) -> JobSampling:
         """These params with every field `overrides` sets taking precedence (validated again)."""
         if not overrides:
             return self
-        if isinstance(overrides, SamplingParams):
+        if isinstance(overrides, JobSampling):
             overrides = overrides.model_dump(exclude_none=True)
-        return SamplingParams.model_validate({**self.model_dump(exclude_none=True), **overrides})
+        return JobSampling.model_validate({**self.model_dump(exclude_none=True), **overrides})
 
     def as_dict(self) -> dict[str, Any]:
         """Only the fields that were set: what the engine should override."""

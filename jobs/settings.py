@@ -23,7 +23,7 @@ from jobs.object_store.base import ObjectStore
 if TYPE_CHECKING:
     import redis
 
-    from jobs.models import ModelRegistry
+    from jobs.model_registry import ModelRegistry
     from jobs.repository import JobRepository
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -239,7 +239,7 @@ class Settings(BaseModel):
                                     health_check_interval=30)
 
     def model_registry(self) -> ModelRegistry:
-        from jobs.models import ModelRegistry
+        from jobs.model_registry import ModelRegistry
 
         return ModelRegistry.parse(self.models)
 

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.object_store.factory import split_uri
 from jobs.response_format import ResponseFormat
-from jobs.sampling import SamplingParams
+from jobs.sampling import JobSampling
 from jobs.template import PromptTemplate
 from jobs.webhooks import check_webhook_url
 
@@ -70,7 +70,7 @@ class JobSpec(BaseModel):
                                                    "braces)", json_schema_extra={"pattern": TEMPLATE_PATTERN})
     instructions: str | None = Field(None, description="shared text placed first in every prompt")
 
-    sampling: SamplingParams = Field(default_factory=SamplingParams)
+    sampling: JobSampling = Field(default_factory=JobSampling)
     sampling_column: str | None = Field(None, description="per-row sampling overrides (an object)")
     response_format: ResponseFormat | None = None
     response_format_column: str | None = Field(None, description="per-row response_format (an object)")

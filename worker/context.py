@@ -9,7 +9,7 @@ import threading
 from dataclasses import dataclass
 from functools import cached_property
 
-from jobs.models import ModelRegistry
+from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings, process_settings

@@ -26,7 +26,7 @@ from engine.chat import ChatTemplateError, chat_token_ids
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 from jobs.formats.rows import Row, RowError, RowErrorCode
 from jobs.response_format import engine_response_format
-from jobs.sampling import SamplingParams as JobSampling
+from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
 from worker.engine_host import EngineRequest, Submission
 

@@ -14,7 +14,7 @@ from typing import Any
 from jobs.formats.detect import resolve_spec
 from jobs.layout import JobLayout, output_location
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
-from jobs.models import UnknownModel
+from jobs.model_registry import UnknownModel
 from jobs.names import dispatched_key, step_lease_key
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri

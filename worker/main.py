@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from jobs.models import ModelRegistry
+from jobs.model_registry import ModelRegistry
 from jobs.names import CONTROL_QUEUE
 from jobs.settings import configure_process
 from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine import EngineConfig, LLMEngine
-from jobs.models import ModelRegistry
+from jobs.model_registry import ModelRegistry
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
 from worker.model_files import local_model_dir

@@ -141,7 +141,7 @@ def deliver(context: WorkerContext, job_id: str) -> dict[str, Any]:
     return {"job_id": job_id, "status": "delivered", "http_status": code}
 
 
-def retry_delay_s(context: WorkerContext, retries: int) -> float:
+def webhook_retry_delay_s(context: WorkerContext, retries: int) -> float:
     base = context.settings.webhook_retry_base_s or DEFAULT_RETRY_BASE_S
     return min(MAX_RETRY_DELAY_S, base * 2 ** retries)
 
@@ -166,7 +166,7 @@ def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
             raise
         if self.request.retries + 1 >= attempts:
             return _give_up(context, job_id, f"{attempts} attempts; last: {error}")
-        delay = retry_delay_s(context, self.request.retries)
+        delay = webhook_retry_delay_s(context, self.request.retries)
         logger.warning("job %s: webhook attempt %d failed (%s); retrying in %.1fs", job_id,
                        self.request.retries + 1, error, delay)
         raise self.retry(exc=error, countdown=delay, max_retries=None) from error

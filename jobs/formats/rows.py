@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
-from jobs.sampling import SamplingParams
+from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
 from jobs.template import MissingColumn
 
@@ -48,7 +48,7 @@ class Row:
     row_id: str
     prompt: str | None
     messages: list[dict[str, Any]] | None
-    sampling: SamplingParams
+    sampling: JobSampling
     response_format: dict[str, Any] | None
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
@@ -102,7 +102,7 @@ def parse_sampling_overrides(value: Any, where: str) -> dict[str, Any]:
     # Parquet structs carry every field, null where unset: null means "not overridden".
     overrides = {key: item for key, item in value.items() if item is not None}
     try:
-        SamplingParams.model_validate(overrides)
+        JobSampling.model_validate(overrides)
     except ValidationError as error:
         raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"{where}: {first_error_message(error)}") from None
     return overrides

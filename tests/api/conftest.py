@@ -12,8 +12,8 @@ import pytest
 import redis
 
 from api.app import create_app
+from api.cli.server import ServerThread
 from api.client import Client
-from api.server import ServerThread
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from api.app import create_app
+from api.cli.server import ServerThread
 from api.client import Client
-from api.server import ServerThread
 from jobs.names import QUEUE_PREFIX
 from jobs.repository import JobRepository
 from jobs.settings import Settings

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from api.bench_faults import bench_cli, count_rows
+from benchmarks.faults import bench_cli, count_rows
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 import pytest
 
-from api.cli_jobs import (
+from api.cli.jobs import (
     EXIT_CANCELLED,
     EXIT_ERROR,
     EXIT_FAILED,

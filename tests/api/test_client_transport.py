@@ -218,7 +218,7 @@ class Blocked:
             raise ImportError("not installed: " + name)
 sys.meta_path.insert(0, Blocked())
 from api.client import AsyncClient, Client
-import api.cli_jobs
+import api.cli.jobs
 from api.cli import main
 assert main(["wait", "--help"]) == 0
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.bench import bench_cli
+from benchmarks.engine import bench_cli
 
 
 @pytest.mark.timeout(300)

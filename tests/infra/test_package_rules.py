@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,15 @@ import pytest
 
 from tests.fixtures.services import REPO_ROOT
 
+# What each package may not import (benchmarks/ may import all: it measures every layer).
 FORBIDDEN_IMPORTS = {
-    "engine": {"jobs", "worker", "api"},
-    "api": {"engine", "torch", "transformers"},
-    "jobs": {"engine", "worker", "api", "torch"},
+    "engine": {"jobs", "worker", "api", "benchmarks"},
+    "jobs": {"engine", "worker", "api", "benchmarks", "torch"},
+    "worker": {"api", "benchmarks"},
+    "api": {"engine", "worker", "benchmarks", "torch", "transformers"},
 }
+# Module names other packages must not spell in code (by string: importlib, `python -m`, a task).
+NAMED_BY_STRING = re.compile(r"\b(worker|engine|benchmarks)\.[a-z_]+")
 
 
 def imported_top_level_names(path: Path) -> set[str]:
@@ -28,6 +33,17 @@ def imported_top_level_names(path: Path) -> set[str]:
     return names
 
 
+def strings_in_code(path: Path) -> list[str]:
+    """Every string constant of the module but its docstrings (prose may name modules)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr)
+                  and isinstance(node.body[0].value, ast.Constant)}
+    return [node.value for node in ast.walk(tree) if isinstance(node, ast.Constant)
+            and isinstance(node.value, str) and id(node) not in docstrings]
+
+
 @pytest.mark.parametrize("package", sorted(FORBIDDEN_IMPORTS))
 def test_package_does_not_import_what_it_must_not(package: str) -> None:
     violations = [
@@ -36,6 +52,25 @@ def test_package_does_not_import_what_it_must_not(package: str) -> None:
         for name in imported_top_level_names(path) & FORBIDDEN_IMPORTS[package]
     ]
     assert violations == []
+
+
+def test_only_the_cli_names_worker_or_engine_modules_and_only_by_string() -> None:
+    """api/cli/ starts commands and processes by "module:function" and `-m module` strings; the rest
+    of api/ (the HTTP service and the SDK) never names the worker's or the engine's modules."""
+    outside_cli = [path for path in sorted((REPO_ROOT / "api").rglob("*.py"))
+                   if (REPO_ROOT / "api" / "cli") not in path.parents]
+    violations = [f"{path.relative_to(REPO_ROOT)}: {text!r}" for path in outside_cli
+                  for text in strings_in_code(path) if NAMED_BY_STRING.search(text)]
+    assert violations == []
+    named = [text for path in (REPO_ROOT / "api" / "cli").rglob("*.py") for text in strings_in_code(path)
+             if NAMED_BY_STRING.search(text)]
+    assert any(text.startswith("worker.main:") for text in named)  # the rule has something to hold
+
+
+def test_benchmarks_live_in_their_own_package() -> None:
+    for package in ("engine", "jobs", "worker", "api"):
+        stray = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / package).rglob("bench*.py"))
+        assert stray == [], f"benchmarks belong in benchmarks/: {stray}"
 
 
 def test_cli_help_starts_without_loading_torch_or_the_engine() -> None:

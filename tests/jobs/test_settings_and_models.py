@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jobs.models import ModelRegistry, UnknownModel
+from jobs.model_registry import ModelRegistry, UnknownModel
 from jobs.object_store import LocalObjectStore, S3ObjectStore
 from jobs.settings import DEFAULT_BROKER_URL, ENVIRONMENT_NAMES, ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args

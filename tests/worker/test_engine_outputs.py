@@ -5,7 +5,7 @@ from __future__ import annotations
 from engine import CompletionOutput, ErrorKind, PositionLogprobs, RequestOutput, TokenLogprob
 from jobs.formats.output import TokenLogprob as JobTokenLogprob
 from jobs.formats.rows import Row
-from jobs.sampling import SamplingParams as JobSampling
+from jobs.sampling import JobSampling
 from worker.engine_rows import output_row
 
 ROW = Row(3, "r3", None, [{"role": "user", "content": "hi"}], JobSampling(), {"type": "json_object"})

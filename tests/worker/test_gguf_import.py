@@ -17,10 +17,10 @@ from gguf import GGMLQuantizationType, GGUFWriter
 
 from tests.fixtures.checkpoints import REAL_MODEL
 from worker.gguf_import import PROVENANCE_FILE, GgufImportError, import_gguf, inspect_gguf
-from worker.local_run import RunError, resolve_model
 from worker.model_cache import file_sha256, model_cache_dir
 from worker.model_catalog import CATALOG, WHEELS_FOLDER, fetch_catalog_model
 from worker.model_files import ModelUnavailable, local_model_dir
+from worker.run_file import RunError, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM = CATALOG[REAL_MODEL]
@@ -108,7 +108,7 @@ def test_a_gguf_path_as_the_model_is_imported_once_keyed_by_its_hash(real_gguf: 
 
 
 def _empty_registry():
-    from jobs.models import ModelRegistry
+    from jobs.model_registry import ModelRegistry
 
     return ModelRegistry()
 

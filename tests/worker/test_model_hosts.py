@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine import SamplingParams
-from jobs.models import ModelRegistry, UnknownModel
+from jobs.model_registry import ModelRegistry, UnknownModel
 from jobs.settings import Settings
 from worker.engine_host import EngineRequest, EngineUnavailable
 from worker.model_files import ModelUnavailable

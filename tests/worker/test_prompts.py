@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 
 from engine import ErrorKind, SamplingParams
 from jobs.formats.rows import Row, RowErrorCode
-from jobs.sampling import SamplingParams as JobSampling
+from jobs.sampling import JobSampling
 from worker.engine_rows import ROW_CODES, PromptRenderer, RowRejected, engine_error_code, engine_sampling
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from api.stack import free_port, redis_server_binary
+from api.cli.stack import free_port, redis_server_binary
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import S3Server, celery_worker, wait_until

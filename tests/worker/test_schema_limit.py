@@ -7,7 +7,7 @@ from __future__ import annotations
 import redis
 
 from jobs.formats.rows import Row, RowError, RowErrorCode
-from jobs.sampling import SamplingParams
+from jobs.sampling import JobSampling
 from worker.schema_limit import limit_schemas
 
 
@@ -22,7 +22,7 @@ def schema(field: str, *, reordered: bool = False, swapped: bool = False) -> dic
 
 
 def rows(*formats: dict | None) -> list[Row | RowError]:
-    return [Row(i, f"r{i}", f"prompt {i}", None, SamplingParams(), fmt) for i, fmt in enumerate(formats)]
+    return [Row(i, f"r{i}", f"prompt {i}", None, JobSampling(), fmt) for i, fmt in enumerate(formats)]
 
 
 def codes(items: list[Row | RowError]) -> list[str | None]:

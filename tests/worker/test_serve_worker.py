@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from jobs.models import ModelRegistry, UnknownModel
+from jobs.model_registry import ModelRegistry, UnknownModel
 from tests.fixtures.services import REPO_ROOT, RedisServer, ServiceDied, wait_until
 from worker.main import parse_args, serve_worker, worker_argv
 
@@ -54,7 +54,7 @@ def test_serve_worker_runs_a_worker_on_the_model_queues(redis_server: RedisServe
     env = {**os.environ, "BULKINFER_BROKER_URL": redis_server.url, "PYTHONPATH": str(REPO_ROOT),
            "BULKINFER_MODELS": json.dumps({"tiny": str(tiny_checkpoint)}), "HF_HUB_OFFLINE": "1",
            "BULKINFER_STORE_URI": str(tmp_path / "store")}
-    code = "import sys; from worker.commands import serve_worker; sys.exit(serve_worker(sys.argv[1:]))"
+    code = "import sys; from worker.main import serve_worker; sys.exit(serve_worker(sys.argv[1:]))"
     process = subprocess.Popen([sys.executable, "-c", code, "--no-preload", "-n", node], cwd=REPO_ROOT,
                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     control = Celery(broker=redis_server.url)

@@ -11,8 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from api.cli.stack import Stack, StackError, StackOptions, parse_model_spec
 from api.client import Client
-from api.stack import Stack, StackError, StackOptions, parse_model_spec
 from jobs.demo_data import (
     INSTRUCTION,
     ORDERS,
@@ -159,7 +159,7 @@ def demo(argv: list[str]) -> int:
         offline = ["--rows", str(args.rows), "--max-tokens", str(args.max_tokens)]
         offline += ["--dtype", args.dtype] if args.dtype else []
         offline += ["--preset", args.preset] if args.preset else ["--model", args.models[0]]
-        return Command("worker.commands:demo", "the engine-only demo", "worker").load()(offline)
+        return Command("worker.offline_demo:demo_cli", "the engine-only demo", "worker").load()(offline)
 
     demo_home = args.home / "demo"
     for leftover in ("redis", "store", "logs"):  # each demo starts from an empty Redis and store

@@ -1,8 +1,9 @@
 """The `bulkinfer` command line.
 
-Client commands run here. Commands that need the engine live in `worker.commands` and are imported
-by name only when invoked, so `bulkinfer --help` and the client commands start fast and work on an
-install without torch (`pip install bulkinfer[client]`).
+Each command is a "module:function" named by string and imported only when invoked, so
+`bulkinfer --help` and the client commands start fast and work on an install without torch
+(`pip install bulkinfer[client]`). This package alone names the worker's and the engine's modules,
+and only so, by string: the rest of `api/` never does.
 """
 
 from __future__ import annotations
@@ -25,41 +26,42 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "up": Command("api.commands:up", "Run Redis, the API and a worker here (data in ./.bulkinfer) "
+    "up": Command("api.cli.stack_commands:up", "Run Redis, the API and a worker here (data in ./.bulkinfer) "
                   "until Ctrl-C", "server"),
-    "demo": Command("api.commands:demo", "Run a real job through the embedded stack and print results "
-                    "(--offline: the engine alone)", "worker"),
-    "make-checkpoint": Command("worker.commands:make_checkpoint",
+    "demo": Command("api.cli.stack_commands:demo", "Run a real job through the embedded stack and print "
+                    "results (--offline: the engine alone)", "worker"),
+    "make-checkpoint": Command("engine.checkpoints:make_checkpoint_cli",
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),
-    "models": Command("worker.commands:models", "Real models: `models import FILE.gguf DIR`, "
+    "models": Command("worker.model_commands:models_cli", "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
-    "bench": Command("worker.commands:bench", "Benchmarks: `bench engine` | `bench service` | `bench faults`",
+    "bench": Command("benchmarks.cli:main", "Benchmarks: `bench engine` | `bench service` | `bench faults`",
                      "worker"),
-    # The stack and the client live in api/; its engine side runs as `python -m worker.bench_engine_only`.
-    "bench service": Command("api.bench_service:bench_cli", "The engine benchmark's shared-prefix workload "
+    # Benchmarks (benchmarks/); bench service runs its engine side as `python -m benchmarks.engine_only`.
+    "bench service": Command("benchmarks.service:bench_cli", "The engine benchmark's shared-prefix workload "
                              "as a job through the whole stack, against the engine alone", "worker"),
-    "bench faults": Command("api.bench_faults:bench_cli", "Jobs on several workers while workers are "
+    "bench faults": Command("benchmarks.faults:bench_cli", "Jobs on several workers while workers are "
                             "killed and Redis loses its data: rows lost and duplicated", "worker"),
-    "serve api": Command("api.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)", "server"),
-    "serve worker": Command("worker.commands:serve_worker",
+    "serve api": Command("api.cli.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)",
+                         "server"),
+    "serve worker": Command("worker.main:serve_worker",
                             "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),
-    "serve all": Command("api.serve:serve_all", "Serve the API and run a worker against the configured "
+    "serve all": Command("api.cli.serve:serve_all", "Serve the API and run a worker against the configured "
                          "Redis and store (see docs/configuration.md)", "worker"),
-    "run": Command("worker.commands:run", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
+    "run": Command("worker.run_cli:run_cli", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
                    "here, no servers; resumable", "worker"),
-    # Job commands over the SDK (api/cli_jobs.py; exit codes documented there and in docs/sdk_and_cli.md).
-    "submit": Command("api.cli_jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
+    # Job commands over the SDK (api/cli/jobs.py; exit codes documented there and in docs/sdk_and_cli.md).
+    "submit": Command("api.cli.jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
                       "(--wait: exit code = outcome)", "client"),
-    "status": Command("api.cli_jobs:status", "A job's state, rows, tokens and outputs", "client"),
-    "list": Command("api.cli_jobs:list_jobs", "Jobs, newest first", "client"),
-    "cancel": Command("api.cli_jobs:cancel", "Cancel a job that has not finished", "client"),
-    "results": Command("api.cli_jobs:results", "A succeeded job's rows: JSON lines, or a file with -o",
+    "status": Command("api.cli.jobs:status", "A job's state, rows, tokens and outputs", "client"),
+    "list": Command("api.cli.jobs:list_jobs", "Jobs, newest first", "client"),
+    "cancel": Command("api.cli.jobs:cancel", "Cancel a job that has not finished", "client"),
+    "results": Command("api.cli.jobs:results", "A succeeded job's rows: JSON lines, or a file with -o",
                        "client"),
-    "wait": Command("api.cli_jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
+    "wait": Command("api.cli.jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
                     "4 timed out", "client"),
-    "schedule": Command("api.cli_schedules:main", "Scheduled ETL: schedule create|list|get|pause|resume|"
-                        "delete|tick|jobs (api/cli_schedules.py)", "client"),
+    "schedule": Command("api.cli.schedules:main", "Scheduled ETL: schedule create|list|get|pause|resume|"
+                        "delete|tick|jobs (api/cli/schedules.py)", "client"),
 }
 
 
@@ -90,7 +92,3 @@ def main(argv: list[str] | None = None) -> int:
               f"install it with: pip install 'bulkinfer[{command.needs}]'", file=sys.stderr)
         return 2
     return handler(rest)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

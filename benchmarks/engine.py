@@ -12,7 +12,7 @@ and why); the baseline runs in fp32, as a user without a bf16 kernel story would
 static batches of 32 with left padding.
 
 With ``--structured``: JSON-schema-constrained against unconstrained generation on one workload
-instead (engine/bench_structured.py; defaults 32 requests of 64 prompt tokens, 96 output tokens).
+instead (benchmarks/structured.py; defaults 32 requests of 64 prompt tokens, 96 output tokens).
 """
 
 from __future__ import annotations
@@ -208,7 +208,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     if bad or not dtypes:
         parser.error(f"--dtype: {bad[0] if bad else '(empty)'!r} is not one of {', '.join(DTYPE_CHOICES)}")
     if args.structured:
-        from engine.bench_structured import run_structured_bench
+        from benchmarks.structured import run_structured_bench
 
         run_structured_bench(
             preset=args.preset, arch=args.arch, requests=args.requests or 32, prompt_len=args.prompt_len,

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from api.auth import Caller, CallerDep
 from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
-from api.errors import ApiError
+from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
 from api.storage_rules import check_allowed
 from api.submission import check_webhook, locate, parse_object
@@ -65,19 +65,19 @@ def _check_input(context: ApiContext, spec: ScheduleSpec) -> None:
             store_bucket, _, prefix = job_store.partition("/")
             folders = [f"{prefix.strip('/')}/{name}/".lstrip("/") for name in ("jobs", "schedules")]
             if bucket == store_bucket and any(_overlaps(key, folder) for folder in folders):
-                raise ApiError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's "
+                raise HttpError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's "
                                     f"{', '.join(folders)}; put inputs elsewhere")
         try:
             next(iter(store.list(key)), None)
         except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
-            raise ApiError(400, f"input_prefix {spec.input_prefix}: cannot list it ({error})") from None
+            raise HttpError(400, f"input_prefix {spec.input_prefix}: cannot list it ({error})") from None
         return
     locate(context, "/" + key if key else "/", "input_prefix")  # inside the local store, else 400
     root = settings.local_store_root()
     path = "/" + key
     for name in ("jobs", "schedules"):
         if _overlaps(path, f"{Path(root, name).as_posix()}/"):
-            raise ApiError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's {name}/ "
+            raise HttpError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's {name}/ "
                                 "folder; put inputs elsewhere")
 
 
@@ -157,7 +157,7 @@ def tick_now(schedule_id: str, context: Context, caller: CallerDep) -> TickRepor
     schedules = _repository(context)
     schedule = _owned(context, caller, schedule_id)
     if schedule.paused:
-        raise ApiError(409, f"schedule {schedule_id} is paused; resume it first")
+        raise HttpError(409, f"schedule {schedule_id} is paused; resume it first")
     result = tick_schedule(schedules, context.repository, schedule,
                            lambda job_id: enqueue_plan(context.tasks, job_id),
                            endpoint_url=context.settings.s3_endpoint_url)

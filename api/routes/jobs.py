@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.auth import Caller, CallerDep
 from api.dependencies import ApiContext, Context
-from api.errors import ApiError
+from api.errors import HttpError
 from api.results import finished_manifest, job_results, stream_rows
 from api.schemas import ERROR_RESPONSES, JobPage, JobResults
 from api.submission import parse_spec, submit_spec
@@ -55,12 +55,12 @@ async def _read_json_body(request: Request) -> object:
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_JSON_BODY_BYTES:
-            raise ApiError(413, f"a JSON job spec must be under {MAX_JSON_BODY_BYTES} bytes; upload rows as "
+            raise HttpError(413, f"a JSON job spec must be under {MAX_JSON_BODY_BYTES} bytes; upload rows as "
                                 "a file (multipart) or reference them by input_uri")
     try:
         return json.loads(body)
     except ValueError as error:
-        raise ApiError(422, f"the body is not JSON: {error}") from None
+        raise HttpError(422, f"the body is not JSON: {error}") from None
 
 
 @router.post("/jobs", status_code=201, response_model=JobStatus, summary="Submit a job",
@@ -76,7 +76,7 @@ async def create_job(request: Request, context: Context, caller: CallerDep) -> J
     if content_type in ("application/json", ""):
         spec = parse_spec(await _read_json_body(request)).model_copy(update={"tenant": caller.tenant})
         return await run_in_threadpool(submit_spec, context, spec)
-    raise ApiError(415, f"unsupported content type {content_type!r}: send the spec as application/json, "
+    raise HttpError(415, f"unsupported content type {content_type!r}: send the spec as application/json, "
                         f"or multipart/form-data with {SPEC_FIELD!r} and {FILE_FIELD!r}")
 
 
@@ -114,7 +114,7 @@ def cancel_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
     _owned(context, caller, job_id)
     status = context.repository.request_cancel(job_id)
     if status.state != JobState.CANCELLED:
-        raise ApiError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
+        raise HttpError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
     # The job may sit behind other work (or on a model no worker serves): its webhook goes now.
     if claim_delivery(context.repository, job_id):
         context.tasks.send(DELIVER_WEBHOOK, [job_id], CONTROL_QUEUE)

@@ -26,7 +26,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from api.stack import (
+from api.cli.stack import (
     SOURCE_ROOT,
     StackError,
     ensure_checkpoint,

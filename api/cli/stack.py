@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from api.app import create_app
-from api.server import ServerThread
+from api.cli.server import ServerThread
 from jobs.names import CONTROL_QUEUE, model_queue
 from jobs.settings import Settings
 

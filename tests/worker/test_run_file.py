@@ -19,8 +19,8 @@ import pytest
 from jobs.formats.output import OutputRow
 from jobs.spec import JobSpec
 from tests.fixtures.services import REPO_ROOT, ServiceDied, wait_until
-from worker.local_output import AlreadyComplete, OutputConflict, open_output, work_dir_for
-from worker.local_run_cli import run_cli
+from worker.run_cli import run_cli
+from worker.run_output import AlreadyComplete, OutputConflict, open_output, work_dir_for
 
 pytestmark = pytest.mark.timeout(300)
 

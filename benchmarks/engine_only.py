@@ -1,7 +1,7 @@
-"""The engine side of `bulkinfer bench service` (run by it as `python -m worker.bench_engine_only`).
+"""The engine side of `bulkinfer bench service` (run by it as `python -m benchmarks.engine_only`).
 
 `rows`: writes the engine benchmark's shared-prefix workload as a JSONL job input, one
-`{"id", "prompt"}` per request. `engine.bench.make_workload` picks the token ids, but only among
+`{"id", "prompt"}` per request. `benchmarks.engine.make_workload` picks the token ids, but only among
 " word" tokens that encode back to themselves, so the text a user would upload gives exactly those
 ids again (checked here) and the shared instructions stay one cacheable prefix.
 
@@ -41,7 +41,7 @@ def write_rows(model_dir: str, path: Path, *, requests: int, shared_len: int, ta
     """Write the rows; returns their token counts (prompt ids as the engine will encode the text)."""
     from transformers import AutoTokenizer
 
-    from engine.bench import make_workload
+    from benchmarks.engine import make_workload
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     words = word_token_ids(tokenizer)
@@ -65,7 +65,7 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
     import torch
 
     from engine import LLM
-    from jobs.sampling import SamplingParams as JobSampling
+    from jobs.sampling import JobSampling
     from worker.engine_rows import engine_sampling
     from worker.model_hosts import engine_options as with_worker_defaults
 
@@ -93,7 +93,7 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m worker.bench_engine_only", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_only", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["rows", "run"])
     parser.add_argument("--model-dir", required=True)

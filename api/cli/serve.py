@@ -85,8 +85,8 @@ def worker_command(args: argparse.Namespace) -> list[str]:
 
 def serve_all(argv: list[str]) -> int:
     from api.app import create_app
-    from api.server import ServerThread
-    from api.stack import stop_process
+    from api.cli.server import ServerThread
+    from api.cli.stack import stop_process
 
     args = serve_all_parser().parse_args(argv)
     settings = _settings(args, "serve all")

@@ -4,7 +4,7 @@ The job machinery does the work: a `JobSpec` holds the options, the job readers 
 (local or `s3://`), `worker.engine_rows` turns rows into engine requests, one `EngineHost` runs them
 and the job writers write OUT. Rows go in batches, two in the engine at a time (so it never
 drains between batches); each finished batch is made durable before the next is written
-(`worker.local_output`), so a rerun after a kill skips the rows already written and repeats none.
+(`worker.run_output`), so a rerun after a kill skips the rows already written and repeats none.
 """
 
 from __future__ import annotations
@@ -19,17 +19,17 @@ from pathlib import Path
 from jobs.formats.detect import resolve_spec
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
-from jobs.models import ModelRegistry
+from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.object_store.factory import store_for_uri
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
 from worker.engine_rows import EngineRun, job_response_format_problem
-from worker.local_output import ResumableOutput, open_output
-from worker.local_progress import RunProgress
 from worker.model_files import ModelUnavailable, local_model_dir
 from worker.model_hosts import HostedModel, ModelHosts
+from worker.run_output import ResumableOutput, open_output
+from worker.run_progress import RunProgress
 
 DEFAULT_BATCH_ROWS = 64
 IN_FLIGHT_BATCHES = 2  # one batch's rows wait in the engine while the previous one finishes
@@ -166,7 +166,7 @@ def _job_id(spec: JobSpec) -> str:
     return f"local-{spec.spec_hash()[:24]}"
 
 
-def resolved_spec(spec: JobSpec, output_path: Path, output_format: InputFormat | None,
+def resolved_run_spec(spec: JobSpec, output_path: Path, output_format: InputFormat | None,
                   settings: Settings) -> JobSpec:
     """The spec with the input format detected and the output format chosen: `output_format`, else
     what OUT's name says (`.parquet`; `.jsonl` is OpenAI batch for OpenAI batch input), else the

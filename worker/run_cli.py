@@ -1,4 +1,4 @@
-"""The command line of `bulkinfer run` (see `worker.local_run`): flags → a `JobSpec` and settings."""
+"""The command line of `bulkinfer run` (see `worker.run_file`): flags → a `JobSpec` and settings."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Union, get_args, get_origin
 from pydantic import ValidationError
 
 from jobs.errors import InputError
-from jobs.sampling import SamplingParams as JobSampling
+from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, validation_messages
@@ -96,7 +96,7 @@ def spec_from_args(args: argparse.Namespace, model_name: str) -> JobSpec:
     sampling = {name: getattr(args, f"sampling_{name}") for name in JobSampling.model_fields
                 if getattr(args, f"sampling_{name}") is not None}
     data["sampling"] = {**data.get("sampling", {}), **sampling}
-    data.pop("output_format", None)  # chosen after the input format is known (see resolved_spec)
+    data.pop("output_format", None)  # chosen after the input format is known (see resolved_run_spec)
     return JobSpec.model_validate(data)
 
 
@@ -119,15 +119,15 @@ def run_cli(argv: list[str] | None = None) -> int:
         return 2
     # Imported here: the engine (torch) loads only once the command line is known to be good.
     from worker.engine_host import EngineUnavailable
-    from worker.local_output import AlreadyComplete, OutputConflict
-    from worker.local_run import RunError, print_summary, resolve_model, resolved_spec, run_file
     from worker.model_files import ModelUnavailable
+    from worker.run_file import RunError, print_summary, resolve_model, resolved_run_spec, run_file
+    from worker.run_output import AlreadyComplete, OutputConflict
 
     try:
         location = resolve_model(model, settings.model_registry(), settings.model_cache_dir)
         name = model if model in settings.model_registry() else Path(location).name
         output_format = InputFormat(args.output_format) if args.output_format else None
-        spec = resolved_spec(spec_from_args(args, name), args.output, output_format, settings)
+        spec = resolved_run_spec(spec_from_args(args, name), args.output, output_format, settings)
     except ValidationError as error:
         print(f"{prog}: the options do not make a valid job:\n  " + "\n  ".join(validation_messages(error)),
               file=sys.stderr)

@@ -1,0 +1,1 @@
+"""The HTTP routes: jobs, schedules, and the service's own (health, models)."""

@@ -1,0 +1,1 @@
+"""Benchmarks, run as `bulkinfer bench ...`: the only package that may import every other one."""
