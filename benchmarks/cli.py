@@ -1,19 +1,20 @@
-"""`bulkinfer bench engine|service|faults`: which benchmark a `bench` command line runs."""
+"""`bulkinfer bench engine|suite|service|faults`: which benchmark a `bench` command line runs."""
 
 from __future__ import annotations
 
 import importlib
 
-TARGETS = {"engine": "benchmarks.engine", "service": "benchmarks.service", "faults": "benchmarks.faults"}
+TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "service": "benchmarks.service",
+           "faults": "benchmarks.faults"}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in TARGETS:
         print(f"usage: bulkinfer bench {{{','.join(TARGETS)}}} [--help]")
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
-    if argv[0] == "engine":  # --model may name a catalog model or a .gguf file: resolved like the worker's
-        from benchmarks.engine import bench_cli
+    module = importlib.import_module(TARGETS[argv[0]])
+    if argv[0] in {"engine", "suite"}:  # --model may name a catalog model or a .gguf file, as the worker's
         from worker.model_files import local_model_dir
 
-        return bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))
-    return importlib.import_module(TARGETS[argv[0]]).bench_cli(argv[1:])
+        return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))
+    return module.bench_cli(argv[1:])

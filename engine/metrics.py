@@ -6,6 +6,7 @@ All times are ``time.monotonic()`` seconds, as on ``Request``.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ class RequestMetrics:
     mean_inter_token_latency: float | None  # mean gap between consecutive output tokens
     time_per_output_token: float | None  # (last token - first token) / (n - 1)
     e2e_latency: float | None  # finished - arrival
+    # When each output token came (the request's own list, not a copy): every inter-token gap.
+    token_times: Sequence[float] = ()
 
     @staticmethod
     def from_request(request: Request) -> RequestMetrics:
@@ -41,6 +44,7 @@ class RequestMetrics:
             e2e_latency=(
                 request.finished_time - request.arrival_time if request.finished_time is not None else None
             ),
+            token_times=times,
         )
 
     @staticmethod
@@ -63,11 +67,13 @@ class RequestMetrics:
             time_to_first_token=first_token - first.arrival_time if first_token is not None else None,
             mean_inter_token_latency=first.mean_inter_token_latency,
             time_per_output_token=first.time_per_output_token,
+            token_times=first.token_times,
             e2e_latency=finished - first.arrival_time if finished is not None else None,
         )
 
     def as_dict(self) -> dict[str, float | None]:
-        return asdict(self)
+        """The figures (the token times left out)."""
+        return {key: value for key, value in asdict(self).items() if key != "token_times"}
 
 
 class EngineCounters:
