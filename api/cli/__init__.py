@@ -36,7 +36,7 @@ COMMANDS: dict[str, Command] = {
     "models": Command("worker.model_commands:models_cli", "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
     "bench": Command("benchmarks.cli:main",
-                     "Benchmarks: `bench engine` | `bench suite` | `bench service` | `bench faults`",
+                     "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults`",
                      "worker"),
     # Benchmarks (benchmarks/); bench service runs its engine side as `python -m benchmarks.engine_only`.
     "bench service": Command("benchmarks.service:bench_cli", "The engine benchmark's shared-prefix workload "

@@ -1,0 +1,110 @@
+"""`bulkinfer bench step`: where one decode step's time goes, at a given batch.
+
+Fills the engine with `--rows` requests under a few shared instructions (the shape of a batch job),
+runs their prefill, then times `--steps` pure decode steps twice: plainly (the figure that counts),
+then under cProfile, whose per-function times are summed into what a step does: the matrix
+multiplications (oneDNN / BLAS linear layers and the LM head), attention (the native decode and
+prefix kernels, SDPA), the fused layer ops (norms, rotary, SiLU, K/V stores), sampling, scheduling
+and batch preparation, and the rest (Python between the ops, the model's own glue). cProfile adds
+its own cost per Python call, so the shares are of the profiled step, printed beside the plain one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+from collections.abc import Callable
+
+import torch
+
+from engine.checkpoints import cached_checkpoint
+
+# Function names -> the part of a step they are. Leaves count their own time; the scheduling entries
+# are whole calls (their cumulative time), and none of them calls a leaf listed here.
+CATEGORIES = {
+    "matmul": ("_linear_pointwise", "linear", "addmm", "mm", "matmul", "bmm"),
+    "attention": ("decode_attention", "prefix_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                  "scaled_dot_product_attention", "index_select"),
+    "layer ops": ("add_rms_norm", "rope_", "silu_and_mul", "store_kv"),
+    "sampling": ("sample", "argmax_rows", "amax", "argmax", "_invalid_rows"),
+    "scheduling": ("schedule", "update_from_output", "prepare_batch"),
+}
+WHOLE_CALLS = {"scheduling"}
+
+
+def function_name(label: str) -> str:
+    """cProfile's label of a function, reduced to its name ("<built-in method torch._ops.x.y>" -> y)."""
+    if label.startswith("<built-in method "):
+        return label.removeprefix("<built-in method ").rstrip(">").split(" ")[0].rsplit(".", 1)[-1]
+    if label.startswith("<method '"):
+        return label.split("'")[1]
+    return label
+
+
+def categorize(stats: pstats.Stats, total_s: float) -> dict[str, float]:
+    """Seconds per part of the step; "other" is what none of them covers."""
+    seconds = dict.fromkeys(CATEGORIES, 0.0)
+    for (_, _, label), (_, _, own, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        name = function_name(label)
+        for category, names in CATEGORIES.items():
+            if name in names:
+                seconds[category] += cumulative if category in WHOLE_CALLS else own
+                break
+    seconds["other (Python, glue)"] = max(0.0, total_s - sum(seconds.values()))
+    return seconds
+
+
+def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bulkinfer bench step", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="a model folder (from the CLI also a catalog name or a .gguf file)")
+    parser.add_argument("--preset", default="small", choices=["tiny", "small"])
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--rows", type=int, default=128, help="requests decoding together")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    args = parser.parse_args(argv)
+    from benchmarks.suite import make_workloads
+    from engine import LLM, SamplingParams
+
+    if args.model:
+        model_dir = resolve_model(args.model) if resolve_model else args.model
+    else:
+        model_dir = str(cached_checkpoint(preset=args.preset, arch="llama", seed=0))
+    llm = LLM(model=model_dir, dtype=args.dtype, max_num_seqs=max(256, args.rows))
+    tokenizer = llm.engine.tokenizer
+    [workload] = make_workloads(["shared-4x400"], len(tokenizer), set(tokenizer.all_special_ids),
+                                scale=args.rows / 256)
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
+    for index, prompt in enumerate(workload.prompts):
+        engine.add_request(f"r{index}", prompt, params)
+    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+        engine.step()
+    started = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    plain_ms = (time.perf_counter() - started) / args.steps * 1e3
+    profiler = cProfile.Profile()
+    started = time.perf_counter()
+    profiler.enable()
+    for _ in range(args.steps):
+        engine.step()
+    profiler.disable()
+    profiled_s = time.perf_counter() - started
+    parts = categorize(pstats.Stats(profiler), profiled_s)
+    rows = len(engine.scheduler.running)
+    print(f"model: {model_dir}; dtype {llm.dtype_choice.dtype}; {rows} rows decoding; "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"decode step: {plain_ms:.1f} ms plain, {profiled_s / args.steps * 1e3:.1f} ms under cProfile")
+    print("| part of the step | ms / step (profiled) | share |")
+    print("| --- | ---: | ---: |")
+    for name, seconds in parts.items():
+        print(f"| {name} | {seconds / args.steps * 1e3:.1f} | {seconds / profiled_s:.0%} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_cli())

@@ -1,0 +1,26 @@
+"""`bulkinfer bench step`: a decode step's time split into the parts of a step, summing to the whole."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from benchmarks.step_profile import CATEGORIES, bench_cli, function_name
+
+
+def test_cprofile_labels_reduce_to_the_function_names_the_categories_list() -> None:
+    assert function_name("<built-in method torch._ops.mkldnn._linear_pointwise>") == "_linear_pointwise"
+    assert function_name("<method 'index_select' of 'torch._C.TensorBase' objects>") == "index_select"
+    assert function_name("decode_attention") == "decode_attention"
+    assert "_linear_pointwise" in CATEGORIES["matmul"] and "decode_attention" in CATEGORIES["attention"]
+
+
+def test_a_step_profile_names_every_part_and_the_shares_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--rows", "16", "--steps", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "16 rows decoding" in printed and re.search(r"decode step: [\d.]+ ms plain", printed)
+    shares = dict(re.findall(r"^\| ([a-z][^|]*?) \| [\d.]+ \| (\d+)% \|$", printed, re.M))
+    assert set(shares) == {*CATEGORIES, "other (Python, glue)"}
+    assert int(shares["matmul"]) > 0 and int(shares["attention"]) > 0
+    assert 97 <= sum(map(int, shares.values())) <= 103  # rounded shares of one whole
