@@ -37,6 +37,7 @@ from jobs.repository import JobRepository
 from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
+from jobs.status import JobState
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
 from worker.engine_rows import run_rows
@@ -89,6 +90,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                        send_finalize: Callable[[str], None]) -> dict[str, Any]:
     repository = context.repository
     job = repository.get(job_id)
+    if job.state == JobState.CANCELLED:  # cancelled between the first check and the lease: as that check
+        return {"status": "cancelled"}
     if job.state.is_terminal:
         return {"status": f"skipped: job is {job.state.value}"}
     layout = repository.layout(job_id)
