@@ -111,13 +111,13 @@ def settle_staged(store: ObjectStore, directory: str, results: list[ShardResult]
     then died before publishing, and Redis, lost, was rebuilt from the results, so nothing re-ran
     it), and delete what runs that lost their commit staged. One listing of `directory`'s staging
     folder; returns (published, deleted)."""
-    prefix = staging_prefix(directory)
+    prefix, folder = staging_prefix(directory), directory.rstrip("/")
     fences = {key: result.fence for result in results
               for key in (result.output.key, result.errors.key) if result.fence is not None}
     published = deleted = 0
     for info in list(store.list(prefix)):
         fence, _, name = info.key[len(prefix):].partition("/")
-        key = f"{prefix[: -len(STAGING_DIR) - 1]}{name}"
+        key = f"{folder}/{name}" if folder else name
         if fences.get(key) == fence:
             store.copy(info.key, key)
             published += 1

@@ -18,15 +18,11 @@ if TYPE_CHECKING:
 MARKER_TTL_S = 30 * 24 * 3600
 
 
-def marker_key(namespace: str, job_id: str) -> str:
-    return webhook_claim_key(namespace, job_id)
-
-
 def claim_delivery(repository: JobRepository, job_id: str) -> bool:
     """True once per job: when it has ended, has a `webhook_url`, and nobody claimed it before."""
     if not repository.get(job_id).state.is_terminal:
         return False
     if not repository.get_spec(job_id).webhook_url:
         return False
-    return bool(repository.redis.set(marker_key(repository.namespace, job_id), "queued", nx=True,
+    return bool(repository.redis.set(webhook_claim_key(repository.namespace, job_id), "queued", nx=True,
                                      ex=MARKER_TTL_S))

@@ -22,8 +22,8 @@ import httpx
 from celery import Task
 
 from jobs import webhooks
-from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
-from jobs.webhook_claims import MARKER_TTL_S, claim_delivery, marker_key
+from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK, webhook_claim_key
+from jobs.webhook_claims import MARKER_TTL_S, claim_delivery
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
 from worker.transient import is_transient
@@ -47,7 +47,7 @@ class RejectedDelivery(Exception):
 def delivery_state(context: WorkerContext, job_id: str) -> str | None:
     """`queued`, `delivered`, `failed: …`, or None when no delivery was started."""
     repository = context.repository
-    value = repository.redis.get(marker_key(repository.namespace, job_id))
+    value = repository.redis.get(webhook_claim_key(repository.namespace, job_id))
     return value.decode() if isinstance(value, bytes) else value
 
 
@@ -136,7 +136,7 @@ def deliver(context: WorkerContext, job_id: str) -> dict[str, Any]:
     if problem is not None:  # the rules may have tightened since the job was submitted
         raise RejectedDelivery(problem)
     code = post(url, body, headers, allow_private=bool(settings.webhook_allow_private))
-    repository.redis.set(marker_key(repository.namespace, job_id), "delivered", ex=MARKER_TTL_S)
+    repository.redis.set(webhook_claim_key(repository.namespace, job_id), "delivered", ex=MARKER_TTL_S)
     logger.info("job %s: webhook delivered to %s (HTTP %d)", job_id, webhooks.redacted(url), code)
     return {"job_id": job_id, "status": "delivered", "http_status": code}
 
@@ -148,7 +148,8 @@ def webhook_retry_delay_s(context: WorkerContext, retries: int) -> float:
 
 def _give_up(context: WorkerContext, job_id: str, reason: str) -> dict[str, Any]:
     repository = context.repository
-    repository.redis.set(marker_key(repository.namespace, job_id), f"failed: {reason}", ex=MARKER_TTL_S)
+    key = webhook_claim_key(repository.namespace, job_id)
+    repository.redis.set(key, f"failed: {reason}", ex=MARKER_TTL_S)
     logger.warning("job %s: webhook not delivered: %s", job_id, reason)
     return {"job_id": job_id, "status": "failed", "error": reason}
 

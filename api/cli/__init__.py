@@ -38,11 +38,6 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("benchmarks.cli:main",
                      "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults`",
                      "worker"),
-    # Benchmarks (benchmarks/); bench service runs its engine side as `python -m benchmarks.engine_only`.
-    "bench service": Command("benchmarks.service:bench_cli", "The engine benchmark's shared-prefix workload "
-                             "as a job through the whole stack, against the engine alone", "worker"),
-    "bench faults": Command("benchmarks.faults:bench_cli", "Jobs on several workers while workers are "
-                            "killed and Redis loses its data: rows lost and duplicated", "worker"),
     "serve api": Command("api.cli.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)",
                          "server"),
     "serve worker": Command("worker.main:serve_worker",

@@ -22,18 +22,12 @@
 
 #define QCHUNK 8
 
-/* Scores of one work item, per query: a buffer per thread, grown as contexts grow (never freed:
- * the threads are OpenMP's, kept for the life of the process). */
-static __thread float* score_buffer = NULL;
+/* Scores of one work item, per query: a buffer per thread, grown as contexts grow. */
+static __thread void* score_buffer = NULL;
 static __thread int64_t score_capacity = 0;
 
 static float* scores_for(int64_t floats) {
-    if (floats > score_capacity) {
-        free(score_buffer);
-        score_capacity = floats * 2;
-        score_buffer = (float*)aligned_alloc(64, (size_t)score_capacity * sizeof(float));
-    }
-    return score_buffer;
+    return (float*)thread_scratch(&score_buffer, &score_capacity, floats * (int64_t)sizeof(float));
 }
 
 /* One work item: request r, kv head h, queries [q0, q0 + nq) of that head. NV = head_dim / VL.

@@ -28,6 +28,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "simd.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define HAVE_AMX 1
@@ -70,18 +71,12 @@ static void configure_tiles(void) {
     _tile_loadconfig(&config);
 }
 
-/* Per-thread scores/probabilities/output of one work item, grown as prefixes grow (never freed:
- * the threads are OpenMP's, kept for the life of the process). */
-static __thread char* item_buffer = NULL;
+/* Per-thread scores/probabilities/output of one work item, grown as prefixes grow. */
+static __thread void* item_buffer = NULL;
 static __thread int64_t item_capacity = 0;
 
 static char* item_scratch(int64_t bytes) {
-    if (bytes > item_capacity) {
-        free(item_buffer);
-        item_capacity = bytes * 2;
-        item_buffer = (char*)aligned_alloc(64, (size_t)item_capacity);
-    }
-    return item_buffer;
+    return (char*)thread_scratch(&item_buffer, &item_capacity, bytes);
 }
 
 /* K of 16 keys (rows of D bf16 = D / 2 pairs) as the B operand of the scores product, one 16 x 16

@@ -5,6 +5,7 @@
 #define BULKINFER_SIMD_H
 
 #include <math.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -154,6 +155,18 @@ static inline vf round_bf16(vf v) {
 }
 #endif
 static inline void store_f32(float* p, vf v) { memcpy(p, &v, sizeof v); }
+
+/* A per-thread scratch buffer of at least `bytes`, 64-byte aligned, grown (doubling) as inputs grow
+ * and never freed: the kernels' threads are OpenMP's, kept for the life of the process. `buffer`
+ * and `capacity` are the caller's own __thread variables. */
+static inline void* thread_scratch(void** buffer, int64_t* capacity, int64_t bytes) {
+    if (bytes > *capacity) {
+        free(*buffer);
+        *capacity = bytes * 2;
+        *buffer = aligned_alloc(64, (size_t)*capacity);
+    }
+    return *buffer;
+}
 static inline float bf16_to_f32(uint16_t x) {
     uint32_t bits = (uint32_t)x << 16;
     float value;
