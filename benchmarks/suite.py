@@ -82,6 +82,9 @@ class SuiteResult:
     achieved_gflops: float
     peak_gflops: float
     mfu: float
+    cached_tokens: int = 0
+    load_s: float = 0.0  # engine construction: weights, KV cache sizing, kernels (cold start)
+    resolved_dtype: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -173,7 +176,9 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
                  engine_kwargs: dict[str, Any]) -> SuiteResult:
     from engine import LLM, SamplingParams
 
+    started = time.perf_counter()
     llm = LLM(model=model_dir, dtype=dtype, **engine_kwargs)
+    load_s = time.perf_counter() - started
     warm = [p[-8:] for p in workload.prompts[:2]]
     llm.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True))
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in workload.max_tokens]
@@ -202,6 +207,7 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
         prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / workload.prompt_tokens,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         achieved_gflops=achieved, peak_gflops=peak, mfu=achieved / peak if peak else 0.0,
+        cached_tokens=sum(o.num_cached_tokens for o in outputs), load_s=load_s, resolved_dtype=chosen,
         extra={"preemptions": llm.get_metrics()["num_preemptions"]},
     )
 
@@ -232,6 +238,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
+    parser.add_argument("--with-vllm", type=Path, metavar="VENV",
+                        help="also run vLLM from this virtualenv on the same workloads (README: Benchmarks)")
     args = parser.parse_args(argv)
     if args.model:
         model_dir = resolve_model(args.model) if resolve_model else args.model
@@ -252,11 +260,27 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         parser.error(str(error))
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                      "device": args.device}
-    results = [run_workload(model_dir, workload, dtype.strip(), engine_kwargs)
-               for workload in workloads for dtype in args.dtype.split(",") if dtype.strip()]
+    results: list[SuiteResult] = []
+    pairs: list[tuple[SuiteResult, Any]] = []
+    for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
+        ours = [run_workload(model_dir, workload, dtype, engine_kwargs) for workload in workloads]
+        results += ours
+        if args.with_vllm:
+            from benchmarks.vllm_compare import run_vllm
+
+            theirs = run_vllm(args.with_vllm, model_dir, ours[0].resolved_dtype, workloads,
+                              log_dir=Path(".bulkinfer") / "bench")
+            pairs += list(zip(ours, theirs, strict=True))
     print_table(results)
+    if pairs:
+        from benchmarks.vllm_compare import print_comparison
+
+        print_comparison(pairs)
     if args.json:
-        args.json.write_text(json.dumps([asdict(result) for result in results], indent=1))
+        figures: dict[str, Any] = {"bulkinfer": [asdict(result) for result in results]}
+        if pairs:
+            figures["vllm"] = [asdict(theirs) for _, theirs in pairs]
+        args.json.write_text(json.dumps(figures, indent=1))
         print(f"figures: {args.json}")
     return 0
 

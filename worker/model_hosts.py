@@ -18,7 +18,9 @@ from engine import EngineConfig, LLMEngine
 from jobs.model_registry import ModelRegistry
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
+from worker.model_cache import model_cache_dir
 from worker.model_files import local_model_dir
+from worker.tuning import machine_signature, tuned_engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ class ModelHosts:
 
         directory = local_model_dir(self.registry.location(name), self.cache_dir,
                                     endpoint_url=self.s3_endpoint_url)
-        config = EngineConfig(model=str(directory), **engine_options(self.engine_options))
+        config = self.engine_config(directory)
         # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
         # the engine's start-up dtype probe (engine/dtype_choice.py) timed beside it read 4-5x
         # low and once chose fp32 on an AMX CPU.
@@ -86,6 +88,14 @@ class ModelHosts:
         host = EngineHost(lambda: LLMEngine(config), name=name).start()
         logger.info("loading model %s from %s", name, directory)
         return HostedModel(name, directory, host, renderer)
+
+    def engine_config(self, directory: Path) -> EngineConfig:
+        """The model's engine settings: the explicit `engine_options` over `bulkinfer tune`'s for this
+        model on this machine (worker/tuning.py) over the engine's defaults."""
+        explicit = engine_options(self.engine_options)
+        signature = machine_signature(str(explicit.get("device", "cpu")), str(explicit.get("dtype", "auto")))
+        tuned = tuned_engine_options(self.cache_dir or model_cache_dir(), directory, signature)
+        return EngineConfig(model=str(directory), **{**tuned, **explicit})
 
     def preload(self, names: Iterable[str]) -> threading.Thread:
         """Load these models in a background thread (at worker start), logging failures."""

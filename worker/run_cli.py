@@ -49,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--model", help="a registered model name (BULKINFER_MODELS), a checkpoint folder, "
                         "a .gguf file (imported once) or a catalog name (smollm2-135m-instruct, fetched "
                         "once)")
+    add_job_arguments(parser)
+    parser.add_argument("--format", dest="output_format", choices=FORMATS,
+                        help="output format (default: from OUT's name, else the input's)")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows written per batch (default 64)")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT instead of resuming it")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
+    add_settings_arguments(parser, RUN_SETTINGS)
+    return parser
+
+
+def add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags that say how an input file's rows become prompts and sampling (`spec_from_args`)."""
     parser.add_argument("--spec", help="a JobSpec as JSON (or @path of a JSON file), without input_uri; "
                         "the flags below override its fields")
     mapping = parser.add_argument_group("rows → prompts (one of; none for OpenAI batch input)")
@@ -61,16 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--passthrough", action="append", dest="passthrough_columns", metavar="COLUMN",
                         help="copy this input column to the output (repeatable)")
     parser.add_argument("--input-format", choices=FORMATS, help="default: detected from the file")
-    parser.add_argument("--format", dest="output_format", choices=FORMATS,
-                        help="output format (default: from OUT's name, else the input's)")
-    parser.add_argument("--batch-size", type=int, default=64, help="rows written per batch (default 64)")
-    parser.add_argument("--overwrite", action="store_true", help="replace OUT instead of resuming it")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar on the terminal")
     sampling = parser.add_argument_group("sampling (the job's defaults; rows may override them)")
     for name, field in JobSampling.model_fields.items():
         _sampling_flag(sampling, name, field.annotation, field.description)
-    add_settings_arguments(parser, RUN_SETTINGS)
-    return parser
 
 
 def _spec_data(text: str | None) -> dict[str, Any]:

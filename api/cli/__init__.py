@@ -35,6 +35,8 @@ COMMANDS: dict[str, Command] = {
                                "worker"),
     "models": Command("worker.model_commands:models_cli", "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
+    "tune": Command("worker.tune_cli:tune_cli", "Measure engine settings for a model on this machine and "
+                    "write the fastest for its workers", "worker"),
     "bench": Command("benchmarks.cli:main",
                      "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults`",
                      "worker"),

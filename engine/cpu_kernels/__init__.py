@@ -34,9 +34,10 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 6
+ABI_VERSION = 7
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
+LAYER_OP_DTYPES = (torch.bfloat16, torch.float32)  # layer_ops.c
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
 _DECODE_ARGUMENTS = [_POINTER, _POINTER, _POINTER, _POINTER, _INT, _POINTER, _POINTER, _INT, _INT, _INT, _INT,
@@ -51,10 +52,15 @@ class CpuKernels:
         self.vector_lanes = int(library.kernel_vector_lanes())  # 16 with AVX-512, else 8
         self._decode = {torch.float32: _declare(library.decode_attention_f32, _DECODE_ARGUMENTS),
                         torch.bfloat16: _declare(library.decode_attention_bf16, _DECODE_ARGUMENTS)}
-        self._add_rms_norm = _declare(library.add_rms_norm_bf16,
-                                      [_POINTER] * 4 + [_INT, _INT, ctypes.c_float])
-        self._rope = _declare(library.rope_bf16, [_POINTER] * 3 + [_INT] * 4)
-        self._silu_and_mul = _declare(library.silu_and_mul_bf16, [_POINTER] * 2 + [_INT] * 2)
+        suffixes = {torch.bfloat16: "bf16", torch.float32: "f32"}
+        self._add_rms_norm = {dtype: _declare(getattr(library, f"add_rms_norm_{suffix}"),
+                                              [_POINTER] * 4 + [_INT, _INT, ctypes.c_float])
+                              for dtype, suffix in suffixes.items()}
+        self._rope = {dtype: _declare(getattr(library, f"rope_{suffix}"), [_POINTER] * 3 + [_INT] * 4)
+                      for dtype, suffix in suffixes.items()}
+        self._silu_and_mul = {dtype: _declare(getattr(library, f"silu_and_mul_{suffix}"),
+                                              [_POINTER] * 2 + [_INT] * 2)
+                              for dtype, suffix in suffixes.items()}
         self._store_kv = _declare(library.store_kv, [_POINTER] * 5 + [_INT] * 4)
         # AMX shared-prefix attention: built only for CPUs with AMX, usable once Linux grants it.
         self._prefix = None
@@ -169,46 +175,47 @@ class CpuKernels:
                        rows.data_ptr(), tokens, heads, key.stride(0) * size, dim * size,
                        torch.get_num_threads())
 
-    # ---- bf16 layer ops (engine/cpu_kernels/layer_ops.c) -----------------------------------------
+    # ---- bf16 and fp32 layer ops (engine/cpu_kernels/layer_ops.c) ----------------------------------
 
     @staticmethod
     def layer_ops_apply(tensor: torch.Tensor) -> bool:
-        return tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu"
+        return tensor.dtype in LAYER_OP_DTYPES and tensor.device.type == "cpu"
 
     def add_rms_norm(
         self, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with ``residual``: ``residual += x`` in place, then ``(norm(residual),
-        residual)``. x, residual: [rows, hidden] bf16; weight [hidden] bf16."""
+        residual)``. x, residual: [rows, hidden]; weight [hidden]; all bf16 or all fp32."""
         hidden = x.shape[-1]
-        _require(x.dtype == weight.dtype == torch.bfloat16 and weight.shape == (hidden,)
+        _require(x.dtype == weight.dtype and x.dtype in LAYER_OP_DTYPES and weight.shape == (hidden,)
                  and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                            and residual.is_contiguous())), "add_rms_norm")
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
-        self._add_rms_norm(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+        self._add_rms_norm[x.dtype](x.data_ptr(), residual.data_ptr() if residual is not None else None,
                            weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
                            torch.get_num_threads())
         return out if residual is None else (out, residual)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotary embedding of ``x [T, heads, dim]`` in place (rows may be strided, heads and dims
-        not); cos/sin: [T, 1, dim / 2] bf16."""
+        not); cos/sin: [T, 1, dim / 2], x's dtype (bf16 or fp32)."""
         tokens, heads, dim = x.shape
         cos, sin = cos.reshape(tokens, dim // 2).contiguous(), sin.reshape(tokens, dim // 2).contiguous()
-        _require(x.dtype == cos.dtype == sin.dtype == torch.bfloat16 and x.stride(2) == 1
+        _require(x.dtype == cos.dtype == sin.dtype and x.dtype in LAYER_OP_DTYPES and x.stride(2) == 1
                  and x.stride(1) == dim, "rope_")
-        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, x.stride(0), dim,
+        self._rope[x.dtype](x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, x.stride(0), dim,
                    torch.get_num_threads())
         return x
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` of ``gate_up [rows, 2 * width]`` (gate first), bf16."""
+        """``silu(gate) * up`` of ``gate_up [rows, 2 * width]`` (gate first), bf16 or fp32."""
         rows, width = gate_up.shape[0], gate_up.shape[1] // 2
-        _require(gate_up.dtype == torch.bfloat16 and gate_up.dim() == 2, "silu_and_mul")
+        _require(gate_up.dtype in LAYER_OP_DTYPES and gate_up.dim() == 2, "silu_and_mul")
         gate_up = gate_up.contiguous()
         out = torch.empty(rows, width, dtype=gate_up.dtype)
-        self._silu_and_mul(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+        self._silu_and_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width,
+                                          torch.get_num_threads())
         return out
 
 

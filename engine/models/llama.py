@@ -158,7 +158,7 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``; with the residual stream: ``residual += x`` (in x's dtype, in place), then
-        ``(norm(residual), residual)`` — one pass on CPU in bf16 (engine/cpu_kernels)."""
+        ``(norm(residual), residual)`` — one pass on CPU in bf16 and fp32 (engine/cpu_kernels)."""
         if self.kernels is not None and self.kernels.layer_ops_apply(x):
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
@@ -198,7 +198,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                kernels: CpuKernels | None = None) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, per half and without the concatenations:
     the same products and sums (so the same fp32 results) in about half the memory traffic. With
-    ``kernels`` (bf16 on CPU): in place, in one pass."""
+    ``kernels`` (bf16 or fp32 on CPU): in place, in one pass."""
     heads_packed = x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]
     if kernels is not None and kernels.layer_ops_apply(x) and heads_packed:
         return kernels.rope_(x, cos, sin)
@@ -371,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        """Run norms, rotary and the MLP activation through the native bf16 kernels (on CPU in bf16;
+        """Run norms, rotary and the MLP activation through the native kernels (on CPU in bf16 and fp32;
         other dtypes and devices keep PyTorch); None: PyTorch everywhere."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):

@@ -53,11 +53,12 @@ def test_the_suite_prints_a_table_and_writes_figures_that_add_up(tmp_path: Path,
                       "--scale", "0.05", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| shared-4x400 | float32 | 13 |" in printed and "| long-output | float32 | 2 |" in printed
-    shared, long_output = json.loads(out.read_text())
+    shared, long_output = json.loads(out.read_text())["bulkinfer"]
     assert shared["output_tokens"] == 13 * 64 and long_output["output_tokens"] == 2 * 512
     assert shared["prefix_hit_rate"] > 0.5  # 13 rows over 4 instructions: 9 reuse one
     for result in (shared, long_output):
         assert result["output_tps"] == pytest.approx(result["output_tokens"] / result["wall_s"])
         assert 0 < result["mfu"] < 1 and result["peak_gflops"] > 0 and result["peak_rss_mib"] > 0
+        assert result["load_s"] > 0 and result["resolved_dtype"] == "float32"
         for name in ("ttft_s", "itl_s", "tpot_s"):
             assert 0 <= result[name]["p50"] <= result[name]["p99"]

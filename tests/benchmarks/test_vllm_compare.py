@@ -1,0 +1,99 @@
+"""`bench suite --with-vllm VENV`: the vLLM child process's protocol, its settings and the ratio table.
+
+vLLM itself is a 3 GB install kept out of CI; these tests stand a tiny `vllm` package in for it
+inside a throwaway "virtualenv" whose python is this interpreter, so the real side script, the real
+subprocess call and the real parsing run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.suite import SuiteWorkload, bench_cli
+from benchmarks.vllm_compare import VllmRunError, run_vllm, vllm_environment
+
+FAKE_VLLM = '''
+import json, os
+from types import SimpleNamespace
+__version__ = "0.0-test"
+
+class SamplingParams:
+    def __init__(self, max_tokens, temperature=1.0, min_tokens=0, ignore_eos=False):
+        self.max_tokens = max_tokens
+
+class LLM:
+    def __init__(self, model, dtype, enable_prefix_caching, seed):
+        assert enable_prefix_caching
+        with open(os.environ["FAKE_VLLM_SEEN"], "a") as seen:
+            seen.write(json.dumps({"model": model, "dtype": dtype,
+                                   "space": os.environ.get("VLLM_CPU_KVCACHE_SPACE")}) + "\\n")
+    def reset_prefix_cache(self):
+        pass
+    def generate(self, prompts, params, use_tqdm=True):
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * p.max_tokens)],
+                                num_cached_tokens=len(prompt["prompt_token_ids"]) // 2)
+                for prompt, p in zip(prompts, params)]
+'''
+
+
+def fake_venv(tmp_path: Path, fail: bool = False) -> Path:
+    site = tmp_path / "site"
+    (site / "vllm").mkdir(parents=True)
+    (site / "vllm" / "__init__.py").write_text("raise ImportError('broken vllm')" if fail else FAKE_VLLM)
+    (site / "vllm" / "inputs.py").write_text("def TokensPrompt(prompt_token_ids):\n"
+                                             "    return {'prompt_token_ids': prompt_token_ids}\n")
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} \"$@\"\n")
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    return tmp_path / "venv"
+
+
+def test_run_vllm_returns_figures_per_workload_and_sets_the_cpu_settings(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FAKE_VLLM_SEEN", str(tmp_path / "seen.jsonl"))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    workloads = [SuiteWorkload("a", [[1, 2, 3, 4]] * 3, [5, 6, 7]), SuiteWorkload("b", [[9] * 10], [2])]
+    figures = run_vllm(fake_venv(tmp_path), "/models/m", "bfloat16", workloads, log_dir=tmp_path / "logs")
+    assert [(f.workload, f.dtype, f.output_tokens, f.cached_tokens) for f in figures] == [
+        ("a", "bfloat16", 18, 6), ("b", "bfloat16", 2, 5)]
+    assert all(f.wall_s > 0 and f.load_s >= 0 and f.output_tps > 0 for f in figures)
+    [seen] = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert seen == {"model": "/models/m", "dtype": "bfloat16", "space": "4"}
+
+
+def test_caller_settings_win_over_the_defaults() -> None:
+    env = vllm_environment({"VLLM_CPU_KVCACHE_SPACE": "16", "PATH": os.environ["PATH"]})
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "16" and env["VLLM_CPU_OMP_THREADS_BIND"].startswith("0-")
+
+
+def test_a_failing_vllm_names_its_log(tmp_path: Path) -> None:
+    with pytest.raises(VllmRunError, match="vllm-float32.log") as caught:
+        run_vllm(fake_venv(tmp_path, fail=True), "/m", "float32", [SuiteWorkload("a", [[1]], [1])],
+                 log_dir=tmp_path / "logs")
+    assert "broken vllm" in (tmp_path / "logs" / "vllm-float32.log").read_text()
+    assert "exited with 1" in str(caught.value)
+    with pytest.raises(FileNotFoundError, match="no .*bin/python"):
+        run_vllm(tmp_path / "nowhere", "/m", "float32", [], log_dir=tmp_path / "logs")
+
+
+def test_the_suite_prints_bulkinfer_over_vllm_per_workload(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("FAKE_VLLM_SEEN", str(tmp_path / "seen.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "suite.json"
+    assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--workloads", "shared-4x400",
+                      "--scale", "0.02", "--with-vllm", str(fake_venv(tmp_path)), "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    figures = json.loads(out.read_text())
+    [ours], [theirs] = figures["bulkinfer"], figures["vllm"]
+    ratio = ours["output_tps"] / (theirs["output_tokens"] / theirs["wall_s"])
+    assert f"| shared-4x400 | float32 | {ours['wall_s']:.2f} | {theirs['wall_s']:.2f} |" in printed
+    assert f"{ratio:.2f}×" in printed and "engine start (float32): bulkinfer" in printed
