@@ -380,6 +380,12 @@ class TorchPagedAttention(AttentionBackend):
             if key is not None and value is not None and metadata.prefill_seq_lens[i] == length:
                 # A chunk with no earlier context: its K/V are exactly the new rows, no gather needed.
                 keys, values = key[start : start + length], value[start : start + length]
+            elif (key is not None and value is not None and sliding_window is None
+                  and query.device.type == "cpu"):
+                rows = slice(start, start + length)
+                out[rows] = self._prefill_after_context(query[rows], key[rows], value[rows], k_cache, v_cache,
+                                                        metadata, i)
+                continue
             else:
                 keys, values = self._context(k_cache, v_cache, metadata, i)
             out[start : start + length] = self._prefill(
@@ -622,6 +628,27 @@ class TorchPagedAttention(AttentionBackend):
         keys = k_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         values = v_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values
+
+    @staticmethod
+    def _prefill_after_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                               k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata,
+                               index: int) -> torch.Tensor:
+        """A chunk after cached context (chunked prefill, a prefix-cache hit): its queries over the
+        context, all visible, and over its own new K/V, causal, merged exactly by log-sum-exp. Two
+        mask-free calls: the CPU flash kernel skips the causal triangle's empty blocks, where one call
+        with an offset mask would compute (and mask) the whole rectangle, twice the work."""
+        length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
+        context_len, block_size = seq_len - length, metadata.block_size
+        blocks = metadata.prefill_block_tables[index][: -(-context_len // block_size)]
+        keys, values = TorchPagedAttention._gather_blocks(k_cache, v_cache, blocks)
+        queries = query.transpose(0, 1)[None]
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        context_out, context_lse = flash(queries, keys[:, :, :context_len], values[:, :, :context_len],
+                                         0.0, False)[:2]
+        own_out, own_lse = flash(queries, key.transpose(0, 1)[None], value.transpose(0, 1)[None],
+                                 0.0, True)[:2]
+        merged = merge_partials(own_out, own_lse, context_out, context_lse, query.dtype)
+        return merged[0].transpose(0, 1)
 
     @staticmethod
     def _prefill(
