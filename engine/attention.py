@@ -373,10 +373,15 @@ class TorchPagedAttention(AttentionBackend):
             for group in self.prefill_groups(metadata):
                 out[group.token_rows] = self._prefill_group(query, k_cache, v_cache, metadata, group)
                 grouped.update(group.chunks)
+        causal_kernel = sliding_window is None and self._uses_prefix_kernel(query.dtype, k_cache)
         for i in range(metadata.num_prefills):
             if i in grouped:
                 continue
             start, length = metadata.prefill_query_starts[i], metadata.prefill_query_lens[i]
+            if causal_kernel:
+                rows = slice(start, start + length)
+                out[rows] = self._prefill_on_amx(query[rows], k_cache, v_cache, metadata, i)
+                continue
             if key is not None and value is not None and metadata.prefill_seq_lens[i] == length:
                 # A chunk with no earlier context: its K/V are exactly the new rows, no gather needed.
                 keys, values = key[start : start + length], value[start : start + length]
@@ -628,6 +633,27 @@ class TorchPagedAttention(AttentionBackend):
         keys = k_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         values = v_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values
+
+    def _uses_prefix_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
+        return (self.kernels is not None and k_cache.device.type == "cpu"
+                and self.kernels.supports_prefix_attention(dtype, k_cache.shape[-1], k_cache.shape[-2]))
+
+    def _prefill_on_amx(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        metadata: AttentionMetadata, index: int) -> torch.Tensor:
+        """A prefill chunk, causal over its context and itself, in one call of the AMX kernel straight
+        from the cache (its K/V are written before attention runs): each token is a row whose
+        per-kv-head queries see the first ``context + position + 1`` keys."""
+        assert self.kernels is not None
+        length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads = k_cache.shape[-3]
+        blocks = metadata.prefill_block_tables[index][: -(-seq_len // metadata.block_size)]
+        rows_q = query.reshape(length, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
+        out = torch.empty_like(rows_q)
+        lse = torch.empty(rows_q.shape[:-1])
+        self.kernels.prefix_attention(rows_q, k_cache, v_cache, torch.arange(length), blocks[None], out, lse,
+                                      causal_base=seq_len - length)
+        return out.view(length, num_heads, head_dim)
 
     @staticmethod
     def _prefill_after_context(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

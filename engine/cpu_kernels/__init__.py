@@ -34,7 +34,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 7
+ABI_VERSION = 8
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 LAYER_OP_DTYPES = (torch.bfloat16, torch.float32)  # layer_ops.c
@@ -66,7 +66,7 @@ class CpuKernels:
         self._prefix = None
         if hasattr(library, "prefix_attention_bf16") and library.prefix_attention_available() == 1:
             self._prefix = _declare(library.prefix_attention_bf16,
-                                    [_POINTER] * 5 + [_INT] * 7 + [ctypes.c_float] + [_POINTER] * 3)
+                                    [_POINTER] * 5 + [_INT] * 8 + [ctypes.c_float] + [_POINTER] * 3)
         self._packed = torch.empty(0, dtype=torch.bfloat16)  # prefix K/V in tile layout, reused
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -131,11 +131,14 @@ class CpuKernels:
         block_ids: torch.Tensor,
         out: torch.Tensor,
         lse: torch.Tensor,
+        causal_base: int = -1,
     ) -> None:
         """Attention of ``query [R, kv_heads, Q, dim]`` rows ``rows`` (``groups * n``, group after
         group) over their group's shared blocks ``block_ids [groups, k]`` of the cache ``[blocks,
         kv_heads, block_size, dim]``: writes the output into ``out`` (like ``query``) and the
-        log-sum-exp of the scaled scores into ``lse [R, kv_heads, Q]`` (fp32) at those rows."""
+        log-sum-exp of the scaled scores into ``lse [R, kv_heads, Q]`` (fp32) at those rows.
+        ``causal_base >= 0``: causal prefill, the i-th row of a group sees only the first
+        ``causal_base + i + 1`` keys of its blocks."""
         num_rows, kv_heads, queries, head_dim = query.shape
         block_size = k_cache.shape[-2]
         groups, shared = block_ids.shape
@@ -154,8 +157,8 @@ class CpuKernels:
         assert self._prefix is not None
         self._prefix(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                      block_ids.data_ptr(), groups, rows.numel() // groups, shared, kv_heads, queries,
-                     head_dim, block_size, head_dim ** -0.5, self._packed.data_ptr(), out.data_ptr(),
-                     lse.data_ptr(), torch.get_num_threads())
+                     head_dim, block_size, causal_base, head_dim ** -0.5, self._packed.data_ptr(),
+                     out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rows: torch.Tensor) -> None:

@@ -18,6 +18,10 @@
  * group after group); blocks [groups, k] (each group's shared blocks, all full: L = k * BS keys);
  * out [R, H, Q, D] and lse [R, H, Q] are written at those rows only. Needs D in {32, 64, 96, 128}
  * and BS a multiple of 16; `packed` holds groups * H * (L + L rounded up to 32) * D bf16.
+ * Causal prefill runs through the same kernel (`causal_base` >= 0): a prefill chunk's tokens are
+ * the rows of one group, its blocks (context and its own, already written) the keys, and query j
+ * sees the first causal_base + j / Q + 1 of them; an item stops at the keys its last query sees.
+ * SDPA's flash kernel does this at 0.25-0.5 TFLOP/s in bf16.
  * Built only where the compiler targets AMX (-march=native on such a CPU); elsewhere the library
  * says so through prefix_attention_available() and the engine keeps SDPA's kernel.
  */
@@ -46,9 +50,6 @@ int prefix_attention_available(void) {
 
 #ifdef HAVE_AMX
 #include <immintrin.h>
-#ifndef SKIPITEMS
-#define SKIPITEMS 1
-#endif
 
 typedef struct {
     uint8_t palette;
@@ -121,10 +122,134 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, whole);
 }
 
+/* One work item: 32 queries (m0..) of group g and kv head h over their visible keys. `causal_base`
+ * < 0: every query sees all L keys; else query j (of row j / Q of the group) sees the first
+ * causal_base + j / Q + 1 keys (a prefill chunk after causal_base tokens of context), and the item
+ * only computes the keys its last query sees (the causal triangle's empty tiles are skipped). */
+static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+                        int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
+                        const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
+    const int64_t M = n * Q;
+    const uint16_t* keys = packed + (g * H + h) * per_head;
+    const uint16_t* values = keys + L * D;
+    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
+    float* scores = (float*)scratch;                     /* [32, L32] */
+    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
+    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
+    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
+    int64_t at[32];                                      /* each query's (row, head, q) index */
+    int64_t limit[32];                                   /* each query's visible keys */
+    int64_t last = 0;
+    for (int64_t t = 0; t < 32; t++) {
+        const int64_t j = m0 + t;
+        at[t] = j < M ? (rows[g * n + j / Q] * H + h) * Q + j % Q : -1;
+        limit[t] = causal_base < 0 || j >= M ? L : (causal_base + j / Q + 1 < L ? causal_base + j / Q + 1 : L);
+        if (at[t] >= 0) {
+            memcpy(queries + t * D, q + at[t] * D, (size_t)D * 2);
+            if (limit[t] > last) last = limit[t];
+        } else {
+            memset(queries + t * D, 0, (size_t)D * 2);
+        }
+    }
+    const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
+    const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
+    __m512 best[32];  /* each query's running max, read while its scores are still in L1 */
+    for (int64_t t = 0; t < 32; t++) best[t] = _mm512_set1_ps(-INFINITY);
+    for (int64_t key = 0; key < span; key += 32) {  /* tiles: 0/1 keys +0/+16 of queries 0-15, 2/3 of 16-31 */
+        const int two = key + 16 < span;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t d = 0; d < D / 32; d++) {
+            _tile_loadd(4, queries + d * 32, q_row);
+            _tile_loadd(5, queries + 16 * D + d * 32, q_row);
+            _tile_loadd(6, keys + key * D + d * 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two) {
+                _tile_loadd(7, keys + (key + 16) * D + d * 512, 64);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, scores + key, s_row);
+        _tile_stored(2, scores + 16 * L32 + key, s_row);
+        if (two) {
+            _tile_stored(1, scores + key + 16, s_row);
+            _tile_stored(3, scores + 16 * L32 + key + 16, s_row);
+        }
+        const int64_t end = key + (two ? 32 : 16);
+        for (int64_t t = 0; t < 32; t++) {
+            /* keys past a query's limit: a large finite negative score (exp2 of -inf would be NaN) */
+            for (int64_t hidden = limit[t] > key ? limit[t] : key; hidden < end; hidden++)
+                scores[t * L32 + hidden] = -1e30f;
+            best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key));
+            if (two) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key + 16));
+        }
+    }
+    /* softmax per query: the max of the raw scores (scale > 0), then 2^((s - max) * scale *
+     * log2 e) in one FMA and a polynomial, rounded to bf16 for P x V; the sum stays fp32 */
+    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f);
+    float top[32], total[32];
+    for (int64_t t = 0; t < 32; t++) {
+        const float* s = scores + t * L32;
+        uint16_t* p = probs + t * L32;
+        if (at[t] < 0) {  /* padding: zero probabilities (its output is not written) */
+            memset(p, 0, (size_t)p_row);
+            continue;
+        }
+        top[t] = _mm512_reduce_max_ps(best[t]);
+        const __m512 shift = _mm512_set1_ps(-top[t] * scale * 1.44269504f);
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two add chains */
+        int64_t i = 0;
+        for (; i + 32 <= span; i += 32) {
+            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
+            const __m512 e1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), to_log2, shift));
+            even = _mm512_add_ps(even, e0);
+            odd = _mm512_add_ps(odd, e1);
+            _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        if (i < span) {
+            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
+            even = _mm512_add_ps(even, e0);
+            _mm256_storeu_si256((__m256i*)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));
+        }
+        const __m512 sum = _mm512_add_ps(even, odd);
+        if (span < span32) _mm256_storeu_si256((__m256i*)(p + span), _mm256_setzero_si256());
+        top[t] *= scale;
+        total[t] = _mm512_reduce_add_ps(sum);
+    }
+    for (int64_t e0 = 0; e0 < D; e0 += 32) {  /* tiles: 0/1 dims +0/+16 of queries 0-15, 2/3 of 16-31 */
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t c = 0; c < span32; c += 32) {
+            const uint16_t* vt = values + c * D + e0 * 32;  /* dim tile e0 / 16: 512 bf16 */
+            _tile_loadd(4, probs + c, p_row);
+            _tile_loadd(5, probs + 16 * L32 + c, p_row);
+            _tile_loadd(6, vt, 64);
+            _tile_loadd(7, vt + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, acc + e0, D * 4);
+        _tile_stored(1, acc + e0 + 16, D * 4);
+        _tile_stored(2, acc + 16 * D + e0, D * 4);
+        _tile_stored(3, acc + 16 * D + e0 + 16, D * 4);
+    }
+    for (int64_t t = 0; t < 32; t++) {
+        if (at[t] < 0) continue;
+        const __m512 inv = _mm512_set1_ps(1.0f / total[t]);
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + t * D + i), inv);
+            _mm256_storeu_si256((__m256i*)(out + at[t] * D + i), (__m256i)_mm512_cvtneps_pbh(o));
+        }
+        lse[at[t]] = top[t] + logf(total[t]);
+    }
+}
+
 void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* rows,
                            const int64_t* blocks, int64_t groups, int64_t n, int64_t k, int64_t H, int64_t Q,
-                           int64_t D, int64_t BS, float scale, uint16_t* packed, uint16_t* out, float* lse,
-                           int nt) {
+                           int64_t D, int64_t BS, int64_t causal_base, float scale, uint16_t* packed,
+                           uint16_t* out, float* lse, int nt) {
     const int64_t L = k * BS, L32 = (L + 31) / 32 * 32, M = n * Q, tiles_m = (M + 31) / 32;
     const int64_t per_head = (L + L32) * D;  /* packed K (L x D) then packed V (L32 x D) */
     #pragma omp parallel num_threads(nt)
@@ -150,112 +275,20 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
         }
         /* 2. 32 queries of one (group, head) per item: every product as 2 x 2 tiles (two query
          * tiles by two key or dim tiles), so each tile loaded serves two products and four
-         * independent accumulations keep the tile unit busy */
-        #pragma omp for schedule(static)
-        for (int64_t item = 0; item < groups * H * tiles_m; item++) {
-            const int64_t g = item / (H * tiles_m), h = item / tiles_m % H, m0 = item % tiles_m * 32;
-            const uint16_t* keys = packed + (g * H + h) * per_head;
-            const uint16_t* values = keys + L * D;
-            char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
-            float* scores = (float*)scratch;                     /* [32, L32] */
-            uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
-            uint16_t* queries = probs + 32 * L32;                /* [32, D] */
-            float* acc = (float*)(queries + 32 * D);             /* [32, D] */
-            int64_t at[32];                                      /* each query's (row, head, q) index */
-            for (int64_t t = 0; t < 32; t++) {
-                const int64_t j = m0 + t;
-                at[t] = j < M ? (rows[g * n + j / Q] * H + h) * Q + j % Q : -1;
-                if (at[t] >= 0) memcpy(queries + t * D, q + at[t] * D, (size_t)D * 2);
-                else memset(queries + t * D, 0, (size_t)D * 2);
-            }
-            const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
-            __m512 best[32];  /* each query's running max, read while its scores are still in L1 */
-            for (int64_t t = 0; t < 32; t++) best[t] = _mm512_set1_ps(-INFINITY);
-            for (int64_t key = 0; key < L; key += 32) {  /* tiles: 0/1 keys +0/+16 of queries 0-15, 2/3 of 16-31 */
-                const int two = key + 16 < L;
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t d = 0; d < D / 32; d++) {
-                    _tile_loadd(4, queries + d * 32, q_row);
-                    _tile_loadd(5, queries + 16 * D + d * 32, q_row);
-                    _tile_loadd(6, keys + key * D + d * 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, keys + (key + 16) * D + d * 512, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, scores + key, s_row);
-                _tile_stored(2, scores + 16 * L32 + key, s_row);
-                if (two) {
-                    _tile_stored(1, scores + key + 16, s_row);
-                    _tile_stored(3, scores + 16 * L32 + key + 16, s_row);
-                }
-                for (int64_t t = 0; t < 32; t++) {
-                    best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key));
-                    if (two) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key + 16));
-                }
-            }
-            /* softmax per query: the max of the raw scores (scale > 0), then 2^((s - max) * scale *
-             * log2 e) in one FMA and a polynomial, rounded to bf16 for P x V; the sum stays fp32 */
-            const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f);
-            float top[32], total[32];
-            for (int64_t t = 0; t < 32; t++) {
-                const float* s = scores + t * L32;
-                uint16_t* p = probs + t * L32;
-                if (at[t] < 0) {  /* padding: zero probabilities (its output is not written) */
-                    memset(p, 0, (size_t)p_row);
-                    continue;
-                }
-                top[t] = _mm512_reduce_max_ps(best[t]);
-                const __m512 shift = _mm512_set1_ps(-top[t] * scale * 1.44269504f);
-                __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two add chains */
-                int64_t i = 0;
-                for (; i + 32 <= L; i += 32) {
-                    const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
-                    const __m512 e1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), to_log2, shift));
-                    even = _mm512_add_ps(even, e0);
-                    odd = _mm512_add_ps(odd, e1);
-                    _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-                }
-                if (i < L) {
-                    const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
-                    even = _mm512_add_ps(even, e0);
-                    _mm256_storeu_si256((__m256i*)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));
-                }
-                const __m512 sum = _mm512_add_ps(even, odd);
-                if (L < L32) _mm256_storeu_si256((__m256i*)(p + L), _mm256_setzero_si256());
-                top[t] *= scale;
-                total[t] = _mm512_reduce_add_ps(sum);
-            }
-            for (int64_t e0 = 0; e0 < D; e0 += 32) {  /* tiles: 0/1 dims +0/+16 of queries 0-15, 2/3 of 16-31 */
-                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t c = 0; c < L32; c += 32) {
-                    const uint16_t* vt = values + c * D + e0 * 32;  /* dim tile e0 / 16: 512 bf16 */
-                    _tile_loadd(4, probs + c, p_row);
-                    _tile_loadd(5, probs + 16 * L32 + c, p_row);
-                    _tile_loadd(6, vt, 64);
-                    _tile_loadd(7, vt + 512, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    _tile_dpbf16ps(2, 5, 6);
-                    _tile_dpbf16ps(3, 5, 7);
-                }
-                _tile_stored(0, acc + e0, D * 4);
-                _tile_stored(1, acc + e0 + 16, D * 4);
-                _tile_stored(2, acc + 16 * D + e0, D * 4);
-                _tile_stored(3, acc + 16 * D + e0 + 16, D * 4);
-            }
-            for (int64_t t = 0; t < 32; t++) {
-                if (at[t] < 0) continue;
-                const __m512 inv = _mm512_set1_ps(1.0f / total[t]);
-                for (int64_t i = 0; i < D; i += 16) {
-                    const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + t * D + i), inv);
-                    _mm256_storeu_si256((__m256i*)(out + at[t] * D + i), (__m256i)_mm512_cvtneps_pbh(o));
-                }
-                lse[at[t]] = top[t] + logf(total[t]);
-            }
+         * independent accumulations keep the tile unit busy. Without a causal limit every item
+         * is the same work: split statically, in the packing's order. Causal items grow along a
+         * chunk: handed out one at a time, so no thread ends with the long ones. */
+        const int64_t items = groups * H * tiles_m;
+        if (causal_base < 0) {
+            #pragma omp for schedule(static)
+            for (int64_t item = 0; item < items; item++)
+                attend_item(q, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
+                            L, L32, causal_base, scale, packed, per_head, out, lse);
+        } else {
+            #pragma omp for schedule(dynamic, 1)
+            for (int64_t item = 0; item < items; item++)
+                attend_item(q, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
+                            L, L32, causal_base, scale, packed, per_head, out, lse);
         }
         _tile_release();
     }

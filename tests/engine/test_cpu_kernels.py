@@ -151,6 +151,33 @@ def test_prefix_attention_matches_the_fp32_formula(amx: CpuKernels, head_dim: in
     assert bool((out[untouched] == 0).all()) and bool(torch.isinf(lse[untouched]).all())
 
 
+@pytest.mark.parametrize("head_dim", PREFIX_HEAD_DIMS)
+@pytest.mark.parametrize(("context", "length", "queries", "block_size"), [
+    (0, 70, 3, 16),  # a whole prompt: causal from its first token (SmolLM2's 3 queries per kv head)
+    (37, 45, 3, 16),  # a chunk after 37 cached tokens, neither on a block boundary
+    (160, 5, 8, 32),  # a short tail after a long context (the causal triangle mostly skipped)
+    (0, 1, 1, 16),  # one token
+])
+def test_prefix_attention_runs_causal_prefill(amx: CpuKernels, head_dim: int, context: int, length: int,
+                                              queries: int, block_size: int) -> None:
+    """Causal mode: row i of the chunk sees the first context + i + 1 keys of its blocks, the keys
+    past the chunk's end (stale cache slots) never."""
+    generator = torch.Generator().manual_seed(context + length + head_dim)
+    kv_heads, blocks = 2, 64
+    k_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(torch.bfloat16)
+    seq_len = context + length
+    table = torch.randperm(blocks - 1, generator=generator)[: -(-seq_len // block_size)] + 1
+    q = (torch.randn(length, kv_heads, queries, head_dim, generator=generator) * 2).to(torch.bfloat16)
+    out, lse = torch.zeros_like(q), torch.empty(length, kv_heads, queries)
+    amx.prefix_attention(q, k_cache, v_cache, torch.arange(length), table[None], out, lse,
+                         causal_base=context)
+    for i in range(length):
+        expected, expected_lse = reference_attention(q[i], k_cache, v_cache, table, 0, context + i + 1)
+        torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse[i], expected_lse, atol=1e-4, rtol=1e-5)
+
+
 def test_prefix_attention_then_decode_attention_equals_one_pass(amx: CpuKernels) -> None:
     """The cascade as the engine runs it: the prefix's (output, lse) continued by each row's own part."""
     kernels = amx

@@ -124,7 +124,7 @@ def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, 
     if native and kernels is not None and kernels.supports_prefix_attention(getattr(torch, dtype), 32, 16):
         prefix_attention = kernels.prefix_attention
         monkeypatch.setattr(kernels, "prefix_attention",
-                            lambda *args: amx_calls.append(1) or prefix_attention(*args))
+                            lambda *args, **kwargs: amx_calls.append(1) or prefix_attention(*args, **kwargs))
     outputs = llm.generate(prompts, greedy(dtype))
     assert groups and max(groups) >= 2, "no prefill chunks were attended as a cascade"
     if native and dtype == "bfloat16" and {"amx_bf16", "amx_tile"} <= cpu_flags() and TEST_DEVICE == "cpu":
