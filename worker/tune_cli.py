@@ -15,13 +15,23 @@ import itertools
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from worker.run_cli import add_job_arguments, spec_from_args
-from worker.tuning import DEFAULTS, Trial, TuneResult, machine_signature, search, tuned_path, write_tuned
+from worker.tuning import (
+    DEFAULTS,
+    Measure,
+    Trial,
+    TuneResult,
+    machine_signature,
+    search,
+    tuned_path,
+    write_tuned,
+)
 
 TUNE_SETTINGS = ("models", "engine_options", "dtype", "model_cache", "s3_endpoint_url")
 TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
@@ -81,7 +91,7 @@ def file_workload(args: argparse.Namespace, settings: Settings, model_dir: Path,
     return workload
 
 
-def measure_with(model_dir: Path, base: dict[str, Any], workload: Workload) -> Any:
+def measure_with(model_dir: Path, base: dict[str, Any], workload: Workload) -> Measure:
     """A trial: a fresh engine with `base` + the candidate options, every row at once."""
     from engine import LLM
 
@@ -104,7 +114,7 @@ def measure_with(model_dir: Path, base: dict[str, Any], workload: Workload) -> A
     return measure
 
 
-def print_result(result: TuneResult, say: Any = print) -> None:
+def print_result(result: TuneResult, say: Callable[[str], None] = print) -> None:
     say("| max_num_seqs | max_num_batched_tokens | KV budget | wall s | output tok/s | preemptions |")
     say("| ---: | ---: | --- | ---: | ---: | ---: |")
     for t in result.trials:
