@@ -192,6 +192,7 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
     metrics = [o.metrics for o in outputs if o.metrics is not None]
     gaps = [b - a for m in metrics for a, b in zip(m.token_times, m.token_times[1:], strict=False)]
     output_tokens = sum(o.num_completion_tokens for o in outputs)
+    cached_tokens = sum(o.num_cached_tokens for o in outputs)
     flops = model_flops(llm.engine.model, workload, outputs)
     peak = matmul_peak_gflops(getattr(torch, chosen), engine_kwargs.get("device", "cpu"))
     achieved = flops / wall / 1e9
@@ -204,10 +205,10 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
         itl_s=Distribution.of(gaps),
         tpot_s=Distribution.of([m.time_per_output_token for m in metrics
                                 if m.time_per_output_token is not None]),
-        prefix_hit_rate=sum(o.num_cached_tokens for o in outputs) / workload.prompt_tokens,
+        prefix_hit_rate=cached_tokens / workload.prompt_tokens,
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         achieved_gflops=achieved, peak_gflops=peak, mfu=achieved / peak if peak else 0.0,
-        cached_tokens=sum(o.num_cached_tokens for o in outputs), load_s=load_s, resolved_dtype=chosen,
+        cached_tokens=cached_tokens, load_s=load_s, resolved_dtype=chosen,
         extra={"preemptions": llm.get_metrics()["num_preemptions"]},
     )
 

@@ -373,29 +373,13 @@ class TorchPagedAttention(AttentionBackend):
             for group in self.prefill_groups(metadata):
                 out[group.token_rows] = self._prefill_group(query, k_cache, v_cache, metadata, group)
                 grouped.update(group.chunks)
-        causal_kernel = sliding_window is None and self._uses_prefix_kernel(query.dtype, k_cache)
         for i in range(metadata.num_prefills):
-            if i in grouped:
-                continue
-            start, length = metadata.prefill_query_starts[i], metadata.prefill_query_lens[i]
-            if causal_kernel:
-                rows = slice(start, start + length)
-                out[rows] = self._prefill_on_amx(query[rows], k_cache, v_cache, metadata, i)
-                continue
-            if key is not None and value is not None and metadata.prefill_seq_lens[i] == length:
-                # A chunk with no earlier context: its K/V are exactly the new rows, no gather needed.
-                keys, values = key[start : start + length], value[start : start + length]
-            elif (key is not None and value is not None and sliding_window is None
-                  and query.device.type == "cpu"):
-                rows = slice(start, start + length)
-                out[rows] = self._prefill_after_context(query[rows], key[rows], value[rows], k_cache, v_cache,
-                                                        metadata, i)
-                continue
-            else:
-                keys, values = self._context(k_cache, v_cache, metadata, i)
-            out[start : start + length] = self._prefill(
-                query[start : start + length], keys, values, metadata.prefill_mask(i, sliding_window)
-            )
+            if i not in grouped:
+                rows = slice(metadata.prefill_query_starts[i], metadata.prefill_query_starts[i]
+                             + metadata.prefill_query_lens[i])
+                out[rows] = self._prefill_chunk(query[rows], None if key is None else key[rows],
+                                                None if value is None else value[rows], k_cache, v_cache,
+                                                metadata, i, sliding_window)
         return out
 
     def decode_plan(
@@ -451,7 +435,7 @@ class TorchPagedAttention(AttentionBackend):
         lse -inf, so the decode kernel starts them afresh (their output is not read)."""
         assert self.kernels is not None
         initial = (torch.empty_like(q), torch.full(q.shape[:-1], float("-inf")))
-        if self.kernels.supports_prefix_attention(q.dtype, q.shape[-1], k_cache.shape[-2]):
+        if self._uses_prefix_kernel(q.dtype, k_cache):
             for batch in plan.prefix_batches:  # AMX, straight from the cache into the buffers
                 self.kernels.prefix_attention(q, k_cache, v_cache, batch.rows, batch.block_ids, *initial)
             return initial
@@ -567,7 +551,7 @@ class TorchPagedAttention(AttentionBackend):
         in the decode kernel's layout."""
         assert self.kernels is not None
         num_kv_heads, per_kv, head_dim = rows_q.shape[1:]
-        if self.kernels.supports_prefix_attention(rows_q.dtype, head_dim, k_cache.shape[-2]):
+        if self._uses_prefix_kernel(rows_q.dtype, k_cache):
             out, lse = torch.empty_like(rows_q), torch.empty(rows_q.shape[:-1])
             rows = torch.arange(len(rows_q))
             self.kernels.prefix_attention(rows_q, k_cache, v_cache, rows, block_ids[None], out, lse)
@@ -633,6 +617,22 @@ class TorchPagedAttention(AttentionBackend):
         keys = k_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         values = v_cache.index_select(0, blocks).transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[:seq_len]
         return keys, values
+
+    def _prefill_chunk(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata, index: int,
+                       sliding_window: int | None) -> torch.Tensor:
+        """One prefill chunk outside a cascade group, by the cheapest path that applies: the AMX
+        kernel (bf16), its own new K/V when it has no earlier context, context + own part merged by
+        LSE on CPU, else its gathered context with a mask (a sliding window, other devices)."""
+        length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
+        if sliding_window is None and self._uses_prefix_kernel(query.dtype, k_cache):
+            return self._prefill_on_amx(query, k_cache, v_cache, metadata, index)
+        if key is not None and value is not None and seq_len == length:
+            return self._prefill(query, key, value, metadata.prefill_mask(index, sliding_window))
+        if key is not None and value is not None and sliding_window is None and query.device.type == "cpu":
+            return self._prefill_after_context(query, key, value, k_cache, v_cache, metadata, index)
+        keys, values = self._context(k_cache, v_cache, metadata, index)
+        return self._prefill(query, keys, values, metadata.prefill_mask(index, sliding_window))
 
     def _uses_prefix_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
         return (self.kernels is not None and k_cache.device.type == "cpu"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -87,11 +86,12 @@ def search(measure: Measure) -> TuneResult:
         best = max((best, bigger), key=lambda t: t.output_tps)
     if best.error is not None:
         raise RuntimeError(f"every tuning trial failed; the first: {next(iter(trials.values())).error}")
-    default = trials.get(json.dumps(DEFAULTS, sort_keys=True))
+    result = TuneResult(best, list(trials.values()))
+    default = result.default
     if default is not None and default.error is None \
             and best.output_tps < default.output_tps * (1 + MIN_GAIN):
-        best = default  # within the noise of the defaults: keep them
-    return TuneResult(best, list(trials.values()))
+        result.best = default  # within the noise of the defaults: keep them
+    return result
 
 
 def machine_signature(device: str, dtype: str) -> dict[str, Any]:
@@ -100,17 +100,9 @@ def machine_signature(device: str, dtype: str) -> dict[str, Any]:
 
     if device.startswith("cuda"):
         return {"device": device, "name": torch.cuda.get_device_name(torch.device(device)), "dtype": dtype}
-    return {"device": "cpu", "name": _cpu_name(), "threads": torch.get_num_threads(), "dtype": dtype}
+    from engine.dtype_choice import cpu_model_name
 
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
+    return {"device": "cpu", "name": cpu_model_name(), "threads": torch.get_num_threads(), "dtype": dtype}
 
 
 def tuned_path(cache_dir: Path, model_dir: Path) -> Path:

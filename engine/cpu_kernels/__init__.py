@@ -196,8 +196,8 @@ class CpuKernels:
         x, weight = x.contiguous(), weight.contiguous()
         out = torch.empty_like(x)
         self._add_rms_norm[x.dtype](x.data_ptr(), residual.data_ptr() if residual is not None else None,
-                           weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
-                           torch.get_num_threads())
+                                    weight.data_ptr(), out.data_ptr(), x.numel() // hidden, hidden, eps,
+                                    torch.get_num_threads())
         return out if residual is None else (out, residual)
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -208,7 +208,7 @@ class CpuKernels:
         _require(x.dtype == cos.dtype == sin.dtype and x.dtype in LAYER_OP_DTYPES and x.stride(2) == 1
                  and x.stride(1) == dim, "rope_")
         self._rope[x.dtype](x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, x.stride(0), dim,
-                   torch.get_num_threads())
+                            torch.get_num_threads())
         return x
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
