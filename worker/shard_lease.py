@@ -34,6 +34,18 @@ if holder == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 if not holder then redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2]); return 1 end
 return 0
 """
+# KEYS: lease key, the job's started set, the shard's generation counter. ARGV: token, TTL ms, shard
+# index, the started set's TTL s. Takes the lease and records the shard as started in one step (a
+# run killed between the two would leave a shard taken but not started: the reaper, which only
+# re-sends started shards, would never see it), returning the new generation, or 0 if held.
+TAKE_SHARD_SCRIPT = """
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return 0 end
+redis.call('SADD', KEYS[2], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[4])
+local generation = redis.call('INCR', KEYS[3])
+redis.call('EXPIRE', KEYS[3], ARGV[4])
+return generation
+"""
 # KEYS: lease key. ARGV: token. Deletes the lease only if this run holds it.
 RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
@@ -59,17 +71,17 @@ class Lease:
 
     def acquire(self, give_up: Callable[[], bool], poll_s: float = 0.5) -> bool:
         """Wait until this run holds the lease (True), or until `give_up()` says stop (False)."""
-        while not self.client.set(self.key, self.token, nx=True, px=self.ttl_ms):
+        while not self._take():
             if give_up():
                 return False
             time.sleep(poll_s)  # the holder is alive: ask again shortly
-        self._on_acquired()
         self._keeper = threading.Thread(target=self._keep, name=f"lease-{self.key}", daemon=True)
         self._keeper.start()
         return True
 
-    def _on_acquired(self) -> None:
-        """What a kind of lease records once taken (nothing here)."""
+    def _take(self) -> bool:
+        """One attempt to take the lease (a kind of lease may record more in the same step)."""
+        return bool(self.client.set(self.key, self.token, nx=True, px=self.ttl_ms))
 
     def _keep(self) -> None:
         # Extend three times per TTL, so a slow Redis round trip never lets a live run's lease lapse.
@@ -117,6 +129,7 @@ class ShardLease(Lease):
         super().__init__(client, shard_lease_key(namespace, job_id, shard_index), ttl_s=ttl_s)
         self.started_key = shards_started_key(namespace, job_id)
         self.shard_index = shard_index
+        self._take_shard = client.register_script(TAKE_SHARD_SCRIPT)
 
     generation = 0  # how many times the shard's lease was taken, this take included
 
@@ -126,11 +139,10 @@ class ShardLease(Lease):
         even when Redis lost its data and counts generations afresh."""
         return f"g{self.generation}-{self.token[:8]}"
 
-    def _on_acquired(self) -> None:
-        generation_key = f"{self.key}:generation"
-        with self.client.pipeline(transaction=False) as pipe:
-            pipe.sadd(self.started_key, self.shard_index)
-            pipe.expire(self.started_key, STARTED_TTL_S)
-            pipe.incr(generation_key)
-            pipe.expire(generation_key, STARTED_TTL_S)
-            self.generation = int(pipe.execute()[2])
+    def _take(self) -> bool:
+        generation = self._take_shard(keys=[self.key, self.started_key, f"{self.key}:generation"],
+                                      args=[self.token, self.ttl_ms, self.shard_index, STARTED_TTL_S])
+        if not generation:
+            return False
+        self.generation = int(generation)
+        return True
