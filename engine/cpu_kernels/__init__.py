@@ -3,10 +3,11 @@
 Decode attention is memory-bound and small per request, so in PyTorch its cost is the gathering
 of each request's blocks into a contiguous tensor and the per-call overhead of a kernel built for
 long queries. `decode_attention.c` reads K/V straight from the paged cache instead; on CPUs with
-AMX, `prefix_attention.c` attends the blocks a group of rows shares (an instruction) on the tile
-unit, also straight from the cache. They are compiled with the machine's C compiler (`$CC`, else
-`cc`) and OpenMP (`-march=native`, so the library is cached per CPU kind and source, in
-`$BULKINFER_KERNEL_CACHE` or ~/.cache/bulkinfer/kernels) and loaded with ctypes; OpenMP resolves to
+AMX (or, without it, AVX512-BF16's dot product), `prefix_attention.c` attends the blocks a group of
+rows shares (an instruction) and bf16 causal prefill chunks, also straight from the cache. They are
+compiled with the machine's C compiler (`$CC`, else `cc`) and OpenMP (`-march=native`, so the
+library is cached per CPU kind and source, in `$BULKINFER_KERNEL_CACHE` or
+~/.cache/bulkinfer/kernels) and loaded with ctypes; OpenMP resolves to
 the libgomp torch already loaded, so the kernels share torch's threads. No compiler, a failed build
 or `BULKINFER_CPU_KERNELS=0`: the engine uses its PyTorch path (same results within rounding), and
 says why once in its log.
@@ -34,9 +35,10 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 8
+ABI_VERSION = 9
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
+PREFIX_KINDS = {1: "amx", 2: "avx512_bf16"}  # prefix_attention_kind(): the unit its products run on
 LAYER_OP_DTYPES = (torch.bfloat16, torch.float32)  # layer_ops.c
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -62,11 +64,13 @@ class CpuKernels:
                                               [_POINTER] * 2 + [_INT] * 2)
                               for dtype, suffix in suffixes.items()}
         self._store_kv = _declare(library.store_kv, [_POINTER] * 5 + [_INT] * 4)
-        # AMX shared-prefix attention: built only for CPUs with AMX, usable once Linux grants it.
+        # bf16 shared-prefix attention: built only for CPUs with AMX or AVX512-BF16, usable once Linux
+        # grants AMX's tile state (where the build uses AMX).
         self._prefix = None
         if hasattr(library, "prefix_attention_bf16") and library.prefix_attention_available() == 1:
             self._prefix = _declare(library.prefix_attention_bf16,
                                     [_POINTER] * 5 + [_INT] * 8 + [ctypes.c_float] + [_POINTER] * 3)
+        self.prefix_kind = PREFIX_KINDS.get(int(library.prefix_attention_kind())) if self._prefix else None
         self._packed = torch.empty(0, dtype=torch.bfloat16)  # prefix K/V in tile layout, reused
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

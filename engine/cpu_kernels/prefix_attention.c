@@ -37,19 +37,37 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define HAVE_AMX 1
 #endif
+#if defined(HAVE_AMX) || (defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__))
+#define HAVE_PREFIX_KERNEL 1
+#endif
 
 int prefix_attention_available(void) {
-#ifdef HAVE_AMX
+#if defined(HAVE_AMX)
     /* Linux grants a process AMX's tile state only on request (ARCH_REQ_XCOMP_PERM for
      * XFEATURE_XTILEDATA); oneDNN asks too, and asking twice is harmless. */
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#elif defined(HAVE_PREFIX_KERNEL)
+    return 1;
 #else
     return 0;
 #endif
 }
 
-#ifdef HAVE_AMX
+/* Which products the kernel runs on: 1 AMX tiles, 2 AVX512-BF16 dot products, 0 none built. */
+int prefix_attention_kind(void) {
+#if defined(HAVE_AMX)
+    return 1;
+#elif defined(HAVE_PREFIX_KERNEL)
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+#ifdef HAVE_PREFIX_KERNEL
 #include <immintrin.h>
+
+#ifdef HAVE_AMX
 
 typedef struct {
     uint8_t palette;
@@ -71,6 +89,7 @@ static void configure_tiles(void) {
     }
     _tile_loadconfig(&config);
 }
+#endif
 
 /* Per-thread scores/probabilities/output of one work item, grown as prefixes grow. */
 static __thread void* item_buffer = NULL;
@@ -122,23 +141,16 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, whole);
 }
 
-/* One work item: 32 queries (m0..) of group g and kv head h over their visible keys. `causal_base`
- * < 0: every query sees all L keys; else query j (of row j / Q of the group) sees the first
- * causal_base + j / Q + 1 keys (a prefill chunk after causal_base tokens of context), and the item
- * only computes the keys its last query sees (the causal triangle's empty tiles are skipped). */
-static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
-                        int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
-                        const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
+/* A work item's 32 queries (m0.. of group g, kv head h) copied into `queries` [32, D], zero for
+ * padding past the group's M queries; each query's (row, head, q) index in `at` (-1: padding) and
+ * its visible keys in `limit`. `causal_base` < 0: every query sees all L keys; else query j (of row
+ * j / Q of the group) sees the first causal_base + j / Q + 1 keys (a prefill chunk after
+ * causal_base tokens of context). Returns the most keys any query sees: the item computes only
+ * those (the causal triangle's empty tiles are skipped). */
+static int64_t gather_item_queries(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0,
+                                   int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L, int64_t causal_base,
+                                   uint16_t* queries, int64_t* at, int64_t* limit) {
     const int64_t M = n * Q;
-    const uint16_t* keys = packed + (g * H + h) * per_head;
-    const uint16_t* values = keys + L * D;
-    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
-    float* scores = (float*)scratch;                     /* [32, L32] */
-    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
-    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
-    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
-    int64_t at[32];                                      /* each query's (row, head, q) index */
-    int64_t limit[32];                                   /* each query's visible keys */
     int64_t last = 0;
     for (int64_t t = 0; t < 32; t++) {
         const int64_t j = m0 + t;
@@ -151,6 +163,75 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
             memset(queries + t * D, 0, (size_t)D * 2);
         }
     }
+    return last;
+}
+
+/* softmax per query over its `span` computed scores (the keys past its limit already hold a large
+ * negative score): 2^((s - max) * scale * log2 e) in one FMA and a polynomial, rounded to bf16 for
+ * P x V (zero from span to the next 32); the sum stays fp32. `best` holds each query's running max
+ * of its raw scores (scale > 0); `top` gets the scaled max, `total` the sum. */
+static void softmax_to_probs(const float* scores, uint16_t* probs, int64_t L32, int64_t span, int64_t span32,
+                             const int64_t* at, const __m512* best, float scale, float* top, float* total) {
+    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f);
+    for (int64_t t = 0; t < 32; t++) {
+        const float* s = scores + t * L32;
+        uint16_t* p = probs + t * L32;
+        if (at[t] < 0) {  /* padding: zero probabilities (its output is not written) */
+            memset(p, 0, (size_t)L32 * 2);
+            continue;
+        }
+        top[t] = _mm512_reduce_max_ps(best[t]);
+        const __m512 shift = _mm512_set1_ps(-top[t] * scale * 1.44269504f);
+        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two add chains */
+        int64_t i = 0;
+        for (; i + 32 <= span; i += 32) {
+            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
+            const __m512 e1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), to_log2, shift));
+            even = _mm512_add_ps(even, e0);
+            odd = _mm512_add_ps(odd, e1);
+            _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
+        }
+        if (i < span) {
+            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
+            even = _mm512_add_ps(even, e0);
+            _mm256_storeu_si256((__m256i*)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));
+        }
+        const __m512 sum = _mm512_add_ps(even, odd);
+        if (span < span32) _mm256_storeu_si256((__m256i*)(p + span), _mm256_setzero_si256());
+        top[t] *= scale;
+        total[t] = _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* Each real query's output (the fp32 P x V sums over its total, as bf16) and log-sum-exp. */
+static void write_item_output(const float* acc, const int64_t* at, const float* top, const float* total,
+                              int64_t D, uint16_t* out, float* lse) {
+    for (int64_t t = 0; t < 32; t++) {
+        if (at[t] < 0) continue;
+        const __m512 inv = _mm512_set1_ps(1.0f / total[t]);
+        for (int64_t i = 0; i < D; i += 16) {
+            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + t * D + i), inv);
+            _mm256_storeu_si256((__m256i*)(out + at[t] * D + i), (__m256i)_mm512_cvtneps_pbh(o));
+        }
+        lse[at[t]] = top[t] + logf(total[t]);
+    }
+}
+
+#ifdef HAVE_AMX
+/* One work item on the tile unit: 32 queries (m0..) of group g and kv head h over their visible
+ * keys (gather_item_queries), both products as 2 x 2 tiles. */
+static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+                        int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
+                        const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
+    const uint16_t* keys = packed + (g * H + h) * per_head;
+    const uint16_t* values = keys + L * D;
+    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
+    float* scores = (float*)scratch;                     /* [32, L32] */
+    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
+    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
+    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
+    int64_t at[32], limit[32];
+    const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
     const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
     __m512 best[32];  /* each query's running max, read while its scores are still in L1 */
@@ -185,38 +266,8 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
             if (two) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key + 16));
         }
     }
-    /* softmax per query: the max of the raw scores (scale > 0), then 2^((s - max) * scale *
-     * log2 e) in one FMA and a polynomial, rounded to bf16 for P x V; the sum stays fp32 */
-    const __m512 to_log2 = _mm512_set1_ps(scale * 1.44269504f);
     float top[32], total[32];
-    for (int64_t t = 0; t < 32; t++) {
-        const float* s = scores + t * L32;
-        uint16_t* p = probs + t * L32;
-        if (at[t] < 0) {  /* padding: zero probabilities (its output is not written) */
-            memset(p, 0, (size_t)p_row);
-            continue;
-        }
-        top[t] = _mm512_reduce_max_ps(best[t]);
-        const __m512 shift = _mm512_set1_ps(-top[t] * scale * 1.44269504f);
-        __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();  /* two add chains */
-        int64_t i = 0;
-        for (; i + 32 <= span; i += 32) {
-            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
-            const __m512 e1 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i + 16), to_log2, shift));
-            even = _mm512_add_ps(even, e0);
-            odd = _mm512_add_ps(odd, e1);
-            _mm512_storeu_si512(p + i, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
-        }
-        if (i < span) {
-            const __m512 e0 = exp2_ps(_mm512_fmadd_ps(_mm512_loadu_ps(s + i), to_log2, shift));
-            even = _mm512_add_ps(even, e0);
-            _mm256_storeu_si256((__m256i*)(p + i), (__m256i)_mm512_cvtneps_pbh(e0));
-        }
-        const __m512 sum = _mm512_add_ps(even, odd);
-        if (span < span32) _mm256_storeu_si256((__m256i*)(p + span), _mm256_setzero_si256());
-        top[t] *= scale;
-        total[t] = _mm512_reduce_add_ps(sum);
-    }
+    softmax_to_probs(scores, probs, L32, span, span32, at, best, scale, top, total);
     for (int64_t e0 = 0; e0 < D; e0 += 32) {  /* tiles: 0/1 dims +0/+16 of queries 0-15, 2/3 of 16-31 */
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t c = 0; c < span32; c += 32) {
@@ -235,16 +286,121 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
         _tile_stored(2, acc + 16 * D + e0, D * 4);
         _tile_stored(3, acc + 16 * D + e0 + 16, D * 4);
     }
-    for (int64_t t = 0; t < 32; t++) {
-        if (at[t] < 0) continue;
-        const __m512 inv = _mm512_set1_ps(1.0f / total[t]);
-        for (int64_t i = 0; i < D; i += 16) {
-            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + t * D + i), inv);
-            _mm256_storeu_si256((__m256i*)(out + at[t] * D + i), (__m256i)_mm512_cvtneps_pbh(o));
+    write_item_output(acc, at, top, total, D, out, lse);
+}
+#else
+/* The same products with AVX512-BF16's dot product (vdpbf16ps: 16 lanes, each the sum of a pair of
+ * bf16 products added to fp32), for CPUs without AMX (AMD Zen 4/5, Cooper Lake). The packed layouts
+ * serve as they are: a 16-key K tile's row p holds pair p of each key's dims, so a query's scores
+ * against 16 keys are D / 2 dot products of its broadcast pair p with row p; a V tile's row i holds,
+ * per dim, the pair (key 2i, key 2i + 1), so a query's output for 16 dims accumulates its broadcast
+ * probability pair i times row i. Queries are taken 8 (scores) or 16 * 16 / D (P x V) at a time so
+ * their accumulators stay in registers; blocks of padding queries are skipped. */
+#define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t*)(p)))
+
+static inline int any_real(const int64_t* at, int64_t count) {
+    for (int64_t t = 0; t < count; t++)
+        if (at[t] >= 0) return 1;
+    return 0;
+}
+
+/* Scores of 8 queries against 16 (`two`: 32) packed keys: `keys` at the first key's tile. */
+static inline __attribute__((always_inline)) void score_8_queries(const uint16_t* queries, const uint16_t* keys,
+                                                                  int two, const int64_t D, float* scores,
+                                                                  int64_t L32) {
+    __m512 a[8], b[8];
+    for (int j = 0; j < 8; j++) a[j] = b[j] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < D / 2; p++) {
+        const __m512bh k0 = (__m512bh)_mm512_loadu_si512(keys + p * 32);
+        if (two) {
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(keys + 16 * D + p * 32);
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const __m512bh pair = BCAST_PAIR(queries + j * D + 2 * p);
+                a[j] = _mm512_dpbf16_ps(a[j], pair, k0);
+                b[j] = _mm512_dpbf16_ps(b[j], pair, k1);
+            }
+        } else {
+            #pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) a[j] = _mm512_dpbf16_ps(a[j], BCAST_PAIR(queries + j * D + 2 * p), k0);
         }
-        lse[at[t]] = top[t] + logf(total[t]);
+    }
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_ps(scores + j * L32, a[j]);
+        if (two) _mm512_storeu_ps(scores + j * L32 + 16, b[j]);
     }
 }
+
+/* P x V for QB queries over span32 keys into acc [QB, D]: D / 16 accumulators per query. */
+static inline __attribute__((always_inline)) void multiply_values(const uint16_t* probs, int64_t L32,
+                                                                  const uint16_t* values, int64_t span32,
+                                                                  const int64_t D, const int QB, float* acc) {
+    __m512 sum[16];  /* QB * D / 16 <= 16 */
+    for (int i = 0; i < QB * D / 16; i++) sum[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < span32; c += 32)
+        for (int64_t i = 0; i < 16; i++) {
+            __m512bh v[8];
+            #pragma GCC unroll 8
+            for (int64_t e = 0; e < D / 16; e++) v[e] = (__m512bh)_mm512_loadu_si512(values + c * D + e * 512 + i * 32);
+            #pragma GCC unroll 4
+            for (int j = 0; j < QB; j++) {
+                const __m512bh pair = BCAST_PAIR(probs + j * L32 + c + 2 * i);
+                #pragma GCC unroll 8
+                for (int64_t e = 0; e < D / 16; e++) sum[j * (D / 16) + e] = _mm512_dpbf16_ps(sum[j * (D / 16) + e], pair, v[e]);
+            }
+        }
+    for (int j = 0; j < QB; j++)
+        for (int64_t e = 0; e < D / 16; e++) _mm512_storeu_ps(acc + j * D + e * 16, sum[j * (D / 16) + e]);
+}
+
+/* One work item (see the AMX version above), specialised per head size so loops unroll. */
+static inline __attribute__((always_inline)) void attend_item_dims(
+        const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n, int64_t H, int64_t Q,
+        const int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale, const uint16_t* packed,
+        int64_t per_head, uint16_t* out, float* lse) {
+    const uint16_t* keys = packed + (g * H + h) * per_head;
+    const uint16_t* values = keys + L * D;
+    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
+    float* scores = (float*)scratch;                     /* [32, L32] */
+    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
+    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
+    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
+    int64_t at[32], limit[32];
+    const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
+    const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
+    __m512 best[32];
+    for (int64_t t0 = 0; t0 < 32; t0 += 8) {
+        if (!any_real(at + t0, 8)) continue;
+        for (int64_t key = 0; key < span; key += 32)
+            score_8_queries(queries + t0 * D, keys + key * D, key + 16 < span, D, scores + t0 * L32 + key, L32);
+    }
+    for (int64_t t = 0; t < 32; t++) {
+        best[t] = _mm512_set1_ps(-INFINITY);
+        if (at[t] < 0) continue;
+        float* s = scores + t * L32;
+        /* keys past its limit: a large finite negative score (exp2 of -inf would be NaN) */
+        for (int64_t hidden = limit[t]; hidden < span; hidden++) s[hidden] = -1e30f;
+        for (int64_t key = 0; key < span; key += 16) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(s + key));
+    }
+    float top[32], total[32];
+    softmax_to_probs(scores, probs, L32, span, span32, at, best, scale, top, total);
+    const int QB = 256 / D;  /* 8, 4, 2 or 2 queries: at most 16 accumulators */
+    for (int64_t t0 = 0; t0 < 32; t0 += QB)
+        if (any_real(at + t0, QB)) multiply_values(probs + t0 * L32, L32, values, span32, D, QB, acc + t0 * D);
+    write_item_output(acc, at, top, total, D, out, lse);
+}
+
+static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+                        int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
+                        const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
+    switch (D) {
+        case 32: attend_item_dims(q, rows, g, h, m0, n, H, Q, 32, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        case 64: attend_item_dims(q, rows, g, h, m0, n, H, Q, 64, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        case 96: attend_item_dims(q, rows, g, h, m0, n, H, Q, 96, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        default: attend_item_dims(q, rows, g, h, m0, n, H, Q, 128, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+    }
+}
+#endif
 
 void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* rows,
                            const int64_t* blocks, int64_t groups, int64_t n, int64_t k, int64_t H, int64_t Q,
@@ -254,7 +410,9 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
     const int64_t per_head = (L + L32) * D;  /* packed K (L x D) then packed V (L32 x D) */
     #pragma omp parallel num_threads(nt)
     {
+#ifdef HAVE_AMX
         configure_tiles();
+#endif
         /* 1. pack each (group, head)'s K by 16 keys and V by 32 */
         #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < groups * H * (L32 / 32); unit++) {
@@ -290,7 +448,9 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
                 attend_item(q, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
                             L, L32, causal_base, scale, packed, per_head, out, lse);
         }
+#ifdef HAVE_AMX
         _tile_release();
+#endif
     }
 }
 #endif

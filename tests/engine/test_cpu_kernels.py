@@ -2,9 +2,11 @@
 and for plain AVX2 (the 8-lane path, what AVX2-only machines run): paged decode attention over
 random block tables (every supported head size, GQA groups across the 8-query chunk, sliding-window
 starts, continuing a shared prefix's partial result), and the bf16 layer ops (residual + RMSNorm,
-rotary, SiLU x up) against the PyTorch formulas they replace. The AMX shared-prefix attention is
-built where the CPU has AMX (the native build here when it does; never the AVX2 build), and then
-checked against the fp32 formula."""
+rotary, SiLU x up) against the PyTorch formulas they replace. The bf16 shared-prefix attention is
+built where the CPU has AMX or AVX512-BF16 (the native build here when it does; never the AVX2
+build), and then checked against the fp32 formula: on an AMX CPU both its AMX build and its
+AVX512-BF16 build (the same flags without AMX, what AMD Zen 4/5 run), so each machine kind tests
+every path it can run."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ from engine.models.llama import RMSNorm, apply_rope
 
 BUILDS = {"native": cpu_kernels.FLAGS,
           "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]}
+HAS_AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
+HAS_PREFIX_KERNEL = HAS_AMX or "avx512_bf16" in cpu_flags()
+# the prefix kernel's builds this CPU runs: the native one, and on AMX CPUs the dot-product one too
+PREFIX_BUILDS = {"native": cpu_kernels.FLAGS}
+if HAS_AMX:
+    PREFIX_BUILDS["avx512_bf16"] = [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
@@ -98,21 +106,27 @@ def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) 
         kernels.decode_attention(q, cache, cache, torch.ones(1, 1, dtype=torch.long), one, one * 0)
 
 
-def test_prefix_attention_exists_exactly_where_the_cpu_has_amx(kernels: CpuKernels, request) -> None:
-    has_amx = {"amx_bf16", "amx_tile"} <= cpu_flags() and request.node.callspec.params["kernels"] == "native"
-    assert kernels.supports_prefix_attention(torch.bfloat16, 64, 16) == has_amx
+def test_prefix_attention_exists_exactly_where_the_cpu_has_amx_or_avx512_bf16(kernels: CpuKernels,
+                                                                              request) -> None:
+    native = request.node.callspec.params["kernels"] == "native"
+    assert kernels.supports_prefix_attention(torch.bfloat16, 64, 16) == (HAS_PREFIX_KERNEL and native)
+    assert kernels.prefix_kind == (None if not (HAS_PREFIX_KERNEL and native)
+                                   else "amx" if HAS_AMX else "avx512_bf16")
     assert not kernels.supports_prefix_attention(torch.float32, 64, 16)  # bf16 tiles only
     assert not kernels.supports_prefix_attention(torch.bfloat16, 80, 16)  # whole 32-dim tiles
     assert not kernels.supports_prefix_attention(torch.bfloat16, 64, 8)  # 16-key tiles
 
 
-@pytest.fixture(scope="module")
-def amx(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    """The native build, on a CPU with AMX (elsewhere the kernel does not exist: the test above)."""
-    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
-        pytest.skip("this CPU has no AMX: the engine keeps SDPA's kernel for shared prefixes")
-    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("amx"), cpu_kernels.FLAGS)
+@pytest.fixture(scope="module", params=list(PREFIX_BUILDS))
+def prefix_kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    """A build of the prefix kernel, on a CPU with AMX or AVX512-BF16 (elsewhere it does not exist:
+    the test above); named for the unit it first ran on."""
+    if not HAS_PREFIX_KERNEL:
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16: the engine keeps SDPA's kernel in bf16")
+    folder = tmp_path_factory.mktemp("prefix")
+    built = build_and_open(cpu_kernels._compiler(), folder, PREFIX_BUILDS[request.param])
     assert built is not None and built.supports_prefix_attention(torch.bfloat16, 64, 16)
+    assert built.prefix_kind == ("amx" if HAS_AMX and request.param == "native" else "avx512_bf16")
     return built
 
 
@@ -123,7 +137,7 @@ def amx(tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
     (4, 5, 2, 3, 16),  # 20 queries: a second tile of 32 mostly padding
     (8, 9, 3, 2, 32),  # larger blocks
 ])
-def test_prefix_attention_matches_the_fp32_formula(amx: CpuKernels, head_dim: int, queries: int,
+def test_prefix_attention_matches_the_fp32_formula(prefix_kernels: CpuKernels, head_dim: int, queries: int,
                                                    rows_per_group: int, groups: int, shared_blocks: int,
                                                    block_size: int) -> None:
     """Rows in any order, several groups over their own blocks; rows outside every group untouched."""
@@ -137,7 +151,7 @@ def test_prefix_attention_matches_the_fp32_formula(amx: CpuKernels, head_dim: in
     block_ids = torch.randint(1, blocks, (groups, shared_blocks), generator=generator)
     out = torch.zeros_like(q)
     lse = torch.full((num_rows, kv_heads, queries), float("-inf"))
-    amx.prefix_attention(q, k_cache, v_cache, rows, block_ids, out, lse)
+    prefix_kernels.prefix_attention(q, k_cache, v_cache, rows, block_ids, out, lse)
     for group in range(groups):
         table = block_ids[group]
         count = shared_blocks * block_size
@@ -158,8 +172,8 @@ def test_prefix_attention_matches_the_fp32_formula(amx: CpuKernels, head_dim: in
     (160, 5, 8, 32),  # a short tail after a long context (the causal triangle mostly skipped)
     (0, 1, 1, 16),  # one token
 ])
-def test_prefix_attention_runs_causal_prefill(amx: CpuKernels, head_dim: int, context: int, length: int,
-                                              queries: int, block_size: int) -> None:
+def test_prefix_attention_runs_causal_prefill(prefix_kernels: CpuKernels, head_dim: int, context: int,
+                                              length: int, queries: int, block_size: int) -> None:
     """Causal mode: row i of the chunk sees the first context + i + 1 keys of its blocks, the keys
     past the chunk's end (stale cache slots) never."""
     generator = torch.Generator().manual_seed(context + length + head_dim)
@@ -170,7 +184,7 @@ def test_prefix_attention_runs_causal_prefill(amx: CpuKernels, head_dim: int, co
     table = torch.randperm(blocks - 1, generator=generator)[: -(-seq_len // block_size)] + 1
     q = (torch.randn(length, kv_heads, queries, head_dim, generator=generator) * 2).to(torch.bfloat16)
     out, lse = torch.zeros_like(q), torch.empty(length, kv_heads, queries)
-    amx.prefix_attention(q, k_cache, v_cache, torch.arange(length), table[None], out, lse,
+    prefix_kernels.prefix_attention(q, k_cache, v_cache, torch.arange(length), table[None], out, lse,
                          causal_base=context)
     for i in range(length):
         expected, expected_lse = reference_attention(q[i], k_cache, v_cache, table, 0, context + i + 1)
@@ -178,9 +192,9 @@ def test_prefix_attention_runs_causal_prefill(amx: CpuKernels, head_dim: int, co
         torch.testing.assert_close(lse[i], expected_lse, atol=1e-4, rtol=1e-5)
 
 
-def test_prefix_attention_then_decode_attention_equals_one_pass(amx: CpuKernels) -> None:
+def test_prefix_attention_then_decode_attention_equals_one_pass(prefix_kernels: CpuKernels) -> None:
     """The cascade as the engine runs it: the prefix's (output, lse) continued by each row's own part."""
-    kernels = amx
+    kernels = prefix_kernels
     generator = torch.Generator().manual_seed(3)
     k_cache = torch.randn(30, 3, 16, 64, generator=generator).to(torch.bfloat16)
     v_cache = torch.randn(30, 3, 16, 64, generator=generator).to(torch.bfloat16)
@@ -196,8 +210,8 @@ def test_prefix_attention_then_decode_attention_equals_one_pass(amx: CpuKernels)
     torch.testing.assert_close(lse, reference_lse, atol=1e-4, rtol=1e-5)
 
 
-def test_prefix_attention_refuses_what_it_does_not_support(amx: CpuKernels) -> None:
-    kernels = amx
+def test_prefix_attention_refuses_what_it_does_not_support(prefix_kernels: CpuKernels) -> None:
+    kernels = prefix_kernels
     cache = torch.zeros(4, 1, 16, 64, dtype=torch.bfloat16)
     q = torch.zeros(2, 1, 1, 64, dtype=torch.bfloat16)
     lse = torch.zeros(2, 1, 1)

@@ -18,7 +18,12 @@ from jobs.demo_data import EXTRACTION_INSTRUCTIONS, EXTRACTION_SCHEMA, ORDERS
 from tests.engine.hf_reference import assert_greedy_within_noise, assert_same_greedy, hf_greedy
 
 IM_END = 2  # <|im_end|>: the model's EOS, and the end of each chat turn
-QUESTIONS = {"What is the capital of France?": "Paris", "What is the capital of Japan?": "Tokyo",
+# "What is the capital of France?" alone opens with "The" only 0.25 nats (two bf16 logit steps) above
+# "L'": in bf16 a one-ulp change anywhere in the forward (batching, kernel order) flips it, as it
+# did between two correct attention kernels. "Answer in one sentence." leaves a margin of >= 0.85
+# for every token of the answer in both dtypes (measured), so these tests check the model, not a tie.
+FRANCE = "What is the capital of France? Answer in one sentence."
+QUESTIONS = {FRANCE: "Paris", "What is the capital of Japan?": "Tokyo",
              "Name three primary colors.": "Red"}
 DTYPES = ["float32", "bfloat16"]
 # bf16 is emulated (tens of times slower) on CPUs without native bf16: fewer rows there, same checks.
@@ -59,7 +64,7 @@ def _order_chat(text: str) -> list[dict[str, str]]:
 
 
 def test_the_capital_of_france_is_paris_and_im_end_ends_the_answer(llm: LLM) -> None:
-    [output] = llm.chat([{"role": "user", "content": "What is the capital of France?"}], _greedy(48))
+    [output] = llm.chat([{"role": "user", "content": FRANCE}], _greedy(48))
     completion = output.outputs[0]
     assert "Paris" in completion.text
     assert completion.finish_reason == "stop" and completion.token_ids[-1] == IM_END
