@@ -228,10 +228,10 @@ class DecodePlan:
 
 def plan_decode(
     metadata: AttentionMetadata, sliding_window: int | None, min_shared_tokens: int, num_kv_heads: int,
-    for_kernel: bool = False,
+    for_kernel: bool = False, min_rows: int = 2,
 ) -> DecodePlan:
-    """Find groups of decode rows with common leading blocks (worth it when they save at least
-    ``min_shared_tokens`` token reads) and what each row reads on its own."""
+    """Find groups of at least ``min_rows`` decode rows with common leading blocks (worth it when they
+    save at least ``min_shared_tokens`` token reads) and what each row reads on its own."""
     tables, seq_lens, block_size = metadata.decode_block_tables, metadata.decode_seq_lens, metadata.block_size
     num_rows, num_cols = tables.shape
     shift = torch.zeros(num_rows, dtype=torch.long)
@@ -240,7 +240,7 @@ def plan_decode(
         # A row's last token always stays in its own part, so the own part is never empty.
         shareable = (seq_lens - 1) // block_size
         _, group_of_row, group_sizes = torch.unique(tables[:, 0], return_inverse=True, return_counts=True)
-        for group in (group_sizes > 1).nonzero().flatten().tolist():
+        for group in (group_sizes >= max(min_rows, 2)).nonzero().flatten().tolist():
             rows = (group_of_row == group).nonzero().flatten()
             group_tables = tables[rows]
             leading_equal = int((group_tables == group_tables[0]).all(0).cumprod(0).sum())
@@ -301,6 +301,14 @@ def attention_with_lse(
         scores = scores + bias
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]), value.float()).to(query.dtype), lse
+
+
+# The fewest decode queries per kv head (rows x query heads per kv head) a group needs to go through
+# the prefix kernel: measured on SmolLM2 in bf16 (4 x 400-token instructions, AVX512-BF16), groups of
+# 2-4 rows (6-12 queries) made a step 6-17% slower than no groups, 8 rows (24) from 3% faster to 7%
+# slower, 16 rows (48) and more 10-20% faster: one whole item of 32 queries.
+PREFIX_KERNEL_MIN_QUERIES = 32
+NO_GROUP = 1 << 62  # a min_rows no group reaches
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -384,12 +392,12 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode_plan(
         self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int,
-        for_kernel: bool = False,
+        for_kernel: bool = False, min_rows: int = 2,
     ) -> DecodePlan:
-        key = ("decode_plan", sliding_window)
+        key = ("decode_plan", sliding_window, min_rows)
         if key not in metadata.step_cache:
             metadata.step_cache[key] = plan_decode(
-                metadata, sliding_window, self.min_shared_tokens, num_kv_heads, for_kernel
+                metadata, sliding_window, self.min_shared_tokens, num_kv_heads, for_kernel, min_rows
             )
         return metadata.step_cache[key]  # type: ignore[return-value]
 
@@ -481,7 +489,8 @@ class TorchPagedAttention(AttentionBackend):
         num_kv_heads = k_cache.shape[-3]
         group = num_heads // num_kv_heads
         use_kernel = self._uses_kernel(k_cache)
-        plan = self.decode_plan(metadata, sliding_window, num_kv_heads, for_kernel=use_kernel)
+        plan = self.decode_plan(metadata, sliding_window, num_kv_heads, use_kernel,
+                                self._min_group_rows(query.dtype, k_cache, group, use_kernel))
         q = query.view(num_rows, num_kv_heads, group, head_dim)
         if use_kernel:
             q = q.contiguous()  # once for both kernels (the query is a view into the fused QKV output)
@@ -497,6 +506,21 @@ class TorchPagedAttention(AttentionBackend):
         for rows, shared_out, shared_lse in shared:
             out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
+
+    def _min_group_rows(self, dtype: torch.dtype, k_cache: torch.Tensor, group: int, use_kernel: bool) -> int:
+        """The fewest rows a decode group needs to be attended as a shared prefix. The prefix kernel
+        packs a group's shared K/V, then attends it in items of 32 queries: smaller groups are cheaper
+        read by the decode kernel in each row's own part. Without the prefix kernel, the decode
+        kernel reads every row's shared blocks straight from the cache faster than SDPA's flash call
+        over the group plus the continuation (fp32 SmolLM2, 4 x 400-token instructions, steps
+        alternating between the two on AVX-512: 6-20% faster at 8-256 rows without groups), so
+        there are none. The PyTorch
+        path (no decode kernel) groups rows to gather the shared blocks once."""
+        if not use_kernel:
+            return 2
+        if self._uses_prefix_kernel(dtype, k_cache):
+            return -(-PREFIX_KERNEL_MIN_QUERIES // group)
+        return NO_GROUP
 
     def prefill_groups(self, metadata: AttentionMetadata) -> list[PrefillGroup]:
         key = ("prefill_groups", None)

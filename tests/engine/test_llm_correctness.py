@@ -204,3 +204,42 @@ def test_string_prompts_are_tokenized_and_detokenized(tiny_checkpoint):
     assert output.prompt == prompt and output.prompt_token_ids == token_ids
     assert output.text == llm.tokenizer.decode(output.token_ids, skip_special_tokens=True)
     assert_all_match(str(tiny_checkpoint), llm, [token_ids], [output])
+
+
+def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory, dtype, monkeypatch):
+    """Decode groups (rows attending a shared instruction once) form only where the measured rule
+    says they pay: through the prefix kernel (bf16, AMX / AVX512-BF16) for groups of at least 32
+    queries per kv head; never beside the native decode kernel without it (it reads every row's
+    shared blocks faster than a flash call per group); always on the PyTorch path. Outputs match
+    transformers either way."""
+    from engine.attention import NO_GROUP, PREFIX_KERNEL_MIN_QUERIES, TorchPagedAttention
+
+    model_dir = str(checkpoint_factory(arch="llama"))
+    rng = random.Random(11)
+    instruction = [rng.randrange(5, 2048) for _ in range(64)]
+    prompts = [instruction + [rng.randrange(5, 2048) for _ in range(1 + i % 9)] for i in range(24)]
+    llm = LLM(model=model_dir, device=TEST_DEVICE, num_kv_blocks=512, dtype=dtype)
+    backend = llm.engine.model.layers[0].self_attn.backend
+    config = llm.engine.model.config
+    queries_per_kv_head = config.num_heads // config.num_kv_heads
+    rules, plans = [], []
+    original = TorchPagedAttention.decode_plan
+
+    def recorded(self, metadata, sliding_window, num_kv_heads, for_kernel=False, min_rows=2):
+        rules.append(min_rows)
+        plans.append(original(self, metadata, sliding_window, num_kv_heads, for_kernel, min_rows))
+        return plans[-1]
+
+    monkeypatch.setattr(TorchPagedAttention, "decode_plan", recorded)
+    outputs = llm.generate(prompts, greedy(dtype))
+    sizes = [len(prefix.rows) for plan in plans for prefix in plan.shared_prefixes]
+    kernels = backend.kernels if TEST_DEVICE == "cpu" else None
+    cache = llm.engine.runner.kv_caches[0]
+    if kernels is None or not kernels.supports(cache.dtype, cache.shape[-1], cache.shape[-2]):
+        assert set(rules) == {2} and sizes and max(sizes) == 24  # PyTorch path: the whole group
+    elif kernels.supports_prefix_attention(cache.dtype, cache.shape[-1], cache.shape[-2]):
+        min_rows = -(-PREFIX_KERNEL_MIN_QUERIES // queries_per_kv_head)
+        assert set(rules) == {min_rows} and sizes and min(sizes) >= min_rows
+    else:
+        assert set(rules) == {NO_GROUP} and not sizes
+    assert_all_match(model_dir, llm, prompts, outputs)
