@@ -30,14 +30,16 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode_attention.c", "prefix_attention.c", "layer_ops.c", "kv_store.c")]
+           for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
+                        "kv_store.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 9
+ABI_VERSION = 10
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
+CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
 PREFIX_KINDS = {1: "amx", 2: "avx512_bf16"}  # prefix_attention_kind(): the unit its products run on
 LAYER_OP_DTYPES = (torch.bfloat16, torch.float32)  # layer_ops.c
 _POINTER = ctypes.c_void_p
@@ -72,6 +74,9 @@ class CpuKernels:
                                     [_POINTER] * 5 + [_INT] * 8 + [ctypes.c_float] + [_POINTER] * 3)
         self.prefix_kind = PREFIX_KINDS.get(int(library.prefix_attention_kind())) if self._prefix else None
         self._packed = torch.empty(0, dtype=torch.bfloat16)  # prefix K/V in tile layout, reused
+        self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 6
+                                    + [ctypes.c_float, _POINTER, _POINTER])
+        self._packed_f32 = torch.empty(0, dtype=torch.float32)  # transposed K of causal_attention
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0
@@ -163,6 +168,35 @@ class CpuKernels:
                      block_ids.data_ptr(), groups, rows.numel() // groups, shared, kv_heads, queries,
                      head_dim, block_size, causal_base, head_dim ** -0.5, self._packed.data_ptr(),
                      out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+
+    def supports_causal_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
+        return dtype == torch.float32 and head_dim in CAUSAL_HEAD_DIMS and head_dim % self.vector_lanes == 0
+
+    def causal_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_ids: torch.Tensor, causal_base: int) -> torch.Tensor:
+        """fp32 causal prefill of a chunk ``query [n, kv_heads, Q, dim]`` whose K/V are already in the
+        cache ``[blocks, kv_heads, block_size, dim]`` after ``causal_base`` tokens of context, all
+        along ``block_ids``: token i sees the first ``causal_base + i + 1`` keys. Returns the output,
+        shaped like ``query``."""
+        length, kv_heads, queries, head_dim = query.shape
+        block_size = k_cache.shape[-2]
+        keys = causal_base + length
+        _require(self.supports_causal_attention(query.dtype, head_dim)
+                 and query.dtype == k_cache.dtype == v_cache.dtype
+                 and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
+                 and all(t.is_contiguous() for t in (query, k_cache, v_cache))
+                 and block_ids.dtype == torch.int64 and causal_base >= 0 and length > 0
+                 and block_ids.numel() * block_size >= keys, "causal_attention")
+        block_ids = block_ids.contiguous()
+        step = 4 * self.vector_lanes  # the kernel's keys per score block
+        needed = kv_heads * -(-keys // step) * step * head_dim
+        if self._packed_f32.numel() < needed:
+            self._packed_f32 = torch.empty(needed, dtype=torch.float32)
+        out = torch.empty_like(query)
+        self._causal_f32(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
+                         length, kv_heads, queries, head_dim, block_size, causal_base, head_dim ** -0.5,
+                         self._packed_f32.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rows: torch.Tensor) -> None:

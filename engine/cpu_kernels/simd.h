@@ -42,7 +42,9 @@ static inline vf vselect(vi32 mask, vf a, vf b) {
     vf r; memcpy(&r, &ri, sizeof r); return r;
 }
 static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-static inline vf splat(float x) { vf v; for (int i = 0; i < VL; i++) v[i] = x; return v; }
+/* x in every lane; "x - zero vector" is one broadcast (a lane-by-lane loop compiles to VL masked
+ * inserts on AVX-512), and exact for every x, -0.0 included. */
+static inline vf splat(float x) { return x - (vf){0}; }
 
 #if VL == 16
 #define LO1 0,1,2,3,4,5,6,7,16,17,18,19,20,21,22,23

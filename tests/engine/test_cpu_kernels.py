@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import cpu_kernels
-from engine.cpu_kernels import HEAD_DIMS, PREFIX_HEAD_DIMS, CpuKernels, build_and_open
+from engine.cpu_kernels import CAUSAL_HEAD_DIMS, HEAD_DIMS, PREFIX_HEAD_DIMS, CpuKernels, build_and_open
 from engine.dtype_choice import cpu_flags
 from engine.models.llama import RMSNorm, apply_rope
 
@@ -115,6 +115,46 @@ def test_prefix_attention_exists_exactly_where_the_cpu_has_amx_or_avx512_bf16(ke
     assert not kernels.supports_prefix_attention(torch.float32, 64, 16)  # bf16 tiles only
     assert not kernels.supports_prefix_attention(torch.bfloat16, 80, 16)  # whole 32-dim tiles
     assert not kernels.supports_prefix_attention(torch.bfloat16, 64, 8)  # 16-key tiles
+
+
+@pytest.mark.parametrize("head_dim", CAUSAL_HEAD_DIMS)
+@pytest.mark.parametrize(("context", "length", "queries", "block_size"), [
+    (0, 130, 3, 16),  # a whole prompt (SmolLM2's 3 queries per kv head), past two 64-key score blocks
+    (37, 45, 3, 16),  # a chunk after 37 cached tokens, neither on a block boundary
+    (200, 5, 8, 32),  # a short tail after a long context
+    (3, 9, 1, 8),  # small blocks, one query per kv head
+    (0, 1, 2, 16),  # one token
+])
+def test_causal_attention_matches_the_formula_in_fp32(kernels: CpuKernels, head_dim: int, context: int,
+                                                      length: int, queries: int, block_size: int) -> None:
+    """fp32 causal prefill from the cache: token i sees the first context + i + 1 keys of the chunk's
+    blocks (in table order, stale slots past the chunk never), as close to the exact result as SDPA."""
+    if not kernels.supports_causal_attention(torch.float32, head_dim):
+        assert head_dim % kernels.vector_lanes != 0
+        return
+    generator = torch.Generator().manual_seed(context * 7 + length + head_dim)
+    kv_heads, blocks = 2, 64
+    k_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator)
+    v_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator)
+    seq_len = context + length
+    table = torch.randperm(blocks - 1, generator=generator)[: -(-seq_len // block_size)] + 1
+    q = torch.randn(length, kv_heads, queries, head_dim, generator=generator) * 2
+    out = kernels.causal_attention(q, k_cache, v_cache, table, context)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    for i in range(length):
+        expected, _ = reference_attention(q[i], k_cache, v_cache, table, 0, context + i + 1)
+        torch.testing.assert_close(out[i], expected, atol=2e-5, rtol=1e-5)
+
+
+def test_causal_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
+    cache = torch.zeros(4, 1, 16, 64)
+    q, table = torch.zeros(2, 1, 1, 64), torch.ones(1, dtype=torch.long)
+    assert not kernels.supports_causal_attention(torch.bfloat16, 64)  # bf16: the prefix kernel's
+    assert not kernels.supports_causal_attention(torch.float32, 80)
+    with pytest.raises(ValueError, match="causal_attention"):
+        kernels.causal_attention(q.bfloat16(), cache.bfloat16(), cache.bfloat16(), table, 0)
+    with pytest.raises(ValueError, match="causal_attention"):
+        kernels.causal_attention(q, cache, cache, table, 15)  # 17 keys, one 16-key block
 
 
 @pytest.fixture(scope="module", params=list(PREFIX_BUILDS))

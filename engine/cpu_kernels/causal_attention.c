@@ -1,0 +1,152 @@
+/* Causal prefill attention in fp32, straight from the paged cache.
+ *
+ * A prefill chunk of n tokens after causal_base tokens of context: token i's Q query heads of kv
+ * head h see the first causal_base + i + 1 keys of the chunk's blocks (its own K/V are written
+ * before attention runs). SDPA's CPU flash kernel does this at 70-120 GFLOP/s in fp32 on a 2-core
+ * AVX-512 machine whose fp32 matmul runs at ~180, and needs the context gathered out of the cache
+ * first. Here, per kv head, K is first transposed VL keys at a time ([key / VL][dim][lane]) so a
+ * query's scores against VL keys are D broadcast-FMAs; V is read as it lies in the cache. Work
+ * items of 16 queries (token-major: the Q heads of a token are neighbours) compute only the keys
+ * their last query sees: scores in blocks of 4 queries x 4 key vectors, an fp32 softmax (exp
+ * within 2 ulp), then P x V with a few queries' outputs held in registers. Items along the causal
+ * triangle grow, so they are handed out one at a time.
+ *
+ * Layout: q and out [n, H, Q, D] fp32; cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed
+ * holds H * Lp * D floats (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL
+ * vectors of at most 16, any BS. Written with GCC vector types (simd.h): AVX-512 or AVX2.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+#define ITEM 16     /* queries per work item */
+#define KEY_STEP (4 * VL)  /* keys per score block */
+
+static __thread void* causal_buffer = NULL;
+static __thread int64_t causal_capacity = 0;
+
+/* Keys c * VL .. of kv head h, transposed: dst[d * VL + lane] = K[c * VL + lane][d], zero past L. */
+static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, int64_t H, int64_t D, int64_t BS,
+                            int64_t L, int64_t c, float* dst) {
+    for (int64_t lane = 0; lane < VL; lane++) {
+        const int64_t key = c * VL + lane;
+        const float* src = key < L ? kc + ((blocks[key / BS] * H + h) * BS + key % BS) * D : NULL;
+        for (int64_t d = 0; d < D; d++) dst[d * VL + lane] = src ? src[d] : 0.0f;
+    }
+}
+
+static inline __attribute__((always_inline)) void causal_item(
+        const float* q, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n, int64_t H,
+        int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
+        const float* keys, float* out) {
+    const int64_t M = n * Q;
+    float* scores = (float*)thread_scratch(&causal_buffer, &causal_capacity, (ITEM * Lp + ITEM * D) * 4);
+    float* queries = scores + ITEM * Lp;  /* [ITEM, D], zero for padding */
+    int64_t at[ITEM], limit[ITEM], last = 0;
+    for (int64_t t = 0; t < ITEM; t++) {
+        const int64_t j = m0 + t;
+        at[t] = j < M ? ((j / Q) * H + h) * Q + j % Q : -1;
+        limit[t] = j < M ? (causal_base + j / Q + 1 < L ? causal_base + j / Q + 1 : L) : 0;
+        if (at[t] >= 0) memcpy(queries + t * D, q + at[t] * D, (size_t)D * 4);
+        else memset(queries + t * D, 0, (size_t)D * 4);
+        if (limit[t] > last) last = limit[t];
+    }
+    const int64_t span = (last + KEY_STEP - 1) / KEY_STEP * KEY_STEP;  /* <= Lp */
+    /* scores, scaled: 4 queries x 4 key vectors of accumulators */
+    for (int64_t t0 = 0; t0 < ITEM; t0 += 4) {
+        if (at[t0] < 0) break;  /* padding only at the end */
+        for (int64_t k0 = 0; k0 < span; k0 += KEY_STEP) {
+            vf acc[4][4];
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) acc[j][c] = splat(0.0f);
+            const float* kt = keys + k0 * D;  /* vector c of this block at kt + c * D * VL */
+            for (int64_t d = 0; d < D; d++) {
+                vf k[4];
+                for (int c = 0; c < 4; c++) k[c] = load_f32(kt + (c * D + d) * VL);
+                for (int j = 0; j < 4; j++) {
+                    const vf qv = splat(queries[(t0 + j) * D + d]);
+                    for (int c = 0; c < 4; c++) acc[j][c] += qv * k[c];
+                }
+            }
+            for (int j = 0; j < 4; j++)
+                for (int c = 0; c < 4; c++) store_f32(scores + (t0 + j) * Lp + k0 + c * VL, acc[j][c] * scale);
+        }
+    }
+    /* softmax: probabilities in place, exactly zero past each query's limit */
+    float inverse[ITEM];
+    for (int64_t t = 0; t < ITEM; t++) {
+        if (at[t] < 0) continue;
+        float* s = scores + t * Lp;
+        vf best = splat(-INFINITY);
+        int64_t key = 0;
+        for (; key + VL <= limit[t]; key += VL) best = vmax(best, load_f32(s + key));
+        float top = hmax(best);
+        for (; key < limit[t]; key++) top = s[key] > top ? s[key] : top;
+        vf sum = splat(0.0f);
+        for (int64_t key = 0; key < span; key += VL) {
+            const vf e = vexp(load_f32(s + key) - top);
+            store_f32(s + key, e);
+        }
+        for (int64_t key = limit[t]; key < span; key++) s[key] = 0.0f;
+        for (int64_t key = 0; key < span; key += VL) sum += load_f32(s + key);
+        inverse[t] = 1.0f / hsum(sum);
+    }
+    /* P x V: QB queries' D / VL output vectors in registers, V rows read from the cache */
+    const int VECS = (int)(D / VL), QB = VECS >= 16 ? 1 : 16 / VECS;  /* QB * VECS <= 16 accumulators */
+    for (int64_t t0 = 0; t0 < ITEM; t0 += QB) {
+        if (at[t0] < 0) break;
+        int64_t keys_seen = 0;
+        for (int j = 0; j < QB; j++)
+            if (limit[t0 + j] > keys_seen) keys_seen = limit[t0 + j];
+        vf acc[16];
+        for (int i = 0; i < QB * VECS; i++) acc[i] = splat(0.0f);
+        for (int64_t first = 0; first < keys_seen; first += BS) {  /* block by block: no division a key */
+            const float* block = vc + (blocks[first / BS] * H + h) * BS * D;
+            const int64_t count = keys_seen - first < BS ? keys_seen - first : BS;
+            for (int64_t i = 0; i < count; i++) {
+                vf row[16];
+                for (int e = 0; e < VECS; e++) row[e] = load_f32(block + i * D + e * VL);
+                for (int j = 0; j < QB; j++) {
+                    const vf p = splat(scores[(t0 + j) * Lp + first + i]);
+                    for (int e = 0; e < VECS; e++) acc[j * VECS + e] += p * row[e];
+                }
+            }
+        }
+        for (int j = 0; j < QB; j++) {
+            if (at[t0 + j] < 0) continue;
+            for (int e = 0; e < VECS; e++)
+                store_f32(out + at[t0 + j] * D + e * VL, acc[j * VECS + e] * inverse[t0 + j]);
+        }
+    }
+}
+
+#define CAUSAL_ITEM(DIM) causal_item(q, vc, blocks, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, scale, \
+                                     packed + h * Lp * DIM, out)
+
+void causal_attention_f32(const float* q, const float* kc, const float* vc, const int64_t* blocks, int64_t n,
+                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, float scale,
+                          float* packed, float* out, int nt) {
+    const int64_t L = causal_base + n, Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+    const int64_t tiles = (n * Q + ITEM - 1) / ITEM;
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t unit = 0; unit < H * (Lp / VL); unit++) {
+            const int64_t h = unit / (Lp / VL), c = unit % (Lp / VL);
+            pack_key_vector(kc, blocks, h, H, D, BS, L, c, packed + (h * Lp + c * VL) * D);
+        }
+        /* the last tiles (the longest rows of the triangle) first, so no thread ends with one */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < H * tiles; item++) {
+            const int64_t h = item % H, m0 = (tiles - 1 - item / H) * ITEM;
+            switch (D) {
+                case 32: CAUSAL_ITEM(32); break;
+                case 64: CAUSAL_ITEM(64); break;
+                case 96: CAUSAL_ITEM(96); break;
+                default: CAUSAL_ITEM(128); break;
+            }
+        }
+    }
+}
