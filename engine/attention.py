@@ -650,10 +650,9 @@ class TorchPagedAttention(AttentionBackend):
         context + own part merged by LSE on CPU, else its gathered context with a mask (a sliding
         window, other devices)."""
         length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
-        if sliding_window is None and self._uses_prefix_kernel(query.dtype, k_cache):
-            return self._prefill_on_amx(query, k_cache, v_cache, metadata, index)
-        if sliding_window is None and self._uses_causal_kernel(query.dtype, k_cache):
-            return self._prefill_causal_f32(query, k_cache, v_cache, metadata, index)
+        if sliding_window is None and (self._uses_prefix_kernel(query.dtype, k_cache)
+                                       or self._uses_causal_kernel(query.dtype, k_cache)):
+            return self._prefill_native(query, k_cache, v_cache, metadata, index)
         if key is not None and value is not None and seq_len == length:
             return self._prefill(query, key, value, metadata.prefill_mask(index, sliding_window))
         if key is not None and value is not None and sliding_window is None and query.device.type == "cpu":
@@ -669,34 +668,25 @@ class TorchPagedAttention(AttentionBackend):
         return (self.kernels is not None and k_cache.device.type == "cpu"
                 and self.kernels.supports_causal_attention(dtype, k_cache.shape[-1]))
 
-    def _prefill_causal_f32(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            metadata: AttentionMetadata, index: int) -> torch.Tensor:
-        """An fp32 prefill chunk, causal over its context and itself, in one call of the native
-        causal kernel straight from the cache (no gather; 2-3x SDPA's flash kernel on AVX-512)."""
-        assert self.kernels is not None
-        length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
-        num_heads, head_dim = query.shape[1:]
-        num_kv_heads = k_cache.shape[-3]
-        blocks = metadata.prefill_block_tables[index][: -(-seq_len // metadata.block_size)]
-        rows_q = query.reshape(length, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
-        out = self.kernels.causal_attention(rows_q, k_cache, v_cache, blocks, seq_len - length)
-        return out.view(length, num_heads, head_dim)
-
-    def _prefill_on_amx(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    def _prefill_native(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         metadata: AttentionMetadata, index: int) -> torch.Tensor:
-        """A prefill chunk, causal over its context and itself, in one call of the AMX kernel straight
-        from the cache (its K/V are written before attention runs): each token is a row whose
-        per-kv-head queries see the first ``context + position + 1`` keys."""
+        """A prefill chunk, causal over its context and itself, in one native kernel call straight
+        from the cache (its K/V are written before attention runs; no gather): each token is a row
+        whose per-kv-head queries see the first ``context + position + 1`` keys. bf16: the prefix
+        kernel (AMX or AVX512-BF16); fp32: the causal kernel (2-3x SDPA's flash on AVX-512)."""
         assert self.kernels is not None
         length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
         num_heads, head_dim = query.shape[1:]
         num_kv_heads = k_cache.shape[-3]
         blocks = metadata.prefill_block_tables[index][: -(-seq_len // metadata.block_size)]
         rows_q = query.reshape(length, num_kv_heads, num_heads // num_kv_heads, head_dim).contiguous()
-        out = torch.empty_like(rows_q)
-        lse = torch.empty(rows_q.shape[:-1])
-        self.kernels.prefix_attention(rows_q, k_cache, v_cache, torch.arange(length), blocks[None], out, lse,
-                                      causal_base=seq_len - length)
+        if self._uses_causal_kernel(query.dtype, k_cache):
+            out = self.kernels.causal_attention(rows_q, k_cache, v_cache, blocks, seq_len - length)
+        else:
+            out = torch.empty_like(rows_q)
+            lse = torch.empty(rows_q.shape[:-1])
+            self.kernels.prefix_attention(rows_q, k_cache, v_cache, torch.arange(length), blocks[None], out,
+                                          lse, causal_base=seq_len - length)
         return out.view(length, num_heads, head_dim)
 
     @staticmethod

@@ -141,6 +141,24 @@ static inline __m512 exp2_ps(__m512 x) {
     return _mm512_scalef_ps(p, whole);
 }
 
+/* A work item's per-thread buffers: scores and probabilities [32, L32], queries and fp32 output
+ * sums [32, D]. */
+typedef struct {
+    float* scores;
+    uint16_t* probs;
+    uint16_t* queries;
+    float* acc;
+} item_space;
+
+static item_space item_buffers(int64_t L32, int64_t D) {
+    item_space space;
+    space.scores = (float*)item_scratch(32 * L32 * 6 + 32 * D * 6);
+    space.probs = (uint16_t*)(space.scores + 32 * L32);
+    space.queries = space.probs + 32 * L32;
+    space.acc = (float*)(space.queries + 32 * D);
+    return space;
+}
+
 /* A work item's 32 queries (m0.. of group g, kv head h) copied into `queries` [32, D], zero for
  * padding past the group's M queries; each query's (row, head, q) index in `at` (-1: padding) and
  * its visible keys in `limit`. `causal_base` < 0: every query sees all L keys; else query j (of row
@@ -225,11 +243,11 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
                         const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
     const uint16_t* values = keys + L * D;
-    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
-    float* scores = (float*)scratch;                     /* [32, L32] */
-    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
-    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
-    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
+    const item_space space = item_buffers(L32, D);
+    float* scores = space.scores;
+    uint16_t* probs = space.probs;
+    uint16_t* queries = space.queries;
+    float* acc = space.acc;
     int64_t at[32], limit[32];
     const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
@@ -295,14 +313,9 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
  * against 16 keys are D / 2 dot products of its broadcast pair p with row p; a V tile's row i holds,
  * per dim, the pair (key 2i, key 2i + 1), so a query's output for 16 dims accumulates its broadcast
  * probability pair i times row i. Queries are taken 8 (scores) or 16 * 16 / D (P x V) at a time so
- * their accumulators stay in registers; blocks of padding queries are skipped. */
+ * their accumulators stay in registers; blocks of padding queries (only ever at the end of an
+ * item) are skipped. */
 #define BCAST_PAIR(p) ((__m512bh)_mm512_set1_epi32(*(const int32_t*)(p)))
-
-static inline int any_real(const int64_t* at, int64_t count) {
-    for (int64_t t = 0; t < count; t++)
-        if (at[t] >= 0) return 1;
-    return 0;
-}
 
 /* Scores of 8 queries against 16 (`two`: 32) packed keys: `keys` at the first key's tile. */
 static inline __attribute__((always_inline)) void score_8_queries(const uint16_t* queries, const uint16_t* keys,
@@ -360,17 +373,17 @@ static inline __attribute__((always_inline)) void attend_item_dims(
         int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
     const uint16_t* values = keys + L * D;
-    char* scratch = item_scratch(32 * L32 * 6 + 32 * D * 6);
-    float* scores = (float*)scratch;                     /* [32, L32] */
-    uint16_t* probs = (uint16_t*)(scores + 32 * L32);    /* [32, L32] */
-    uint16_t* queries = probs + 32 * L32;                /* [32, D] */
-    float* acc = (float*)(queries + 32 * D);             /* [32, D] */
+    const item_space space = item_buffers(L32, D);
+    float* scores = space.scores;
+    uint16_t* probs = space.probs;
+    uint16_t* queries = space.queries;
+    float* acc = space.acc;
     int64_t at[32], limit[32];
     const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
     __m512 best[32];
     for (int64_t t0 = 0; t0 < 32; t0 += 8) {
-        if (!any_real(at + t0, 8)) continue;
+        if (at[t0] < 0) break;  /* padding only at the end */
         for (int64_t key = 0; key < span; key += 32)
             score_8_queries(queries + t0 * D, keys + key * D, key + 16 < span, D, scores + t0 * L32 + key, L32);
     }
@@ -386,7 +399,7 @@ static inline __attribute__((always_inline)) void attend_item_dims(
     softmax_to_probs(scores, probs, L32, span, span32, at, best, scale, top, total);
     const int QB = 256 / D;  /* 8, 4, 2 or 2 queries: at most 16 accumulators */
     for (int64_t t0 = 0; t0 < 32; t0 += QB)
-        if (any_real(at + t0, QB)) multiply_values(probs + t0 * L32, L32, values, span32, D, QB, acc + t0 * D);
+        if (at[t0] >= 0) multiply_values(probs + t0 * L32, L32, values, span32, D, QB, acc + t0 * D);
     write_item_output(acc, at, top, total, D, out, lse);
 }
 
