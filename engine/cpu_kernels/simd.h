@@ -45,6 +45,9 @@ static inline vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 /* x in every lane; "x - zero vector" is one broadcast (a lane-by-lane loop compiles to VL masked
  * inserts on AVX-512), and exact for every x, -0.0 included. */
 static inline vf splat(float x) { return x - (vf){0}; }
+/* v, kept in a register: GCC folds a loaded vector into each FMA that uses it as a memory operand,
+ * one load per FMA, which starves Zen 4's single 512-bit load per cycle when four FMAs share it. */
+static inline __attribute__((always_inline)) vf in_register(vf v) { __asm__("" : "+v"(v)); return v; }
 
 #if VL == 16
 #define LO1 0,1,2,3,4,5,6,7,16,17,18,19,20,21,22,23
