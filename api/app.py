@@ -17,8 +17,10 @@ from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
 from api.methods import install_method_handlers
+from api.metrics import service_registry
 from api.rate_limit import RateLimit
 from api.routes import jobs as job_routes
+from api.routes import observe as observe_routes
 from api.routes import schedules as schedule_routes
 from api.routes import service as service_routes
 from jobs.settings import Settings
@@ -52,11 +54,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   dependencies=[Depends(auth), Depends(rate_limit)], **docs)
     app.state.context = context
     app.state.auth = auth
+    app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
     install_method_handlers(app)
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)
+    app.include_router(observe_routes.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

@@ -27,7 +27,7 @@ from fastapi import Depends, Request
 from api.errors import HttpError
 from jobs.settings import ConfigError
 
-OPEN_PATHS = frozenset({"/healthz"})
+OPEN_PATHS = frozenset({"/healthz", "/ui"})  # /ui: a static shell; its data comes through keyed calls
 DEFAULT_TENANT = "default"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
 HASH_PREFIX = "sha256:"

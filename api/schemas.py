@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from jobs.results import TokenUsage
 from jobs.status import JobStatus, RowCounts
+from jobs.workers import BEAT_TTL_S, WorkerBeat
 
 
 class ErrorBody(BaseModel):
@@ -52,3 +53,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         400: "the input or model cannot be used", 404: "no such job", 409: "conflicts with the job's state "
         "or an earlier submit", 422: "the request or job spec is invalid", 503: "a backing service is down",
     }.items()}
+
+
+class WorkerList(BaseModel):
+    workers: list[WorkerBeat] = Field(description="every worker that sent a heartbeat in the last "
+                                                  f"{BEAT_TTL_S} s, by hostname")

@@ -99,3 +99,13 @@ def orphan_sweep_key(namespace: str) -> str:
 
 def rate_key(namespace: str, who: str, second: int) -> str:
     return f"{namespace}:rate:{who}:{second}"
+
+
+# ---- Workers -----------------------------------------------------------------------------------
+def worker_beat_key(namespace: str, hostname: str) -> str:
+    """A live worker's latest heartbeat (jobs/workers.py); it expires when the worker stops beating."""
+    return f"{namespace}:worker:{hostname}"
+
+
+def worker_beat_pattern(namespace: str) -> str:
+    return f"{namespace}:worker:*"

@@ -252,6 +252,13 @@ class JobRepository:
         statuses = [status for _, status in found[:limit]]
         return statuses, found[limit - 1][0] if len(found) > limit else None
 
+    def count_by_state(self) -> dict[str, int]:
+        """How many jobs are in each state, every tenant's (one ZCARD per state)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for state in STATES:
+            pipe.zcard(self._state_index_key(state))
+        return {state.value: int(count) for state, count in zip(STATES, pipe.execute(), strict=True)}
+
     def ensure_index(self) -> int:
         """Put back every job of the store that Redis does not know (after Redis lost its data, or
         on a new Redis beside an old store), from its status.json; returns how many. Once done, a

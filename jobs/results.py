@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -57,6 +58,8 @@ class ShardResult(BaseModel):
     started_at: datetime
     finished_at: datetime
     dtype: str | None = Field(None, description="the dtype the engine computed this shard in")
+    error_codes: dict[str, int] = Field(default_factory=dict,
+                                        description="the failed rows by error code (row_too_long: 3, ...)")
     fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
                               "under it and are published from there (jobs/part_publication.py); "
                               "None: written in place")
@@ -71,13 +74,14 @@ class ShardResult(BaseModel):
                      dtype: str | None = None, fence: str | None = None) -> ShardResult:
         """The result of a shard whose `outputs` were written as `output` and `errors`."""
         failed = sum(row.failed for row in outputs)
+        codes = Counter(row.error_code for row in outputs if row.error_code is not None)
         usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in outputs),
                            cached=sum(row.cached_tokens or 0 for row in outputs),
                            completion=sum(row.completion_tokens or 0 for row in outputs))
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
-                   fence=fence)
+                   error_codes=dict(sorted(codes.items())), fence=fence)
 
 
 def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult) -> ShardResult:

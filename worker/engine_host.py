@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
@@ -115,6 +116,8 @@ class EngineHost:
         self._thread: threading.Thread | None = None
         self.dtype_choice: DtypeChoice | None = None  # the engine's dtype and why, once it is loaded
         self.crashes = 0  # engine steps that raised (each rebuilt the engine)
+        self.load_seconds: float | None = None  # how long the engine took to build, once it is loaded
+        self.device: str | None = None  # where it computes ("cpu", "cuda"), once it is loaded
 
     # ---- lifecycle -----------------------------------------------------------------------------
 
@@ -183,12 +186,15 @@ class EngineHost:
     # ---- the engine thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        started = time.monotonic()
         try:
             engine = self._load_engine()
         except BaseException as error:  # noqa: BLE001 - reported to every submitter
             logger.exception("engine %s failed to load", self.name)
             self._die(error)
             return
+        self.load_seconds = time.monotonic() - started
+        self.device = str(engine.config.device)
         self.dtype_choice = engine.dtype_choice
         self._ready.set()
         self._settled.set()

@@ -28,6 +28,7 @@ from jobs.formats.rows import Row, RowError, RowErrorCode
 from jobs.response_format import engine_response_format
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
+from worker import metrics
 from worker.engine_host import EngineRequest, Submission
 
 if TYPE_CHECKING:
@@ -216,6 +217,7 @@ class EngineRun:
 
     def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0) -> None:
         self._prepared = PreparedBatch(hosted.renderer, items, priority)
+        self._model = hosted.name
         requests = self._prepared.requests
         self.submission: Submission | None = hosted.host.submit(requests) if requests else None
 
@@ -228,7 +230,9 @@ class EngineRun:
         if self.submission is None:
             return self._prepared.outputs([])
         self.submission.wait()
-        return self._prepared.outputs(self.submission.results())
+        results = self.submission.results()
+        metrics.record_requests(self._model, results)
+        return self._prepared.outputs(results)
 
     def abort(self) -> None:
         """Stop every row still in the engine (their outcomes say so)."""

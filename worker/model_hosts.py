@@ -97,6 +97,21 @@ class ModelHosts:
         tuned = tuned_engine_options(self.cache_dir or model_cache_dir(), directory, signature)
         return EngineConfig(model=str(directory), **{**tuned, **explicit})
 
+    def hosted(self) -> list[HostedModel]:
+        """The models this process hosts now (loaded, loading or failed)."""
+        with self._lock:
+            return list(self._models.values())
+
+    def state(self, name: str) -> str:
+        """One model's state: "loaded", "loading", "not loaded" or "failed: <why>"."""
+        with self._lock:
+            hosted = self._models.get(name)
+        if hosted is None:
+            return "not loaded"
+        if hosted.host.failure is not None:
+            return f"failed: {hosted.host.failure}"
+        return "loaded" if hosted.host.loaded else "loading"
+
     def preload(self, names: Iterable[str]) -> threading.Thread:
         """Load these models in a background thread (at worker start), logging failures."""
 

@@ -41,6 +41,7 @@ from jobs.orphan_uploads import sweep_orphan_uploads
 from jobs.repository import JobRepository
 from jobs.settings import Settings
 from jobs.status import JobState
+from worker import metrics
 from worker.context import WorkerContext
 from worker.periodic import start_periodic
 from worker.shard_runner import committed_result, count_shard
@@ -86,6 +87,7 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
                         continue  # re-sent recently: give that delivery time to take the lease
                     queue = queue or context.registry.queue_for(repository.get_spec(job.job_id).model)
                     send_shard(job.job_id, index, queue)
+                    metrics.REAPER_RESENDS.labels("shard").inc()
                     resent.append((job.job_id, index))
                     logger.warning("job %s shard %d: started, no result, no live lease; re-sent to %s",
                                    job.job_id, index, queue)
@@ -127,6 +129,7 @@ def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize
                     continue  # a live run holds it
                 if _due_for_resend(client, step_due_key(namespace, job.job_id, step), 2 * ttl_s):
                     send(job.job_id)
+                    metrics.REAPER_RESENDS.labels(step).inc()
                     resent.append((job.job_id, step))
                     logger.warning("job %s (%s): %s due, no live run; re-sent", job.job_id, state.value, step)
             if cursor is None:

@@ -89,7 +89,7 @@ def list_jobs(context: Context, caller: CallerDep, status: JobState | None = Non
     return JobPage(jobs=jobs, next_cursor=next_cursor)
 
 
-def _owned(context: ApiContext, caller: Caller, job_id: str) -> JobStatus:
+def owned_job(context: ApiContext, caller: Caller, job_id: str) -> JobStatus:
     """The job, if the caller may see it; another tenant's job is not found, as if it did not exist."""
     status = context.repository.get(_known_id(job_id))
     if not caller.sees(status.tenant):
@@ -99,19 +99,19 @@ def _owned(context: ApiContext, caller: Caller, job_id: str) -> JobStatus:
 
 @router.get("/jobs/{job_id}", response_model=JobStatus, summary="A job's state, counts and usage")
 def get_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
-    return _owned(context, caller, job_id)
+    return owned_job(context, caller, job_id)
 
 
 @router.get("/jobs/{job_id}/spec", response_model=JobSpec, summary="The spec the job runs (job.json)")
 def get_job_spec(job_id: str, context: Context, caller: CallerDep) -> JobSpec:
-    _owned(context, caller, job_id)
+    owned_job(context, caller, job_id)
     return context.repository.get_spec(job_id)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobStatus, summary="Cancel a job")
 def cancel_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
     """Cancelling a cancelled job is a no-op; a job that already succeeded or failed answers 409."""
-    _owned(context, caller, job_id)
+    owned_job(context, caller, job_id)
     status = context.repository.request_cancel(job_id)
     if status.state != JobState.CANCELLED:
         raise HttpError(409, f"job {job_id} already {status.state.value}; there is nothing to cancel")
@@ -128,7 +128,7 @@ def get_results(job_id: str, context: Context, caller: CallerDep,
                 download: bool = False) -> JobResults | StreamingResponse:
     """The output parts with presigned URLs; `?download=true` streams every row, in input order,
     as JSON lines (Parquet parts are converted)."""
-    _owned(context, caller, job_id)
+    owned_job(context, caller, job_id)
     if not download:
         return job_results(context, _known_id(job_id))
     manifest = finished_manifest(context, _known_id(job_id))

@@ -1,0 +1,50 @@
+"""What the deployment is doing: Prometheus metrics, live workers, a job's progress, the status page."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import HTMLResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api.auth import CallerDep
+from api.dependencies import Context
+from api.errors import HttpError
+from api.routes.jobs import owned_job
+from api.schemas import ERROR_RESPONSES, WorkerList
+from jobs.progress import JobProgress, job_progress
+from jobs.workers import live_workers
+
+router = APIRouter(tags=["observe"], responses=ERROR_RESPONSES)
+STATUS_PAGE = Path(__file__).resolve().parents[1] / "ui" / "index.html"
+
+
+@router.get("/metrics", summary="Prometheus metrics of the service", response_class=Response,
+            responses={200: {"content": {CONTENT_TYPE_LATEST: {}}}})
+def metrics(request: Request, caller: CallerDep) -> Response:
+    """Jobs by status, queue lengths, live workers. With API keys set, an admin key's: the figures
+    span every tenant."""
+    if request.app.state.auth.enabled and not caller.admin:
+        raise HttpError(403, "/metrics spans every tenant: it needs an admin key (admin_api_keys)")
+    return Response(generate_latest(request.app.state.metrics), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/workers", response_model=WorkerList, summary="Live workers: models, dtype, throughput")
+def workers(context: Context) -> WorkerList:
+    repository = context.repository
+    return WorkerList(workers=live_workers(repository.redis, repository.namespace))
+
+
+@router.get("/jobs/{job_id}/progress", response_model=JobProgress, tags=["jobs"],
+            summary="A job's rows and tokens over time, and its errors by code")
+def progress(job_id: str, context: Context, caller: CallerDep) -> JobProgress:
+    owned_job(context, caller, job_id)
+    return job_progress(context.store, context.repository.layout(job_id))
+
+
+@router.get("/ui", response_class=HTMLResponse, include_in_schema=False)
+def status_page() -> HTMLResponse:
+    """The status page: a static shell (no data in it) whose script reads the API with the key the
+    user enters, so with keys set it shows only what that key may see."""
+    return HTMLResponse(STATUS_PAGE.read_text(encoding="utf-8"))

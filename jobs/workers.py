@@ -1,0 +1,53 @@
+"""Worker heartbeats: what each live worker serves and how fast, for the API's /ui and /metrics.
+
+A worker writes its beat every `BEAT_INTERVAL_S` to a Redis key that expires after `BEAT_TTL_S`,
+so a worker that died or was stopped drops out of the list by itself within that time.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+import redis
+from pydantic import BaseModel
+
+from jobs.names import worker_beat_key, worker_beat_pattern
+
+BEAT_INTERVAL_S = 5.0
+BEAT_TTL_S = 20
+
+
+class WorkerModel(BaseModel):
+    name: str
+    state: str  # "loaded", "loading", "not loaded", "failed: <why>"
+    dtype: str | None = None
+    device: str | None = None
+    running: int = 0  # requests in the engine now
+    waiting: int = 0
+    tokens_per_s: float = 0.0  # generated tokens per second over the last beat interval
+
+
+class WorkerBeat(BaseModel):
+    hostname: str
+    pid: int
+    started_at: datetime
+    updated_at: datetime
+    models: list[WorkerModel]
+
+
+def write_beat(client: redis.Redis, namespace: str, beat: WorkerBeat) -> None:
+    client.set(worker_beat_key(namespace, beat.hostname), beat.model_dump_json(), ex=BEAT_TTL_S)
+
+
+def clear_beat(client: redis.Redis, namespace: str, hostname: str) -> None:
+    client.delete(worker_beat_key(namespace, hostname))
+
+
+def live_workers(client: redis.Redis, namespace: str) -> list[WorkerBeat]:
+    """Every worker that beat within the TTL, by hostname."""
+    keys = sorted(client.scan_iter(match=worker_beat_pattern(namespace), count=200))
+    beats = []
+    for value in client.mget(keys) if keys else []:
+        if value:  # expired between the scan and the read
+            beats.append(WorkerBeat.model_validate_json(value))
+    return sorted(beats, key=lambda beat: beat.hostname)
