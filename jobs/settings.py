@@ -49,6 +49,8 @@ ENVIRONMENT_NAMES = {
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
     "worker_models": "BULKINFER_WORKER_MODELS",
+    "worker_metrics_port": "BULKINFER_WORKER_METRICS_PORT",
+    "log_format": "BULKINFER_LOG_FORMAT",
     "api_keys": "BULKINFER_API_KEYS",
     "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
     "tenant_prefixes": "BULKINFER_TENANT_PREFIXES",
@@ -94,6 +96,10 @@ class Settings(BaseModel):
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
     worker_models: str | None = None  # comma-separated models a worker loads at start (serve worker sets it)
+    # A worker's own HTTP endpoint (worker/status_server.py): /metrics, /healthz, /readyz; 0: none.
+    worker_metrics_port: int = Field(9400, ge=0, le=65535)
+    # Log lines: "text" (the default, for a terminal) or "json" (one object a line, for collectors).
+    log_format: Literal["text", "json"] = "text"
     # Keys the API accepts as `Authorization: Bearer <key>`: comma-separated `tenant=key` (a key may be
     # `sha256:<hex>`; a bare key is the tenant "default"); unset: no auth (api/auth.py).
     api_keys: str | None = None
@@ -202,6 +208,12 @@ class Settings(BaseModel):
     @property
     def preload_models(self) -> list[str]:
         return [name.strip() for name in (self.worker_models or "").split(",") if name.strip()]
+
+    def log_secrets(self) -> list[str]:
+        """What no log line may contain (jobs/log_format.py): these settings' keys and secrets."""
+        from jobs.log_format import secret_values
+
+        return secret_values([self.api_keys, self.admin_api_keys, self.webhook_secret])
 
     def engine_options_dict(self) -> dict[str, Any]:
         """`engine_options` with the `dtype` setting over its own `dtype`, when that is set."""

@@ -42,6 +42,8 @@ HELP = {
     "max_schemas_per_job": "distinct response formats a job's rows may carry (row errors beyond)",
     "max_jobs_in_flight": "queued, running or finalizing jobs per tenant (429 beyond)",
     "max_requests_per_s": "API requests per second per key (429 beyond)",
+    "worker_metrics_port": "port of the worker's /metrics, /healthz and /readyz (0: none)",
+    "log_format": "log lines as text (default) or json (one object a line)",
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
@@ -49,7 +51,7 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
                    "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",
                    "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
-                   "webhook_allow_private")
+                   "webhook_allow_private", "worker_metrics_port", "log_format")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -115,3 +115,53 @@ def _start_schedule_ticker(sender: Any = None, **_: Any) -> None:
     from worker.schedule_ticker import start_ticker
 
     start_ticker(process_settings())
+
+
+_status_server = None  # this process's StatusServer, once the worker is up
+
+
+@signals.worker_ready.connect
+def _start_status_server(sender: Any = None, **_: Any) -> None:
+    """/metrics, /healthz and /readyz on `worker_metrics_port`, and the heartbeat the API reads."""
+    global _status_server
+    if sender is None or getattr(sender, "app", None) is not app:
+        return
+    from worker import metrics
+    from worker.context import worker_context
+    from worker.status_server import StatusServer
+
+    settings, context = process_settings(), worker_context()
+    metrics.register_engines(context.hosts.hosted)
+    try:
+        _status_server = StatusServer(context, sender.hostname, settings.preload_models,
+                                      settings.worker_metrics_port).start()
+    except OSError as error:  # the port is taken: the worker still works, unobserved
+        logger.error("worker status endpoint not started on port %d: %s (set worker_metrics_port)",
+                     settings.worker_metrics_port, error)
+
+
+@signals.worker_shutting_down.connect
+def _hand_back_running_shards(**_: Any) -> None:
+    """SIGTERM (or Ctrl-C): running shards hand themselves back (worker/shutdown.py)."""
+    from worker import shutdown
+
+    logger.info("worker stopping: running shards are handed back to their queues")
+    shutdown.begin()
+
+
+@signals.worker_shutdown.connect
+def _stop_status_server(**_: Any) -> None:
+    if _status_server is not None:
+        _status_server.stop()
+
+
+@signals.after_setup_logger.connect
+def _json_logs(loglevel: Any = None, **_: Any) -> None:
+    """`log_format = "json"`: Celery's root handlers write JSON lines instead (jobs/log_format.py);
+    text, Celery's own format, stays the default."""
+    settings = process_settings()
+    if settings.log_format != "json":
+        return
+    from jobs.log_format import configure_json_logging
+
+    configure_json_logging(loglevel or logging.INFO, settings.log_secrets())

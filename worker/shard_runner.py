@@ -38,6 +38,7 @@ from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import JobState
+from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
 from worker.engine_rows import run_rows
@@ -45,6 +46,7 @@ from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.schema_limit import limit_schemas
 from worker.shard_lease import ShardLease
+from worker.shutdown import ShardHandedBack
 from worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -101,22 +103,30 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
     if result is None:
         started_at = datetime.now(UTC)
         timings = PhaseTimings()
+        spec = None
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
             outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
+            metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
             return {"status": "failed", "error": str(error)}
+        except ShardHandedBack:
+            metrics.record_shard(spec.model if spec is not None else "unknown", "handed_back")
+            raise
         if outputs is None or repository.is_cancel_requested(job_id):
             logger.info("job %s shard %d cancelled; nothing written", job_id, shard_index)
+            metrics.record_shard(spec.model, "cancelled")
             return {"status": "cancelled"}
         if not lease.held:  # this process stalled past the lease's TTL: another run owns the shard now
+            metrics.record_shard(spec.model, "skipped")
             return {"status": "skipped: lost the shard lease to another run"}
         with timings.phase("write"):
             result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
                                   fence=lease.fence, created=int(job.created_at.timestamp()),
                                   started_at=started_at, dtype=dtype)
+        metrics.record_shard(spec.model, "done", result)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
@@ -166,15 +176,22 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
                    items: list[Row | RowError], priority: int) -> list[OutputRow] | None:
-    """Every row's outcome in input order; None if the job was cancelled while its rows ran."""
+    """Every row's outcome in input order; None if the job was cancelled while its rows ran.
+    Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
     try:
-        return run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S,
-                        should_stop=lambda: context.repository.is_cancel_requested(job_id))
+        outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S,
+                           should_stop=lambda: shutdown.stopping()
+                           or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
+        if shutdown.stopping():  # the engine was stopped with the worker
+            raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error
         if hosted.host.loaded:  # it ran, then died: the shard is retried on a fresh engine
             raise EngineDied(f"model {hosted.name!r}: the engine died while running the shard: {error}") \
                 from error
         raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
+    if outputs is None and shutdown.stopping():
+        raise ShardHandedBack(f"job {job_id}: the worker is stopping")
+    return outputs
 
 
 class EngineDied(RuntimeError):

@@ -17,8 +17,9 @@ from celery import Task
 from celery.exceptions import Retry
 from kombu.exceptions import OperationalError
 
+from jobs.log_format import log_context
 from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_SHARD
-from worker import job_lifecycle, shard_runner, webhook_delivery
+from worker import job_lifecycle, metrics, shard_runner, shutdown, webhook_delivery
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
 from worker.task_attempts import DEFAULT_MAX_ATTEMPTS, failure_message, record_failure
@@ -85,10 +86,15 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
     backoff until the step has failed `max_task_attempts` times, then fail the job with the reason
     (worker/task_attempts.py), so no step is re-sent forever.
     """
+    step_kind = step.split(" ", 1)[0]  # "shard 3" -> "shard"
     try:
-        summary = work()
+        with log_context(job_id=job_id, shard=step.split(" ", 1)[1] if " " in step else None,
+                         worker=task.request.hostname):
+            summary = work()
     except Exception as error:
         if is_transient(error):
+            metrics.record_transient(error)
+            metrics.TASK_RETRIES.labels(step_kind, "transient").inc()
             delay = retry_delay_s(task.request.retries)
             logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
             raise retry_published(task, error, delay) from error
@@ -96,6 +102,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
         attempts = record_failure(repository.redis, repository.namespace, job_id, step)
         limit = context.settings.max_task_attempts or DEFAULT_MAX_ATTEMPTS
         if attempts < limit:
+            metrics.TASK_RETRIES.labels(step_kind, "error").inc()
             delay = retry_delay_s(attempts - 1)
             logger.exception("job %s: %s failed (attempt %d of %d); retrying in %.0fs", job_id, step,
                              attempts, limit, delay)
@@ -119,8 +126,20 @@ def plan_job(self: Task, job_id: str) -> dict[str, Any]:
 @app.task(name=RUN_SHARD, bind=True)
 def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
     context = worker_context()
-    return run_step(self, context, job_id, f"shard {shard_index}",
-                    lambda: shard_runner.run_shard(context, job_id, shard_index, send_finalize))
+
+    def work() -> dict[str, Any]:
+        try:
+            return shard_runner.run_shard(context, job_id, shard_index, send_finalize)
+        except shutdown.ShardHandedBack:
+            # The lease is released; the shard goes back to its queue before this message is acked.
+            queue = (self.request.delivery_info or {}).get("routing_key") \
+                or context.registry.queue_for(context.repository.get_spec(job_id).model)
+            send_shard(job_id, shard_index, queue)
+            logger.info("job %s shard %d: handed back to %s (the worker is stopping)", job_id, shard_index,
+                        queue)
+            return {"job_id": job_id, "shard_index": shard_index, "status": "handed back"}
+
+    return run_step(self, context, job_id, f"shard {shard_index}", work)
 
 
 @app.task(name=FINALIZE_JOB, bind=True)

@@ -23,7 +23,7 @@ from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings
 
 API_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "api_host", "api_port", "api_keys",
                 "admin_api_keys", "tenant_prefixes", "webhook_allow_http", "webhook_allow_private",
-                "max_upload_bytes", "max_jobs_in_flight", "max_requests_per_s")
+                "max_upload_bytes", "max_jobs_in_flight", "max_requests_per_s", "log_format")
 WORKER_ONLY_SETTINGS = tuple(name for name in WORKER_SETTINGS if name not in API_SETTINGS)
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_STOP_TIMEOUT_S = 30
@@ -49,9 +49,20 @@ def serve_api(argv: list[str]) -> int:
     settings = _settings(args, "serve api")
     if settings is None:
         return 2
+    json_logs = _use_json_logs(settings, args.log_level)
     uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level=args.log_level)
+                log_level=args.log_level, **({"log_config": None} if json_logs else {}))
     return 0
+
+
+def _use_json_logs(settings: Settings, level: str) -> bool:
+    """`log_format = "json"`: the root logger writes JSON lines, and uvicorn is told to log there."""
+    if settings.log_format != "json":
+        return False
+    from jobs.log_format import configure_json_logging
+
+    configure_json_logging(level, settings.log_secrets())
+    return True
 
 
 def serve_all_parser() -> argparse.ArgumentParser:
@@ -113,7 +124,8 @@ def serve_all(argv: list[str]) -> int:
     code = 0
     try:
         server = ServerThread(create_app(settings), host=settings.api_host, port=settings.api_port,
-                              log_level=args.log_level).start()
+                              log_level=args.log_level,
+                              json_logs=_use_json_logs(settings, args.log_level)).start()
         print(f"api     {server.url} (OpenAPI docs at {server.url}/docs)", flush=True)
         models = args.served_models or registry.names()
         print(f"worker  pid {worker.pid}, models {', '.join(models)}", flush=True)

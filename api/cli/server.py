@@ -13,8 +13,10 @@ class ServerThread:
     """`with ServerThread(app, port=...) as server:` serves at `server.url` until the block ends."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
-                 log_level: str = "warning") -> None:
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on")
+                 log_level: str = "warning", json_logs: bool = False) -> None:
+        # JSON logs: uvicorn's loggers go to the root logger's JSON handler (api/cli/serve.py).
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                **({"log_config": None} if json_logs else {}))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="bulkinfer-api", daemon=True)
         self.url = f"http://{host}:{port}"
