@@ -41,6 +41,12 @@ def log_context(**fields: Any) -> Iterator[None]:
         _context.reset(token)
 
 
+def add_to_log_context(**fields: Any) -> None:
+    """Add fields for the rest of the enclosing `log_context` (e.g. a tenant learnt mid-task)."""
+    known = {k: v for k, v in fields.items() if v is not None}
+    _context.set(tuple({**dict(_context.get()), **known}.items()))
+
+
 def secret_values(settings_secrets: Iterable[str | None] = (),
                   environ: dict[str, str] | None = None) -> list[str]:
     """The strings no log line may contain: the given secrets (e.g. `api_keys`, split into keys) and

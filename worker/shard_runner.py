@@ -30,6 +30,7 @@ from jobs.formats.output import OutputRow
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.layout import JobLayout
+from jobs.log_format import add_to_log_context
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import publish_parts, write_fenced
@@ -92,6 +93,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                        send_finalize: Callable[[str], None]) -> dict[str, Any]:
     repository = context.repository
     job = repository.get(job_id)
+    add_to_log_context(tenant=job.tenant)
     if job.state == JobState.CANCELLED:  # cancelled between the first check and the lease: as that check
         return {"status": "cancelled"}
     if job.state.is_terminal:

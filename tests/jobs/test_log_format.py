@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 
-from jobs.log_format import JsonFormatter, log_context, secret_values
+from jobs.log_format import JsonFormatter, add_to_log_context, log_context, secret_values
 
 
 def capture(secrets: list[str]) -> tuple[logging.Logger, io.StringIO]:
@@ -27,7 +27,8 @@ def lines(stream: io.StringIO) -> list[dict]:
 
 def test_each_line_is_json_with_the_context_of_its_work() -> None:
     logger, stream = capture([])
-    with log_context(job_id="job-1", shard="3", worker="w@a"), log_context(tenant="acme"):
+    with log_context(job_id="job-1", shard="3", worker="w@a"):
+        add_to_log_context(tenant="acme")  # learnt once the task read its job
         logger.info("shard %d done", 3)
     logger.warning("outside")
     first, second = lines(stream)
