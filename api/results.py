@@ -8,10 +8,10 @@ from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.schemas import JobResults, ResultPart
 from jobs.formats.jsonl_writer import dumps_line
-from jobs.manifest import Manifest, read_manifest
+from jobs.manifest import Manifest, partial_manifest, read_manifest
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.results import PartFile
+from jobs.results import PartFile, load_shard_results
 from jobs.spec import InputFormat
 from jobs.status import JobState
 
@@ -19,16 +19,39 @@ STREAM_CHUNK_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
 
 
-def finished_manifest(context: ApiContext, job_id: str) -> Manifest:
+def finished_manifest(context: ApiContext, job_id: str, partial: bool = False) -> Manifest:
+    """The succeeded job's manifest; with `partial`, for a job in any other state, a manifest of the
+    shards finished so far (their parts published). Otherwise 409 for an unfinished job."""
     status = context.repository.get(job_id)
     if status.state != JobState.SUCCEEDED:
+        if partial:
+            return _finished_so_far(context, job_id)
         reason = f" ({status.error})" if status.error else ""
         raise HttpError(409, f"job {job_id} is {status.state.value}{reason}: results are ready once it "
-                            "has succeeded")
+                            "has succeeded; ask with partial=true for the parts finished so far")
     try:
         return read_manifest(context.store, context.repository.layout(job_id))
     except ObjectNotFound:
         raise HttpError(409, f"job {job_id} has succeeded but its manifest is missing") from None
+
+
+def _finished_so_far(context: ApiContext, job_id: str) -> Manifest:
+    """Shards whose result is committed and whose output and error parts are published at their
+    final keys (a run that died between the two leaves the shard out until the reaper publishes)."""
+    spec = context.repository.get_spec(job_id)
+    results = []
+    for result in load_shard_results(context.store, context.repository.layout(job_id)):
+        published = True
+        for part in (result.output, result.errors):
+            store, key = part_store(context, part.uri)
+            published = published and store.exists(key)
+        if published:
+            results.append(result)
+    output_format = spec.output_format or spec.input_format
+    if results and output_format is None:  # not resolved in the spec: the parts say it
+        parquet = results[0].output.key.endswith(".parquet")
+        output_format = InputFormat.PARQUET if parquet else InputFormat.JSONL
+    return partial_manifest(job_id, spec.spec_hash(), str(output_format or InputFormat.JSONL), results)
 
 
 def part_store(context: ApiContext, uri: str) -> tuple[ObjectStore, str]:
@@ -47,10 +70,13 @@ def _result_part(context: ApiContext, shard_index: int, first_row: int | None, p
                       sha256=part.sha256, uri=part.uri, url=store.presign_get(key))
 
 
-def job_results(context: ApiContext, job_id: str) -> JobResults:
-    manifest = finished_manifest(context, job_id)
+def job_results(context: ApiContext, job_id: str, partial: bool = False) -> JobResults:
+    manifest = finished_manifest(context, job_id, partial)
+    status = context.repository.get(job_id)
     return JobResults(
-        job_id=job_id, output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
+        job_id=job_id, state=status.state.value, partial=status.state != JobState.SUCCEEDED,
+        shards_done=len(manifest.parts), shards_total=status.shards.total or len(manifest.parts),
+        output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
         parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],
         error_parts=[_result_part(context, p.shard_index, None, p.errors) for p in manifest.parts],
         dtypes=manifest.dtypes)

@@ -31,6 +31,11 @@ class ResultPart(BaseModel):
 
 class JobResults(BaseModel):
     job_id: str
+    state: str = Field("succeeded", description="the job's state when this answer was made")
+    partial: bool = Field(False, description="true unless the job succeeded: only the shards finished so "
+                                             "far (asked for with partial=true); more may come")
+    shards_done: int = Field(0, description="shards in this answer")
+    shards_total: int = Field(0, description="shards the job has")
     output_format: str
     rows: RowCounts
     usage: TokenUsage

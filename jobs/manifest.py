@@ -74,7 +74,19 @@ def build_manifest(job_id: str, spec_hash: str, output_format: str, shard_count:
     unexpected = sorted(set(by_index) - set(range(shard_count)))
     if missing or unexpected:
         raise IncompleteJob(f"shard results missing: {missing[:10]}, unexpected: {unexpected[:10]}")
-    ordered = [by_index[index] for index in range(shard_count)]
+    return manifest_of(job_id, spec_hash, output_format, [by_index[index] for index in range(shard_count)])
+
+
+def partial_manifest(job_id: str, spec_hash: str, output_format: str,
+                     results: Sequence[ShardResult]) -> Manifest:
+    """The finished shards of an unfinished job, in shard order (a result per shard at most): what
+    `GET /jobs/{id}/results?partial=true` answers. `first_row` counts the rows of these parts only."""
+    by_index = {result.shard_index: result for result in results}
+    return manifest_of(job_id, spec_hash, output_format, [by_index[index] for index in sorted(by_index)])
+
+
+def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequence[ShardResult]) -> Manifest:
+    """A manifest over these shard results, in this order."""
     parts, first_row = [], 0
     for result in ordered:
         parts.append(ManifestPart(shard_index=result.shard_index, first_row=first_row,

@@ -7,11 +7,14 @@ so a worker that died or was stopped drops out of the list by itself within that
 from __future__ import annotations
 
 from datetime import datetime
+from typing import TYPE_CHECKING
 
-import redis
 from pydantic import BaseModel
 
 from jobs.names import worker_beat_key, worker_beat_pattern
+
+if TYPE_CHECKING:  # the SDK reads WorkerBeat (api/schemas.py) and installs without redis
+    import redis
 
 BEAT_INTERVAL_S = 5.0
 BEAT_TTL_S = 20

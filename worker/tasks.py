@@ -89,7 +89,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
     step_kind = step.split(" ", 1)[0]  # "shard 3" -> "shard"
     try:
         with log_context(job_id=job_id, shard=step.split(" ", 1)[1] if " " in step else None,
-                         worker=task.request.hostname):
+                         worker=getattr(task.request, "hostname", None)):
             summary = work()
     except Exception as error:
         if is_transient(error):

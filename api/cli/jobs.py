@@ -340,8 +340,12 @@ def cancel(argv: list[str]) -> int:
 
 
 def results(argv: list[str]) -> int:
-    parser = _parser("results", "A succeeded job's rows: JSON lines on stdout, or a file with -o.")
+    parser = _parser("results", "A succeeded job's rows (with --partial, those finished so far): JSON "
+                                "lines on stdout, or a file with -o.")
     parser.add_argument("job_id")
+    parser.add_argument("--partial", action="store_true",
+                        help="also for a running, failed or cancelled job: the rows of the shards finished "
+                             "so far (stderr says how many)")
     parser.add_argument("-o", "--output", default=None, metavar="PATH",
                         help="write to PATH: Parquet for .parquet, JSON lines for .jsonl, else the job's "
                              "output format")
@@ -350,7 +354,11 @@ def results(argv: list[str]) -> int:
         return args
 
     def body(client: Client) -> int:
-        rows = client.jobs.results(args.job_id)
+        rows = client.jobs.results(args.job_id, partial=args.partial)
+        if rows.partial:  # on stderr, so the rows on stdout stay clean
+            info = rows.info
+            print(f"partial: job {args.job_id} is {info.state}; {info.shards_done} of {info.shards_total} "
+                  f"shards, {info.rows.total} rows so far", file=sys.stderr)
         if args.output is None:
             out = sys.stdout
             for row in rows:

@@ -186,12 +186,14 @@ class Jobs:
         """The output and error parts of a succeeded job, with URLs to fetch them."""
         return Results(self._transport, job_id_of(job)).info
 
-    def results(self, job: JobRef) -> Results:
-        """The rows of a succeeded job: iterate, `.to_arrow()`, `.to_pandas()` or `.download(path)`."""
-        return Results(self._transport, job_id_of(job))
+    def results(self, job: JobRef, *, partial: bool = False) -> Results:
+        """The rows of a succeeded job: iterate, `.to_arrow()`, `.to_pandas()` or `.download(path)`.
+        `partial=True`: also for a running, failed or cancelled job, the rows of the shards finished
+        so far (`.partial` is then True unless it had succeeded)."""
+        return Results(self._transport, job_id_of(job), partial)
 
-    def download(self, job: JobRef, path: str | Path) -> Path:
-        return self.results(job).download(path)
+    def download(self, job: JobRef, path: str | Path, *, partial: bool = False) -> Path:
+        return self.results(job, partial=partial).download(path)
 
 
 class AsyncJobs:
@@ -267,8 +269,8 @@ class AsyncJobs:
     async def result_parts(self, job: JobRef) -> JobResults:
         return await AsyncResults(self._transport, job_id_of(job)).info()
 
-    def results(self, job: JobRef) -> AsyncResults:
-        return AsyncResults(self._transport, job_id_of(job))
+    def results(self, job: JobRef, *, partial: bool = False) -> AsyncResults:
+        return AsyncResults(self._transport, job_id_of(job), partial)
 
-    async def download(self, job: JobRef, path: str | Path) -> Path:
-        return await self.results(job).download(path)
+    async def download(self, job: JobRef, path: str | Path, *, partial: bool = False) -> Path:
+        return await self.results(job, partial=partial).download(path)

@@ -133,21 +133,34 @@ def _temp_for(path: Path) -> Path:
     return path.with_name(f".{path.name}.part")  # renamed into place once whole
 
 
-class Results:
-    """The rows of a succeeded job (sync). Iterating twice reads the parts twice."""
+def _query(partial: bool) -> dict[str, str]:
+    return {"partial": "true"} if partial else {}
 
-    def __init__(self, transport: Transport, job_id: str) -> None:
+
+class Results:
+    """The rows of a succeeded job (sync), or with `partial` the rows of the shards finished so far
+    of a job in any state (`info.partial` says which). Iterating twice reads the parts twice."""
+
+    def __init__(self, transport: Transport, job_id: str, partial: bool = False) -> None:
         self._transport = transport
         self.job_id = job_id
+        self._query = _query(partial)
         self._info: JobResults | None = None
 
     @property
     def info(self) -> JobResults:
-        """The part list (`GET /jobs/{id}/results`), fetched once; `ApiError` 409 unless the job succeeded."""
+        """The part list (`GET /jobs/{id}/results`), fetched once; `ApiError` 409 unless the job succeeded
+        or `partial` was asked for."""
         if self._info is None:
-            response = self._transport.request("GET", f"/jobs/{self.job_id}/results", idempotent=True)
+            response = self._transport.request("GET", f"/jobs/{self.job_id}/results", params=self._query,
+                                               idempotent=True)
             self._info = JobResults.model_validate(response.json())
         return self._info
+
+    @property
+    def partial(self) -> bool:
+        """True unless the job had succeeded: these are only the shards finished when asked."""
+        return self.info.partial
 
     @property
     def output_format(self) -> str:
@@ -173,7 +186,7 @@ class Results:
                 yield from self._part_chunks(part)
             return
         with self._transport.stream("GET", f"/jobs/{self.job_id}/results",
-                                    params={"download": "true"}) as response:
+                                    params={"download": "true", **self._query}) as response:
             yield from response.iter_bytes(CHUNK_BYTES)
 
     def _part_tables(self) -> Iterator[pa.Table]:
@@ -231,14 +244,16 @@ def _json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
 class AsyncResults:
     """`Results` for the async client: `async for row in results`, `await results.to_arrow()`, ..."""
 
-    def __init__(self, transport: AsyncTransport, job_id: str) -> None:
+    def __init__(self, transport: AsyncTransport, job_id: str, partial: bool = False) -> None:
         self._transport = transport
         self.job_id = job_id
+        self._query = _query(partial)
         self._info: JobResults | None = None
 
     async def info(self) -> JobResults:
         if self._info is None:
-            response = await self._transport.request("GET", f"/jobs/{self.job_id}/results", idempotent=True)
+            response = await self._transport.request("GET", f"/jobs/{self.job_id}/results",
+                                                     params=self._query, idempotent=True)
             self._info = JobResults.model_validate(response.json())
         return self._info
 
@@ -265,7 +280,7 @@ class AsyncResults:
                     yield chunk
             return
         async with self._transport.stream("GET", f"/jobs/{self.job_id}/results",
-                                          params={"download": "true"}) as response:
+                                          params={"download": "true", **self._query}) as response:
             async for chunk in response.aiter_bytes(CHUNK_BYTES):
                 yield chunk
 

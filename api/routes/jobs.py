@@ -121,17 +121,21 @@ def cancel_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
     return status
 
 
-@router.get("/jobs/{job_id}/results", response_model=JobResults, summary="A finished job's output",
+@router.get("/jobs/{job_id}/results", response_model=JobResults, summary="A job's output",
             responses={200: {"content": {"application/x-ndjson": {}}, "description":
                              "the part list; with ?download=true, every output row as JSON lines"}})
-def get_results(job_id: str, context: Context, caller: CallerDep,
-                download: bool = False) -> JobResults | StreamingResponse:
+def get_results(job_id: str, context: Context, caller: CallerDep, download: bool = False,
+                partial: bool = False) -> JobResults | StreamingResponse:
     """The output parts with presigned URLs; `?download=true` streams every row, in input order,
-    as JSON lines (Parquet parts are converted)."""
+    as JSON lines (Parquet parts are converted). A job that has not succeeded answers 409, unless
+    `?partial=true`: then the parts of the shards finished so far (running, failed or cancelled
+    jobs), marked `partial` (and, when downloading, an `X-Bulkinfer-Partial: true` header)."""
     owned_job(context, caller, job_id)
     if not download:
-        return job_results(context, _known_id(job_id))
-    manifest = finished_manifest(context, _known_id(job_id))
-    return StreamingResponse(stream_rows(context, manifest),
-                             media_type="application/x-ndjson",
-                             headers={"Content-Disposition": f'attachment; filename="{job_id}.jsonl"'})
+        return job_results(context, _known_id(job_id), partial)
+    state = context.repository.get(job_id).state  # before: a job that succeeds meanwhile reads whole
+    manifest = finished_manifest(context, _known_id(job_id), partial)
+    headers = {"Content-Disposition": f'attachment; filename="{job_id}.jsonl"',
+               "X-Bulkinfer-Partial": "false" if state == JobState.SUCCEEDED else "true"}
+    return StreamingResponse(stream_rows(context, manifest), media_type="application/x-ndjson",
+                             headers=headers)

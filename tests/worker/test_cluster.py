@@ -63,7 +63,7 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
     pipeline, env = parts
     ports = free_port(), free_port()
     env_a = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[0])}
-    env_b = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[1])}
+    env_b = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[1]), "BULKINFER_LOG_FORMAT": "json"}
     api = ServerThread(create_app(pipeline.settings), port=free_port())
     with celery_worker("worker.celery_app", redis_server.url, env=env_a, queues=QUEUES, pool="threads",
                        concurrency=2, ready_timeout=120) as worker_a, \
@@ -103,6 +103,11 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
         metrics_page = httpx.get(f"{api.url}/metrics", timeout=10).text
         assert 'bulkinfer_jobs{status="succeeded"} 1.0' in metrics_page
     assert status.state == JobState.SUCCEEDED, status.error
+    # Worker B logs JSON lines, those about a shard carrying the job, the shard and the worker.
+    lines = [json.loads(line) for line in worker_b.log_path.read_text().splitlines() if line.startswith("{")]
+    about_shards = [line for line in lines if line.get("job_id") == job_id and "shard" in line]
+    assert about_shards and all(line["worker"] == worker_b.node for line in about_shards)
+    assert {"time", "level", "logger", "message"} <= set(about_shards[0])
     rows = SHARDS * ROWS_PER_SHARD
     assert (status.rows.total, status.rows.succeeded, status.shards.done) == (rows, rows, SHARDS)
     records = pipeline.output_records(job_id)
