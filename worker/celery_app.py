@@ -150,9 +150,16 @@ def _hand_back_running_shards(**_: Any) -> None:
 
 
 @signals.worker_shutdown.connect
-def _stop_status_server(**_: Any) -> None:
+def _stop_worker_services(**_: Any) -> None:
+    """After the last task returned: the endpoint and heartbeat, then the engines, whose threads
+    must end before the interpreter does (a step still running at exit aborts the process)."""
     if _status_server is not None:
         _status_server.stop()
+    from worker.context import built_worker_context
+
+    context = built_worker_context()
+    if context is not None:
+        context.hosts.stop()
 
 
 @signals.after_setup_logger.connect

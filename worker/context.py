@@ -53,3 +53,9 @@ def worker_context() -> WorkerContext:
             _ = context.repository, context.registry, context.hosts
             _context = context
         return _context
+
+
+def built_worker_context() -> WorkerContext | None:
+    """The process's context if something built it already (None: nothing to stop at exit)."""
+    with _context_lock:
+        return _context
