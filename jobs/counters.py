@@ -35,8 +35,8 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
-FIELDS = ("rows_total", "rows_succeeded", "rows_failed", "shards_total", "shards_done", "tokens_prompt",
-          "tokens_cached", "tokens_completion")
+FIELDS = ("rows_total", "rows_succeeded", "rows_failed", "rows_deduplicated", "shards_total", "shards_done",
+          "tokens_prompt", "tokens_cached", "tokens_completion")
 
 
 class CountersMissing(RuntimeError):
@@ -55,7 +55,8 @@ class CounterSnapshot(BaseModel):
         total = sum(done[shard.index].rows if shard.index in done else shard.estimated_rows for shard in plan)
         usage = sum((result.usage for result in done.values()), TokenUsage())
         return cls(rows=RowCounts(total=total, succeeded=sum(r.rows_succeeded for r in done.values()),
-                                  failed=sum(r.rows_failed for r in done.values())),
+                                  failed=sum(r.rows_failed for r in done.values()),
+                                  deduplicated=sum(r.rows_deduplicated for r in done.values())),
                    shards=ShardCounts(done=len(done), total=len(plan)), usage=usage)
 
     @classmethod
@@ -66,7 +67,8 @@ class CounterSnapshot(BaseModel):
 
     def as_fields(self) -> dict[str, int]:
         return {"rows_total": self.rows.total, "rows_succeeded": self.rows.succeeded,
-                "rows_failed": self.rows.failed, "shards_total": self.shards.total,
+                "rows_failed": self.rows.failed, "rows_deduplicated": self.rows.deduplicated,
+                "shards_total": self.shards.total,
                 "shards_done": self.shards.done,
                 "tokens_prompt": self.usage.prompt, "tokens_cached": self.usage.cached,
                 "tokens_completion": self.usage.completion}
@@ -95,7 +97,8 @@ class JobCounters:
         """
         increments = {
             "rows_total": result.rows - result.planned_rows,  # the estimate becomes the real count
-            "rows_succeeded": result.rows_succeeded, "rows_failed": result.rows_failed, "shards_done": 1,
+            "rows_succeeded": result.rows_succeeded, "rows_failed": result.rows_failed,
+            "rows_deduplicated": result.rows_deduplicated, "shards_done": 1,
             "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
             "tokens_completion": result.usage.completion,
         }
@@ -116,7 +119,7 @@ class JobCounters:
         values = {name: values.get(name, 0) for name in FIELDS}
         return CounterSnapshot(
             rows=RowCounts(total=values["rows_total"], succeeded=values["rows_succeeded"],
-                           failed=values["rows_failed"]),
+                           failed=values["rows_failed"], deduplicated=values["rows_deduplicated"]),
             shards=ShardCounts(done=values["shards_done"], total=values["shards_total"]),
             usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],
                              completion=values["tokens_completion"]))

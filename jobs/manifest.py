@@ -97,7 +97,8 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
     return Manifest(
         job_id=job_id, spec_hash=spec_hash, output_format=output_format,
         rows=RowCounts(total=first_row, succeeded=sum(r.rows_succeeded for r in ordered),
-                       failed=sum(r.rows_failed for r in ordered)),
+                       failed=sum(r.rows_failed for r in ordered),
+                       deduplicated=sum(r.rows_deduplicated for r in ordered)),
         usage=sum((result.usage for result in ordered), TokenUsage()),
         parts=parts,
         dtypes=sorted({result.dtype for result in ordered if result.dtype}),

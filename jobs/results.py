@@ -58,6 +58,8 @@ class ShardResult(BaseModel):
     started_at: datetime
     finished_at: datetime
     dtype: str | None = Field(None, description="the dtype the engine computed this shard in")
+    rows_deduplicated: int = Field(0, description="rows that took an identical deterministic row's output "
+                                   "instead of running")
     error_codes: dict[str, int] = Field(default_factory=dict,
                                         description="the failed rows by error code (row_too_long: 3, ...)")
     fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
@@ -81,6 +83,7 @@ class ShardResult(BaseModel):
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
+                   rows_deduplicated=sum(row.deduplicated for row in outputs),
                    error_codes=dict(sorted(codes.items())), fence=fence)
 
 

@@ -81,6 +81,9 @@ class JobSpec(BaseModel):
     passthrough_columns: list[str] = Field(default_factory=list, json_schema_extra={"uniqueItems": True})
 
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="rows per shard (approximate for JSONL)")
+    deduplicate: bool = Field(True, description="rows of a shard whose rendered prompt and sampling are "
+                              "identical and deterministic (greedy or seeded) run once and each gets the "
+                              "output; rows sampled at random without a seed are never merged")
     priority: int = Field(5, ge=0, le=9, description="higher runs sooner")
     metadata: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": MAX_METADATA_PAIRS,

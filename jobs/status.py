@@ -58,6 +58,8 @@ class RowCounts(BaseModel):
     total: int = 0
     succeeded: int = 0
     failed: int = 0
+    # Of the finished rows: how many took an identical deterministic row's output instead of running.
+    deduplicated: int = 0
 
     @computed_field  # type: ignore[prop-decorator]
     @property

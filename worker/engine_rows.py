@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -145,14 +146,33 @@ class PreparedRow:
     request: EngineRequest
 
 
+def deterministic(params: SamplingParams) -> bool:
+    """Whether a request gives the same output every time it runs: greedy, or an explicit seed."""
+    return params.temperature == 0 or params.seed is not None
+
+
+def request_key(request: EngineRequest) -> str:
+    """Two requests with the same key compute the same output (when `deterministic`)."""
+    params = json.dumps(dataclasses.asdict(request.params), sort_keys=True, default=repr)
+    return f"{list(request.prompt)!r}|{params}"
+
+
 class PreparedBatch:
     """A batch of rows readied for the engine: the outcomes of rows that cannot run (a read error, a
     rejected sampling or prompt), and a request for each of the rest.
+
+    With `deduplicate`, rows whose rendered prompt and sampling are identical and deterministic
+    (greedy or seeded) share one request: the first such row runs, every later one gets its output
+    under its own id and passthrough columns (`OutputRow.deduplicated`). Rows sampled at random
+    without a seed always run on their own.
     """
 
-    def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0) -> None:
+    def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
+                 deduplicate: bool = True) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         prepared: list[PreparedRow] = []
+        self._copies: list[tuple[int, Row, int]] = []  # (position, row, index in `prepared` it copies)
+        first_of: dict[str, int] = {}
         for position, item in enumerate(items):
             if isinstance(item, RowError):
                 self._outputs[position] = OutputRow.from_error(item)
@@ -163,10 +183,23 @@ class PreparedBatch:
             except RowRejected as rejected:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
+            if deduplicate and deterministic(params):
+                key = request_key(request)
+                if key in first_of:
+                    self._copies.append((position, item, first_of[key]))
+                    continue
+                first_of[key] = len(prepared)
             prepared.append(PreparedRow(position, item, request))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
-        prepared.sort(key=lambda entry: list(entry.request.prompt))
-        self._prepared = prepared
+        order = sorted(range(len(prepared)), key=lambda i: list(prepared[i].request.prompt))
+        moved_to = {old: new for new, old in enumerate(order)}
+        self._prepared = [prepared[i] for i in order]
+        self._copies = [(position, row, moved_to[source]) for position, row, source in self._copies]
+
+    @property
+    def deduplicated_rows(self) -> int:
+        """Rows that take another row's output instead of running."""
+        return len(self._copies)
 
     @property
     def requests(self) -> list[EngineRequest]:
@@ -178,6 +211,9 @@ class PreparedBatch:
         outputs = list(self._outputs)
         for entry, result in zip(self._prepared, results, strict=True):
             outputs[entry.position] = output_row(entry.row, result)
+        for position, row, source in self._copies:
+            copied = output_row(row, results[source])
+            outputs[position] = dataclasses.replace(copied, deduplicated=True)
         return [output for output in outputs if output is not None]
 
 
@@ -215,8 +251,9 @@ class EngineRun:
     """A batch of rows in a hosted engine: readied as `PreparedBatch` readies rows, the runnable
     ones submitted at once; `outputs()` gives every row's outcome in input order when done."""
 
-    def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0) -> None:
-        self._prepared = PreparedBatch(hosted.renderer, items, priority)
+    def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
+                 deduplicate: bool = True) -> None:
+        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate)
         self._model = hosted.name
         requests = self._prepared.requests
         self.submission: Submission | None = hosted.host.submit(requests) if requests else None
@@ -241,10 +278,11 @@ class EngineRun:
 
 
 def run_rows(hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0, *,
-             should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> list[OutputRow] | None:
+             should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
+             deduplicate: bool = True) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
     while the rows run) said to stop: the rows still running are then aborted."""
-    run = EngineRun(hosted, items, priority)
+    run = EngineRun(hosted, items, priority, deduplicate)
     while not run.wait(poll_s):
         if should_stop():
             run.abort()

@@ -161,7 +161,8 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
     with timings.phase("engine"):
-        outputs = _run_on_engine(context, hosted, job_id, items, priority=MAX_JOB_PRIORITY - spec.priority)
+        outputs = _run_on_engine(context, hosted, job_id, items, priority=MAX_JOB_PRIORITY - spec.priority,
+                                 deduplicate=spec.deduplicate)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
@@ -177,11 +178,11 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
 
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
-                   items: list[Row | RowError], priority: int) -> list[OutputRow] | None:
+                   items: list[Row | RowError], priority: int, deduplicate: bool) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
     try:
-        outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S,
+        outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
                            should_stop=lambda: shutdown.stopping()
                            or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:

@@ -71,6 +71,7 @@ class OutputRow:
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
     choices: tuple[Choice, ...] = ()  # every sample of a completed row; choice 0 is `text` above
+    deduplicated: bool = False  # took the output of an identical deterministic row of its shard
 
     @property
     def failed(self) -> bool:

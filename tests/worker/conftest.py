@@ -129,3 +129,11 @@ def pipeline(worker_process: str, redis_server: RedisServer, s3: S3Server) -> It
         yield Pipeline(settings, settings.repository(), app, s3)
     finally:
         app.close()
+
+
+@pytest.fixture
+def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
+    """A pipeline with no worker yet, and the environment a worker process needs (4 s leases)."""
+    with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache")) as made:
+        yield made

@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -18,28 +16,14 @@ from api.app import create_app
 from api.cli.server import ServerThread
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from tests.fixtures.services import RedisServer, S3Server, celery_worker, free_port
-from tests.worker.conftest import Pipeline, bare_pipeline
+from tests.fixtures.services import RedisServer, celery_worker, free_port, wait_until
+from tests.worker.conftest import Pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
 QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
 SHARDS, ROWS_PER_SHARD = 6, 16
 STOP_WITHIN_S = 20  # a pod's grace period is 60 s; a shard here runs longer than this
-
-
-@pytest.fixture
-def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
-    with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache")) as made:
-        yield made
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
 
 
 def metric(port: int, name: str) -> float:
@@ -71,7 +55,7 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
                           concurrency=2, ready_timeout=120) as worker_b, api:
         for port in ports:  # ready only once the engine is loaded
             ready = f"http://127.0.0.1:{port}/readyz"
-            wait_for(lambda ready=ready: httpx.get(ready, timeout=5).status_code == 200, 120,
+            wait_until(lambda ready=ready: httpx.get(ready, timeout=5).status_code == 200, 120,
                      f"worker on {port} to load its model")
             assert httpx.get(ready, timeout=5).json()["models"] == {"tiny": "loaded"}
         spec = json.loads(long_job(pipeline).model_dump_json())
@@ -79,7 +63,7 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
         assert created.status_code == 201, created.text
         job_id = created.json()["job_id"]
         # Both workers run shards of the job.
-        wait_for(lambda: all(metric(port, "bulkinfer_engine_running_requests") > 0 for port in ports),
+        wait_until(lambda: all(metric(port, "bulkinfer_engine_running_requests") > 0 for port in ports),
                  180, "both workers to run rows of the job")
 
         def both_beat_loaded() -> bool:  # heartbeats come every few seconds
@@ -87,7 +71,7 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
             return [(w["hostname"], w["models"][0]["state"], w["models"][0]["dtype"]) for w in beats] == [
                 (node, "loaded", "float32") for node in sorted([worker_a.node, worker_b.node])]
 
-        wait_for(both_beat_loaded, 30, "both workers' heartbeats to show the loaded model")
+        wait_until(both_beat_loaded, 30, "both workers' heartbeats to show the loaded model")
 
         stopped_at = time.monotonic()
         worker_a.send_signal(signal.SIGTERM)

@@ -245,3 +245,32 @@ def test_stop_strings_n_samples_logprobs_and_json_schema_run_and_are_written(
         assert choice["finish_reason"] == "stop"
         assert json.loads(choice["text"]) == choice["json"]
         jsonschema.validate(choice["json"], VERDICT_SCHEMA)
+
+
+DUPLICATED = ["def add(a, b):", "class Point:", "def add(a, b):", "def add(a, b):", "class Point:",
+              "import os\n"]
+
+
+@pytest.mark.parametrize(("sampling", "deduplicate", "merged"), [
+    ({"temperature": 0.0}, True, 3),  # greedy: the same output every time
+    ({"temperature": 1.0, "seed": 7}, True, 3),  # seeded: the same too
+    ({"temperature": 1.0}, True, 0),  # random and unseeded: each row draws its own
+    ({"temperature": 0.0}, False, 0),  # turned off in the spec
+])
+def test_identical_deterministic_rows_run_once_and_each_row_gets_the_output(
+        pipeline: Pipeline, offline: LLM, sampling: dict, deduplicate: bool, merged: int) -> None:
+    lines = [json.dumps({"id": f"r{n}", "question": text, "tag": n}) for n, text in enumerate(DUPLICATED)]
+    spec = JobSpec(input_uri=pipeline.put_input("duplicated.jsonl", lines), model="tiny", id_column="id",
+                   prompt_column="question", passthrough_columns=["tag"], deduplicate=deduplicate,
+                   sampling={**sampling, "max_tokens": MAX_TOKENS})
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert status.rows.deduplicated == merged and pipeline.manifest(status.job_id).rows.deduplicated == merged
+    records = pipeline.output_records(status.job_id)
+    assert [(r["id"], r["tag"]) for r in records] == [(f"r{n}", n) for n in range(len(DUPLICATED))]
+    if merged:  # every copy has its first row's text and token counts
+        for copy, first in ((2, 0), (3, 0), (4, 1)):
+            assert (records[copy]["text"], records[copy]["usage"]) == (records[first]["text"],
+                                                                       records[first]["usage"])
+    if sampling["temperature"] == 0.0:
+        assert [record["text"] for record in records] == greedy_texts(offline, DUPLICATED)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -13,9 +11,9 @@ from jobs.names import shard_lease_key as lease_key
 from jobs.names import shards_started_key as started_key
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from tests.fixtures.services import RedisServer, S3Server, celery_worker
+from tests.fixtures.services import RedisServer, celery_worker
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
-from tests.worker.conftest import Pipeline, bare_pipeline
+from tests.worker.conftest import Pipeline
 from worker.context import WorkerContext
 from worker.job_lifecycle import plan_job
 from worker.shard_lease import ShardLease
@@ -23,16 +21,7 @@ from worker.shard_reaper import reap_once
 
 pytestmark = pytest.mark.timeout(600)
 
-LEASE_TTL_S = 4
-
-
-@pytest.fixture
-def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
-    """A pipeline with no worker yet, and the environment a worker process needs."""
-    with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
-                       LEASE_TTL_S) as made:
-        yield made
+LEASE_TTL_S = 4  # the `parts` fixture's lease TTL (tests/worker/conftest.py: bare_pipeline)
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
