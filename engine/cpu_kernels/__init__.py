@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -73,10 +74,19 @@ class CpuKernels:
             self._prefix = _declare(library.prefix_attention_bf16,
                                     [_POINTER] * 5 + [_INT] * 8 + [ctypes.c_float] + [_POINTER] * 3)
         self.prefix_kind = PREFIX_KINDS.get(int(library.prefix_attention_kind())) if self._prefix else None
-        self._packed = torch.empty(0, dtype=torch.bfloat16)  # prefix K/V in tile layout, reused
+        # Scratch the kernels pack K/V into, reused call to call: one per calling thread, since two
+        # engines of one process (a worker serving two models) call these kernels at the same time.
+        self._scratch = threading.local()
         self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 6
                                     + [ctypes.c_float, _POINTER, _POINTER])
-        self._packed_f32 = torch.empty(0, dtype=torch.float32)  # transposed K of causal_attention
+
+    def _scratch_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's scratch `name` of at least `numel` elements, grown as inputs grow."""
+        buffer = getattr(self._scratch, name, None)
+        if buffer is None or buffer.numel() < numel:
+            buffer = torch.empty(numel, dtype=dtype)
+            setattr(self._scratch, name, buffer)
+        return buffer
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0
@@ -161,12 +171,11 @@ class CpuKernels:
         rows, block_ids = rows.contiguous(), block_ids.contiguous()
         length = shared * block_size
         needed = groups * kv_heads * (length + -(-length // 32) * 32) * head_dim
-        if self._packed.numel() < needed:
-            self._packed = torch.empty(needed, dtype=torch.bfloat16)
+        packed = self._scratch_buffer("prefix", needed, torch.bfloat16)  # prefix K/V in tile layout
         assert self._prefix is not None
         self._prefix(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                      block_ids.data_ptr(), groups, rows.numel() // groups, shared, kv_heads, queries,
-                     head_dim, block_size, causal_base, head_dim ** -0.5, self._packed.data_ptr(),
+                     head_dim, block_size, causal_base, head_dim ** -0.5, packed.data_ptr(),
                      out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
 
     def supports_causal_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -190,12 +199,11 @@ class CpuKernels:
         block_ids = block_ids.contiguous()
         step = 4 * self.vector_lanes  # the kernel's keys per score block
         needed = kv_heads * -(-keys // step) * step * head_dim
-        if self._packed_f32.numel() < needed:
-            self._packed_f32 = torch.empty(needed, dtype=torch.float32)
+        packed = self._scratch_buffer("causal", needed, torch.float32)  # K transposed VL keys at a time
         out = torch.empty_like(query)
         self._causal_f32(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
                          length, kv_heads, queries, head_dim, block_size, causal_base, head_dim ** -0.5,
-                         self._packed_f32.data_ptr(), out.data_ptr(), torch.get_num_threads())
+                         packed.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -11,6 +11,7 @@ every path it can run."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -350,6 +351,31 @@ def test_store_kv_writes_strided_qkv_views_where_index_copy_would(kernels: CpuKe
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     with pytest.raises(ValueError, match="store_kv"):
         kernels.store_kv(key, value, k_cache, v_cache, rows[:-1])
+
+
+def test_two_engines_stepping_at_once_in_one_process_each_get_their_own_outputs(
+        tiny_checkpoint: Path) -> None:
+    """A worker serving two models runs two engines in two threads: the kernels' reusable scratch
+    (packed K/V) is per thread, so neither corrupts the other's attention (it did when shared)."""
+    from engine import LLM, SamplingParams
+
+    options = {"max_model_len": 512, "num_kv_blocks": 128, "max_num_seqs": 16, "dtype": "float32"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    prompts = [f"def function_{n}(argument): return " * (n % 5 + 1) for n in range(12)]
+    expected = [output.text for output in LLM(str(tiny_checkpoint), **options).generate(prompts, greedy)]
+    outputs: dict[str, list[list[str]]] = {}
+
+    def run(name: str) -> None:
+        llm = LLM(str(tiny_checkpoint), **options)
+        outputs[name] = [[output.text for output in llm.generate(prompts, greedy)] for _ in range(3)]
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in ("a", "b")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert sorted(outputs) == ["a", "b"]
+    assert all(texts == expected for runs in outputs.values() for texts in runs)
 
 
 def test_no_compiler_means_the_pytorch_paths(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
