@@ -61,4 +61,4 @@ def test_a_failed_job_must_say_why() -> None:
 def test_row_counts_report_pending_rows() -> None:
     counts = RowCounts(total=10, succeeded=6, failed=1)
     assert counts.pending == 3
-    assert counts.model_dump() == {"total": 10, "succeeded": 6, "failed": 1, "pending": 3}
+    assert counts.model_dump() == {"total": 10, "succeeded": 6, "failed": 1, "deduplicated": 0, "pending": 3}
