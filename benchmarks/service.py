@@ -85,12 +85,21 @@ def bench_cli(argv: list[str]) -> int:
         try:
             with Stack(options, say=lambda line: print(line, flush=True)) as stack:
                 model_dir = str(options.checkpoint_dir.resolve())
+                # The worker loads its model (and times bf16 against fp32 for `auto`) with the CPUs to
+                # itself: a rows writer starting torch beside it once made it pick fp32 on a bf16 CPU.
+                _warm_up(stack, args, sampling)
                 written = _engine_side("rows", model_dir, rows_path, args, sampling, engine_options)
                 print(f"rows: {written['rows']} written ({written['prompt_tokens']} prompt tokens, "
                       "the engine benchmark's token ids as text)", flush=True)
-                end_to_end, phases = _run_job(stack, rows_path, args, sampling)
-            # The stack is stopped before the engine-only run, so the two never share the CPUs.
-            measured = _engine_side("run", model_dir, rows_path, args, sampling, engine_options)
+                end_to_end, phases, dtypes = _run_job(stack, rows_path, args, sampling)
+            # The engine alone computes in the dtype the worker did, so the two sides compare like for
+            # like; the stack is stopped before it runs, so the two never share the CPUs.
+            same_dtype = dict(engine_options)
+            if "dtype" not in same_dtype and len(dtypes) == 1:
+                same_dtype["dtype"] = dtypes[0]
+            print(f"dtype: the worker computed in {', '.join(dtypes) or 'unknown'}; the engine alone runs in "
+                  f"{same_dtype.get('dtype', 'auto')}", flush=True)
+            measured = _engine_side("run", model_dir, rows_path, args, sampling, same_dtype)
         except (StackError, RuntimeError) as error:
             print(f"bulkinfer bench service: {error}", file=sys.stderr)
             return 1
@@ -116,32 +125,41 @@ def _engine_side(command: str, model_dir: str, rows_path: Path, args: argparse.N
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
-             sampling: dict[str, Any]) -> tuple[Side, dict[str, float]]:
-    spec = {"model": stack.options.model_name, "id_column": "id", "prompt_column": "prompt",
+def _job_spec(stack: Stack, args: argparse.Namespace, sampling: dict[str, Any]) -> dict[str, Any]:
+    return {"model": stack.options.model_name, "id_column": "id", "prompt_column": "prompt",
             "shard_size": args.shard_size, "sampling": sampling}
+
+
+def _warm_up(stack: Stack, args: argparse.Namespace, sampling: dict[str, Any]) -> None:
+    """A 1-row job that waits out the worker's model preload and its first request: not counted."""
     with Client(stack.url, timeout=120) as client, tempfile.TemporaryDirectory() as scratch:
-        # The warm-up job waits out the worker's model preload (and its first request): not counted.
         warm_up = Path(scratch) / "warm-up.jsonl"
         warm_up.write_text(json.dumps({"id": "warm-up", "prompt": "warm up"}) + "\n")
         started = time.perf_counter()
-        _wait(client, client.jobs.create({**spec, "shard_size": 1}, file=warm_up).job_id, args.timeout)
+        spec = {**_job_spec(stack, args, sampling), "shard_size": 1}
+        _wait(client, client.jobs.create(spec, file=warm_up).job_id, args.timeout)
         print(f"warm-up: 1-row job done in {time.perf_counter() - started:.1f}s (the worker's model load "
               "and first request; not counted)", flush=True)
 
+
+def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
+             sampling: dict[str, Any]) -> tuple[Side, dict[str, float], list[str]]:
+    """The measured job: its side, its phases and the dtypes its engine computed in."""
+    with Client(stack.url, timeout=120) as client:
         load_before = os.getloadavg()[0]
         submitted = time.perf_counter()
-        job_id = client.jobs.create(spec, file=rows_path).job_id
+        job_id = client.jobs.create(_job_spec(stack, args, sampling), file=rows_path).job_id
         status = _wait(client, job_id, args.timeout)
         wall = time.perf_counter() - submitted
-        rows = list(client.jobs.results(job_id))
+        results = client.jobs.results(job_id)
+        rows, dtypes = list(results), results.info.dtypes
     _check_rows(rows, args.requests, args.max_tokens)
     print(f"end-to-end: all {len(rows)} rows present once, each with {args.max_tokens} completion tokens",
           flush=True)
     usage = status.usage
     side = Side("end to end (submit → succeeded)", status.rows.total, wall, usage.prompt, usage.cached,
                 usage.completion, (load_before, os.getloadavg()[0]))
-    return side, _phases(status, wall, shards=status.shards.total)
+    return side, _phases(status, wall, shards=status.shards.total), dtypes
 
 
 def _wait(client: Client, job_id: str, timeout: float) -> JobStatus:

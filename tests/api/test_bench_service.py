@@ -32,5 +32,8 @@ def test_bench_service_prints_both_timings_and_the_ratio(tmp_path: Path) -> None
                        output, re.MULTILINE)
     assert [side for side, _ in sides] == ["end to end", "engine only"], output
     assert "same prompt and completion tokens on both sides: yes" in output
+    # Both sides compute in one dtype: the engine alone takes the worker's (auto chose it per machine)
+    assert re.search(r"^dtype: the worker computed in (float32|bfloat16); the engine alone runs in \1$",
+                     output, re.MULTILINE), output
     assert re.search(r"\(2 shards\)$", output, re.MULTILINE)
     assert re.search(r"end-to-end / engine-only wall: [\d.]+x \(target <= 1\.05x: (met|NOT met)\)", output)
