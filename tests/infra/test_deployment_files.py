@@ -480,3 +480,11 @@ def test_contract_metrics_are_the_names_the_code_exports() -> None:
     missing = sorted(name for name in WORKER_METRICS | API_METRICS
                      if not re.search(rf"[\"']{name.removesuffix('_total')}(_total)?[\"']", source))
     assert not missing, f"the dashboard reads metrics no code under api/, worker/, jobs/ exports: {missing}"
+
+
+def test_the_gpu_worker_image_runs_its_engines_on_the_gpu() -> None:
+    # EngineConfig.device defaults to "cpu": without this, a GPU pod would compute on its CPU.
+    dockerfile = (REPO / "infra" / "docker" / "Dockerfile.worker").read_text()
+    options = re.search(r"BULKINFER_ENGINE_OPTIONS='(\{[^']*\})'", dockerfile)
+    assert options and json.loads(options[1])["device"] == "cuda"
+    assert "BULKINFER_ENGINE_OPTIONS" not in (REPO / "infra" / "docker" / "Dockerfile.worker-cpu").read_text()
