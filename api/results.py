@@ -13,16 +13,16 @@ from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.results import PartFile, load_shard_results
 from jobs.spec import InputFormat
-from jobs.status import JobState
+from jobs.status import JobState, JobStatus
 
 STREAM_CHUNK_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
 
 
-def finished_manifest(context: ApiContext, job_id: str, partial: bool = False) -> Manifest:
+def finished_manifest(context: ApiContext, status: JobStatus, partial: bool = False) -> Manifest:
     """The succeeded job's manifest; with `partial`, for a job in any other state, a manifest of the
     shards finished so far (their parts published). Otherwise 409 for an unfinished job."""
-    status = context.repository.get(job_id)
+    job_id = status.job_id
     if status.state != JobState.SUCCEEDED:
         if partial:
             return _finished_so_far(context, job_id)
@@ -38,20 +38,16 @@ def finished_manifest(context: ApiContext, job_id: str, partial: bool = False) -
 def _finished_so_far(context: ApiContext, job_id: str) -> Manifest:
     """Shards whose result is committed and whose output and error parts are published at their
     final keys (a run that died between the two leaves the shard out until the reaper publishes)."""
-    spec = context.repository.get_spec(job_id)
-    results = []
-    for result in load_shard_results(context.store, context.repository.layout(job_id)):
-        published = True
-        for part in (result.output, result.errors):
-            store, key = part_store(context, part.uri)
-            published = published and store.exists(key)
-        if published:
-            results.append(result)
-    output_format = spec.output_format or spec.input_format
-    if results and output_format is None:  # not resolved in the spec: the parts say it
-        parquet = results[0].output.key.endswith(".parquet")
-        output_format = InputFormat.PARQUET if parquet else InputFormat.JSONL
-    return partial_manifest(job_id, spec.spec_hash(), str(output_format or InputFormat.JSONL), results)
+    spec = context.repository.get_spec(job_id)  # the API stores it resolved: its formats are set
+    results = [result for result in load_shard_results(context.store, context.repository.layout(job_id))
+               if all(_published(context, part) for part in (result.output, result.errors))]
+    return partial_manifest(job_id, spec.spec_hash(), str(spec.effective_output_format or InputFormat.JSONL),
+                            results)
+
+
+def _published(context: ApiContext, part: PartFile) -> bool:
+    store, key = part_store(context, part.uri)
+    return store.exists(key)
 
 
 def part_store(context: ApiContext, uri: str) -> tuple[ObjectStore, str]:
@@ -70,11 +66,10 @@ def _result_part(context: ApiContext, shard_index: int, first_row: int | None, p
                       sha256=part.sha256, uri=part.uri, url=store.presign_get(key))
 
 
-def job_results(context: ApiContext, job_id: str, partial: bool = False) -> JobResults:
-    manifest = finished_manifest(context, job_id, partial)
-    status = context.repository.get(job_id)
+def job_results(context: ApiContext, status: JobStatus, partial: bool = False) -> JobResults:
+    manifest = finished_manifest(context, status, partial)
     return JobResults(
-        job_id=job_id, state=status.state.value, partial=status.state != JobState.SUCCEEDED,
+        job_id=status.job_id, state=status.state.value, partial=status.state != JobState.SUCCEEDED,
         shards_done=len(manifest.parts), shards_total=status.shards.total or len(manifest.parts),
         output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
         parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],

@@ -30,11 +30,15 @@ SECRET_ENVIRONMENT = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "BULKINFER_A
                       "BULKINFER_ADMIN_API_KEYS", "BULKINFER_WEBHOOK_SECRET")
 
 
+def _with(fields: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The current context with the given fields (None values left out) over it."""
+    return tuple({**dict(_context.get()), **{k: v for k, v in fields.items() if v is not None}}.items())
+
+
 @contextmanager
 def log_context(**fields: Any) -> Iterator[None]:
     """Every line logged inside (in this thread or task) carries these fields."""
-    merged = {**dict(_context.get()), **{k: v for k, v in fields.items() if v is not None}}
-    token = _context.set(tuple(merged.items()))
+    token = _context.set(_with(fields))
     try:
         yield
     finally:
@@ -43,8 +47,7 @@ def log_context(**fields: Any) -> Iterator[None]:
 
 def add_to_log_context(**fields: Any) -> None:
     """Add fields for the rest of the enclosing `log_context` (e.g. a tenant learnt mid-task)."""
-    known = {k: v for k, v in fields.items() if v is not None}
-    _context.set(tuple({**dict(_context.get()), **known}.items()))
+    _context.set(_with(fields))
 
 
 def secret_values(settings_secrets: Iterable[str | None] = (),

@@ -171,8 +171,8 @@ class PreparedBatch:
                  deduplicate: bool = True) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         prepared: list[PreparedRow] = []
-        self._copies: list[tuple[int, Row, int]] = []  # (position, row, index in `prepared` it copies)
-        first_of: dict[str, int] = {}
+        self._copies: list[tuple[int, Row, int]] = []  # (position, row, position of the row it copies)
+        first_of: dict[str, int] = {}  # request key -> position of the row that runs it
         for position, item in enumerate(items):
             if isinstance(item, RowError):
                 self._outputs[position] = OutputRow.from_error(item)
@@ -188,18 +188,11 @@ class PreparedBatch:
                 if key in first_of:
                     self._copies.append((position, item, first_of[key]))
                     continue
-                first_of[key] = len(prepared)
+                first_of[key] = position
             prepared.append(PreparedRow(position, item, request))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
-        order = sorted(range(len(prepared)), key=lambda i: list(prepared[i].request.prompt))
-        moved_to = {old: new for new, old in enumerate(order)}
-        self._prepared = [prepared[i] for i in order]
-        self._copies = [(position, row, moved_to[source]) for position, row, source in self._copies]
-
-    @property
-    def deduplicated_rows(self) -> int:
-        """Rows that take another row's output instead of running."""
-        return len(self._copies)
+        prepared.sort(key=lambda entry: list(entry.request.prompt))
+        self._prepared = prepared
 
     @property
     def requests(self) -> list[EngineRequest]:
@@ -209,11 +202,12 @@ class PreparedBatch:
     def outputs(self, results: Sequence[RequestOutput]) -> list[OutputRow]:
         """Every row's outcome in input order, given the engine's results for `requests`."""
         outputs = list(self._outputs)
+        result_at: dict[int, RequestOutput] = {}
         for entry, result in zip(self._prepared, results, strict=True):
             outputs[entry.position] = output_row(entry.row, result)
+            result_at[entry.position] = result
         for position, row, source in self._copies:
-            copied = output_row(row, results[source])
-            outputs[position] = dataclasses.replace(copied, deduplicated=True)
+            outputs[position] = dataclasses.replace(output_row(row, result_at[source]), deduplicated=True)
         return [output for output in outputs if output is not None]
 
 

@@ -86,10 +86,9 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
     backoff until the step has failed `max_task_attempts` times, then fail the job with the reason
     (worker/task_attempts.py), so no step is re-sent forever.
     """
-    step_kind = step.split(" ", 1)[0]  # "shard 3" -> "shard"
+    step_kind, _, shard = step.partition(" ")  # "shard 3" -> "shard", "3"; "plan" -> "plan", ""
     try:
-        with log_context(job_id=job_id, shard=step.split(" ", 1)[1] if " " in step else None,
-                         worker=getattr(task.request, "hostname", None)):
+        with log_context(job_id=job_id, shard=shard or None, worker=getattr(task.request, "hostname", None)):
             summary = work()
     except Exception as error:
         if is_transient(error):

@@ -130,12 +130,11 @@ def get_results(job_id: str, context: Context, caller: CallerDep, download: bool
     as JSON lines (Parquet parts are converted). A job that has not succeeded answers 409, unless
     `?partial=true`: then the parts of the shards finished so far (running, failed or cancelled
     jobs), marked `partial` (and, when downloading, an `X-Bulkinfer-Partial: true` header)."""
-    owned_job(context, caller, job_id)
+    status = owned_job(context, caller, job_id)
     if not download:
-        return job_results(context, _known_id(job_id), partial)
-    state = context.repository.get(job_id).state  # before: a job that succeeds meanwhile reads whole
-    manifest = finished_manifest(context, _known_id(job_id), partial)
+        return job_results(context, status, partial)
+    manifest = finished_manifest(context, status, partial)
     headers = {"Content-Disposition": f'attachment; filename="{job_id}.jsonl"',
-               "X-Bulkinfer-Partial": "false" if state == JobState.SUCCEEDED else "true"}
+               "X-Bulkinfer-Partial": "false" if status.state == JobState.SUCCEEDED else "true"}
     return StreamingResponse(stream_rows(context, manifest), media_type="application/x-ndjson",
                              headers=headers)
