@@ -8,8 +8,10 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from jobs.errors import InputError
+from jobs.merge import MergeError
 from jobs.model_registry import UnknownModel
 from jobs.repository import JobConflict, JobNotFound
+from jobs.retry import NothingToRetry, NotRetryable
 from jobs.schedules import ScheduleNotFound
 from jobs.spec import validation_messages
 from jobs.status import IllegalTransition
@@ -42,7 +44,7 @@ def error_response(error: HttpError) -> JSONResponse:
 # Domain errors and the status each one means at the API.
 _STATUS_FOR = [
     (JobNotFound, 404), (ScheduleNotFound, 404), (JobConflict, 409), (IllegalTransition, 409),
-    (UnknownModel, 400), (InputError, 400)]
+    (NotRetryable, 409), (NothingToRetry, 409), (MergeError, 409), (UnknownModel, 400), (InputError, 400)]
 
 
 def install_error_handlers(app: FastAPI) -> None:

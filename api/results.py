@@ -13,17 +13,18 @@ from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.results import PartFile, load_shard_results
 from jobs.spec import InputFormat
-from jobs.status import JobState, JobStatus
+from jobs.status import COMPLETED_STATES, JobStatus
 
 STREAM_CHUNK_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
 
 
 def finished_manifest(context: ApiContext, status: JobStatus, partial: bool = False) -> Manifest:
-    """The succeeded job's manifest; with `partial`, for a job in any other state, a manifest of the
+    """The manifest of a job that succeeded (or expired: every row has an outcome, `expired` ones
+    included); with `partial`, for a job in any other state, a manifest of the
     shards finished so far (their parts published). Otherwise 409 for an unfinished job."""
     job_id = status.job_id
-    if status.state != JobState.SUCCEEDED:
+    if status.state not in COMPLETED_STATES:
         if partial:
             return _finished_so_far(context, job_id)
         reason = f" ({status.error})" if status.error else ""
@@ -69,7 +70,7 @@ def _result_part(context: ApiContext, shard_index: int, first_row: int | None, p
 def job_results(context: ApiContext, status: JobStatus, partial: bool = False) -> JobResults:
     manifest = finished_manifest(context, status, partial)
     return JobResults(
-        job_id=status.job_id, state=status.state.value, partial=status.state != JobState.SUCCEEDED,
+        job_id=status.job_id, state=status.state.value, partial=status.state not in COMPLETED_STATES,
         shards_done=len(manifest.parts), shards_total=status.shards.total or len(manifest.parts),
         output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
         parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],

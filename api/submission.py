@@ -14,8 +14,11 @@ from pydantic import BaseModel, ValidationError
 from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
 from api.errors import HttpError, invalid_model
+from api.estimate import estimate_spec
 from api.storage_rules import check_allowed, claim_output_folder
+from jobs.deadlines import window_seconds
 from jobs.errors import InputError
+from jobs.estimate_report import JobEstimate
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
 from jobs.layout import jobs_root
@@ -120,9 +123,19 @@ def check_webhook(context: ApiContext, url: str | None) -> None:
         raise HttpError(400, problem)
 
 
+def check_completion_window(context: ApiContext, spec: JobSpec) -> None:
+    """422 for a completion_window longer than the deployment's max_completion_window."""
+    window = spec.completion_window_s
+    limit = context.settings.max_completion_window
+    if window is not None and window > window_seconds(limit):
+        raise HttpError(422, f"invalid job spec: completion_window: {spec.completion_window!r} is longer "
+                             f"than this deployment's max_completion_window ({limit})")
+
+
 def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
     """The spec resolved against its input (format detected, columns checked): what job.json holds."""
     check_webhook(context, spec.webhook_url)
+    check_completion_window(context, spec)
     check_readable(store, key, spec.input_uri)
     try:
         resolved = resolve_spec(spec, store, key)
@@ -181,15 +194,26 @@ def parse_object(data: object, model: type[M], what: str) -> M:
 
 
 def parse_spec(data: object) -> JobSpec:
-    return parse_object(data, JobSpec, "job spec")
+    spec = parse_object(data, JobSpec, "job spec")
+    for field in RETRY_FIELDS:
+        if getattr(spec, field) is not None:
+            raise HttpError(422, f"invalid job spec: {field}: set by POST /jobs/{{id}}/retry, which makes a "
+                                 "job of another job's failed rows; a submit cannot set it")
+    return spec
 
 
-def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus:
-    """A JSON submit: the input is already in S3 or the local store."""
+RETRY_FIELDS = ("parent_job_id", "retry_error_codes")
+
+
+def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
+    """A JSON submit: the input is already in S3 or the local store. A dry run stops after the
+    checks with an estimate."""
     check_model(context, spec)
     check_allowed(context.settings.tenant_prefixes, spec.tenant, spec.input_uri, "input_uri")
     store, key = locate(context, spec.input_uri, "input_uri")
     resolved = validate_input(context, spec, store, key)
+    if resolved.dry_run:
+        return estimate_spec(context, resolved, store, key)
     job_id = JobRepository.job_id_for(resolved)
     check_in_flight(context, resolved, job_id)
     claim_output(context, resolved, job_id)

@@ -20,6 +20,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.dependencies import ApiContext
 from api.errors import HttpError
+from api.estimate import estimate_spec
 from api.submission import (
     check_in_flight,
     check_model,
@@ -28,6 +29,7 @@ from api.submission import (
     parse_spec,
     validate_input,
 )
+from jobs.estimate_report import JobEstimate
 from jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
 from jobs.repository import JobRepository
 from jobs.spec import JobSpec
@@ -171,8 +173,10 @@ async def _drain(events: AsyncIterator[PartStart | PartData | PartEnd]) -> None:
         pass
 
 
-async def submit_upload(context: ApiContext, request: Request, tenant: str | None = None) -> JobStatus:
-    """The spec and the file of a multipart submit; the job belongs to `tenant`."""
+async def submit_upload(context: ApiContext, request: Request,
+                        tenant: str | None = None) -> JobStatus | JobEstimate:
+    """The spec and the file of a multipart submit; the job belongs to `tenant` (a dry run: the
+    estimate, and the upload is removed)."""
     events = iter_multipart(request)
     receiver = _Receiver(context, tenant)
     try:
@@ -183,6 +187,11 @@ async def submit_upload(context: ApiContext, request: Request, tenant: str | Non
         await receiver.discard()
         raise
     assert receiver.job_id is not None
+    if resolved.dry_run:  # estimated from the upload, which is then removed: nothing stays
+        try:
+            return await run_in_threadpool(estimate_spec, context, resolved, upload.store, upload.key)
+        finally:
+            await receiver.discard()
     await run_in_threadpool(check_in_flight, context, resolved, receiver.job_id)
     await run_in_threadpool(claim_output, context, resolved, receiver.job_id)
     return await run_in_threadpool(create_and_enqueue, context, resolved, receiver.job_id)

@@ -34,7 +34,7 @@ from engine.request import FinishReason, Request
 from engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.sampling_random import SEED_MASK
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -222,9 +222,9 @@ class LLMEngine:
                 finished += self._after_sampling(sampling, sampled, logprobs)
             self.counters.generation_tokens += len(sampled)
             self.counters.prompt_tokens += first_tokens
-            self.counters.record_step(
-                time.monotonic() - started, scheduled.num_scheduled_tokens, prefill_tokens
-            )
+            duration = time.monotonic() - started
+            self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
+            _attribute_step(scheduled.chunks, duration, scheduled.num_scheduled_tokens)
         elif self._grammars.compiling and not outputs and not finished:
             # Only requests waiting for their grammars: yield the CPU to the compile threads
             # instead of spinning (the LLM loop and the worker's engine thread call step() back to back).
@@ -379,3 +379,12 @@ def _params_error(params: SamplingParams) -> tuple[ErrorKind, str] | None:
     except ValueError as exc:  # a subclass' own check
         return ErrorKind.INVALID_SAMPLING, f"invalid sampling params: {exc}"
     return None
+
+
+def _attribute_step(chunks: list[ScheduledChunk], duration: float, num_tokens: int) -> None:
+    """Split a step's time over its requests by the tokens each computed in it (usage accounting)."""
+    if num_tokens <= 0:
+        return
+    per_token = duration / num_tokens
+    for chunk in chunks:
+        chunk.request.engine_seconds += per_token * chunk.num_new_tokens

@@ -25,6 +25,7 @@ class RequestMetrics:
     e2e_latency: float | None  # finished - arrival
     # When each output token came (the request's own list, not a copy): every inter-token gap.
     token_times: Sequence[float] = ()
+    engine_seconds: float = 0.0  # step time attributed to the request (its share of each step, by tokens)
 
     @staticmethod
     def from_request(request: Request) -> RequestMetrics:
@@ -45,6 +46,7 @@ class RequestMetrics:
                 request.finished_time - request.arrival_time if request.finished_time is not None else None
             ),
             token_times=times,
+            engine_seconds=request.engine_seconds,
         )
 
     @staticmethod
@@ -69,6 +71,7 @@ class RequestMetrics:
             time_per_output_token=first.time_per_output_token,
             token_times=first.token_times,
             e2e_latency=finished - first.arrival_time if finished is not None else None,
+            engine_seconds=sum(m.engine_seconds for m in samples),
         )
 
     def as_dict(self) -> dict[str, float | None]:

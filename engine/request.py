@@ -79,6 +79,8 @@ class Request:
 
     first_scheduled_time: float | None = field(default=None, init=False)
     token_times: list[float] = field(default_factory=list, init=False)  # one per output token
+    # Step time attributed to this request: each step's time split over its requests by tokens.
+    engine_seconds: float = field(default=0.0, init=False)
     finished_time: float | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -36,7 +36,12 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 """
 FIELDS = ("rows_total", "rows_succeeded", "rows_failed", "rows_deduplicated", "shards_total", "shards_done",
-          "tokens_prompt", "tokens_cached", "tokens_completion")
+          "tokens_prompt", "tokens_cached", "tokens_completion", "engine_ms")
+
+
+def engine_ms(usage: TokenUsage) -> int:
+    """Engine seconds as the integer milliseconds the counters add up (HINCRBY takes integers)."""
+    return round(usage.engine_seconds * 1000)
 
 
 class CountersMissing(RuntimeError):
@@ -71,7 +76,7 @@ class CounterSnapshot(BaseModel):
                 "shards_total": self.shards.total,
                 "shards_done": self.shards.done,
                 "tokens_prompt": self.usage.prompt, "tokens_cached": self.usage.cached,
-                "tokens_completion": self.usage.completion}
+                "tokens_completion": self.usage.completion, "engine_ms": engine_ms(self.usage)}
 
 
 class JobCounters:
@@ -100,7 +105,7 @@ class JobCounters:
             "rows_succeeded": result.rows_succeeded, "rows_failed": result.rows_failed,
             "rows_deduplicated": result.rows_deduplicated, "shards_done": 1,
             "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
-            "tokens_completion": result.usage.completion,
+            "tokens_completion": result.usage.completion, "engine_ms": engine_ms(result.usage),
         }
         arguments: list[str | int] = [result.shard_index]
         for name, value in increments.items():
@@ -122,7 +127,8 @@ class JobCounters:
                            failed=values["rows_failed"], deduplicated=values["rows_deduplicated"]),
             shards=ShardCounts(done=values["shards_done"], total=values["shards_total"]),
             usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],
-                             completion=values["tokens_completion"]))
+                             completion=values["tokens_completion"],
+                             engine_seconds=values["engine_ms"] / 1000))
 
     def replace(self, snapshot: CounterSnapshot, counted_shards: Sequence[int]) -> None:
         """Set the counters and the counted-shard set together, atomically (MULTI/EXEC)."""

@@ -16,12 +16,13 @@ import hashlib
 import json
 import uuid
 from collections.abc import Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import redis
 from pydantic import BaseModel
 
 from jobs.counters import CountersMissing, CounterSnapshot, JobCounters
+from jobs.deadlines import register_deadline
 from jobs.errors import LookupFailed
 from jobs.layout import JobLayout, jobs_root
 from jobs.manifest import read_manifest
@@ -29,7 +30,7 @@ from jobs.names import cancel_key, jobs_tag
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
-from jobs.status import ALLOWED_TRANSITIONS, IllegalTransition, JobState, JobStatus
+from jobs.status import ALLOWED_TRANSITIONS, COMPLETED_STATES, IllegalTransition, JobState, JobStatus
 
 DEFAULT_NAMESPACE = "bulkinfer"
 INDEX_REBUILD_LOCK_MS = 5 * 60 * 1000
@@ -37,9 +38,9 @@ LIST_SCAN_PAGE = 200  # index entries read at a time when a listing keeps one te
 STATES = list(JobState)
 # How far along the lifecycle a state is: a transition to an earlier state was already made.
 LIFECYCLE_RANK = {JobState.QUEUED: 0, JobState.RUNNING: 1, JobState.FINALIZING: 2,
-                  JobState.SUCCEEDED: 3, JobState.FAILED: 3, JobState.CANCELLED: 3}
+                  JobState.SUCCEEDED: 3, JobState.FAILED: 3, JobState.CANCELLED: 3, JobState.EXPIRED: 3}
 
-# KEYS: job hash, index, then the six state indexes in STATES order.
+# KEYS: job hash, index, then the state indexes in STATES order.
 # ARGV: index member, then the hash's field/value pairs. Records the job unless Redis has it.
 RECORD_IF_ABSENT_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
@@ -55,9 +56,9 @@ for i = 3, #KEYS do
 end
 return 1
 """
-# KEYS: job hash, then the six state indexes in STATES order.
+# KEYS: job hash, then the state indexes in STATES order.
 # ARGV: target, ",allowed,sources,", now, "1" if target is terminal, error, output URIs (JSON),
-#       manifest URI, then the six state names in STATES order.
+#       manifest URI, then the state names in STATES order.
 # Returns {outcome, current}: outcome is missing | same | illegal | moved.
 TRANSITION_SCRIPT = """
 local current = redis.call('HGET', KEYS[1], 'state')
@@ -187,7 +188,10 @@ class JobRepository:
         except AlreadyExists:
             self._check_same_spec(job_id, spec)
             return self._restore(job_id)
-        status = JobStatus(job_id=job_id, tenant=spec.tenant)
+        status = JobStatus(job_id=job_id, tenant=spec.tenant, parent_job_id=spec.parent_job_id)
+        window = spec.completion_window_s
+        if window is not None:
+            status = status.model_copy(update={"expires_at": status.created_at + timedelta(seconds=window)})
         try:
             self.store.put_bytes(layout.status_key, status.model_dump_json().encode(), if_none_match=True)
         except AlreadyExists:  # a racing create of the same job wrote it first
@@ -307,7 +311,7 @@ class JobRepository:
         target = JobState(target)
         if target == JobState.FAILED and not error:
             raise ValueError("a failed job needs an error message saying why")
-        output_uris, manifest_uri = self._manifest_uris(job_id) if target == JobState.SUCCEEDED else ("", "")
+        output_uris, manifest_uri = self._manifest_uris(job_id) if target in COMPLETED_STATES else ("", "")
         sources = "," + ",".join(s.value for s in STATES if target in ALLOWED_TRANSITIONS[s]) + ","
         arguments = [target.value, sources, _timestamp(datetime.now(UTC)), "1" if target.is_terminal else "",
                      error or "", output_uris, manifest_uri, *(s.value for s in STATES)]
@@ -367,12 +371,15 @@ class JobRepository:
                   "started_at": _timestamp(status.started_at),
                   "finished_at": _timestamp(status.finished_at), "error": status.error or "",
                   "output_uris": json.dumps(status.output_uris), "manifest_uri": status.manifest_uri or "",
-                  "tenant": status.tenant or ""}
+                  "tenant": status.tenant or "", "parent_job_id": status.parent_job_id or "",
+                  "expires_at": _timestamp(status.expires_at)}
         arguments = [member]
         for name, value in fields.items():
             arguments += [name, value]
         keys = [self._job_key(status.job_id), self._index_key, *(self._state_index_key(s) for s in STATES)]
         self._record_if_absent(keys=keys, args=arguments)
+        if status.expires_at is not None and not status.state.is_terminal:  # again after a Redis loss
+            register_deadline(self.redis, self.namespace, status.job_id, status.expires_at)
         if status.state == JobState.CANCELLED:
             self.redis.set(self._cancel_key(status.job_id), "1")
 
@@ -396,7 +403,8 @@ class JobRepository:
             job_id=job_id, state=JobState(fields["state"]), created_at=_datetime(fields["created_at"]),
             started_at=_datetime(fields.get("started_at")), finished_at=_datetime(fields.get("finished_at")),
             error=fields.get("error") or None, output_uris=json.loads(fields.get("output_uris") or "[]"),
-            manifest_uri=fields.get("manifest_uri") or None, tenant=fields.get("tenant") or None)
+            manifest_uri=fields.get("manifest_uri") or None, tenant=fields.get("tenant") or None,
+            parent_job_id=fields.get("parent_job_id") or None, expires_at=_datetime(fields.get("expires_at")))
 
     def _counts(self, job_id: str, state: JobState) -> CounterSnapshot | None:
         """The live counts; rebuilt from the store when Redis lost them; None before planning."""

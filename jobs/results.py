@@ -23,10 +23,14 @@ class TokenUsage(BaseModel):
     prompt: int = Field(0, ge=0)
     cached: int = Field(0, ge=0, description="prompt tokens served from the prefix cache")
     completion: int = Field(0, ge=0)
+    engine_seconds: float = Field(0.0, ge=0, description="engine time attributed to these rows: each "
+                                  "step's time split over the requests in it by the tokens they computed")
 
     def __add__(self, other: TokenUsage) -> TokenUsage:
+        # Engine seconds in whole milliseconds, as the live counters add them: both give equal sums.
         return TokenUsage(prompt=self.prompt + other.prompt, cached=self.cached + other.cached,
-                          completion=self.completion + other.completion)
+                          completion=self.completion + other.completion,
+                          engine_seconds=round(self.engine_seconds + other.engine_seconds, 3))
 
 
 class PartFile(BaseModel):
@@ -77,9 +81,12 @@ class ShardResult(BaseModel):
         """The result of a shard whose `outputs` were written as `output` and `errors`."""
         failed = sum(row.failed for row in outputs)
         codes = Counter(row.error_code for row in outputs if row.error_code is not None)
-        usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in outputs),
-                           cached=sum(row.cached_tokens or 0 for row in outputs),
-                           completion=sum(row.completion_tokens or 0 for row in outputs))
+        # What the engine computed: a deduplicated copy's tokens were computed once, for its source.
+        computed = [row for row in outputs if not row.deduplicated]
+        usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in computed),
+                           cached=sum(row.cached_tokens or 0 for row in computed),
+                           completion=sum(row.completion_tokens or 0 for row in computed),
+                           engine_seconds=round(sum(row.engine_seconds for row in computed), 3))
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,

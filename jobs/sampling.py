@@ -12,6 +12,11 @@ MAX_STOP_SEQUENCES = 16
 MAX_N = 16
 
 
+# What the engine generates for a row without max_tokens (engine SamplingParams' default, as vLLM's):
+# dry-run estimates count it (tests hold the two equal).
+ENGINE_DEFAULT_MAX_TOKENS = 16
+
+
 class JobSampling(BaseModel):
     """Unset fields mean "the engine's default"; a row's overrides are merged over the job's."""
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
 from jobs.object_store.base import ObjectStore
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ ENVIRONMENT_NAMES = {
     "max_shards_per_job": "BULKINFER_MAX_SHARDS_PER_JOB",
     "max_schemas_per_job": "BULKINFER_MAX_SCHEMAS_PER_JOB",
     "max_jobs_in_flight": "BULKINFER_MAX_JOBS_IN_FLIGHT",
+    "max_completion_window": "BULKINFER_MAX_COMPLETION_WINDOW",
     "max_requests_per_s": "BULKINFER_MAX_REQUESTS_PER_S",
     # Schedules and webhooks (docs/schedules_and_webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
@@ -114,6 +116,8 @@ class Settings(BaseModel):
     # Distinct response formats a job's rows may carry (worker/schema_limit.py): bounds its compile time.
     max_schemas_per_job: int = Field(256, ge=1)
     max_jobs_in_flight: int | None = Field(None, ge=1)  # per tenant: queued, running or finalizing
+    # The longest completion_window a job may ask ('7d', '24h' or seconds); a longer one answers 422.
+    max_completion_window: str = DEFAULT_MAX_WINDOW
     max_requests_per_s: int | None = Field(None, ge=1)  # per API key (per tenant on an open API)
     # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
@@ -123,6 +127,12 @@ class Settings(BaseModel):
     # Where webhooks may go: https only, and only to public addresses, unless these allow more.
     webhook_allow_http: bool = False
     webhook_allow_private: bool = False
+
+    @field_validator("max_completion_window")
+    @classmethod
+    def _window_parses(cls, value: str) -> str:
+        window_seconds(value)
+        return value
 
     @field_validator("store_uri")
     @classmethod

@@ -43,6 +43,15 @@ class ShardPlan(BaseModel):
     # OpenAI batch input: byte offset of each of the shard's lines that repeats a custom_id first
     # used earlier in the file -> that first line's number (those lines become row errors).
     repeated_custom_ids: dict[int, int] = {}
+    # A retry job (jobs/retry.py) runs only these rows of the range, by `Row.index` (None: all of
+    # them), and `origin_shard` is the index of the shard of the first job in its chain that covers
+    # the same range, so results can be merged across the chain one range at a time.
+    only_rows: list[int] | None = None
+    origin_shard: int | None = None
+
+    @property
+    def origin(self) -> int:
+        return self.index if self.origin_shard is None else self.origin_shard
 
     @property
     def shard_id(self) -> str:

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import StrEnum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
 from jobs.object_store.factory import split_uri
 from jobs.response_format import ResponseFormat
 from jobs.sampling import JobSampling
@@ -21,6 +23,16 @@ MAX_METADATA_VALUE_CHARS = 512
 RESERVED_OUTPUT_COLUMNS = frozenset(
     {"id", "text", "json", "finish_reason", "usage", "prompt_tokens", "cached_tokens", "completion_tokens",
      "error", "error_code", "logprobs", "choices"})
+
+
+PRIORITY_NAMES = {"high": 8, "normal": 5, "low": 2}
+
+
+def _priority_schema(schema: dict[str, Any]) -> None:
+    """An integer 0-9 or one of the names (what `_priority_by_name` accepts)."""
+    for key in ("type", "minimum", "maximum"):
+        schema.pop(key, None)
+    schema["anyOf"] = [{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": list(PRIORITY_NAMES)}]
 
 
 class InputFormat(StrEnum):
@@ -42,9 +54,10 @@ def format_from_name(key: str) -> InputFormat | None:
 # What the validators below enforce, stated in the published schema too (a schema-valid body should
 # not be refused for a rule the schema does not say): split_uri's accepted forms, an http(s) URL.
 URI_PATTERN = r"^(s3://[^/]+/.*|file://(localhost)?/.*|/.*)$"
-# Text, {{ / }} escapes and {field} placeholders, at least one placeholder (jobs/template.py's grammar).
-_TEMPLATE_PIECE = r"([^{}]|\{\{|\}\}|\{[^{}]+\})*"
-TEMPLATE_PATTERN = rf"^{_TEMPLATE_PIECE}\{{[^{{}}]+\}}{_TEMPLATE_PIECE}$"
+# Text, {{ / }} escapes and {field} placeholders, at least one placeholder (jobs/template.py's grammar:
+# a name without `:` or `!`, which would start a format spec or a conversion).
+_TEMPLATE_PIECE = r"([^{}]|\{\{|\}\}|\{[^{}:!]+\})*"
+TEMPLATE_PATTERN = rf"^{_TEMPLATE_PIECE}\{{[^{{}}:!]+\}}{_TEMPLATE_PIECE}$"
 OBJECT_URI_PATTERN = r"^(s3://[^/]+/.*[^/]|file://(localhost)?/.*[^/]|/.*[^/])$"  # one object, not a folder
 WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
 
@@ -84,7 +97,15 @@ class JobSpec(BaseModel):
     deduplicate: bool = Field(True, description="rows of a shard whose rendered prompt and sampling are "
                               "identical and deterministic (greedy or seeded) run once and each gets the "
                               "output; rows sampled at random without a seed are never merged")
-    priority: int = Field(5, ge=0, le=9, description="higher runs sooner")
+    priority: int = Field(5, ge=0, le=9, description="0-9, higher sooner, or high (8), normal (5), low (2): "
+                          "a free worker takes the highest priority's shards first, and within a priority "
+                          "shares out fairly between tenants, then between one tenant's jobs",
+                          json_schema_extra=_priority_schema)
+    completion_window: str | int | None = Field(
+        None, description="how long the job may take, from its submit: '24h', '90m', '2d' or seconds; "
+        "rows not done by then end as `expired` row errors and the job ends `expired`",
+        json_schema_extra={"anyOf": [{"type": "string", "pattern": WINDOW_SCHEMA_PATTERN},
+                                     {"type": "integer", "minimum": 1}, {"type": "null"}]})
     metadata: dict[str, str] = Field(default_factory=dict, json_schema_extra={
         "maxProperties": MAX_METADATA_PAIRS,
         "propertyNames": {"minLength": 1, "maxLength": MAX_METADATA_KEY_CHARS},
@@ -92,8 +113,17 @@ class JobSpec(BaseModel):
     idempotency_key: str | None = Field(None, min_length=1, max_length=256)
     webhook_url: str | None = Field(None, description="POSTed the final status when the job ends (signed)",
                                     json_schema_extra={"pattern": WEBHOOK_URL_PATTERN, "maxLength": 2048})
+    dry_run: bool = Field(False, description="validate and estimate only (rows, tokens, run time): "
+                          "nothing is created or queued")
     tenant: str | None = Field(None, description="whose job it is: set by the API from the caller's key "
                                                  "(a value sent in a submit is replaced)")
+    # Set by POST /jobs/{id}/retry (a submit that sets them is refused: readOnly in the schema).
+    parent_job_id: str | None = Field(None, description="the job whose failed rows this one runs again",
+                                      json_schema_extra={"readOnly": True})
+    retry_error_codes: list[str] | None = Field(None, description="with parent_job_id: only the parent's "
+                                                "rows that failed with one of these codes (not_run: rows "
+                                                "that never ran); None: every failed row",
+                                                json_schema_extra={"readOnly": True})
 
     @field_validator("input_uri", "output_uri")
     @classmethod
@@ -109,6 +139,22 @@ class JobSpec(BaseModel):
         if not key or key.endswith("/"):
             raise ValueError(f"input_uri must name one object, not a folder: {value!r}")
         return value
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _priority_by_name(cls, value: object) -> object:
+        return PRIORITY_NAMES.get(value, value) if isinstance(value, str) else value
+
+    @field_validator("completion_window")
+    @classmethod
+    def _window_parses(cls, value: str | int | None) -> str | int | None:
+        if value is not None:
+            window_seconds(value)  # raises ValueError saying what is wrong
+        return value
+
+    @property
+    def completion_window_s(self) -> float | None:
+        return None if self.completion_window is None else window_seconds(self.completion_window)
 
     @field_validator("webhook_url")
     @classmethod

@@ -1,7 +1,8 @@
 """The job status machine and the status a client sees.
 
-    queued → running → finalizing → succeeded
+    queued → running → finalizing → succeeded | expired (its completion_window passed)
        └──────┴───────────┴──────→ failed | cancelled
+    queued ─────────────────────→ expired (never planned before its deadline)
 """
 
 from __future__ import annotations
@@ -21,20 +22,25 @@ class JobState(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
+    EXPIRED = "expired"  # its completion_window passed: the rows not done by then are `expired` errors
 
     @property
     def is_terminal(self) -> bool:
         return self in TERMINAL_STATES
 
 
-TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+TERMINAL_STATES = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED, JobState.EXPIRED})
+# Ends with results (a manifest): every row has an outcome, `expired` ones included.
+COMPLETED_STATES = frozenset({JobState.SUCCEEDED, JobState.EXPIRED})
 ALLOWED_TRANSITIONS: dict[JobState, frozenset[JobState]] = {
-    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.QUEUED: frozenset({JobState.RUNNING, JobState.FAILED, JobState.CANCELLED, JobState.EXPIRED}),
     JobState.RUNNING: frozenset({JobState.FINALIZING, JobState.FAILED, JobState.CANCELLED}),
-    JobState.FINALIZING: frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}),
+    JobState.FINALIZING: frozenset({JobState.SUCCEEDED, JobState.EXPIRED, JobState.FAILED,
+                                    JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
+    JobState.EXPIRED: frozenset(),
 }
 
 
@@ -89,6 +95,9 @@ class JobStatus(BaseModel):
     manifest_uri: str | None = None
     error: str | None = Field(None, description="why the job failed")
     tenant: str | None = Field(None, description="whose job it is (the tenant of the key that created it)")
+    parent_job_id: str | None = Field(None, description="a retry: the job whose failed rows this one "
+                                                        "runs again")
+    expires_at: datetime | None = Field(None, description="when its completion_window passes (None: never)")
 
     def transition(self, target: JobState, *, at: datetime | None = None,
                    error: str | None = None) -> JobStatus:

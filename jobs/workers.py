@@ -28,6 +28,9 @@ class WorkerModel(BaseModel):
     running: int = 0  # requests in the engine now
     waiting: int = 0
     tokens_per_s: float = 0.0  # generated tokens per second over the last beat interval
+    # Since the engine started: seconds inside steps, and the tokens they computed (prompt + generated).
+    busy_s: float = 0.0
+    tokens_computed: int = 0
 
 
 class WorkerBeat(BaseModel):
@@ -54,3 +57,37 @@ def live_workers(client: redis.Redis, namespace: str) -> list[WorkerBeat]:
         if value:  # expired between the scan and the read
             beats.append(WorkerBeat.model_validate_json(value))
     return sorted(beats, key=lambda beat: beat.hostname)
+
+
+MIN_MEASURED_BUSY_S = 1.0  # less engine time than this measures start-up more than throughput
+
+
+class Throughput(BaseModel):
+    """A model's measured speed on one worker: tokens computed (prompt + generated) per engine-busy second."""
+
+    model: str
+    tokens_per_busy_s: float
+    busy_s: float
+    hostname: str
+    dtype: str | None = None
+    device: str | None = None
+    measured_at: datetime
+
+
+def throughput_key(namespace: str, model: str) -> str:
+    return f"{namespace}:throughput:{model}"
+
+
+def record_throughput(client: redis.Redis, namespace: str, beat: WorkerBeat) -> None:
+    """Keep each loaded model's latest measurement (no expiry: it outlives a scaled-to-zero worker)."""
+    for model in beat.models:
+        if model.busy_s >= MIN_MEASURED_BUSY_S and model.tokens_computed:
+            measured = Throughput(model=model.name, tokens_per_busy_s=model.tokens_computed / model.busy_s,
+                                  busy_s=model.busy_s, hostname=beat.hostname, dtype=model.dtype,
+                                  device=model.device, measured_at=beat.updated_at)
+            client.set(throughput_key(namespace, model.name), measured.model_dump_json())
+
+
+def last_throughput(client: redis.Redis, namespace: str, model: str) -> Throughput | None:
+    value = client.get(throughput_key(namespace, model))
+    return Throughput.model_validate_json(value) if value else None

@@ -5,16 +5,21 @@ module in processes that run no task, such as `celery inspect`).
 
 from __future__ import annotations
 
+import logging
+import socket
 import threading
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings, process_settings
+from jobs.tokenizer_files import publish_tokenizer
 from worker.model_hosts import ModelHosts
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class WorkerContext:
@@ -36,7 +41,15 @@ class WorkerContext:
     def hosts(self) -> ModelHosts:
         settings = self.settings
         return ModelHosts(self.registry, settings.engine_options_dict(),
-                          s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
+                          s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
+                          on_tokenizer=self._publish_tokenizer)
+
+    def _publish_tokenizer(self, name: str, tokenizer: Any) -> None:
+        """Put a loaded model's tokenizer where the API's dry runs read it (jobs/tokenizer_files.py)."""
+        try:
+            publish_tokenizer(self.store, self.repository.prefix, name, tokenizer, socket.gethostname())
+        except Exception:  # noqa: BLE001 - only dry runs need it: the model serves without
+            logger.exception("could not publish the tokenizer of %s", name)
 
 
 _context: WorkerContext | None = None

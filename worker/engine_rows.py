@@ -18,13 +18,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from engine import ErrorKind, RequestOutput, SamplingParams, SamplingParamsError
 from engine.chat import ChatTemplateError, chat_token_ids
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob, expired_row
 from jobs.formats.rows import Row, RowError, RowErrorCode
 from jobs.response_format import engine_response_format
 from jobs.sampling import JobSampling
@@ -199,24 +200,29 @@ class PreparedBatch:
         """What to submit, in the order `outputs` takes the results back."""
         return [entry.request for entry in self._prepared]
 
-    def outputs(self, results: Sequence[RequestOutput]) -> list[OutputRow]:
-        """Every row's outcome in input order, given the engine's results for `requests`."""
+    def outputs(self, results: Sequence[RequestOutput], expired: bool = False) -> list[OutputRow]:
+        """Every row's outcome in input order, given the engine's results for `requests`
+        (`expired`: the rows were aborted because the job's deadline passed)."""
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
         for entry, result in zip(self._prepared, results, strict=True):
-            outputs[entry.position] = output_row(entry.row, result)
+            outputs[entry.position] = output_row(entry.row, result, expired)
             result_at[entry.position] = result
         for position, row, source in self._copies:
-            outputs[position] = dataclasses.replace(output_row(row, result_at[source]), deduplicated=True)
+            outputs[position] = dataclasses.replace(output_row(row, result_at[source], expired),
+                                                    deduplicated=True, engine_seconds=0.0)
         return [output for output in outputs if output is not None]
 
 
-def output_row(row: Row, result: RequestOutput) -> OutputRow:
+def output_row(row: Row, result: RequestOutput, expired: bool = False) -> OutputRow:
     """The row's outcome: every sample as a choice, or the engine's error when any sample failed
-    (a grammar that does not compile fails them all; an aborted request aborts them all)."""
+    (a grammar that does not compile fails them all; an aborted request aborts them all, and is
+    `expired` when the job's deadline aborted it)."""
     outputs = list(getattr(result, "outputs", None) or [])
     reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
     failed = next((reason for reason in reasons if reason in FAILED), None)
+    if failed == "abort" and expired:
+        return expired_row(row)
     if failed is not None:
         message = result.error or ("aborted by the worker" if failed == "abort" else "the engine failed")
         return OutputRow.engine_failed(row, engine_error_code(result.error_kind), message)
@@ -225,9 +231,11 @@ def output_row(row: Row, result: RequestOutput) -> OutputRow:
                    for out in sorted(outputs, key=lambda out: out.index)]
     else:  # an engine that reports one sample only on the request itself
         choices = [Choice(0, result.text, result.finish_reason or "stop")]
+    metrics_ = getattr(result, "metrics", None)
     return OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
                                   cached_tokens=result.num_cached_tokens,
-                                  completion_tokens=result.num_completion_tokens)
+                                  completion_tokens=result.num_completion_tokens,
+                                  engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0)
 
 
 def _logprobs(positions: Sequence | None) -> list[PositionLogprobs] | None:
@@ -256,14 +264,15 @@ class EngineRun:
         """True once the engine is done with every row (at once when none could run)."""
         return self.submission is None or self.submission.wait(timeout)
 
-    def outputs(self) -> list[OutputRow]:
-        """Every row's outcome in input order; raises `EngineUnavailable` if the engine died."""
+    def outputs(self, expired: bool = False) -> list[OutputRow]:
+        """Every row's outcome in input order; raises `EngineUnavailable` if the engine died.
+        `expired`: the run was aborted at the job's deadline (aborted rows become `expired`)."""
         if self.submission is None:
             return self._prepared.outputs([])
         self.submission.wait()
         results = self.submission.results()
         metrics.record_requests(self._model, results)
-        return self._prepared.outputs(results)
+        return self._prepared.outputs(results, expired)
 
     def abort(self) -> None:
         """Stop every row still in the engine (their outcomes say so)."""
@@ -273,12 +282,20 @@ class EngineRun:
 
 def run_rows(hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0, *,
              should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
-             deduplicate: bool = True) -> list[OutputRow] | None:
+             deduplicate: bool = True, expires_in_s: float | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
-    while the rows run) said to stop: the rows still running are then aborted."""
+    while the rows run) said to stop: the rows still running are then aborted. When
+    `expires_in_s` seconds pass first (the job's deadline), the rows not finished by then are
+    aborted and come back `expired`, the finished ones as they are."""
+    if expires_in_s is not None and expires_in_s <= 0:
+        return [expired_row(item) for item in items]
+    deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
     run = EngineRun(hosted, items, priority, deduplicate)
-    while not run.wait(poll_s):
+    while not run.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))):
         if should_stop():
             run.abort()
             return None
+        if deadline is not None and time.monotonic() >= deadline:
+            run.abort()
+            return run.outputs(expired=True)
     return run.outputs()

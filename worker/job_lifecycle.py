@@ -11,7 +11,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from jobs.deadlines import forget_deadline
 from jobs.formats.detect import resolve_spec
+from jobs.formats.rows import RowErrorCode
 from jobs.layout import JobLayout, output_location
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.model_registry import UnknownModel
@@ -21,6 +23,7 @@ from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import settle_staged
 from jobs.repository import JobRepository
 from jobs.results import ShardResult, load_shard_results
+from jobs.retry import NothingToRetry, retry_plan
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
@@ -104,7 +107,7 @@ def _plan_holding_lease(context: WorkerContext, job_id: str, send_shard: SendSha
         plan = _saved_plan(repository, job_id)
         if plan is None:
             _check_response_format(spec)
-            planned = _plan(context, resolved_spec(context, spec))
+            planned = _retry_plan(repository, spec) or _plan(context, resolved_spec(context, spec))
             _check_limits(context, planned, spec)
             plan = repository.save_plan(job_id, planned)
     except (UnknownModel, JobCannotRun) as error:
@@ -126,6 +129,17 @@ def _plan_holding_lease(context: WorkerContext, job_id: str, send_shard: SendSha
     repository.redis.set(dispatched, 1, ex=DISPATCHED_TTL_S)
     logger.info("job %s planned: %d shard(s) on %s (%d sent)", job_id, len(plan), queue, sent)
     return {"status": "planned", "shards": len(plan), "sent": sent}
+
+
+def _retry_plan(repository: JobRepository, spec: JobSpec) -> list[ShardPlan] | None:
+    """A retry whose plan the API did not get to save: cut it from the parent again (the same cut,
+    the parent having ended). None for a first job, or a parent that was never planned."""
+    if spec.parent_job_id is None:
+        return None
+    try:
+        return retry_plan(repository, spec.parent_job_id, spec.retry_error_codes)
+    except NothingToRetry as error:
+        raise JobCannotRun(str(error)) from None
 
 
 def _check_limits(context: WorkerContext, plan: Sequence[ShardPlan], spec: JobSpec) -> None:
@@ -195,15 +209,20 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
         # Every shard was counted, yet a result is not there: retried, then the job fails saying so.
         raise
     _settle_staged_parts(context, resolved, layout, results)
+    # A deadline that caught rows before they finished ends the job `expired`, with the rest of its rows.
+    expired = sum(result.error_codes.get(RowErrorCode.EXPIRED.value, 0) for result in results)
+    final = JobState.EXPIRED if expired else JobState.SUCCEEDED
     try:
         repository.transition(job_id, JobState.FINALIZING)
         write_manifest(repository.store, layout, manifest)
-        repository.transition(job_id, JobState.SUCCEEDED)
+        repository.transition(job_id, final)
     except IllegalTransition:  # cancelled meanwhile: the parts stay, the job stays cancelled
         return {"status": "skipped: job ended while finalizing"}
+    forget_deadline(repository.redis, repository.namespace, job_id)
     _abort_unfinished_writes(context, resolved, layout)
-    logger.info("job %s succeeded: %d rows (%d failed)", job_id, manifest.rows.total, manifest.rows.failed)
-    return {"status": "succeeded", "rows": manifest.rows.total}
+    logger.info("job %s %s: %d rows (%d failed, %d of them expired)", job_id, final.value,
+                manifest.rows.total, manifest.rows.failed, expired)
+    return {"status": final.value, "rows": manifest.rows.total}
 
 
 def _settle_staged_parts(context: WorkerContext, resolved: JobSpec, layout: JobLayout,

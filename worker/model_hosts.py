@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,12 @@ class HostedModel:
 
 class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
-                 s3_endpoint_url: str | None = None, cache_dir: Path | None = None) -> None:
+                 s3_endpoint_url: str | None = None, cache_dir: Path | None = None,
+                 on_tokenizer: Callable[[str, Any], None] | None = None) -> None:
         """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
-        that model's jobs with the reason instead of every task before it can say why."""
+        that model's jobs with the reason instead of every task before it can say why.
+        `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded."""
+        self.on_tokenizer = on_tokenizer
         self.registry = registry
         self.engine_options = engine_options
         self.s3_endpoint_url = s3_endpoint_url
@@ -84,7 +87,10 @@ class ModelHosts:
         # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
         # the engine's start-up dtype probe (engine/dtype_choice.py) timed beside it read 4-5x
         # low and once chose fp32 on an AMX CPU.
-        renderer = PromptRenderer(AutoTokenizer.from_pretrained(directory))
+        tokenizer = AutoTokenizer.from_pretrained(directory)
+        if self.on_tokenizer is not None:
+            self.on_tokenizer(name, tokenizer)
+        renderer = PromptRenderer(tokenizer)
         host = EngineHost(lambda: LLMEngine(config), name=name).start()
         logger.info("loading model %s from %s", name, directory)
         return HostedModel(name, directory, host, renderer)

@@ -43,6 +43,7 @@ from jobs.settings import Settings
 from jobs.status import JobState
 from worker import metrics
 from worker.context import WorkerContext
+from worker.deadline_sweep import expire_due
 from worker.periodic import start_periodic
 from worker.shard_runner import committed_result, count_shard
 
@@ -162,10 +163,13 @@ def _sweep_uploads(context: WorkerContext) -> None:
 
 
 def tick(context: WorkerContext) -> None:
-    """One reaper pass: shards, then plans and finalizes, then (every 10 min) orphaned uploads."""
+    """One reaper pass: jobs past their deadline, shards, then plans and finalizes, then (every 10 min)
+    orphaned uploads."""
     from worker.tasks import send_finalize, send_plan, send_shard
+    from worker.webhook_delivery import notify_if_final
 
     ttl_s = context.settings.lease_ttl
+    expire_due(context, send_finalize, notify=lambda job_id: notify_if_final(context, job_id))
     reap_once(context, send_shard, ttl_s, send_finalize)
     reap_job_steps(context, send_plan, send_finalize, ttl_s)
     _sweep_uploads(context)

@@ -39,6 +39,7 @@ from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import JobState
+from jobs.usage import record_shard_usage
 from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
@@ -109,7 +110,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
-            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings)
+            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings, job.expires_at)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
@@ -145,10 +146,10 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
     return ShardResult.model_validate_json(data)
 
 
-def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
-           timings: PhaseTimings) -> tuple[list[OutputRow] | None, str | None]:
-    """Every row's outcome in input order (None when the job was cancelled meanwhile) and the
-    dtype the engine computed them in."""
+def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
+           expires_at: datetime | None = None) -> tuple[list[OutputRow] | None, str | None]:
+    """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
+    running at `expires_at` come back `expired`) and the dtype the engine computed them in."""
     try:
         with timings.phase("model"):
             hosted = context.hosts.get(spec.model)
@@ -161,8 +162,9 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
     with timings.phase("engine"):
+        expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         outputs = _run_on_engine(context, hosted, job_id, items, priority=MAX_JOB_PRIORITY - spec.priority,
-                                 deduplicate=spec.deduplicate)
+                                 deduplicate=spec.deduplicate, expires_in_s=expires_in_s)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
@@ -177,13 +179,13 @@ def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
-def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str,
-                   items: list[Row | RowError], priority: int, deduplicate: bool) -> list[OutputRow] | None:
+def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
+                   priority: int, deduplicate: bool, expires_in_s: float | None) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
     try:
         outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                           should_stop=lambda: shutdown.stopping()
+                           expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
                            or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
@@ -203,13 +205,15 @@ class EngineDied(RuntimeError):
 
 def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
                 send_finalize: Callable[[str], None]) -> None:
-    """Publish the committed result's parts, then count the shard once; whoever sees every shard
-    done sends finalize (it may go twice: harmless)."""
+    """Publish the committed result's parts, then count the shard once (and add it to its tenant's
+    and model's usage); whoever sees every shard done sends finalize (it may go twice: harmless)."""
     publish_parts(repository.store, result)
     counters = repository.counters(layout.job_id)
     try:
-        counters.apply_shard(result)
-    except CountersMissing:  # Redis lost them: rebuild from the shard results (this one included)
+        if counters.apply_shard(result):
+            spec = repository.get_spec(layout.job_id)
+            record_shard_usage(repository.redis, repository.namespace, spec.tenant, spec.model, result)
+    except CountersMissing:  # Redis lost them (its usage buckets too): rebuild from the shard results
         counters.rebuild_from_store(repository.store, layout, plan)
     snapshot = counters.read()
     if snapshot.shards.done >= snapshot.shards.total:

@@ -24,7 +24,7 @@ from typing import Any
 import redis
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from jobs.workers import BEAT_INTERVAL_S, WorkerBeat, WorkerModel, clear_beat, write_beat
+from jobs.workers import BEAT_INTERVAL_S, WorkerBeat, WorkerModel, clear_beat, record_throughput, write_beat
 from worker import metrics
 from worker.context import WorkerContext
 
@@ -112,7 +112,9 @@ class StatusServer:
         while not self._stop.is_set():
             try:
                 repository = self.context.repository
-                write_beat(repository.redis, repository.namespace, self.beat())
+                beat = self.beat()
+                write_beat(repository.redis, repository.namespace, beat)
+                record_throughput(repository.redis, repository.namespace, beat)
             except Exception as error:  # noqa: BLE001 - Redis down for a moment: the next beat tries again
                 logger.warning("worker heartbeat failed: %s", error)
             # While a model loads, beat often, so the API sees it loaded within a moment.
@@ -132,6 +134,9 @@ class StatusServer:
                 if figures is not None:
                     model.running, model.waiting = int(figures["num_running"]), int(figures["num_waiting"])
                     model.tokens_per_s = self._recent_rate(name, figures)
+                    model.busy_s = float(figures.get("busy_time_s", 0.0))
+                    model.tokens_computed = int(figures.get("prefill_tokens_computed", 0)) + int(
+                        figures.get("generation_tokens", 0))
             models.append(model)
         return WorkerBeat(hostname=self.hostname, pid=os.getpid(), started_at=self.started_at,
                           updated_at=datetime.now(UTC), models=models)

@@ -17,8 +17,10 @@ from celery import Task
 from celery.exceptions import Retry
 from kombu.exceptions import OperationalError
 
+from jobs.fair_queue import FairQueue
 from jobs.log_format import log_context
-from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_SHARD
+from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_NEXT_SHARD, RUN_SHARD
+from jobs.spec import JobSpec
 from worker import job_lifecycle, metrics, shard_runner, shutdown, webhook_delivery
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
@@ -46,6 +48,26 @@ def send_shard(job_id: str, shard_index: int, queue: str) -> None:
                   task_id=shard_task_id(job_id, shard_index))
 
 
+class ShardOffers:
+    """The planner's `send_shard`: offer the shard to the fair queue, then send the model's queue a
+    ticket (one per shard), so the worker that takes it runs whichever shard is fairest then. The
+    job's spec and shard sizes are read once per job."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        self.context = context
+        self.queue = FairQueue(context.repository.redis, context.repository.namespace)
+        self._jobs: dict[str, tuple[JobSpec, dict[int, int]]] = {}
+
+    def __call__(self, job_id: str, shard_index: int, queue: str) -> None:
+        if job_id not in self._jobs:
+            repository = self.context.repository
+            sizes = {shard.index: shard.estimated_rows for shard in repository.load_plan(job_id)}
+            self._jobs[job_id] = (repository.get_spec(job_id), sizes)
+        spec, sizes = self._jobs[job_id]
+        self.queue.offer(queue, job_id, shard_index, sizes.get(shard_index, 1), spec.priority, spec.tenant)
+        app.send_task(RUN_NEXT_SHARD, args=[queue], queue=queue)  # a ticket, also when offered before
+
+
 def send_finalize(job_id: str) -> None:
     app.send_task(FINALIZE_JOB, args=[job_id], queue=CONTROL_QUEUE, task_id=finalize_task_id(job_id))
 
@@ -54,14 +76,17 @@ PUBLISH_DEADLINE_S = 15 * 60
 
 
 def retry_published(task: Task, error: BaseException, delay: float,
-                    sleep: Callable[[float], None] = time.sleep) -> BaseException:
+                    sleep: Callable[[float], None] = time.sleep,
+                    kwargs: dict[str, Any] | None = None) -> BaseException:
     """`task.retry`, sent again until the broker takes it. With Redis down, the retry message cannot
     be published, and a message dropped then would leave its job waiting for the 12 h visibility
-    timeout; so this thread waits the outage out (up to PUBLISH_DEADLINE_S), then the retry goes."""
+    timeout; so this thread waits the outage out (up to PUBLISH_DEADLINE_S), then the retry goes.
+    `kwargs`: the retry's keyword arguments instead of this run's (a ticket retries its shard)."""
     started, wait = time.monotonic(), 1.0
     while True:
         try:
-            return task.retry(exc=error, countdown=delay, max_retries=None)
+            options = {} if kwargs is None else {"kwargs": kwargs}
+            return task.retry(exc=error, countdown=delay, max_retries=None, **options)
         except Retry:
             raise
         except (OperationalError, redis.RedisError, OSError) as publish_error:
@@ -74,11 +99,11 @@ def retry_published(task: Task, error: BaseException, delay: float,
 
 
 # Summaries of a task run that saw its job end: the job's webhook is due (worker/webhook_delivery.py).
-ENDED_SUMMARIES = ("succeeded", "failed", "cancelled", "skipped: job")
+ENDED_SUMMARIES = ("succeeded", "expired", "failed", "cancelled", "skipped: job")
 
 
-def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
-             work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def run_step(task: Task, context: WorkerContext, job_id: str, step: str, work: Callable[[], dict[str, Any]],
+             retry_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run one step of a job (`step`: "plan", "shard 3", "finalize") and notify when the job ended.
 
     Redis or the store unreachable: retry later (with backoff, for as long as the outage lasts)
@@ -96,7 +121,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
             metrics.TASK_RETRIES.labels(step_kind, "transient").inc()
             delay = retry_delay_s(task.request.retries)
             logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
-            raise retry_published(task, error, delay) from error
+            raise retry_published(task, error, delay, kwargs=retry_kwargs) from error
         repository = context.repository
         attempts = record_failure(repository.redis, repository.namespace, job_id, step)
         limit = context.settings.max_task_attempts or DEFAULT_MAX_ATTEMPTS
@@ -105,7 +130,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
             delay = retry_delay_s(attempts - 1)
             logger.exception("job %s: %s failed (attempt %d of %d); retrying in %.0fs", job_id, step,
                              attempts, limit, delay)
-            raise retry_published(task, error, delay) from error
+            raise retry_published(task, error, delay, kwargs=retry_kwargs) from error
         message = failure_message(step, attempts, error)
         logger.exception("job %s: %s failed %d times; failing the job", job_id, step, attempts)
         job_lifecycle.fail_job(repository, job_id, message)
@@ -119,13 +144,35 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str,
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
     context = worker_context()
     return run_step(self, context, job_id, "plan",
-                    lambda: job_lifecycle.plan_job(context, job_id, send_shard))
+                    lambda: job_lifecycle.plan_job(context, job_id, ShardOffers(context)))
+
+
+@app.task(name=RUN_NEXT_SHARD, bind=True)
+def run_next_shard(self: Task, queue: str, job_id: str | None = None,
+                   shard_index: int | None = None) -> dict[str, Any]:
+    """A ticket: run the fair queue's next shard for this queue (or, when a run of one is retried,
+    that shard again)."""
+    context = worker_context()
+    if job_id is None or shard_index is None:
+        fair = FairQueue(context.repository.redis, context.repository.namespace)
+        taken = fair.take(queue)
+        if taken is None:
+            return {"status": "nothing waiting"}
+        job_id, shard_index = taken.job_id, taken.shard_index
+        if context.repository.is_cancel_requested(job_id):
+            fair.drop(queue, job_id)  # its other shards would only be taken to be skipped
+    return _run_shard_step(self, context, job_id, shard_index,
+                           retry_kwargs={"job_id": job_id, "shard_index": shard_index})
 
 
 @app.task(name=RUN_SHARD, bind=True)
 def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
-    context = worker_context()
+    """One named shard: sent by the reaper and by a worker handing a shard back."""
+    return _run_shard_step(self, worker_context(), job_id, shard_index)
 
+
+def _run_shard_step(self: Task, context: WorkerContext, job_id: str, shard_index: int,
+                    retry_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         try:
             return shard_runner.run_shard(context, job_id, shard_index, send_finalize)
@@ -138,7 +185,7 @@ def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
                         queue)
             return {"job_id": job_id, "shard_index": shard_index, "status": "handed back"}
 
-    return run_step(self, context, job_id, f"shard {shard_index}", work)
+    return run_step(self, context, job_id, f"shard {shard_index}", work, retry_kwargs)
 
 
 @app.task(name=FINALIZE_JOB, bind=True)

@@ -54,8 +54,12 @@ COMMANDS: dict[str, Command] = {
     "status": Command("api.cli.jobs:status", "A job's state, rows, tokens and outputs", "client"),
     "list": Command("api.cli.jobs:list_jobs", "Jobs, newest first", "client"),
     "cancel": Command("api.cli.jobs:cancel", "Cancel a job that has not finished", "client"),
+    "retry": Command("api.cli.jobs:retry", "Run an ended job's failed or unrun rows again as a new job "
+                     "(--wait)", "client"),
     "results": Command("api.cli.jobs:results", "A succeeded job's rows (--partial: those finished so far): "
                        "JSON lines, or a file with -o", "client"),
+    "usage": Command("api.cli.jobs:usage", "Rows, tokens and engine seconds per tenant and model "
+                     "(--since, --until, --tenant, --model)", "client"),
     "wait": Command("api.cli.jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
                     "4 timed out", "client"),
     "schedule": Command("api.cli.schedules:main", "Scheduled ETL: schedule create|list|get|pause|resume|"

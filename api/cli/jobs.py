@@ -10,6 +10,7 @@ Exit codes, for cron and CI (`EXIT_*` below):
     5  the job succeeded but some rows failed, with --strict (without it, that is 0: failed rows are
        part of a succeeded job's output, each with its error)
     6  status: the job has not finished yet (queued, running or finalizing)
+    7  the job expired: its completion_window passed first (its finished rows are in its results)
   130  interrupted (Ctrl-C); the job is not cancelled
 
 Every command takes --api-url (default $BULKINFER_API_URL, else http://127.0.0.1:8000) and
@@ -24,6 +25,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,8 @@ import httpx
 from api.client import ApiError, Client, JobState, JobStatus, WaitTimeout
 from api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
 from api.client.inputs import is_uri
+from jobs.estimate_report import JobEstimate
+from jobs.usage import UsageLine
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1
@@ -40,11 +44,13 @@ EXIT_CANCELLED = 3
 EXIT_TIMEOUT = 4
 EXIT_ROWS_FAILED = 5
 EXIT_NOT_FINISHED = 6
+EXIT_EXPIRED = 7
 EXIT_INTERRUPTED = 130  # Ctrl-C, as a shell reports SIGINT
 
 STRICT_HELP = "exit 5 when the job succeeded with failed rows"
 EXIT_CODES_HELP = ("exit codes: 0 succeeded, 1 failed, 2 usage/API error, 3 cancelled, 4 timed out, "
-                   "5 succeeded with failed rows (--strict), 6 not finished (status)")
+                   "5 succeeded with failed rows (--strict), 6 not finished (status), 7 expired "
+                   "(its completion_window passed; its finished rows are in its results)")
 
 
 def exit_code(status: JobStatus, *, strict: bool = False) -> int:
@@ -55,6 +61,8 @@ def exit_code(status: JobStatus, *, strict: bool = False) -> int:
         return EXIT_FAILED
     if status.state == JobState.CANCELLED:
         return EXIT_CANCELLED
+    if status.state == JobState.EXPIRED:
+        return EXIT_EXPIRED
     return EXIT_NOT_FINISHED
 
 
@@ -196,13 +204,18 @@ def submit(argv: list[str]) -> int:
     parser.add_argument("--output", dest="output_uri", help="where output parts go (s3://bucket/prefix/)")
     parser.add_argument("--output-format", choices=["parquet", "jsonl", "openai_batch"])
     parser.add_argument("--shard-size", type=int, help="rows per shard")
-    parser.add_argument("--priority", type=int, help="0-9, higher runs sooner")
+    parser.add_argument("--priority", type=_priority, help="high, normal, low or 0-9 (higher runs sooner)")
+    parser.add_argument("--completion-window", default=None, metavar="WINDOW",
+                        help="how long the job may take ('24h', '90m' or seconds); rows not done by then "
+                             "end expired")
     parser.add_argument("--metadata", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--idempotency-key", help="submitting again with the same key and spec returns "
                         "the same job (and makes the submit safe to retry)")
     parser.add_argument("--spec", type=json_argument, default=None, metavar="JSON",
                         help="more JobSpec fields as a JSON object or @spec.json (the options above win)")
     parser.add_argument("--wait", action="store_true", help="wait for the job; the exit code is its outcome")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check everything, print an estimate (rows, tokens, run time); create nothing")
     _wait_options(parser)
     args = _parse(parser, argv)
     if isinstance(args, int):
@@ -216,6 +229,9 @@ def submit(argv: list[str]) -> int:
 
     def body(client: Client) -> int:
         source = args.input if is_uri(args.input) else _local_file(args.input)
+        if args.dry_run:
+            _print_estimate(client.jobs.estimate(spec, input=source), args)
+            return EXIT_SUCCEEDED
         job = client.jobs.create(spec, input=source)
         if not args.wait:
             if args.json:
@@ -228,6 +244,28 @@ def submit(argv: list[str]) -> int:
         return _wait_and_report(client, job.job_id, args)
 
     return _run("submit", args, body)
+
+
+def _print_estimate(estimate: JobEstimate, args: argparse.Namespace) -> None:
+    if args.json:
+        _json(estimate.model_dump(mode="json"))
+        return
+
+    def tokens(value: int | None) -> str:
+        return "unknown (no tokenizer published yet)" if value is None else f"{value:,}"
+
+    read = "" if estimate.rows_read == estimate.rows else f" (about; {estimate.rows_read:,} read)"
+    seconds = estimate.estimated_seconds
+    run_time = "unknown" if seconds is None else f"about {seconds:,.0f} s"
+    print(f"dry run: nothing was created\n"
+          f"  rows              {estimate.rows:,}{read} in {estimate.shards} shard(s); "
+          f"{estimate.rows_failing:,} would fail, {estimate.rows_deduplicated:,} deduplicated\n"
+          f"  prompt tokens     {tokens(estimate.prompt_tokens)}, of them in shared prefixes "
+          f"{tokens(estimate.shared_prefix_tokens)}\n"
+          f"  max output tokens {estimate.max_output_tokens:,}\n"
+          f"  run time          {run_time} ({estimate.estimate_basis})")
+    for problem in estimate.problems:
+        print(f"  would fail: {problem}")
 
 
 def json_argument(text: str) -> Any:
@@ -249,6 +287,10 @@ def _local_file(path: str) -> str:
     return path
 
 
+def _priority(text: str) -> int | str:
+    return int(text) if text.isdigit() else text
+
+
 def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
     if not isinstance(args.spec or {}, dict) or not isinstance(args.sampling or {}, dict):
         raise ValueError("--spec and --sampling must be JSON objects")
@@ -268,7 +310,8 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
     elif args.json_object:
         spec["response_format"] = {"type": "json_object"}
     for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
-                  "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url"):
+                  "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url",
+                  "completion_window"):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value
@@ -339,13 +382,44 @@ def cancel(argv: list[str]) -> int:
     return _run("cancel", args, body)
 
 
+def retry(argv: list[str]) -> int:
+    parser = _parser("retry", "A new job over the rows of an ended job that failed, expired or never ran "
+                              "(same spec); `results --merged` then gives one row per input row.")
+    parser.add_argument("job_id")
+    parser.add_argument("--error-code", action="append", dest="error_codes", default=None, metavar="CODE",
+                        help="only rows that failed with CODE (repeatable; not_run: rows that never ran)")
+    parser.add_argument("--wait", action="store_true",
+                        help="wait for the retry; the exit code is its outcome")
+    _wait_options(parser)
+    args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
+
+    def body(client: Client) -> int:
+        job = client.jobs.retry(args.job_id, error_codes=args.error_codes)
+        if not args.wait:
+            if args.json:
+                _json(_status_json(job))
+            else:
+                print(f"retrying {job.rows.total} rows of {args.job_id} as {job.job_id} ({job.state.value})")
+            return EXIT_SUCCEEDED
+        if not args.json:
+            print(f"retrying {args.job_id} as {job.job_id}; waiting", file=sys.stderr)
+        return _wait_and_report(client, job.job_id, args)
+
+    return _run("retry", args, body)
+
+
 def results(argv: list[str]) -> int:
-    parser = _parser("results", "A succeeded job's rows (with --partial, those finished so far): JSON "
-                                "lines on stdout, or a file with -o.")
+    parser = _parser("results", "A succeeded job's rows (with --partial, those finished so far; with "
+                                "--merged, across its retries): JSON lines on stdout, or a file with -o.")
     parser.add_argument("job_id")
     parser.add_argument("--partial", action="store_true",
                         help="also for a running, failed or cancelled job: the rows of the shards finished "
                              "so far (stderr says how many)")
+    parser.add_argument("--merged", action="store_true",
+                        help="one row per input row across this job and the jobs it retried: the latest "
+                             "success, else the latest error")
     parser.add_argument("-o", "--output", default=None, metavar="PATH",
                         help="write to PATH: Parquet for .parquet, JSON lines for .jsonl, else the job's "
                              "output format")
@@ -354,6 +428,8 @@ def results(argv: list[str]) -> int:
         return args
 
     def body(client: Client) -> int:
+        if args.merged:
+            return _merged_results(client, args)
         rows = client.jobs.results(args.job_id, partial=args.partial)
         if rows.partial:  # on stderr, so the rows on stdout stay clean
             info = rows.info
@@ -374,6 +450,75 @@ def results(argv: list[str]) -> int:
         return EXIT_SUCCEEDED
 
     return _run("results", args, body)
+
+
+def _merged_results(client: Client, args: argparse.Namespace) -> int:
+    if args.partial:
+        raise ValueError("--merged already takes whatever each job of the chain has finished; omit --partial")
+    merged = client.jobs.results(args.job_id, merged=True)
+    if args.output is None:
+        count = 0
+        for row in merged:
+            sys.stdout.write(json.dumps(row, ensure_ascii=False, default=str) + "\n")
+            count += 1
+        sys.stdout.flush()
+    else:
+        path = merged.download(args.output)
+        count = None
+    where = "" if args.output is None else f" to {args.output}"
+    missing = merged.missing_shards
+    note = f"; {missing} shard(s) no job has finished are missing" if missing else ""
+    if args.json and args.output is not None:
+        _json({"job_id": args.job_id, "path": str(path), "chain": merged.chain,
+               "missing_shards": merged.missing_shards})
+    else:
+        rows = "" if count is None else f"{count} rows "
+        print(f"merged {rows}of {' → '.join(merged.chain or [])}{where}{note}", file=sys.stderr)
+    return EXIT_SUCCEEDED
+
+
+def usage(argv: list[str]) -> int:
+    parser = _parser("usage", "Rows, tokens and engine seconds per tenant and model over a time range "
+                              "(by the hour; default: the last 30 days).")
+    parser.add_argument("--since", type=_when, default=None, help="ISO date or time (UTC unless it says)")
+    parser.add_argument("--until", type=_when, default=None, help="ISO date or time; default: now")
+    parser.add_argument("--tenant", default=None,
+                        help="one tenant (an admin key; a tenant's key sees its own)")
+    parser.add_argument("--model", default=None, help="one model")
+    args = _parse(parser, argv)
+    if isinstance(args, int):
+        return args
+
+    def body(client: Client) -> int:
+        report = client.usage(since=args.since, until=args.until, tenant=args.tenant, model=args.model)
+        if args.json:
+            _json(report.model_dump(mode="json"))
+            return EXIT_SUCCEEDED
+        print(f"usage {report.since:%Y-%m-%d %H:%M} → {report.until:%Y-%m-%d %H:%M} UTC")
+        header = ("tenant", "model", "shards", "rows", "failed", "dedup", "prompt", "cached", "completion",
+                  "engine s")
+        table = [header] + [_usage_cells(line) for line in [*report.lines, report.total]]
+        widths = [max(len(row[column]) for row in table) for column in range(len(header))]
+        for number, row in enumerate(table):
+            if number == len(table) - 1:
+                print("  ".join("-" * width for width in widths))
+            print("  ".join(cell.ljust(width) if column < 2 else cell.rjust(width)
+                            for column, (cell, width) in enumerate(zip(row, widths, strict=True))))
+        return EXIT_SUCCEEDED
+
+    return _run("usage", args, body)
+
+
+def _when(text: str) -> datetime:
+    value = datetime.fromisoformat(text)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
+
+
+def _usage_cells(line: UsageLine) -> tuple[str, ...]:
+    usage_ = line.usage
+    return (line.tenant or "-", line.model, str(line.shards), f"{line.rows:,}", f"{line.rows_failed:,}",
+            f"{line.rows_deduplicated:,}", f"{usage_.prompt:,}", f"{usage_.cached:,}",
+            f"{usage_.completion:,}", f"{usage_.engine_seconds:,.1f}")
 
 
 def wait(argv: list[str]) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -15,10 +16,18 @@ import httpx
 from api.client.jobs import AsyncJobs, Jobs
 from api.client.schedules import AsyncSchedules, Schedules
 from api.client.transport import AsyncTransport, RetryPolicy, Transport
+from jobs.usage import UsageReport
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 API_URL_ENV = "BULKINFER_API_URL"
 API_KEY_ENV = "BULKINFER_API_KEY"
+
+
+def usage_params(since: datetime | None, until: datetime | None, tenant: str | None,
+                 model: str | None) -> dict[str, str]:
+    params = {"since": since.isoformat() if since else None, "until": until.isoformat() if until else None,
+              "tenant": tenant, "model": model}
+    return {name: value for name, value in params.items() if value is not None}
 
 
 def resolve_base_url(base_url: str | None) -> str:
@@ -63,6 +72,14 @@ class Client:
         """The health report; `ApiError` (503) when a backing service is down."""
         return dict(self._transport.request("GET", "/healthz", idempotent=False).json())
 
+    def usage(self, *, since: datetime | None = None, until: datetime | None = None,
+              tenant: str | None = None, model: str | None = None) -> UsageReport:
+        """Rows, tokens and engine seconds per tenant and model in [since, until) (by the hour;
+        default: the last 30 days). A tenant's key sees its own tenant only."""
+        response = self._transport.request("GET", "/usage", params=usage_params(since, until, tenant, model),
+                                           idempotent=True)
+        return UsageReport.model_validate(response.json())
+
     def close(self) -> None:
         self._transport.close()
 
@@ -98,6 +115,13 @@ class AsyncClient:
     async def models(self) -> list[str]:
         response = await self._transport.request("GET", "/models", idempotent=True)
         return list(response.json()["models"])
+
+    async def usage(self, *, since: datetime | None = None, until: datetime | None = None,
+                    tenant: str | None = None, model: str | None = None) -> UsageReport:
+        response = await self._transport.request("GET", "/usage",
+                                                 params=usage_params(since, until, tenant, model),
+                                                 idempotent=True)
+        return UsageReport.model_validate(response.json())
 
     async def health(self) -> dict[str, Any]:
         return dict((await self._transport.request("GET", "/healthz", idempotent=False)).json())

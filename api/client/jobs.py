@@ -1,22 +1,25 @@
-"""`client.jobs` (sync) and `async_client.jobs` (async): create, get, list, cancel, wait for and read jobs."""
+"""`client.jobs` (sync) and `async_client.jobs` (async): create, get, list, cancel, retry, wait for
+and read jobs."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from pydantic import BaseModel
 
 from api.client.errors import WaitTimeout
 from api.client.inputs import InputSource, Upload, is_uri, prepare_upload
+from api.client.merged import AsyncMergedResults, MergedResults
 from api.client.models import JobPage, JobResults, JobSpec, JobState, JobStatus
 from api.client.progress import JobProgress, wants_progress
 from api.client.results import AsyncResults, Results
 from api.client.transport import AsyncTransport, Transport
+from jobs.estimate_report import JobEstimate
 
 JobRef = str | JobStatus  # a job id, or a status the client returned
 ProgressCallback = Callable[[JobStatus], None]
@@ -60,6 +63,15 @@ def create_is_idempotent(body: Mapping[str, Any], upload: Upload | None) -> bool
     """A submit may be retried only when the server recognises the repeat (an idempotency key) and
     the upload can be sent again from its start."""
     return bool(body.get("idempotency_key")) and (upload is None or upload.rewindable)
+
+
+def retry_body(error_codes: Sequence[str] | None, idempotency_key: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {}
+    if error_codes is not None:
+        body["error_codes"] = list(error_codes)
+    if idempotency_key is not None:
+        body["idempotency_key"] = idempotency_key
+    return body
 
 
 def list_params(status: JobState | str | None, cursor: str | None, limit: int) -> dict[str, Any]:
@@ -126,6 +138,21 @@ class Jobs:
                                                files=upload.files, idempotent=idempotent)
         return JobStatus.model_validate(response.json())
 
+    def estimate(self, spec: JobSpec | Mapping[str, Any] | InputSource | None = None, *,
+                 input: InputSource | None = None, file: InputSource | None = None,
+                 filename: str | None = None, **fields: Any) -> JobEstimate:
+        """What `create` with the same arguments would run, without creating anything (a dry run):
+        rows, prompt tokens by the model's tokenizer, shared-prefix tokens, maximum output tokens,
+        deduplicated rows and an estimated run time (None, with the reason, when unknown)."""
+        body, upload = create_request(spec, input, file, filename, {**fields, "dry_run": True})
+        if upload is None:
+            response = self._transport.request("POST", "/jobs", json=body, idempotent=True)
+            return JobEstimate.model_validate(response.json())
+        with upload:
+            response = self._transport.request("POST", "/jobs", data={"spec": json.dumps(body)},
+                                               files=upload.files, idempotent=upload.rewindable)
+        return JobEstimate.model_validate(response.json())
+
     def get(self, job: JobRef) -> JobStatus:
         response = self._transport.request("GET", f"/jobs/{job_id_of(job)}", idempotent=True)
         return JobStatus.model_validate(response.json())
@@ -186,10 +213,31 @@ class Jobs:
         """The output and error parts of a succeeded job, with URLs to fetch them."""
         return Results(self._transport, job_id_of(job)).info
 
-    def results(self, job: JobRef, *, partial: bool = False) -> Results:
+    def retry(self, job: JobRef, *, error_codes: Sequence[str] | None = None,
+              idempotency_key: str | None = None) -> JobStatus:
+        """A new job over the rows of this ended job that failed or never ran (same spec, its
+        `parent_job_id` this job); `error_codes` narrows it (`not_run`: rows that never ran).
+        `ApiError` 409 while the job runs, or when nothing qualifies."""
+        response = self._transport.request("POST", f"/jobs/{job_id_of(job)}/retry",
+                                           json=retry_body(error_codes, idempotency_key),
+                                           idempotent=idempotency_key is not None)
+        return JobStatus.model_validate(response.json())
+
+    @overload
+    def results(self, job: JobRef, *, partial: bool = False, merged: Literal[False] = False) -> Results: ...
+
+    @overload
+    def results(self, job: JobRef, *, partial: bool = False, merged: Literal[True]) -> MergedResults: ...
+
+    def results(self, job: JobRef, *, partial: bool = False, merged: bool = False) -> Results | MergedResults:
         """The rows of a succeeded job: iterate, `.to_arrow()`, `.to_pandas()` or `.download(path)`.
         `partial=True`: also for a running, failed or cancelled job, the rows of the shards finished
-        so far (`.partial` is then True unless it had succeeded)."""
+        so far (`.partial` is then True unless it had succeeded). `merged=True`: one row per input
+        row across the job and the jobs it retried, the latest success, else the latest error."""
+        if merged:
+            if partial:
+                raise ValueError("merged results already take whatever each job has finished; omit partial")
+            return MergedResults(self._transport, job_id_of(job))
         return Results(self._transport, job_id_of(job), partial)
 
     def download(self, job: JobRef, path: str | Path, *, partial: bool = False) -> Path:
@@ -216,6 +264,18 @@ class AsyncJobs:
             response = await self._transport.request("POST", "/jobs", data={"spec": json.dumps(body)},
                                                      files=upload.files, idempotent=idempotent)
         return JobStatus.model_validate(response.json())
+
+    async def estimate(self, spec: JobSpec | Mapping[str, Any] | InputSource | None = None, *,
+                       input: InputSource | None = None, file: InputSource | None = None,
+                       filename: str | None = None, **fields: Any) -> JobEstimate:
+        body, upload = create_request(spec, input, file, filename, {**fields, "dry_run": True})
+        if upload is None:
+            response = await self._transport.request("POST", "/jobs", json=body, idempotent=True)
+            return JobEstimate.model_validate(response.json())
+        with upload:
+            response = await self._transport.request("POST", "/jobs", data={"spec": json.dumps(body)},
+                                                     files=upload.files, idempotent=upload.rewindable)
+        return JobEstimate.model_validate(response.json())
 
     async def get(self, job: JobRef) -> JobStatus:
         response = await self._transport.request("GET", f"/jobs/{job_id_of(job)}", idempotent=True)
@@ -269,7 +329,26 @@ class AsyncJobs:
     async def result_parts(self, job: JobRef) -> JobResults:
         return await AsyncResults(self._transport, job_id_of(job)).info()
 
-    def results(self, job: JobRef, *, partial: bool = False) -> AsyncResults:
+    async def retry(self, job: JobRef, *, error_codes: Sequence[str] | None = None,
+                    idempotency_key: str | None = None) -> JobStatus:
+        response = await self._transport.request("POST", f"/jobs/{job_id_of(job)}/retry",
+                                                 json=retry_body(error_codes, idempotency_key),
+                                                 idempotent=idempotency_key is not None)
+        return JobStatus.model_validate(response.json())
+
+    @overload
+    def results(self, job: JobRef, *, partial: bool = False,
+                merged: Literal[False] = False) -> AsyncResults: ...
+
+    @overload
+    def results(self, job: JobRef, *, partial: bool = False, merged: Literal[True]) -> AsyncMergedResults: ...
+
+    def results(self, job: JobRef, *, partial: bool = False,
+                merged: bool = False) -> AsyncResults | AsyncMergedResults:
+        if merged:
+            if partial:
+                raise ValueError("merged results already take whatever each job has finished; omit partial")
+            return AsyncMergedResults(self._transport, job_id_of(job))
         return AsyncResults(self._transport, job_id_of(job), partial)
 
     async def download(self, job: JobRef, path: str | Path, *, partial: bool = False) -> Path:

@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from api.auth import Caller, CallerDep
 from api.dependencies import ApiContext, Context
 from api.errors import HttpError
 from api.results import finished_manifest, job_results, stream_rows
+from api.retry import RetryRequest, merged_chain, retry_job, stream_merged
 from api.schemas import ERROR_RESPONSES, JobPage, JobResults
 from api.submission import parse_spec, submit_spec
 from api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
+from jobs.estimate_report import JobEstimate
 from jobs.layout import JOB_ID_PATTERN
 from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
 from jobs.repository import JobNotFound
 from jobs.spec import JobSpec
-from jobs.status import JobState, JobStatus
+from jobs.status import COMPLETED_STATES, JobState, JobStatus
 from jobs.webhook_claims import claim_delivery
 
 MAX_JSON_BODY_BYTES = 1 << 20
@@ -64,20 +66,29 @@ async def _read_json_body(request: Request) -> object:
 
 
 @router.post("/jobs", status_code=201, response_model=JobStatus, summary="Submit a job",
-             openapi_extra={"requestBody": SUBMIT_BODY})
-async def create_job(request: Request, context: Context, caller: CallerDep) -> JobStatus:
+             openapi_extra={"requestBody": SUBMIT_BODY},
+             responses={200: {"model": JobEstimate, "description": "a dry run's estimate (nothing created)"}})
+async def create_job(request: Request, context: Context, caller: CallerDep) -> JobStatus | JSONResponse:
     """A JobSpec as JSON whose `input_uri` names an `s3://` object or a file in the local store;
     or multipart with the spec and the input file. The job is validated against the head of its
     input, created, and queued for planning. The same `idempotency_key` and spec return the same job.
+    With `"dry_run": true`, the same checks, then 200 with an estimate (rows, tokens, run time)
+    instead of a job.
     """
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type == "multipart/form-data":
-        return await submit_upload(context, request, caller.tenant)
+        return _answer(await submit_upload(context, request, caller.tenant))
     if content_type in ("application/json", ""):
         spec = parse_spec(await _read_json_body(request)).model_copy(update={"tenant": caller.tenant})
-        return await run_in_threadpool(submit_spec, context, spec)
+        return _answer(await run_in_threadpool(submit_spec, context, spec))
     raise HttpError(415, f"unsupported content type {content_type!r}: send the spec as application/json, "
                         f"or multipart/form-data with {SPEC_FIELD!r} and {FILE_FIELD!r}")
+
+
+def _answer(outcome: JobStatus | JobEstimate) -> JobStatus | JSONResponse:
+    if isinstance(outcome, JobEstimate):
+        return JSONResponse(outcome.model_dump(mode="json"), status_code=200)
+    return outcome
 
 
 @router.get("/jobs", response_model=JobPage, summary="List jobs, newest first")
@@ -121,6 +132,34 @@ def cancel_job(job_id: str, context: Context, caller: CallerDep) -> JobStatus:
     return status
 
 
+@router.post("/jobs/{job_id}/retry", status_code=201, response_model=JobStatus,
+             summary="Run a job's failed rows again")
+def retry(job_id: str, context: Context, caller: CallerDep,
+          body: Annotated[RetryRequest | None, Body()] = None) -> JobStatus:
+    """A new job (its `parent_job_id` this one) over the rows of this ended job that failed, expired or
+    never ran, with the same spec; `error_codes` narrows it to rows that failed with those codes
+    (`not_run`: rows that never ran); no body retries every such row. 409 while the job has not
+    ended, or when nothing qualifies."""
+    parent = owned_job(context, caller, job_id)
+    return retry_job(context, parent, body or RetryRequest())
+
+
+@router.get("/jobs/{job_id}/results/merged", summary="One row per input row across a retry chain",
+            response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-ndjson": {}}, "description": "the merged rows"}})
+def get_merged_results(job_id: str, context: Context, caller: CallerDep) -> StreamingResponse:
+    """Every input row once, in input order, across this job and the jobs it retried
+    (`parent_job_id`, back to the first): the latest success, else the latest error, as JSON lines.
+    Rows of shards no job in the chain has finished are left out; `X-Bulkinfer-Missing-Shards` says
+    how many such shards there are (0: every row is there)."""
+    owned_job(context, caller, job_id)
+    chain = merged_chain(context, job_id)
+    headers = {"Content-Disposition": f'attachment; filename="{job_id}-merged.jsonl"',
+               "X-Bulkinfer-Chain": ",".join(chain.job_ids), "X-Bulkinfer-Missing-Shards": str(chain.missing)}
+    return StreamingResponse(stream_merged(context, chain), media_type="application/x-ndjson",
+                             headers=headers)
+
+
 @router.get("/jobs/{job_id}/results", response_model=JobResults, summary="A job's output",
             responses={200: {"content": {"application/x-ndjson": {}}, "description":
                              "the part list; with ?download=true, every output row as JSON lines"}})
@@ -135,6 +174,6 @@ def get_results(job_id: str, context: Context, caller: CallerDep, download: bool
         return job_results(context, status, partial)
     manifest = finished_manifest(context, status, partial)
     headers = {"Content-Disposition": f'attachment; filename="{job_id}.jsonl"',
-               "X-Bulkinfer-Partial": "false" if status.state == JobState.SUCCEEDED else "true"}
+               "X-Bulkinfer-Partial": "false" if status.state in COMPLETED_STATES else "true"}
     return StreamingResponse(stream_rows(context, manifest), media_type="application/x-ndjson",
                              headers=headers)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from fastapi import APIRouter, Request, Response
@@ -14,9 +15,11 @@ from api.errors import HttpError
 from api.routes.jobs import owned_job
 from api.schemas import ERROR_RESPONSES, WorkerList
 from jobs.progress import JobProgress, job_progress
+from jobs.usage import UsageReport, usage_report
 from jobs.workers import live_workers
 
 router = APIRouter(tags=["observe"], responses=ERROR_RESPONSES)
+DEFAULT_USAGE_DAYS = 30
 STATUS_PAGE = Path(__file__).resolve().parents[1] / "ui" / "index.html"
 
 
@@ -34,6 +37,32 @@ def metrics(request: Request, caller: CallerDep) -> Response:
 def workers(context: Context) -> WorkerList:
     repository = context.repository
     return WorkerList(workers=live_workers(repository.redis, repository.namespace))
+
+
+@router.get("/usage", response_model=UsageReport,
+            summary="Rows, tokens and engine seconds per tenant and model")
+def usage(context: Context, caller: CallerDep, since: datetime | None = None, until: datetime | None = None,
+          tenant: str | None = None, model: str | None = None) -> UsageReport:
+    """What shards counted in [since, until) used (by the hour; default: the last 30 days), per tenant
+    and model: rows, failed and deduplicated rows, tokens (prompt, cached, completion) and the engine
+    seconds attributed to them. A tenant's key sees its own tenant only; an admin key every tenant's
+    (or one, with `tenant`)."""
+    if caller.scope is not None:
+        if tenant is not None and tenant != caller.scope:
+            raise HttpError(403, f"this key belongs to tenant {caller.scope!r}: it sees that tenant's usage "
+                                 "only")
+        tenant = caller.scope
+    until = _aware(until) or datetime.now(UTC)
+    since = _aware(since) or until - timedelta(days=DEFAULT_USAGE_DAYS)
+    repository = context.repository
+    try:
+        return usage_report(repository.redis, repository.namespace, since, until, tenant=tenant, model=model)
+    except ValueError as error:
+        raise HttpError(422, str(error)) from None
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    return value.replace(tzinfo=UTC) if value is not None and value.tzinfo is None else value
 
 
 @router.get("/jobs/{job_id}/progress", response_model=JobProgress, tags=["jobs"],

@@ -72,6 +72,7 @@ class OutputRow:
     line: int | None = None  # JSONL: the line number within the shard
     choices: tuple[Choice, ...] = ()  # every sample of a completed row; choice 0 is `text` above
     deduplicated: bool = False  # took the output of an identical deterministic row of its shard
+    engine_seconds: float = 0.0  # engine step time attributed to the row (0 for a deduplicated copy)
 
     @property
     def failed(self) -> bool:
@@ -91,7 +92,7 @@ class OutputRow:
 
     @classmethod
     def with_choices(cls, row: Row, choices: Sequence[Choice], *, prompt_tokens: int, cached_tokens: int,
-                     completion_tokens: int) -> OutputRow:
+                     completion_tokens: int, engine_seconds: float = 0.0) -> OutputRow:
         """The engine's `n` answers for `row` (`completion_tokens` counts them all); each is parsed
         when the row asked for JSON, and one that does not parse makes the row INVALID_OUTPUT_JSON
         (its text is kept)."""
@@ -113,7 +114,7 @@ class OutputRow:
         first = choices[0]
         return cls(row.index, row.row_id, row.is_chat, wants_json, first.text, first.json_value,
                    first.finish_reason, prompt_tokens, cached_tokens, completion_tokens, error_code,
-                   error_message, row.passthrough, row.line, tuple(choices))
+                   error_message, row.passthrough, row.line, tuple(choices), engine_seconds=engine_seconds)
 
     @classmethod
     def from_error(cls, error: RowError) -> OutputRow:
@@ -126,6 +127,17 @@ class OutputRow:
         """A row the engine refused or failed (too long a prompt, a grammar that does not compile)."""
         return cls(row.index, row.row_id, row.is_chat, error_code=code.value, error_message=message,
                    passthrough=row.passthrough, line=row.line)
+
+
+EXPIRED_MESSAGE = "the job's completion_window passed before the row finished"
+
+
+def expired_row(item: Row | RowError) -> OutputRow:
+    """The outcome of a row its job's deadline caught before it finished (a row that could not
+    run anyway keeps its own error)."""
+    if isinstance(item, RowError):
+        return OutputRow.from_error(item)
+    return OutputRow.engine_failed(item, RowErrorCode.EXPIRED, EXPIRED_MESSAGE)
 
 
 def _parse_json(text: str) -> tuple[Any, str | None]:

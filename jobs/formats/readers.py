@@ -15,7 +15,17 @@ from jobs.spec import InputFormat, JobSpec
 
 def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
                     shard: ShardPlan) -> Iterator[Row | RowError]:
-    """The shard's rows in input order; rows that cannot run come as `RowError`s in their place."""
+    """The shard's rows in input order; rows that cannot run come as `RowError`s in their place.
+    A retry shard (`only_rows` set) yields only the rows it lists."""
+    rows = _all_shard_rows(store, key, spec, shard)
+    if shard.only_rows is None:
+        return rows
+    wanted = frozenset(shard.only_rows)
+    return (row for row in rows if row.index in wanted)
+
+
+def _all_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
+                    shard: ShardPlan) -> Iterator[Row | RowError]:
     if spec.input_format == InputFormat.PARQUET:
         return iter_parquet_rows(store, key, shard, RowBuilder(spec))
     if shard.byte_start is None or shard.byte_end is None:

@@ -34,6 +34,7 @@ class RowErrorCode(StrEnum):
     PROMPT_TOO_LONG = "prompt_too_long"
     INVALID_OUTPUT_JSON = "invalid_output_json"
     ENGINE_ERROR = "engine_error"
+    EXPIRED = "expired"  # the job's completion_window passed before the row finished
 
 
 @dataclass(frozen=True, slots=True)

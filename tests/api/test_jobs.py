@@ -138,7 +138,8 @@ def test_health_is_503_naming_what_is_down(tmp_path) -> None:
 def test_the_openapi_document_describes_every_route_and_both_submit_bodies(local_api) -> None:
     document = httpx.get(f"{local_api.url}/openapi.json").json()
     routes = {"/jobs", "/jobs/{job_id}", "/jobs/{job_id}/spec", "/jobs/{job_id}/cancel",
-              "/jobs/{job_id}/results", "/jobs/{job_id}/progress", "/healthz", "/models", "/metrics",
+              "/jobs/{job_id}/results", "/jobs/{job_id}/progress", "/jobs/{job_id}/retry",
+              "/jobs/{job_id}/results/merged", "/usage", "/healthz", "/models", "/metrics",
               "/workers", "/schedules", "/schedules/{schedule_id}",
               *(f"/schedules/{{schedule_id}}/{action}" for action in ("pause", "resume", "tick", "jobs"))}
     assert set(document["paths"]) == routes

@@ -19,6 +19,8 @@ LEGAL = {
     ("queued", "running"), ("queued", "failed"), ("queued", "cancelled"),
     ("running", "finalizing"), ("running", "failed"), ("running", "cancelled"),
     ("finalizing", "succeeded"), ("finalizing", "failed"), ("finalizing", "cancelled"),
+    # A deadline: a job never planned expires at once; a running one through finalize (its manifest).
+    ("queued", "expired"), ("finalizing", "expired"),
 }
 
 
@@ -36,7 +38,7 @@ def test_illegal_transitions_say_what_was_allowed() -> None:
     with pytest.raises(IllegalTransition, match="a succeeded job cannot become running \\(allowed: none"):
         check_transition(JobState.SUCCEEDED, JobState.RUNNING)
     with pytest.raises(IllegalTransition, match="a queued job cannot become succeeded \\(allowed: cancelled, "
-                                                "failed, running\\)"):
+                                                "expired, failed, running\\)"):
         check_transition(JobState.QUEUED, JobState.SUCCEEDED)
     assert all(not ALLOWED_TRANSITIONS[state] for state in JobState if state.is_terminal)
 

@@ -1,0 +1,142 @@
+"""A model's tokenizer where the API can read it, without torch or transformers: for dry runs.
+
+A worker that loads a model publishes its tokenizer to the job store once
+(`<prefix>/models/<name>/tokenizer.json`: the fast tokenizer's own JSON, its chat template and
+special tokens). The API rebuilds it with the light `tokenizers` package and renders chat messages
+with jinja2 the way transformers' `apply_chat_template` does (sandboxed, trim_blocks and lstrip_blocks,
+`tojson`, `raise_exception`, the special tokens as variables), so it counts the tokens a worker would
+compute: completion prompts encoded with the tokenizer's special tokens, chat prompts rendered then
+encoded without them (the template places them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from functools import lru_cache
+from typing import Any
+
+from jobs.object_store.base import ObjectNotFound, ObjectStore
+
+# The engine's ChatML fallback for a tokenizer without a template (engine/chat.py's
+# DEFAULT_CHAT_TEMPLATE, which tests/jobs/test_tokenizer_files.py holds equal to this).
+DEFAULT_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+TEXT_PARTS_SEPARATOR = "\n"
+
+
+def tokenizer_key(prefix: str, model: str) -> str:
+    return f"{prefix.strip('/')}/models/{model}/tokenizer.json".lstrip("/")
+
+
+def publish_tokenizer(store: ObjectStore, prefix: str, model: str, tokenizer: Any, worker: str) -> bool:
+    """Write a transformers fast tokenizer's files for `model` (again only when they changed);
+    False for a slow tokenizer, which has no JSON to publish."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    template = getattr(tokenizer, "chat_template", None)
+    document = {"tokenizer_json": backend.to_str(), "chat_template": template if isinstance(template, str)
+                else None, "special_tokens": {name: str(value) for name, value in
+                                              tokenizer.special_tokens_map.items() if isinstance(value, str)}}
+    body = json.dumps(document, ensure_ascii=False, sort_keys=True)
+    key = tokenizer_key(prefix, model)
+    try:
+        if json.loads(store.get_bytes(key)).get("tokenizer") == json.loads(body):
+            return True
+    except (ObjectNotFound, ValueError):
+        pass
+    wrapped = {"tokenizer": document, "published_by": worker, "published_at": datetime.now(UTC).isoformat()}
+    store.put_bytes(key, json.dumps(wrapped, ensure_ascii=False).encode())
+    return True
+
+
+class ChatRenderError(ValueError):
+    """The messages are invalid or the chat template failed on them."""
+
+
+@dataclass(frozen=True)
+class PublishedTokenizer:
+    """Counts prompt tokens as a worker would (see the module docstring)."""
+
+    backend: Any  # tokenizers.Tokenizer
+    chat_template: str
+    special_tokens: dict[str, str]
+    published_by: str
+    published_at: str
+
+    def completion_tokens(self, prompt: str) -> list[int]:
+        return list(self.backend.encode(prompt, add_special_tokens=True).ids)
+
+    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
+        text = render_chat(self.chat_template, messages, self.special_tokens)
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+
+def load_tokenizer(store: ObjectStore, prefix: str, model: str) -> PublishedTokenizer | None:
+    """The tokenizer a worker published for `model`, or None when none has yet."""
+    try:
+        raw = store.get_bytes(tokenizer_key(prefix, model))
+    except ObjectNotFound:
+        return None
+    return _parse(raw)
+
+
+@lru_cache(maxsize=16)
+def _parse(raw: bytes) -> PublishedTokenizer:
+    from tokenizers import Tokenizer
+
+    wrapped = json.loads(raw)
+    document = wrapped["tokenizer"]
+    return PublishedTokenizer(Tokenizer.from_str(document["tokenizer_json"]),
+                              document.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
+                              dict(document.get("special_tokens") or {}), str(wrapped.get("published_by")),
+                              str(wrapped.get("published_at")))
+
+
+def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str]) -> str:
+    """The prompt text for `messages`, ready for the reply (as transformers renders it)."""
+    normalized = [{**message, "content": _content_text(message.get("content"))} for message in messages]
+    try:
+        return _compiled(template).render(messages=normalized, add_generation_prompt=True, tools=None,
+                                          documents=None, **special_tokens)
+    except Exception as error:  # noqa: BLE001 - a template may raise anything (jinja, its raise_exception)
+        raise ChatRenderError(f"the chat template failed on these messages: {error}") from None
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part for part in content if isinstance(part, dict)]
+        return TEXT_PARTS_SEPARATOR.join(str(part.get("text", "")) for part in parts)
+    raise ChatRenderError(f"content must be text or a list of text parts, got {type(content).__name__}")
+
+
+@lru_cache(maxsize=16)
+def _compiled(template: str) -> Any:
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise ChatRenderError(message)
+
+    def tojson(value: Any, indent: int | None = None) -> str:
+        return json.dumps(value, ensure_ascii=False, indent=indent)
+
+    def strftime_now(pattern: str) -> str:
+        return datetime.now().strftime(pattern)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=[loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = strftime_now
+    return environment.from_string(template)

@@ -1,0 +1,55 @@
+"""The tokenizer a worker publishes for dry runs counts what the worker computes: the real model's
+tokenizer, rebuilt with `tokenizers` and rendered with jinja2 (no transformers), gives the same token
+ids as the worker's PromptRenderer for completion and chat rows; and the constants it mirrors from the
+engine are the engine's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.chat import DEFAULT_CHAT_TEMPLATE as ENGINE_CHAT_TEMPLATE
+from engine.sampling_params import SamplingParams
+from jobs.formats.rows import Row
+from jobs.object_store.local import LocalObjectStore
+from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS, JobSampling
+from jobs.tokenizer_files import DEFAULT_CHAT_TEMPLATE, load_tokenizer, publish_tokenizer
+from worker.engine_rows import PromptRenderer
+
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of Peru?"},
+     {"role": "assistant", "content": "Lima."},
+     {"role": "user", "content": [{"type": "text", "text": "And"}, {"type": "text", "text": "Chile?"}]}],
+]
+PROMPTS = ["Once upon a time", "déjà vu — naïve café ☕", ""]
+
+
+def _row(prompt: str | None = None, messages: list | None = None) -> Row:
+    return Row(0, "0", prompt, messages, JobSampling(), None)
+
+
+@pytest.mark.parametrize("checkpoint", ["real_model", "tiny_checkpoint"])
+def test_the_published_tokenizer_counts_what_the_worker_computes(checkpoint: str, tmp_path: Path,
+                                                                 request: pytest.FixtureRequest) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(request.getfixturevalue(checkpoint))
+    store = LocalObjectStore(tmp_path)
+    assert load_tokenizer(store, "pre", "m") is None  # nothing published yet
+    assert publish_tokenizer(store, "pre", "m", tokenizer, "worker-1")
+    published = load_tokenizer(store, "pre", "m")
+    assert published is not None and published.published_by == "worker-1"
+    has_template = checkpoint == "real_model"  # SmolLM2's own template; the tiny one falls back to ChatML
+    assert (published.chat_template != DEFAULT_CHAT_TEMPLATE) == has_template
+    renderer = PromptRenderer(tokenizer)
+    for prompt in PROMPTS:
+        assert published.completion_tokens(prompt) == renderer.token_ids(_row(prompt=prompt))
+    for messages in MESSAGES:
+        assert published.chat_tokens(messages) == renderer.token_ids(_row(messages=messages))
+
+
+def test_the_mirrored_engine_constants_are_the_engines() -> None:
+    assert DEFAULT_CHAT_TEMPLATE == ENGINE_CHAT_TEMPLATE
+    assert ENGINE_DEFAULT_MAX_TOKENS == SamplingParams().max_tokens
