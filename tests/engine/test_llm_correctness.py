@@ -93,6 +93,10 @@ def test_many_requests_together(arch_dir, prefix_caching, dtype):
     assert [o.prompt_token_ids for o in outputs] == PROMPTS
     assert_all_match(arch_dir, llm, PROMPTS, outputs)
     metrics = llm.get_metrics()
+    # Usage accounting: each step's time is split over its requests by tokens, so the requests'
+    # engine seconds add up to the engine's busy time, and a longer prompt is charged more.
+    charged = [o.metrics.engine_seconds for o in outputs]
+    assert min(charged) > 0 and sum(charged) == pytest.approx(metrics["busy_time_s"], rel=1e-6)
     if prefix_caching:
         assert metrics["prefix_cache_hits"] > 0
         assert sum(o.num_cached_tokens for o in outputs) > 0
