@@ -75,15 +75,17 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
     llm = LLM(model=model_dir, **options)
     llm.generate([WARM_UP_PROMPT], params)
     load_before = os.getloadavg()[0]
+    busy_before = llm.get_metrics()["busy_time_s"]
     started = time.perf_counter()
     outputs = llm.generate([row["prompt"] for row in rows], params)
     wall = time.perf_counter() - started
+    busy = llm.get_metrics()["busy_time_s"] - busy_before
     load = (load_before, os.getloadavg()[0])  # the machine is shared: say how busy it was
     errors = [output.error for output in outputs if output.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
     return {
-        "rows": len(outputs), "wall_s": wall, "engine_options": options,
+        "rows": len(outputs), "wall_s": wall, "busy_s": busy, "engine_options": options,
         "torch_threads": torch.get_num_threads(), "load": load,
         "prompt_tokens": sum(output.num_prompt_tokens for output in outputs),
         "cached_tokens": sum(output.num_cached_tokens for output in outputs),
