@@ -36,4 +36,6 @@ def test_bench_service_prints_both_timings_and_the_ratio(tmp_path: Path) -> None
     assert re.search(r"^dtype: the worker computed in (float32|bfloat16); the engine alone runs in \1$",
                      output, re.MULTILINE), output
     assert re.search(r"\(2 shards\)$", output, re.MULTILINE)
+    busy = re.search(r"engine busy: worker ([\d.]+)s of [\d.]+s \(\d+%\), engine alone ([\d.]+)s", output)
+    assert busy and float(busy[1]) > 0 and float(busy[2]) > 0, output  # both engines ran, and said so
     assert re.search(r"end-to-end / engine-only wall: [\d.]+x \(target <= 1\.05x: (met|NOT met)\)", output)
