@@ -165,6 +165,19 @@ def _report(status: JobStatus, args: argparse.Namespace) -> None:
         print(_describe(status))
 
 
+def _report_started(client: Client, job: JobStatus, args: argparse.Namespace, started: str) -> int:
+    """A job just created: say so (`started` names it), then with --wait wait and report its end."""
+    if not args.wait:
+        if args.json:
+            _json(_status_json(job))
+        else:
+            print(f"{started} ({job.state.value})")
+        return EXIT_SUCCEEDED
+    if not args.json:
+        print(f"{started}; waiting", file=sys.stderr)
+    return _wait_and_report(client, job.job_id, args)
+
+
 def _wait_and_report(client: Client, job_id: str, args: argparse.Namespace) -> int:
     try:
         final = client.jobs.wait(job_id, poll_interval=args.poll_interval, timeout=args.timeout,
@@ -233,15 +246,7 @@ def submit(argv: list[str]) -> int:
             _print_estimate(client.jobs.estimate(spec, input=source), args)
             return EXIT_SUCCEEDED
         job = client.jobs.create(spec, input=source)
-        if not args.wait:
-            if args.json:
-                _json(_status_json(job))
-            else:
-                print(f"submitted {job.job_id} ({job.state.value})")
-            return EXIT_SUCCEEDED
-        if not args.json:
-            print(f"submitted {job.job_id}; waiting", file=sys.stderr)
-        return _wait_and_report(client, job.job_id, args)
+        return _report_started(client, job, args, f"submitted {job.job_id}")
 
     return _run("submit", args, body)
 
@@ -397,15 +402,8 @@ def retry(argv: list[str]) -> int:
 
     def body(client: Client) -> int:
         job = client.jobs.retry(args.job_id, error_codes=args.error_codes)
-        if not args.wait:
-            if args.json:
-                _json(_status_json(job))
-            else:
-                print(f"retrying {job.rows.total} rows of {args.job_id} as {job.job_id} ({job.state.value})")
-            return EXIT_SUCCEEDED
-        if not args.json:
-            print(f"retrying {args.job_id} as {job.job_id}; waiting", file=sys.stderr)
-        return _wait_and_report(client, job.job_id, args)
+        return _report_started(client, job, args,
+                               f"retrying {job.rows.total} rows of {args.job_id} as {job.job_id}")
 
     return _run("retry", args, body)
 

@@ -17,6 +17,7 @@ from api.client.results import (
     LineSplitter,
     _require_pandas,
     _temp_for,
+    json_rows_async,
     table_from_rows,
     target_format,
     write_table,
@@ -87,14 +88,14 @@ class AsyncMergedResults(_ChainHeaders):
         self._transport = transport
         self.job_id = job_id
 
-    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
-        splitter = LineSplitter()
+    async def _chunks(self) -> AsyncIterator[bytes]:
         async with self._transport.stream("GET", f"/jobs/{self.job_id}/results/merged") as response:
             self._read(response)
             async for chunk in response.aiter_bytes(CHUNK_BYTES):
-                for row in splitter.feed(chunk):
-                    yield row
-        for row in splitter.finish():
+                yield chunk
+
+    async def __aiter__(self) -> AsyncIterator[dict[str, Any]]:
+        async for row in json_rows_async(self._chunks()):
             yield row
 
     async def rows(self) -> list[dict[str, Any]]:

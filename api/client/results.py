@@ -234,6 +234,16 @@ class Results:
         return path
 
 
+async def json_rows_async(chunks: AsyncIterator[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """`_json_rows` over an async stream of byte chunks."""
+    splitter = LineSplitter()
+    async for chunk in chunks:
+        for row in splitter.feed(chunk):
+            yield row
+    for row in splitter.finish():
+        yield row
+
+
 def _json_rows(chunks: Iterable[bytes]) -> Iterator[dict[str, Any]]:
     splitter = LineSplitter()
     for chunk in chunks:
@@ -299,11 +309,7 @@ class AsyncResults:
                 for row in table.to_pylist():
                     yield row
             return
-        splitter = LineSplitter()
-        async for chunk in self._chunks():
-            for row in splitter.feed(chunk):
-                yield row
-        for row in splitter.finish():
+        async for row in json_rows_async(self._chunks()):
             yield row
 
     async def rows(self) -> list[dict[str, Any]]:

@@ -7,6 +7,7 @@ would fix them; row numbers stay put, so each retry runs only the rows still fai
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import subprocess
@@ -20,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import ApiError
+from api.client import ApiError, AsyncClient
 from jobs.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
@@ -111,6 +112,13 @@ def test_a_row_that_fails_again_keeps_its_latest_error_in_jsonl(stack: LiveStack
     assert [row["id"] for row in rows] == [str(offset) for offset in offsets]  # JSONL ids: byte offsets
     assert [row["error"]["code"] if row["error"] else None for row in rows] == \
         [None, "invalid_json", None, "missing_column"]
+
+    async def merged_async() -> tuple[list[dict], list[str] | None]:
+        async with AsyncClient(stack.url) as client:
+            merged = client.jobs.results(only_json.job_id, merged=True)
+            return await merged.rows(), merged.chain
+    async_rows, chain = asyncio.run(merged_async())  # the async SDK reads the same merged rows
+    assert async_rows == rows and chain == [first, only_json.job_id]
 
 
 def test_a_running_job_cannot_be_retried_and_a_cancelled_one_retries_every_row(stack: LiveStack) -> None:
