@@ -57,10 +57,11 @@ class _Counts:
         self.tokenizer = tokenizer
         self.read = self.failing = self.duplicates = self.output = 0
         self.prompt = self.shared = 0
+        self.seen: set[str] = set()
 
     def add_shard(self, items: list[Row | RowError]) -> None:
         self.read += len(items)
-        seen: set[str] = set()
+        seen = self.seen  # job-wide, as the planner marks copies across shards (jobs/job_dedup.py)
         prompts: list[list[int]] = []
         for item in items:
             if isinstance(item, RowError):

@@ -60,6 +60,7 @@ def retry_plan(repository: JobRepository, parent_id: str,
             continue
         shards.append(shard.model_copy(update={
             "index": len(shards), "origin_shard": shard.origin, "only_rows": rows,
+            "copies": {}, "exports": [],  # a retry's rows run on their own
             "estimated_rows": shard.estimated_rows if rows is None else len(rows),
             "rows_exact": shard.rows_exact if rows is None else True}))
     if not shards:

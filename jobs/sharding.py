@@ -48,6 +48,10 @@ class ShardPlan(BaseModel):
     # the same range, so results can be merged across the chain one range at a time.
     only_rows: list[int] | None = None
     origin_shard: int | None = None
+    # Identical rows across shards (jobs/job_dedup.py): position in this shard -> [source shard,
+    # position there], and this shard's positions whose outcomes later shards copy.
+    copies: dict[int, list[int]] = {}
+    exports: list[int] = []
 
     @property
     def origin(self) -> int:

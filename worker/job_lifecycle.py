@@ -14,6 +14,7 @@ from typing import Any
 from jobs.deadlines import forget_deadline
 from jobs.formats.detect import resolve_spec
 from jobs.formats.rows import RowErrorCode
+from jobs.job_dedup import mark_copies
 from jobs.layout import JobLayout, output_location
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.model_registry import UnknownModel
@@ -173,7 +174,7 @@ def _check_response_format(spec: JobSpec) -> None:
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     with _input_errors_fail_the_job(spec.input_uri):
-        return plan_shards(store, key, spec)
+        return mark_copies(store, key, spec, plan_shards(store, key, spec))
 
 
 def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:

@@ -47,6 +47,7 @@ from worker.engine_rows import run_rows
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.schema_limit import limit_schemas
+from worker.shard_copies import Stopped, copy_rows, write_exports
 from worker.shard_lease import ShardLease
 from worker.shutdown import ShardHandedBack
 from worker.transient import is_transient
@@ -162,11 +163,44 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
     with timings.phase("engine"):
-        expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
-        outputs = _run_on_engine(context, hosted, job_id, items, priority=MAX_JOB_PRIORITY - spec.priority,
-                                 deduplicate=spec.deduplicate, expires_in_s=expires_in_s)
+        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
+
+
+def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
+              items: list[Row | RowError], expires_at: datetime | None) -> list[OutputRow] | None:
+    """Every row's outcome in input order: the shard's own rows from the engine, then the rows it
+    copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones."""
+    repository = context.repository
+    layout = repository.layout(job_id)
+
+    def run(positions: list[int]) -> dict[int, OutputRow] | None:
+        expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
+        outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
+                                 priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
+                                 expires_in_s=expires_in_s)
+        return None if outputs is None else dict(zip(positions, outputs, strict=True))
+
+    outcomes = run([position for position in range(len(items)) if position not in shard.copies])
+    if outcomes is None:
+        return None
+    write_exports(repository, layout, shard, outcomes)
+    if shard.copies:
+        try:
+            copied, compute = copy_rows(repository, layout, shard, items, expires_at=expires_at,
+                                        should_stop=lambda: shutdown.stopping()
+                                        or repository.is_cancel_requested(job_id))
+        except Stopped:
+            if shutdown.stopping():
+                raise ShardHandedBack(f"job {job_id}: the worker is stopping") from None
+            return None
+        computed = run(compute) if compute else {}
+        if computed is None:
+            return None
+        outcomes.update(copied)
+        outcomes.update(computed)
+    return [outcomes[position] for position in range(len(items))]
 
 
 def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:

@@ -52,7 +52,10 @@ def test_a_jsonl_job_completes_with_every_row_once_in_order_equal_to_offline_gen
     assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
     assert (status.shards.done, status.shards.total) == (4, 4)
     assert status.usage == manifest.usage
-    assert manifest.usage.completion == sum(r["usage"]["completion_tokens"] for r in records)
+    # q5 repeats q0 in another shard: it takes q0's output, and the job counts q0's tokens once.
+    assert status.rows.deduplicated == 1 and records[5]["text"] == records[0]["text"]
+    assert manifest.usage.completion == sum(r["usage"]["completion_tokens"] for r in records) - \
+        records[5]["usage"]["completion_tokens"]
     assert status.output_uris == [part.output.uri for part in manifest.parts]
 
 
@@ -251,18 +254,22 @@ DUPLICATED = ["def add(a, b):", "class Point:", "def add(a, b):", "def add(a, b)
               "import os\n"]
 
 
-@pytest.mark.parametrize(("sampling", "deduplicate", "merged"), [
-    ({"temperature": 0.0}, True, 3),  # greedy: the same output every time
-    ({"temperature": 1.0, "seed": 7}, True, 3),  # seeded: the same too
-    ({"temperature": 1.0}, True, 0),  # random and unseeded: each row draws its own
-    ({"temperature": 0.0}, False, 0),  # turned off in the spec
+@pytest.mark.parametrize(("sampling", "deduplicate", "merged", "shard_size"), [
+    ({"temperature": 0.0}, True, 3, 1000),  # greedy: the same output every time
+    ({"temperature": 1.0, "seed": 7}, True, 3, 1000),  # seeded: the same too
+    ({"temperature": 1.0}, True, 0, 1000),  # random and unseeded: each row draws its own
+    ({"temperature": 0.0}, False, 0, 1000),  # turned off in the spec
+    # Across shards: rows 2 and 3 (shard 1) copy row 0 (shard 0), row 4 (shard 2) copies row 1.
+    ({"temperature": 0.0}, True, 3, 2),
+    ({"temperature": 1.0, "logprobs": 2, "seed": 3}, True, 3, 2),  # with logprobs, through the export file
 ])
 def test_identical_deterministic_rows_run_once_and_each_row_gets_the_output(
-        pipeline: Pipeline, offline: LLM, sampling: dict, deduplicate: bool, merged: int) -> None:
+        pipeline: Pipeline, offline: LLM, sampling: dict, deduplicate: bool, merged: int,
+        shard_size: int) -> None:
     lines = [json.dumps({"id": f"r{n}", "question": text, "tag": n}) for n, text in enumerate(DUPLICATED)]
     spec = JobSpec(input_uri=pipeline.put_input("duplicated.jsonl", lines), model="tiny", id_column="id",
                    prompt_column="question", passthrough_columns=["tag"], deduplicate=deduplicate,
-                   sampling={**sampling, "max_tokens": MAX_TOKENS})
+                   sampling={**sampling, "max_tokens": MAX_TOKENS}, shard_size=shard_size)
     status = pipeline.wait_for_end(pipeline.submit(spec))
     assert status.state == JobState.SUCCEEDED, status.error
     assert status.rows.deduplicated == merged and pipeline.manifest(status.job_id).rows.deduplicated == merged
@@ -272,5 +279,9 @@ def test_identical_deterministic_rows_run_once_and_each_row_gets_the_output(
         for copy, first in ((2, 0), (3, 0), (4, 1)):
             assert (records[copy]["text"], records[copy]["usage"]) == (records[first]["text"],
                                                                        records[first]["usage"])
+            assert records[copy].get("logprobs") == records[first].get("logprobs")
+        # The job counts the tokens of the rows that ran, not of their copies.
+        assert status.usage.completion == sum(r["usage"]["completion_tokens"] for r in records) - sum(
+            records[copy]["usage"]["completion_tokens"] for copy in (2, 3, 4))
     if sampling["temperature"] == 0.0:
         assert [record["text"] for record in records] == greedy_texts(offline, DUPLICATED)

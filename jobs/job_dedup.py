@@ -1,0 +1,83 @@
+"""Identical rows across a job's shards: found once at planning, computed once when running.
+
+The planner reads every row once (inputs up to `MAX_SCAN_ROWS`) and keys each deterministic row
+(greedy, or seeded) by its prompt or messages, sampling and response format. A row whose key an
+earlier shard holds becomes a *copy*: its shard's plan maps its position to the source's (shard,
+position), and the source shard's plan lists that position among its *exports*. A running shard
+writes its exported rows' outcomes to `dedup/part-NNNNN.json` before it commits, and fills its copies
+from its sources' files (a source has a lower index, so it is running or done by then; see
+worker/shard_copies.py). Identical rows inside one shard are left to the shard's own deduplication.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.readers import read_shard_rows
+from jobs.formats.rows import Row
+from jobs.object_store.base import ObjectStore
+from jobs.sharding import ShardPlan
+from jobs.spec import JobSpec
+
+MAX_SCAN_ROWS = 1_000_000  # a larger input keeps the per-shard deduplication only
+
+
+def row_key(row: Row) -> str | None:
+    """The key of a row that computes the same output every time it runs; None otherwise."""
+    if not (row.sampling.temperature == 0 or row.sampling.seed is not None):
+        return None
+    content = [row.prompt, row.messages, row.sampling.model_dump(mode="json"), row.response_format]
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def mark_copies(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan]) -> list[ShardPlan]:
+    """The plan with cross-shard copies and exports marked (unchanged when the spec turns
+    deduplication off or the input has more than MAX_SCAN_ROWS rows)."""
+    if not spec.deduplicate or sum(shard.estimated_rows for shard in plan) > MAX_SCAN_ROWS:
+        return list(plan)
+    first: dict[str, tuple[int, int]] = {}
+    copies: dict[int, dict[int, list[int]]] = {}
+    exports: dict[int, set[int]] = {}
+    for shard in plan:
+        for position, item in enumerate(read_shard_rows(store, key, spec, shard)):
+            row_id = row_key(item) if isinstance(item, Row) else None
+            if row_id is None:
+                continue
+            source = first.setdefault(row_id, (shard.index, position))
+            if source[0] != shard.index:
+                copies.setdefault(shard.index, {})[position] = list(source)
+                exports.setdefault(source[0], set()).add(source[1])
+    return [shard.model_copy(update={"copies": copies.get(shard.index, {}),
+                                     "exports": sorted(exports.get(shard.index, ()))})
+            if shard.index in copies or shard.index in exports else shard for shard in plan]
+
+
+def exports_key(job_dir: str, shard_index: int) -> str:
+    return f"{job_dir}/dedup/part-{shard_index:05d}.json"
+
+
+def dump_outputs(outputs: dict[int, OutputRow]) -> bytes:
+    return json.dumps({str(position): dataclasses.asdict(row) for position, row in outputs.items()},
+                      ensure_ascii=False, default=str).encode()
+
+
+def load_outputs(data: bytes) -> dict[int, OutputRow]:
+    return {int(position): _output_row(fields) for position, fields in json.loads(data).items()}
+
+
+def _output_row(fields: dict[str, Any]) -> OutputRow:
+    choices = tuple(Choice(**{**choice, "logprobs": _positions(choice.get("logprobs"))})
+                    for choice in fields.get("choices") or ())
+    return OutputRow(**{**fields, "choices": choices})
+
+
+def _positions(positions: list[dict[str, Any]] | None) -> list[PositionLogprobs] | None:
+    if positions is None:
+        return None
+    return [PositionLogprobs(TokenLogprob(**position["chosen"]),
+                             [TokenLogprob(**top) for top in position["top"]]) for position in positions]

@@ -1,0 +1,89 @@
+"""A shard's rows that are identical to an earlier shard's (marked at planning, jobs/job_dedup.py):
+the shard exports the outcomes later shards copy, and takes its copies from its sources' exports.
+
+A source shard has a lower index than its copies, so when a copy's shard has run its own rows, the
+source is running or done. The copy waits for the source's export file; it computes the row itself
+when the source committed without one (written by the expiry sweep, or by an older worker), or
+after `MAX_WAIT_S`; it stops with the shard on cancel or shutdown, and its rows expire at the job's
+deadline like the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from jobs.formats.output import OutputRow, expired_row
+from jobs.formats.rows import Row, RowError
+from jobs.job_dedup import dump_outputs, exports_key, load_outputs
+from jobs.layout import JobLayout
+from jobs.object_store.base import ObjectNotFound
+from jobs.repository import JobRepository
+from jobs.sharding import ShardPlan
+
+WAIT_POLL_S = 0.5
+MAX_WAIT_S = 600.0
+
+
+def write_exports(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
+                  outcomes: dict[int, OutputRow]) -> None:
+    """The outcomes of this shard's rows that later shards copy."""
+    exported = {position: outcomes[position] for position in shard.exports if position in outcomes}
+    if exported:
+        repository.store.put_bytes(exports_key(layout.job_dir, shard.index), dump_outputs(exported))
+
+
+class Stopped(Exception):
+    """The shard must stop (cancel or shutdown) while its copies wait."""
+
+
+def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan, items: list[Row | RowError],
+              should_stop: Callable[[], bool], expires_at: datetime | None) -> tuple[dict[int, OutputRow],
+                                                                                      list[int]]:
+    """The copies' outcomes by position, and the positions the shard must compute itself (its
+    source exported nothing). Raises `Stopped` when `should_stop()` says so while waiting."""
+    by_source: dict[int, list[tuple[int, int]]] = {}
+    for position, (source_shard, source_position) in shard.copies.items():
+        by_source.setdefault(source_shard, []).append((position, source_position))
+    copied: dict[int, OutputRow] = {}
+    compute: list[int] = []
+    started = time.monotonic()
+    for source_shard, pairs in sorted(by_source.items()):
+        exported = _wait_for_exports(repository, layout, source_shard, should_stop, expires_at, started)
+        for position, source_position in pairs:
+            item = items[position]
+            if exported == "expired":
+                copied[position] = expired_row(item)
+            elif exported is None or source_position not in exported or isinstance(item, RowError):
+                compute.append(position)
+            else:
+                copied[position] = dataclasses.replace(
+                    exported[source_position], index=item.index, row_id=item.row_id,
+                    passthrough=item.passthrough, line=item.line, deduplicated=True, engine_seconds=0.0)
+    return copied, compute
+
+
+def _wait_for_exports(repository: JobRepository, layout: JobLayout, source_shard: int,
+                      should_stop: Callable[[], bool], expires_at: datetime | None,
+                      started: float) -> dict[int, OutputRow] | str | None:
+    """The source's exports; None when it will not have any; "expired" at the job's deadline."""
+    key = exports_key(layout.job_dir, source_shard)
+    while True:
+        try:
+            return load_outputs(repository.store.get_bytes(key))
+        except ObjectNotFound:
+            pass
+        if repository.store.exists(layout.shard_result_key(source_shard)):
+            try:  # committed: its exports were written before, unless it never wrote any
+                return load_outputs(repository.store.get_bytes(key))
+            except ObjectNotFound:
+                return None
+        if should_stop():
+            raise Stopped
+        if expires_at is not None and datetime.now(UTC) >= expires_at:
+            return "expired"
+        if time.monotonic() - started > MAX_WAIT_S:
+            return None
+        time.sleep(WAIT_POLL_S)
