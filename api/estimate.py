@@ -8,11 +8,12 @@ from __future__ import annotations
 from api.dependencies import ApiContext
 from jobs.estimate import estimate_job
 from jobs.estimate_report import JobEstimate
+from jobs.limits import plan_limit_problems
 from jobs.object_store.base import ObjectStore
 from jobs.sharding import plan_shards
 from jobs.spec import JobSpec
 from jobs.tokenizer_files import load_tokenizer
-from jobs.workers import MIN_MEASURED_BUSY_S, Throughput, last_throughput, live_workers
+from jobs.workers import Throughput, last_throughput, live_workers, measured_throughput
 
 
 def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobEstimate:
@@ -22,7 +23,8 @@ def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: s
     tokenizer = load_tokenizer(repository.store, repository.prefix, spec.model)
     measured, live = _throughput(context, spec.model)
     estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live)
-    return estimate.model_copy(update={"problems": _limit_problems(context, estimate)})
+    problems = plan_limit_problems(context.settings, plan, spec.shard_size)
+    return estimate.model_copy(update={"problems": problems})
 
 
 def _throughput(context: ApiContext, model: str) -> tuple[list[Throughput], int]:
@@ -35,23 +37,8 @@ def _throughput(context: ApiContext, model: str) -> tuple[list[Throughput], int]
             if hosted.name != model or hosted.state != "loaded":
                 continue
             live += 1
-            if hosted.busy_s >= MIN_MEASURED_BUSY_S and hosted.tokens_computed:
-                rate = hosted.tokens_computed / hosted.busy_s
-                measured.append(Throughput(model=model, tokens_per_busy_s=rate, busy_s=hosted.busy_s,
-                                           hostname=beat.hostname, dtype=hosted.dtype, device=hosted.device,
-                                           measured_at=beat.updated_at))
+            if (reading := measured_throughput(beat, hosted)) is not None:
+                measured.append(reading)
     if not measured and (last := last_throughput(repository.redis, repository.namespace, model)) is not None:
         measured.append(last)
     return measured, live
-
-
-def _limit_problems(context: ApiContext, estimate: JobEstimate) -> list[str]:
-    """What would fail the job at planning (the deployment's row and shard limits)."""
-    settings, problems = context.settings, []
-    if settings.max_rows_per_job is not None and estimate.rows > settings.max_rows_per_job:
-        problems.append(f"the input has {estimate.rows:,} rows; this deployment takes at most "
-                        f"{settings.max_rows_per_job:,} per job (max_rows_per_job)")
-    if settings.max_shards_per_job is not None and estimate.shards > settings.max_shards_per_job:
-        problems.append(f"the job plans into {estimate.shards:,} shards; this deployment takes at most "
-                        f"{settings.max_shards_per_job:,} (max_shards_per_job)")
-    return problems

@@ -11,7 +11,7 @@ from jobs.formats.jsonl_writer import dumps_line
 from jobs.manifest import Manifest, partial_manifest, read_manifest
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.results import PartFile, load_shard_results
+from jobs.results import PartFile, ShardResult, load_shard_results
 from jobs.spec import InputFormat
 from jobs.status import COMPLETED_STATES, JobStatus
 
@@ -41,9 +41,14 @@ def _finished_so_far(context: ApiContext, job_id: str) -> Manifest:
     final keys (a run that died between the two leaves the shard out until the reaper publishes)."""
     spec = context.repository.get_spec(job_id)  # the API stores it resolved: its formats are set
     results = [result for result in load_shard_results(context.store, context.repository.layout(job_id))
-               if all(_published(context, part) for part in (result.output, result.errors))]
+               if parts_published(context, result)]
     return partial_manifest(job_id, spec.spec_hash(), str(spec.effective_output_format or InputFormat.JSONL),
                             results)
+
+
+def parts_published(context: ApiContext, result: ShardResult) -> bool:
+    """Whether the result's output and error parts are at their final keys (not only staged)."""
+    return all(_published(context, part) for part in (result.output, result.errors))
 
 
 def _published(context: ApiContext, part: PartFile) -> bool:

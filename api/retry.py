@@ -8,13 +8,11 @@ from collections.abc import Iterator
 from pydantic import BaseModel, ConfigDict, Field
 
 from api.dependencies import ApiContext
-from api.results import part_store
+from api.results import part_store, parts_published
 from api.submission import check_in_flight, check_model, claim_output, create_and_enqueue
 from jobs.formats.jsonl_writer import dumps_line
 from jobs.merge import MergedChain, load_chain, merged_records
-from jobs.object_store.base import ObjectStore
 from jobs.repository import new_job_id
-from jobs.results import PartFile, ShardResult
 from jobs.retry import check_retryable, retry_plan
 from jobs.status import JobStatus
 
@@ -55,28 +53,16 @@ def retry_job(context: ApiContext, parent: JobStatus, request: RetryRequest) -> 
 
 
 def merged_chain(context: ApiContext, job_id: str) -> MergedChain:
-    return load_chain(context.repository, job_id, lambda result: _published(context, result))
-
-
-def _published(context: ApiContext, result: ShardResult) -> bool:
-    for part in (result.output, result.errors):
-        store, key = part_store(context, part.uri)
-        if not store.exists(key):
-            return False
-    return True
+    return load_chain(context.repository, job_id, lambda result: parts_published(context, result))
 
 
 def stream_merged(context: ApiContext, chain: MergedChain) -> Iterator[bytes]:
     """The merged rows as JSON lines, a batch of lines per write."""
     batch: list[bytes] = []
-    for record in merged_records(context.repository, chain, lambda part: _open(context, part)):
+    for record in merged_records(context.repository, chain, lambda part: part_store(context, part.uri)):
         batch.append(dumps_line(record))
         if len(batch) == MERGED_BATCH_ROWS:
             yield b"".join(batch)
             batch = []
     if batch:
         yield b"".join(batch)
-
-
-def _open(context: ApiContext, part: PartFile) -> tuple[ObjectStore, str]:
-    return part_store(context, part.uri)

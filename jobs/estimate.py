@@ -12,12 +12,12 @@ jobs/workers.py), shared by the live workers serving it; "unknown" when none has
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 
 from jobs.estimate_report import JobEstimate
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
+from jobs.job_dedup import row_key
 from jobs.object_store.base import ObjectStore
 from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS
 from jobs.sharding import ShardPlan
@@ -71,8 +71,8 @@ class _Counts:
             if tokens is None and self.tokenizer is not None:
                 self.failing += 1
                 continue
-            if _deterministic(item):
-                key = _dedup_key(item, tokens)
+            key = row_key(item)  # as the worker merges rows (jobs/job_dedup.py)
+            if key is not None:
                 if key in seen:
                     self.duplicates += 1
                     continue
@@ -95,18 +95,6 @@ class _Counts:
 
     def scaled(self, value: int, scale: float) -> int | None:
         return None if self.tokenizer is None else round(value * scale)
-
-
-def _deterministic(row: Row) -> bool:
-    """As the worker decides (worker/engine_rows.py): greedy, or an explicit seed (unset temperature:
-    the engine's default, which samples)."""
-    return row.sampling.temperature == 0 or row.sampling.seed is not None
-
-
-def _dedup_key(row: Row, tokens: list[int] | None) -> str:
-    what = tokens if tokens is not None else (row.prompt, row.messages)
-    return json.dumps([what, row.sampling.model_dump(mode="json"), row.response_format], sort_keys=True,
-                      default=str)
 
 
 def _shared_prefix_tokens(prompts: list[list[int]]) -> int:

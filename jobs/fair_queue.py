@@ -25,10 +25,9 @@ from dataclasses import dataclass
 
 import redis
 
-from jobs.names import shards_started_key
+from jobs.names import NO_TENANT, shards_started_key
 
 JOB_PLACEHOLDER = "\x00job\x00"
-DEFAULT_TENANT = "-"  # jobs of an open API (no keys) share one tenant
 
 # KEYS: prios, tenants:<p>, jobs:<p>:<tenant>, pending:<job>, offered:<job>
 # ARGV: job, shard index, rows, priority, tenant
@@ -116,7 +115,7 @@ class FairQueue:
     def offer(self, model: str, job_id: str, shard_index: int, rows: int, priority: int,
               tenant: str | None) -> bool:
         """Make the shard takeable; False if it was offered before (nothing changes)."""
-        prefix, who = self._prefix(model), tenant or DEFAULT_TENANT
+        prefix, who = self._prefix(model), tenant or NO_TENANT
         keys = [f"{prefix}prios", f"{prefix}tenants:{priority}", f"{prefix}jobs:{priority}:{who}",
                 f"{prefix}pending:{job_id}", f"{prefix}offered:{job_id}"]
         return bool(self._offer(keys=keys, args=[job_id, shard_index, max(1, rows), priority, who]))

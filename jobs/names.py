@@ -11,6 +11,7 @@ from __future__ import annotations
 # ---- Celery tasks and queues -------------------------------------------------------------------
 PLAN_JOB = "bulkinfer.plan_job"
 RUN_SHARD = "bulkinfer.run_shard"
+NO_TENANT = "-"  # stands for the tenant of jobs an open API took (no keys) in Redis keys and members
 RUN_NEXT_SHARD = "bulkinfer.run_next_shard"  # a ticket: run the fair queue's next shard (jobs/fair_queue.py)
 FINALIZE_JOB = "bulkinfer.finalize_job"
 DELIVER_WEBHOOK = "bulkinfer.deliver_webhook"

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel, Field
 
+from jobs.names import NO_TENANT
 from jobs.results import ShardResult, TokenUsage
 
 if TYPE_CHECKING:  # the SDK reads UsageReport and installs without redis
@@ -24,7 +25,6 @@ RETENTION_DAYS = 400
 MAX_RANGE_DAYS = 400
 FIELDS = ("rows", "rows_failed", "rows_deduplicated", "shards", "tokens_prompt", "tokens_cached",
           "tokens_completion", "engine_ms")
-DEFAULT_TENANT = "-"  # jobs of an open API (no keys)
 
 
 class UsageLine(BaseModel):
@@ -59,7 +59,7 @@ def _index_key(namespace: str) -> str:
 def record_shard_usage(client: redis.Redis, namespace: str, tenant: str | None, model: str,
                        result: ShardResult) -> None:
     """Add a counted shard to its hour's bucket (the hour it finished)."""
-    who = tenant or DEFAULT_TENANT
+    who = tenant or NO_TENANT
     key = _bucket_key(namespace, who, model, _hour(result.finished_at))
     increments = {"rows": result.rows, "rows_failed": result.rows_failed,
                   "rows_deduplicated": result.rows_deduplicated, "shards": 1,
@@ -110,7 +110,7 @@ def usage_report(client: redis.Redis, namespace: str, since: datetime, until: da
 
 
 def _line(tenant: str | None, model: str, values: dict[str, int]) -> UsageLine:
-    return UsageLine(tenant=None if tenant == DEFAULT_TENANT else tenant, model=model,
+    return UsageLine(tenant=None if tenant == NO_TENANT else tenant, model=model,
                      shards=values["shards"], rows=values["rows"], rows_failed=values["rows_failed"],
                      rows_deduplicated=values["rows_deduplicated"],
                      usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],

@@ -74,6 +74,15 @@ class Throughput(BaseModel):
     measured_at: datetime
 
 
+def measured_throughput(beat: WorkerBeat, model: WorkerModel) -> Throughput | None:
+    """What a heartbeat's loaded model measured (None before it was busy long enough to tell)."""
+    if model.busy_s < MIN_MEASURED_BUSY_S or not model.tokens_computed:
+        return None
+    return Throughput(model=model.name, tokens_per_busy_s=model.tokens_computed / model.busy_s,
+                      busy_s=model.busy_s, hostname=beat.hostname, dtype=model.dtype, device=model.device,
+                      measured_at=beat.updated_at)
+
+
 def throughput_key(namespace: str, model: str) -> str:
     return f"{namespace}:throughput:{model}"
 
@@ -81,10 +90,8 @@ def throughput_key(namespace: str, model: str) -> str:
 def record_throughput(client: redis.Redis, namespace: str, beat: WorkerBeat) -> None:
     """Keep each loaded model's latest measurement (no expiry: it outlives a scaled-to-zero worker)."""
     for model in beat.models:
-        if model.busy_s >= MIN_MEASURED_BUSY_S and model.tokens_computed:
-            measured = Throughput(model=model.name, tokens_per_busy_s=model.tokens_computed / model.busy_s,
-                                  busy_s=model.busy_s, hostname=beat.hostname, dtype=model.dtype,
-                                  device=model.device, measured_at=beat.updated_at)
+        measured = measured_throughput(beat, model)
+        if measured is not None:
             client.set(throughput_key(namespace, model.name), measured.model_dump_json())
 
 

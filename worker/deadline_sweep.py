@@ -19,10 +19,8 @@ from datetime import UTC, datetime
 
 from jobs.deadlines import due_jobs, forget_deadline
 from jobs.formats.output import expired_row
-from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.object_store.base import ObjectNotFound
-from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import write_fenced
 from jobs.repository import JobNotFound
 from jobs.sharding import ShardPlan
@@ -31,8 +29,7 @@ from jobs.status import IllegalTransition, JobState, JobStatus
 from worker.context import WorkerContext
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.shard_lease import ShardLease
-from worker.shard_runner import committed_result, count_shard
-from worker.transient import is_transient
+from worker.shard_runner import committed_result, count_shard, read_rows
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +97,7 @@ def _expire_shards(context: WorkerContext, status: JobStatus, send_finalize: Sen
             outputs = [expired_row(item) for item in _rows(context, job_id, spec, shard)]
             result = write_fenced(repository.store, layout, spec, shard, outputs, fence=lease.fence,
                                   created=int(status.created_at.timestamp()), started_at=now)
-        count_shard(repository, layout, plan, result, send_finalize)
+        count_shard(repository, layout, plan, result, send_finalize, spec)
         expired.append(shard.index)
     if expired:
         logger.warning("job %s: completion_window passed; %d shard(s) that had not started written as "
@@ -109,12 +106,8 @@ def _expire_shards(context: WorkerContext, status: JobStatus, send_finalize: Sen
 
 
 def _rows(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
-    store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
-        return list(read_shard_rows(store, key, spec, shard))
-    except Exception as error:
-        if is_transient(error):  # the next pass tries again
-            raise
-        message = f"its completion_window passed and the input {spec.input_uri} cannot be read: {error}"
-        fail_job(context.repository, job_id, message)
-        raise JobCannotRun(message) from error
+        return read_rows(context, spec, shard)
+    except JobCannotRun as error:
+        fail_job(context.repository, job_id, f"its completion_window passed and it {error}")
+        raise

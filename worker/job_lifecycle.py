@@ -16,6 +16,7 @@ from jobs.formats.detect import resolve_spec
 from jobs.formats.rows import RowErrorCode
 from jobs.job_dedup import mark_copies
 from jobs.layout import JobLayout, output_location
+from jobs.limits import plan_limit_problems
 from jobs.manifest import IncompleteJob, build_manifest, write_manifest
 from jobs.model_registry import UnknownModel
 from jobs.names import dispatched_key, step_lease_key
@@ -145,16 +146,9 @@ def _retry_plan(repository: JobRepository, spec: JobSpec) -> list[ShardPlan] | N
 
 def _check_limits(context: WorkerContext, plan: Sequence[ShardPlan], spec: JobSpec) -> None:
     """The deployment's max_rows_per_job and max_shards_per_job: a job past them fails, saying so."""
-    settings = context.settings
-    rows = sum(shard.estimated_rows for shard in plan)
-    if settings.max_rows_per_job is not None and rows > settings.max_rows_per_job:
-        about = "" if all(shard.rows_exact for shard in plan) else "about "
-        raise JobCannotRun(f"the input has {about}{rows:,} rows; this deployment takes at most "
-                           f"{settings.max_rows_per_job:,} per job (max_rows_per_job): split it")
-    if settings.max_shards_per_job is not None and len(plan) > settings.max_shards_per_job:
-        raise JobCannotRun(f"the job plans into {len(plan):,} shards of {spec.shard_size} rows; this "
-                           f"deployment takes at most {settings.max_shards_per_job:,} (max_shards_per_job): "
-                           "raise shard_size")
+    problems = plan_limit_problems(context.settings, plan, spec.shard_size)
+    if problems:
+        raise JobCannotRun(problems[0])
 
 
 def _saved_plan(repository: JobRepository, job_id: str) -> list[ShardPlan] | None:

@@ -104,10 +104,10 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
     plan = repository.load_plan(job_id)
     result = committed_result(repository, layout, shard_index)
     summary: dict[str, Any] = {"already_done": result is not None}
+    spec: JobSpec | None = None  # read when the shard runs here; count_shard reads it otherwise
     if result is None:
         started_at = datetime.now(UTC)
         timings = PhaseTimings()
-        spec = None
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
@@ -135,7 +135,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
                     "seconds %s", job_id, shard_index, result.rows, result.rows_failed, result.usage.prompt,
                     result.usage.cached, result.usage.completion, summary["seconds"])
-    count_shard(repository, layout, plan, result, send_finalize)
+    count_shard(repository, layout, plan, result, send_finalize, spec)
     return {**summary, "status": "done", "rows": result.rows, "rows_failed": result.rows_failed}
 
 
@@ -159,7 +159,7 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
             raise
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
     with timings.phase("read"):
-        items = _read_rows(context, spec, shard)
+        items = read_rows(context, spec, shard)
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
     with timings.phase("engine"):
@@ -203,7 +203,8 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     return [outcomes[position] for position in range(len(items))]
 
 
-def _read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
+def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
+    """The shard's rows; `JobCannotRun` when the input cannot be read (a store down: raised as is)."""
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
         return list(read_shard_rows(store, key, spec, shard))
@@ -238,14 +239,15 @@ class EngineDied(RuntimeError):
 
 
 def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[ShardPlan], result: ShardResult,
-                send_finalize: Callable[[str], None]) -> None:
+                send_finalize: Callable[[str], None], spec: JobSpec | None = None) -> None:
     """Publish the committed result's parts, then count the shard once (and add it to its tenant's
-    and model's usage); whoever sees every shard done sends finalize (it may go twice: harmless)."""
+    and model's usage: `spec`, read when not given); whoever sees every shard done sends finalize
+    (it may go twice: harmless)."""
     publish_parts(repository.store, result)
     counters = repository.counters(layout.job_id)
     try:
         if counters.apply_shard(result):
-            spec = repository.get_spec(layout.job_id)
+            spec = spec or repository.get_spec(layout.job_id)
             record_shard_usage(repository.redis, repository.namespace, spec.tenant, spec.model, result)
     except CountersMissing:  # Redis lost them (its usage buckets too): rebuild from the shard results
         counters.rebuild_from_store(repository.store, layout, plan)
