@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from engine.speculative.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto": chosen from the device and checkpoint when the engine starts (engine/dtype_choice.py).
@@ -31,6 +34,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
+    # (engine/speculative/config.py); None = off.
+    speculative_config: SpeculativeConfig | dict[str, Any] | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -56,6 +62,7 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
         _require_int(self.seed, "seed", minimum=0)
+        SpeculativeConfig.from_value(self.speculative_config)
 
     def _validate_kv_cache_memory(self) -> None:
         value = self.kv_cache_memory

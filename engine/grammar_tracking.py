@@ -71,13 +71,16 @@ class GrammarTracker:
                 failed.append((request_id, f"structured output: {reason}"))
         return failed
 
-    def bitmask(self, requests: list[Request]) -> tuple[torch.Tensor | None, Any]:
-        """The step's token bitmask (one row per sampled request) and the function applying it;
-        ``(None, None)`` when no live sample has a grammar."""
+    def bitmask(
+        self, request_ids: list[str], drafts_before: list[tuple[int, ...]] | None = None
+    ) -> tuple[torch.Tensor | None, Any]:
+        """The step's token bitmask (one row per sampled position; `drafts_before[row]`: the
+        drafts that position follows) and the function applying it; ``(None, None)`` when no
+        live sample has a grammar."""
         if not self.ids:
             return None, None
-        ids = [r.request_id if r.request_id in self.ids else None for r in requests]
-        bitmask = self.manager.fill_bitmask(ids)
+        ids = [request_id if request_id in self.ids else None for request_id in request_ids]
+        bitmask = self.manager.fill_bitmask(ids, drafts_before)
         return bitmask, self.manager.apply_bitmask if bitmask is not None else None
 
     def advance(self, request_id: str, token_id: int) -> tuple[FinishReason, str | None] | None:

@@ -133,6 +133,20 @@ class KVCacheManager:
             )
         self._num_cached_blocks[request.request_id] = num_full
 
+    def trim(self, request: Request) -> None:
+        """Give back the blocks past the request's known tokens (slots of rejected draft tokens).
+        They were never cached: only blocks of computed, accepted tokens are."""
+        table = self._tables.get(request.request_id)
+        if not table:
+            return
+        num_keep = max(-(-request.num_tokens // self.block_size), self._num_cached_blocks[request.request_id])
+        if len(table) <= num_keep:
+            return
+        surplus = table[num_keep:]
+        del table[num_keep:]
+        del request.block_ids[num_keep:]
+        self.block_pool.free_blocks(reversed(surplus))
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; its full computed blocks are cached first and stay findable."""
         self.cache_blocks(request)

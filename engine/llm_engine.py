@@ -35,6 +35,12 @@ from engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
 from engine.sampling_random import SEED_MASK
 from engine.scheduler import ScheduledChunk, Scheduler
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModel
+from engine.speculative.gate import SpeculationGate, cost_curve_or_none
+from engine.speculative.speculator import Speculator
+from engine.speculative.stats import add_outcome
+from engine.speculative.verify import accepted_tokens, sampled_positions
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +98,22 @@ class LLMEngine:
             batch_hint=config.max_num_batched_tokens,
         )
         self.model.use_cpu_kernels(kernels)
-        self.runner = ModelRunner(config, self.model)
+        spec_config = SpeculativeConfig.from_value(config.speculative_config)
+        draft = None
+        if spec_config is not None and spec_config.method == "draft_model":
+            draft = DraftModel(str(spec_config.model), target_vocab_size=model_config.vocab_size,
+                               max_model_len=config.max_model_len, dtype=self.dtype_choice.torch_dtype,
+                               device=config.device, block_size=config.block_size, kernels=kernels)
+        # A draft model's KV shares the target's blocks, so each block holds both.
+        self.runner = ModelRunner(config, self.model, extra_block_bytes=draft.block_bytes if draft else 0)
         num_blocks = self.runner.initialize_kv_cache()
+        if draft is not None:
+            draft.allocate(num_blocks)
+        self._speculator = None
+        if spec_config is not None:
+            curve = cost_curve_or_none(spec_config, self.runner.probe_forward, config.max_num_seqs,
+                                       self.runner.can_probe(spec_config.num_speculative_tokens))
+            self._speculator = Speculator(spec_config, SpeculationGate(spec_config, curve), draft)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
         self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids)
@@ -203,9 +223,13 @@ class LLMEngine:
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
+        if self._speculator is not None:
+            self._speculator.before_schedule(self.scheduler.running)
         scheduled = self.scheduler.schedule()
+        if self._speculator is not None:
+            self._speculator.after_schedule(scheduled)
         if scheduled.chunks:
-            sampling = [c.request for c in scheduled.chunks if c.samples]
+            sampling = [c for c in scheduled.chunks if c.samples]
             prefill_tokens = sum(
                 max(
                     0,
@@ -214,13 +238,17 @@ class LLMEngine:
                 )
                 for c in scheduled.chunks
             )
-            first_tokens = sum(r.num_prompt_tokens for r in sampling if not r.output_token_ids)
+            first_tokens = sum(c.request.num_prompt_tokens for c in sampling
+                               if not c.request.output_token_ids)
+            outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sampling}
             logits = self.runner.execute(scheduled)
             sampled, logprobs = self._sample(logits, sampling, finished)
             finished += self.scheduler.update_from_output(scheduled, sampled)
             if self._post_ids:
-                finished += self._after_sampling(sampling, sampled, logprobs)
-            self.counters.generation_tokens += len(sampled)
+                finished += self._after_sampling(sampling, outputs_before, logprobs)
+            self.counters.generation_tokens += sum(
+                c.request.num_output_tokens - outputs_before[c.request.request_id] for c in sampling
+            )
             self.counters.prompt_tokens += first_tokens
             duration = time.monotonic() - started
             self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
@@ -240,63 +268,93 @@ class LLMEngine:
         return outputs
 
     def _sample(
-        self, logits: torch.Tensor, requests: list[Request], finished: list[Request]
-    ) -> tuple[dict[str, int], list[RowLogprobs | None]]:
-        """A token per request; a request whose logits are not finite (NaN/inf: a numerical fault
-        in the model or its dtype) ends with an error instead of emitting junk (added to
-        `finished`, left out of the returned tokens)."""
-        if not requests:
-            return {}, []
-        bitmask, apply_bitmask = self._grammars.bitmask(requests)
-        batch = SamplingBatch.build(requests, self.eos_token_ids, bitmask=bitmask,
-                                    apply_bitmask=apply_bitmask)
+        self, logits: torch.Tensor, chunks: list[ScheduledChunk], finished: list[Request]
+    ) -> tuple[dict[str, list[int]], dict[str, list[RowLogprobs | None]]]:
+        """The new tokens of each sampling chunk's request (one, or the accepted drafts and the
+        token after them when it verified drafts), with the logprobs of each. A request whose
+        logits are not finite at a kept position (NaN/inf: a numerical fault in the model or its
+        dtype) ends with an error instead of emitting junk (added to `finished`, left out)."""
+        if not chunks:
+            return {}, {}
+        rows: list[Any] = []
+        spans: list[tuple[int, int]] = []
+        drafts_before: list[tuple[int, ...]] = []
+        for chunk in chunks:
+            positions = sampled_positions(chunk.request, chunk.spec_token_ids)
+            spans.append((len(rows), len(positions)))
+            rows.extend(positions)
+            drafts_before.extend(chunk.spec_token_ids[:j] for j in range(len(positions)))
+        verifying = len(rows) > len(chunks)
+        bitmask, apply_bitmask = self._grammars.bitmask([row.request_id for row in rows],
+                                                        drafts_before if verifying else None)
+        batch = SamplingBatch.build(rows, self.eos_token_ids, bitmask=bitmask, apply_bitmask=apply_bitmask)
         result = self.sampler.sample(logits, batch)
-        sampled = {r.request_id: t for r, t in zip(requests, result.token_ids, strict=True)}
-        for row in result.invalid_rows:
-            request_id = requests[row].request_id
-            del sampled[request_id]  # nothing appends it: the request ends here
-            request = self.scheduler.finish_request(request_id, FinishReason.ERROR, NON_FINITE_LOGITS,
-                                                    ErrorKind.NON_FINITE_LOGITS)
-            if request is not None:
-                finished.append(request)
-        return sampled, result.logprobs
+        invalid = set(result.invalid_rows)
+        sampled: dict[str, list[int]] = {}
+        logprobs: dict[str, list[RowLogprobs | None]] = {}
+        for chunk, (first, count) in zip(chunks, spans, strict=True):
+            request_id = chunk.request.request_id
+            tokens = accepted_tokens(result.token_ids[first : first + count], chunk.spec_token_ids)
+            if self._speculator is not None and chunk.spec_token_ids:
+                self._speculator.record(request_id, len(chunk.spec_token_ids), len(tokens) - 1)
+                add_outcome(chunk.request.spec_drafted_per_position, chunk.request.spec_accepted_per_position,
+                            len(chunk.spec_token_ids), len(tokens) - 1)
+            if invalid and any(row in invalid for row in range(first, first + len(tokens))):
+                request = self.scheduler.finish_request(request_id, FinishReason.ERROR, NON_FINITE_LOGITS,
+                                                        ErrorKind.NON_FINITE_LOGITS)
+                if request is not None:
+                    finished.append(request)
+                continue  # nothing appends its tokens: the request ends here
+            sampled[request_id] = tokens
+            logprobs[request_id] = result.logprobs[first : first + len(tokens)]
+        return sampled, logprobs
 
     def _after_sampling(
-        self, requests: list[Request], sampled: dict[str, int], logprobs: list[RowLogprobs | None]
+        self, chunks: list[ScheduledChunk], outputs_before: dict[str, int],
+        logprobs: dict[str, list[RowLogprobs | None]],
     ) -> list[Request]:
-        """Per-token work of the samples that need it: logprobs, grammar, stop strings.
-        Returns the requests this ends (already finished in the scheduler)."""
+        """Per-token work of the samples that need it, token by token: logprobs, stop strings,
+        grammar. A stop string or an ended grammar on a token drops the tokens after it (drafts
+        accepted in the same step). Returns the requests this ends (already finished in the
+        scheduler)."""
         finished: list[Request] = []
-        for row, request in enumerate(requests):
-            sample = self._samples.get(request.request_id) if request.request_id in self._post_ids else None
-            if sample is None or request.request_id not in sampled:  # not sampled: ended on bad logits
+        for chunk in chunks:
+            request = chunk.request
+            request_id = request.request_id
+            sample = self._samples.get(request_id) if request_id in self._post_ids else None
+            if sample is None or request_id not in logprobs:  # not sampled: ended on bad logits
                 continue
-            token_id = sampled[request.request_id]
-            if sample.logprobs is not None and logprobs[row] is not None:
-                sample.logprobs.append(logprobs[row])  # type: ignore[arg-type]
-            if sample.detokenizer is not None and text_includes_last_token(request):
-                # As in vLLM, stop strings end nothing before min_tokens.
-                reached = request.num_output_tokens >= request.sampling_params.min_tokens
-                stop = sample.detokenizer.add_token(token_id, check_stop=reached)
-                if stop is not None:
-                    self._stop_on_string(request, stop, finished)
-            if sample.structured and not request.is_finished:
-                self._advance_grammar(request, token_id, finished)
+            before = outputs_before[request_id]
+            new_tokens = request.output_token_ids[before:]
+            for j, token_id in enumerate(new_tokens):
+                last = j == len(new_tokens) - 1
+                row_logprobs = logprobs[request_id][j]
+                if sample.logprobs is not None and row_logprobs is not None:
+                    sample.logprobs.append(row_logprobs)
+                if sample.detokenizer is not None and (not last or text_includes_last_token(request)):
+                    # As in vLLM, stop strings end nothing before min_tokens.
+                    reached = before + j + 1 >= request.sampling_params.min_tokens
+                    stop = sample.detokenizer.add_token(token_id, check_stop=reached)
+                    if stop is not None:
+                        self._end_at(request, before + j + 1, FinishReason.STOP, finished)
+                        request.stop_reason = stop
+                        break
+                if sample.structured and (not last or not request.is_finished):
+                    end = self._grammars.advance(request_id, token_id)
+                    if end is not None:
+                        reason, error = end
+                        kind = ErrorKind.STRUCTURED_OUTPUT if error is not None else None
+                        self._end_at(request, before + j + 1, reason, finished, error, kind)
+                        break
         return finished
 
-    def _stop_on_string(self, request: Request, stop: str, finished: list[Request]) -> None:
-        if request.is_finished:  # max_tokens on the same token: the stop string wins
-            request.finish(FinishReason.STOP, request.finished_time or time.monotonic())
+    def _end_at(self, request: Request, num_outputs: int, reason: FinishReason, finished: list[Request],
+                error: str | None = None, kind: ErrorKind | None = None) -> None:
+        """End the request after its first `num_outputs` output tokens (later ones dropped)."""
+        request.truncate_output(num_outputs)
+        if request.is_finished:  # max_tokens or EOS on a later (dropped) or the same token: this wins
+            request.finish(reason, request.finished_time or time.monotonic(), error, kind)
         else:
-            self.scheduler.finish_request(request.request_id, FinishReason.STOP)
-            finished.append(request)
-        request.stop_reason = stop
-
-    def _advance_grammar(self, request: Request, token_id: int, finished: list[Request]) -> None:
-        end = self._grammars.advance(request.request_id, token_id)
-        if end is not None:
-            reason, error = end
-            kind = ErrorKind.STRUCTURED_OUTPUT if error is not None else None
             self.scheduler.finish_request(request.request_id, reason, error, kind)
             finished.append(request)
 
@@ -318,6 +376,8 @@ class LLMEngine:
         if sample is None:
             return None
         self._post_ids.discard(request.request_id)
+        if self._speculator is not None:
+            self._speculator.release(request.request_id)
         if sample.structured:
             self._grammars.release(request.request_id)
         sample.parent.outputs[request.sample_index] = self._assembler.completion(sample)
@@ -360,7 +420,9 @@ class LLMEngine:
 
     def get_metrics(self) -> dict[str, Any]:
         kv = self.scheduler.kv_cache_manager
+        speculation = self._speculator.metrics() if self._speculator is not None else None
         return self.counters.snapshot(
+            speculative_decoding=speculation,
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,

@@ -6,7 +6,7 @@ All times are ``time.monotonic()`` seconds, as on ``Request``.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,6 +26,9 @@ class RequestMetrics:
     # When each output token came (the request's own list, not a copy): every inter-token gap.
     token_times: Sequence[float] = ()
     engine_seconds: float = 0.0  # step time attributed to the request (its share of each step, by tokens)
+    # Speculative decoding: drafts verified / accepted at each draft position (empty without).
+    spec_drafted_per_position: Sequence[int] = ()
+    spec_accepted_per_position: Sequence[int] = ()
 
     @staticmethod
     def from_request(request: Request) -> RequestMetrics:
@@ -47,6 +50,8 @@ class RequestMetrics:
             ),
             token_times=times,
             engine_seconds=request.engine_seconds,
+            spec_drafted_per_position=tuple(request.spec_drafted_per_position),
+            spec_accepted_per_position=tuple(request.spec_accepted_per_position),
         )
 
     @staticmethod
@@ -72,11 +77,23 @@ class RequestMetrics:
             token_times=first.token_times,
             e2e_latency=finished - first.arrival_time if finished is not None else None,
             engine_seconds=sum(m.engine_seconds for m in samples),
+            spec_drafted_per_position=_sum_positions(m.spec_drafted_per_position for m in samples),
+            spec_accepted_per_position=_sum_positions(m.spec_accepted_per_position for m in samples),
         )
 
     def as_dict(self) -> dict[str, float | None]:
         """The figures (the token times left out)."""
         return {key: value for key, value in asdict(self).items() if key != "token_times"}
+
+
+def _sum_positions(lists: Iterable[Sequence[int]]) -> tuple[int, ...]:
+    """Per-position counts of several samples, added position by position."""
+    total: list[int] = []
+    for counts in lists:
+        total.extend([0] * (len(counts) - len(total)))
+        for i, count in enumerate(counts):
+            total[i] += count
+    return tuple(total)
 
 
 class EngineCounters:
@@ -109,6 +126,7 @@ class EngineCounters:
         kv_blocks_free: int,
         num_waiting: int,
         num_running: int,
+        speculative_decoding: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         busy = self.busy_time_s
         return {
@@ -134,4 +152,6 @@ class EngineCounters:
             "num_running": num_running,
             "num_finished": self.num_finished,
             "num_errors": self.num_errors,
+            # None when speculation is not configured (engine/speculative/stats.py otherwise).
+            "speculative_decoding": speculative_decoding,
         }

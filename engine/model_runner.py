@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,8 @@ class StepBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaForCausalLM) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaForCausalLM, extra_block_bytes: int = 0) -> None:
+        """`extra_block_bytes`: what else each KV block costs (a draft model's KV in the same blocks)."""
         if config.max_model_len is None:
             raise ValueError("ModelRunner needs a resolved max_model_len")
         if config.dtype not in DTYPES:
@@ -58,6 +60,7 @@ class ModelRunner:
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.block_size = config.block_size
+        self.extra_block_bytes = extra_block_bytes
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         if self.device.type == "cpu":
@@ -70,7 +73,7 @@ class ModelRunner:
         """Bytes of one block across all layers (K and V)."""
         c = self.model.config
         per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return per_layer * c.num_layers
+        return per_layer * c.num_layers + self.extra_block_bytes
 
     def max_useful_blocks(self) -> int:
         """Blocks that max_num_seqs requests of max_model_len could ever hold, plus the null block."""
@@ -173,12 +176,34 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    # ---- timing probes (speculative decoding's cost curve) --------------------------------------------
+
+    def can_probe(self, num_drafts: int, context: int = 64) -> bool:
+        """Whether the KV pool holds one probe sequence (probe rows share its blocks)."""
+        return self.num_kv_blocks - 1 >= -(-(context + 1 + num_drafts) // self.block_size)
+
+    @torch.inference_mode()
+    def probe_forward(self, batch: int, tokens_per_row: int, context: int) -> None:
+        """A forward of `batch` rows of `tokens_per_row` new tokens after `context` cached ones, with
+        logits at every new position, as decode or verification steps have. The rows share blocks
+        1.. of the pool: run it only while no request holds blocks (start-up); the garbage KV it
+        writes is overwritten before any request reads those slots."""
+        blocks = list(range(1, 1 + -(-(context + tokens_per_row) // self.block_size)))
+        rows = [BatchRow([0] * tokens_per_row, context, blocks, tokens_per_row) for _ in range(batch)]
+        step = prepare_rows(rows, self.block_size, self.device)
+        assert step is not None
+        hidden = self.model(step.input_ids, step.positions, step.metadata, self.kv_caches)
+        self.model.compute_logits_in_model_dtype(hidden[step.sample_rows])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     # ---- one step ----------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
-        """Forward the scheduled chunks; logits [num_sampling_chunks, vocab] in chunk order, in the
-        model's dtype (the sampler takes them to fp32)."""
+        """Forward the scheduled chunks; logits [sampled positions, vocab] in chunk order (one row
+        per sampling chunk, 1 + drafts for a chunk verifying drafts), in the model's dtype (the
+        sampler takes them to fp32)."""
         batch = self.prepare_batch(output)
         if batch is None:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
@@ -186,70 +211,102 @@ class ModelRunner:
         return self.model.compute_logits_in_model_dtype(hidden[batch.sample_rows])
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
-        """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""
-        chunks = output.chunks
-        if not chunks:
-            return None
-        bs = self.block_size
-        order = sorted(range(len(chunks)), key=lambda i: chunks[i].num_new_tokens > 1)  # stable
-        num_decodes = sum(1 for c in chunks if c.num_new_tokens == 1)
+        """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks.
 
-        starts: list[int] = []
-        query_lens: list[int] = []
-        token_lists: list[list[int]] = []
-        tables: list[list[int]] = []
-        for i in order:
-            chunk = chunks[i]
-            start, n = chunk.start, chunk.num_new_tokens
-            starts.append(start)
-            query_lens.append(n)
-            token_lists.append(chunk.request.all_token_ids[start : start + n])
-            tables.append(list(chunk.block_ids[: -(-(start + n) // bs)]))
+        A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k decode
+        rows over the same block table, each attending up to its own position: every position is
+        computed exactly as decoding it alone would be (the decode attention kernel, not the
+        prefill one), so verification reproduces decoding's logits in bf16 too, not just in fp32.
+        """
+        rows: list[BatchRow] = []
+        for chunk in output.chunks:
+            if chunk.spec_token_ids:
+                tokens = [chunk.request.all_token_ids[chunk.start], *chunk.spec_token_ids]
+                rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1)
+                            for j, token in enumerate(tokens))
+                continue
+            end = chunk.start + chunk.num_new_tokens
+            rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
+                                 chunk.num_sample_rows))
+        return prepare_rows(rows, self.block_size, self.device)
 
-        dev = self.device
-        num_rows = len(order)
-        query_lens_t = torch.tensor(query_lens)
-        seq_lens_t = torch.tensor(starts) + query_lens_t
-        query_start_loc = torch.zeros(num_rows + 1, dtype=torch.long)
-        torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-        num_tokens = int(query_start_loc[-1])
 
-        row_of_token = torch.repeat_interleave(torch.arange(num_rows), query_lens_t)
-        positions = (
-            torch.arange(num_tokens) - query_start_loc[row_of_token] + torch.tensor(starts)[row_of_token]
-        )
-        max_blocks = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
-        slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
+@dataclass(frozen=True, slots=True)
+class BatchRow:
+    """One sequence's new tokens in a forward pass."""
 
-        # Sampling rows, in the scheduler's chunk order.
-        qsl = query_start_loc.tolist()
-        row_in_batch = {chunk_index: row for row, chunk_index in enumerate(order)}
-        sample_rows = [qsl[row_in_batch[i] + 1] - 1 for i, chunk in enumerate(chunks) if chunk.samples]
+    token_ids: list[int]  # computed from position `start`
+    start: int
+    block_ids: Sequence[int]  # the sequence's block table, covering start + len(token_ids)
+    num_sample_rows: int  # logits wanted for this many last positions (0 for a partial prefill)
 
-        decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
-        metadata = AttentionMetadata(
-            block_size=bs,
-            slot_mapping=slot_mapping.to(dev),
-            num_decodes=num_decodes,
-            decode_seq_lens=seq_lens_t[:num_decodes],
-            decode_block_tables=block_tables[:num_decodes, :decode_blocks],
-            prefill_query_starts=qsl[num_decodes:-1],
-            prefill_query_lens=query_lens[num_decodes:],
-            prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),
-            prefill_block_tables=[
-                torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]
-            ],
-            prefill_block_lists=tables[num_decodes:],
-        )
-        return StepBatch(
-            input_ids=torch.tensor(
-                list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=dev
-            ),
-            positions=positions.to(dev),
-            metadata=metadata,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
-        )
+
+def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
+    """Flatten rows into one batch (no padding between them): single-token rows first so attention
+    batches them; the sampled positions come back in the rows' own order."""
+    if not rows:
+        return None
+    bs = block_size
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) > 1)  # stable
+    num_decodes = sum(1 for row in rows if len(row.token_ids) == 1)
+
+    starts: list[int] = []
+    query_lens: list[int] = []
+    tables: list[list[int]] = []
+    for i in order:
+        row = rows[i]
+        start, n = row.start, len(row.token_ids)
+        starts.append(start)
+        query_lens.append(n)
+        tables.append(list(row.block_ids[: -(-(start + n) // bs)]))
+
+    dev = device
+    num_rows = len(order)
+    query_lens_t = torch.tensor(query_lens)
+    seq_lens_t = torch.tensor(starts) + query_lens_t
+    query_start_loc = torch.zeros(num_rows + 1, dtype=torch.long)
+    torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+
+    row_of_token = torch.repeat_interleave(torch.arange(num_rows), query_lens_t)
+    positions = (
+        torch.arange(num_tokens) - query_start_loc[row_of_token] + torch.tensor(starts)[row_of_token]
+    )
+    max_blocks = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+    slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
+
+    # Sampled positions, in the rows' own order: the last num_sample_rows of each.
+    qsl = query_start_loc.tolist()
+    row_in_batch = {row_index: batch_row for batch_row, row_index in enumerate(order)}
+    sample_rows: list[int] = []
+    for i, row in enumerate(rows):
+        end = qsl[row_in_batch[i] + 1]
+        sample_rows.extend(range(end - row.num_sample_rows, end))
+
+    decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
+    metadata = AttentionMetadata(
+        block_size=bs,
+        slot_mapping=slot_mapping.to(dev),
+        num_decodes=num_decodes,
+        decode_seq_lens=seq_lens_t[:num_decodes],
+        decode_block_tables=block_tables[:num_decodes, :decode_blocks],
+        prefill_query_starts=qsl[num_decodes:-1],
+        prefill_query_lens=query_lens[num_decodes:],
+        prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),
+        prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]],
+        prefill_block_lists=tables[num_decodes:],
+    )
+    return StepBatch(
+        input_ids=torch.tensor(
+            list(itertools.chain.from_iterable(rows[i].token_ids for i in order)),
+            dtype=torch.long,
+            device=dev,
+        ),
+        positions=positions.to(dev),
+        metadata=metadata,
+        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+    )
 
 
 # glibc mallopt parameters (malloc.h).

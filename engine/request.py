@@ -72,6 +72,12 @@ class Request:
     stop_reason: str | int | None = field(default=None, init=False)
     stopped_on_token: bool = field(default=False, init=False)  # EOS or a stop token id ended it
     num_preemptions: int = field(default=0, init=False)
+    # Draft tokens to verify after the last known token in the next step (speculative decoding):
+    # set by the engine before each schedule(); the scheduler may verify fewer.
+    spec_token_ids: list[int] = field(default_factory=list, init=False)
+    # Drafts this request verified / had accepted, by draft position (grown as needed).
+    spec_drafted_per_position: list[int] = field(default_factory=list, init=False)
+    spec_accepted_per_position: list[int] = field(default_factory=list, init=False)
 
     # Owned by the KVCacheManager: the block table and the chained hashes of full blocks.
     block_ids: list[int] = field(default_factory=list, init=False)
@@ -115,6 +121,18 @@ class Request:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.token_times.append(now)
+
+    def truncate_output(self, num_outputs: int) -> None:
+        """Keep the first `num_outputs` output tokens (a stop found on an earlier token of a step
+        that emitted several); what ended the request on a dropped token no longer applies."""
+        if num_outputs >= self.num_output_tokens:
+            return
+        del self.output_token_ids[num_outputs:]
+        del self.all_token_ids[self.num_prompt_tokens + num_outputs:]
+        del self.token_times[num_outputs:]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)
+        self.stopped_on_token = False
+        self.stop_reason = None
 
     def finish(self, reason: FinishReason, now: float, error: str | None = None,
                kind: ErrorKind | None = None) -> None:

@@ -13,7 +13,7 @@ import heapq
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
@@ -35,13 +35,24 @@ class ScheduledChunk:
     # yields its next token; False for a partial (chunked) prefill.
     samples: bool
     block_ids: tuple[int, ...]  # the request's whole block table after this step's allocation
+    # Draft tokens (speculative decoding) computed after the request's last known token; the
+    # last len + 1 positions are verified. Counted in num_new_tokens.
+    spec_token_ids: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, request: Request, num_new_tokens: int) -> ScheduledChunk:
-        """The chunk of `num_new_tokens` from where the request stands now."""
+    def of(
+        cls, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()
+    ) -> ScheduledChunk:
+        """The chunk of `num_new_tokens` (drafts included) from where the request stands now."""
         start = request.num_computed_tokens
-        return cls(request, start, num_new_tokens, start + num_new_tokens == request.num_tokens,
-                   tuple(request.block_ids))
+        num_known = num_new_tokens - len(spec_token_ids)
+        return cls(request, start, num_new_tokens, start + num_known == request.num_tokens,
+                   tuple(request.block_ids), spec_token_ids)
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Positions whose logits the step needs: the last known token and each draft."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -131,8 +142,8 @@ class _StepBudget:
         # uncached block is among them waits one step and then hits the cache instead.
         self.blocks_in_flight: set[BlockHash] = set()
 
-    def add(self, request: Request, num_new_tokens: int) -> None:
-        self.output.chunks.append(ScheduledChunk.of(request, num_new_tokens))
+    def add(self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> None:
+        self.output.chunks.append(ScheduledChunk.of(request, num_new_tokens, spec_token_ids))
         self.output.num_scheduled_tokens += num_new_tokens
         self.token_budget -= num_new_tokens
 
@@ -256,9 +267,14 @@ class Scheduler:
             self._schedule_waiting(step)
         return step.output
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+    ) -> list[Request]:
         """Apply a finished forward pass. `sampled` maps each sampling chunk's request id to its
-        new token. Returns the requests that finished this step (their blocks are already freed)."""
+        new token, or to its new tokens when the chunk verified drafts (the accepted drafts, then
+        the token sampled after them). Tokens are taken one at a time and stop as decoding one
+        by one would: a stop on the i-th drops the rest. Returns the requests that finished
+        this step (their blocks are already freed)."""
         now = time.monotonic()
         finished: list[Request] = []
         for chunk in output.chunks:
@@ -267,15 +283,27 @@ class Scheduler:
                 continue
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
-            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
             if chunk.samples:
-                token_id = sampled[request.request_id]
-                request.append_output_token(token_id, now)
-                reason = self._stop_reason(request, token_id)
+                new_tokens = sampled[request.request_id]
+                token_ids = [new_tokens] if isinstance(new_tokens, int) else new_tokens
+                if len(token_ids) > len(chunk.spec_token_ids) + 1:
+                    raise ValueError(f"{len(token_ids)} tokens for request {request.request_id!r}, "
+                                     f"which verified {len(chunk.spec_token_ids)} drafts")
+                reason = None
+                for index, token_id in enumerate(token_ids):
+                    # An accepted draft's KV was written by this step: it counts as computed.
+                    request.num_computed_tokens += 1 if index else 0
+                    request.append_output_token(token_id, now)
+                    reason = self._stop_reason(request, token_id)
+                    if reason is not None:
+                        break
                 if reason is not None:
                     self._finish(request, reason, now)
                     finished.append(request)
                     continue
+                if chunk.spec_token_ids:  # rejected drafts' slots go back to the pool
+                    self.kv_cache_manager.trim(request)
             self.kv_cache_manager.cache_blocks(request)
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
@@ -288,11 +316,29 @@ class Scheduler:
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
-            if not self._allocate_or_preempt(request, num_new, step):
+            spec = self._drafts_that_fit(request, num_new, step.token_budget)
+            if spec and self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) is None:
+                spec = ()  # drafts never preempt anyone: verify nothing this step instead
+            if not spec and not self._allocate_or_preempt(request, num_new, step):
                 break  # the request preempted itself: it was the last one running
             self._note_blocks_in_flight(request, num_new, step)
-            step.add(request, num_new)
+            step.add(request, num_new + len(spec), spec)
             index += 1
+
+    def _drafts_that_fit(self, request: Request, num_new: int, token_budget: int) -> tuple[int, ...]:
+        """The request's drafts (`request.spec_token_ids`, set by the engine) this step verifies:
+        only for a decode, and no more than the token budget, max_tokens and max_model_len leave
+        room for (verifying k drafts can emit k + 1 tokens)."""
+        drafts = request.spec_token_ids
+        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+            return ()
+        room = min(
+            len(drafts),
+            token_budget - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            self.max_model_len - request.num_tokens - 1,
+        )
+        return tuple(drafts[:room]) if room > 0 else ()
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBudget) -> bool:
         """Allocate, preempting from the back of `running` until it fits. False if `request`

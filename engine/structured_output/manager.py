@@ -64,6 +64,7 @@ class StructuredOutputManager:
         self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
         self._last_rows: list[int] = []  # rows with a grammar in the last fill_bitmask
         self.num_compiles = 0  # grammars compiled (cache misses), for tests and metrics
+        self.num_drafts_refused = 0  # draft tokens the grammar refused (speculative decoding)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -107,27 +108,70 @@ class StructuredOutputManager:
 
     # ---- per step ------------------------------------------------------------------------------
 
-    def fill_bitmask(self, request_ids: list[str | None]) -> torch.Tensor | None:
-        """One bitmask row per sampled row (None = no grammar: all tokens allowed)."""
-        if len(request_ids) > self._bitmask.shape[0]:
-            raise ValueError(f"{len(request_ids)} rows, more than max_num_seqs={self._bitmask.shape[0]}")
-        rows, matchers = [], []
+    def fill_bitmask(
+        self, request_ids: list[str | None], drafts_before: list[tuple[int, ...]] | None = None
+    ) -> torch.Tensor | None:
+        """One bitmask row per sampled row (None = no grammar: all tokens allowed).
+
+        `drafts_before[row]` (speculative decoding): the draft tokens the row's position comes
+        after. Such a row is filled with the grammar advanced through them, and every grammar is
+        rolled back afterwards. A row after a draft the grammar refuses stays unconstrained: that
+        draft cannot be sampled, so nothing after it is kept."""
+        if len(request_ids) > self._bitmask.shape[0]:  # drafted positions: more rows than requests
+            self._bitmask = xgr.allocate_token_bitmask(len(request_ids), self.vocab_size)
+        depths = drafts_before or [()] * len(request_ids)
+        by_depth: dict[int, list[tuple[int, _Request]]] = {}
         for row, request_id in enumerate(request_ids):
             request = self._requests.get(request_id) if request_id is not None else None
-            if request is None or request.terminated:
+            if request is None:
                 continue
             if request.matcher is None and self._wait_ready(request_id) != "ready":
                 continue  # failed: the engine finishes it; its row stays unconstrained
-            rows.append(row)
-            matchers.append(request.matcher)
-        if not rows:
+            by_depth.setdefault(len(depths[row]), []).append((row, request))
+        if not by_depth:
             self._last_rows = []
             return None
         bitmask = self._bitmask[: len(request_ids)]
         bitmask.fill_(-1)  # all bits set: every token allowed
-        self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
-        self._last_rows = rows
+        advanced: dict[int, tuple[_Request, int]] = {}  # id(request) -> (request, drafts accepted)
+        refused: set[int] = set()
+        filled: list[int] = []
+        for depth in sorted(by_depth):
+            rows, matchers = [], []
+            for row, request in by_depth[depth]:
+                if depth and not self._advance_to(request, depths[row], advanced, refused):
+                    continue
+                if request.terminated:
+                    continue
+                rows.append(row)
+                matchers.append(request.matcher)
+            if rows:
+                self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
+                filled += rows
+        for request, num_accepted in advanced.values():
+            request.matcher.rollback(num_accepted)
+            request.terminated = request.matcher.is_terminated()
+        self._last_rows = filled
+        if not filled:
+            return None
         return bitmask
+
+    def _advance_to(self, request: _Request, drafts: tuple[int, ...],
+                    advanced: dict[int, tuple[_Request, int]], refused: set[int]) -> bool:
+        """Feed the request's grammar the drafts it has not taken yet; False once one is refused."""
+        key = id(request)
+        if key in refused:
+            return False
+        _, done = advanced.get(key, (request, 0))
+        for token_id in drafts[done:]:
+            if request.terminated or not request.matcher.accept_token(token_id):
+                self.num_drafts_refused += 1
+                refused.add(key)
+                return False
+            done += 1
+            advanced[key] = (request, done)
+            request.terminated = request.matcher.is_terminated()
+        return True
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:
         """Disallowed tokens' logits become -inf, in place (only rows with a grammar are touched)."""

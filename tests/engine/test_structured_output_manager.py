@@ -231,9 +231,30 @@ def test_any_json_object_is_an_object(manager, tokenizer) -> None:
     assert all(isinstance(json.loads(text), dict) for text in finished), finished
 
 
-def test_more_rows_than_max_num_seqs_is_a_caller_bug(manager) -> None:
-    with pytest.raises(ValueError, match="65 rows, more than max_num_seqs=64"):
-        manager.fill_bitmask([None] * 65)
+def allowed(bitmask: torch.Tensor, row: int, token_id: int) -> bool:
+    return bool((int(bitmask[row, token_id // 32]) >> (token_id % 32)) & 1)
+
+
+def test_drafted_rows_see_the_grammar_after_their_drafts(manager, tokenizer) -> None:
+    """Speculative decoding: a row after drafts is filled as if they were accepted, then the grammar
+    is rolled back; a row after a refused draft is left unconstrained; rows may outnumber
+    max_num_seqs (each request has 1 + drafts rows)."""
+    manager.register("r", StructuredSpec.regex("ab+c"))
+    assert wait_state(manager, "r") == "ready"
+    a, b, c = (tokenizer.convert_tokens_to_ids(ch) for ch in "abc")
+    ids = ["r", "r", "r", "r"] + [None] * 62  # 66 rows
+    drafts = [(), (a,), (a, b), (a, c)] + [()] * 62
+    bitmask = manager.fill_bitmask(ids, drafts).clone()
+    assert allowed(bitmask, 0, a) and not allowed(bitmask, 0, b)  # start: only "a"
+    assert allowed(bitmask, 1, b) and not allowed(bitmask, 1, c)  # after "a": "b"
+    assert allowed(bitmask, 2, b) and allowed(bitmask, 2, c)  # after "ab": "b" or "c"
+    assert manager.num_drafts_refused == 0
+    # Rolled back: a plain fill sees the start state again.
+    assert manager.fill_bitmask(["r"])[0].equal(bitmask[0])
+    refused = manager.fill_bitmask(["r", "r", "r"], [(), (b,), (b, b)]).clone()
+    assert manager.num_drafts_refused == 1  # "b" cannot start; the row after it is unconstrained
+    assert int((refused[1] != -1).sum()) == 0 and int((refused[2] != -1).sum()) == 0
+    assert manager.accept_token("r", a)  # the real grammar state was never moved
 
 
 def test_release_forgets_the_request(manager) -> None:

@@ -1,0 +1,90 @@
+"""The engine's speculative decoding: who proposes drafts each step, the proposals, the outcome.
+
+Per step: `before_schedule` lets the gate decide and sets each decoding request's drafts (n-gram:
+the lookup itself; draft model: how many it wants, filled in once scheduled); the scheduler fits
+them into the token budget and KV pool; `after_schedule` runs the draft model for the chunks that
+verify; the engine verifies (engine/speculative/verify.py) and reports each outcome to `record`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from engine.request import Request
+from engine.scheduler import SchedulerOutput
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.draft_model import DraftModel
+from engine.speculative.gate import SpeculationGate
+from engine.speculative.ngram import propose_ngram
+from engine.speculative.stats import SpeculationStats
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, gate: SpeculationGate, draft: DraftModel | None) -> None:
+        if (config.method == "draft_model") != (draft is not None):
+            raise ValueError("a draft model is needed exactly when method is 'draft_model'")
+        self.config = config
+        self.gate = gate
+        self.draft = draft
+        self.stats = SpeculationStats(config.num_speculative_tokens)
+        self._marked: list[Request] = []
+
+    def before_schedule(self, running: list[Request]) -> None:
+        """Set `spec_token_ids` on the running requests that decode and propose this step."""
+        if not running:
+            return
+        if not self.gate.speculate(len(running)):
+            self.stats.steps_off += 1
+            return
+        self.stats.steps_on += 1
+        config = self.config
+        for request in running:
+            if request.num_computed_tokens + 1 != request.num_tokens:
+                continue  # still prefilling
+            wanted = min(self.gate.num_drafts(request.request_id),
+                         request.sampling_params.max_tokens - request.num_output_tokens - 1)
+            if wanted < 1:
+                continue
+            if self.draft is None:
+                drafts = propose_ngram(request.all_token_ids, wanted, config.prompt_lookup_min,
+                                       config.prompt_lookup_max)
+            else:
+                drafts = [0] * wanted  # placeholders: the draft model fills the scheduled ones
+            if drafts:
+                request.spec_token_ids = drafts
+                self._marked.append(request)
+
+    def after_schedule(self, output: SchedulerOutput) -> None:
+        """Clear the proposals; with a draft model, decode the drafts of the chunks that verify."""
+        for request in self._marked:
+            request.spec_token_ids = []
+        self._marked = []
+        if self.draft is None:
+            return
+        indices = [i for i, chunk in enumerate(output.chunks) if chunk.spec_token_ids]
+        if not indices:
+            return
+        work = [(output.chunks[i].request, output.chunks[i].block_ids, len(output.chunks[i].spec_token_ids))
+                for i in indices]
+        for i, drafts in zip(indices, self.draft.propose(work), strict=True):
+            output.chunks[i] = dataclasses.replace(output.chunks[i], spec_token_ids=tuple(drafts))
+
+    def record(self, request_id: str, num_drafts: int, num_accepted: int) -> None:
+        self.gate.record(request_id, num_drafts, num_accepted)
+        self.stats.record(num_drafts, num_accepted)
+
+    def release(self, request_id: str) -> None:
+        self.gate.release(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
+
+    def metrics(self) -> dict[str, Any]:
+        return {
+            **self.stats.snapshot(),
+            "method": self.config.method,
+            "num_speculative_tokens": self.config.num_speculative_tokens,
+            "running_acceptance": self.gate.acceptance,
+            "break_even_batch": self.gate.break_even_batch(),
+            "cost_curve": self.gate.curve.as_dict() if self.gate.curve is not None else None,
+        }
