@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs.layout import JobLayout
 from jobs.object_store.base import ObjectStore
-from jobs.results import PartFile, ShardResult, TokenUsage
+from jobs.results import PartFile, ShardResult, SpeculationUsage, TokenUsage
 from jobs.status import RowCounts
 
 
@@ -55,6 +55,8 @@ class Manifest(BaseModel):
     timings: Timings
     # The dtypes the engines computed in (one, unless workers on different hardware chose differently).
     dtypes: list[str] = []
+    # Speculative decoding over the job (None when no shard verified drafts).
+    speculation: SpeculationUsage | None = None
 
     def to_bytes(self) -> bytes:
         """Canonical JSON: sorted keys, so equal manifests are equal bytes."""
@@ -102,6 +104,9 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
         usage=sum((result.usage for result in ordered), TokenUsage()),
         parts=parts,
         dtypes=sorted({result.dtype for result in ordered if result.dtype}),
+        speculation=SpeculationUsage.of(
+            [r.speculation.drafted_per_position for r in ordered if r.speculation],
+            [r.speculation.accepted_per_position for r in ordered if r.speculation]),
         timings=Timings(
             first_shard_started_at=min((r.started_at for r in ordered), default=None),
             last_shard_finished_at=max((r.finished_at for r in ordered), default=None),

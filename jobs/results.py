@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from jobs.layout import JobLayout
 from jobs.object_store.base import AlreadyExists, ObjectStore
@@ -31,6 +31,62 @@ class TokenUsage(BaseModel):
         return TokenUsage(prompt=self.prompt + other.prompt, cached=self.cached + other.cached,
                           completion=self.completion + other.completion,
                           engine_seconds=round(self.engine_seconds + other.engine_seconds, 3))
+
+
+class SpeculationUsage(BaseModel):
+    """Speculative decoding over some rows: drafts verified and accepted at each draft position.
+    Every verification drafts a first token, so `drafted_per_position[0]` counts verifications."""
+
+    model_config = ConfigDict(frozen=True)
+
+    drafted_per_position: list[int] = Field(default_factory=list)
+    accepted_per_position: list[int] = Field(default_factory=list)
+
+    @classmethod
+    def of(cls, drafted: Sequence[Sequence[int]],
+           accepted: Sequence[Sequence[int]]) -> SpeculationUsage | None:
+        """The sum of per-row counts; None when no row verified a draft."""
+        usage = cls(drafted_per_position=_add_positions(drafted),
+                    accepted_per_position=_add_positions(accepted))
+        return usage if usage.drafted_per_position else None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def draft_tokens(self) -> int:
+        return sum(self.drafted_per_position)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def accepted_tokens(self) -> int:
+        return sum(self.accepted_per_position)
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def acceptance_rate(self) -> float:
+        return round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else 0.0
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        accepted = self.accepted_per_position
+        return [round((accepted[i] if i < len(accepted) else 0) / d, 4) if d else 0.0
+                for i, d in enumerate(self.drafted_per_position)]
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per verification: the accepted drafts and the one the target adds."""
+        verifications = self.drafted_per_position[0] if self.drafted_per_position else 0
+        return round(1 + self.accepted_tokens / verifications, 4) if verifications else 0.0
+
+
+def _add_positions(lists: Sequence[Sequence[int]]) -> list[int]:
+    total: list[int] = []
+    for counts in lists:
+        total.extend([0] * (len(counts) - len(total)))
+        for i, count in enumerate(counts):
+            total[i] += count
+    return total
 
 
 class PartFile(BaseModel):
@@ -66,6 +122,8 @@ class ShardResult(BaseModel):
                                    "instead of running")
     error_codes: dict[str, int] = Field(default_factory=dict,
                                         description="the failed rows by error code (row_too_long: 3, ...)")
+    speculation: SpeculationUsage | None = Field(None, description="speculative decoding's drafts and "
+                                                 "acceptance over the shard's rows (None: no drafts)")
     fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
                               "under it and are published from there (jobs/part_publication.py); "
                               "None: written in place")
@@ -91,7 +149,9 @@ class ShardResult(BaseModel):
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
                    rows_deduplicated=sum(row.deduplicated for row in outputs),
-                   error_codes=dict(sorted(codes.items())), fence=fence)
+                   error_codes=dict(sorted(codes.items())), fence=fence,
+                   speculation=SpeculationUsage.of([row.drafted_per_position for row in computed],
+                                                   [row.accepted_per_position for row in computed]))
 
 
 def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult) -> ShardResult:

@@ -42,6 +42,7 @@ ENVIRONMENT_NAMES = {
     "models": "BULKINFER_MODELS",
     "engine_options": "BULKINFER_ENGINE_OPTIONS",
     "dtype": "BULKINFER_DTYPE",
+    "speculative_config": "BULKINFER_SPECULATIVE_CONFIG",
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
@@ -87,6 +88,9 @@ class Settings(BaseModel):
     engine_options: str | None = None  # JSON object of EngineConfig fields
     # The engines' compute dtype (over engine_options' `dtype`); None: "auto", chosen per machine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    # JSON object: the engines' speculative decoding (vLLM's keys, engine/speculative/config.py),
+    # over engine_options' own `speculative_config`; None: as engine_options say (default off).
+    speculative_config: str | None = None
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
@@ -144,13 +148,13 @@ class Settings(BaseModel):
             raise ValueError(f"store URI must be s3://bucket/prefix or a local directory, got {value!r}")
         return value
 
-    @field_validator("models", "engine_options", "tenant_prefixes", mode="before")
+    @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes", mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
         return json.dumps(value, sort_keys=True) if isinstance(value, dict) else value
 
-    @field_validator("engine_options")
+    @field_validator("engine_options", "speculative_config")
     @classmethod
     def _engine_options_are_an_object(cls, value: str | None) -> str | None:
         if value is None:
@@ -160,7 +164,7 @@ class Settings(BaseModel):
         except json.JSONDecodeError as error:
             raise ValueError(f"not JSON ({error.msg})") from None
         if not isinstance(parsed, dict):
-            raise ValueError("must be a JSON object of EngineConfig fields")
+            raise ValueError("must be a JSON object (of EngineConfig fields; of speculative_config keys)")
         return value
 
     @classmethod
@@ -226,8 +230,10 @@ class Settings(BaseModel):
         return secret_values([self.api_keys, self.admin_api_keys, self.webhook_secret])
 
     def engine_options_dict(self) -> dict[str, Any]:
-        """`engine_options` with the `dtype` setting over its own `dtype`, when that is set."""
+        """`engine_options` with the `dtype` and `speculative_config` settings over its own, when set."""
         options = json.loads(self.engine_options) if self.engine_options else {}
+        if self.speculative_config:
+            options["speculative_config"] = json.loads(self.speculative_config)
         return {**options, "dtype": self.dtype} if self.dtype else options
 
     @property

@@ -16,6 +16,7 @@ HELP = {
     "s3_endpoint_url": "S3 endpoint (MinIO, moto, …); default AWS",
     "models": "served models: JSON {name: dir or s3://…} or a path to such a file",
     "engine_options": "JSON object of EngineConfig fields for every engine",
+    "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     "dtype": "compute dtype: auto (bf16 where the CPU has native bf16 matmul, the checkpoint's on CUDA, "
              "else fp32) | float32 | bfloat16 | float16",
     "model_cache": "where s3:// models are downloaded",
@@ -47,6 +48,7 @@ HELP = {
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
+                   "speculative_config",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
                    "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",

@@ -210,7 +210,8 @@ class PreparedBatch:
             result_at[entry.position] = result
         for position, row, source in self._copies:
             outputs[position] = dataclasses.replace(output_row(row, result_at[source], expired),
-                                                    deduplicated=True, engine_seconds=0.0)
+                                                    deduplicated=True, engine_seconds=0.0,
+                                                    drafted_per_position=(), accepted_per_position=())
         return [output for output in outputs if output is not None]
 
 
@@ -232,10 +233,13 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False) -> Output
     else:  # an engine that reports one sample only on the request itself
         choices = [Choice(0, result.text, result.finish_reason or "stop")]
     metrics_ = getattr(result, "metrics", None)
+    drafted = tuple(getattr(metrics_, "spec_drafted_per_position", ()))
+    accepted = tuple(getattr(metrics_, "spec_accepted_per_position", ()))
     return OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
                                   cached_tokens=result.num_cached_tokens,
                                   completion_tokens=result.num_completion_tokens,
-                                  engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0)
+                                  engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
+                                  drafted_per_position=drafted, accepted_per_position=accepted)
 
 
 def _logprobs(positions: Sequence | None) -> list[PositionLogprobs] | None:

@@ -17,7 +17,7 @@ from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, validation_messages
 
-RUN_SETTINGS = ("models", "engine_options", "dtype", "model_cache", "s3_endpoint_url")
+RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
 
 

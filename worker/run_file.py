@@ -52,6 +52,7 @@ class RunSummary:
     seconds: float  # this run's
     run_completion_tokens: int  # this run's (the token counts above add up every run)
     dtype: str = ""  # the engine's compute dtype, and why
+    speculation: dict | None = None  # the engine's speculative decoding figures (None: off)
 
 
 def resolve_model(model: str, registry: ModelRegistry, cache_dir: Path | None = None) -> str:
@@ -150,6 +151,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
         with RunProgress(total=max(estimated_rows, skipped), done=skipped, enabled=show_progress) as progress:
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
                         output, progress)
+        metrics = hosted.host.call(lambda engine: engine.get_metrics())
     finally:
         hosts.stop()
     output.finish()
@@ -158,7 +160,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                       failed=done.rows_failed, prompt_tokens=done.prompt_tokens,
                       cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
                       seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens,
-                      dtype=f"{choice.dtype} ({choice.reason})" if choice else "")
+                      dtype=f"{choice.dtype} ({choice.reason})" if choice else "",
+                      speculation=metrics.get("speculative_decoding"))
 
 
 def _job_id(spec: JobSpec) -> str:
@@ -195,4 +198,9 @@ def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], N
     say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s, "
         f"{summary.run_completion_tokens / seconds:.1f} output tok/s"
         + (f", dtype {summary.dtype}" if summary.dtype else ""))
+    spec = summary.speculation
+    if spec is not None:
+        say(f"speculative decoding ({spec['method']}): {spec['num_draft_tokens']} drafts, "
+            f"{spec['acceptance_rate']:.0%} accepted, {spec['mean_accepted_length']:.2f} tokens per "
+            f"verification, on in {spec['steps_on']} of {spec['steps_on'] + spec['steps_off']} steps")
 

@@ -73,6 +73,9 @@ class OutputRow:
     choices: tuple[Choice, ...] = ()  # every sample of a completed row; choice 0 is `text` above
     deduplicated: bool = False  # took the output of an identical deterministic row of its shard
     engine_seconds: float = 0.0  # engine step time attributed to the row (0 for a deduplicated copy)
+    # Speculative decoding: drafts verified / accepted at each draft position (empty without).
+    drafted_per_position: tuple[int, ...] = ()
+    accepted_per_position: tuple[int, ...] = ()
 
     @property
     def failed(self) -> bool:
@@ -92,7 +95,9 @@ class OutputRow:
 
     @classmethod
     def with_choices(cls, row: Row, choices: Sequence[Choice], *, prompt_tokens: int, cached_tokens: int,
-                     completion_tokens: int, engine_seconds: float = 0.0) -> OutputRow:
+                     completion_tokens: int, engine_seconds: float = 0.0,
+                     drafted_per_position: tuple[int, ...] = (),
+                     accepted_per_position: tuple[int, ...] = ()) -> OutputRow:
         """The engine's `n` answers for `row` (`completion_tokens` counts them all); each is parsed
         when the row asked for JSON, and one that does not parse makes the row INVALID_OUTPUT_JSON
         (its text is kept)."""
@@ -114,7 +119,8 @@ class OutputRow:
         first = choices[0]
         return cls(row.index, row.row_id, row.is_chat, wants_json, first.text, first.json_value,
                    first.finish_reason, prompt_tokens, cached_tokens, completion_tokens, error_code,
-                   error_message, row.passthrough, row.line, tuple(choices), engine_seconds=engine_seconds)
+                   error_message, row.passthrough, row.line, tuple(choices), engine_seconds=engine_seconds,
+                   drafted_per_position=drafted_per_position, accepted_per_position=accepted_per_position)
 
     @classmethod
     def from_error(cls, error: RowError) -> OutputRow:

@@ -137,3 +137,44 @@ def test_a_shard_result_is_written_once_and_the_first_one_stands(job) -> None:
     first = run_shard(store, "in/rows.jsonl", store, layout, spec, plan[0])
     rerun = first.model_copy(update={"rows_succeeded": 0})
     assert save_shard_result(store, layout, rerun) == first
+
+
+
+def test_speculation_counts_add_up_from_rows_to_shards_to_the_manifest(job, monkeypatch) -> None:
+    """Each computed row's drafts and acceptances per draft position are summed into its shard's
+    result and the job's manifest, with the rates derived; deduplicated copies count nothing."""
+    import dataclasses
+
+    import tests.jobs.helpers as helpers
+
+    echo = helpers.echo_output
+    copies = []
+
+    def speculating_echo(row):
+        # Every row verified drafts twice: 3 drafts (2 accepted), then 1 draft (accepted).
+        copy = row.index % 7 == 0
+        copies.append(copy)
+        return dataclasses.replace(echo(row), drafted_per_position=(2, 1, 1), accepted_per_position=(2, 1),
+                                   deduplicated=copy)
+
+    monkeypatch.setattr(helpers, "echo_output", speculating_echo)
+    store, spec, layout, plan = job
+    results = [run_shard(store, "in/rows.jsonl", store, layout, spec, shard) for shard in plan]
+    assert load_shard_results(store, layout) == results  # the counts survive the store
+    rows = copies.count(False)
+    speculation = build_manifest(layout.job_id, spec.spec_hash(), "jsonl", len(plan), results).speculation
+    assert speculation is not None and 0 < rows < len(copies)
+    assert speculation.drafted_per_position == [2 * rows, rows, rows]
+    assert speculation.accepted_per_position == [2 * rows, rows]
+    assert speculation.draft_tokens == 4 * rows and speculation.accepted_tokens == 3 * rows
+    assert speculation.acceptance_rate == 0.75
+    assert speculation.acceptance_rate_per_position == [1.0, 1.0, 0.0]
+    assert speculation.mean_accepted_length == 2.5  # (3 accepted + 2 added tokens) / 2 verifications
+    manifest = build_manifest(layout.job_id, spec.spec_hash(), "jsonl", len(plan), results)
+    assert json.loads(manifest.to_bytes())["speculation"]["mean_accepted_length"] == 2.5
+
+
+def test_a_job_without_drafts_has_no_speculation_section(job) -> None:
+    store, spec, layout, plan = job
+    results = [run_shard(store, "in/rows.jsonl", store, layout, spec, shard) for shard in plan]
+    assert build_manifest(layout.job_id, spec.spec_hash(), "jsonl", len(plan), results).speculation is None

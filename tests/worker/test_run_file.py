@@ -243,3 +243,29 @@ def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_r
     # The rows done before the kill are the killed run's own bytes, not rewritten.
     kept = "".join(line + "\n" for line in lines[:skipped]).encode()
     assert before.startswith(kept)
+
+
+def test_speculative_decoding_changes_no_output_and_reports_its_acceptance(
+        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--speculative-config` reaches the engine; the rows are byte-for-byte those of a run without."""
+    source = _write_jsonl(tmp_path / "in.jsonl",
+                          [{"id": f"r{i}", "ticket": f"printer {i} is jammed " * 3} for i in range(6)])
+    argv = [source, "--model", tiny_checkpoint, "--template", "Ticket: {ticket}", "--id-column", "id",
+            "--max-tokens", "24", "--temperature", "0", "--dtype", "float32", "--ignore-eos"]
+    code, _, stderr = _run(capsys, *argv, "-o", tmp_path / "plain.jsonl")
+    assert code == 0, stderr
+    # The checkpoint as its own draft: every greedy draft is accepted.
+    spec = json.dumps({"method": "draft_model", "model": str(tiny_checkpoint), "num_speculative_tokens": 3,
+                       "disable_by_batch_size": 64})
+    code, stdout, stderr = _run(capsys, *argv, "-o", tmp_path / "spec.jsonl", "--speculative-config", spec)
+    assert code == 0, stderr
+    assert "speculative decoding (draft_model):" in stdout and "100% accepted" in stdout
+
+    def rows(name: str) -> list[dict]:
+        return [{k: v for k, v in json.loads(line).items() if k not in ("created",)}
+                for line in (tmp_path / name).read_text().splitlines()]
+
+    assert rows("spec.jsonl") == rows("plain.jsonl")
+    code, _, stderr = _run(capsys, *argv, "-o", tmp_path / "bad.jsonl", "--speculative-config",
+                           '{"method": "medusa"}')
+    assert code != 0 and "speculative_config.method must be one of" in stderr
