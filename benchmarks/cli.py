@@ -1,11 +1,11 @@
-"""`bulkinfer bench engine|suite|step|service|faults`: which benchmark a `bench` command line runs."""
+"""`bulkinfer bench engine|suite|step|service|faults|spec`: which benchmark a `bench` command line runs."""
 
 from __future__ import annotations
 
 import importlib
 
 TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "step": "benchmarks.step_profile",
-           "service": "benchmarks.service", "faults": "benchmarks.faults"}
+           "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative"}
 
 
 def main(argv: list[str]) -> int:
@@ -13,7 +13,7 @@ def main(argv: list[str]) -> int:
         print(f"usage: bulkinfer bench {{{','.join(TARGETS)}}} [--help]")
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     module = importlib.import_module(TARGETS[argv[0]])
-    if argv[0] in {"engine", "suite", "step"}:  # --model: also a catalog model or a .gguf file
+    if argv[0] in {"engine", "suite", "step", "spec"}:  # --model: also a catalog model or a .gguf file
         from worker.model_files import local_model_dir
 
         return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))

@@ -46,6 +46,9 @@ class AttentionMetadata:
     # step (grouping needs data-dependent shapes), so a GPU step never waits on a device read.
     decode_seq_lens: torch.Tensor  # [num_decodes] context length including the new token
     decode_block_tables: torch.Tensor  # [num_decodes, max_decode_blocks], padded with block 0
+    # [num_decodes] bool (host), or None: rows never grouped with others over a shared prefix, so
+    # each computes exactly as a lone decode would (speculative verification's positions).
+    decode_solo: torch.Tensor | None = None
     # Prefill chunks follow the decodes; plain lists because they are iterated in Python.
     prefill_query_starts: list[int] = field(default_factory=list)
     prefill_query_lens: list[int] = field(default_factory=list)
@@ -239,7 +242,11 @@ def plan_decode(
     if sliding_window is None and num_rows > 1:
         # A row's last token always stays in its own part, so the own part is never empty.
         shareable = (seq_lens - 1) // block_size
-        _, group_of_row, group_sizes = torch.unique(tables[:, 0], return_inverse=True, return_counts=True)
+        first_blocks = tables[:, 0]
+        if metadata.decode_solo is not None and bool(metadata.decode_solo.any()):
+            first_blocks = first_blocks.clone()  # a solo row gets a key of its own: a group of one
+            first_blocks[metadata.decode_solo] = -1 - torch.arange(int(metadata.decode_solo.sum()))
+        _, group_of_row, group_sizes = torch.unique(first_blocks, return_inverse=True, return_counts=True)
         for group in (group_sizes >= max(min_rows, 2)).nonzero().flatten().tolist():
             rows = (group_of_row == group).nonzero().flatten()
             group_tables = tables[rows]

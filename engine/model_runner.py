@@ -213,16 +213,16 @@ class ModelRunner:
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
         """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks.
 
-        A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k decode
+        A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k solo decode
         rows over the same block table, each attending up to its own position: every position is
-        computed exactly as decoding it alone would be (the decode attention kernel, not the
-        prefill one), so verification reproduces decoding's logits in bf16 too, not just in fp32.
+        computed as decoding it alone is (the decode kernel, not the prefill one; not grouped over
+        the shared blocks), so in bf16 too verification gives the logits a lone decode gets.
         """
         rows: list[BatchRow] = []
         for chunk in output.chunks:
             if chunk.spec_token_ids:
                 tokens = [chunk.request.all_token_ids[chunk.start], *chunk.spec_token_ids]
-                rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1)
+                rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True)
                             for j, token in enumerate(tokens))
                 continue
             end = chunk.start + chunk.num_new_tokens
@@ -239,6 +239,7 @@ class BatchRow:
     start: int
     block_ids: Sequence[int]  # the sequence's block table, covering start + len(token_ids)
     num_sample_rows: int  # logits wanted for this many last positions (0 for a partial prefill)
+    solo: bool = False  # a decode row computed as if alone (no shared-prefix grouping)
 
 
 def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
@@ -285,12 +286,14 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         sample_rows.extend(range(end - row.num_sample_rows, end))
 
     decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
+    solo = torch.tensor([rows[i].solo for i in order[:num_decodes]], dtype=torch.bool)
     metadata = AttentionMetadata(
         block_size=bs,
         slot_mapping=slot_mapping.to(dev),
         num_decodes=num_decodes,
         decode_seq_lens=seq_lens_t[:num_decodes],
         decode_block_tables=block_tables[:num_decodes, :decode_blocks],
+        decode_solo=solo if bool(solo.any()) else None,
         prefill_query_starts=qsl[num_decodes:-1],
         prefill_query_lens=query_lens[num_decodes:],
         prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),

@@ -228,8 +228,16 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None and x.dim() == 2:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+            if x.shape[0] == 1:
+                # oneDNN takes another kernel for one row, whose sums can round differently from the
+                # same row in a batch (seen in bf16): run it as two rows, so a lone decode and a
+                # batched one (or speculative verification's rows) get the same bits.
+                return self._onednn(x.expand(2, -1).contiguous())[:1]
+            return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from engine.speculative.config import SpeculativeConfig
 
 # Measured batch sizes (capped at max_num_seqs) and the context each row reads.
-MEASURED_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+MEASURED_BATCHES = (1, 4, 16, 64)  # log-interpolated between; the last ratio holds above
 MEASURE_CONTEXT = 64
 PRIOR_ACCEPTANCE = 0.5  # before any verification: try it, the measurement corrects it fast
 ACCEPTANCE_EMA = 0.05  # weight of one verification step in the running acceptance

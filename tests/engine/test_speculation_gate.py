@@ -66,7 +66,7 @@ def test_each_request_backs_off_when_its_drafts_fail() -> None:
 
 def test_measuring_times_decodes_and_verifications_at_each_batch() -> None:
     calls = []
-    curve = measure_cost_curve(lambda batch, tokens, context: calls.append((batch, tokens)), 3, max_batch=8)
-    assert curve.batches == (1, 2, 4, 8)
-    assert {(b, t) for b, t in calls} == {(b, t) for b in (1, 2, 4, 8) for t in (1, 4)}
-    assert len(curve.decode_s) == len(curve.verify_s) == 4
+    curve = measure_cost_curve(lambda batch, tokens, context: calls.append((batch, tokens)), 3, max_batch=16)
+    assert curve.batches == (1, 4, 16)
+    assert {(b, t) for b, t in calls} == {(b, t) for b in (1, 4, 16) for t in (1, 4)}
+    assert len(curve.decode_s) == len(curve.verify_s) == 3
