@@ -5,8 +5,9 @@ Tasks (the real SmolLM2 chat model by default, greedy, its own EOS):
   lookup (n-gram) drafts are often right;
 - free text: "write a short story about ..." — little to copy.
 
-For each task, at 1, 4, 16 and 64 requests running at once (all submitted together), the output
-tok/s without speculation and with each method, their ratio, and the acceptance. Then a whole job
+For each task, at 1, 4, 16 and 64 requests running at once (all submitted together; ``--rounds``
+prompt sets each, one after another, added up), the output tok/s without speculation and with each
+method, their ratio, and the acceptance. Then a whole job
 whose rows have very different output lengths (paragraphs of 1-10 sentences): its wall time off
 and on — the tail of a job is where speculation pays. Speculation is adaptive (the engine's
 measured cost curve decides when it runs), as a deployment runs it. With ``--draft-layers N`` a
@@ -91,14 +92,17 @@ def prompts_for(tokenizer: Any, task: str, count: int, seed: int, sentences: Cal
             for _ in range(count)]
 
 
-def timed(llm: Any, label: str, prompts: list[list[int]], params: Any) -> Run:
+def timed(llm: Any, label: str, prompt_sets: list[list[list[int]]], params: Any) -> Run:
+    """Each set of prompts submitted at once, one set after another; the walls and tokens added."""
     before = (llm.get_metrics().get("speculative_decoding") or {}).copy()
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - started
+    wall, token_ids = 0.0, []
+    for prompts in prompt_sets:
+        started = time.perf_counter()
+        outputs = llm.generate(prompts, params)
+        wall += time.perf_counter() - started
+        token_ids += [o.outputs[0].token_ids for o in outputs]
     after = llm.get_metrics().get("speculative_decoding")
-    return Run(label, wall, sum(len(o.outputs[0].token_ids) for o in outputs), _delta(before, after),
-               [o.outputs[0].token_ids for o in outputs])
+    return Run(label, wall, sum(len(t) for t in token_ids), _delta(before, after), token_ids)
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -155,6 +159,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="requests running at once")
     parser.add_argument("--tasks", default=",".join(TASKS), help=f"comma list of: {', '.join(TASKS)}")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="prompt sets per task and level (one at a time; their figures added)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=0,
                         help="also measure a layer-skip draft of the model's first N layers (0: not)")
@@ -194,15 +200,17 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     seed = 0
     for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
         for level in levels:
-            seed += 1
-            prompts = prompts_for(tokenizer, task, level, seed, lambda rng: rng.randint(3, 5))
-            runs = [timed(llm, label, prompts, params) for label, llm in engines.items()]
+            sets = []
+            for _ in range(args.rounds):
+                seed += 1
+                sets.append(prompts_for(tokenizer, task, level, seed, lambda rng: rng.randint(3, 5)))
+            runs = [timed(llm, label, sets, params) for label, llm in engines.items()]
             print(f"{task}, {level} running: {ratio_line(runs)}")
             figures["levels"][f"{task}/{level}"] = [_figures(run) for run in runs]
     if args.tail_rows:
         prompts = prompts_for(tokenizer, "copy-heavy", args.tail_rows, 99, lambda rng: rng.choice([1, 2, 10]))
         tail_params = SamplingParams(temperature=0.0, max_tokens=max(args.max_tokens, 320))
-        runs = [timed(llm, label, prompts, tail_params) for label, llm in engines.items()]
+        runs = [timed(llm, label, [prompts], tail_params) for label, llm in engines.items()]
         base = runs[0]
         for run in runs[1:]:
             print(f"mixed-length job ({args.tail_rows} rows of 1-10 sentences): off {base.wall_s:.1f} s, "

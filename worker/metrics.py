@@ -99,6 +99,15 @@ ENGINE_COUNTERS = (
     ("bulkinfer_engine_generation_tokens", "Tokens the engine sampled", "generation_tokens"),
 )
 
+# Speculative decoding, when the engine has it: (name, help, key of get_metrics()["speculative_decoding"]).
+SPECULATION_COUNTERS = (
+    ("bulkinfer_engine_spec_draft_tokens", "Draft tokens verified (speculative decoding)",
+     "num_draft_tokens"),
+    ("bulkinfer_engine_spec_accepted_tokens", "Draft tokens accepted (speculative decoding)",
+     "num_accepted_tokens"),
+    ("bulkinfer_engine_spec_verifications", "Request-steps that verified drafts", "num_verifications"),
+)
+
 
 class EngineCollector:
     """Reads every loaded engine's figures when scraped; `models()` lists the worker's hosted models."""
@@ -109,7 +118,7 @@ class EngineCollector:
     def collect(self) -> Iterator[Metric]:
         gauges = {name: GaugeMetricFamily(name, text, labels=["model"]) for name, text, _ in ENGINE_GAUGES}
         counters = {name: CounterMetricFamily(name, text, labels=["model"])
-                    for name, text, _ in ENGINE_COUNTERS}
+                    for name, text, _ in ENGINE_COUNTERS + SPECULATION_COUNTERS}
         loaded = GaugeMetricFamily("bulkinfer_engine_loaded",
                                    "1 once the model's engine is loaded and healthy", labels=["model"])
         load_seconds = GaugeMetricFamily("bulkinfer_engine_load_seconds", "Seconds the engine took to load",
@@ -133,6 +142,9 @@ class EngineCollector:
                 gauges[name].add_metric([hosted.name], float(figures[key]))
             for name, _, key in ENGINE_COUNTERS:
                 counters[name].add_metric([hosted.name], float(figures[key]))
+            speculation = figures.get("speculative_decoding")
+            for name, _, key in SPECULATION_COUNTERS if speculation else ():
+                counters[name].add_metric([hosted.name], float(speculation[key]))
         yield from (*gauges.values(), *counters.values(), loaded, load_seconds, info)
 
 

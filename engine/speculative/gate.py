@@ -26,6 +26,7 @@ PRIOR_ACCEPTANCE = 0.5  # before any verification: try it, the measurement corre
 ACCEPTANCE_EMA = 0.05  # weight of one verification step in the running acceptance
 MARGIN = 1.05  # speculate only when the expected gain beats the cost by this much
 PROBE_EVERY = 16  # steps between probes while off (acceptance may have grown)
+PROBE_REQUESTS = 4  # requests that draft in a probe step: enough to measure, too few to cost much
 MAX_SKIP_STEPS = 32  # longest pause of a request whose drafts keep failing
 
 
@@ -108,21 +109,21 @@ class SpeculationGate:
     _step: int = 0
     _off_steps: int = 0
 
-    def speculate(self, num_running: int) -> bool:
-        """Whether this step proposes drafts (called once per step)."""
+    def proposers(self, num_running: int) -> int:
+        """How many of the running requests may propose drafts this step (0: speculation is off);
+        called once per step."""
         self._step += 1
-        on = self._pays(num_running)
-        if on:
+        if self._pays(num_running):
             self._off_steps = 0
-            return True
+            return num_running
         self._off_steps += 1
-        # While off, an occasional probe re-measures acceptance, unless even perfect acceptance
-        # could not pay at this batch size.
+        # While off, an occasional probe by a few requests re-measures acceptance, unless even
+        # perfect acceptance could not pay at this batch size.
         k = self.config.num_speculative_tokens
         worth_probing = self.curve is not None and self.curve.ratio(num_running) * MARGIN < k + 1
         if worth_probing and self._off_steps % PROBE_EVERY == 0:
-            return True
-        return False
+            return min(num_running, PROBE_REQUESTS)
+        return 0
 
     def break_even_batch(self) -> int | None:
         """The largest measured batch at which speculation pays at the acceptance seen so far."""

@@ -34,12 +34,15 @@ class Speculator:
         """Set `spec_token_ids` on the running requests that decode and propose this step."""
         if not running:
             return
-        if not self.gate.speculate(len(running)):
+        budget = self.gate.proposers(len(running))
+        if not budget:
             self.stats.steps_off += 1
             return
         self.stats.steps_on += 1
         config = self.config
         for request in running:
+            if len(self._marked) >= budget:
+                break
             if request.num_computed_tokens + 1 != request.num_tokens:
                 continue  # still prefilling
             wanted = min(self.gate.num_drafts(request.request_id),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.gate import (
     PROBE_EVERY,
+    PROBE_REQUESTS,
     CostCurve,
     SpeculationGate,
     expected_tokens,
@@ -25,8 +26,8 @@ def test_expected_tokens_per_verification() -> None:
 
 def test_speculation_runs_for_the_tail_and_stops_for_a_full_batch() -> None:
     gate = SpeculationGate(CONFIG, CURVE, acceptance=0.6)  # ~2.3 tokens per verification
-    assert gate.speculate(1) and gate.speculate(4)
-    assert not gate.speculate(64)
+    assert gate.proposers(1) == 1 and gate.proposers(4) == 4
+    assert gate.proposers(64) == 0
     assert gate.break_even_batch() == 4  # 16 rows: ratio 3.0 > 2.3
     # Higher acceptance moves the switch-off point up.
     assert SpeculationGate(CONFIG, CURVE, acceptance=0.95).break_even_batch() == 16
@@ -34,20 +35,21 @@ def test_speculation_runs_for_the_tail_and_stops_for_a_full_batch() -> None:
 
 def test_while_off_it_probes_only_where_perfect_acceptance_could_pay() -> None:
     gate = SpeculationGate(CONFIG, CURVE, acceptance=0.1)
-    at_16 = [gate.speculate(16) for _ in range(2 * PROBE_EVERY)]
-    assert sum(at_16) == 2  # ratio 3 < 5 tokens at best: a probe every PROBE_EVERY steps
+    at_16 = [gate.proposers(16) for _ in range(2 * PROBE_EVERY)]
+    # Ratio 3 < 5 tokens at best: every PROBE_EVERY steps a probe by PROBE_REQUESTS requests.
+    assert at_16.count(0) == 2 * PROBE_EVERY - 2 and at_16.count(PROBE_REQUESTS) == 2
     gate = SpeculationGate(CONFIG, CostCurve((1, 64), (0.01, 0.01), (0.1, 0.1), 4), acceptance=0.1)
-    assert not any(gate.speculate(64) for _ in range(3 * PROBE_EVERY))  # 10x the cost: never pays
+    assert not any(gate.proposers(64) for _ in range(3 * PROBE_EVERY))  # 10x the cost: never pays
 
 
 def test_a_fixed_batch_limit_overrides_the_measurement() -> None:
     gate = SpeculationGate(SpeculativeConfig(disable_by_batch_size=8), None)
-    assert gate.speculate(8) and not gate.speculate(9)
+    assert gate.proposers(8) == 8 and gate.proposers(9) == 0
 
 
 def test_each_request_backs_off_when_its_drafts_fail() -> None:
     gate = SpeculationGate(CONFIG, CURVE)
-    gate.speculate(1)
+    gate.proposers(1)
     assert gate.num_drafts("r") == 4
     gate.record("r", 4, 4)
     assert gate.num_drafts("r") == 4  # all accepted: stays at the maximum
@@ -58,7 +60,7 @@ def test_each_request_backs_off_when_its_drafts_fail() -> None:
     gate.record("r", 1, 0)  # a second miss in a row: pause for a few steps
     assert gate.num_drafts("r") == 0
     for _ in range(4):
-        gate.speculate(1)
+        gate.proposers(1)
     assert gate.num_drafts("r") == 1
     gate.record("r", 1, 1)
     assert gate.num_drafts("r") == 2

@@ -312,3 +312,59 @@ def test_a_batch_limit_keeps_speculation_for_the_tail(tiny_checkpoint) -> None:
     stats = spec_metrics(llm)
     assert stats["steps_off"] >= 4 * 5  # the first steps run 12..3 requests: no drafts
     assert stats["steps_on"] > 0 and stats["num_draft_tokens"] > 0
+
+
+# ---- the scheduler's side: slots for drafts, rollback, caching ----------------------------------------
+
+
+def test_drafts_get_slots_that_go_back_when_rejected_and_only_accepted_tokens_are_cached() -> None:
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(config, num_kv_blocks=16, eos_token_id=None)
+    request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=50, ignore_eos=True))
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"r": 1})  # prefill 6 tokens, sample 1
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.num_free_blocks
+    assert len(request.block_ids) == 2  # 7 tokens known, 6 computed
+
+    request.spec_token_ids = [2, 3, 4, 5, 6, 7]  # 1 + 6 positions: slots up to position 12
+    output = scheduler.schedule()
+    [chunk] = output.chunks
+    assert chunk.spec_token_ids == (2, 3, 4, 5, 6, 7) and chunk.num_new_tokens == 7
+    assert len(request.block_ids) == 4 and pool.num_free_blocks == free_before - 2
+    # Drafts 2 and 3 accepted, then the target's own 9: three tokens, 9 and 10 computed.
+    scheduler.update_from_output(output, {"r": [2, 3, 9]})
+    assert request.output_token_ids == [1, 2, 3, 9]
+    assert request.num_computed_tokens == 9 and request.num_tokens == 10
+    assert len(request.block_ids) == 3 and pool.num_free_blocks == free_before - 1  # the 4th went back
+    cached = scheduler.kv_cache_manager._num_cached_blocks["r"]
+    assert cached == 2  # blocks of computed accepted tokens only: [10..13], [14, 15, 1, 2]
+    hashes = scheduler.kv_cache_manager.block_hashes(request)
+    assert all(pool.get_cached_block(hashes[i], request.all_token_ids[4 * i: 4 * i + 4],
+                                     hashes[i - 1] if i else None) is not None for i in range(2))
+
+
+def test_drafts_fit_the_budget_and_max_tokens_and_never_preempt() -> None:
+    from engine.request import Request
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=3)
+    scheduler = Scheduler(config, num_kv_blocks=3, eos_token_id=None)  # 2 usable blocks: 8 slots
+    request = Request("r", [10, 11, 12], SamplingParams(max_tokens=3, ignore_eos=True))
+    scheduler.add_request(request)
+    scheduler.update_from_output(scheduler.schedule(), {"r": 1})
+    request.spec_token_ids = [5, 6, 7, 8]
+    [chunk] = scheduler.schedule().chunks
+    assert chunk.spec_token_ids == (5,)  # max_tokens=3: one output so far, room for 2 more = 1 draft
+    other = Request("o", [20, 21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=5, ignore_eos=True))
+    scheduler2 = Scheduler(config, num_kv_blocks=3, eos_token_id=None)
+    scheduler2.add_request(other)
+    scheduler2.update_from_output(scheduler2.schedule(), {})  # a 3-token prefill chunk
+    scheduler2.update_from_output(scheduler2.schedule(), {})
+    scheduler2.update_from_output(scheduler2.schedule(), {"o": 1})  # 8 tokens known: 2 blocks full
+    other.spec_token_ids = [2, 3]
+    [chunk] = scheduler2.schedule().chunks
+    assert chunk.spec_token_ids == () and scheduler2.num_preemptions == 0  # no block for drafts

@@ -153,3 +153,12 @@ def test_every_setting_is_documented_in_the_configuration_page() -> None:
     for field, variable in ENVIRONMENT_NAMES.items():
         flag = f"--{field.replace('_', '-')}"
         assert f"| `{field}` | `{variable}` | `{flag}`" in page, f"{field} is not in docs/configuration.md"
+
+
+def test_the_speculative_config_setting_reaches_the_engine_options() -> None:
+    settings = Settings(engine_options='{"max_num_seqs": 8, "speculative_config": {"method": "draft_model"}}',
+                        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}')
+    assert settings.engine_options_dict() == {
+        "max_num_seqs": 8, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        Settings(speculative_config='["ngram"]')

@@ -18,7 +18,9 @@ from worker.status_server import StatusServer
 
 FIGURES = {"num_running": 5, "num_waiting": 2, "kv_blocks_used": 40, "kv_blocks_total": 100,
            "prefix_cache_hit_rate": 0.75, "num_preemptions": 1, "num_steps": 9, "busy_time_s": 1.5,
-           "generation_tokens": 300}
+           "generation_tokens": 300,
+           "speculative_decoding": {"num_draft_tokens": 120, "num_accepted_tokens": 90,
+                                    "num_verifications": 40}}
 
 
 class StandInHost:
@@ -66,7 +68,9 @@ def test_ready_only_once_loaded_with_engine_figures_and_a_heartbeat(redis_url: s
                      'bulkinfer_engine_prefix_cache_hit_ratio{model="tiny"} 0.75',
                      'bulkinfer_engine_preemptions_total{model="tiny"} 1.0',
                      'bulkinfer_engine_load_seconds{model="tiny"} 3.25',
-                     'bulkinfer_engine_info{device="cpu",dtype="bfloat16",model="tiny"} 1.0'):
+                     'bulkinfer_engine_info{device="cpu",dtype="bfloat16",model="tiny"} 1.0',
+                     'bulkinfer_engine_spec_accepted_tokens_total{model="tiny"} 90.0',
+                     'bulkinfer_engine_spec_draft_tokens_total{model="tiny"} 120.0'):
             assert line in text, line
         assert httpx.get(f"{base}/nope").status_code == 404
         beat = server.beat()
