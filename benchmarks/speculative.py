@@ -92,17 +92,22 @@ def prompts_for(tokenizer: Any, task: str, count: int, seed: int, sentences: Cal
             for _ in range(count)]
 
 
-def timed(llm: Any, label: str, prompt_sets: list[list[list[int]]], params: Any) -> Run:
-    """Each set of prompts submitted at once, one set after another; the walls and tokens added."""
-    before = (llm.get_metrics().get("speculative_decoding") or {}).copy()
-    wall, token_ids = 0.0, []
-    for prompts in prompt_sets:
-        started = time.perf_counter()
-        outputs = llm.generate(prompts, params)
-        wall += time.perf_counter() - started
-        token_ids += [o.outputs[0].token_ids for o in outputs]
-    after = llm.get_metrics().get("speculative_decoding")
-    return Run(label, wall, sum(len(t) for t in token_ids), _delta(before, after), token_ids)
+def measure(engines: dict[str, Any], prompt_sets: list[list[list[int]]], params: Any) -> list[Run]:
+    """Each set of prompts submitted at once to every engine, one set after another, the engines'
+    order reversed every other set (so neither side always runs first); walls and tokens added."""
+    before = {label: (llm.get_metrics().get("speculative_decoding") or {}).copy()
+              for label, llm in engines.items()}
+    walls = dict.fromkeys(engines, 0.0)
+    token_ids: dict[str, list[list[int]]] = {label: [] for label in engines}
+    for i, prompts in enumerate(prompt_sets):
+        for label in list(engines) if i % 2 == 0 else reversed(list(engines)):
+            started = time.perf_counter()
+            outputs = engines[label].generate(prompts, params)
+            walls[label] += time.perf_counter() - started
+            token_ids[label] += [o.outputs[0].token_ids for o in outputs]
+    return [Run(label, walls[label], sum(len(t) for t in token_ids[label]),
+                _delta(before[label], llm.get_metrics().get("speculative_decoding")), token_ids[label])
+            for label, llm in engines.items()]
 
 
 def _delta(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -204,16 +209,17 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
             for _ in range(args.rounds):
                 seed += 1
                 sets.append(prompts_for(tokenizer, task, level, seed, lambda rng: rng.randint(3, 5)))
-            runs = [timed(llm, label, sets, params) for label, llm in engines.items()]
+            runs = measure(engines, sets, params)
             print(f"{task}, {level} running: {ratio_line(runs)}")
             figures["levels"][f"{task}/{level}"] = [_figures(run) for run in runs]
     if args.tail_rows:
         prompts = prompts_for(tokenizer, "copy-heavy", args.tail_rows, 99, lambda rng: rng.choice([1, 2, 10]))
         tail_params = SamplingParams(temperature=0.0, max_tokens=max(args.max_tokens, 320))
-        runs = [timed(llm, label, [prompts], tail_params) for label, llm in engines.items()]
+        runs = measure(engines, [prompts, prompts], tail_params)  # twice, each side first once
         base = runs[0]
         for run in runs[1:]:
-            print(f"mixed-length job ({args.tail_rows} rows of 1-10 sentences): off {base.wall_s:.1f} s, "
+            print(f"mixed-length job ({args.tail_rows} rows of 1-10 sentences, run twice): "
+                  f"off {base.wall_s:.1f} s, "
                   f"{run.label} {run.wall_s:.1f} s = {base.wall_s / run.wall_s:.2f}x sooner "
                   f"(accepted {(run.speculation or {}).get('acceptance_rate', 0):.0%})")
         figures["tail"] = [_figures(run) for run in runs]

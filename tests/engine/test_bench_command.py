@@ -56,3 +56,21 @@ def test_bench_engine_structured_prints_both_runs_and_the_ratio(capsys: pytest.C
     assert "unconstrained" in out and "json_schema" in out
     assert "grammar compile (first request of the schema, then cached): " in out
     assert "structured / unconstrained output tok/s: " in out and "(target >= 0.7x: " in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
+    real_model, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.speculative import bench_cli as spec_cli
+
+    code = spec_cli(["--model", str(real_model), "--levels", "1,2", "--rounds", "1", "--max-tokens", "12",
+                     "--tasks", "copy-heavy", "--tail-rows", "2", "--draft-layers", "4"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "cpu: native bf16 " in out
+    assert "ngram: verify/decode step cost by running requests (4 drafts each): 1: " in out
+    for level in (1, 2):
+        line = next(line for line in out.splitlines() if line.startswith(f"copy-heavy, {level} running: "))
+        assert "off " in line and "ngram " in line and "draft-4L " in line and "identical rows" in line
+    assert "mixed-length job (2 rows of 1-10 sentences, run twice): off " in out
