@@ -157,18 +157,25 @@ def test_the_same_model_as_draft_accepts_everything(tiny_checkpoint) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_chunked_prefill_preemption_and_max_tokens_mid_proposal(tiny_checkpoint, dtype: str) -> None:
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_chunked_prefill_preemption_and_max_tokens_mid_proposal(tiny_checkpoint, layer_skip, dtype: str,
+                                                                method: str) -> None:
     """A 24-token budget chunks the prompts and cuts drafts to what fits; 20 blocks for 22 requests
-    force preemptions; max_tokens of 1-6 end requests inside a proposal's reach."""
+    force preemptions (a preempted request's draft KV is rebuilt from position 0); max_tokens of 1-6
+    end requests inside a proposal's reach."""
     target = str(tiny_checkpoint)
     options = {"num_kv_blocks": 20, "max_num_batched_tokens": 24}
     prompts = SCENARIO_PROMPTS
     params = [SamplingParams(temperature=0.0, max_tokens=1 + i % 6 if i % 3 else 30, ignore_eos=True)
               for i in range(len(prompts))]
     base = make_llm(target, dtype, **options).generate(prompts, params)
-    llm = make_llm(target, dtype, NGRAM, **options)
+    speculative = NGRAM if method == "ngram" else {
+        "method": "draft_model", "model": layer_skip("llama"), "num_speculative_tokens": 3, **ALWAYS}
+    llm = make_llm(target, dtype, speculative, **options)
     outputs = llm.generate(prompts, params)
     assert llm.get_metrics()["num_preemptions"] > 0
+    if method == "draft_model":
+        assert spec_metrics(llm)["num_accepted_tokens"] > 0
     assert_identical(outputs, base)
     for output, p in zip(outputs, params, strict=True):
         assert len(output.outputs[0].token_ids) == p.max_tokens
