@@ -12,10 +12,12 @@ import math
 import random
 
 import pytest
+import torch
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.speculative.layer_skip import write_layer_skip_draft
 from engine.speculative.ngram import propose_ngram
+from tests.engine.hf_reference import assert_greedy_within_noise
 from tests.engine.test_llm_correctness import ARCHS, DTYPES, PROMPTS
 
 ALWAYS = {"disable_by_batch_size": 1024}
@@ -176,7 +178,15 @@ def test_chunked_prefill_preemption_and_max_tokens_mid_proposal(tiny_checkpoint,
     assert llm.get_metrics()["num_preemptions"] > 0
     if method == "draft_model":
         assert spec_metrics(llm)["num_accepted_tokens"] > 0
-    assert_identical(outputs, base)
+    if dtype == "float32":
+        assert_identical(outputs, base)
+    else:
+        # Drafts take blocks, so requests are preempted at other moments than without them, and a
+        # preempted request recomputes its tokens as a prefill, which rounds differently from the
+        # decodes that first computed them in bf16 (with or without speculation). So bf16 is held
+        # to the engine's own standard against transformers: >= 90% its argmax, the rest near-ties.
+        pairs = [(list(p), o.outputs[0].token_ids) for p, o in zip(prompts, outputs, strict=True)]
+        assert_greedy_within_noise(pairs, target, llm.engine.model, torch.bfloat16)
     for output, p in zip(outputs, params, strict=True):
         assert len(output.outputs[0].token_ids) == p.max_tokens
 
