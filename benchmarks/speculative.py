@@ -3,6 +3,7 @@
 Tasks (the real SmolLM2 chat model by default, greedy, its own EOS):
 - copy-heavy: "fix the typos in this paragraph" — the answer copies most of the prompt, so prompt
   lookup (n-gram) drafts are often right;
+- extract: "extract the sentences that contain the word X" — the answer quotes some of the prompt;
 - free text: "write a short story about ..." — little to copy.
 
 For each task, at 1, 4, 16 and 64 requests running at once (all submitted together; ``--rounds``
@@ -63,12 +64,20 @@ def copy_messages(rng: random.Random, num_sentences: int) -> list[dict[str, str]
                                         f"only.\n\n{with_typos(paragraph, rng)}"}]
 
 
+def extract_messages(rng: random.Random, num_sentences: int) -> list[dict[str, str]]:
+    """The paragraph's sentences, some naming a topic word; the answer quotes those sentences."""
+    chosen = rng.sample(SENTENCES, num_sentences + 2)
+    word = rng.choice(["the", "every", "and"])
+    return [{"role": "user", "content": f"Extract the sentences that contain the word \"{word}\" from this "
+                                        f"text, one per line, word for word.\n\n{' '.join(chosen)}"}]
+
+
 def story_messages(rng: random.Random, _: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": f"Write a short story about {rng.choice(STORY_TOPICS)}."}]
 
 
 TASKS: dict[str, Callable[[random.Random, int], list[dict[str, str]]]] = {
-    "copy-heavy": copy_messages, "free-text": story_messages}
+    "copy-heavy": copy_messages, "extract": extract_messages, "free-text": story_messages}
 
 
 @dataclass
