@@ -24,7 +24,7 @@ from engine.checkpoints import cached_checkpoint
 # Function names -> the part of a step they are. Leaves count their own time; the scheduling entries
 # are whole calls (their cumulative time), and none of them calls a leaf listed here.
 CATEGORIES = {
-    "matmul": ("_linear_pointwise", "linear", "addmm", "mm", "matmul", "bmm"),
+    "matmul": ("_linear_pointwise", "row_gemm", "linear", "addmm", "mm", "matmul", "bmm"),
     "attention": ("decode_attention", "prefix_attention", "_scaled_dot_product_flash_attention_for_cpu",
                   "scaled_dot_product_attention", "index_select"),
     "layer ops": ("add_rms_norm", "rope_", "silu_and_mul", "store_kv"),

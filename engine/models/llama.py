@@ -213,20 +213,57 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
-class Linear(nn.Linear):
-    """nn.Linear that can run through oneDNN with a pre-packed weight on CPU.
+@dataclass
+class StepRows:
+    """How many leading rows of the current forward pass are single-token rows (decodes and
+    verified drafts come first in a step's flattened batch): those rows' projections run through
+    the row kernel, the rest through torch.mm. Set by the model at the start of each forward."""
 
-    Measured on our AVX-512 CPUs: oneDNN's fp32 GEMM runs 1.3-2x faster than the MKL sgemm behind
-    ``F.linear`` (MKL takes its AVX2 path on non-Intel CPUs). Results are in the weight's dtype,
-    differing from ``F.linear`` only in summation order.
+    single: int = 0
+
+
+class Linear(nn.Linear):
+    """nn.Linear that runs its rows through the fastest kernel measured for them on CPU.
+
+    - oneDNN with a pre-packed weight (``pack_for_onednn``) for the rows of prefill chunks: on our
+      AVX-512 CPUs its fp32 GEMM runs 1.3-2x faster than the MKL sgemm behind ``F.linear`` on AMD
+      (MKL takes its AVX2 path on non-Intel CPUs), and at prefill sizes it beats both ``torch.mm``
+      and the row kernel in the engine on Intel too (measured on whole workloads).
+    - The row kernel (engine/cpu_kernels/row_gemm.c, where ``use_row_gemm`` applies: bf16 on AMX,
+      fp32 with AVX-512 on Intel) for single-token rows (decodes, verified drafts; the LM head's
+      sampled rows): it streams the weights at memory speed where oneDNN reads them at about half
+      of it (1.2-1.5x faster at 1-64 rows), and it computes each row alone, so a row gets the same
+      bits whatever else its step holds. oneDNN does not: in bf16 it takes a slower non-AMX kernel
+      for 33-600 rows whose sums round differently. In a step with prefill rows, oneDNN computes
+      every row and the row kernel then rewrites the single-token ones.
+    Results are in the weight's dtype, differing from ``F.linear`` only in summation order.
     """
 
     packed_weight: torch.Tensor | None = None
+    row_weight: torch.Tensor | None = None
+    row_kernels: CpuKernels | None = None
+    step_rows: StepRows | None = None  # None: every row is a single-token row (the LM head's rows)
 
     def pack_for_onednn(self, batch_hint: int = 64) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
 
+    def use_row_gemm(self, kernels: CpuKernels | None, step_rows: StepRows | None) -> bool:
+        """Run single-token rows through the row kernel (packing the weight for it); None (or an
+        unsupported weight): every row through oneDNN / PyTorch again. ``step_rows`` None: every
+        row is a single-token row, and oneDNN's copy of the weight is dropped. Returns whether the
+        row kernel is in use."""
+        if kernels is None or not kernels.supports_row_gemm(self.weight):
+            self.row_weight = self.row_kernels = self.step_rows = None
+            return False
+        self.row_weight = kernels.pack_row_gemm(self.weight.detach())
+        self.row_kernels, self.step_rows = kernels, step_rows
+        if step_rows is None:
+            self.packed_weight = None
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.row_weight is not None and x.dim() == 2:
+            return self._by_rows(x)
         if self.packed_weight is not None and x.dim() == 2:
             if x.shape[0] == 1:
                 # oneDNN takes another kernel for one row, whose sums can round differently from the
@@ -238,6 +275,20 @@ class Linear(nn.Linear):
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
+
+    def _by_rows(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.row_kernels is not None and self.row_weight is not None
+        rows = x.shape[0]
+        single = rows if self.step_rows is None else min(self.step_rows.single, rows)
+        if single == rows:
+            return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias)
+        # oneDNN has no output argument: it computes the single-token rows too (few, beside a chunk),
+        # which the row kernel then overwrites, cheaper than copying the chunk's rows out of its result.
+        out = self._onednn(x) if self.packed_weight is not None else F.linear(x, self.weight, self.bias)
+        if single:
+            self.row_kernels.row_gemm(x[:single], self.row_weight, self.out_features, self.bias,
+                                      out=out[:single])
+        return out
 
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -353,6 +404,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.step_rows = StepRows()
         self.requires_grad_(False)
 
     def forward(
@@ -362,6 +414,7 @@ class LlamaForCausalLM(nn.Module):
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
+        self.step_rows.single = metadata.num_decodes
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
         residual = None
@@ -379,11 +432,15 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
-        """Run norms, rotary and the MLP activation through the native kernels (on CPU in bf16 and fp32;
-        other dtypes and devices keep PyTorch); None: PyTorch everywhere."""
+        """Run norms, rotary, the MLP activation and single-token rows' projections through the
+        native kernels (on CPU, in the dtypes each supports; the rest keeps PyTorch); None: PyTorch
+        everywhere (projections unpacked by the row kernel fall back to ``F.linear``)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, Attention, MLP)):
                 module.kernels = kernels
+            if isinstance(module, Linear):
+                # The LM head's rows are the sampled positions: every one a row of its own.
+                module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:
         """Switch every projection to oneDNN with packed weights (call after loading weights)."""

@@ -334,6 +334,101 @@ def test_silu_and_mul_matches_pytorch(kernels: CpuKernels, dtype) -> None:
     assert_matches(kernels.silu_and_mul(gate_up), F.silu(gate).mul_(up))
 
 
+def row_kernel_dtypes(kernels: CpuKernels) -> list[torch.dtype]:
+    """The dtypes the row kernel can run in this build: its fp32 code is built everywhere (and
+    tested at either vector width, even where the engine keeps oneDNN), bf16 where AMX is."""
+    return [torch.float32, *([torch.bfloat16] if torch.bfloat16 in kernels.row_gemm_dtypes else [])]
+
+
+def test_row_kernel_runs_bf16_exactly_where_the_cpu_has_amx(kernels: CpuKernels, request) -> None:
+    native = request.node.callspec.params["kernels"] == "native"
+    assert (torch.bfloat16 in kernels.row_gemm_dtypes) == (native and HAS_AMX)
+    intel = cpu_kernels.cpu_vendor() == "GenuineIntel"
+    assert (torch.float32 in kernels.row_gemm_dtypes) == (kernels.vector_lanes == 16 and intel)
+    assert cpu_kernels.row_gemm_dtypes(16, False, "AuthenticAMD") == ()
+    assert cpu_kernels.row_gemm_dtypes(8, True, "GenuineIntel") == (torch.bfloat16,)
+
+
+@pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 96), (960, 576), (33, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_kernel_matches_a_matmul(kernels: CpuKernels, monkeypatch, out_features: int, in_features: int,
+                                     bias: bool) -> None:
+    """Every row count through the kernel's blocks and tails (12 rows a block in fp32, 2 x 16 in
+    bf16), columns past the last whole panel, with and without a bias."""
+    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    generator = torch.Generator().manual_seed(out_features + in_features)
+    for dtype in row_kernel_dtypes(kernels):
+        weight = (torch.randn(out_features, in_features, generator=generator) / 8).to(dtype)
+        b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
+        packed = kernels.pack_row_gemm(weight)
+        for rows in (1, 5, 12, 13, 16, 17, 31, 32, 33, 70):
+            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+            expected = x.float() @ weight.float().T + (b.float() if b is not None else 0)
+            ours = kernels.row_gemm(x, packed, out_features, b)
+            assert ours.dtype == dtype and ours.shape == (rows, out_features)
+            tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
+            torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
+
+
+def test_row_kernel_gives_a_row_the_same_bits_whatever_else_is_in_the_batch(kernels: CpuKernels,
+                                                                             monkeypatch) -> None:
+    """Speculative verification and decoding must agree bit for bit: a row alone, first, last or in
+    the middle of 1 to 300 rows gets the same result; written into a view of a larger output too."""
+    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    generator = torch.Generator().manual_seed(11)
+    for dtype in row_kernel_dtypes(kernels):
+        weight = torch.randn(200, 576, generator=generator).to(dtype)
+        packed = kernels.pack_row_gemm(weight)
+        row = torch.randn(1, 576, generator=generator).to(dtype)
+        alone = kernels.row_gemm(row, packed, 200, None)
+        for rows, at in ((2, 0), (13, 12), (40, 17), (300, 299)):
+            batch = torch.randn(rows, 576, generator=generator).to(dtype)
+            batch[at] = row[0]
+            assert torch.equal(kernels.row_gemm(batch, packed, 200, None)[at], alone[0]), (dtype, rows, at)
+        larger = torch.full((5, 200), 7.0, dtype=dtype)
+        kernels.row_gemm(row.expand(3, -1), packed, 200, None, out=larger[1:4])
+        assert torch.equal(larger[1:4], alone.expand(3, -1)) and bool((larger[[0, 4]] == 7).all())
+
+
+def test_row_kernel_refuses_what_it_does_not_support(kernels: CpuKernels, monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "row_gemm_dtypes", (torch.float32,))
+    with pytest.raises(ValueError, match="pack_row_gemm"):
+        kernels.pack_row_gemm(torch.zeros(16, 64, dtype=torch.float16))
+    packed = kernels.pack_row_gemm(torch.zeros(16, 64))
+    with pytest.raises(ValueError, match="row_gemm"):
+        kernels.row_gemm(torch.zeros(3, 64), packed, 16, torch.zeros(15))  # a bias of the wrong size
+    with pytest.raises(ValueError, match="row_gemm"):
+        kernels.row_gemm(torch.zeros(3, 64), packed, 16, None, out=torch.zeros(3, 16)[:, ::2].T)
+    assert not kernels.supports_row_gemm(torch.zeros(16, 40, dtype=torch.bfloat16))  # not whole AMX tiles
+
+
+def test_a_linear_runs_single_token_rows_through_the_row_kernel_and_the_rest_through_onednn(
+        kernels: CpuKernels, monkeypatch) -> None:
+    """In a step that holds decodes (first) and a prefill chunk, the decode rows get the bits they
+    get in a decode-only step, and the chunk's rows what oneDNN gives."""
+    from engine.models.llama import Linear, StepRows
+
+    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    generator = torch.Generator().manual_seed(12)
+    for dtype in row_kernel_dtypes(kernels):
+        linear = Linear(128, 96, bias=True).to(dtype).requires_grad_(False)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(96, 128, generator=generator))
+            linear.bias.copy_(torch.randn(96, generator=generator))
+        linear.pack_for_onednn()
+        rows = StepRows()
+        assert linear.use_row_gemm(kernels, rows) and linear.packed_weight is not None
+        x = torch.randn(40, 128, generator=generator).to(dtype)
+        rows.single = 5
+        mixed = linear(x)
+        rows.single = 40
+        decodes_only = linear(x[:5])
+        assert torch.equal(mixed[:5], decodes_only)
+        assert torch.equal(mixed[5:], linear._onednn(x)[5:])
+        assert not linear.use_row_gemm(None, rows) and linear.row_weight is None
+        torch.testing.assert_close(linear(x), mixed, rtol=1e-2, atol=1e-2)  # F.linear now
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_store_kv_writes_strided_qkv_views_where_index_copy_would(kernels: CpuKernels, dtype) -> None:
     torch.manual_seed(0)

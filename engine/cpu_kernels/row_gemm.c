@@ -1,0 +1,322 @@
+/* Projections of single-token (decode) rows: out[M, N] = a[M, K] x W^T (+ bias), W packed once.
+ *
+ * A decode step multiplies a few rows by every weight of the model: it is a stream of the weights
+ * through the cores, and oneDNN's kernels for such shapes read them at about half the machine's
+ * bandwidth (measured: 15 GB/s of 25 at 32 bf16 rows, 10 GB/s in fp32). Here the weights are packed
+ * in the exact order the kernel reads them, each thread streams its own contiguous part once, and
+ * every row is computed on its own: the same sums in the same order whatever the other rows are
+ * (how many, which), so a row's result does not depend on its batch. That is what lets speculative
+ * verification and decoding give the same bits, and a lone decode the same as a batched one.
+ *
+ * bf16 runs on AMX tiles (16 x 32 x 16 bf16 products into fp32, rounded once to bf16 at the end);
+ * fp32 on AVX-512 FMAs (each output a sum over k in order). Both add the bias in fp32 before the
+ * final rounding, as oneDNN does.
+ *
+ * Packed layouts (zero columns pad N to the panel width):
+ *   fp32: panels of NR = 2 * VL columns, each [K][NR] floats.
+ *   bf16: panels of 32 columns, each [K / 32][2 tiles][16 pairs of k][16 columns][2] (AMX's B
+ *         operand: a tile row holds, for 16 columns, the pair of weights at k = 2i, 2i + 1).
+ */
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <omp.h>
+
+#include "simd.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
+#define HAVE_AMX_GEMM 1
+#include <immintrin.h>
+#endif
+
+/* ---- fp32 ------------------------------------------------------------------------------------ */
+
+#define NR (2 * VL)
+#define PREFETCH_K 64  /* k steps (of NR floats) ahead */
+/* Weights a thread works through with every block of rows before moving on: what stays in L2. */
+#ifndef GROUP_BYTES
+#define GROUP_BYTES (128 << 10)
+#endif
+
+/* The next group of weights, pulled into L2 at an even pace while the current group is computed,
+ * so that memory streams all the time (the hardware prefetcher alone leaves it idle while a group
+ * is re-read from L2 for later rows). */
+typedef struct {
+    const char* next;
+    const char* end;
+    int64_t credit, per_step;  /* lines owed, in 1/65536 of a line; lines per k step, likewise */
+} group_prefetch;
+
+static inline group_prefetch prefetch_for(const void* next, int64_t bytes, int64_t steps) {
+    group_prefetch ahead = {(const char*)next, (const char*)next + bytes, 0, 0};
+    if (bytes > 0 && steps > 0) ahead.per_step = ((bytes + 63) / 64 * 65536 + steps - 1) / steps;
+    return ahead;
+}
+
+static inline __attribute__((always_inline)) void prefetch_step(group_prefetch* ahead) {
+    ahead->credit += ahead->per_step;
+    while (ahead->credit >= 65536 && ahead->next < ahead->end) {
+        __builtin_prefetch(ahead->next, 0, 2);
+        ahead->next += 64;
+        ahead->credit -= 65536;
+    }
+}
+#if VL == 16
+#define MR 12
+#else
+#define MR 6
+#endif
+
+int64_t row_gemm_panel_width_f32(void) { return NR; }
+
+/* w [N, K] (a Linear's weight) into panels of NR columns. */
+void row_gemm_pack_f32(const float* w, int64_t N, int64_t K, float* packed, int nt) {
+    const int64_t panels = (N + NR - 1) / NR;
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t k = 0; k < K; k++)
+            for (int64_t j = 0; j < NR; j++) {
+                const int64_t n = p * NR + j;
+                packed[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.0f;
+            }
+}
+
+/* mr rows (a compile-time count once inlined) by one panel: each output the sum over k in order,
+ * plus the bias, into c. `stream`: these are the first rows to read the panel, which comes from
+ * memory: ask for it PREFETCH_K steps ahead. */
+static inline __attribute__((always_inline)) void tile_f32(
+        const float* a, int64_t lda, const float* panel, int64_t K, const float* bias, float* c, int64_t ldc,
+        int64_t columns, int stream, group_prefetch* ahead, const int mr) {
+    vf lo[MR], hi[MR];
+    for (int m = 0; m < mr; m++) lo[m] = hi[m] = splat(0.0f);
+    for (int64_t k = 0; k < K; k++) {
+        if (stream)
+            for (int line = 0; line < NR; line += 16) __builtin_prefetch(panel + (k + PREFETCH_K) * NR + line);
+        prefetch_step(ahead);
+        const vf b0 = load_f32(panel + k * NR), b1 = load_f32(panel + k * NR + VL);
+        for (int m = 0; m < mr; m++) {
+            const vf x = splat(a[m * lda + k]);
+            lo[m] += x * b0;
+            hi[m] += x * b1;
+        }
+    }
+    vf bias0 = splat(0.0f), bias1 = splat(0.0f);
+    if (bias) {
+        float padded[NR] = {0};
+        memcpy(padded, bias, (size_t)(columns < NR ? columns : NR) * sizeof(float));
+        bias0 = load_f32(padded);
+        bias1 = load_f32(padded + VL);
+    }
+    for (int m = 0; m < mr; m++) {
+        const vf v0 = lo[m] + bias0, v1 = hi[m] + bias1;
+        if (columns >= NR) {
+            store_f32(c + m * ldc, v0);
+            store_f32(c + m * ldc + VL, v1);
+        } else {
+            float row[NR];
+            store_f32(row, v0);
+            store_f32(row + VL, v1);
+            memcpy(c + m * ldc, row, (size_t)columns * sizeof(float));
+        }
+    }
+}
+
+/* Each thread takes a contiguous run of panels, in groups of up to GROUP_BYTES of weights (they stay
+ * in L2): every block of MR rows takes the whole group in turn, so the group streams from memory
+ * once (with the first block) and each block writes its rows along a run of columns. */
+void row_gemm_f32(const float* a, int64_t lda, const float* packed, const float* bias, float* c, int64_t ldc,
+                  int64_t M, int64_t N, int64_t K, int nt) {
+    const int64_t panels = (N + NR - 1) / NR, panel_bytes = K * NR * (int64_t)sizeof(float);
+    const int64_t group = GROUP_BYTES / panel_bytes > 1 ? GROUP_BYTES / panel_bytes : 1;
+    #pragma omp parallel num_threads(nt)
+    {
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t begin = panels * thread / threads, end = panels * (thread + 1) / threads;
+        for (int64_t g0 = begin; g0 < end; g0 += group) {
+            const int64_t g1 = g0 + group < end ? g0 + group : end, g2 = g1 + group < end ? g1 + group : end;
+            group_prefetch ahead = prefetch_for(packed + g1 * K * NR, (g2 - g1) * panel_bytes,
+                                                (M + MR - 1) / MR * (g1 - g0) * K);
+            for (int64_t m0 = 0; m0 < M; m0 += MR) {
+                const float* am = a + m0 * lda;
+                for (int64_t p = g0; p < g1; p++) {
+                    const float* panel = packed + p * K * NR;
+                    const int64_t n0 = p * NR, columns = N - n0 < NR ? N - n0 : NR;
+                    const float* b = bias ? bias + n0 : NULL;
+                    float* cm = c + m0 * ldc + n0;
+#define TILE(R) tile_f32(am, lda, panel, K, b, cm, ldc, columns, m0 == 0 && g0 == begin, &ahead, R)
+                    switch (M - m0 < MR ? M - m0 : MR) {
+                        case 1: TILE(1); break;
+                        case 2: TILE(2); break;
+                        case 3: TILE(3); break;
+                        case 4: TILE(4); break;
+                        case 5: TILE(5); break;
+#if MR > 6
+                        case 6: TILE(6); break;
+                        case 7: TILE(7); break;
+                        case 8: TILE(8); break;
+                        case 9: TILE(9); break;
+                        case 10: TILE(10); break;
+                        case 11: TILE(11); break;
+#endif
+                        default: TILE(MR); break;
+                    }
+#undef TILE
+                }
+            }
+        }
+    }
+}
+
+/* ---- bf16 on AMX ----------------------------------------------------------------------------- */
+
+int row_gemm_bf16_available(void) {
+#if defined(HAVE_AMX_GEMM)
+    /* Linux grants AMX's tile state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
+    return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+    return 0;
+#endif
+}
+
+/* w [N, K] bf16 into panels of 32 columns of AMX B tiles; K must be a multiple of 32. */
+void row_gemm_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* packed, int nt) {
+    const int64_t panels = (N + 31) / 32, kb = K / 32;
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t b = 0; b < kb; b++)
+            for (int64_t t = 0; t < 2; t++)
+                for (int64_t i = 0; i < 16; i++)
+                    for (int64_t j = 0; j < 16; j++)
+                        for (int64_t e = 0; e < 2; e++) {
+                            const int64_t n = p * 32 + t * 16 + j, k = b * 32 + 2 * i + e;
+                            packed[((((p * kb + b) * 2 + t) * 16 + i) * 16 + j) * 2 + e] = n < N ? w[n * K + k] : 0;
+                        }
+}
+
+#if defined(HAVE_AMX_GEMM)
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* tmm0-3: the 2 x 2 fp32 accumulators (rows of the first / second 16, columns of the first /
+ * second 16); tmm4-5: the two row tiles of a; tmm6-7: the panel's two column tiles. `first` and
+ * `second`: how many rows the two row tiles hold (the tail of M may hold fewer than 16). */
+static void configure(int first, int second) {
+    tile_config config;
+    memset(&config, 0, sizeof config);
+    config.palette = 1;
+    const int rows[8] = {first, first, second, second, first, second, 16, 16};
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = (uint8_t)(rows[t] > 0 ? rows[t] : 1);
+    }
+    _tile_loadconfig(&config);
+}
+
+/* The panel is read where it lies in memory: ask for the pair of tiles PREFETCH_KB steps ahead
+ * (past the panel's end that is the next panel, which this thread reads next). */
+#define PREFETCH_KB 4
+static inline void prefetch_tiles(const uint16_t* tiles) {
+    for (int line = 0; line < 1024; line += 32) __builtin_prefetch(tiles + line);
+}
+
+/* The fp32 sums of `rows` rows by 32 columns (stride 32) plus the bias, rounded once to bf16. */
+static void write_rows(const float* sums, int64_t rows, const uint16_t* bias, int64_t columns, uint16_t* c,
+                       int64_t ldc) {
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    const __mmask16 mask0 = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
+    const __mmask16 mask1 = columns >= 32 ? 0xffff : columns <= 16 ? 0 : (__mmask16)((1u << (columns - 16)) - 1);
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask0, bias)), 16));
+        b1 = _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask1, bias + 16)), 16));
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32), b0);
+        const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + 16), b1);
+        _mm256_mask_storeu_epi16(c + r * ldc, mask0, (__m256i)_mm512_cvtneps_pbh(v0));
+        _mm256_mask_storeu_epi16(c + r * ldc + 16, mask1, (__m256i)_mm512_cvtneps_pbh(v1));
+    }
+}
+#endif
+
+/* Each thread takes a contiguous run of panels, in groups of up to GROUP_BYTES of weights (they stay
+ * in L2): every 32-row block takes the whole group in turn, so the group streams from memory once
+ * (with the first block) and each block writes its rows' outputs along a run of columns rather
+ * than a few columns of every row. A block is one pass over k of 2 x 2 tiles; each output is one
+ * sum over k in order, whatever the other rows. */
+void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias, uint16_t* c,
+                   int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+#if defined(HAVE_AMX_GEMM)
+    const int64_t panels = (N + 31) / 32, kb = K / 32, panel_bytes = kb * 2048;
+    const int64_t group = GROUP_BYTES / panel_bytes > 1 ? GROUP_BYTES / panel_bytes : 1;
+    #pragma omp parallel num_threads(nt)
+    {
+        float sums[32 * 32] __attribute__((aligned(64)));
+        int configured = -1;  /* the rows of the last configuration, first * 32 + second */
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t begin = panels * thread / threads, end = panels * (thread + 1) / threads;
+        for (int64_t g0 = begin; g0 < end; g0 += group) {
+            const int64_t g1 = g0 + group < end ? g0 + group : end, g2 = g1 + group < end ? g1 + group : end;
+            group_prefetch ahead = prefetch_for(packed + g1 * kb * 1024, (g2 - g1) * panel_bytes,
+                                                (M + 31) / 32 * (g1 - g0) * kb);
+            const int stream = g0 == begin;
+            for (int64_t m0 = 0; m0 < M; m0 += 32) {
+                const int first = M - m0 < 16 ? (int)(M - m0) : 16;
+                const int second = M - m0 - 16 <= 0 ? 0 : (M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16);
+                if (configured != first * 32 + second) {
+                    configure(first, second);
+                    configured = first * 32 + second;
+                }
+                const uint16_t* a0 = a + m0 * lda;
+                for (int64_t p = g0; p < g1; p++) {
+                    const uint16_t* panel = packed + p * kb * 1024;
+                    const int64_t n0 = p * 32, columns = N - n0 < 32 ? N - n0 : 32;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    if (second) {
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        for (int64_t b = 0; b < kb; b++) {
+                            if (stream && m0 == 0) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
+                            prefetch_step(&ahead);
+                            _tile_loadd(4, a0 + b * 32, lda * 2);
+                            _tile_loadd(5, a0 + 16 * lda + b * 32, lda * 2);
+                            _tile_loadd(6, panel + b * 1024, 64);
+                            _tile_loadd(7, panel + b * 1024 + 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(2, 5, 6);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    } else {
+                        for (int64_t b = 0; b < kb; b++) {
+                            if (stream && m0 == 0) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
+                            prefetch_step(&ahead);
+                            _tile_loadd(4, a0 + b * 32, lda * 2);
+                            _tile_loadd(6, panel + b * 1024, 64);
+                            _tile_loadd(7, panel + b * 1024 + 512, 64);
+                            _tile_dpbf16ps(0, 4, 6);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
+                    }
+                    _tile_stored(0, sums, 128);
+                    _tile_stored(1, sums + 16, 128);
+                    if (second) {
+                        _tile_stored(2, sums + 16 * 32, 128);
+                        _tile_stored(3, sums + 16 * 32 + 16, 128);
+                    }
+                    write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c + m0 * ldc + n0, ldc);
+                }
+            }
+        }
+        if (configured >= 0) _tile_release();
+    }
+#else
+    (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
+#endif
+}
