@@ -184,12 +184,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def probe_forward(self, batch: int, tokens_per_row: int, context: int) -> None:
-        """A forward of `batch` rows of `tokens_per_row` new tokens after `context` cached ones, with
-        logits at every new position, as decode or verification steps have. The rows share blocks
-        1.. of the pool: run it only while no request holds blocks (start-up); the garbage KV it
-        writes is overwritten before any request reads those slots."""
+        """A forward of `batch` requests of `tokens_per_row` new tokens after `context` cached ones,
+        with logits at every new position, as decode or verification steps have: each new position
+        a solo decode row, as ``prepare_batch`` lays out verification. The rows share blocks 1.. of
+        the pool: run it only while no request holds blocks (start-up); the garbage KV it writes is
+        overwritten before any request reads those slots."""
         blocks = list(range(1, 1 + -(-(context + tokens_per_row) // self.block_size)))
-        rows = [BatchRow([0] * tokens_per_row, context, blocks, tokens_per_row) for _ in range(batch)]
+        rows = [BatchRow([0], context + j, blocks, 1, solo=tokens_per_row > 1)
+                for _ in range(batch) for j in range(tokens_per_row)]
         step = prepare_rows(rows, self.block_size, self.device)
         assert step is not None
         hidden = self.model(step.input_ids, step.positions, step.metadata, self.kv_caches)

@@ -2,8 +2,10 @@
  *
  * PyTorch needs each request's blocks gathered into one tensor before its attention kernel runs,
  * and its kernels are built for long queries; a decode step has one query token per request and
- * is memory-bound. Here one work item = one request, one kv head and up to QCHUNK of the query
- * heads that read it (GQA). It walks the request's blocks through its block table twice: scores
+ * is memory-bound. Here one work item = one kv head and up to QCHUNK of the queries that read it:
+ * the query heads of that kv head (GQA) of one row, or of a run of consecutive rows that read the
+ * same blocks (a speculative verification's positions, a prefill chunk's tokens), whose K/V it
+ * then reads once for all of them. It walks the blocks through the block table twice: scores
  * first, VL tokens at a time (a shuffle tree puts VL tokens' scores in one vector: no horizontal
  * sum per token), then, with the softmax's max known, the weighted sum of V. It writes the output
  * and each query's log-sum-exp. K/V are stored fp32 or bf16; scores, softmax and the weighted sum
@@ -16,6 +18,7 @@
  * (a multiple of VL) and BS a multiple of VL (the Python side checks, and falls back to PyTorch
  * otherwise).
  */
+#include <stdint.h>
 #include <stdlib.h>
 
 #include "simd.h"
@@ -30,21 +33,34 @@ static float* scores_for(int64_t floats) {
     return (float*)thread_scratch(&score_buffer, &score_capacity, floats * (int64_t)sizeof(float));
 }
 
-/* One work item: request r, kv head h, queries [q0, q0 + nq) of that head. NV = head_dim / VL.
- * Two passes: every score first (kept in the thread's buffer), so the softmax's max is known
- * before any exp and nothing is rescaled block by block; then the weighted sum of V. */
+/* One work item: kv head h and queries [q0, q0 + nq) of a run of rows that read the same blocks
+ * (`table`, the run's longest row's). Query i of the run is query i % Q of the run's row i / Q, and
+ * sees that row's tokens [first[row], ntok[row]). NV = head_dim / VL. Two passes: every score first
+ * (kept in the thread's buffer), so the softmax's max is known before any exp and nothing is
+ * rescaled block by block; then the weighted sum of V. A token a query does not see scores -inf:
+ * it adds exact zeros to that query's sums, so a query's result is the same bits in a run of any
+ * length (or alone). */
 #define DEFINE_ITEM(NAME, NV)                                                                          \
 static inline __attribute__((always_inline)) void NAME(                                               \
-    const void* q, const void* kc, const void* vc, const int64_t* table, int64_t n, int64_t t0,       \
-    int64_t r, int64_t h, int64_t q0, int64_t nq, int64_t H, int64_t Q, int64_t BS, float scale,      \
-    const void* init_out, const float* init_lse, void* out, float* lse, const int bf16) {             \
+    const void* q, const void* kc, const void* vc, const int64_t* table, const int64_t* ntok,          \
+    const int64_t* first, int64_t run, int64_t h, int64_t q0, int64_t nq, int64_t H, int64_t Q,       \
+    int64_t BS, float scale, const void* init_out, const float* init_lse, void* out, float* lse,       \
+    const int bf16) {                                                                                 \
     const int64_t D = NV * VL;                                                                        \
+    int64_t at[QCHUNK], from[QCHUNK], upto[QCHUNK], t0 = INT64_MAX, n = 0;                            \
+    for (int64_t g = 0; g < nq; g++) {                                                                \
+        const int64_t r = run + (q0 + g) / Q;                                                         \
+        at[g] = (r * H + h) * Q + (q0 + g) % Q;                                                       \
+        from[g] = first[r];                                                                           \
+        upto[g] = ntok[r];                                                                            \
+        if (from[g] < t0) t0 = from[g];                                                               \
+        if (upto[g] > n) n = upto[g];                                                                 \
+    }                                                                                                 \
     const int64_t base = t0 / BS * BS, span = (n - base + VL - 1) / VL * VL;                          \
     float* scores = scores_for(nq * span);                                                            \
     vf qv[QCHUNK][NV], top[QCHUNK];                                                                   \
     for (int64_t g = 0; g < nq; g++) {                                                                \
-        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
-        for (int c = 0; c < NV; c++) qv[g][c] = load_vec(q, row * D + c * VL, bf16) * scale;         \
+        for (int c = 0; c < NV; c++) qv[g][c] = load_vec(q, at[g] * D + c * VL, bf16) * scale;       \
         top[g] = splat(-INFINITY);                                                                    \
         /* the whole VL-groups of the first block before the first visible token are not scored */   \
         for (int64_t i = 0; i < (t0 - base) / VL * VL; i++) scores[g * span + i] = -INFINITY;        \
@@ -74,9 +90,9 @@ static inline __attribute__((always_inline)) void NAME(                         
                     dots[g][t] = a;                                                                   \
                 }                                                                                     \
             }                                                                                         \
-            const vf pos = lane + (float)ts;                                                          \
-            const vi32 visible = (pos >= (float)lo) & (pos < (float)hi);                              \
+            const vf pos = lane + (float)(b * BS + ts);                                               \
             for (int64_t g = 0; g < nq; g++) {                                                        \
+                const vi32 visible = (pos >= (float)from[g]) & (pos < (float)upto[g]);                \
                 const vf s = vselect(visible, reduce_lanes(dots[g]), splat(-INFINITY));               \
                 top[g] = vmax(top[g], s);                                                             \
                 store_f32(scores + g * span + b * BS + ts - base, s);                                 \
@@ -87,7 +103,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     vf acc[QCHUNK][NV], lsum[QCHUNK];                                                                 \
     float m[QCHUNK];                                                                                  \
     for (int64_t g = 0; g < nq; g++) {                                                                \
-        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
+        const int64_t row = at[g];                                                                    \
         const int resume = init_lse != NULL && init_lse[row] > -INFINITY;                             \
         m[g] = hmax(top[g]);                                                                          \
         if (resume && init_lse[row] > m[g]) m[g] = init_lse[row];                                     \
@@ -125,7 +141,7 @@ static inline __attribute__((always_inline)) void NAME(                         
         }                                                                                             \
     }                                                                                                 \
     for (int64_t g = 0; g < nq; g++) {                                                                \
-        const int64_t row = (r * H + h) * Q + q0 + g;                                                 \
+        const int64_t row = at[g];                                                                    \
         const float l = hsum(lsum[g]), inv = 1.0f / l;                                                \
         for (int c = 0; c < NV; c++) {                                                                \
             const vf o = acc[g][c] * inv;                                                             \
@@ -143,17 +159,65 @@ DEFINE_ITEM(item_d80, 80 / VL)
 DEFINE_ITEM(item_d96, 96 / VL)
 DEFINE_ITEM(item_d128, 128 / VL)
 
+/* The blocks row r reads (up to its last token), counted along its table row. */
+static inline int64_t blocks_read(const int64_t* ntok, int64_t r, int64_t BS) { return (ntok[r] + BS - 1) / BS; }
+
+/* Runs of consecutive rows that read the same blocks: a verification's positions (one request's
+ * table, one more token each), a prefill chunk's tokens. Row r joins the run when its blocks agree
+ * with the run's longest row's on every block both read; the longest row's table is the run's.
+ * Writes each run's first row and longest row; returns the number of runs. */
+static int64_t find_runs(const int64_t* tables, int64_t ts, const int64_t* ntok, int64_t R, int64_t BS,
+                         int64_t* run_first, int64_t* run_longest) {
+    int64_t runs = 0;
+    for (int64_t r = 0; r < R; r++) {
+        if (runs > 0) {
+            const int64_t longest = run_longest[runs - 1];
+            const int64_t shared = blocks_read(ntok, r, BS) < blocks_read(ntok, longest, BS)
+                                       ? blocks_read(ntok, r, BS) : blocks_read(ntok, longest, BS);
+            if (memcmp(tables + r * ts, tables + longest * ts, (size_t)shared * sizeof *tables) == 0) {
+                if (ntok[r] > ntok[longest]) run_longest[runs - 1] = r;
+                continue;
+            }
+        }
+        run_first[runs] = r;
+        run_longest[runs] = r;
+        runs++;
+    }
+    return runs;
+}
+
+/* Work items of a call: (run, kv head, first query of the chunk), runs in order. */
+static __thread int64_t* item_buffer = NULL;
+static __thread int64_t item_capacity = 0;
+
 static inline __attribute__((always_inline)) void attend(
     const void* q, const void* kc, const void* vc, const int64_t* tables, int64_t ts,
     const int64_t* ntok, const int64_t* first, int64_t R, int64_t H, int64_t Q, int64_t D, int64_t BS,
     float scale, const void* init_out, const float* init_lse, void* out, float* lse, int nt, const int bf16) {
-    const int64_t chunks = (Q + QCHUNK - 1) / QCHUNK, items = R * H * chunks;
+    int64_t* runs = (int64_t*)thread_scratch((void**)&item_buffer, &item_capacity,
+                                             (2 * R + 3 * R * H * ((Q + QCHUNK - 1) / QCHUNK + 1)) * 8);
+    int64_t* run_longest = runs + R;
+    int64_t* items = runs + 2 * R;
+    const int64_t num_runs = find_runs(tables, ts, ntok, R, BS, runs, run_longest);
+    int64_t num_items = 0;
+    for (int64_t u = 0; u < num_runs; u++) {
+        const int64_t rows = (u + 1 < num_runs ? runs[u + 1] : R) - runs[u];
+        for (int64_t h = 0; h < H; h++)
+            for (int64_t q0 = 0; q0 < rows * Q; q0 += QCHUNK) {
+                items[3 * num_items] = u;
+                items[3 * num_items + 1] = h;
+                items[3 * num_items + 2] = q0;
+                num_items++;
+            }
+    }
     #pragma omp parallel for schedule(dynamic, 4) num_threads(nt)
-    for (int64_t item = 0; item < items; item++) {
-        const int64_t r = item / (H * chunks), h = (item / chunks) % H, q0 = (item % chunks) * QCHUNK;
-        const int64_t nq = Q - q0 < QCHUNK ? Q - q0 : QCHUNK;
-#define ITEM(FN) FN(q, kc, vc, tables + r * ts, ntok[r], first[r], r, h, q0, nq, H, Q, BS, scale, init_out, \
-                    init_lse, out, lse, bf16)
+    for (int64_t item = 0; item < num_items; item++) {
+        const int64_t u = items[3 * item], h = items[3 * item + 1], q0 = items[3 * item + 2];
+        const int64_t rows = (u + 1 < num_runs ? runs[u + 1] : R) - runs[u];
+        const int64_t nq = rows * Q - q0 < QCHUNK ? rows * Q - q0 : QCHUNK;
+        const int64_t* table = tables + run_longest[u] * ts;
+#define ITEM(FN) FN(q, kc, vc, table, ntok, first, runs[u], h, q0, nq, H, Q, BS, scale, init_out, init_lse, \
+                    out, lse, bf16)
         switch (D) {
             case 16: ITEM(item_d16); break;
             case 32: ITEM(item_d32); break;

@@ -98,6 +98,35 @@ def test_decode_attention_continues_a_prefix_partial_result_exactly(kernels: Cpu
     torch.testing.assert_close(lse, reference_lse, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries", [1, 3, 9])
+def test_rows_reading_the_same_blocks_get_the_bits_each_gets_alone(kernels: CpuKernels, dtype,
+                                                                   queries: int) -> None:
+    """A verification's positions (one table, one more token each, crossing into a new block), a
+    window's later starts, and rows continuing prefix partials are read together in one run; each
+    row's output and lse are bitwise what the row gets alone, and a row of another table between
+    them ends the run without changing anything."""
+    generator = torch.Generator().manual_seed(queries)
+    k_cache = torch.randn(40, 2, 16, 64, generator=generator).to(dtype)
+    v_cache = torch.randn(40, 2, 16, 64, generator=generator).to(dtype)
+    verify = [3, 7, 9, 11, 30]  # counts 46..50 cross from block 3 (ends at 48) into block 4
+    other = [5, 6, 8, 0, 0]
+    tables = torch.tensor([verify] * 5 + [other] + [verify[:3] + [0, 0]] * 2)
+    counts = torch.tensor([46, 47, 48, 49, 50, 33, 20, 21])
+    first = torch.tensor([0, 0, 5, 17, 33, 0, 0, 2])  # a sliding window's starts, one past a block edge
+    q = torch.randn(8, 2, queries, 64, generator=generator).to(dtype)
+    init_out = torch.randn(8, 2, queries, 64, generator=generator).to(dtype)
+    init_lse = torch.randn(8, 2, queries, generator=generator)
+    init_lse[1] = float("-inf")  # this row starts afresh
+    for initial in (None, (init_out, init_lse)):
+        together = kernels.decode_attention(q, k_cache, v_cache, tables, counts, first, initial)
+        for row in range(8):
+            alone_initial = None if initial is None else (init_out[row:row + 1], init_lse[row:row + 1])
+            alone = kernels.decode_attention(q[row:row + 1], k_cache, v_cache, tables[row:row + 1],
+                                             counts[row:row + 1], first[row:row + 1], alone_initial)
+            assert torch.equal(together[0][row], alone[0][0]) and torch.equal(together[1][row], alone[1][0]), row
+
+
 def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
     q = torch.zeros(1, 1, 1, 24)
     cache = torch.zeros(4, 1, 16, 24)
