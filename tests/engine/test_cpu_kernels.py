@@ -124,7 +124,8 @@ def test_rows_reading_the_same_blocks_get_the_bits_each_gets_alone(kernels: CpuK
             alone_initial = None if initial is None else (init_out[row:row + 1], init_lse[row:row + 1])
             alone = kernels.decode_attention(q[row:row + 1], k_cache, v_cache, tables[row:row + 1],
                                              counts[row:row + 1], first[row:row + 1], alone_initial)
-            assert torch.equal(together[0][row], alone[0][0]) and torch.equal(together[1][row], alone[1][0]), row
+            assert torch.equal(together[0][row], alone[0][0]), row
+            assert torch.equal(together[1][row], alone[1][0]), row
 
 
 def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
