@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
-                        "kv_store.c", "row_gemm.c")]
+                        "kv_store.c", "row_gemm.c", "decode_layers.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
@@ -86,6 +86,11 @@ class CpuKernels:
         self._row_pack = {dtype: _declare(getattr(library, f"row_gemm_pack_{suffix}"),
                                           [_POINTER, _INT, _INT, _POINTER])
                           for dtype, suffix in suffixes.items()}
+        # Every decoder layer of a pure decode step in one call (engine/models/native_decode.py).
+        self._decode_layers = library.decode_layers
+        self._decode_layers.argtypes = [_POINTER, _POINTER]
+        self._decode_layers.restype = None
+        self.has_prefix_decode_layers = bool(library.decode_layers_can_attend_prefixes())
         self._row_gemm = {dtype: _declare(getattr(library, f"row_gemm_{suffix}"),
                                           [_POINTER, _INT, _POINTER, _POINTER, _POINTER] + [_INT] * 4)
                           for dtype, suffix in suffixes.items()}
@@ -272,6 +277,11 @@ class CpuKernels:
                                     out.data_ptr(), out.stride(0), rows, out_features, in_features,
                                     torch.get_num_threads())
         return out
+
+    def decode_layers(self, layers: ctypes.Array, step: ctypes.Structure) -> None:
+        """Run decode_layers.c over ``layers`` (a ctypes array of its layer struct) for ``step`` (its
+        step struct): the caller (engine/models/native_decode.py) has checked every shape and pointer."""
+        self._decode_layers(ctypes.addressof(layers), ctypes.addressof(step))
 
     # ---- bf16 and fp32 layer ops (engine/cpu_kernels/layer_ops.c) ----------------------------------
 

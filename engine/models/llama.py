@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
+from engine.models.native_decode import NativeDecode
 
 if TYPE_CHECKING:
     from engine.cpu_kernels import CpuKernels
@@ -405,6 +406,7 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.step_rows = StepRows()
+        self.native_decode: NativeDecode | None = None  # set by use_cpu_kernels where it applies
         self.requires_grad_(False)
 
     def forward(
@@ -415,6 +417,10 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
     ) -> torch.Tensor:
         self.step_rows.single = metadata.num_decodes
+        if self.native_decode is not None and metadata.num_prefills == 0:
+            layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches)
+            if layers_out is not None:
+                return self.norm(*layers_out)[0]
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
         residual = None
@@ -441,6 +447,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 # The LM head's rows are the sampled positions: every one a row of its own.
                 module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
+        self.native_decode = NativeDecode.for_model(self, kernels)
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:
         """Switch every projection to oneDNN with packed weights (call after loading weights)."""

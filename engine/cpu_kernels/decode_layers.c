@@ -1,0 +1,168 @@
+/* Every decoder layer of a pure decode step in one call.
+ *
+ * A decode step's arithmetic is small (a few rows through every weight), so in Python the cost
+ * of driving it shows: each layer is a dozen kernel calls (norms, projections, rotary, the K/V
+ * store, attention, the MLP), each a ctypes call with its argument checks, and a few modules'
+ * worth of interpreter work around them: 5-8 ms of a 20-40 ms step for a 30-layer model, measured
+ * on a model of SmolLM2's depth with tiny matrices. Here the same kernels run in the same order
+ * from C, so the results are the bits the Python path gives; the Python side checks everything
+ * once per step (engine/models/native_decode.py).
+ *
+ * Per layer (Llama family, no q/k norm, no sliding window): residual += hidden and norm; QKV
+ * projection; rotary on q and k; K/V into the paged cache; q made contiguous; each decode group's
+ * shared prefix through the prefix kernel, then every row's own part through the decode kernel
+ * (continuing the prefix's softmax); the output projection; residual add and norm; gate/up, SiLU x
+ * up, down. The projections are the row kernel's (row_gemm.c).
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "simd.h"
+
+/* The kernels of the library's other files. */
+void add_rms_norm_bf16(const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, float, int);
+void add_rms_norm_f32(const float*, float*, const float*, float*, int64_t, int64_t, float, int);
+void rope_bf16(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int);
+void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int);
+void silu_and_mul_bf16(const uint16_t*, uint16_t*, int64_t, int64_t, int);
+void silu_and_mul_f32(const float*, float*, int64_t, int64_t, int);
+void store_kv(const char*, const char*, char*, char*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int);
+void decode_attention_bf16(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*,
+                           const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void*,
+                           const float*, void*, float*, int);
+void decode_attention_f32(const void*, const void*, const void*, const int64_t*, int64_t, const int64_t*,
+                          const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t, float, const void*,
+                          const float*, void*, float*, int);
+void row_gemm_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t,
+                   int64_t, int64_t, int);
+void row_gemm_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
+                  int);
+/* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
+__attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*,
+                                                 const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
+                                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
+                                                 uint16_t*, float*, int);
+
+/* One layer's weights: norm weights, the row kernel's packed projections and their biases (NULL:
+ * none), and the layer's K and V caches ([blocks, kv_heads, block_size, head_dim] each). */
+typedef struct {
+    const void* input_norm;
+    const void* post_norm;
+    const void* qkv;
+    const void* qkv_bias;
+    const void* o;
+    const void* o_bias;
+    const void* gate_up;
+    const void* gate_up_bias;
+    const void* down;
+    const void* down_bias;
+    void* k_cache;
+    void* v_cache;
+} decode_layer;
+
+/* The step: shapes, the rows' rotary, cache slots and attention plan, and the buffers. */
+typedef struct {
+    int64_t layers, rows, hidden_size, heads, kv_heads, head_dim, intermediate, block_size, bf16;
+    float eps, scale;
+    const void* cos;  /* [rows, head_dim / 2] */
+    const void* sin;
+    const int64_t* write_rows;  /* [rows * kv_heads]: rows of a cache viewed [-1, head_dim] */
+    const int64_t* tables;      /* [rows, table_stride]: each row's own part's blocks */
+    int64_t table_stride;
+    const int64_t* tokens;      /* [rows] tokens of each row's own part */
+    const int64_t* first;       /* [rows] first visible token of it */
+    /* Shared prefixes (bf16 with the prefix kernel): batch b is info[5b..]: groups, rows per group,
+     * blocks per group, its first entry in prefix_rows, its first entry in prefix_blocks. */
+    int64_t prefix_batches;
+    const int64_t* prefix_info;
+    const int64_t* prefix_rows;
+    const int64_t* prefix_blocks;
+    void* prefix_scratch;
+    /* Buffers: residual holds the embeddings on entry and the residual stream on return, hidden
+     * the last layer's output; the rest are scratch of the sizes their names say. */
+    void* residual;      /* [rows, hidden] */
+    void* hidden;        /* [rows, hidden] */
+    void* normed;        /* [rows, hidden] */
+    void* qkv_out;       /* [rows, (heads + 2 kv_heads) head_dim] */
+    void* q;             /* [rows, heads head_dim] */
+    void* attn;          /* [rows, heads head_dim] */
+    void* init_out;      /* [rows, heads head_dim], used with prefix batches */
+    float* init_lse;     /* [rows, heads] */
+    float* lse;          /* [rows, heads] */
+    void* gate_up_out;   /* [rows, 2 intermediate] */
+    void* act;           /* [rows, intermediate] */
+    int64_t threads;
+} decode_step;
+
+static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
+    const int nt = (int)s->threads;
+    if (s->bf16) add_rms_norm_bf16(x, residual, weight, out, s->rows, s->hidden_size, s->eps, nt);
+    else add_rms_norm_f32(x, residual, weight, out, s->rows, s->hidden_size, s->eps, nt);
+}
+
+static void project(const decode_step* s, const void* x, int64_t in, const void* packed, const void* bias,
+                    void* out, int64_t width) {
+    const int nt = (int)s->threads;
+    if (s->bf16) row_gemm_bf16(x, in, packed, bias, out, width, s->rows, width, in, nt);
+    else row_gemm_f32(x, in, packed, bias, out, width, s->rows, width, in, nt);
+}
+
+static void attend(const decode_step* s, const decode_layer* w) {
+    const int nt = (int)s->threads;
+    const int64_t D = s->head_dim, Q = s->heads / s->kv_heads;
+    const void* init_out = NULL;
+    const float* init_lse = NULL;
+    if (s->prefix_batches > 0) {
+        for (int64_t i = 0; i < s->rows * s->heads; i++) s->init_lse[i] = -INFINITY;
+        for (int64_t b = 0; b < s->prefix_batches; b++) {
+            const int64_t* info = s->prefix_info + 5 * b;
+            prefix_attention_bf16(s->q, w->k_cache, w->v_cache, s->prefix_rows + info[3], s->prefix_blocks + info[4],
+                                  info[0], info[1], info[2], s->kv_heads, Q, D, s->block_size, -1, s->scale,
+                                  s->prefix_scratch, s->init_out, s->init_lse, nt);
+        }
+        init_out = s->init_out;
+        init_lse = s->init_lse;
+    }
+    if (s->bf16)
+        decode_attention_bf16(s->q, w->k_cache, w->v_cache, s->tables, s->table_stride, s->tokens, s->first,
+                              s->rows, s->kv_heads, Q, D, s->block_size, s->scale, init_out, init_lse, s->attn,
+                              s->lse, nt);
+    else
+        decode_attention_f32(s->q, w->k_cache, w->v_cache, s->tables, s->table_stride, s->tokens, s->first,
+                             s->rows, s->kv_heads, Q, D, s->block_size, s->scale, init_out, init_lse, s->attn,
+                             s->lse, nt);
+}
+
+int decode_layers_can_attend_prefixes(void) { return prefix_attention_bf16 != NULL; }
+
+void decode_layers(const decode_layer* layers, const decode_step* s) {
+    const int nt = (int)s->threads;
+    const int64_t D = s->head_dim, q_size = s->heads * D, kv_size = s->kv_heads * D;
+    const int64_t width = q_size + 2 * kv_size, size = s->bf16 ? 2 : 4;
+    char* qkv = (char*)s->qkv_out;
+    for (int64_t l = 0; l < s->layers; l++) {
+        const decode_layer* w = layers + l;
+        /* the residual add lives in the norm after it (vLLM's layout): layer 0 has none */
+        if (l == 0) norm(s, s->residual, NULL, w->input_norm, s->normed);
+        else norm(s, s->hidden, s->residual, w->input_norm, s->normed);
+        project(s, s->normed, s->hidden_size, w->qkv, w->qkv_bias, qkv, width);
+        if (s->bf16) {
+            rope_bf16((uint16_t*)qkv, s->cos, s->sin, s->rows, s->heads, width, D, nt);
+            rope_bf16((uint16_t*)(qkv + q_size * size), s->cos, s->sin, s->rows, s->kv_heads, width, D, nt);
+        } else {
+            rope_f32((float*)qkv, s->cos, s->sin, s->rows, s->heads, width, D, nt);
+            rope_f32((float*)(qkv + q_size * size), s->cos, s->sin, s->rows, s->kv_heads, width, D, nt);
+        }
+        store_kv(qkv + q_size * size, qkv + (q_size + kv_size) * size, w->k_cache, w->v_cache, s->write_rows,
+                 s->rows, s->kv_heads, width * size, D * size, nt);
+        for (int64_t r = 0; r < s->rows; r++)
+            memcpy((char*)s->q + r * q_size * size, qkv + r * width * size, (size_t)(q_size * size));
+        attend(s, w);
+        project(s, s->attn, q_size, w->o, w->o_bias, s->hidden, s->hidden_size);
+        norm(s, s->hidden, s->residual, w->post_norm, s->normed);
+        project(s, s->normed, s->hidden_size, w->gate_up, w->gate_up_bias, s->gate_up_out, 2 * s->intermediate);
+        if (s->bf16) silu_and_mul_bf16(s->gate_up_out, s->act, s->rows, s->intermediate, nt);
+        else silu_and_mul_f32(s->gate_up_out, s->act, s->rows, s->intermediate, nt);
+        project(s, s->act, s->intermediate, w->down, w->down_bias, s->hidden, s->hidden_size);
+    }
+}

@@ -1,0 +1,170 @@
+"""Pure decode steps through one native call for all decoder layers (engine/cpu_kernels/decode_layers.c).
+
+A decode step drives a dozen kernels per layer; from Python that is 5-8 ms of interpreter and ctypes
+work per step on a 30-layer model, a fifth of a small batch's step. Where the model fits the native
+path (CPU, the Llama layout without q/k norms or sliding windows, every projection on the row
+kernel, the native decode kernel, and the prefix kernel when the step has shared-prefix groups),
+the layers run from C with the same kernels in the same order, so the outputs are the bits the
+Python path gives (tested); everything else keeps the Python path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.attention import AttentionMetadata, TorchPagedAttention
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
+    from engine.models.llama import LlamaForCausalLM
+
+_P = ctypes.c_void_p
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, _P) for name in (
+        "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
+        "down_bias", "k_cache", "v_cache")]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        *[(name, ctypes.c_int64) for name in ("layers", "rows", "hidden_size", "heads", "kv_heads",
+                                               "head_dim", "intermediate", "block_size", "bf16")],
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+        ("cos", _P), ("sin", _P), ("write_rows", _P), ("tables", _P), ("table_stride", ctypes.c_int64),
+        ("tokens", _P), ("first", _P),
+        ("prefix_batches", ctypes.c_int64), ("prefix_info", _P), ("prefix_rows", _P), ("prefix_blocks", _P),
+        ("prefix_scratch", _P),
+        *[(name, _P) for name in ("residual", "hidden", "normed", "qkv_out", "q", "attn", "init_out",
+                                  "init_lse", "lse", "gate_up_out", "act")],
+        ("threads", ctypes.c_int64),
+    ]
+
+
+def _pointer(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None
+
+
+class NativeDecode:
+    """The native decode path of one model: built once (``for_model``), run per pure decode step."""
+
+    def __init__(self, model: LlamaForCausalLM, kernels: CpuKernels, backend: TorchPagedAttention) -> None:
+        self.model, self.kernels, self.backend = model, kernels, backend
+        config = model.config
+        self.dtype = model.embed_tokens.weight.dtype
+        self.layers = (_Layer * config.num_layers)()
+        # Keep what the table points to alive with the model (the packed weights already are).
+        for entry, layer in zip(self.layers, model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            entry.input_norm = layer.input_layernorm.weight.data_ptr()
+            entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
+                                 ("down", mlp.down_proj)):
+                setattr(entry, name, linear.row_weight.data_ptr())
+                setattr(entry, f"{name}_bias", _pointer(linear.bias))
+
+    @staticmethod
+    def for_model(model: LlamaForCausalLM, kernels: CpuKernels | None) -> NativeDecode | None:
+        """The native path where this model fits it on this machine, else None."""
+        config = model.config
+        if kernels is None or config.qk_norm:
+            return None
+        if any(window is not None for window in config.sliding_windows):
+            return None
+        backend = model.layers[0].self_attn.backend
+        weight = model.embed_tokens.weight
+        if not isinstance(backend, TorchPagedAttention) or backend.kernels is not kernels:
+            return None
+        if weight.device.type != "cpu" or not kernels.layer_ops_apply(weight):
+            return None
+        if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
+            return None
+        for layer in model.layers:
+            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                       layer.mlp.down_proj)
+            if any(linear.row_weight is None for linear in linears) or layer.self_attn.backend is not backend:
+                return None
+        return NativeDecode(model, kernels, backend)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+            kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the last layer's output, the residual stream) of a pure decode step, or None where this
+        step needs the Python path (another cache layout, or shared-prefix groups without the
+        prefix kernel)."""
+        model, config, backend = self.model, self.model.config, self.backend
+        k_cache = kv_caches[0][0]
+        block_size = k_cache.shape[-2]
+        if metadata.num_prefills or block_size != metadata.block_size or not backend._uses_kernel(k_cache):
+            return None
+        group = config.num_heads // config.num_kv_heads
+        plan = backend.decode_plan(metadata, None, config.num_kv_heads, True,
+                                   backend._min_group_rows(self.dtype, k_cache, group, True))
+        if plan.prefix_batches and not (backend._uses_prefix_kernel(self.dtype, k_cache)
+                                        and self.kernels.has_prefix_decode_layers):
+            return None
+        rows, hidden_size, head_dim = int(input_ids.shape[0]), config.hidden_size, config.head_dim
+        q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
+        residual = model.embed_tokens(input_ids)
+        cos, sin = model.rotary(positions, self.dtype)
+        cos, sin = (part.reshape(rows, head_dim // 2).contiguous() for part in (cos, sin))
+        write_rows = backend.write_rows(metadata, config.num_kv_heads)
+        assert plan.own_tables is not None and plan.own_tokens is not None and plan.own_first is not None
+        tables = plan.own_tables.contiguous()
+        tokens, first = plan.own_tokens.contiguous(), plan.own_first.contiguous()
+
+        def buffer(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype or self.dtype)
+
+        step = _Step(layers=config.num_layers, rows=rows, hidden_size=hidden_size, heads=config.num_heads,
+                     kv_heads=config.num_kv_heads, head_dim=head_dim, intermediate=config.intermediate_size,
+                     block_size=block_size, bf16=int(self.dtype == torch.bfloat16), eps=config.rms_norm_eps,
+                     scale=head_dim ** -0.5, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                     write_rows=write_rows.data_ptr(), tables=tables.data_ptr(),
+                     table_stride=tables.stride(0),
+                     tokens=tokens.data_ptr(), first=first.data_ptr(), threads=torch.get_num_threads())
+        keep = [cos, sin, tables, tokens, first]  # alive until the call returns
+        if plan.prefix_batches:
+            keep += self._prefix_batches(step, plan.prefix_batches, config.num_kv_heads, head_dim, block_size,
+                                         rows)
+        hidden = buffer(rows, hidden_size)
+        buffers = {"residual": residual, "hidden": hidden, "normed": buffer(rows, hidden_size),
+                   "qkv_out": buffer(rows, q_size + 2 * kv_size), "q": buffer(rows, q_size),
+                   "attn": buffer(rows, q_size), "lse": buffer(rows, config.num_heads, dtype=torch.float32),
+                   "gate_up_out": buffer(rows, 2 * config.intermediate_size),
+                   "act": buffer(rows, config.intermediate_size)}
+        for name, tensor in buffers.items():
+            setattr(step, name, tensor.data_ptr())
+        for entry, cache in zip(self.layers, kv_caches, strict=True):
+            entry.k_cache, entry.v_cache = cache[0].data_ptr(), cache[1].data_ptr()
+        self.kernels.decode_layers(self.layers, step)
+        del keep
+        return hidden, residual
+
+    def _prefix_batches(self, step: _Step, batches: list, kv_heads: int, head_dim: int, block_size: int,
+                        rows: int) -> list[torch.Tensor]:
+        """Fill the step's shared-prefix fields; returns the tensors they point into."""
+        info, row_lists, block_lists, row_at, block_at, scratch = [], [], [], 0, 0, 0
+        for batch in batches:
+            groups, shared = batch.block_ids.shape
+            info += [groups, batch.rows.numel() // groups, shared, row_at, block_at]
+            row_lists.append(batch.rows.reshape(-1))
+            block_lists.append(batch.block_ids.reshape(-1))
+            row_at += batch.rows.numel()
+            block_at += batch.block_ids.numel()
+            length = shared * block_size
+            scratch = max(scratch, groups * kv_heads * (length + -(-length // 32) * 32) * head_dim)
+        info_t = torch.tensor(info, dtype=torch.int64)
+        rows_t = torch.cat(row_lists).to(torch.int64).contiguous()
+        blocks_t = torch.cat(block_lists).to(torch.int64).contiguous()
+        packed = self.kernels._scratch_buffer("prefix", scratch, torch.bfloat16)
+        init_out = torch.empty(rows, self.model.config.num_heads * head_dim, dtype=self.dtype)
+        init_lse = torch.empty(rows, self.model.config.num_heads, dtype=torch.float32)
+        step.prefix_batches = len(batches)
+        step.prefix_info, step.prefix_rows = info_t.data_ptr(), rows_t.data_ptr()
+        step.prefix_blocks, step.prefix_scratch = blocks_t.data_ptr(), packed.data_ptr()
+        step.init_out, step.init_lse = init_out.data_ptr(), init_lse.data_ptr()
+        return [info_t, rows_t, blocks_t, packed, init_out, init_lse]

@@ -1,0 +1,91 @@
+"""Pure decode steps through the native layer driver (engine/models/native_decode.py) give exactly
+the bits of the Python path: the same greedy tokens and the same logprobs, in fp32 and bf16, with
+biases (Qwen2), and in bf16 with shared-prefix groups through the prefix kernel where the CPU has
+one. Models it does not fit (q/k norms, sliding windows) keep the Python path."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from transformers import MistralConfig
+
+from engine import LLM, SamplingParams, cpu_kernels
+from engine.attention import TorchPagedAttention
+from engine.models.loader import load_model
+from engine.models.native_decode import NativeDecode
+from tests.engine.test_model_vs_transformers import SMALL, save_random_model
+
+
+def prompts_with_a_shared_instruction(seed: int = 3, vocab: int = 8192) -> list[list[int]]:
+    """20 rows under one 64-token instruction (a decode group in bf16 on the prefix kernel) and 4
+    rows of their own, of varied lengths."""
+    rng = random.Random(seed)
+    instruction = [rng.randrange(5, vocab) for _ in range(64)]
+    shared = [instruction + [rng.randrange(5, vocab) for _ in range(rng.randrange(1, 30))]
+              for _ in range(20)]
+    return shared + [[rng.randrange(5, vocab) for _ in range(n)] for n in (3, 17, 40, 90)]
+
+
+def native_runs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts of the steps the native path ran, and of those with shared-prefix groups."""
+    counts = {"steps": 0, "with_groups": 0}
+    native = llm.engine.model.native_decode
+    run, prefix = native.run, native._prefix_batches
+
+    def counting_run(*args, **kwargs):
+        result = run(*args, **kwargs)
+        counts["steps"] += result is not None
+        return result
+
+    def counting_prefix(*args, **kwargs):
+        counts["with_groups"] += 1
+        return prefix(*args, **kwargs)
+
+    monkeypatch.setattr(native, "run", counting_run)
+    monkeypatch.setattr(native, "_prefix_batches", counting_prefix)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_factory, monkeypatch, arch: str,
+                                                                  dtype: str) -> None:
+    model_dir = str(checkpoint_factory(arch=arch, preset="small"))
+    native = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
+    kernels = native.engine.model.layers[0].self_attn.backend.kernels
+    if kernels is None or native.engine.dtype_choice.torch_dtype not in kernels.row_gemm_dtypes:
+        # Without the row kernel for this dtype on this CPU the native path does not apply.
+        assert native.engine.model.native_decode is None
+        return
+    assert native.engine.model.native_decode is not None
+    python = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
+    python.engine.model.native_decode = None
+    counts = native_runs(native, monkeypatch)
+    prompts = prompts_with_a_shared_instruction()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    ours, theirs = native.generate(prompts, params), python.generate(prompts, params)
+    for a, b in zip(ours, theirs, strict=True):
+        assert a.token_ids == b.token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs  # every logprob to the last bit
+    assert counts["steps"] >= 20
+    torch_dtype = native.engine.dtype_choice.torch_dtype
+    if dtype == "bfloat16" and kernels.supports_prefix_attention(torch_dtype, 64, 16):
+        assert counts["with_groups"] > 0
+
+
+def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_path) -> None:
+    """Qwen3's q/k norms and a sliding window are not in the native driver."""
+    window = MistralConfig(**SMALL, sliding_window=8, architectures=["MistralForCausalLM"])
+    kernels = cpu_kernels.load()
+    for model_dir in (checkpoint_factory(arch="qwen3"), save_random_model(window, tmp_path / "window")):
+        model = load_model(model_dir, TorchPagedAttention(kernels=kernels))
+        model.use_cpu_kernels(kernels)
+        assert model.native_decode is None
+
+
+def test_turning_the_kernels_off_turns_the_native_path_off(tiny_checkpoint) -> None:
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
+    llm.engine.model.use_cpu_kernels(None)
+    assert llm.engine.model.native_decode is None
+    assert NativeDecode.for_model(llm.engine.model, None) is None
