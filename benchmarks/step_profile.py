@@ -1,8 +1,9 @@
 """`bulkinfer bench step`: where one decode step's time goes, at a given batch.
 
 Fills the engine with `--rows` requests under a few shared instructions (the shape of a batch job),
-runs their prefill, then times `--steps` pure decode steps twice: plainly (the figure that counts),
-then under cProfile, whose per-function times are summed into what a step does: the matrix
+runs their prefill, then times `--steps` pure decode steps: plainly (the figure that counts: the
+native decode path where it applies), plainly on the Python path, then the Python path under
+cProfile, whose per-function times are summed into what a step does: the matrix
 multiplications (oneDNN / BLAS linear layers and the LM head), attention (the native decode and
 prefix kernels, SDPA), the fused layer ops (norms, rotary, SiLU, K/V stores), sampling, scheduling
 and batch preparation, and the rest (Python between the ops, the model's own glue). cProfile adds
@@ -77,16 +78,18 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     [workload] = make_workloads(["shared-4x400"], len(tokenizer), set(tokenizer.all_special_ids),
                                 scale=args.rows / 256)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=2 * args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 8, ignore_eos=True)
     for index, prompt in enumerate(workload.prompts):
         engine.add_request(f"r{index}", prompt, params)
     while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                               for r in engine.scheduler.running):
         engine.step()
-    started = time.perf_counter()
-    for _ in range(args.steps):
-        engine.step()
-    plain_ms = (time.perf_counter() - started) / args.steps * 1e3
+    plain_ms = _step_ms(engine, args.steps)
+    # The native decode path runs every layer in one C call, which cProfile cannot split: the parts
+    # are those of the Python path (the same kernels, one call each), timed plainly too.
+    native = engine.model.native_decode
+    engine.model.native_decode = None
+    python_ms = _step_ms(engine, args.steps)
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
@@ -94,16 +97,27 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         engine.step()
     profiler.disable()
     profiled_s = time.perf_counter() - started
+    engine.model.native_decode = native
     parts = categorize(pstats.Stats(profiler), profiled_s)
     rows = len(engine.scheduler.running)
     print(f"model: {model_dir}; dtype {llm.dtype_choice.dtype}; {rows} rows decoding; "
           f"torch threads {torch.get_num_threads()}")
-    print(f"decode step: {plain_ms:.1f} ms plain, {profiled_s / args.steps * 1e3:.1f} ms under cProfile")
+    path = ("native decode path (every layer in one call)" if native is not None
+            else "Python path (the native one does not apply here)")
+    print(f"decode step: {plain_ms:.1f} ms plain, {path}; Python path {python_ms:.1f} ms plain, "
+          f"{profiled_s / args.steps * 1e3:.1f} ms under cProfile, split:")
     print("| part of the step | ms / step (profiled) | share |")
     print("| --- | ---: | ---: |")
     for name, seconds in parts.items():
         print(f"| {name} | {seconds / args.steps * 1e3:.1f} | {seconds / profiled_s:.0%} |")
     return 0
+
+
+def _step_ms(engine: object, steps: int) -> float:
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()  # type: ignore[attr-defined]
+    return (time.perf_counter() - started) / steps * 1e3
 
 
 if __name__ == "__main__":

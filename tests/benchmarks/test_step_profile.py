@@ -20,6 +20,7 @@ def test_a_step_profile_names_every_part_and_the_shares_add_up(capsys: pytest.Ca
     assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--rows", "16", "--steps", "3"]) == 0
     printed = capsys.readouterr().out
     assert "16 rows decoding" in printed and re.search(r"decode step: [\d.]+ ms plain", printed)
+    assert re.search(r"Python path [\d.]+ ms plain", printed)  # the native path's step beside it
     shares = dict(re.findall(r"^\| ([a-z][^|]*?) \| [\d.]+ \| (\d+)% \|$", printed, re.M))
     assert set(shares) == {*CATEGORIES, "other (Python, glue)"}
     assert int(shares["matmul"]) > 0 and int(shares["attention"]) > 0
