@@ -316,6 +316,12 @@ def attention_with_lse(
 # slower, 16 rows (48) and more 10-20% faster: one whole item of 32 queries.
 PREFIX_KERNEL_MIN_QUERIES = 32
 NO_GROUP = 1 << 62  # a min_rows no group reaches
+# fp32 decode groups through the causal kernel (its queries over the group's shared blocks, then each
+# row's own part continuing that softmax in the decode kernel) pay from 16 rows reading 200+ shared
+# tokens, or 64 rows over 64 (a layer of SmolLM2 in cache: 1.26x at 16 x 400 tokens, 1.60x at 64 x
+# 400, 0.92x at 8 x 400, 0.96x at 32 x 64); from memory they pay more.
+CAUSAL_CASCADE_MIN_ROWS = 16
+CAUSAL_CASCADE_MIN_SAVED_TOKENS = 3072
 
 
 class TorchPagedAttention(AttentionBackend):
@@ -399,14 +405,27 @@ class TorchPagedAttention(AttentionBackend):
 
     def decode_plan(
         self, metadata: AttentionMetadata, sliding_window: int | None, num_kv_heads: int,
-        for_kernel: bool = False, min_rows: int = 2,
+        for_kernel: bool = False, min_rows: int = 2, min_shared_tokens: int | None = None,
     ) -> DecodePlan:
-        key = ("decode_plan", sliding_window, min_rows)
+        min_shared = self.min_shared_tokens if min_shared_tokens is None else min_shared_tokens
+        key = ("decode_plan", sliding_window, min_rows, min_shared)
         if key not in metadata.step_cache:
             metadata.step_cache[key] = plan_decode(
-                metadata, sliding_window, self.min_shared_tokens, num_kv_heads, for_kernel, min_rows
+                metadata, sliding_window, min_shared, num_kv_heads, for_kernel, min_rows
             )
         return metadata.step_cache[key]  # type: ignore[return-value]
+
+    def plan_for_decode(self, metadata: AttentionMetadata, sliding_window: int | None, k_cache: torch.Tensor,
+                        dtype: torch.dtype, group: int) -> tuple[DecodePlan, bool]:
+        """This step's decode plan for queries of `dtype` (`group` query heads a kv head) and
+        whether the native decode kernel runs it: the grouping rules of the path that will run."""
+        use_kernel = self._uses_kernel(k_cache)
+        min_rows = self._min_group_rows(dtype, k_cache, group, use_kernel)
+        prefix_kernel = self._uses_prefix_kernel(dtype, k_cache)
+        causal_groups = use_kernel and not prefix_kernel and self._uses_causal_kernel(dtype, k_cache)
+        min_shared = max(self.min_shared_tokens, CAUSAL_CASCADE_MIN_SAVED_TOKENS) if causal_groups else None
+        plan = self.decode_plan(metadata, sliding_window, k_cache.shape[-3], use_kernel, min_rows, min_shared)
+        return plan, use_kernel
 
     def _uses_kernel(self, k_cache: torch.Tensor) -> bool:
         return (self.kernels is not None and k_cache.device.type == "cpu"
@@ -454,6 +473,19 @@ class TorchPagedAttention(AttentionBackend):
             for batch in plan.prefix_batches:  # AMX, straight from the cache into the buffers
                 self.kernels.prefix_attention(q, k_cache, v_cache, batch.rows, batch.block_ids, *initial)
             return initial
+        if self._uses_causal_kernel(q.dtype, k_cache):
+            # fp32: each group's queries over its shared blocks in one call of the causal kernel
+            # (every query sees every key), K packed once for all of them.
+            block_size = k_cache.shape[-2]
+            for batch in plan.prefix_batches:
+                n = len(batch.rows) // batch.groups
+                for g in range(batch.groups):
+                    rows = batch.rows[g * n:(g + 1) * n]
+                    shared = batch.block_ids.shape[1] * block_size
+                    out, lse = self.kernels.causal_attention(q[rows], k_cache, v_cache, batch.block_ids[g],
+                                                             shared, keys=shared, with_lse=True)
+                    initial[0][rows], initial[1][rows] = out, lse
+            return initial
         for batch in plan.prefix_batches:
             shared_out, shared_lse = self._attend_prefixes(q, k_cache, v_cache, batch)
             initial[0][batch.rows], initial[1][batch.rows] = shared_out, shared_lse
@@ -495,9 +527,7 @@ class TorchPagedAttention(AttentionBackend):
         num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[-3]
         group = num_heads // num_kv_heads
-        use_kernel = self._uses_kernel(k_cache)
-        plan = self.decode_plan(metadata, sliding_window, num_kv_heads, use_kernel,
-                                self._min_group_rows(query.dtype, k_cache, group, use_kernel))
+        plan, use_kernel = self.plan_for_decode(metadata, sliding_window, k_cache, query.dtype, group)
         q = query.view(num_rows, num_kv_heads, group, head_dim)
         if use_kernel:
             q = q.contiguous()  # once for both kernels (the query is a view into the fused QKV output)
@@ -517,16 +547,17 @@ class TorchPagedAttention(AttentionBackend):
     def _min_group_rows(self, dtype: torch.dtype, k_cache: torch.Tensor, group: int, use_kernel: bool) -> int:
         """The fewest rows a decode group needs to be attended as a shared prefix. The prefix kernel
         packs a group's shared K/V, then attends it in items of 32 queries: smaller groups are cheaper
-        read by the decode kernel in each row's own part. Without the prefix kernel, the decode
-        kernel reads every row's shared blocks straight from the cache faster than SDPA's flash call
-        over the group plus the continuation (fp32 SmolLM2, 4 x 400-token instructions, steps
-        alternating between the two on AVX-512: 6-20% faster at 8-256 rows without groups), so
-        there are none. The PyTorch
+        read by the decode kernel in each row's own part. In fp32 the causal kernel attends a group
+        (CAUSAL_CASCADE_MIN_ROWS; SDPA's flash call per group plus the continuation had been
+        slower than no groups at all: 6-20% at 8-256 rows). Without either, the decode kernel reads
+        every row's shared blocks straight from the cache, so there are no groups. The PyTorch
         path (no decode kernel) groups rows to gather the shared blocks once."""
         if not use_kernel:
             return 2
         if self._uses_prefix_kernel(dtype, k_cache):
             return -(-PREFIX_KERNEL_MIN_QUERIES // group)
+        if self._uses_causal_kernel(dtype, k_cache):
+            return CAUSAL_CASCADE_MIN_ROWS
         return NO_GROUP
 
     def prefill_groups(self, metadata: AttentionMetadata) -> list[PrefillGroup]:

@@ -37,7 +37,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 11
+ABI_VERSION = 12
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -77,8 +77,8 @@ class CpuKernels:
         # Scratch the kernels pack K/V into, reused call to call: one per calling thread, since two
         # engines of one process (a worker serving two models) call these kernels at the same time.
         self._scratch = threading.local()
-        self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 6
-                                    + [ctypes.c_float, _POINTER, _POINTER])
+        self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 7
+                                    + [ctypes.c_float, _POINTER, _POINTER, _POINTER])
         # Projections of single-token rows (row_gemm.c): fp32 where the build has AVX-512 and the CPU is
         # Intel's (where its MKL also runs the other rows fast, see row_gemm_dtypes), bf16 on AMX.
         self.row_gemm_dtypes = row_gemm_dtypes(self.vector_lanes, int(library.row_gemm_bf16_available()) == 1)
@@ -197,29 +197,35 @@ class CpuKernels:
         return dtype == torch.float32 and head_dim in CAUSAL_HEAD_DIMS and head_dim % self.vector_lanes == 0
 
     def causal_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         block_ids: torch.Tensor, causal_base: int) -> torch.Tensor:
-        """fp32 causal prefill of a chunk ``query [n, kv_heads, Q, dim]`` whose K/V are already in the
-        cache ``[blocks, kv_heads, block_size, dim]`` after ``causal_base`` tokens of context, all
-        along ``block_ids``: token i sees the first ``causal_base + i + 1`` keys. Returns the output,
-        shaped like ``query``."""
+                         block_ids: torch.Tensor, causal_base: int, keys: int | None = None,
+                         with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """fp32 attention of ``query [n, kv_heads, Q, dim]`` over the first ``keys`` tokens along
+        ``block_ids`` of the cache ``[blocks, kv_heads, block_size, dim]``: token i sees the first
+        ``min(causal_base + i + 1, keys)`` of them. A prefill chunk after ``causal_base`` tokens of
+        context (its K/V already in the cache): ``keys`` None, i.e. ``causal_base + n``; a decode
+        group's shared prefix: ``causal_base = keys``, every query sees every key. Returns the
+        output, shaped like ``query``, and with ``with_lse`` the log-sum-exp of each query's scaled
+        scores ``[n, kv_heads, Q]`` (to continue it, as decode_attention's ``initial``)."""
         length, kv_heads, queries, head_dim = query.shape
         block_size = k_cache.shape[-2]
-        keys = causal_base + length
+        keys = causal_base + length if keys is None else keys
         _require(self.supports_causal_attention(query.dtype, head_dim)
                  and query.dtype == k_cache.dtype == v_cache.dtype
                  and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
                  and all(t.is_contiguous() for t in (query, k_cache, v_cache))
-                 and block_ids.dtype == torch.int64 and causal_base >= 0 and length > 0
+                 and block_ids.dtype == torch.int64 and causal_base >= 0 and length > 0 and keys > 0
                  and block_ids.numel() * block_size >= keys, "causal_attention")
         block_ids = block_ids.contiguous()
         step = 4 * self.vector_lanes  # the kernel's keys per score block
         needed = kv_heads * -(-keys // step) * step * head_dim
         packed = self._scratch_buffer("causal", needed, torch.float32)  # K transposed VL keys at a time
         out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32) if with_lse else None
         self._causal_f32(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
-                         length, kv_heads, queries, head_dim, block_size, causal_base, head_dim ** -0.5,
-                         packed.data_ptr(), out.data_ptr(), torch.get_num_threads())
-        return out
+                         length, kv_heads, queries, head_dim, block_size, causal_base, keys, head_dim ** -0.5,
+                         packed.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
+                         torch.get_num_threads())
+        return (out, lse) if lse is not None else out
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rows: torch.Tensor) -> None:

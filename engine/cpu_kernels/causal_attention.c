@@ -52,7 +52,7 @@ static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, i
 static inline __attribute__((always_inline)) void causal_item(
         const float* q, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n, int64_t H,
         int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
-        const float* keys, float* out) {
+        const float* keys, float* out, float* lse) {
     const int64_t M = n * Q;
     float* scores = (float*)thread_scratch(&causal_buffer, &causal_capacity, (ITEM * Lp + ITEM * D) * 4);
     float* queries = scores + ITEM * Lp;  /* [ITEM, D], zero for padding */
@@ -119,7 +119,9 @@ static inline __attribute__((always_inline)) void causal_item(
         float rest = 0.0f;
         for (; key < limit[t]; key++) rest += s[key] = expf(s[key] - top[t]);
         memset(s + limit[t], 0, (size_t)(span - limit[t]) * 4);
-        inverse[t] = 1.0f / (hsum(sum) + rest);
+        const float total = hsum(sum) + rest;
+        inverse[t] = 1.0f / total;
+        if (lse) lse[at[t]] = top[t] + logf(total);  /* the scores are scaled already */
     }
     /* P x V: QB queries' D / VL output vectors in registers, V rows read from the cache */
     const int VECS = (int)(D / VL), QB = VECS >= PV_ACC ? 1 : PV_ACC / VECS;  /* QB * VECS <= PV_ACC accumulators */
@@ -151,12 +153,15 @@ static inline __attribute__((always_inline)) void causal_item(
 }
 
 #define CAUSAL_ITEM(DIM) causal_item(q, vc, blocks, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, scale, \
-                                     packed + h * Lp * DIM, out)
+                                     packed + h * Lp * DIM, out, lse)
 
+/* L keys along `blocks`; query token i sees the first min(causal_base + i + 1, L) of them (a prefill
+ * chunk: L = causal_base + n; a decode group's shared prefix: causal_base = L, every query sees all).
+ * lse (NULL: not written) gets each query's log-sum-exp of its scaled scores, [n, H, Q]. */
 void causal_attention_f32(const float* q, const float* kc, const float* vc, const int64_t* blocks, int64_t n,
-                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, float scale,
-                          float* packed, float* out, int nt) {
-    const int64_t L = causal_base + n, Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, int64_t L, float scale,
+                          float* packed, float* out, float* lse, int nt) {
+    const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const int64_t tiles = (n * Q + ITEM - 1) / ITEM;
     #pragma omp parallel num_threads(nt)
     {

@@ -37,6 +37,8 @@ void row_gemm_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, u
                    int64_t, int64_t, int);
 void row_gemm_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                   int);
+void causal_attention_f32(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
+                          int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
 __attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*,
                                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
@@ -71,13 +73,17 @@ typedef struct {
     int64_t table_stride;
     const int64_t* tokens;      /* [rows] tokens of each row's own part */
     const int64_t* first;       /* [rows] first visible token of it */
-    /* Shared prefixes (bf16 with the prefix kernel): batch b is info[5b..]: groups, rows per group,
-     * blocks per group, its first entry in prefix_rows, its first entry in prefix_blocks. */
+    /* Shared prefixes (bf16: the prefix kernel; fp32: the causal kernel, a group at a time): batch b
+     * is info[5b..]: groups, rows per group, blocks per group, its first entry in prefix_rows, its
+     * first entry in prefix_blocks. */
     int64_t prefix_batches;
     const int64_t* prefix_info;
     const int64_t* prefix_rows;
     const int64_t* prefix_blocks;
-    void* prefix_scratch;
+    void* prefix_scratch;  /* the prefix kernel's packed K/V, or the causal kernel's packed K */
+    float* group_q;        /* fp32: a group's queries gathered [rows per group, heads head_dim] */
+    float* group_out;      /* fp32: their output, likewise */
+    float* group_lse;      /* fp32: their log-sum-exps [rows per group, heads] */
     /* Buffers: residual holds the embeddings on entry and the residual stream on return, hidden
      * the last layer's output; the rest are scratch of the sizes their names say. */
     void* residual;      /* [rows, hidden] */
@@ -116,9 +122,27 @@ static void attend(const decode_step* s, const decode_layer* w) {
         for (int64_t i = 0; i < s->rows * s->heads; i++) s->init_lse[i] = -INFINITY;
         for (int64_t b = 0; b < s->prefix_batches; b++) {
             const int64_t* info = s->prefix_info + 5 * b;
-            prefix_attention_bf16(s->q, w->k_cache, w->v_cache, s->prefix_rows + info[3], s->prefix_blocks + info[4],
-                                  info[0], info[1], info[2], s->kv_heads, Q, D, s->block_size, -1, s->scale,
-                                  s->prefix_scratch, s->init_out, s->init_lse, nt);
+            if (s->bf16) {
+                prefix_attention_bf16(s->q, w->k_cache, w->v_cache, s->prefix_rows + info[3],
+                                      s->prefix_blocks + info[4], info[0], info[1], info[2], s->kv_heads, Q, D,
+                                      s->block_size, -1, s->scale, s->prefix_scratch, s->init_out, s->init_lse, nt);
+                continue;
+            }
+            /* fp32: a group's queries gathered, through the causal kernel (every query sees every
+             * shared key), their outputs and log-sum-exps scattered back */
+            const int64_t n = info[1], keys = info[2] * s->block_size, width = s->heads * D;
+            for (int64_t g = 0; g < info[0]; g++) {
+                const int64_t* rows = s->prefix_rows + info[3] + g * n;
+                for (int64_t i = 0; i < n; i++)
+                    memcpy(s->group_q + i * width, (const float*)s->q + rows[i] * width, (size_t)width * 4);
+                causal_attention_f32(s->group_q, w->k_cache, w->v_cache, s->prefix_blocks + info[4] + g * info[2],
+                                     n, s->kv_heads, Q, D, s->block_size, keys, keys, s->scale, s->prefix_scratch,
+                                     s->group_out, s->group_lse, nt);
+                for (int64_t i = 0; i < n; i++) {
+                    memcpy((float*)s->init_out + rows[i] * width, s->group_out + i * width, (size_t)width * 4);
+                    memcpy(s->init_lse + rows[i] * s->heads, s->group_lse + i * s->heads, (size_t)s->heads * 4);
+                }
+            }
         }
         init_out = s->init_out;
         init_lse = s->init_lse;
@@ -133,7 +157,7 @@ static void attend(const decode_step* s, const decode_layer* w) {
                              s->lse, nt);
 }
 
-int decode_layers_can_attend_prefixes(void) { return prefix_attention_bf16 != NULL; }
+int decode_layers_can_attend_prefixes(void) { return prefix_attention_bf16 != NULL; }  /* bf16 groups */
 
 void decode_layers(const decode_layer* layers, const decode_step* s) {
     const int nt = (int)s->threads;

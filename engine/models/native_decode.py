@@ -38,7 +38,7 @@ class _Step(ctypes.Structure):
         ("cos", _P), ("sin", _P), ("write_rows", _P), ("tables", _P), ("table_stride", ctypes.c_int64),
         ("tokens", _P), ("first", _P),
         ("prefix_batches", ctypes.c_int64), ("prefix_info", _P), ("prefix_rows", _P), ("prefix_blocks", _P),
-        ("prefix_scratch", _P),
+        ("prefix_scratch", _P), ("group_q", _P), ("group_out", _P), ("group_lse", _P),
         *[(name, _P) for name in ("residual", "hidden", "normed", "qkv_out", "q", "attn", "init_out",
                                   "init_lse", "lse", "gate_up_out", "act")],
         ("threads", ctypes.c_int64),
@@ -101,10 +101,8 @@ class NativeDecode:
         if metadata.num_prefills or block_size != metadata.block_size or not backend._uses_kernel(k_cache):
             return None
         group = config.num_heads // config.num_kv_heads
-        plan = backend.decode_plan(metadata, None, config.num_kv_heads, True,
-                                   backend._min_group_rows(self.dtype, k_cache, group, True))
-        if plan.prefix_batches and not (backend._uses_prefix_kernel(self.dtype, k_cache)
-                                        and self.kernels.has_prefix_decode_layers):
+        plan, _ = backend.plan_for_decode(metadata, None, k_cache, self.dtype, group)
+        if plan.prefix_batches and not self._attends_groups(k_cache):
             return None
         rows, hidden_size, head_dim = int(input_ids.shape[0]), config.hidden_size, config.head_dim
         q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
@@ -144,10 +142,19 @@ class NativeDecode:
         del keep
         return hidden, residual
 
+    def _attends_groups(self, k_cache: torch.Tensor) -> bool:
+        """Whether decode_layers.c can attend this step's shared-prefix groups: in bf16 with the
+        prefix kernel (the attention backend's rule for it), in fp32 with the causal kernel."""
+        if self.dtype == torch.bfloat16:
+            return (self.backend._uses_prefix_kernel(self.dtype, k_cache)
+                    and self.kernels.has_prefix_decode_layers)
+        return self.dtype == torch.float32 and self.backend._uses_causal_kernel(self.dtype, k_cache)
+
     def _prefix_batches(self, step: _Step, batches: list, kv_heads: int, head_dim: int, block_size: int,
                         rows: int) -> list[torch.Tensor]:
         """Fill the step's shared-prefix fields; returns the tensors they point into."""
-        info, row_lists, block_lists, row_at, block_at, scratch = [], [], [], 0, 0, 0
+        config = self.model.config
+        info, row_lists, block_lists, row_at, block_at, scratch, most_rows = [], [], [], 0, 0, 0, 0
         for batch in batches:
             groups, shared = batch.block_ids.shape
             info += [groups, batch.rows.numel() // groups, shared, row_at, block_at]
@@ -155,16 +162,29 @@ class NativeDecode:
             block_lists.append(batch.block_ids.reshape(-1))
             row_at += batch.rows.numel()
             block_at += batch.block_ids.numel()
+            most_rows = max(most_rows, batch.rows.numel() // groups)
             length = shared * block_size
-            scratch = max(scratch, groups * kv_heads * (length + -(-length // 32) * 32) * head_dim)
+            if self.dtype == torch.bfloat16:  # the prefix kernel packs every group's K and V at once
+                scratch = max(scratch, groups * kv_heads * (length + -(-length // 32) * 32) * head_dim)
+            else:  # the causal kernel packs one group's K, VL keys at a time in blocks of 4 VL
+                step_keys = 4 * self.kernels.vector_lanes
+                scratch = max(scratch, kv_heads * -(-length // step_keys) * step_keys * head_dim)
         info_t = torch.tensor(info, dtype=torch.int64)
         rows_t = torch.cat(row_lists).to(torch.int64).contiguous()
         blocks_t = torch.cat(block_lists).to(torch.int64).contiguous()
-        packed = self.kernels._scratch_buffer("prefix", scratch, torch.bfloat16)
-        init_out = torch.empty(rows, self.model.config.num_heads * head_dim, dtype=self.dtype)
-        init_lse = torch.empty(rows, self.model.config.num_heads, dtype=torch.float32)
+        name = "prefix" if self.dtype == torch.bfloat16 else "causal"
+        packed = self.kernels._scratch_buffer(name, scratch, self.dtype)
+        init_out = torch.empty(rows, config.num_heads * head_dim, dtype=self.dtype)
+        init_lse = torch.empty(rows, config.num_heads, dtype=torch.float32)
         step.prefix_batches = len(batches)
         step.prefix_info, step.prefix_rows = info_t.data_ptr(), rows_t.data_ptr()
         step.prefix_blocks, step.prefix_scratch = blocks_t.data_ptr(), packed.data_ptr()
         step.init_out, step.init_lse = init_out.data_ptr(), init_lse.data_ptr()
-        return [info_t, rows_t, blocks_t, packed, init_out, init_lse]
+        keep = [info_t, rows_t, blocks_t, packed, init_out, init_lse]
+        if self.dtype == torch.float32:
+            group_q = torch.empty(most_rows, config.num_heads * head_dim)
+            group_out, group_lse = torch.empty_like(group_q), torch.empty(most_rows, config.num_heads)
+            step.group_q, step.group_out = group_q.data_ptr(), group_out.data_ptr()
+            step.group_lse = group_lse.data_ptr()
+            keep += [group_q, group_out, group_lse]
+        return keep

@@ -177,6 +177,34 @@ def test_causal_attention_matches_the_formula_in_fp32(kernels: CpuKernels, head_
         torch.testing.assert_close(out[i], expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(("rows", "shared_blocks"), [(16, 13), (5, 4), (40, 1)])
+def test_causal_kernel_attends_a_decode_groups_shared_prefix_for_the_decode_kernel_to_continue(
+        kernels: CpuKernels, rows: int, shared_blocks: int) -> None:
+    """fp32 decode groups: every query of the group over all the shared keys (out and log-sum-exp),
+    then each row's own part through the decode kernel continuing it: the attention over the whole
+    context, within fp32 rounding."""
+    if not kernels.supports_causal_attention(torch.float32, 64):
+        return
+    generator = torch.Generator().manual_seed(rows)
+    k_cache = torch.randn(100, 3, 16, 64, generator=generator)
+    v_cache = torch.randn(100, 3, 16, 64, generator=generator)
+    shared = torch.arange(1, 1 + shared_blocks)
+    own = torch.arange(20, 20 + 2 * rows).view(rows, 2)
+    own_counts = torch.randint(1, 33, (rows,), generator=generator)
+    q = torch.randn(rows, 3, 3, 64, generator=generator)
+    keys = shared_blocks * 16
+    out, lse = kernels.causal_attention(q, k_cache, v_cache, shared, keys, keys=keys, with_lse=True)
+    for r in range(rows):
+        expected, expected_lse = reference_attention(q[r], k_cache, v_cache, shared, 0, keys)
+        torch.testing.assert_close(out[r], expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(lse[r], expected_lse, atol=1e-5, rtol=1e-5)
+    whole, _ = kernels.decode_attention(q, k_cache, v_cache, torch.cat([shared.expand(rows, -1), own], 1),
+                                        own_counts + keys, torch.zeros(rows, dtype=torch.long))
+    zeros = torch.zeros(rows, dtype=torch.long)
+    merged, _ = kernels.decode_attention(q, k_cache, v_cache, own, own_counts, zeros, (out, lse))
+    torch.testing.assert_close(merged, whole, atol=2e-5, rtol=1e-5)
+
+
 def test_causal_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
     cache = torch.zeros(4, 1, 16, 64)
     q, table = torch.zeros(2, 1, 1, 64), torch.ones(1, dtype=torch.long)

@@ -213,14 +213,19 @@ def test_string_prompts_are_tokenized_and_detokenized(tiny_checkpoint):
 def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory, dtype, monkeypatch):
     """Decode groups (rows attending a shared instruction once) form only where the measured rule
     says they pay: through the prefix kernel (bf16, AMX / AVX512-BF16) for groups of at least 32
-    queries per kv head; never beside the native decode kernel without it (it reads every row's
-    shared blocks faster than a flash call per group); always on the PyTorch path. Outputs match
-    transformers either way."""
-    from engine.attention import NO_GROUP, PREFIX_KERNEL_MIN_QUERIES, TorchPagedAttention
+    queries per kv head; beside the native decode kernel without it (fp32), through the causal
+    kernel for groups of at least 16 rows that save 3,072 token reads (here 24 rows under 160
+    tokens); always on the PyTorch path. Outputs match transformers either way."""
+    from engine.attention import (
+        CAUSAL_CASCADE_MIN_ROWS,
+        NO_GROUP,
+        PREFIX_KERNEL_MIN_QUERIES,
+        TorchPagedAttention,
+    )
 
     model_dir = str(checkpoint_factory(arch="llama"))
     rng = random.Random(11)
-    instruction = [rng.randrange(5, 2048) for _ in range(64)]
+    instruction = [rng.randrange(5, 2048) for _ in range(160)]
     prompts = [instruction + [rng.randrange(5, 2048) for _ in range(1 + i % 9)] for i in range(24)]
     llm = LLM(model=model_dir, device=TEST_DEVICE, num_kv_blocks=512, dtype=dtype)
     backend = llm.engine.model.layers[0].self_attn.backend
@@ -229,9 +234,11 @@ def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory,
     rules, plans = [], []
     original = TorchPagedAttention.decode_plan
 
-    def recorded(self, metadata, sliding_window, num_kv_heads, for_kernel=False, min_rows=2):
+    def recorded(self, metadata, sliding_window, num_kv_heads, for_kernel=False, min_rows=2,
+                 min_shared_tokens=None):
         rules.append(min_rows)
-        plans.append(original(self, metadata, sliding_window, num_kv_heads, for_kernel, min_rows))
+        plans.append(original(self, metadata, sliding_window, num_kv_heads, for_kernel, min_rows,
+                              min_shared_tokens))
         return plans[-1]
 
     monkeypatch.setattr(TorchPagedAttention, "decode_plan", recorded)
@@ -244,6 +251,8 @@ def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory,
     elif kernels.supports_prefix_attention(cache.dtype, cache.shape[-1], cache.shape[-2]):
         min_rows = -(-PREFIX_KERNEL_MIN_QUERIES // queries_per_kv_head)
         assert set(rules) == {min_rows} and sizes and min(sizes) >= min_rows
+    elif kernels.supports_causal_attention(cache.dtype, cache.shape[-1]):
+        assert set(rules) == {CAUSAL_CASCADE_MIN_ROWS} and sizes and min(sizes) >= CAUSAL_CASCADE_MIN_ROWS
     else:
         assert set(rules) == {NO_GROUP} and not sizes
     assert_all_match(model_dir, llm, prompts, outputs)

@@ -1,7 +1,7 @@
 """Pure decode steps through the native layer driver (engine/models/native_decode.py) give exactly
 the bits of the Python path: the same greedy tokens and the same logprobs, in fp32 and bf16, with
-biases (Qwen2), and in bf16 with shared-prefix groups through the prefix kernel where the CPU has
-one. Models it does not fit (q/k norms, sliding windows) keep the Python path."""
+biases (Qwen2), and with shared-prefix groups (bf16: the prefix kernel, where the CPU has one; fp32:
+the causal kernel). Models it does not fit (q/k norms, sliding windows) keep the Python path."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from tests.engine.test_model_vs_transformers import SMALL, save_random_model
 
 
 def prompts_with_a_shared_instruction(seed: int = 3, vocab: int = 8192) -> list[list[int]]:
-    """20 rows under one 64-token instruction (a decode group in bf16 on the prefix kernel) and 4
-    rows of their own, of varied lengths."""
+    """20 rows under one 208-token instruction (a decode group: bf16 on the prefix kernel, fp32 on the
+    causal kernel) and 4 rows of their own, of varied lengths."""
     rng = random.Random(seed)
-    instruction = [rng.randrange(5, vocab) for _ in range(64)]
+    instruction = [rng.randrange(5, vocab) for _ in range(208)]
     shared = [instruction + [rng.randrange(5, vocab) for _ in range(rng.randrange(1, 30))]
               for _ in range(20)]
     return shared + [[rng.randrange(5, vocab) for _ in range(n)] for n in (3, 17, 40, 90)]
@@ -70,8 +70,10 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # every logprob to the last bit
     assert counts["steps"] >= 20
     torch_dtype = native.engine.dtype_choice.torch_dtype
-    if dtype == "bfloat16" and kernels.supports_prefix_attention(torch_dtype, 64, 16):
-        assert counts["with_groups"] > 0
+    groups_here = (kernels.supports_prefix_attention(torch_dtype, 64, 16)
+                   or kernels.supports_causal_attention(torch_dtype, 64))
+    if groups_here:
+        assert counts["with_groups"] > 0  # the rows under the instruction decoded as a group
 
 
 def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_path) -> None:
