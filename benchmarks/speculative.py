@@ -6,9 +6,12 @@ Tasks (the real SmolLM2 chat model by default, greedy, its own EOS):
 - extract: "extract the sentences that contain the word X" — the answer quotes some of the prompt;
 - free text: "write a short story about ..." — little to copy.
 
-For each task, at 1, 4, 16 and 64 requests running at once (all submitted together; ``--rounds``
-prompt sets each, one after another, added up), the output tok/s without speculation and with each
-method, their ratio, and the acceptance. Then a whole job
+For each task, at 1, 4, 16 and 64 requests running at once (``--rounds`` x N rows per level, N kept
+running: a row starts as soon as another finishes, until the last ones drain), the output tok/s
+without speculation and with each method, their ratio, and the acceptance. ``--drain-sets`` measures
+as before 2026-12-03 instead: sets of N rows submitted together, each set run until its longest row
+finishes (so a set's slowest row runs alone at the end, the tail that the mixed-length job measures
+on its own). Then a whole job
 whose rows have very different output lengths (paragraphs of 1-10 sentences): its wall time off
 and on — the tail of a job is where speculation pays. Speculation is adaptive (the engine's
 measured cost curve decides when it runs), as a deployment runs it. With ``--draft-layers N`` a
@@ -101,19 +104,48 @@ def prompts_for(tokenizer: Any, task: str, count: int, seed: int, sentences: Cal
             for _ in range(count)]
 
 
-def measure(engines: dict[str, Any], prompt_sets: list[list[list[int]]], params: Any) -> list[Run]:
-    """Each set of prompts submitted at once to every engine, one set after another, the engines'
-    order reversed every other set (so neither side always runs first); walls and tokens added."""
+def generate_keeping(llm: Any, prompts: list[list[int]], params: Any, running: int) -> list[list[int]]:
+    """Every prompt's output token ids, with `running` requests in the engine at a time: the next
+    prompt goes in as soon as a request finishes."""
+    engine, waiting = llm.engine, list(enumerate(prompts))
+    index_of: dict[str, int] = {}
+    outputs: dict[int, list[int]] = {}
+
+    def submit() -> None:
+        index, prompt = waiting.pop(0)
+        request_id = f"bench-spec-{id(index_of)}-{index}"
+        index_of[request_id] = index
+        engine.add_request(request_id, prompt, params)
+
+    for _ in range(min(running, len(waiting))):
+        submit()
+    while len(outputs) < len(prompts) and engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs[index_of[output.request_id]] = list(output.outputs[0].token_ids)
+            if waiting:
+                submit()
+    return [outputs[i] for i in range(len(prompts))]
+
+
+def measure(engines: dict[str, Any], prompt_sets: list[list[list[int]]], params: Any,
+            running: int | None = None, reversed_first: bool = False) -> list[Run]:
+    """Each set of prompts to every engine, one set after another, the engines' order reversed every
+    other set (so neither side always runs first; from the first set on with `reversed_first`);
+    walls and tokens added. A set is submitted at once, or with `running` given, kept at `running`
+    requests in flight."""
     before = {label: (llm.get_metrics().get("speculative_decoding") or {}).copy()
               for label, llm in engines.items()}
     walls = dict.fromkeys(engines, 0.0)
     token_ids: dict[str, list[list[int]]] = {label: [] for label in engines}
     for i, prompts in enumerate(prompt_sets):
-        for label in list(engines) if i % 2 == 0 else reversed(list(engines)):
+        for label in list(engines) if (i + reversed_first) % 2 == 0 else reversed(list(engines)):
             started = time.perf_counter()
-            outputs = engines[label].generate(prompts, params)
+            if running is None:
+                outputs = [list(o.outputs[0].token_ids) for o in engines[label].generate(prompts, params)]
+            else:
+                outputs = generate_keeping(engines[label], prompts, params, running)
             walls[label] += time.perf_counter() - started
-            token_ids[label] += [o.outputs[0].token_ids for o in outputs]
+            token_ids[label] += outputs
     return [Run(label, walls[label], sum(len(t) for t in token_ids[label]),
                 _delta(before[label], llm.get_metrics().get("speculative_decoding")), token_ids[label])
             for label, llm in engines.items()]
@@ -175,6 +207,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=3,
                         help="prompt sets per task and level (one at a time; their figures added)")
+    parser.add_argument("--drain-sets", action="store_true",
+                        help="submit each level's rows in sets of N, each run until its last row finishes "
+                             "(instead of keeping N running)")
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
     parser.add_argument("--draft-layers", type=int, default=0,
                         help="also measure a layer-skip draft of the model's first N layers (0: not)")
@@ -218,7 +253,11 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
             for _ in range(args.rounds):
                 seed += 1
                 sets.append(prompts_for(tokenizer, task, level, seed, lambda rng: rng.randint(3, 5)))
-            runs = measure(engines, sets, params)
+            if args.drain_sets:
+                runs = measure(engines, sets, params)
+            else:  # the same rows, N kept running; each side runs them once, alternating who goes first
+                rows = [prompt for prompt_set in sets for prompt in prompt_set]
+                runs = measure(engines, [rows], params, running=level, reversed_first=seed % 2 == 0)
             print(f"{task}, {level} running: {ratio_line(runs)}")
             figures["levels"][f"{task}/{level}"] = [_figures(run) for run in runs]
     if args.tail_rows:

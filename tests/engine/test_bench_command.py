@@ -74,3 +74,24 @@ def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
         line = next(line for line in out.splitlines() if line.startswith(f"copy-heavy, {level} running: "))
         assert "off " in line and "ngram " in line and "draft-4L " in line and "identical rows" in line
     assert "mixed-length job (2 rows of 1-10 sentences, run twice): off " in out
+
+
+def test_bench_spec_keeps_n_requests_running_and_returns_rows_in_order(tiny_checkpoint) -> None:
+    from benchmarks.speculative import generate_keeping
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
+    prompts = [[5 + i, 9, 11 + i, 4] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    in_flight: list[int] = []
+    step = llm.engine.step
+
+    def counting_step() -> list:
+        in_flight.append(len(llm.engine.scheduler.running) + len(llm.engine.scheduler.waiting))
+        return step()
+
+    llm.engine.step = counting_step  # type: ignore[method-assign]
+    kept = generate_keeping(llm, prompts, params, running=2)
+    llm.engine.step = step  # type: ignore[method-assign]
+    assert max(in_flight) == 2 and in_flight.count(2) > len(in_flight) // 2
+    assert kept == [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
