@@ -6,8 +6,9 @@ Tasks (the real SmolLM2 chat model by default, greedy, its own EOS):
 - extract: "extract the sentences that contain the word X" — the answer quotes some of the prompt;
 - free text: "write a short story about ..." — little to copy.
 
-For each task, at 1, 4, 16 and 64 requests running at once (``--rounds`` x N rows per level, N kept
-running: a row starts as soon as another finishes, until the last ones drain), the output tok/s
+For each task, at 1, 4, 16 and 64 requests running at once (``--rounds`` x N rows per level in two
+halves, each side going first in one; N kept running: a row starts as soon as another finishes,
+until the last ones drain), the output tok/s
 without speculation and with each method, their ratio, and the acceptance. ``--drain-sets`` measures
 as before 2026-12-03 instead: sets of N rows submitted together, each set run until its longest row
 finishes (so a set's slowest row runs alone at the end, the tail that the mixed-length job measures
@@ -128,17 +129,16 @@ def generate_keeping(llm: Any, prompts: list[list[int]], params: Any, running: i
 
 
 def measure(engines: dict[str, Any], prompt_sets: list[list[list[int]]], params: Any,
-            running: int | None = None, reversed_first: bool = False) -> list[Run]:
+            running: int | None = None) -> list[Run]:
     """Each set of prompts to every engine, one set after another, the engines' order reversed every
-    other set (so neither side always runs first; from the first set on with `reversed_first`);
-    walls and tokens added. A set is submitted at once, or with `running` given, kept at `running`
-    requests in flight."""
+    other set (so neither side always runs first); walls and tokens added. A set is submitted at
+    once, or with `running` given, kept at `running` requests in flight."""
     before = {label: (llm.get_metrics().get("speculative_decoding") or {}).copy()
               for label, llm in engines.items()}
     walls = dict.fromkeys(engines, 0.0)
     token_ids: dict[str, list[list[int]]] = {label: [] for label in engines}
     for i, prompts in enumerate(prompt_sets):
-        for label in list(engines) if (i + reversed_first) % 2 == 0 else reversed(list(engines)):
+        for label in list(engines) if i % 2 == 0 else reversed(list(engines)):
             started = time.perf_counter()
             if running is None:
                 outputs = [list(o.outputs[0].token_ids) for o in engines[label].generate(prompts, params)]
@@ -255,9 +255,10 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                 sets.append(prompts_for(tokenizer, task, level, seed, lambda rng: rng.randint(3, 5)))
             if args.drain_sets:
                 runs = measure(engines, sets, params)
-            else:  # the same rows, N kept running; each side runs them once, alternating who goes first
+            else:  # the same rows, N kept running, in two halves: each side goes first in one of them
                 rows = [prompt for prompt_set in sets for prompt in prompt_set]
-                runs = measure(engines, [rows], params, running=level, reversed_first=seed % 2 == 0)
+                half = len(rows) // 2
+                runs = measure(engines, [rows[:half], rows[half:]], params, running=level)
             print(f"{task}, {level} running: {ratio_line(runs)}")
             figures["levels"][f"{task}/{level}"] = [_figures(run) for run in runs]
     if args.tail_rows:
