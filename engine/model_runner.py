@@ -26,6 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.dtype_choice import DTYPES
+from engine.kv_memory import zeroed_kv_cache
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 
@@ -126,9 +127,8 @@ class ModelRunner:
     def _allocate(self, num_blocks: int) -> None:
         c = self.model.config
         shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
-        # Zeros, not empty: attention multiplies masked (probability 0) slots, and 0 * NaN garbage is NaN.
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
+            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(c.num_layers)
         ]
         self.num_kv_blocks = num_blocks
 

@@ -122,11 +122,11 @@ def _sliding_windows(architecture: str, cfg: dict[str, Any], num_layers: int) ->
 
 
 def rope_inverse_frequencies(config: LlamaFamilyConfig) -> torch.Tensor:
-    """Same formula (and float ops) as transformers, so cos/sin match bit for bit."""
+    """Same formula (and float ops) as transformers, so cos/sin match bit for bit. On the CPU, as
+    transformers computes it, whatever device the model is built on (the loader builds on meta)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (
-        config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim)
-    )
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").to(dtype=torch.float) / dim
+    inv_freq = 1.0 / (config.rope_theta ** exponents)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -403,8 +403,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if config.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.step_rows = StepRows()
         self.native_decode: NativeDecode | None = None  # set by use_cpu_kernels where it applies
         self.requires_grad_(False)
@@ -456,6 +455,12 @@ class LlamaForCausalLM(nn.Module):
                 module.pack_for_onednn(batch_hint)
 
     # ---- loading from Hugging Face tensor names -------------------------------------------------
+
+    def tie_weights(self) -> None:
+        """The LM head shares the embedding's weight where the checkpoint ties them; called again
+        after moving the model off the meta device (``to_empty`` gives each its own tensor)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
         """HF tensor name -> shape, for every tensor a checkpoint of this config must contain."""

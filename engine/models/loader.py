@@ -135,8 +135,12 @@ def load_model(
     config = model_config_from_dir(model_dir)
     model_cls = SUPPORTED_ARCHITECTURES[config.architecture]
     tensors = read_safetensors(model_dir, dtype)
-    with torch.device(device):
+    # Built on the meta device and given uninitialized memory: every parameter is filled from the
+    # checkpoint below (check_tensors), so nn's random init would be wasted (0.8 s of a SmolLM2 start).
+    with torch.device("meta"):
         model = model_cls(config, backend).to(dtype)
+    model = model.to_empty(device=device)
+    model.tie_weights()
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
     if onednn_linear_available(torch.device(device), dtype):

@@ -18,6 +18,7 @@ import torch
 
 from engine.argmax import argmax_rows
 from engine.attention import TorchPagedAttention
+from engine.kv_memory import zeroed_kv_cache
 from engine.model_runner import BatchRow, prepare_rows
 from engine.models.loader import load_model, model_config_from_dir
 from engine.request import Request
@@ -65,7 +66,7 @@ class DraftModel:
         c = self.config
         shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
         self.kv_caches = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)
+            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(c.num_layers)
         ]
 
     @torch.inference_mode()
