@@ -420,10 +420,7 @@ class TorchPagedAttention(AttentionBackend):
         """This step's decode plan for queries of `dtype` (`group` query heads a kv head) and
         whether the native decode kernel runs it: the grouping rules of the path that will run."""
         use_kernel = self._uses_kernel(k_cache)
-        min_rows = self._min_group_rows(dtype, k_cache, group, use_kernel)
-        prefix_kernel = self._uses_prefix_kernel(dtype, k_cache)
-        causal_groups = use_kernel and not prefix_kernel and self._uses_causal_kernel(dtype, k_cache)
-        min_shared = max(self.min_shared_tokens, CAUSAL_CASCADE_MIN_SAVED_TOKENS) if causal_groups else None
+        min_rows, min_shared = self._group_rule(dtype, k_cache, group, use_kernel)
         plan = self.decode_plan(metadata, sliding_window, k_cache.shape[-3], use_kernel, min_rows, min_shared)
         return plan, use_kernel
 
@@ -476,12 +473,11 @@ class TorchPagedAttention(AttentionBackend):
         if self._uses_causal_kernel(q.dtype, k_cache):
             # fp32: each group's queries over its shared blocks in one call of the causal kernel
             # (every query sees every key), K packed once for all of them.
-            block_size = k_cache.shape[-2]
             for batch in plan.prefix_batches:
                 n = len(batch.rows) // batch.groups
+                shared = batch.block_ids.shape[1] * k_cache.shape[-2]
                 for g in range(batch.groups):
                     rows = batch.rows[g * n:(g + 1) * n]
-                    shared = batch.block_ids.shape[1] * block_size
                     out, lse = self.kernels.causal_attention(q[rows], k_cache, v_cache, batch.block_ids[g],
                                                              shared, keys=shared, with_lse=True)
                     initial[0][rows], initial[1][rows] = out, lse
@@ -544,8 +540,10 @@ class TorchPagedAttention(AttentionBackend):
             out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
 
-    def _min_group_rows(self, dtype: torch.dtype, k_cache: torch.Tensor, group: int, use_kernel: bool) -> int:
-        """The fewest rows a decode group needs to be attended as a shared prefix. The prefix kernel
+    def _group_rule(self, dtype: torch.dtype, k_cache: torch.Tensor, group: int, use_kernel: bool
+                    ) -> tuple[int, int | None]:
+        """The fewest rows a decode group needs to be attended as a shared prefix, and the fewest
+        shared token reads it must save (None: the backend's ``min_shared_tokens``). The prefix kernel
         packs a group's shared K/V, then attends it in items of 32 queries: smaller groups are cheaper
         read by the decode kernel in each row's own part. In fp32 the causal kernel attends a group
         (CAUSAL_CASCADE_MIN_ROWS; SDPA's flash call per group plus the continuation had been
@@ -553,12 +551,12 @@ class TorchPagedAttention(AttentionBackend):
         every row's shared blocks straight from the cache, so there are no groups. The PyTorch
         path (no decode kernel) groups rows to gather the shared blocks once."""
         if not use_kernel:
-            return 2
+            return 2, None
         if self._uses_prefix_kernel(dtype, k_cache):
-            return -(-PREFIX_KERNEL_MIN_QUERIES // group)
+            return -(-PREFIX_KERNEL_MIN_QUERIES // group), None
         if self._uses_causal_kernel(dtype, k_cache):
-            return CAUSAL_CASCADE_MIN_ROWS
-        return NO_GROUP
+            return CAUSAL_CASCADE_MIN_ROWS, max(self.min_shared_tokens, CAUSAL_CASCADE_MIN_SAVED_TOKENS)
+        return NO_GROUP, None
 
     def prefill_groups(self, metadata: AttentionMetadata) -> list[PrefillGroup]:
         key = ("prefill_groups", None)

@@ -14,6 +14,15 @@ import mmap
 
 import torch
 
+from engine.models.llama import LlamaFamilyConfig
+
+
+def allocate_kv_caches(config: LlamaFamilyConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed ``[2, num_blocks, kv_heads, block_size, head_dim]`` cache per layer (K and V)."""
+    shape = (2, num_blocks, config.num_kv_heads, block_size, config.head_dim)
+    return [zeroed_kv_cache(shape, dtype, device) for _ in range(config.num_layers)]
+
 
 def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zero-filled tensor of `shape`; on CPU its pages are mapped on first touch."""

@@ -26,7 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.dtype_choice import DTYPES
-from engine.kv_memory import zeroed_kv_cache
+from engine.kv_memory import allocate_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 
@@ -125,11 +125,8 @@ class ModelRunner:
         return min(budget, CPU_DEFAULT_KV_CAP_BYTES) if setting is None else budget
 
     def _allocate(self, num_blocks: int) -> None:
-        c = self.model.config
-        shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
-        self.kv_caches = [
-            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(c.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(self.model.config, num_blocks, self.block_size, self.dtype,
+                                            self.device)
         self.num_kv_blocks = num_blocks
 
     @torch.inference_mode()

@@ -18,7 +18,7 @@ import torch
 
 from engine.argmax import argmax_rows
 from engine.attention import TorchPagedAttention
-from engine.kv_memory import zeroed_kv_cache
+from engine.kv_memory import allocate_kv_caches
 from engine.model_runner import BatchRow, prepare_rows
 from engine.models.loader import load_model, model_config_from_dir
 from engine.request import Request
@@ -63,11 +63,7 @@ class DraftModel:
         return 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize * c.num_layers
 
     def allocate(self, num_blocks: int) -> None:
-        c = self.config
-        shape = (2, num_blocks, c.num_kv_heads, self.block_size, c.head_dim)
-        self.kv_caches = [
-            zeroed_kv_cache(shape, self.dtype, self.device) for _ in range(c.num_layers)
-        ]
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, self.block_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def propose(self, work: Sequence[tuple[Request, Sequence[int], int]]) -> list[list[int]]:
