@@ -37,7 +37,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 13
+ABI_VERSION = 12
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -57,9 +57,6 @@ class CpuKernels:
         self.vector_lanes = int(library.kernel_vector_lanes())  # 16 with AVX-512, else 8
         self._decode = {torch.float32: _declare(library.decode_attention_f32, _DECODE_ARGUMENTS),
                         torch.bfloat16: _declare(library.decode_attention_bf16, _DECODE_ARGUMENTS)}
-        self._decode_use_amx = library.decode_attention_use_amx
-        self._decode_use_amx.argtypes, self._decode_use_amx.restype = [ctypes.c_int], ctypes.c_int
-        self.decode_amx = self.use_decode_amx(True)
         suffixes = {torch.bfloat16: "bf16", torch.float32: "f32"}
         self._add_rms_norm = {dtype: _declare(getattr(library, f"add_rms_norm_{suffix}"),
                                               [_POINTER] * 4 + [_INT, _INT, ctypes.c_float])
@@ -105,12 +102,6 @@ class CpuKernels:
             buffer = torch.empty(numel, dtype=dtype)
             setattr(self._scratch, name, buffer)
         return buffer
-
-    def use_decode_amx(self, want: bool) -> bool:
-        """Score bf16 decode attention on AMX tiles (where the build targets AMX and Linux grants its
-        tile state) or on vectors; returns whether AMX is now in use. Process-wide."""
-        self.decode_amx = int(self._decode_use_amx(int(want))) == 1
-        return self.decode_amx
 
     def supports(self, dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
         return (dtype in self._decode and head_dim in HEAD_DIMS and head_dim % self.vector_lanes == 0

@@ -1,6 +1,5 @@
 """The native CPU kernels against PyTorch, built for this CPU (-march=native: AVX-512 here or not)
-and for plain AVX2 (the 8-lane path, what AVX2-only machines run), and on AMX CPUs the native build
-with its bf16 decode scores on AMX tiles and on vectors: paged decode attention over
+and for plain AVX2 (the 8-lane path, what AVX2-only machines run): paged decode attention over
 random block tables (every supported head size, GQA groups across the 8-query chunk, sliding-window
 starts, continuing a shared prefix's partial result), and the bf16 layer ops (residual + RMSNorm,
 rotary, SiLU x up) against the PyTorch formulas they replace. The bf16 shared-prefix attention is
@@ -25,8 +24,6 @@ from engine.dtype_choice import cpu_flags
 from engine.models.llama import RMSNorm, apply_rope
 
 BUILDS = {"native": cpu_kernels.FLAGS,
-          # the native build with bf16 decode scores on vectors: the path of AVX-512 CPUs without AMX
-          "native-vectors": cpu_kernels.FLAGS,
           "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]}
 HAS_AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
 HAS_PREFIX_KERNEL = HAS_AMX or "avx512_bf16" in cpu_flags()
@@ -44,17 +41,7 @@ def kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
     assert built is not None, "the kernels did not build (see the log)"
     if request.param == "avx2":
         assert built.vector_lanes == 8
-    if request.param == "native-vectors":
-        assert not built.use_decode_amx(False)
     return built
-
-
-def test_bf16_decode_scores_run_on_amx_where_the_cpu_has_it(tmp_path: Path) -> None:
-    built = build_and_open(cpu_kernels._compiler(), tmp_path, cpu_kernels.FLAGS)
-    assert built is not None
-    assert built.decode_amx == HAS_AMX
-    assert not built.use_decode_amx(False)
-    assert built.use_decode_amx(True) == HAS_AMX
 
 
 def reference_attention(q, k_cache, v_cache, table, first, count):
@@ -152,7 +139,7 @@ def test_decode_attention_refuses_what_it_does_not_support(kernels: CpuKernels) 
 
 def test_prefix_attention_exists_exactly_where_the_cpu_has_amx_or_avx512_bf16(kernels: CpuKernels,
                                                                               request) -> None:
-    native = request.node.callspec.params["kernels"] in ("native", "native-vectors")
+    native = request.node.callspec.params["kernels"] == "native"
     assert kernels.supports_prefix_attention(torch.bfloat16, 64, 16) == (HAS_PREFIX_KERNEL and native)
     assert kernels.prefix_kind == (None if not (HAS_PREFIX_KERNEL and native)
                                    else "amx" if HAS_AMX else "avx512_bf16")
@@ -412,7 +399,7 @@ def row_kernel_dtypes(kernels: CpuKernels) -> list[torch.dtype]:
 
 
 def test_row_kernel_runs_bf16_exactly_where_the_cpu_has_amx(kernels: CpuKernels, request) -> None:
-    native = request.node.callspec.params["kernels"] in ("native", "native-vectors")
+    native = request.node.callspec.params["kernels"] == "native"
     assert (torch.bfloat16 in kernels.row_gemm_dtypes) == (native and HAS_AMX)
     intel = cpu_kernels.cpu_vendor() == "GenuineIntel"
     assert (torch.float32 in kernels.row_gemm_dtypes) == (kernels.vector_lanes == 16 and intel)
