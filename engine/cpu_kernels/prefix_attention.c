@@ -254,6 +254,7 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
     const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
     __m512 best[32];  /* each query's running max, read while its scores are still in L1 */
     for (int64_t t = 0; t < 32; t++) best[t] = _mm512_set1_ps(-INFINITY);
+    TILE_MEMORY_BARRIER();  /* the queries gathered above, before the tiles load them */
     for (int64_t key = 0; key < span; key += 32) {  /* tiles: 0/1 keys +0/+16 of queries 0-15, 2/3 of 16-31 */
         const int two = key + 16 < span;
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -275,6 +276,7 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
             _tile_stored(1, scores + key + 16, s_row);
             _tile_stored(3, scores + 16 * L32 + key + 16, s_row);
         }
+        TILE_MEMORY_BARRIER();
         const int64_t end = key + (two ? 32 : 16);
         for (int64_t t = 0; t < 32; t++) {
             /* keys past a query's limit: a large finite negative score (exp2 of -inf would be NaN) */
@@ -286,6 +288,7 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
     }
     float top[32], total[32];
     softmax_to_probs(scores, probs, L32, span, span32, at, best, scale, top, total);
+    TILE_MEMORY_BARRIER();
     for (int64_t e0 = 0; e0 < D; e0 += 32) {  /* tiles: 0/1 dims +0/+16 of queries 0-15, 2/3 of 16-31 */
         _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
         for (int64_t c = 0; c < span32; c += 32) {
@@ -304,6 +307,7 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
         _tile_stored(2, acc + 16 * D + e0, D * 4);
         _tile_stored(3, acc + 16 * D + e0 + 16, D * 4);
     }
+    TILE_MEMORY_BARRIER();
     write_item_output(acc, at, top, total, D, out, lse);
 }
 #else

@@ -310,6 +310,7 @@ void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const
                         _tile_stored(2, sums + 16 * 32, 128);
                         _tile_stored(3, sums + 16 * 32 + 16, 128);
                     }
+                    TILE_MEMORY_BARRIER();
                     write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c + m0 * ldc + n0, ldc);
                 }
             }

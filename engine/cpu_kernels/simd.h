@@ -19,6 +19,11 @@ typedef uint32_t vu32 __attribute__((vector_size(VL * 4)));
 typedef uint16_t vu16 __attribute__((vector_size(VL * 2)));
 typedef int32_t vi32 __attribute__((vector_size(VL * 4)));
 
+/* GCC's AMX tile load/store intrinsics are asm that does not declare the memory it reads or
+ * writes: without this barrier between them and plain code, stores to a buffer a tile then loads
+ * can be dropped as dead, and reads of what a tile stored can move before the store. */
+#define TILE_MEMORY_BARRIER() __asm__ __volatile__("" ::: "memory")
+
 static inline vf load_f32(const float* p) { vf v; memcpy(&v, p, sizeof v); return v; }
 #if defined(__AVX512F__)
 #include <immintrin.h>
