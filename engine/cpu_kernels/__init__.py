@@ -37,7 +37,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 12
+ABI_VERSION = 13
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
