@@ -76,6 +76,29 @@ def test_decode_attention_matches_pytorch(kernels: CpuKernels, dtype, head_dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_rescales_as_the_running_max_grows(kernels: CpuKernels, dtype) -> None:
+    """The kernel's softmax runs in one pass: a query whose scores keep rising along its context
+    (a new max at every block, from -100 to +100: far past what exp takes unshifted) matches the
+    two-pass formula, and so does one whose largest score comes first."""
+    blocks, block_size, dim = 16, 16, 64
+    keys = torch.linspace(-100, 100, blocks * block_size)[:, None] * torch.ones(dim) / dim ** 0.5 * 8
+    k_cache = keys.view(blocks, 1, block_size, dim).to(dtype)
+    v_cache = torch.randn(blocks, 1, block_size, dim, generator=torch.Generator().manual_seed(3)).to(dtype)
+    rising = torch.arange(blocks)[None, :]
+    tables = torch.cat([rising, rising.flip(1)])  # max last, then max first
+    counts = torch.full((2,), blocks * block_size)
+    q = (torch.ones(2, 1, 3, dim) / 8 * torch.tensor([1.0, 0.5, 0.1])[:, None]).to(dtype)
+    out, lse = kernels.decode_attention(q, k_cache, v_cache, tables, counts, torch.zeros(2, dtype=torch.long))
+    # scores near 100 carry ~5e-5 of fp32 rounding from their 64-term sums, whichever order sums them
+    tolerance = 2e-4 if dtype == torch.float32 else 1e-2
+    for r in range(2):
+        expected, expected_lse = reference_attention(q[r], k_cache, v_cache, tables[r], 0, int(counts[r]))
+        assert torch.isfinite(out[r].float()).all()
+        torch.testing.assert_close(out[r].float(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(lse[r], expected_lse, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_continues_a_prefix_partial_result_exactly(kernels: CpuKernels, dtype) -> None:
     """Attending blocks A then B from A's (output, lse) equals attending A + B at once."""
     generator = torch.Generator().manual_seed(7)
