@@ -33,7 +33,8 @@ def zeroed_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.de
     if hasattr(mmap, "MADV_HUGEPAGE"):
         # 2 MiB pages where the kernel grants them (transparent huge pages in "madvise" mode, the
         # usual default): a first write maps 512x the memory per fault and K/V reads miss the TLB
-        # less. Our 2-core VMs grant none (thp_fault_alloc stays put); there faults cost ~0.3 s/GiB.
+        # less. Our 2-core VMs grant none (thp_fault_alloc stays put); there first writes cost
+        # 0.3 s/GiB on pages the VM backed before and ~3 s/GiB on fresh ones (just after a load).
         buffer.madvise(mmap.MADV_HUGEPAGE)
     # The tensor keeps the map alive; it is unmapped when the last view of the cache goes.
     return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -48,9 +48,8 @@ static inline void prefetch_blocks(const void* cache, const int64_t* table, int6
  * (`table`, the run's longest row's). Query i of the run is query i % Q of the run's row i / Q, and
  * sees that row's tokens [first[row], ntok[row]). NV = head_dim / VL. One pass over the blocks
  * (an online softmax, as flash-decoding does): VL keys' scores, then their probabilities against
- * each query's running max (its sums rescaled when the max grows), then their values, so a block's
- * K and V are used once each while later blocks stream in; two passes (scores, then values) left
- * the core computing from its cache with nothing in flight for half of each item. A token a query
+ * each query's running max (its sums rescaled when the max grows), then their values, while later
+ * blocks stream in (see the top of the file for why one pass). A token a query
  * does not see scores -inf and a group of VL it sees none of is skipped for it: its sums get exact
  * zeros or nothing, so a query's result is the same bits in a run of any length (or alone). */
 #define DEFINE_ITEM(NAME, NV)                                                                          \
@@ -86,7 +85,7 @@ static inline __attribute__((always_inline)) void NAME(                         
     }                                                                                                 \
     vf lane;                                                                                          \
     for (int i = 0; i < VL; i++) lane[i] = (float)i;                                                  \
-    const int64_t end_block = (n + BS - 1) / BS, block_bytes = BS * D * (bf16 ? 2 : 4);               \
+    const int64_t end_block = (n + BS - 1) / BS, key_bytes = D * (bf16 ? 2 : 4), block_bytes = BS * key_bytes; \
     for (int64_t b = t0 / BS; b < end_block; b++) {                                                   \
         if (b == t0 / BS) {  /* the first blocks at once; later ones a few lines per key (below) */  \
             prefetch_blocks(kc, table, b, b + BLOCKS_AHEAD, end_block, H, h, block_bytes);              \
@@ -135,8 +134,8 @@ static inline __attribute__((always_inline)) void NAME(                         
             for (int64_t t = ts > lo ? ts : lo; t < t_end; t++) {                                     \
                 /* this key's share of block b + BLOCKS_AHEAD's K and V: a whole block's prefetches   \
                  * at once would stall the core on its few line-fill buffers */                       \
-                const int64_t share = block_bytes / BS;                                               \
-                for (int64_t byte = t * share / 64 * 64; ahead >= 0 && byte < (t + 1) * share; byte += 64) {\
+                for (int64_t byte = t * key_bytes / 64 * 64; ahead >= 0 && byte < (t + 1) * key_bytes;      \
+                     byte += 64) {                                                                    \
                     __builtin_prefetch((const char*)kc + ahead + byte);                               \
                     __builtin_prefetch((const char*)vc + ahead + byte);                               \
                 }                                                                                     \
