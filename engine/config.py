@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,8 @@ class EngineConfig:
     (e.g. `dataclasses.replace(config, max_model_len=...)`) before the scheduler is built.
     `kv_cache_memory`: int = bytes, float in (0, 1] = fraction of free device memory, None = default.
     `num_kv_blocks` overrides the memory budget with an explicit block count (tests, benchmarks).
+    `kv_populate_seconds`: at most this long at start mapping the CPU KV cache's memory (first
+    writes fault; paid here they stay out of the first job's steps); 0 = map it on first use.
     """
 
     model: str
@@ -29,6 +32,7 @@ class EngineConfig:
     max_model_len: int | None = None
     kv_cache_memory: int | float | None = None
     num_kv_blocks: int | None = None
+    kv_populate_seconds: float = 3.0
     dtype: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool = True
@@ -51,6 +55,9 @@ class EngineConfig:
             # Block 0 is the reserved null block, so one usable block needs two.
             _require_int(self.num_kv_blocks, "num_kv_blocks", minimum=2)
         self._validate_kv_cache_memory()
+        seconds = self.kv_populate_seconds
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
+            raise ValueError(f"kv_populate_seconds must be a finite number of seconds >= 0, got {seconds!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:

@@ -17,6 +17,7 @@ import itertools
 import logging
 import math
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.dtype_choice import DTYPES
-from engine.kv_memory import allocate_kv_caches
+from engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 
@@ -98,11 +99,15 @@ class ModelRunner:
                     "raise kv_cache_memory or set num_kv_blocks"
                 )
         self._allocate(num_blocks)
+        started = time.perf_counter()
+        populated = populate_kv_caches(self.kv_caches, self.config.kv_populate_seconds)
         logger.info(
-            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            "KV cache: %d blocks of %d tokens (%.1f MiB), %d mapped at start in %.1f s",
             num_blocks,
             self.block_size,
             num_blocks * self.kv_block_bytes / 2**20,
+            populated,
+            time.perf_counter() - started,
         )
         return num_blocks
 

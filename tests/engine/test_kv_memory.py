@@ -1,4 +1,4 @@
-"""The CPU KV cache reads as zeros and takes memory only as blocks are used."""
+"""The CPU KV cache reads as zeros and takes memory as blocks are used, or at start when populated."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kv_memory import zeroed_kv_cache
+from engine.kv_memory import populate_kv_caches, zeroed_kv_cache
 
 
 def resident_kib() -> int:
@@ -27,3 +27,26 @@ def test_a_cpu_kv_cache_is_zeros_and_is_mapped_as_it_is_written() -> None:
     assert 3 * 1024 < written - allocated < 12 * 1024
     assert torch.count_nonzero(cache[0, 512:]) == 0 and torch.count_nonzero(cache[1]) == 0
     assert torch.all(cache[0, :512] == 1.5)
+
+
+def two_layer_cache(blocks: int) -> list[torch.Tensor]:
+    """Two layers of `blocks` blocks: 8 KiB of keys and 8 KiB of values a block a layer."""
+    return [zeroed_kv_cache((2, blocks, 4, 16, 64), torch.bfloat16, torch.device("cpu")) for _ in range(2)]
+
+
+def test_populating_maps_every_block_of_every_layer_up_front_and_keeps_them_zero() -> None:
+    caches = two_layer_cache(2048)  # 64 MiB
+    before = resident_kib()
+    assert populate_kv_caches(caches, seconds=60.0, threads=2) == 2048
+    assert resident_kib() - before > 60 * 1024
+    assert all(torch.count_nonzero(cache) == 0 for cache in caches)
+    written = resident_kib()
+    caches[1][1, :2048] = 2.0  # a job's writes now map nothing new
+    assert resident_kib() - written < 1024
+
+
+def test_no_time_for_populating_leaves_the_cache_to_be_mapped_on_first_use() -> None:
+    caches = two_layer_cache(2048)
+    before = resident_kib()
+    assert populate_kv_caches(caches, seconds=0.0) == 0
+    assert resident_kib() - before < 4 * 1024
