@@ -414,7 +414,10 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_caches: list[torch.Tensor],
+        num_layers: int | None = None,
     ) -> torch.Tensor:
+        """`num_layers`: run only the first that many decoder layers (start-up profiling: every
+        layer's activations are the same size, so the first few show the peak)."""
         self.step_rows.single = metadata.num_decodes
         if self.native_decode is not None and metadata.num_prefills == 0:
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches)
@@ -423,7 +426,8 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary(positions, hidden.dtype)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, rope, metadata, kv_cache)
         return self.norm(hidden, residual)[0]
 

@@ -6,7 +6,11 @@ from pathlib import Path
 
 import torch
 
+from engine import EngineConfig
+from engine.attention import TorchPagedAttention
 from engine.kv_memory import populate_kv_caches, zeroed_kv_cache
+from engine.model_runner import PROFILE_LAYERS, ModelRunner
+from engine.models import load_model
 
 
 def resident_kib() -> int:
@@ -50,3 +54,18 @@ def test_no_time_for_populating_leaves_the_cache_to_be_mapped_on_first_use() -> 
     before = resident_kib()
     assert populate_kv_caches(caches, seconds=0.0) == 0
     assert resident_kib() - before < 4 * 1024
+
+
+def test_engine_start_profiles_two_layers_then_maps_the_cache_it_sized(tiny_checkpoint) -> None:
+    model = load_model(tiny_checkpoint, TorchPagedAttention(), dtype=torch.float32)
+    calls = [0] * len(model.layers)
+    for index, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint), dtype="float32", max_model_len=512,
+                                      kv_cache_memory=48 << 20), model)
+    before = resident_kib()
+    blocks = runner.initialize_kv_cache()
+    assert len(model.layers) > PROFILE_LAYERS
+    assert calls == [1] * PROFILE_LAYERS + [0] * (len(model.layers) - PROFILE_LAYERS)
+    assert blocks * runner.kv_block_bytes > 40 << 20
+    assert resident_kib() - before > blocks * runner.kv_block_bytes // 1024 * 0.9  # mapped up front
