@@ -69,3 +69,25 @@ def test_engine_start_profiles_two_layers_then_maps_the_cache_it_sized(tiny_chec
     assert calls == [1] * PROFILE_LAYERS + [0] * (len(model.layers) - PROFILE_LAYERS)
     assert blocks * runner.kv_block_bytes > 40 << 20
     assert resident_kib() - before > blocks * runner.kv_block_bytes // 1024 * 0.9  # mapped up front
+
+
+def available_kib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1])
+    raise AssertionError("no MemAvailable in /proc/meminfo")
+
+
+def test_memory_the_process_held_and_freed_before_does_not_shrink_the_kv_budget(tiny_checkpoint) -> None:
+    """The budget subtracts the profiling pass's peak RSS growth; an earlier peak (an engine built
+    and dropped before, its cache mapped at start) must not count as that pass's activations."""
+    spike = torch.ones(2 << 28)  # 2 GiB written, then freed
+    del spike
+    model = load_model(tiny_checkpoint, TorchPagedAttention(), dtype=torch.float32)
+    runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint), dtype="float32", max_model_len=512,
+                                      max_num_seqs=8192, kv_cache_memory=0.25, kv_populate_seconds=0),
+                         model)
+    expected = available_kib() * 1024 // 4
+    runner.initialize_kv_cache()
+    assert runner.num_kv_blocks < runner.max_useful_blocks()  # the budget decided, not the cap
+    assert runner.num_kv_blocks * runner.kv_block_bytes > expected - (512 << 20)
