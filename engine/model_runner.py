@@ -16,7 +16,6 @@ import ctypes.util
 import itertools
 import logging
 import math
-import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.dtype_choice import DTYPES
+from engine.host_memory import available_memory_bytes, read_proc_kib
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
@@ -92,7 +92,7 @@ class ModelRunner:
             self.profile_run()
         else:
             reset_peak_rss()
-            rss_before = _read_proc_kib(Path("/proc/self/status"), "VmRSS")
+            rss_before = read_proc_kib(Path("/proc/self/status"), "VmRSS")
             self.profile_run()
             budget = self._kv_budget_bytes(rss_before)
             num_blocks = min(budget // self.kv_block_bytes, self.max_useful_blocks())
@@ -122,15 +122,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             return int(free * (setting or GPU_DEFAULT_KV_FRACTION))
-        available = _read_proc_kib(Path("/proc/meminfo"), "MemAvailable")
+        available = available_memory_bytes()
         if available is None:
             raise RuntimeError(
                 "cannot read MemAvailable from /proc/meminfo: set kv_cache_memory or num_kv_blocks"
             )
         # Keep room for the activations the profiling pass needed (peak RSS growth during it).
-        peak = _read_proc_kib(Path("/proc/self/status"), "VmHWM")
+        peak = read_proc_kib(Path("/proc/self/status"), "VmHWM")
         activations = max(0, (peak or 0) - (rss_before_kib or 0)) * 1024
-        budget = int(available * 1024 * (setting or CPU_DEFAULT_KV_FRACTION)) - activations
+        budget = int(available * (setting or CPU_DEFAULT_KV_FRACTION)) - activations
         return min(budget, CPU_DEFAULT_KV_CAP_BYTES) if setting is None else budget
 
     def _allocate(self, num_blocks: int) -> None:
@@ -357,12 +357,3 @@ def reset_peak_rss() -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except OSError:
         pass
-
-
-def _read_proc_kib(path: Path, field: str) -> int | None:
-    """A ``Field:   123 kB`` value from a /proc file, in KiB; None when absent (non-Linux)."""
-    try:
-        match = re.search(rf"^{field}:\s+(\d+) kB", path.read_text(), re.MULTILINE)
-    except OSError:
-        return None
-    return int(match.group(1)) if match else None
