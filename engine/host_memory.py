@@ -3,7 +3,8 @@ memory cgroup (a container's limit, a systemd slice) leaves less.
 
 A container sees the host's /proc/meminfo, so sizing the KV cache from MemAvailable alone could plan
 for memory its limit does not allow; with the cache mapped at start the kernel would then kill the
-worker while it starts (or, mapped lazily, in the middle of a job).
+worker while it starts (or, mapped lazily, in the middle of a job). Also the /proc readings the
+KV budget takes around its profiling pass (RSS, its peak, and resetting that peak).
 """
 
 from __future__ import annotations
@@ -74,3 +75,14 @@ def read_proc_kib(path: Path, field: str) -> int | None:
     except OSError:
         return None
     return int(match.group(1)) if match else None
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak RSS (VmHWM) over from its current RSS, so that the peak read after
+    the profiling pass is that pass's: an engine built and dropped earlier in the process (its KV
+    cache mapped at start) left a peak gigabytes above, which read as activations and made the
+    budget negative. Linux only; elsewhere the peak stays the process's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass

@@ -26,7 +26,7 @@ import torch
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
 from engine.dtype_choice import DTYPES
-from engine.host_memory import available_memory_bytes, read_proc_kib
+from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from engine.models.llama import LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
@@ -346,14 +346,3 @@ def keep_freed_memory_for_reuse() -> bool:
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, 256 << 20)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
-
-
-def reset_peak_rss() -> None:
-    """Start the process's peak RSS (VmHWM) over from its current RSS, so that the peak read after
-    the profiling pass is that pass's: an engine built and dropped earlier in the process (its KV
-    cache mapped at start) left a peak gigabytes above, which read as activations and made the
-    budget negative. Linux only; elsewhere the peak stays the process's."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-    except OSError:
-        pass

@@ -8,6 +8,7 @@ import torch
 
 from engine import EngineConfig
 from engine.attention import TorchPagedAttention
+from engine.host_memory import read_proc_kib
 from engine.kv_memory import populate_kv_caches, zeroed_kv_cache
 from engine.model_runner import PROFILE_LAYERS, ModelRunner
 from engine.models import load_model
@@ -71,13 +72,6 @@ def test_engine_start_profiles_two_layers_then_maps_the_cache_it_sized(tiny_chec
     assert resident_kib() - before > blocks * runner.kv_block_bytes // 1024 * 0.9  # mapped up front
 
 
-def available_kib() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1])
-    raise AssertionError("no MemAvailable in /proc/meminfo")
-
-
 def test_memory_the_process_held_and_freed_before_does_not_shrink_the_kv_budget(tiny_checkpoint) -> None:
     """The budget subtracts the profiling pass's peak RSS growth; an earlier peak (an engine built
     and dropped before, its cache mapped at start) must not count as that pass's activations."""
@@ -87,7 +81,7 @@ def test_memory_the_process_held_and_freed_before_does_not_shrink_the_kv_budget(
     runner = ModelRunner(EngineConfig(model=str(tiny_checkpoint), dtype="float32", max_model_len=512,
                                       max_num_seqs=8192, kv_cache_memory=0.25, kv_populate_seconds=0),
                          model)
-    expected = available_kib() * 1024 // 4
+    expected = read_proc_kib(Path("/proc/meminfo"), "MemAvailable") * 1024 // 4
     runner.initialize_kv_cache()
     assert runner.num_kv_blocks < runner.max_useful_blocks()  # the budget decided, not the cap
     assert runner.num_kv_blocks * runner.kv_block_bytes > expected - (512 << 20)
