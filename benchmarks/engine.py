@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.checkpoints import cached_checkpoint
+from engine.config import EngineConfig
 
 if TYPE_CHECKING:
     from engine import LLM, RequestOutput, SamplingParams
@@ -194,8 +195,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--baseline-batch", type=int, default=32)
     parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
     parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--structured", action="store_true",
                         help="structured output (JSON schema) vs unconstrained on the same workload")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (--structured)")

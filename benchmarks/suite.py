@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.checkpoints import cached_checkpoint
+from engine.config import EngineConfig
 
 
 @dataclass
@@ -236,8 +237,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help=f"comma list of: {', '.join(WORKLOADS)}")
     parser.add_argument("--scale", type=float, default=1.0, help="request counts x this (lengths stay)")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int,
+                        default=EngineConfig.max_num_batched_tokens)
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--with-vllm", type=Path, metavar="VENV",
                         help="also run vLLM from this virtualenv on the same workloads (README: Benchmarks)")

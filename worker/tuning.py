@@ -27,7 +27,7 @@ TUNED_FOLDER = "tuned"
 # What `tune` searches, one setting at a time from the engine's defaults (engine/config.py).
 MAX_NUM_SEQS = (64, 128, 256, 512)
 MAX_NUM_BATCHED_TOKENS = (512, 1024, 2048, 4096, 8192)
-DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 2048}
+DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}  # engine/config.py's (a test holds it)
 KV_GROWTH = 2  # a KV budget this many times the default's, tried when the best trial preempted
 # A candidate must beat the defaults by more than one run's noise on a shared machine to replace them.
 MIN_GAIN = 0.03

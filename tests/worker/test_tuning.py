@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import EngineConfig
 from jobs.model_registry import ModelRegistry
 from worker.model_hosts import ModelHosts
 from worker.tune_cli import tune_cli
@@ -43,6 +44,13 @@ def test_search_goes_one_setting_at_a_time_and_never_repeats_a_trial() -> None:
     keys = [json.dumps(c, sort_keys=True) for c in calls]
     assert len(keys) == len(set(keys)) == len(MAX_NUM_SEQS) + len(MAX_NUM_BATCHED_TOKENS) - 1
     assert result.default is not None and result.default.options == DEFAULTS
+
+
+def test_the_search_starts_from_the_engines_own_defaults() -> None:
+    # The trial `tune` compares every candidate against must be what an untuned worker runs.
+    engine = EngineConfig(model="m")
+    assert DEFAULTS == {"max_num_seqs": engine.max_num_seqs,
+                        "max_num_batched_tokens": engine.max_num_batched_tokens}
 
 
 def test_a_best_trial_that_preempted_gets_a_bigger_kv_budget_tried() -> None:
