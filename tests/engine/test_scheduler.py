@@ -155,6 +155,67 @@ def test_running_first_then_waiting_within_the_budget():
     assert all(r.output_token_ids == expected_output(6, 3) for r in finished)
 
 
+def _decodes_and_prompts(output: SchedulerOutput) -> tuple[list[str], list[str]]:
+    """The ids of this step's decode chunks and of its prompt chunks."""
+    decodes = [c.request.request_id for c in output.chunks
+               if c.num_new_tokens == 1 and c.request.num_computed_tokens >= c.request.num_prompt_tokens]
+    return decodes, [c.request.request_id for c in output.chunks if c.request.request_id not in decodes]
+
+
+def test_a_submitted_batch_prefills_first_while_its_prompts_fill_whole_steps():
+    scheduler = make_scheduler(max_num_batched_tokens=8)
+    for name in "abcde":
+        scheduler.add_request(make_request(name, [ord(name)] * 8, max_tokens=3))
+    steps = []
+    finished, _ = run(scheduler, FakeModel(4), lambda _s, out, _r: steps.append(_decodes_and_prompts(out)))
+    # a, b, c, d and e's prompts each fill a step: the decodes that become ready wait until the last
+    assert steps[:5] == [([], [name]) for name in "abcde"]
+    assert steps[5] == (list("abcde"), [])
+    assert all(r.output_token_ids == expected_output(8, 3) for r in finished) and len(finished) == 5
+
+
+def test_decodes_are_not_held_back_for_prompts_smaller_than_a_step():
+    scheduler = make_scheduler(max_num_batched_tokens=10)
+    scheduler.add_request(make_request("a", [7] * 6, max_tokens=4))
+    steps = []
+
+    def record(sched: Scheduler, output: SchedulerOutput, _running: set[str]) -> None:
+        steps.append(_decodes_and_prompts(output))
+        if len(steps) == 2:
+            sched.add_request(make_request("b", [8] * 5, max_tokens=2))  # a trickle: half a step
+
+    run(scheduler, FakeModel(4), record)
+    assert steps[2] == (["a"], ["b"])
+
+
+def test_a_less_urgent_batch_does_not_hold_back_running_decodes():
+    scheduler = make_scheduler(max_num_batched_tokens=8, scheduling_policy="priority")
+    scheduler.add_request(make_request("urgent", [5] * 8, max_tokens=4, priority=0))
+    steps = []
+
+    def record(sched: Scheduler, output: SchedulerOutput, _running: set[str]) -> None:
+        steps.append(_decodes_and_prompts(output))
+        if len(steps) == 1:
+            for index in range(4):
+                sched.add_request(make_request(f"later{index}", [9 + index] * 8, max_tokens=2, priority=5))
+
+    run(scheduler, FakeModel(4), record)
+    assert all("urgent" in decodes for decodes, _ in steps[1:4])
+
+
+def test_decodes_are_not_held_back_when_free_kv_blocks_are_short():
+    # 8 usable blocks of 4 tokens: once a and b hold theirs, a step's prompt blocks plus a block of
+    # headroom for every request's next token no longer fit, so the decodes run beside the next prompt.
+    scheduler = make_scheduler(num_kv_blocks=9, max_num_batched_tokens=8)
+    for name in "abcd":
+        scheduler.add_request(make_request(name, [ord(name)] * 8, max_tokens=2))
+    steps = []
+    finished, _ = run(scheduler, FakeModel(4), lambda _s, out, _r: steps.append(_decodes_and_prompts(out)))
+    assert steps[1] == ([], ["b"])  # 6 free blocks >= 3 for b's prompt + 1 each for a's and b's next token
+    assert steps[2] == (["a", "b"], ["c"])  # 4 free < 3 + 3
+    assert len(finished) == 4 and scheduler.num_preemptions == 0
+
+
 def test_max_num_seqs_limits_admission():
     scheduler = make_scheduler(max_num_seqs=2)
     for index in range(5):
