@@ -138,6 +138,11 @@ class _PriorityQueue:
         return (entry[-1] for entry in self._heap if not entry[-1].is_finished)
 
 
+def _is_decode(request: Request) -> bool:
+    """One token left to compute: a decode (or a finished prefill's first sample), not a prompt chunk."""
+    return request.num_tokens - request.num_computed_tokens <= 1
+
+
 class _StepBudget:
     """What one schedule() call has handed out so far."""
 
@@ -291,19 +296,18 @@ class Scheduler:
         prefill only, as vLLM's scheduler did before chunked prefill: a submitted batch prefills
         first and then decodes in full native steps (SmolLM2 on the 2-core Xeon, unique and mixed
         workloads: 2-4% less wall time). Never when a waiting request is less urgent than a
-        running decode (priority policy), nor when free KV blocks are short: every running request
-        keeps one block of headroom, so admitting prompts does not force decodes to preempt."""
+        running decode (priority policy), nor when free KV blocks are short: every running or admitted
+        request keeps one block of headroom, so admitting prompts does not force decodes to preempt."""
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return False
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens <= 1]
+        decodes = [r for r in self.running if _is_decode(r)]
         if not decodes:
             return False  # nothing to hold back: the normal step is the same
         if self.config.scheduling_policy == "priority" and \
                 self.waiting.peek().priority > min(r.priority for r in decodes):
             return False
         budget = self.config.max_num_batched_tokens
-        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running
-                      if r.num_tokens - r.num_computed_tokens > 1)
+        pending = sum(r.num_tokens - r.num_computed_tokens for r in self.running if not _is_decode(r))
         admitted = 0  # about how many waiting requests this step would admit
         for request in self.waiting:
             if pending >= budget:
@@ -313,7 +317,7 @@ class Scheduler:
         if pending < budget:
             return False
         # The step's prompt blocks (a partial one each), then a block for every request's next token.
-        headroom = -(-budget // self.config.block_size) + admitted + len(self.running) + admitted
+        headroom = -(-budget // self.config.block_size) + len(self.running) + 2 * admitted
         return self.kv_cache_manager.num_free_blocks >= headroom
 
     def update_from_output(
@@ -364,7 +368,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and step.token_budget > 0:
             request = self.running[index]
-            if not with_decodes and request.num_tokens - request.num_computed_tokens <= 1:
+            if not with_decodes and _is_decode(request):
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
