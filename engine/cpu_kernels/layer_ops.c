@@ -88,6 +88,22 @@ static inline __attribute__((always_inline)) void rope(
     }
 }
 
+/* silu(g) = g * sigmoid(g), in fp32. bf16 on AVX-512: g / (1 + 2^(-g log2 e)) through exp2_ps, whose
+ * error vanishes in the rounding to bf16 (over every finite bf16 g, 6 of 65,280 results differ
+ * from the correctly rounded silu, all below 1e-36; vexp's clamp at -87 got 15,569 of those tiny
+ * ones wrong) at 1.6x the rate: it is a sixth of a bf16 prefill's MLP time. The exponent is kept
+ * above -150 so that silu(+inf) stays inf. */
+static inline __attribute__((always_inline)) vf silu(vf g, int bf16) {
+#if defined(__AVX512F__)
+    if (bf16) {
+        const __m512 exponent = _mm512_max_ps((__m512)(g * -1.44269504f), _mm512_set1_ps(-150.0f));
+        return g / (1.0f + (vf)exp2_ps(exponent));
+    }
+#endif
+    const vf e = vexp(vselect(g > 0.0f, -g, g));  /* exp(-|g|): sigmoid without overflow */
+    return g * (vselect(g >= 0.0f, splat(1.0f), e) / (1.0f + e));
+}
+
 /* out = silu(gate) * up, rounding after each; gate_up: [rows, 2 * width] (gate | up). */
 static inline __attribute__((always_inline)) void silu_and_mul(
         const void* gate_up, void* out, int64_t rows, int64_t width, int num_threads, int bf16) {
@@ -97,9 +113,7 @@ static inline __attribute__((always_inline)) void silu_and_mul(
         for (int64_t i = 0; i < width; i += VL) {
             const int64_t n = width - i;
             const vf g = load_n(gate_up, gate + i, n, bf16);
-            const vf e = vexp(vselect(g > 0.0f, -g, g));  /* exp(-|g|): sigmoid without overflow */
-            const vf sigmoid = vselect(g >= 0.0f, splat(1.0f), e) / (1.0f + e);
-            store_n(out, r * width + i, rounded(g * sigmoid, bf16) * load_n(gate_up, up + i, n, bf16), n, bf16);
+            store_n(out, r * width + i, rounded(silu(g, bf16), bf16) * load_n(gate_up, up + i, n, bf16), n, bf16);
         }
     }
 }

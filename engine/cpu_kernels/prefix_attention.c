@@ -127,20 +127,6 @@ static void pack_values(const uint16_t* const* values, int64_t present, uint16_t
         }
 }
 
-/* 2^x for finite x <= 0, to ~3e-6 relative (a degree-5 Taylor polynomial on [-0.5, 0.5], then
- * scalef, which flushes what underflows): the probabilities are rounded to bf16 (4e-3) anyway. */
-static inline __m512 exp2_ps(__m512 x) {
-    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, whole);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, whole);
-}
-
 /* A work item's per-thread buffers: scores and probabilities [32, L32], queries and fp32 output
  * sums [32, D]. */
 typedef struct {

@@ -131,6 +131,23 @@ static inline vf vexp(vf x) {
     return p * scale;
 }
 
+#if defined(__AVX512F__)
+/* 2^x to ~3e-6 relative (a degree-5 Taylor polynomial on [-0.5, 0.5], then scalef, which flushes
+ * what underflows and gives inf past the range): for results rounded to bf16 (4e-3) anyway, in
+ * about half vexp's instructions. */
+static inline __m512 exp2_ps(__m512 x) {
+    const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, whole);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, whole);
+}
+#endif
+
 
 /* Each lane rounded to bf16 (nearest even; NaN stays NaN), as the bf16 bit patterns in 32 bits. */
 static inline vu32 bf16_bits(vf v) {
