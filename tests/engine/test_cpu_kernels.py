@@ -415,6 +415,20 @@ def test_silu_and_mul_matches_pytorch(kernels: CpuKernels, dtype) -> None:
     assert_matches(kernels.silu_and_mul(gate_up), F.silu(gate).mul_(up))
 
 
+def test_bf16_silu_is_correctly_rounded_for_every_bf16_input(kernels: CpuKernels) -> None:
+    """Every finite bf16 gate value (up = 1): the kernel's silu is the fp64 silu rounded to bf16,
+    except where the result is too small to matter (below ~1e-36 the exps flush or clamp)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    gate = bits.view(torch.bfloat16)
+    gate = gate[torch.isfinite(gate)]
+    gate_up = torch.cat([gate, torch.ones_like(gate)]).view(1, -1)
+    ours = kernels.silu_and_mul(gate_up).view(-1).double()
+    exact = gate.double() * torch.sigmoid(gate.double())
+    expected = exact.float().to(torch.bfloat16).double()  # fp64 -> fp32 is exact enough here
+    wrong = ours != expected
+    assert (exact[wrong].abs() < 1e-30).all(), gate[wrong & (exact.abs() >= 1e-30)][:5]
+
+
 def row_kernel_dtypes(kernels: CpuKernels) -> list[torch.dtype]:
     """The dtypes the row kernel can run in this build: its fp32 code is built everywhere (and
     tested at either vector width, even where the engine keeps oneDNN), bf16 where AMX is."""
