@@ -23,6 +23,10 @@ class EngineConfig:
     `num_kv_blocks` overrides the memory budget with an explicit block count (tests, benchmarks).
     `kv_populate_seconds`: at most this long at start mapping the CPU KV cache's memory (first
     writes fault; paid here they stay out of the first job's steps); 0 = map it on first use.
+    `kv_growth_reserve_tokens`: a waiting request is admitted only while the free KV blocks leave
+    every running request room for its next this-many tokens (fewer where its max_tokens ends it
+    sooner), so it does not push a neighbour out later (preempted, recomputed); 0 = admit while
+    blocks are free, as vLLM does.
     """
 
     model: str
@@ -35,6 +39,7 @@ class EngineConfig:
     kv_cache_memory: int | float | None = None
     num_kv_blocks: int | None = None
     kv_populate_seconds: float = 3.0
+    kv_growth_reserve_tokens: int = 128
     dtype: str = "auto"
     device: str = "cpu"
     enable_prefix_caching: bool = True
@@ -60,6 +65,7 @@ class EngineConfig:
         seconds = self.kv_populate_seconds
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
             raise ValueError(f"kv_populate_seconds must be a finite number of seconds >= 0, got {seconds!r}")
+        _require_int(self.kv_growth_reserve_tokens, "kv_growth_reserve_tokens", minimum=0)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:

@@ -173,8 +173,9 @@ def test_requests_added_while_others_decode(arch_dir, dtype):
 
 
 def test_preemption_with_small_kv_pool(arch_dir, dtype):
-    # 14 usable blocks of 16 tokens for 18 requests of up to 129 tokens: requests must be preempted.
-    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=15, dtype=dtype)
+    # 14 usable blocks of 16 tokens for 18 requests of up to 129 tokens, all admitted (no growth
+    # reserve): requests must be preempted.
+    llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=15, dtype=dtype, kv_growth_reserve_tokens=0)
     outputs = llm.generate(PROMPTS, greedy(dtype))
     assert llm.get_metrics()["num_preemptions"] > 0
     assert_all_match(arch_dir, llm, PROMPTS, outputs)

@@ -93,7 +93,8 @@ def test_a_compiling_grammar_does_not_hold_back_other_requests(tiny_checkpoint):
 
 
 def test_preemption_keeps_the_grammar_state(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=15)
+    # No growth reserve: every request is admitted, and they push each other out as they grow.
+    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=15, kv_growth_reserve_tokens=0)
     pattern = r"[a-z]{1,12}(,[a-z]{1,12}){2}\."
     params = SamplingParams(regex=pattern, temperature=1.0, seed=9, max_tokens=80)
     outputs = llm.generate(PROMPTS[:10], params)

@@ -206,7 +206,7 @@ def test_a_less_urgent_batch_does_not_hold_back_running_decodes():
 def test_decodes_are_not_held_back_when_free_kv_blocks_are_short():
     # 8 usable blocks of 4 tokens: once a and b hold theirs, a step's prompt blocks plus a block of
     # headroom for every request's next token no longer fit, so the decodes run beside the next prompt.
-    scheduler = make_scheduler(num_kv_blocks=9, max_num_batched_tokens=8)
+    scheduler = make_scheduler(num_kv_blocks=9, max_num_batched_tokens=8, kv_growth_reserve_tokens=0)
     for name in "abcd":
         scheduler.add_request(make_request(name, [ord(name)] * 8, max_tokens=2))
     steps = []
@@ -229,8 +229,9 @@ def test_max_num_seqs_limits_admission():
 
 
 def test_preemption_with_a_tiny_pool_recomputes_and_finishes_everything():
-    # 6 usable blocks of 4 = 24 slots; each request needs up to 4 + 7 = 11 slots (3 blocks).
-    scheduler = make_scheduler(num_kv_blocks=7)
+    # 6 usable blocks of 4 = 24 slots; each request needs up to 4 + 7 = 11 slots (3 blocks). No
+    # growth reserve: all four are admitted and push each other out as they grow.
+    scheduler = make_scheduler(num_kv_blocks=7, kv_growth_reserve_tokens=0)
     requests = [make_request(f"r{i}", [10 * i + j for j in range(4)], max_tokens=8) for i in range(4)]
     for request in requests:
         scheduler.add_request(request)
@@ -252,8 +253,35 @@ def test_preemption_with_a_tiny_pool_recomputes_and_finishes_everything():
     assert scheduler.kv_cache_usage == 0.0
 
 
+def test_admission_leaves_running_requests_room_to_finish_instead_of_preempting_them():
+    # The tiny pool above (6 usable blocks, 4 requests of up to 11 tokens = 3 blocks each), with the
+    # default growth reserve: two run at a time and grow to their ends; nothing is computed twice.
+    scheduler = make_scheduler(num_kv_blocks=7)
+    requests = [make_request(f"r{i}", [10 * i + j for j in range(4)], max_tokens=8) for i in range(4)]
+    for request in requests:
+        scheduler.add_request(request)
+    running = []
+    finished, outputs = run(scheduler, FakeModel(4), lambda s, _o, _r: running.append(len(s.running)))
+    assert scheduler.num_preemptions == 0 and len(finished) == 4
+    assert max(running) == 2
+    assert sum(o.num_scheduled_tokens for o in outputs) == 4 * (4 + 7)  # each prompt and decode once
+    for request in requests:
+        assert request.output_token_ids == expected_output(4, 8)
+
+
+def test_the_growth_reserve_is_a_window_not_the_whole_max_tokens():
+    # 15 usable blocks of 4; prompts of 4 with max_tokens 200 (a loose cap). A 4-token window keeps
+    # 1-2 blocks per running request, so all four run at once; reserving their whole max_tokens
+    # would admit them one at a time.
+    scheduler = make_scheduler(num_kv_blocks=16, kv_growth_reserve_tokens=4)
+    for i in range(4):
+        scheduler.add_request(make_request(f"r{i}", [10 * i + j for j in range(4)], max_tokens=200))
+    output = scheduler.schedule()
+    assert [c.request.request_id for c in output.chunks] == ["r0", "r1", "r2", "r3"]
+
+
 def test_fcfs_preempts_the_last_running_request_and_puts_it_at_the_front():
-    scheduler = make_scheduler(num_kv_blocks=4)  # 3 usable blocks
+    scheduler = make_scheduler(num_kv_blocks=4, kv_growth_reserve_tokens=0)  # 3 usable blocks
     first = make_request("first", [1, 2, 3, 4], max_tokens=6)
     second = make_request("second", [5, 6, 7, 8], max_tokens=6)
     third = make_request("third", [9], max_tokens=1)
@@ -277,7 +305,8 @@ def test_fcfs_preempts_the_last_running_request_and_puts_it_at_the_front():
 
 def test_no_admission_in_a_step_that_preempted():
     # Priority policy, so a small urgent request can be first in line once "low" is preempted.
-    scheduler = make_scheduler(num_kv_blocks=4, scheduling_policy="priority", max_num_seqs=2)
+    scheduler = make_scheduler(num_kv_blocks=4, scheduling_policy="priority", max_num_seqs=2,
+                               kv_growth_reserve_tokens=0)
     high = make_request("high", [1, 2, 3, 4], max_tokens=4, priority=0, arrival_time=0.0)
     low = make_request("low", [5, 6, 7, 8], max_tokens=4, priority=5, arrival_time=1.0)
     scheduler.add_request(high)
@@ -300,7 +329,7 @@ def test_no_admission_in_a_step_that_preempted():
 
 
 def test_preempted_request_recompute_hits_its_own_cached_blocks():
-    scheduler = make_scheduler(num_kv_blocks=5)  # 4 usable blocks
+    scheduler = make_scheduler(num_kv_blocks=5, kv_growth_reserve_tokens=0)  # 4 usable blocks
     hog = make_request("hog", list(range(8)), max_tokens=2)  # 2 blocks, then a 3rd to decode
     victim = make_request("victim", list(range(50, 55)), max_tokens=8)  # 2 blocks
     scheduler.add_request(hog)
@@ -543,6 +572,7 @@ def test_prefix_caching_disabled_computes_every_prompt():
         ("kv_populate_seconds", -1, "kv_populate_seconds must be a finite number of seconds >= 0, got -1"),
         ("kv_populate_seconds", float("inf"), "kv_populate_seconds must be a finite number"),
         ("kv_populate_seconds", "3", "kv_populate_seconds must be a finite number"),
+        ("kv_growth_reserve_tokens", -1, "kv_growth_reserve_tokens must be >= 0, got -1"),
         ("dtype", "fp8", "dtype must be one of"),
         ("scheduling_policy", "lifo", "scheduling_policy must be one of"),
         ("model", "", "model must be a non-empty string"),

@@ -166,7 +166,7 @@ def test_chunked_prefill_preemption_and_max_tokens_mid_proposal(tiny_checkpoint,
     force preemptions (a preempted request's draft KV is rebuilt from position 0); max_tokens of 1-6
     end requests inside a proposal's reach."""
     target = str(tiny_checkpoint)
-    options = {"num_kv_blocks": 20, "max_num_batched_tokens": 24}
+    options = {"num_kv_blocks": 20, "max_num_batched_tokens": 24, "kv_growth_reserve_tokens": 0}
     prompts = SCENARIO_PROMPTS
     params = [SamplingParams(temperature=0.0, max_tokens=1 + i % 6 if i % 3 else 30, ignore_eos=True)
               for i in range(len(prompts))]
