@@ -449,7 +449,8 @@ class Scheduler:
         set_aside: list[Request] = []  # held back or not admissible yet, in queue order
         num_held_back = num_skipped = 0
         by_priority = self.config.scheduling_policy == "priority"
-        # FCFS: counted once, then kept up as requests are admitted; by priority: per request, below.
+        # FCFS: the running requests' growth, counted once, then kept up as requests are admitted.
+        # The priority policy counts it per waiting request instead (it depends on its priority).
         reserve = self._growth_reserve() if self.waiting and not by_priority else 0
         # Bound the lookups per step when many waiting requests share one prefix or wait on a grammar.
         max_held_back = self.config.max_num_seqs
@@ -471,15 +472,15 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_computed, step.token_budget)  # chunked prefill
             growth = self._growth_blocks(request, len(computed_blocks))
-            if by_priority:
-                reserve = self._growth_reserve(request.priority)
-            if self.running and growth + reserve > self.kv_cache_manager.num_free_blocks:
+            spoken_for = self._growth_reserve(request.priority) if by_priority else reserve
+            if self.running and growth + spoken_for > self.kv_cache_manager.num_free_blocks:
                 break  # the running requests will need the room: wait for some to finish
             if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
                 break  # out of blocks: wait for running requests to finish
             self.waiting.pop()
             self._admit(request, num_computed)
-            reserve += self._growth_blocks(request, len(request.block_ids))
+            if not by_priority:
+                reserve += self._growth_blocks(request, len(request.block_ids))
             self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new)
         self.waiting.push_front(set_aside)
