@@ -136,8 +136,14 @@ static inline vf vexp(vf x) {
  * what underflows and gives inf past the range): for results rounded to bf16 (4e-3) anyway, in
  * about half vexp's instructions. */
 static inline __m512 exp2_ps(__m512 x) {
+#if defined(__AVX512DQ__)
+    /* vreduceps gives x - round(x) in one uop where vrndscaleps takes two (both exact) */
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 whole = _mm512_sub_ps(x, f);
+#else
     const __m512 whole = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(x, whole);
+#endif
     __m512 p = _mm512_set1_ps(1.3333558e-3f);
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
