@@ -238,6 +238,8 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
     const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
     const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
+    int64_t fewest = L;  /* the fewest keys a query sees: no masking below */
+    for (int64_t t = 0; t < 32; t++) if (limit[t] < fewest) fewest = limit[t];
     __m512 best[32];  /* each query's running max, read while its scores are still in L1 */
     for (int64_t t = 0; t < 32; t++) best[t] = _mm512_set1_ps(-INFINITY);
     TILE_MEMORY_BARRIER();  /* the queries gathered above, before the tiles load them */
@@ -264,13 +266,16 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
         }
         TILE_MEMORY_BARRIER();
         const int64_t end = key + (two ? 32 : 16);
-        for (int64_t t = 0; t < 32; t++) {
-            /* keys past a query's limit: a large finite negative score (exp2 of -inf would be NaN) */
-            for (int64_t hidden = limit[t] > key ? limit[t] : key; hidden < end; hidden++)
-                scores[t * L32 + hidden] = -1e30f;
-            best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key));
-            if (two) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key + 16));
-        }
+        if (end > fewest)  /* keys past a query's limit: a large finite negative score (exp2 of -inf is NaN) */
+            for (int64_t t = 0; t < 32; t++)
+                for (int64_t hidden = limit[t] > key ? limit[t] : key; hidden < end; hidden++)
+                    scores[t * L32 + hidden] = -1e30f;
+        if (two)
+            for (int64_t t = 0; t < 32; t++)
+                best[t] = _mm512_max_ps(best[t], _mm512_max_ps(_mm512_loadu_ps(scores + t * L32 + key),
+                                                               _mm512_loadu_ps(scores + t * L32 + key + 16)));
+        else
+            for (int64_t t = 0; t < 32; t++) best[t] = _mm512_max_ps(best[t], _mm512_loadu_ps(scores + t * L32 + key));
     }
     float top[32], total[32];
     softmax_to_probs(scores, probs, L32, span, span32, at, best, scale, top, total);
