@@ -37,7 +37,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 13
+ABI_VERSION = 14
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -72,12 +72,12 @@ class CpuKernels:
         self._prefix = None
         if hasattr(library, "prefix_attention_bf16") and library.prefix_attention_available() == 1:
             self._prefix = _declare(library.prefix_attention_bf16,
-                                    [_POINTER] * 5 + [_INT] * 8 + [ctypes.c_float] + [_POINTER] * 3)
+                                    [_POINTER] * 5 + [_INT] * 9 + [ctypes.c_float] + [_POINTER] * 3)
         self.prefix_kind = PREFIX_KINDS.get(int(library.prefix_attention_kind())) if self._prefix else None
         # Scratch the kernels pack K/V into, reused call to call: one per calling thread, since two
         # engines of one process (a worker serving two models) call these kernels at the same time.
         self._scratch = threading.local()
-        self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 7
+        self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 8
                                     + [ctypes.c_float, _POINTER, _POINTER, _POINTER])
         # Projections of single-token rows (row_gemm.c): fp32 where the build has AVX-512 and the CPU is
         # Intel's (where its MKL also runs the other rows fast, see row_gemm_dtypes), bf16 on AMX.
@@ -172,7 +172,8 @@ class CpuKernels:
         kv_heads, block_size, dim]``: writes the output into ``out`` (like ``query``) and the
         log-sum-exp of the scaled scores into ``lse [R, kv_heads, Q]`` (fp32) at those rows.
         ``causal_base >= 0``: causal prefill, the i-th row of a group sees only the first
-        ``causal_base + i + 1`` keys of its blocks."""
+        ``causal_base + i + 1`` keys of its blocks. ``query``'s rows may lie apart (a view of the
+        QKV projection: no copy); its heads and dims may not."""
         num_rows, kv_heads, queries, head_dim = query.shape
         block_size = k_cache.shape[-2]
         groups, shared = block_ids.shape
@@ -180,7 +181,7 @@ class CpuKernels:
                  and query.dtype == k_cache.dtype == v_cache.dtype == out.dtype
                  and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
                  and out.shape == query.shape and lse.shape == query.shape[:-1] and lse.dtype == torch.float32
-                 and all(t.is_contiguous() for t in (query, k_cache, v_cache, out, lse))
+                 and _rows_apart(query) and all(t.is_contiguous() for t in (k_cache, v_cache, out, lse))
                  and rows.dtype == block_ids.dtype == torch.int64 and groups > 0 and shared > 0
                  and rows.numel() % groups == 0 and rows.numel() > 0, "prefix_attention")
         rows, block_ids = rows.contiguous(), block_ids.contiguous()
@@ -190,7 +191,7 @@ class CpuKernels:
         assert self._prefix is not None
         self._prefix(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), rows.data_ptr(),
                      block_ids.data_ptr(), groups, rows.numel() // groups, shared, kv_heads, queries,
-                     head_dim, block_size, causal_base, head_dim ** -0.5, packed.data_ptr(),
+                     head_dim, block_size, causal_base, query.stride(0), head_dim ** -0.5, packed.data_ptr(),
                      out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
 
     def supports_causal_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
@@ -198,31 +199,37 @@ class CpuKernels:
 
     def causal_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          block_ids: torch.Tensor, causal_base: int, keys: int | None = None,
-                         with_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                         with_lse: bool = False, out: torch.Tensor | None = None
+                         ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """fp32 attention of ``query [n, kv_heads, Q, dim]`` over the first ``keys`` tokens along
         ``block_ids`` of the cache ``[blocks, kv_heads, block_size, dim]``: token i sees the first
         ``min(causal_base + i + 1, keys)`` of them. A prefill chunk after ``causal_base`` tokens of
         context (its K/V already in the cache): ``keys`` None, i.e. ``causal_base + n``; a decode
         group's shared prefix: ``causal_base = keys``, every query sees every key. Returns the
         output, shaped like ``query``, and with ``with_lse`` the log-sum-exp of each query's scaled
-        scores ``[n, kv_heads, Q]`` (to continue it, as decode_attention's ``initial``)."""
+        scores ``[n, kv_heads, Q]`` (to continue it, as decode_attention's ``initial``). ``query``'s
+        rows may lie apart (a view of the QKV projection); ``out`` (contiguous, like ``query``)
+        receives the output in place of a new tensor."""
         length, kv_heads, queries, head_dim = query.shape
         block_size = k_cache.shape[-2]
         keys = causal_base + length if keys is None else keys
         _require(self.supports_causal_attention(query.dtype, head_dim)
                  and query.dtype == k_cache.dtype == v_cache.dtype
                  and k_cache.shape[1:] == (kv_heads, block_size, head_dim) == v_cache.shape[1:]
-                 and all(t.is_contiguous() for t in (query, k_cache, v_cache))
+                 and _rows_apart(query) and all(t.is_contiguous() for t in (k_cache, v_cache))
+                 and (out is None or (out.shape == query.shape and out.dtype == query.dtype
+                                      and out.is_contiguous()))
                  and block_ids.dtype == torch.int64 and causal_base >= 0 and length > 0 and keys > 0
                  and block_ids.numel() * block_size >= keys, "causal_attention")
         block_ids = block_ids.contiguous()
         step = 4 * self.vector_lanes  # the kernel's keys per score block
         needed = kv_heads * -(-keys // step) * step * head_dim
         packed = self._scratch_buffer("causal", needed, torch.float32)  # K transposed VL keys at a time
-        out = torch.empty_like(query)
+        out = torch.empty(query.shape, dtype=query.dtype) if out is None else out
         lse = torch.empty(query.shape[:-1], dtype=torch.float32) if with_lse else None
         self._causal_f32(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
-                         length, kv_heads, queries, head_dim, block_size, causal_base, keys, head_dim ** -0.5,
+                         length, kv_heads, queries, head_dim, block_size, causal_base, keys, query.stride(0),
+                         head_dim ** -0.5,
                          packed.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
                          torch.get_num_threads())
         return (out, lse) if lse is not None else out
@@ -357,6 +364,13 @@ def cpu_vendor() -> str:
         if line.startswith("vendor_id"):
             return line.split(":", 1)[1].strip()
     return ""
+
+
+def _rows_apart(query: torch.Tensor) -> bool:
+    """[rows, kv_heads, Q, dim] with everything but the rows packed; rows at least a row apart."""
+    _, kv_heads, queries, head_dim = query.shape
+    return (query.stride()[1:] == (queries * head_dim, head_dim, 1)
+            and (query.shape[0] == 1 or query.stride(0) >= kv_heads * queries * head_dim))
 
 
 def _declare(function: ctypes._CFuncPtr, arguments: list[type]) -> ctypes._CFuncPtr:

@@ -13,7 +13,8 @@
  * With AVX-512 (32 registers, Zen 4 measured): 6-query blocks and operands pinned in registers,
  * 275-305 GFLOP/s where 4-query blocks with GCC's memory operands ran at 200-230.
  *
- * Layout: q and out [n, H, Q, D] fp32; cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed
+ * Layout: q and out [n, H, Q, D] fp32 (q's rows q_stride floats apart: it may be a view of the QKV
+ * projection); cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed
  * holds H * Lp * D floats (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL
  * vectors of at most 16, any BS. Written with GCC vector types (simd.h): AVX-512 or AVX2.
  */
@@ -50,7 +51,8 @@ static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, i
 }
 
 static inline __attribute__((always_inline)) void causal_item(
-        const float* q, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n, int64_t H,
+        const float* q, int64_t q_stride, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n,
+        int64_t H,
         int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
         const float* keys, float* out, float* lse) {
     const int64_t M = n * Q;
@@ -61,7 +63,7 @@ static inline __attribute__((always_inline)) void causal_item(
         const int64_t j = m0 + t;
         at[t] = j < M ? ((j / Q) * H + h) * Q + j % Q : -1;
         limit[t] = j < M ? (causal_base + j / Q + 1 < L ? causal_base + j / Q + 1 : L) : 0;
-        if (at[t] >= 0) memcpy(queries + t * D, q + at[t] * D, (size_t)D * 4);
+        if (at[t] >= 0) memcpy(queries + t * D, q + (j / Q) * q_stride + (h * Q + j % Q) * D, (size_t)D * 4);
         else memset(queries + t * D, 0, (size_t)D * 4);
         if (limit[t] > last) last = limit[t];
     }
@@ -152,14 +154,15 @@ static inline __attribute__((always_inline)) void causal_item(
     }
 }
 
-#define CAUSAL_ITEM(DIM) causal_item(q, vc, blocks, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, scale, \
+#define CAUSAL_ITEM(DIM) causal_item(q, q_stride, vc, blocks, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, scale, \
                                      packed + h * Lp * DIM, out, lse)
 
 /* L keys along `blocks`; query token i sees the first min(causal_base + i + 1, L) of them (a prefill
  * chunk: L = causal_base + n; a decode group's shared prefix: causal_base = L, every query sees all).
  * lse (NULL: not written) gets each query's log-sum-exp of its scaled scores, [n, H, Q]. */
 void causal_attention_f32(const float* q, const float* kc, const float* vc, const int64_t* blocks, int64_t n,
-                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, int64_t L, float scale,
+                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, int64_t L, int64_t q_stride,
+                          float scale,
                           float* packed, float* out, float* lse, int nt) {
     const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const int64_t tiles = (n * Q + ITEM - 1) / ITEM;

@@ -38,11 +38,11 @@ void row_gemm_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, u
 void row_gemm_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                   int);
 void causal_attention_f32(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, int);
+                          int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
 __attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*,
                                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
-                                                 int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
+                                                 int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
                                                  uint16_t*, float*, int);
 
 /* One layer's weights: norm weights, the row kernel's packed projections and their biases (NULL:
@@ -125,7 +125,8 @@ static void attend(const decode_step* s, const decode_layer* w) {
             if (s->bf16) {
                 prefix_attention_bf16(s->q, w->k_cache, w->v_cache, s->prefix_rows + info[3],
                                       s->prefix_blocks + info[4], info[0], info[1], info[2], s->kv_heads, Q, D,
-                                      s->block_size, -1, s->scale, s->prefix_scratch, s->init_out, s->init_lse, nt);
+                                      s->block_size, -1, s->heads * D, s->scale, s->prefix_scratch, s->init_out,
+                                      s->init_lse, nt);
                 continue;
             }
             /* fp32: a group's queries gathered, through the causal kernel (every query sees every
@@ -136,7 +137,8 @@ static void attend(const decode_step* s, const decode_layer* w) {
                 for (int64_t i = 0; i < n; i++)
                     memcpy(s->group_q + i * width, (const float*)s->q + rows[i] * width, (size_t)width * 4);
                 causal_attention_f32(s->group_q, w->k_cache, w->v_cache, s->prefix_blocks + info[4] + g * info[2],
-                                     n, s->kv_heads, Q, D, s->block_size, keys, keys, s->scale, s->prefix_scratch,
+                                     n, s->kv_heads, Q, D, s->block_size, keys, keys, width, s->scale,
+                                     s->prefix_scratch,
                                      s->group_out, s->group_lse, nt);
                 for (int64_t i = 0; i < n; i++) {
                     memcpy((float*)s->init_out + rows[i] * width, s->group_out + i * width, (size_t)width * 4);

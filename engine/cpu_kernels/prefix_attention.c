@@ -14,8 +14,9 @@
  * measured). It writes each query's output (bf16) and the log-sum-exp of its scaled scores, the
  * partial result the decode kernel then continues with the row's own blocks.
  *
- * Layout: q [R, H, Q, D] bf16; cache [blocks, H, BS, D] bf16; rows [groups * n] (the decode rows,
- * group after group); blocks [groups, k] (each group's shared blocks, all full: L = k * BS keys);
+ * Layout: q [R, H, Q, D] bf16, its rows q_stride elements apart (it may be a view of the QKV
+ * projection); cache [blocks, H, BS, D] bf16; rows [groups * n] (the decode rows, group after group);
+ * blocks [groups, k] (each group's shared blocks, all full: L = k * BS keys);
  * out [R, H, Q, D] and lse [R, H, Q] are written at those rows only. Needs D in {32, 64, 96, 128}
  * and BS a multiple of 16; `packed` holds groups * H * (L + L rounded up to 32) * D bf16.
  * Causal prefill runs through the same kernel (`causal_base` >= 0): a prefill chunk's tokens are
@@ -151,17 +152,19 @@ static item_space item_buffers(int64_t L32, int64_t D) {
  * j / Q of the group) sees the first causal_base + j / Q + 1 keys (a prefill chunk after
  * causal_base tokens of context). Returns the most keys any query sees: the item computes only
  * those (the causal triangle's empty tiles are skipped). */
-static int64_t gather_item_queries(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0,
+static int64_t gather_item_queries(const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h,
+                                   int64_t m0,
                                    int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L, int64_t causal_base,
                                    uint16_t* queries, int64_t* at, int64_t* limit) {
     const int64_t M = n * Q;
     int64_t last = 0;
     for (int64_t t = 0; t < 32; t++) {
         const int64_t j = m0 + t;
-        at[t] = j < M ? (rows[g * n + j / Q] * H + h) * Q + j % Q : -1;
+        const int64_t row = j < M ? rows[g * n + j / Q] : -1;
+        at[t] = j < M ? (row * H + h) * Q + j % Q : -1;
         limit[t] = causal_base < 0 || j >= M ? L : (causal_base + j / Q + 1 < L ? causal_base + j / Q + 1 : L);
         if (at[t] >= 0) {
-            memcpy(queries + t * D, q + at[t] * D, (size_t)D * 2);
+            memcpy(queries + t * D, q + row * q_stride + (h * Q + j % Q) * D, (size_t)D * 2);
             if (limit[t] > last) last = limit[t];
         } else {
             memset(queries + t * D, 0, (size_t)D * 2);
@@ -224,7 +227,8 @@ static void write_item_output(const float* acc, const int64_t* at, const float* 
 #ifdef HAVE_AMX
 /* One work item on the tile unit: 32 queries (m0..) of group g and kv head h over their visible
  * keys (gather_item_queries), both products as 2 x 2 tiles. */
-static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+static void attend_item(const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h, int64_t m0,
+                        int64_t n,
                         int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
                         const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
@@ -235,7 +239,8 @@ static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64
     uint16_t* queries = space.queries;
     float* acc = space.acc;
     int64_t at[32], limit[32];
-    const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
+    const int64_t last = gather_item_queries(q, q_stride, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at,
+                                             limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
     const int64_t s_row = L32 * 4, p_row = L32 * 2, q_row = D * 2;
     int64_t fewest = L;  /* the fewest keys a query sees: no masking below */
@@ -363,8 +368,8 @@ static inline __attribute__((always_inline)) void multiply_values(const uint16_t
 
 /* One work item (see the AMX version above), specialised per head size so loops unroll. */
 static inline __attribute__((always_inline)) void attend_item_dims(
-        const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n, int64_t H, int64_t Q,
-        const int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale, const uint16_t* packed,
+        const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+        int64_t H, int64_t Q, const int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale, const uint16_t* packed,
         int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
     const uint16_t* values = keys + L * D;
@@ -374,7 +379,8 @@ static inline __attribute__((always_inline)) void attend_item_dims(
     uint16_t* queries = space.queries;
     float* acc = space.acc;
     int64_t at[32], limit[32];
-    const int64_t last = gather_item_queries(q, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at, limit);
+    const int64_t last = gather_item_queries(q, q_stride, rows, g, h, m0, n, H, Q, D, L, causal_base, queries, at,
+                                             limit);
     const int64_t span = (last + 15) / 16 * 16, span32 = (span + 31) / 32 * 32;  /* keys computed */
     __m512 best[32];
     for (int64_t t0 = 0; t0 < 32; t0 += 8) {
@@ -398,21 +404,22 @@ static inline __attribute__((always_inline)) void attend_item_dims(
     write_item_output(acc, at, top, total, D, out, lse);
 }
 
-static void attend_item(const uint16_t* q, const int64_t* rows, int64_t g, int64_t h, int64_t m0, int64_t n,
+static void attend_item(const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h, int64_t m0,
+                        int64_t n,
                         int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
                         const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
     switch (D) {
-        case 32: attend_item_dims(q, rows, g, h, m0, n, H, Q, 32, L, L32, causal_base, scale, packed, per_head, out, lse); break;
-        case 64: attend_item_dims(q, rows, g, h, m0, n, H, Q, 64, L, L32, causal_base, scale, packed, per_head, out, lse); break;
-        case 96: attend_item_dims(q, rows, g, h, m0, n, H, Q, 96, L, L32, causal_base, scale, packed, per_head, out, lse); break;
-        default: attend_item_dims(q, rows, g, h, m0, n, H, Q, 128, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        case 32: attend_item_dims(q, q_stride, rows, g, h, m0, n, H, Q, 32, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        case 64: attend_item_dims(q, q_stride, rows, g, h, m0, n, H, Q, 64, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        case 96: attend_item_dims(q, q_stride, rows, g, h, m0, n, H, Q, 96, L, L32, causal_base, scale, packed, per_head, out, lse); break;
+        default: attend_item_dims(q, q_stride, rows, g, h, m0, n, H, Q, 128, L, L32, causal_base, scale, packed, per_head, out, lse); break;
     }
 }
 #endif
 
 void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* rows,
                            const int64_t* blocks, int64_t groups, int64_t n, int64_t k, int64_t H, int64_t Q,
-                           int64_t D, int64_t BS, int64_t causal_base, float scale, uint16_t* packed,
+                           int64_t D, int64_t BS, int64_t causal_base, int64_t q_stride, float scale, uint16_t* packed,
                            uint16_t* out, float* lse, int nt) {
     const int64_t L = k * BS, L32 = (L + 31) / 32 * 32, M = n * Q, tiles_m = (M + 31) / 32;
     const int64_t per_head = (L + L32) * D;  /* packed K (L x D) then packed V (L32 x D) */
@@ -448,12 +455,12 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
         if (causal_base < 0) {
             #pragma omp for schedule(static)
             for (int64_t item = 0; item < items; item++)
-                attend_item(q, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
+                attend_item(q, q_stride, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
                             L, L32, causal_base, scale, packed, per_head, out, lse);
         } else {
             #pragma omp for schedule(dynamic, 1)
             for (int64_t item = 0; item < items; item++)
-                attend_item(q, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
+                attend_item(q, q_stride, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
                             L, L32, causal_base, scale, packed, per_head, out, lse);
         }
 #ifdef HAVE_AMX

@@ -228,6 +228,23 @@ def test_causal_kernel_attends_a_decode_groups_shared_prefix_for_the_decode_kern
     torch.testing.assert_close(merged, whole, atol=2e-5, rtol=1e-5)
 
 
+def test_causal_attention_reads_queries_in_place_and_writes_into_out(kernels: CpuKernels) -> None:
+    """The engine hands the kernel its queries as a view of the QKV projection (rows further apart
+    than one token's heads) and a slice of the step's output: the same result as from copies."""
+    if not kernels.supports_causal_attention(torch.float32, 64):
+        return
+    generator = torch.Generator().manual_seed(8)
+    k_cache = torch.randn(20, 2, 16, 64, generator=generator)
+    v_cache = torch.randn(20, 2, 16, 64, generator=generator)
+    table = torch.arange(3, 9)
+    qkv = torch.randn(40, 10 * 64, generator=generator)  # 6 query heads, then K and V of 2 kv heads
+    q = qkv[:, : 6 * 64].view(40, 2, 3, 64)
+    step_out = torch.zeros(50, 6, 64)
+    kernels.causal_attention(q, k_cache, v_cache, table, 50, out=step_out[10:].view(40, 2, 3, 64))
+    expected = kernels.causal_attention(q.contiguous(), k_cache, v_cache, table, 50)
+    assert torch.equal(step_out[10:].view(40, 2, 3, 64), expected) and not step_out[:10].any()
+
+
 def test_causal_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
     cache = torch.zeros(4, 1, 16, 64)
     q, table = torch.zeros(2, 1, 1, 64), torch.ones(1, dtype=torch.long)
@@ -312,6 +329,24 @@ def test_prefix_attention_runs_causal_prefill(prefix_kernels: CpuKernels, head_d
         expected, expected_lse = reference_attention(q[i], k_cache, v_cache, table, 0, context + i + 1)
         torch.testing.assert_close(out[i].float(), expected, atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse[i], expected_lse, atol=1e-4, rtol=1e-5)
+
+
+def test_prefix_attention_reads_queries_in_place(prefix_kernels: CpuKernels) -> None:
+    """Queries as a view of the QKV projection (rows apart by more than their heads), causal and
+    not: the same bits as from a contiguous copy."""
+    generator = torch.Generator().manual_seed(9)
+    k_cache = torch.randn(20, 2, 16, 64, generator=generator).to(torch.bfloat16)
+    v_cache = torch.randn(20, 2, 16, 64, generator=generator).to(torch.bfloat16)
+    qkv = torch.randn(40, 10 * 64, generator=generator).to(torch.bfloat16)
+    q = qkv[:, : 6 * 64].view(40, 2, 3, 64)
+    for causal_base, blocks in ((50, torch.arange(3, 9)[None]), (-1, torch.tensor([[4, 5], [6, 7]]))):
+        rows = torch.arange(40)
+        results = []
+        for query in (q, q.contiguous()):
+            out, lse = torch.zeros(40, 2, 3, 64, dtype=torch.bfloat16), torch.full((40, 2, 3), float("-inf"))
+            prefix_kernels.prefix_attention(query, k_cache, v_cache, rows, blocks, out, lse, causal_base)
+            results.append((out, lse))
+        assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
 def test_prefix_attention_then_decode_attention_equals_one_pass(prefix_kernels: CpuKernels) -> None:
