@@ -229,8 +229,8 @@ class CpuKernels:
         lse = torch.empty(query.shape[:-1], dtype=torch.float32) if with_lse else None
         self._causal_f32(query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_ids.data_ptr(),
                          length, kv_heads, queries, head_dim, block_size, causal_base, keys, query.stride(0),
-                         head_dim ** -0.5,
-                         packed.data_ptr(), out.data_ptr(), lse.data_ptr() if lse is not None else None,
+                         head_dim ** -0.5, packed.data_ptr(), out.data_ptr(),
+                         lse.data_ptr() if lse is not None else None,
                          torch.get_num_threads())
         return (out, lse) if lse is not None else out
 

@@ -14,9 +14,8 @@
  * 275-305 GFLOP/s where 4-query blocks with GCC's memory operands ran at 200-230.
  *
  * Layout: q and out [n, H, Q, D] fp32 (q's rows q_stride floats apart: it may be a view of the QKV
- * projection); cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed
- * holds H * Lp * D floats (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL
- * vectors of at most 16, any BS. Written with GCC vector types (simd.h): AVX-512 or AVX2.
+ * projection); cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed holds H * Lp * D floats
+ * (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL vectors of at most 16, any BS. Written with GCC vector types (simd.h): AVX-512 or AVX2.
  */
 #include <math.h>
 #include <stdint.h>
@@ -52,8 +51,7 @@ static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, i
 
 static inline __attribute__((always_inline)) void causal_item(
         const float* q, int64_t q_stride, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n,
-        int64_t H,
-        int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
+        int64_t H, int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
         const float* keys, float* out, float* lse) {
     const int64_t M = n * Q;
     float* scores = (float*)thread_scratch(&causal_buffer, &causal_capacity, (ITEM * Lp + ITEM * D) * 4);
@@ -161,9 +159,8 @@ static inline __attribute__((always_inline)) void causal_item(
  * chunk: L = causal_base + n; a decode group's shared prefix: causal_base = L, every query sees all).
  * lse (NULL: not written) gets each query's log-sum-exp of its scaled scores, [n, H, Q]. */
 void causal_attention_f32(const float* q, const float* kc, const float* vc, const int64_t* blocks, int64_t n,
-                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, int64_t L, int64_t q_stride,
-                          float scale,
-                          float* packed, float* out, float* lse, int nt) {
+                          int64_t H, int64_t Q, int64_t D, int64_t BS, int64_t causal_base, int64_t L,
+                          int64_t q_stride, float scale, float* packed, float* out, float* lse, int nt) {
     const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const int64_t tiles = (n * Q + ITEM - 1) / ITEM;
     #pragma omp parallel num_threads(nt)

@@ -138,8 +138,7 @@ static void attend(const decode_step* s, const decode_layer* w) {
                     memcpy(s->group_q + i * width, (const float*)s->q + rows[i] * width, (size_t)width * 4);
                 causal_attention_f32(s->group_q, w->k_cache, w->v_cache, s->prefix_blocks + info[4] + g * info[2],
                                      n, s->kv_heads, Q, D, s->block_size, keys, keys, width, s->scale,
-                                     s->prefix_scratch,
-                                     s->group_out, s->group_lse, nt);
+                                     s->prefix_scratch, s->group_out, s->group_lse, nt);
                 for (int64_t i = 0; i < n; i++) {
                     memcpy((float*)s->init_out + rows[i] * width, s->group_out + i * width, (size_t)width * 4);
                     memcpy(s->init_lse + rows[i] * s->heads, s->group_lse + i * s->heads, (size_t)s->heads * 4);

@@ -153,9 +153,8 @@ static item_space item_buffers(int64_t L32, int64_t D) {
  * causal_base tokens of context). Returns the most keys any query sees: the item computes only
  * those (the causal triangle's empty tiles are skipped). */
 static int64_t gather_item_queries(const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h,
-                                   int64_t m0,
-                                   int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L, int64_t causal_base,
-                                   uint16_t* queries, int64_t* at, int64_t* limit) {
+                                   int64_t m0, int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L,
+                                   int64_t causal_base, uint16_t* queries, int64_t* at, int64_t* limit) {
     const int64_t M = n * Q;
     int64_t last = 0;
     for (int64_t t = 0; t < 32; t++) {
@@ -228,9 +227,8 @@ static void write_item_output(const float* acc, const int64_t* at, const float* 
 /* One work item on the tile unit: 32 queries (m0..) of group g and kv head h over their visible
  * keys (gather_item_queries), both products as 2 x 2 tiles. */
 static void attend_item(const uint16_t* q, int64_t q_stride, const int64_t* rows, int64_t g, int64_t h, int64_t m0,
-                        int64_t n,
-                        int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale,
-                        const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
+                        int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base,
+                        float scale, const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
     const uint16_t* values = keys + L * D;
     const item_space space = item_buffers(L32, D);
