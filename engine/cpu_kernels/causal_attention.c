@@ -15,7 +15,8 @@
  *
  * Layout: q and out [n, H, Q, D] fp32 (q's rows q_stride floats apart: it may be a view of the QKV
  * projection); cache [blocks, H, BS, D] fp32; blocks [>= L / BS]; packed holds H * Lp * D floats
- * (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL vectors of at most 16, any BS. Written with GCC vector types (simd.h): AVX-512 or AVX2.
+ * (Lp: L rounded up to 4 * VL). Needs D in {32, 64, 96, 128} with D / VL vectors of at most 16, any BS.
+ * Written with GCC vector types (simd.h): AVX-512 or AVX2.
  */
 #include <math.h>
 #include <stdint.h>
