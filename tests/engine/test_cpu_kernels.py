@@ -76,6 +76,34 @@ def test_decode_attention_matches_pytorch(kernels: CpuKernels, dtype, head_dim: 
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("kv_heads", [3, 5])
+def test_decode_attention_of_many_rows_gives_each_row_its_bits_alone(
+        kernels: CpuKernels, dtype, head_dim: int, kv_heads: int) -> None:
+    """A big decode batch reads all of a row's kv heads in one pass (up to four at a time: with 5,
+    a group of four and one alone), a small one a head at a time: a row's output and log-sum-exp
+    are the same bits either way, and match PyTorch."""
+    generator = torch.Generator().manual_seed(head_dim + kv_heads)
+    rows, blocks, block_size, width, queries = 8 * torch.get_num_threads() + 5, 200, 16, 6, 3
+    k_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    v_cache = torch.randn(blocks, kv_heads, block_size, head_dim, generator=generator).to(dtype)
+    tables = torch.randint(1, blocks, (rows, width), generator=generator)
+    counts = torch.randint(1, width * block_size + 1, (rows,), generator=generator)
+    first = (torch.rand(rows, generator=generator) * counts * 0.5).long()  # some sliding-window starts
+    q = torch.randn(rows, kv_heads, queries, head_dim, generator=generator).to(dtype)
+    out, lse = kernels.decode_attention(q, k_cache, v_cache, tables, counts, first)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for r in range(rows):
+        alone_out, alone_lse = kernels.decode_attention(q[r: r + 1], k_cache, v_cache, tables[r: r + 1],
+                                                        counts[r: r + 1], first[r: r + 1])
+        assert torch.equal(out[r: r + 1], alone_out) and torch.equal(lse[r: r + 1], alone_lse), f"row {r}"
+        expected, expected_lse = reference_attention(q[r], k_cache, v_cache, tables[r], int(first[r]),
+                                                     int(counts[r]))
+        torch.testing.assert_close(out[r].float(), expected, atol=tolerance, rtol=tolerance)
+        torch.testing.assert_close(lse[r], expected_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_rescales_as_the_running_max_grows(kernels: CpuKernels, dtype) -> None:
     """The kernel's softmax runs in one pass: a query whose scores keep rising along its context
     (a new max at every block, from -100 to +100: far past what exp takes unshifted) matches the
