@@ -9,12 +9,12 @@
  * block by block: a block's heads lie side by side and a row's blocks mostly follow each other
  * (handed out in order), so its K and V are read as two sequential streams the hardware prefetcher
  * follows, where a head at a time read 2 KB runs 6 KB apart (SmolLM2 bf16, 256 rows x 480 keys:
- * 4.69 -> 4.15 ms a layer, with the prefetch level below; fp32 2-3%). With few rows, one head per
+ * 4.70 -> 4.01 ms a layer, with the prefetches below; fp32 3-4%). With few rows, one head per
  * item, so every thread has work. It walks the blocks through the block table once, VL keys at a
  * time: their scores (a shuffle tree puts VL keys' scores in one vector: no horizontal sum per
  * key), their probabilities against each query's running max (an online softmax, as
  * flash-decoding does: sums so far are rescaled when the max grows), then their values. Each
- * key's turn also prefetches its share of the block BLOCKS_AHEAD on, so K and V stream in at an
+ * key's turn also prefetches its share of a block a few on, so K and V stream in at an
  * even pace while the core computes; the earlier two passes (every score, then the values), with
  * whole blocks prefetched at once, left the memory idle during the values pass and the core
  * stalled on its line-fill buffers: the products and the stream added up instead of overlapping
@@ -40,9 +40,12 @@
 /* The most kv heads one item reads (its softmax states live on the stack: HEADS x QCHUNK queries). */
 #define HEADS 4
 
-/* How many blocks ahead of the one it reads an item fetches K and V, and to which cache level: L2
- * (prefetcht1) rather than L1, whose few fill buffers the demand loads need (bf16 3% faster). */
+/* How many blocks ahead of the one it reads an item fetches K and V: an item of one head 2 (1, 3
+ * or 4 were 1-8% slower), an item of several 1 (its blocks are several heads long: 2-5% faster
+ * than 2); and to which cache level where it reads several heads: L2 (prefetcht1) rather than L1,
+ * whose few fill buffers the demand loads need (bf16 3% faster; one head: 7% slower). */
 #define BLOCKS_AHEAD 2
+#define HEADS_BLOCKS_AHEAD 1
 #define AHEAD_LOCALITY 2
 
 /* Blocks [from, to) (none past `end`) of kv head h of `cache` into cache; block_bytes: a head's block. */
@@ -99,18 +102,19 @@ static inline __attribute__((always_inline)) void NAME(                         
     vf lane;                                                                                           \
     for (int i = 0; i < VL; i++) lane[i] = (float)i;                                                   \
     const int64_t end_block = (n + BS - 1) / BS, key_bytes = D * (bf16 ? 2 : 4), block_bytes = BS * key_bytes; \
+    const int64_t blocks_ahead = MAXH > 1 ? HEADS_BLOCKS_AHEAD : BLOCKS_AHEAD;                         \
     for (int64_t b = t0 / BS; b < end_block; b++) {                                                    \
         if (b == t0 / BS) for (int64_t hh = 0; hh < nh; hh++) {                                        \
-            prefetch_blocks(kc, table, b, b + BLOCKS_AHEAD, end_block, H, h0 + hh, block_bytes);       \
-            prefetch_blocks(vc, table, b, b + BLOCKS_AHEAD, end_block, H, h0 + hh, block_bytes);       \
+            prefetch_blocks(kc, table, b, b + blocks_ahead, end_block, H, h0 + hh, block_bytes);       \
+            prefetch_blocks(vc, table, b, b + blocks_ahead, end_block, H, h0 + hh, block_bytes);       \
         }                                                                                              \
         for (int64_t hh = 0; hh < nh; hh++) {                                                          \
             const int64_t h = h0 + hh;                                                                 \
             vf(*restrict qv)[NV] = head_qv[hh], (*restrict acc)[NV] = head_acc[hh];                    \
             vf* restrict lsum = head_lsum[hh];                                                         \
             float* restrict m = head_m[hh];                                                            \
-            const int64_t ahead = b + BLOCKS_AHEAD < end_block                                         \
-                ? (table[b + BLOCKS_AHEAD] * H + h) * block_bytes : -1;  /* its byte offset, or none */ \
+            const int64_t ahead = b + blocks_ahead < end_block                                         \
+                ? (table[b + blocks_ahead] * H + h) * block_bytes : -1;  /* its byte offset, or none */ \
             const int64_t off = (table[b] * H + h) * BS * D;                                           \
             const int64_t lo = t0 > b * BS ? t0 - b * BS : 0, hi = n - b * BS < BS ? n - b * BS : BS;  \
             for (int64_t ts = lo / VL * VL; ts < hi; ts += VL) {                                       \
@@ -150,11 +154,11 @@ static inline __attribute__((always_inline)) void NAME(                         
                 /* and their values (only the keys of the block's range: slots past it hold no value) */ \
                 const int64_t t_end = ts + VL < hi ? ts + VL : hi;                                     \
                 for (int64_t t = ts > lo ? ts : lo; t < t_end; t++) {                                  \
-                    /* this key's share of block b + BLOCKS_AHEAD's K and V: a whole block's prefetches \
+                    /* this key's share of block b + blocks_ahead's K and V: a whole block's prefetches \
                      * at once would stall the core on its few line-fill buffers */                    \
                     for (int64_t byte = t * key_bytes / 64 * 64; ahead >= 0 && byte < (t + 1) * key_bytes; \
                          byte += 64) {                                                                 \
-                        if (nh > 1) {                                                                  \
+                        if (MAXH > 1) {                                                                \
                             __builtin_prefetch((const char*)kc + ahead + byte, 0, AHEAD_LOCALITY);     \
                             __builtin_prefetch((const char*)vc + ahead + byte, 0, AHEAD_LOCALITY);     \
                         } else {                                                                       \
