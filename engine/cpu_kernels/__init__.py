@@ -37,11 +37,12 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 14
+ABI_VERSION = 15
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
-PREFIX_KINDS = {1: "amx", 2: "avx512_bf16"}  # prefix_attention_kind(): the unit its products run on
+# prefix_attention_kind() and row_gemm_bf16_available(): the unit their bf16 products run on
+BF16_UNITS = {1: "amx", 2: "avx512_bf16"}
 LAYER_OP_DTYPES = (torch.bfloat16, torch.float32)  # layer_ops.c
 _POINTER = ctypes.c_void_p
 _INT = ctypes.c_int64
@@ -73,15 +74,16 @@ class CpuKernels:
         if hasattr(library, "prefix_attention_bf16") and library.prefix_attention_available() == 1:
             self._prefix = _declare(library.prefix_attention_bf16,
                                     [_POINTER] * 5 + [_INT] * 9 + [ctypes.c_float] + [_POINTER] * 3)
-        self.prefix_kind = PREFIX_KINDS.get(int(library.prefix_attention_kind())) if self._prefix else None
+        self.prefix_kind = BF16_UNITS.get(int(library.prefix_attention_kind())) if self._prefix else None
         # Scratch the kernels pack K/V into, reused call to call: one per calling thread, since two
         # engines of one process (a worker serving two models) call these kernels at the same time.
         self._scratch = threading.local()
         self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 8
                                     + [ctypes.c_float, _POINTER, _POINTER, _POINTER])
         # Projections of single-token rows (row_gemm.c): fp32 where the build has AVX-512, bf16 on AMX
-        # (see row_gemm_dtypes).
-        self.row_gemm_dtypes = row_gemm_dtypes(self.vector_lanes, int(library.row_gemm_bf16_available()) == 1)
+        # or AVX512-BF16 (see row_gemm_dtypes).
+        self.row_gemm_bf16_kind = BF16_UNITS.get(int(library.row_gemm_bf16_available()))
+        self.row_gemm_dtypes = row_gemm_dtypes(self.vector_lanes, self.row_gemm_bf16_kind is not None)
         self._row_panel_f32 = int(library.row_gemm_panel_width_f32())
         self._row_pack = {dtype: _declare(getattr(library, f"row_gemm_pack_{suffix}"),
                                           [_POINTER, _INT, _INT, _POINTER])
@@ -340,16 +342,19 @@ class CpuKernels:
         return out
 
 
-def row_gemm_dtypes(vector_lanes: int, amx: bool) -> tuple[torch.dtype, ...]:
-    """The dtypes whose single-token rows go through the row kernel on this CPU: fp32 with AVX-512,
-    where it streams the weights faster than oneDNN's packed GEMM (Intel Xeon 1.2-1.3x at 1-64 rows;
-    AMD EPYC 1.5x at 1-8 rows, 1.2x at 32, equal from 64) and lets a decode step take the native
-    path (fp32 SmolLM2 step on the EPYC: 1 row 49.9 -> 22.0 ms, 128 rows 287 -> 269 ms); bf16 on
-    AMX, 1.3-2x faster. Elsewhere (AVX2, bf16 without AMX) the engine keeps oneDNN for every row."""
+def row_gemm_dtypes(vector_lanes: int, bf16_products: bool) -> tuple[torch.dtype, ...]:
+    """The dtypes whose single-token rows go through the row kernel on this CPU; both stream the
+    weights faster than oneDNN's packed GEMM and let a decode step take the native path:
+    - fp32 with AVX-512: Intel Xeon 1.2-1.3x at 1-64 rows; AMD EPYC 1.5x at 1-8 rows, 1.2x at 32,
+      equal from 64 (fp32 SmolLM2 step on the EPYC: 1 row 49.9 -> 22.0 ms, 128 rows 287 -> 269 ms);
+    - bf16 where the CPU multiplies bf16 (``bf16_products``): on AMX 1.3-2x; on AVX512-BF16 without
+      AMX (vdpbf16ps) 1.7x at 1 row, 1.35x at 32, 1.1x at 128-256 (bf16 SmolLM2 step on the EPYC:
+      1 row 38.2 -> 14.6 ms, 32 rows 63.8 -> 49.1, 128 rows 141.4 -> 117.0).
+    Elsewhere (AVX2) the engine keeps oneDNN for every row."""
     dtypes = []
     if vector_lanes == 16:
         dtypes.append(torch.float32)
-    if amx:
+    if bf16_products:
         dtypes.append(torch.bfloat16)
     return tuple(dtypes)
 

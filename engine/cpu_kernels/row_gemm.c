@@ -8,7 +8,8 @@
  * (how many, which), so a row's result does not depend on its batch. That is what lets speculative
  * verification and decoding give the same bits, and a lone decode the same as a batched one.
  *
- * bf16 runs on AMX tiles (16 x 32 x 16 bf16 products into fp32, rounded once to bf16 at the end);
+ * bf16 runs on AMX tiles (16 x 32 x 16 bf16 products into fp32, rounded once to bf16 at the end),
+ * or without AMX on AVX512-BF16's vdpbf16ps (pairs of products into fp32, likewise);
  * fp32 on AVX-512 FMAs (each output a sum over k in order). Both add the bias in fp32 before the
  * final rounding, as oneDNN does.
  *
@@ -26,6 +27,11 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__)
 #define HAVE_AMX_GEMM 1
+#include <immintrin.h>
+#elif defined(__AVX512BF16__) && defined(__AVX512F__)
+/* No AMX (AMD Zen 4/5): the same packed panels, multiplied by vdpbf16ps (a tile row of the AMX layout
+ * is one vector of 16 column pairs, exactly that instruction's second operand). */
+#define HAVE_DOT_GEMM 1
 #include <immintrin.h>
 #endif
 
@@ -169,10 +175,13 @@ void row_gemm_f32(const float* a, int64_t lda, const float* packed, const float*
 
 /* ---- bf16 on AMX ----------------------------------------------------------------------------- */
 
+/* 1: bf16 on AMX (granted), 2: on AVX512-BF16's dot product, 0: none in this build. */
 int row_gemm_bf16_available(void) {
 #if defined(HAVE_AMX_GEMM)
     /* Linux grants AMX's tile state only on request (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA). */
     return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#elif defined(HAVE_DOT_GEMM)
+    return 2;
 #else
     return 0;
 #endif
@@ -216,7 +225,9 @@ static void configure(int first, int second) {
     }
     _tile_loadconfig(&config);
 }
+#endif
 
+#if defined(HAVE_AMX_GEMM) || defined(HAVE_DOT_GEMM)
 /* The panel is read where it lies in memory: ask for the pair of tiles PREFETCH_KB steps ahead
  * (past the panel's end that is the next panel, which this thread reads next). */
 #define PREFETCH_KB 4
@@ -240,6 +251,42 @@ static void write_rows(const float* sums, int64_t rows, const uint16_t* bias, in
         const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + 16), b1);
         _mm256_mask_storeu_epi16(c + r * ldc, mask0, (__m256i)_mm512_cvtneps_pbh(v0));
         _mm256_mask_storeu_epi16(c + r * ldc + 16, mask1, (__m256i)_mm512_cvtneps_pbh(v1));
+    }
+}
+#endif
+
+#if defined(HAVE_DOT_GEMM)
+/* Rows a dot-product block computes together: 2 x DOT_MR fp32 accumulators stay in registers. */
+#ifndef DOT_MR
+#define DOT_MR 8
+#endif
+
+/* The fp32 sums of `rows` (a constant where inlined) rows of a by one panel's 32 columns into sums
+ * (stride 32): over k in order, a pair of products per step, as the AMX tiles take them. */
+static inline __attribute__((always_inline)) void dot_panel(const uint16_t* a, int64_t lda,
+                                                            const uint16_t* panel, int64_t kb, const int rows,
+                                                            int stream, group_prefetch* ahead, float* sums) {
+    __m512 acc[DOT_MR][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < kb; b++) {
+        if (stream) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
+        prefetch_step(ahead);
+        const uint16_t* tiles = panel + b * 1024;
+        for (int i = 0; i < 16; i++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tiles + i * 32);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tiles + 512 + i * 32);
+            for (int r = 0; r < rows; r++) {
+                int32_t pair;
+                memcpy(&pair, a + r * lda + b * 32 + 2 * i, sizeof pair);
+                const __m512bh x = (__m512bh)_mm512_set1_epi32(pair);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], x, w0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], x, w1);
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        _mm512_storeu_ps(sums + r * 32, acc[r][0]);
+        _mm512_storeu_ps(sums + r * 32 + 16, acc[r][1]);
     }
 }
 #endif
@@ -316,6 +363,36 @@ void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const
             }
         }
         if (configured >= 0) _tile_release();
+    }
+#elif defined(HAVE_DOT_GEMM)
+    const int64_t panels = (N + 31) / 32, kb = K / 32, panel_bytes = kb * 2048;
+    const int64_t group = GROUP_BYTES / panel_bytes > 1 ? GROUP_BYTES / panel_bytes : 1;
+    #pragma omp parallel num_threads(nt)
+    {
+        float sums[DOT_MR * 32] __attribute__((aligned(64)));
+        const int threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t begin = panels * thread / threads, end = panels * (thread + 1) / threads;
+        for (int64_t g0 = begin; g0 < end; g0 += group) {
+            const int64_t g1 = g0 + group < end ? g0 + group : end, g2 = g1 + group < end ? g1 + group : end;
+            group_prefetch ahead = prefetch_for(packed + g1 * kb * 1024, (g2 - g1) * panel_bytes,
+                                                (M + DOT_MR - 1) / DOT_MR * (g1 - g0) * kb);
+            for (int64_t m0 = 0; m0 < M; m0 += DOT_MR) {
+                const int rows = M - m0 < DOT_MR ? (int)(M - m0) : DOT_MR;
+                const int stream = g0 == begin && m0 == 0;
+                const uint16_t* a0 = a + m0 * lda;
+                for (int64_t p = g0; p < g1; p++) {
+                    const uint16_t* panel = packed + p * kb * 1024;
+                    const int64_t n0 = p * 32, columns = N - n0 < 32 ? N - n0 : 32;
+                    switch (rows) {  /* a constant row count each: the accumulators stay in registers */
+#define DOT_ROWS(R) case R: dot_panel(a0, lda, panel, kb, R, stream, &ahead, sums); break;
+                        DOT_ROWS(1) DOT_ROWS(2) DOT_ROWS(3) DOT_ROWS(4) DOT_ROWS(5) DOT_ROWS(6) DOT_ROWS(7)
+                        default: dot_panel(a0, lda, panel, kb, DOT_MR, stream, &ahead, sums); break;
+#undef DOT_ROWS
+                    }
+                    write_rows(sums, rows, bias ? bias + n0 : NULL, columns, c + m0 * ldc + n0, ldc);
+                }
+            }
+        }
     }
 #else
     (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;

@@ -31,15 +31,26 @@ HAS_PREFIX_KERNEL = HAS_AMX or "avx512_bf16" in cpu_flags()
 PREFIX_BUILDS = {"native": cpu_kernels.FLAGS}
 if HAS_AMX:
     PREFIX_BUILDS["avx512_bf16"] = [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+# the row kernel's builds: every build above (bf16 on AMX or on AVX512-BF16's dot product, by CPU)
+ROW_BUILDS = {**BUILDS, **PREFIX_BUILDS}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
 def kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    if request.param == "avx2" and not {"avx2", "fma"} <= cpu_flags():
+    return _build(request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=list(ROW_BUILDS))
+def row_kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    return _build(request.param, tmp_path_factory)
+
+
+def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+    if name == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         pytest.fail("this CPU has no AVX2: the suite's CPUs all do")
-    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("kernels"), BUILDS[request.param])
+    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("kernels"), ROW_BUILDS[name])
     assert built is not None, "the kernels did not build (see the log)"
-    if request.param == "avx2":
+    if name == "avx2":
         assert built.vector_lanes == 8
     return built
 
@@ -494,14 +505,18 @@ def test_bf16_silu_is_correctly_rounded_for_every_bf16_input(kernels: CpuKernels
 
 def row_kernel_dtypes(kernels: CpuKernels) -> list[torch.dtype]:
     """The dtypes the row kernel can run in this build: its fp32 code is built everywhere (and
-    tested at either vector width, even where the engine keeps oneDNN: AVX2), bf16 where AMX is."""
+    tested at either vector width, even where the engine keeps oneDNN: AVX2), bf16 where AMX or
+    AVX512-BF16 is."""
     return [torch.float32, *([torch.bfloat16] if torch.bfloat16 in kernels.row_gemm_dtypes else [])]
 
 
-def test_row_kernel_runs_bf16_exactly_where_the_cpu_has_amx(kernels: CpuKernels, request) -> None:
-    native = request.node.callspec.params["kernels"] == "native"
-    assert (torch.bfloat16 in kernels.row_gemm_dtypes) == (native and HAS_AMX)
-    assert (torch.float32 in kernels.row_gemm_dtypes) == (kernels.vector_lanes == 16)
+def test_row_kernel_runs_bf16_exactly_where_the_cpu_multiplies_bf16(row_kernels: CpuKernels, request) -> None:
+    build = request.node.callspec.params["row_kernels"]
+    expected = None if build == "avx2" or not HAS_PREFIX_KERNEL else "amx" if HAS_AMX and build == "native" \
+        else "avx512_bf16"
+    assert row_kernels.row_gemm_bf16_kind == expected
+    assert (torch.bfloat16 in row_kernels.row_gemm_dtypes) == (expected is not None)
+    assert (torch.float32 in row_kernels.row_gemm_dtypes) == (row_kernels.vector_lanes == 16)
     assert cpu_kernels.row_gemm_dtypes(16, False) == (torch.float32,)  # AVX-512 of any vendor
     assert cpu_kernels.row_gemm_dtypes(8, True) == (torch.bfloat16,)
     assert cpu_kernels.row_gemm_dtypes(8, False) == ()
@@ -509,73 +524,74 @@ def test_row_kernel_runs_bf16_exactly_where_the_cpu_has_amx(kernels: CpuKernels,
 
 @pytest.mark.parametrize(("out_features", "in_features"), [(96, 64), (50, 96), (960, 576), (33, 160)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_row_kernel_matches_a_matmul(kernels: CpuKernels, monkeypatch, out_features: int, in_features: int,
-                                     bias: bool) -> None:
+def test_row_kernel_matches_a_matmul(row_kernels: CpuKernels, monkeypatch, out_features: int,
+                                     in_features: int, bias: bool) -> None:
     """Every row count through the kernel's blocks and tails (12 rows a block in fp32, 2 x 16 in
-    bf16), columns past the last whole panel, with and without a bias."""
-    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    bf16 on AMX, 8 on the dot product), columns past the last whole panel, with and without a bias."""
+    monkeypatch.setattr(row_kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(row_kernels)))
     generator = torch.Generator().manual_seed(out_features + in_features)
-    for dtype in row_kernel_dtypes(kernels):
+    for dtype in row_kernel_dtypes(row_kernels):
         weight = (torch.randn(out_features, in_features, generator=generator) / 8).to(dtype)
         b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
-        packed = kernels.pack_row_gemm(weight)
+        packed = row_kernels.pack_row_gemm(weight)
         for rows in (1, 5, 12, 13, 16, 17, 31, 32, 33, 70):
             x = torch.randn(rows, in_features, generator=generator).to(dtype)
             expected = x.float() @ weight.float().T + (b.float() if b is not None else 0)
-            ours = kernels.row_gemm(x, packed, out_features, b)
+            ours = row_kernels.row_gemm(x, packed, out_features, b)
             assert ours.dtype == dtype and ours.shape == (rows, out_features)
             tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's one rounding
             torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
 
 
-def test_row_kernel_gives_a_row_the_same_bits_whatever_else_is_in_the_batch(kernels: CpuKernels,
+def test_row_kernel_gives_a_row_the_same_bits_whatever_else_is_in_the_batch(row_kernels: CpuKernels,
                                                                              monkeypatch) -> None:
     """Speculative verification and decoding must agree bit for bit: a row alone, first, last or in
     the middle of 1 to 300 rows gets the same result; written into a view of a larger output too."""
-    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    monkeypatch.setattr(row_kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(row_kernels)))
     generator = torch.Generator().manual_seed(11)
-    for dtype in row_kernel_dtypes(kernels):
+    for dtype in row_kernel_dtypes(row_kernels):
         weight = torch.randn(200, 576, generator=generator).to(dtype)
-        packed = kernels.pack_row_gemm(weight)
+        packed = row_kernels.pack_row_gemm(weight)
         row = torch.randn(1, 576, generator=generator).to(dtype)
-        alone = kernels.row_gemm(row, packed, 200, None)
+        alone = row_kernels.row_gemm(row, packed, 200, None)
         for rows, at in ((2, 0), (13, 12), (40, 17), (300, 299)):
             batch = torch.randn(rows, 576, generator=generator).to(dtype)
             batch[at] = row[0]
-            assert torch.equal(kernels.row_gemm(batch, packed, 200, None)[at], alone[0]), (dtype, rows, at)
+            in_batch = row_kernels.row_gemm(batch, packed, 200, None)[at]
+            assert torch.equal(in_batch, alone[0]), (dtype, rows, at)
         larger = torch.full((5, 200), 7.0, dtype=dtype)
-        kernels.row_gemm(row.expand(3, -1), packed, 200, None, out=larger[1:4])
+        row_kernels.row_gemm(row.expand(3, -1), packed, 200, None, out=larger[1:4])
         assert torch.equal(larger[1:4], alone.expand(3, -1)) and bool((larger[[0, 4]] == 7).all())
 
 
-def test_row_kernel_refuses_what_it_does_not_support(kernels: CpuKernels, monkeypatch) -> None:
-    monkeypatch.setattr(kernels, "row_gemm_dtypes", (torch.float32,))
+def test_row_kernel_refuses_what_it_does_not_support(row_kernels: CpuKernels, monkeypatch) -> None:
+    monkeypatch.setattr(row_kernels, "row_gemm_dtypes", (torch.float32,))
     with pytest.raises(ValueError, match="pack_row_gemm"):
-        kernels.pack_row_gemm(torch.zeros(16, 64, dtype=torch.float16))
-    packed = kernels.pack_row_gemm(torch.zeros(16, 64))
+        row_kernels.pack_row_gemm(torch.zeros(16, 64, dtype=torch.float16))
+    packed = row_kernels.pack_row_gemm(torch.zeros(16, 64))
     with pytest.raises(ValueError, match="row_gemm"):
-        kernels.row_gemm(torch.zeros(3, 64), packed, 16, torch.zeros(15))  # a bias of the wrong size
+        row_kernels.row_gemm(torch.zeros(3, 64), packed, 16, torch.zeros(15))  # a bias of the wrong size
     with pytest.raises(ValueError, match="row_gemm"):
-        kernels.row_gemm(torch.zeros(3, 64), packed, 16, None, out=torch.zeros(3, 16)[:, ::2].T)
-    assert not kernels.supports_row_gemm(torch.zeros(16, 40, dtype=torch.bfloat16))  # not whole AMX tiles
+        row_kernels.row_gemm(torch.zeros(3, 64), packed, 16, None, out=torch.zeros(3, 16)[:, ::2].T)
+    assert not row_kernels.supports_row_gemm(torch.zeros(16, 40, dtype=torch.bfloat16))  # not whole AMX tiles
 
 
 def test_a_linear_runs_single_token_rows_through_the_row_kernel_and_the_rest_through_onednn(
-        kernels: CpuKernels, monkeypatch) -> None:
+        row_kernels: CpuKernels, monkeypatch) -> None:
     """In a step that holds decodes (first) and a prefill chunk, the decode rows get the bits they
     get in a decode-only step, and the chunk's rows what oneDNN gives."""
     from engine.models.llama import Linear, StepRows
 
-    monkeypatch.setattr(kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(kernels)))
+    monkeypatch.setattr(row_kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(row_kernels)))
     generator = torch.Generator().manual_seed(12)
-    for dtype in row_kernel_dtypes(kernels):
+    for dtype in row_kernel_dtypes(row_kernels):
         linear = Linear(128, 96, bias=True).to(dtype).requires_grad_(False)
         with torch.no_grad():
             linear.weight.copy_(torch.randn(96, 128, generator=generator))
             linear.bias.copy_(torch.randn(96, generator=generator))
         linear.pack_for_onednn()
         rows = StepRows()
-        assert linear.use_row_gemm(kernels, rows) and linear.packed_weight is not None
+        assert linear.use_row_gemm(row_kernels, rows) and linear.packed_weight is not None
         x = torch.randn(40, 128, generator=generator).to(dtype)
         rows.single = 5
         mixed = linear(x)
