@@ -173,7 +173,7 @@ void row_gemm_f32(const float* a, int64_t lda, const float* packed, const float*
     }
 }
 
-/* ---- bf16 on AMX ----------------------------------------------------------------------------- */
+/* ---- bf16 on AMX, or AVX512-BF16's dot product without it ------------------------------------ */
 
 /* 1: bf16 on AMX (granted), 2: on AVX512-BF16's dot product, 0: none in this build. */
 int row_gemm_bf16_available(void) {

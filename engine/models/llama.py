@@ -230,8 +230,8 @@ class Linear(nn.Linear):
       AVX-512 CPUs its fp32 GEMM runs 1.3-2x faster than the MKL sgemm behind ``F.linear`` on AMD
       (MKL takes its AVX2 path on non-Intel CPUs), and at prefill sizes it beats both ``torch.mm``
       and the row kernel in the engine on Intel too (measured on whole workloads).
-    - The row kernel (engine/cpu_kernels/row_gemm.c, where ``use_row_gemm`` applies: bf16 on AMX,
-      fp32 with AVX-512) for single-token rows (decodes, verified drafts; the LM head's
+    - The row kernel (engine/cpu_kernels/row_gemm.c, where ``use_row_gemm`` applies: bf16 on AMX or
+      AVX512-BF16, fp32 with AVX-512) for single-token rows (decodes, verified drafts; the LM head's
       sampled rows): it streams the weights at memory speed where oneDNN reads them at about half
       of it (1.2-1.5x faster at 1-64 rows), and it computes each row alone, so a row gets the same
       bits whatever else its step holds. oneDNN does not: in bf16 it takes a slower non-AMX kernel
