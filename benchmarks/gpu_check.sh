@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# GPU checks in one command, under 8 minutes on one H100/H200-class GPU: the engine's correctness
+# GPU checks in one command, under 9 minutes on one H100/H200-class GPU: the engine's correctness
 # tests on CUDA (every scheduling scenario, fp32 exact and bf16 within noise, against transformers),
-# then the engine benchmark in fp32 and bf16. Every figure goes to one file.
+# the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, the
+# benchmark suite and a decode step on it, then on a 1B-class model under its tokenizer. Every figure
+# goes to one file.
 #
-#   bash benchmarks/gpu_check.sh [MODEL]     MODEL: a model folder (default: the `small` preset)
+#   bash benchmarks/gpu_check.sh [MODEL]
 #
+# MODEL: a model folder. Without weights in it (config.json and the tokenizer only: what fits the
+# device machine's small working tree), the model is benched with random weights in its shape
+# (benchmarks/shaped_checkpoint.py), which measure its speed as well as its own weights would.
 # Needs only torch, transformers, tokenizers, safetensors and pytest (what a CUDA PyTorch image
 # has): the service stack is not loaded (tests/conftest.py, BULKINFER_TEST_DEVICE). Results go to
 # $OUT/gpu_check.txt when OUT is set (the device tool's folder), else benchmarks/gpu_check.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-REPORT="${OUT:-benchmarks}/gpu_check.txt"
+REPORT_DIR="${OUT:-benchmarks}"
+REPORT="$REPORT_DIR/gpu_check.txt"
 MODEL="${1:-}"
 DEVICE="${DEVICE:-cuda}"  # DEVICE=cpu: a smoke run of this script on a machine without a GPU
 REQUESTS="${REQUESTS:-256}"
+SCALE="${SCALE:-2}"        # suite request counts x this (a GPU takes bigger batches than a CPU)
+BIG_SHAPE="${BIG_SHAPE:-hidden_size=2048 num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 intermediate_size=8192}"
 export BULKINFER_TEST_DEVICE="$DEVICE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+SCRATCH="$(mktemp -d)"
 status=0
+
+has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.index.json" ]; }
 
 {
   echo "== bulkinfer GPU check, $(date -u +%Y-%m-%dT%H:%M:%SZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
@@ -24,14 +35,36 @@ status=0
 '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))" || exit 1
 
   echo; echo "== engine correctness on $DEVICE"
-  timeout 300 "$PY" -m pytest -q -p no:cacheprovider -x \
+  timeout 170 "$PY" -m pytest -q -p no:cacheprovider -x \
     tests/engine/test_llm_correctness.py tests/engine/test_model_vs_transformers.py || status=1
 
-  echo; echo "== engine benchmark on $DEVICE"
-  model_args=(--preset small)
-  [ -n "$MODEL" ] && model_args=(--model "$MODEL")
-  timeout 240 "$PY" -m benchmarks.engine "${model_args[@]}" --device "$DEVICE" --dtype float32,bfloat16 \
+  echo; echo "== engine benchmark on $DEVICE (small preset)"
+  timeout 80 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
+
+  if [ -n "$MODEL" ]; then
+    if ! has_weights "$MODEL"; then
+      echo; echo "== random weights in the shape of $MODEL"
+      timeout 60 "$PY" -m benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/model" --device "$DEVICE" || status=1
+      bench_model="$SCRATCH/model"
+    else
+      bench_model="$MODEL"
+    fi
+    echo; echo "== suite on $DEVICE: $MODEL (scale $SCALE)"
+    timeout 130 "$PY" -m benchmarks.suite --model "$bench_model" --device "$DEVICE" --dtype bfloat16,float32 \
+      --scale "$SCALE" --json "$REPORT_DIR/gpu_suite.json" || status=1
+    echo; echo "== decode step on $DEVICE: $MODEL"
+    for rows in 128 512; do
+      timeout 30 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
+        --rows "$rows" --steps 20 || status=1
+    done
+    echo; echo "== suite on $DEVICE, bfloat16: $BIG_SHAPE under $MODEL's tokenizer"
+    # shellcheck disable=SC2086  # BIG_SHAPE is a list of NAME=VALUE words
+    timeout 60 "$PY" -m benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE \
+      && timeout 100 "$PY" -m benchmarks.suite --model "$SCRATCH/big" --device "$DEVICE" --dtype bfloat16 \
+        --scale "$SCALE" --json "$REPORT_DIR/gpu_suite_big.json" || status=1
+  fi
+  rm -rf "$SCRATCH"
   echo; echo "== exit status $status"
   exit "$status"
 } 2>&1 | tee "$REPORT"

@@ -66,6 +66,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--rows", type=int, default=128, help="requests decoding together")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; on a GPU only the plain step is "
+                        "timed (cProfile sees kernel launches there, not their time)")
     args = parser.parse_args(argv)
     from benchmarks.suite import make_workloads
     from engine import LLM, SamplingParams
@@ -74,7 +76,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         model_dir = resolve_model(args.model) if resolve_model else args.model
     else:
         model_dir = str(cached_checkpoint(preset=args.preset, arch="llama", seed=0))
-    llm = LLM(model=model_dir, dtype=args.dtype, max_num_seqs=max(256, args.rows))
+    llm = LLM(model=model_dir, dtype=args.dtype, max_num_seqs=max(256, args.rows), device=args.device)
     tokenizer = llm.engine.tokenizer
     [workload] = make_workloads(["shared-4x400"], len(tokenizer), set(tokenizer.all_special_ids),
                                 scale=args.rows / 256)
@@ -86,6 +88,11 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                                               for r in engine.scheduler.running):
         engine.step()
     plain_ms = _step_ms(engine, args.steps)
+    if args.device != "cpu":
+        print(f"model: {model_dir}; dtype {llm.dtype_choice.dtype}; {len(engine.scheduler.running)} rows "
+              f"decoding on {args.device} ({torch.cuda.get_device_name(args.device)})")
+        print(f"decode step: {plain_ms:.1f} ms plain ({args.rows / plain_ms * 1e3:,.0f} output tok/s)")
+        return 0
     # The native decode path runs every layer in one C call, which cProfile cannot split: the parts
     # are those of the Python path (the same kernels, one call each), timed plainly too.
     native = engine.model.native_decode

@@ -24,6 +24,7 @@ projections use. A table, and with `--json FILE` the same figures as JSON.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import resource
@@ -197,7 +198,7 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
     flops = model_flops(llm.engine.model, workload, outputs)
     peak = matmul_peak_gflops(getattr(torch, chosen), engine_kwargs.get("device", "cpu"))
     achieved = flops / wall / 1e9
-    return SuiteResult(
+    result = SuiteResult(
         workload=workload.name, dtype=chosen if dtype == chosen else f"{dtype}->{chosen}",
         requests=len(workload.prompts), wall_s=wall, prompt_tokens=workload.prompt_tokens,
         output_tokens=output_tokens, output_tps=output_tokens / wall,
@@ -212,6 +213,12 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
         cached_tokens=cached_tokens, load_s=load_s, resolved_dtype=chosen,
         extra={"preemptions": llm.get_metrics()["num_preemptions"]},
     )
+    # A GPU engine sizes its KV cache from free memory: hand this one's back before the next starts.
+    del llm, outputs
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
 
 
 def print_table(results: Sequence[SuiteResult], out: Callable[[str], None] = print) -> None:
@@ -266,7 +273,12 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     results: list[SuiteResult] = []
     pairs: list[tuple[SuiteResult, Any]] = []
     for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
-        ours = [run_workload(model_dir, workload, dtype, engine_kwargs) for workload in workloads]
+        ours = []
+        for workload in workloads:
+            ours.append(run_workload(model_dir, workload, dtype, engine_kwargs))
+            done = ours[-1]  # a line as each run ends: a run cut short by a time limit keeps what it measured
+            print(f"{done.workload} ({done.dtype}): {done.wall_s:.2f} s, "
+                  f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
         results += ours
         if args.with_vllm:
             from benchmarks.vllm_compare import run_vllm
