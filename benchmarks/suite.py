@@ -247,6 +247,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--kv-populate-seconds", type=float, default=EngineConfig.kv_populate_seconds,
+                        help="how long engine start may map the KV cache's memory (default %(default)s; "
+                        "a large value maps all of it, as vLLM's start does by zeroing its cache)")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--with-vllm", type=Path, metavar="VENV",
                         help="also run vLLM from this virtualenv on the same workloads (README: Benchmarks)")
@@ -269,7 +272,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     except ValueError as error:
         parser.error(str(error))
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "device": args.device}
+                     "device": args.device, "kv_populate_seconds": args.kv_populate_seconds}
     results: list[SuiteResult] = []
     pairs: list[tuple[SuiteResult, Any]] = []
     for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:

@@ -62,3 +62,10 @@ def test_the_suite_prints_a_table_and_writes_figures_that_add_up(tmp_path: Path,
         assert result["load_s"] > 0 and result["resolved_dtype"] == "float32"
         for name in ("ttft_s", "itl_s", "tpot_s"):
             assert 0 <= result[name]["p50"] <= result[name]["p99"]
+
+
+def test_the_kv_populate_setting_reaches_the_engine() -> None:
+    # The engine validates it: a value it refuses proves the suite handed it over.
+    with pytest.raises(ValueError, match="kv_populate_seconds must be a finite number of seconds >= 0"):
+        bench_cli(["--preset", "tiny", "--dtype", "float32", "--workloads", "long-output", "--scale", "0.05",
+                   "--kv-populate-seconds", "-1"])

@@ -97,3 +97,8 @@ def test_the_suite_prints_bulkinfer_over_vllm_per_workload(tmp_path: Path, monke
     ratio = ours["output_tps"] / (theirs["output_tokens"] / theirs["wall_s"])
     assert f"| shared-4x400 | float32 | {ours['wall_s']:.2f} | {theirs['wall_s']:.2f} |" in printed
     assert f"{ratio:.2f}×" in printed and "engine start (float32): bulkinfer" in printed
+    # The time a batch user waits: bulkinfer's start and run against vLLM's start and run.
+    ours_total = ours["load_s"] + ours["wall_s"]
+    theirs_total = figures["vllm"][0]["load_s"] + theirs["wall_s"]
+    assert (f"start and every workload (float32): bulkinfer {ours_total:.1f} s, vLLM {theirs_total:.1f} s "
+            f"({theirs_total / ours_total:.2f}x)") in printed
