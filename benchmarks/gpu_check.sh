@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks in one command, under 9 minutes on one H100/H200-class GPU: the engine's correctness
 # tests on CUDA (every scheduling scenario, fp32 exact and bf16 within noise, against transformers),
-# the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, the
-# benchmark suite and a decode step on it, then on a 1B-class model under its tokenizer. Every figure
-# goes to one file.
+# the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
+# step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
+# then the suite on a 1B-class model under its tokenizer. Every figure goes to one file.
 #
 #   bash benchmarks/gpu_check.sh [MODEL]
 #
@@ -20,7 +20,7 @@ REPORT="$REPORT_DIR/gpu_check.txt"
 MODEL="${1:-}"
 DEVICE="${DEVICE:-cuda}"  # DEVICE=cpu: a smoke run of this script on a machine without a GPU
 REQUESTS="${REQUESTS:-256}"
-SCALE="${SCALE:-2}"        # suite request counts x this (a GPU takes bigger batches than a CPU)
+SCALE="${SCALE:-1}"        # suite request counts x this
 BIG_SHAPE="${BIG_SHAPE:-hidden_size=2048 num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 intermediate_size=8192}"
 export BULKINFER_TEST_DEVICE="$DEVICE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
@@ -50,14 +50,15 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
     else
       bench_model="$MODEL"
     fi
+    echo; echo "== decode step on $DEVICE: $MODEL"
+    # At 128 rows under torch.profiler too: the ops by host time and the syncs a step makes.
+    timeout 40 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
+      --rows 128 --steps 20 --trace || status=1
+    timeout 30 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
+      --rows 512 --steps 20 || status=1
     echo; echo "== suite on $DEVICE: $MODEL (scale $SCALE)"
     timeout 130 "$PY" -m benchmarks.suite --model "$bench_model" --device "$DEVICE" --dtype bfloat16,float32 \
       --scale "$SCALE" --json "$REPORT_DIR/gpu_suite.json" || status=1
-    echo; echo "== decode step on $DEVICE: $MODEL"
-    for rows in 128 512; do
-      timeout 30 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
-        --rows "$rows" --steps 20 || status=1
-    done
     echo; echo "== suite on $DEVICE, bfloat16: $BIG_SHAPE under $MODEL's tokenizer"
     # shellcheck disable=SC2086  # BIG_SHAPE is a list of NAME=VALUE words
     timeout 60 "$PY" -m benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE \

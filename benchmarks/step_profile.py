@@ -68,6 +68,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]; on a GPU only the plain step is "
                         "timed (cProfile sees kernel launches there, not their time)")
+    parser.add_argument("--trace", action="store_true", help="also run the steps under torch.profiler: the "
+                        "ops by host time, and the host-device syncs a step makes (what bounds a GPU step)")
     args = parser.parse_args(argv)
     from benchmarks.suite import make_workloads
     from engine import LLM, SamplingParams
@@ -81,13 +83,15 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     [workload] = make_workloads(["shared-4x400"], len(tokenizer), set(tokenizer.all_special_ids),
                                 scale=args.rows / 256)
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=3 * args.steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
     for index, prompt in enumerate(workload.prompts):
         engine.add_request(f"r{index}", prompt, params)
     while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                               for r in engine.scheduler.running):
         engine.step()
     plain_ms = _step_ms(engine, args.steps)
+    if args.trace:
+        print_trace(engine, args.steps, args.device)
     if args.device != "cpu":
         print(f"model: {model_dir}; dtype {llm.dtype_choice.dtype}; {len(engine.scheduler.running)} rows "
               f"decoding on {args.device} ({torch.cuda.get_device_name(args.device)})")
@@ -119,6 +123,30 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     for name, seconds in parts.items():
         print(f"| {name} | {seconds / args.steps * 1e3:.1f} | {seconds / profiled_s:.0%} |")
     return 0
+
+
+# Host-side waits for the device: an explicit sync, a blocking copy, or a tensor read into Python
+# (.item(), .tolist(), bool(tensor)), which waits for every kernel queued before it.
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
+               "aten::_local_scalar_dense", "aten::item")
+
+
+def print_trace(engine: Any, steps: int, device: str) -> None:
+    """`steps` decode steps under torch.profiler: the ops that took the most host time, and the syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    with profile(activities=activities) as trace:
+        for _ in range(steps):
+            engine.step()
+    averages = trace.key_averages()
+    print(f"torch.profiler over {steps} decode steps, the ops by host time (self):")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    syncs = {event.key: event.count for event in averages if event.key in SYNC_EVENTS}
+    launches = sum(event.count for event in averages if event.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                       "cudaLaunchKernelExC"))
+    print(f"per step: {launches / steps:,.0f} kernel launches; tensor reads into Python and device syncs "
+          + (", ".join(f"{name} {count / steps:,.1f}" for name, count in syncs.items()) or "none seen"))
 
 
 def _step_ms(engine: Any, steps: int) -> float:

@@ -25,3 +25,12 @@ def test_a_step_profile_names_every_part_and_the_shares_add_up(capsys: pytest.Ca
     assert set(shares) == {*CATEGORIES, "other (Python, glue)"}
     assert int(shares["matmul"]) > 0 and int(shares["attention"]) > 0
     assert 97 <= sum(map(int, shares.values())) <= 103  # rounded shares of one whole
+
+
+def test_a_trace_lists_the_ops_by_host_time_and_counts_syncs_per_step(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--rows", "8", "--steps", "2",
+                      "--trace"]) == 0
+    printed = capsys.readouterr().out
+    assert "torch.profiler over 2 decode steps" in printed and "Self CPU" in printed
+    assert re.search(r"per step: [\d,]+ kernel launches; tensor reads into Python and device syncs", printed)
