@@ -284,6 +284,20 @@ def plan_decode(
                       own_key_bias=bias[:, None, None, :].to(device))
 
 
+# K+V bytes a GPU gathers per decode call: enough for SmolLM2's 512 rows at 480 keys (188 MB) in one
+# call, and bounded: the gather and its fp32 scores come out of the memory the KV cache leaves free.
+GPU_DECODE_CHUNK_BYTES = 256 << 20
+
+
+def decode_chunk_rows(device: torch.device, row_bytes: int, num_rows: int, chunk_bytes: int) -> int:
+    """Decode rows gathered and attended per call on the PyTorch path. On CPU a chunk's K/V stays in
+    the last-level cache between its gather and its attention (`chunk_bytes`, 16 MiB: 45 of SmolLM2's
+    rows at 480 keys); a GPU has no such reuse to win and pays for every launch (12 chunks of ~10
+    kernels a layer at 512 rows), so there a chunk is GPU_DECODE_CHUNK_BYTES."""
+    budget = chunk_bytes if device.type == "cpu" else max(chunk_bytes, GPU_DECODE_CHUNK_BYTES)
+    return max(1, min(num_rows, budget // row_bytes))
+
+
 def attention_with_lse(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -329,7 +343,8 @@ class TorchPagedAttention(AttentionBackend):
 
     ``min_shared_tokens``: a group of decode rows is attended as a shared prefix only when that
     saves at least this many token reads (below it, the extra kernel calls cost more).
-    ``decode_chunk_bytes``: decode rows are gathered and attended in chunks of about this many bytes of K+V.
+    ``decode_chunk_bytes``: on CPU, decode rows are gathered and attended in chunks of about this many
+    bytes of K+V (`decode_chunk_rows`).
     """
 
     def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20,
@@ -496,7 +511,7 @@ class TorchPagedAttention(AttentionBackend):
         num_rows, num_kv_heads, _, head_dim = q.shape
         context_len = plan.own_key_bias.shape[-1]
         row_bytes = 2 * num_kv_heads * context_len * head_dim * k_cache.element_size()
-        step = max(1, self.decode_chunk_bytes // row_bytes)
+        step = decode_chunk_rows(q.device, row_bytes, num_rows, self.decode_chunk_bytes)
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         for first in range(0, num_rows, step):

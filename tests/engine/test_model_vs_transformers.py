@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3Config
 
-from engine.attention import TorchPagedAttention, attention_with_lse
+from engine.attention import TorchPagedAttention, attention_with_lse, decode_chunk_rows
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.models import load_model
@@ -130,6 +130,24 @@ def test_decode_rows_sharing_prefix_blocks_match_transformers(dtype, checkpoint_
     metadata = runner.prepare_batch(SchedulerOutput(last, 3)).metadata
     [group] = backend.decode_plan(metadata, None, 2).shared_prefixes
     assert group.rows.tolist() == [0, 1, 2] and group.block_ids.tolist() == [1, 2]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_attended_one_per_chunk_match_transformers(dtype, checkpoint_factory):
+    """The PyTorch decode path in chunks of one row (a 1-byte chunk) gives every row's own result."""
+    plan = [{0: 20, 1: 30, 2: 7, 3: 37}]
+    run_and_compare(checkpoint_factory(arch="llama"), plan, lengths=[20, 30, 7, 37], num_decode_steps=4,
+                    backend=TorchPagedAttention(decode_chunk_bytes=1), dtype=dtype)
+
+
+def test_decode_chunks_stay_in_a_cpu_cache_and_take_far_more_rows_on_a_gpu():
+    row_bytes = 2 * 3 * 480 * 64 * 2  # K+V of one SmolLM2 row over 480 keys in bf16
+    assert decode_chunk_rows(torch.device("cpu"), row_bytes, 512, 16 << 20) == 45
+    assert decode_chunk_rows(torch.device("cpu"), row_bytes, 512, 1) == 1
+    assert decode_chunk_rows(torch.device("cuda"), row_bytes, 512, 16 << 20) == 512  # one call
+    # A long context on a GPU is still split: the gather comes out of what the KV cache leaves free.
+    long_row = 2 * 8 * 8192 * 128 * 2  # 8 kv heads of 128 over 8,192 keys: 32 MiB a row
+    assert decode_chunk_rows(torch.device("cuda"), long_row, 512, 16 << 20) == 8
 
 
 def test_attention_with_lse_kernel_and_fallback_agree():
