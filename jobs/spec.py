@@ -91,7 +91,11 @@ class JobSpec(BaseModel):
     output_uri: str | None = Field(None, description="where output parts go; default: the job's folder",
                                    json_schema_extra={"pattern": URI_PATTERN})
     output_format: InputFormat | None = Field(None, description="default: the input format")
-    passthrough_columns: list[str] = Field(default_factory=list, json_schema_extra={"uniqueItems": True})
+    # The schema states the names the outputs already use, so a client sees the rule before it posts.
+    passthrough_columns: list[str] = Field(
+        default_factory=list, description="input columns copied to each output row; not an output "
+        "column's own name", json_schema_extra={"uniqueItems": True, "items": {
+            "type": "string", "not": {"enum": sorted(RESERVED_OUTPUT_COLUMNS)}}})
 
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="rows per shard (approximate for JSONL)")
     deduplicate: bool = Field(True, description="rows of a shard whose rendered prompt and sampling are "

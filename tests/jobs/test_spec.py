@@ -123,3 +123,9 @@ def test_input_columns_cover_every_column_a_row_is_read_from() -> None:
 ])
 def test_format_from_name(name, expected) -> None:
     assert format_from_name(name) == expected
+
+
+def test_the_schema_states_which_passthrough_names_the_outputs_already_use() -> None:
+    # Clients (and the API fuzzer) read the rule from the schema instead of learning it from a 422.
+    items = JobSpec.model_json_schema()["properties"]["passthrough_columns"]["items"]
+    assert {"text", "usage", "error"} <= set(items["not"]["enum"]) and items["type"] == "string"
