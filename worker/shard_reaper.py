@@ -10,7 +10,11 @@ a time, via a short Redis lock) it looks at the jobs that have not ended:
 - `queued` jobs (the API died between creating and queueing one, or its planner died) and `running`
   jobs whose planner died before sending every shard: `plan_job` again;
 - `running` jobs with every shard counted, and `finalizing` ones (the finalizer died): `finalize_job`
-  again.
+  again;
+- a model queue whose fair queue holds more waiting shards than the broker holds tickets for it (a
+  ticket prefetched by a worker that was then killed stays unacknowledged for the visibility timeout,
+  and its shard, never started, would wait for it): the missing tickets, once seen missing for two
+  lease TTLs. A ticket too many finds nothing waiting and ends.
 
 A plan or finalize is re-sent only when no run holds its lease and the reaper has seen it due for
 two lease TTLs (its message may just be waiting behind busy workers), then at most once per two
@@ -27,6 +31,7 @@ from collections.abc import Callable
 
 import redis
 
+from jobs.fair_queue import FairQueue
 from jobs.layout import JobLayout
 from jobs.names import (
     dispatched_key,
@@ -51,6 +56,8 @@ logger = logging.getLogger(__name__)
 
 SendShard = Callable[[str, int, str], None]  # (job_id, shard_index, queue)
 SendJobStep = Callable[[str], None]  # (job_id)
+CountTickets = Callable[[str], int]  # (queue) -> messages waiting in the broker
+SendTicket = Callable[[str], None]  # (queue)
 DUE_TTL_S = 24 * 3600
 ORPHAN_SWEEP_S = 600.0
 
@@ -138,6 +145,44 @@ def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize
     return resent
 
 
+def reap_lost_tickets(context: WorkerContext, count_tickets: CountTickets, send_ticket: SendTicket,
+                      ttl_s: float) -> dict[str, int]:
+    """One pass over the dispatched running jobs: per model queue, the tickets sent for shards that
+    wait in the fair queue with none left in the broker to take them."""
+    repository = context.repository
+    client, namespace = repository.redis, repository.namespace
+    fair = FairQueue(client, namespace)
+    waiting: dict[str, int] = {}
+    cursor: str | None = None
+    while True:
+        jobs, cursor = repository.list(JobState.RUNNING, cursor=cursor, limit=100)
+        for job in jobs:
+            if not client.exists(dispatched_key(namespace, job.job_id)):
+                continue  # its planner is still offering (or died: reap_job_steps plans it again)
+            try:
+                queue = context.registry.queue_for(repository.get_spec(job.job_id).model)
+                waiting[queue] = waiting.get(queue, 0) + fair.waiting(queue, job.job_id)
+            except Exception:  # noqa: BLE001 - one odd job must not stop the others
+                logger.exception("ticket reaper: job %s skipped", job.job_id)
+        if cursor is None:
+            break
+    sent: dict[str, int] = {}
+    for queue, shards in waiting.items():
+        due_key = f"{namespace}:tickets-missing:{queue}"
+        missing = shards - count_tickets(queue) if shards else 0
+        if missing <= 0:
+            client.delete(due_key)  # the next shortfall starts its grace afresh
+            continue
+        if _due_for_resend(client, due_key, 2 * ttl_s):
+            for _ in range(missing):
+                send_ticket(queue)
+            metrics.REAPER_RESENDS.labels("ticket").inc(missing)
+            sent[queue] = missing
+            logger.warning("%s: %d shard(s) waiting and %d ticket(s) fewer in the broker; sent them",
+                           queue, shards, missing)
+    return sent
+
+
 def _due_for_resend(client: redis.Redis, key: str, grace_s: float) -> bool:
     """True once the step has been seen due (on every tick) for `grace_s`; then again every `grace_s`."""
     now = time.time()
@@ -163,15 +208,16 @@ def _sweep_uploads(context: WorkerContext) -> None:
 
 
 def tick(context: WorkerContext) -> None:
-    """One reaper pass: jobs past their deadline, shards, then plans and finalizes, then (every 10 min)
-    orphaned uploads."""
-    from worker.tasks import send_finalize, send_plan, send_shard
+    """One reaper pass: jobs past their deadline, shards, then plans and finalizes, lost tickets, then
+    (every 10 min) orphaned uploads."""
+    from worker.tasks import broker_ticket_count, send_finalize, send_plan, send_shard, send_ticket
     from worker.webhook_delivery import notify_if_final
 
     ttl_s = context.settings.lease_ttl
     expire_due(context, send_finalize, notify=lambda job_id: notify_if_final(context, job_id))
     reap_once(context, send_shard, ttl_s, send_finalize)
     reap_job_steps(context, send_plan, send_finalize, ttl_s)
+    reap_lost_tickets(context, broker_ticket_count, send_ticket, ttl_s)
     _sweep_uploads(context)
 
 

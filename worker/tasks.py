@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from celery import Task
+from celery import Celery, Task
 from celery.exceptions import Retry
-from kombu.exceptions import OperationalError
+from kombu.exceptions import ChannelError, OperationalError
 
 from jobs.fair_queue import FairQueue
 from jobs.log_format import log_context
@@ -65,7 +65,22 @@ class ShardOffers:
             self._jobs[job_id] = (repository.get_spec(job_id), sizes)
         spec, sizes = self._jobs[job_id]
         self.queue.offer(queue, job_id, shard_index, sizes.get(shard_index, 1), spec.priority, spec.tenant)
-        app.send_task(RUN_NEXT_SHARD, args=[queue], queue=queue)  # a ticket, also when offered before
+        send_ticket(queue)  # also when offered before
+
+
+def send_ticket(queue: str, celery_app: Celery = app) -> None:
+    """A ticket: whichever worker takes it runs the fair queue's next shard for `queue`."""
+    celery_app.send_task(RUN_NEXT_SHARD, args=[queue], queue=queue)
+
+
+def broker_ticket_count(queue: str, celery_app: Celery = app) -> int:
+    """Messages waiting in the broker's `queue` (tickets and named shards); 0 for a queue it has not
+    seen (Redis drops an emptied list, and a passive declare then finds no queue)."""
+    with celery_app.connection_for_read() as connection:
+        try:
+            return int(connection.default_channel.queue_declare(queue=queue, passive=True).message_count)
+        except ChannelError:
+            return 0
 
 
 def send_finalize(job_id: str) -> None:

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from jobs.fair_queue import FairQueue
 from jobs.names import shard_lease_key as lease_key
 from jobs.names import shards_started_key as started_key
 from jobs.spec import JobSpec
@@ -17,7 +18,8 @@ from tests.worker.conftest import Pipeline
 from worker.context import WorkerContext
 from worker.job_lifecycle import plan_job
 from worker.shard_lease import ShardLease
-from worker.shard_reaper import reap_once
+from worker.shard_reaper import reap_lost_tickets, reap_once
+from worker.tasks import broker_ticket_count, send_ticket
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,6 +90,33 @@ def test_the_reaper_resends_only_started_shards_with_no_live_lease(
 
     assert first == [(job_id, 2)] and again == []  # the second tick is rate-limited
     assert sent == [(job_id, 2, "bulkinfer.model.tiny")]
+
+
+def test_shards_waiting_with_no_ticket_left_in_the_broker_get_their_tickets(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    """A ticket prefetched by a worker that was then killed stays unacknowledged for the broker's
+    visibility timeout; its shard, never started, must not wait for it."""
+    pipeline, _ = parts
+    spec, _ = small_job(pipeline, "lost-tickets.jsonl")
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+    context = WorkerContext(pipeline.settings)
+    fair = FairQueue(repository.redis, repository.namespace)
+    # Offered to the fair queue, every ticket lost.
+    plan_job(context, job_id, lambda job, index, queue: fair.offer(queue, job, index, 2, spec.priority, None))
+    queue = "bulkinfer.model.tiny"
+    assert fair.waiting(queue, job_id) == 3 and broker_ticket_count(queue, pipeline.client) == 0
+
+    def reap() -> dict[str, int]:
+        return reap_lost_tickets(context, lambda q: broker_ticket_count(q, pipeline.client),
+                                 lambda q: send_ticket(q, pipeline.client), ttl_s=0.05)
+
+    assert reap() == {}  # first seen missing: a planner may be sending them right now
+    time.sleep(0.15)
+    assert reap() == {queue: 3}
+    assert broker_ticket_count(queue, pipeline.client) == 3
+    time.sleep(0.15)
+    assert reap() == {}  # as many tickets as shards waiting: nothing more
 
 
 QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
