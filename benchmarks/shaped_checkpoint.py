@@ -50,13 +50,13 @@ def build_shaped_checkpoint(source: str | Path, out: str | Path,
     """Write `out`: `source`'s config (with `overrides`) and tokenizer, and random weights of that shape."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    source, out = Path(source), Path(out)
+    source, out, overrides = Path(source), Path(out), dict(overrides or {})
     config = AutoConfig.from_pretrained(source)
-    for key, value in (overrides or {}).items():
+    for key, value in overrides.items():
         if not hasattr(config, key):
             raise ValueError(f"{source / 'config.json'} has no setting {key!r} to change")
         setattr(config, key, value)
-    if "hidden_size" in (overrides or {}) or "num_attention_heads" in (overrides or {}):
+    if "hidden_size" in overrides or "num_attention_heads" in overrides:
         config.head_dim = config.hidden_size // config.num_attention_heads
     torch.manual_seed(seed)
     with torch.device(device):

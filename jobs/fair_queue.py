@@ -137,3 +137,10 @@ class FairQueue:
 
     def waiting(self, model: str, job_id: str) -> int:
         return int(self.client.llen(f"{self._prefix(model)}pending:{job_id}"))
+
+    def waiting_total(self, model: str, job_ids: list[str]) -> int:
+        """The shards of these jobs waiting for `model`, in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for job_id in job_ids:
+            pipe.llen(f"{self._prefix(model)}pending:{job_id}")
+        return sum(int(n) for n in pipe.execute())

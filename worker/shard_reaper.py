@@ -148,24 +148,21 @@ def reap_job_steps(context: WorkerContext, send_plan: SendJobStep, send_finalize
 def reap_lost_tickets(context: WorkerContext, count_tickets: CountTickets, send_ticket: SendTicket,
                       ttl_s: float) -> dict[str, int]:
     """One pass over the dispatched running jobs: per model queue, the tickets sent for shards that
-    wait in the fair queue with none left in the broker to take them."""
+    wait in the fair queue with none left in the broker to take them. Redis only: no job's spec is
+    read (a job's shards wait under its own model's queue and no other)."""
     repository = context.repository
     client, namespace = repository.redis, repository.namespace
-    fair = FairQueue(client, namespace)
-    waiting: dict[str, int] = {}
+    job_ids: list[str] = []
     cursor: str | None = None
     while True:
         jobs, cursor = repository.list(JobState.RUNNING, cursor=cursor, limit=100)
-        for job in jobs:
-            if not client.exists(dispatched_key(namespace, job.job_id)):
-                continue  # its planner is still offering (or died: reap_job_steps plans it again)
-            try:
-                queue = context.registry.queue_for(repository.get_spec(job.job_id).model)
-                waiting[queue] = waiting.get(queue, 0) + fair.waiting(queue, job.job_id)
-            except Exception:  # noqa: BLE001 - one odd job must not stop the others
-                logger.exception("ticket reaper: job %s skipped", job.job_id)
+        # A job not yet dispatched is still being offered (or its planner died: reap_job_steps).
+        job_ids += [job.job_id for job in jobs if client.exists(dispatched_key(namespace, job.job_id))]
         if cursor is None:
             break
+    fair = FairQueue(client, namespace)
+    queues = sorted({context.registry.queue_for(name) for name in context.registry.names()})
+    waiting = {queue: fair.waiting_total(queue, job_ids) for queue in queues}
     sent: dict[str, int] = {}
     for queue, shards in waiting.items():
         due_key = f"{namespace}:tickets-missing:{queue}"
