@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks in one command, under 9 minutes on one H100/H200-class GPU: the engine's correctness
-# tests on CUDA (every scheduling scenario, fp32 exact and bf16 within noise, against transformers),
+# tests on CUDA (every scheduling scenario, fp32 exact and bf16 within noise, against transformers;
+# their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B),
 # the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
 # step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
 # then the suite on a 1B-class model under its tokenizer. Every figure goes to one file.
@@ -35,8 +36,9 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
 '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))" || exit 1
 
   echo; echo "== engine correctness on $DEVICE"
-  timeout 170 "$PY" -m pytest -q -p no:cacheprovider -x \
-    tests/engine/test_llm_correctness.py tests/engine/test_model_vs_transformers.py || status=1
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -x \
+    tests/engine/test_llm_correctness.py tests/engine/test_model_vs_transformers.py \
+    tests/engine/test_decode_graphs.py || status=1
 
   echo; echo "== engine benchmark on $DEVICE (small preset)"
   timeout 80 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \

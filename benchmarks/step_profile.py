@@ -89,6 +89,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                               for r in engine.scheduler.running):
         engine.step()
+    engine.step()  # one untimed decode step: a GPU captures its graph here
     plain_ms = _step_ms(engine, args.steps)
     if args.trace:
         print_trace(engine, args.steps, args.device)
@@ -96,6 +97,14 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         print(f"model: {model_dir}; dtype {llm.dtype_choice.dtype}; {len(engine.scheduler.running)} rows "
               f"decoding on {args.device} ({torch.cuda.get_device_name(args.device)})")
         print(f"decode step: {plain_ms:.1f} ms plain ({args.rows / plain_ms * 1e3:,.0f} output tok/s)")
+        graphs = engine.runner.decode_graphs
+        if graphs is not None:  # the same steps without CUDA graphs: what capturing them gains
+            engine.runner.use_decode_graphs = False
+            eager_ms = _step_ms(engine, args.steps)
+            engine.runner.use_decode_graphs = True
+            failed = " (capture failed)" if graphs.broken else ""
+            print(f"CUDA graphs: {len(graphs.graphs)} captured{failed}; eager decode step {eager_ms:.1f} ms: "
+                  f"graphs {eager_ms / plain_ms:.2f}x faster")
         return 0
     # The native decode path runs every layer in one C call, which cProfile cannot split: the parts
     # are those of the Python path (the same kernels, one call each), timed plainly too.

@@ -57,6 +57,11 @@ class AttentionMetadata:
     # The same block ids on the host, for planning without reading device tensors (empty: read
     # from prefill_block_tables).
     prefill_block_lists: list[list[int]] = field(default_factory=list)
+    # A pure decode step of fixed shapes (engine/decode_graphs.py, a CUDA graph's step): the decode
+    # seq lens and block tables are then device tensors, padded rows included, and attention reads
+    # them on the device (every row gathered to the tables' width, masked by its length) with no
+    # host planning, so the step's kernels are the same every time.
+    static_decode: bool = False
     # Values derived once per step and shared by all layers (masks, the backend's decode plan).
     step_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
 
@@ -535,6 +540,8 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         """One query token per row. The G query heads of a kv head act as G "query positions", so
         GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
+        if metadata.static_decode:
+            return self._decode_static(query, k_cache, v_cache, metadata, sliding_window)
         num_rows, num_heads, head_dim = query.shape
         num_kv_heads = k_cache.shape[-3]
         group = num_heads // num_kv_heads
@@ -553,6 +560,30 @@ class TorchPagedAttention(AttentionBackend):
         out, lse = self._decode_own_parts(q, k_cache, v_cache, plan)
         for rows, shared_out, shared_lse in shared:
             out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
+        return out.reshape(num_rows, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_static(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       metadata: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+        """A fixed-shape decode step: every row's blocks gathered to the block tables' width and
+        masked past its length on the device; no grouping (that needs the host), no host reads."""
+        num_rows, num_heads, head_dim = query.shape
+        num_kv_heads, block_size = k_cache.shape[-3], k_cache.shape[-2]
+        tables, seq_lens = metadata.decode_block_tables, metadata.decode_seq_lens
+        key = ("static_decode", sliding_window)
+        if key not in metadata.step_cache:  # once per step, shared by the layers
+            key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)[None, :]
+            visible = key_pos < seq_lens[:, None]
+            if sliding_window is not None:  # transformers' rule, as plan_decode's
+                visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
+            bias = torch.zeros(visible.shape, dtype=torch.float32, device=tables.device)
+            metadata.step_cache[key] = (head_major_rows(tables, num_kv_heads).reshape(-1),
+                                        bias.masked_fill_(~visible, float("-inf"))[:, None, None, :])
+        rows, bias = metadata.step_cache[key]  # type: ignore[misc]
+        context = (num_rows, num_kv_heads, tables.shape[1] * block_size, head_dim)
+        q = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        out, _ = attention_with_lse(q, gather_cache_rows(k_cache, rows, context),
+                                    gather_cache_rows(v_cache, rows, context), bias)
         return out.reshape(num_rows, num_heads, head_dim)
 
     def _group_rule(self, dtype: torch.dtype, k_cache: torch.Tensor, group: int, use_kernel: bool

@@ -45,6 +45,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    # Pure decode steps through fixed-shape buffers, replayed as CUDA graphs (engine/decode_graphs.py).
+    # None: on a GPU (where a step is otherwise bound by kernel launches), off on CPU (whose native
+    # decode path is faster); True on CPU runs the same fixed-shape path without capture.
+    decode_graphs: bool | None = None
     # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
     # (engine/speculative/config.py); None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
@@ -66,6 +70,8 @@ class EngineConfig:
         if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds < math.inf:
             raise ValueError(f"kv_populate_seconds must be a finite number of seconds >= 0, got {seconds!r}")
         _require_int(self.kv_growth_reserve_tokens, "kv_growth_reserve_tokens", minimum=0)
+        if self.decode_graphs is not None and not isinstance(self.decode_graphs, bool):
+            raise ValueError(f"decode_graphs must be true, false or null, got {self.decode_graphs!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:

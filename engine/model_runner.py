@@ -25,6 +25,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
+from engine.decode_graphs import DecodeGraphs
 from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
@@ -68,6 +69,10 @@ class ModelRunner:
         self.extra_block_bytes = extra_block_bytes
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
+        # Fixed-shape decode steps (CUDA graphs on a GPU): the setting, or by default on a GPU only.
+        wanted = config.decode_graphs
+        self.use_decode_graphs = self.device.type == "cuda" if wanted is None else wanted
+        self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
 
@@ -219,8 +224,25 @@ class ModelRunner:
         batch = self.prepare_batch(output)
         if batch is None:
             return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
+        graphs = self._decode_graphs()
+        if graphs is not None:
+            logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
+            if logits is not None:
+                return logits
         hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
         return self.model.compute_logits_in_model_dtype(hidden[batch.sample_rows])
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The fixed-shape decode path, where the config (or, by default, a GPU) asks for it;
+        built once the KV cache exists."""
+        if not self.use_decode_graphs or not self.kv_caches:
+            return None
+        if self.decode_graphs is None:
+            assert self.config.max_model_len is not None
+            self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
+                                              self.config.max_model_len, self.config.max_num_seqs,
+                                              capture=self.device.type == "cuda")
+        return self.decode_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
         """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks.

@@ -419,7 +419,7 @@ class LlamaForCausalLM(nn.Module):
         """`num_layers`: run only the first that many decoder layers (start-up profiling: every
         layer's activations are the same size, so the first few show the peak)."""
         self.step_rows.single = metadata.num_decodes
-        if self.native_decode is not None and metadata.num_prefills == 0:
+        if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.static_decode:
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches)
             if layers_out is not None:
                 return self.norm(*layers_out)[0]

@@ -32,16 +32,17 @@ def make_request(request_id: str, length: int, vocab_size: int, seed: int) -> Re
 
 
 def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, requests=None, backend=None,
-                    dtype="float32"):
+                    dtype="float32", decode_graphs=None):
     """Drive the runner through a fixed plan and compare every sampled row with transformers.
 
     ``steps_plan``: per step, {request index: tokens to compute}; then ``num_decode_steps`` steps
-    where every request decodes one token. Returns the runner (for further inspection).
+    where every request decodes one token (``decode_graphs``: the engine setting, through the
+    fixed-shape path when true). Returns the runner (for further inspection).
     fp32: logits within 1e-4 and the same argmax. bf16/fp16: transformers in the same dtype; logits
     within the dtype's noise (``noise_bound``), and a different argmax only between near-tied tokens.
     """
     config = EngineConfig(model=str(model_dir), num_kv_blocks=64, max_model_len=512, dtype=dtype,
-                          device=TEST_DEVICE)
+                          device=TEST_DEVICE, decode_graphs=decode_graphs)
     torch_dtype = getattr(torch, dtype)
     model = load_model(model_dir, backend or TorchPagedAttention(), dtype=torch_dtype,
                        device=TEST_DEVICE)
