@@ -24,6 +24,7 @@ projections use. A table, and with `--json FILE` the same figures as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -39,6 +40,7 @@ import torch
 
 from engine.checkpoints import cached_checkpoint
 from engine.config import EngineConfig
+from engine.dtype_choice import checkpoint_dtype, resolve_dtype
 
 
 @dataclass
@@ -276,19 +278,26 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     results: list[SuiteResult] = []
     pairs: list[tuple[SuiteResult, Any]] = []
     for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
-        ours = []
-        for workload in workloads:
-            ours.append(run_workload(model_dir, workload, dtype, engine_kwargs))
-            done = ours[-1]  # a line as each run ends: a run cut short by a time limit keeps what it measured
-            print(f"{done.workload} ({done.dtype}): {done.wall_s:.2f} s, "
-                  f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
-        results += ours
-        if args.with_vllm:
-            from benchmarks.vllm_compare import run_vllm
+        with contextlib.ExitStack() as stack:
+            vllm = None
+            if args.with_vllm:  # loaded first, then fed each workload right after bulkinfer's run of it
+                from benchmarks.vllm_compare import VllmSession
 
-            theirs = run_vllm(args.with_vllm, model_dir, ours[0].resolved_dtype, workloads,
-                              log_dir=Path(".bulkinfer") / "bench")
-            pairs += list(zip(ours, theirs, strict=True))
+                resolved = resolve_dtype(dtype, args.device, checkpoint_dtype(model_dir)).dtype
+                vllm = stack.enter_context(VllmSession(args.with_vllm, model_dir, resolved,
+                                                       log_dir=Path(".bulkinfer") / "bench"))
+                print(f"vLLM ({resolved}) loaded in {vllm.load_s:.1f} s", flush=True)
+            for workload in workloads:
+                done = run_workload(model_dir, workload, dtype, engine_kwargs)
+                results.append(done)
+                # a line as each run ends: a run cut short by a time limit keeps what it measured
+                print(f"{done.workload} ({done.dtype}): {done.wall_s:.2f} s, "
+                      f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
+                if vllm is not None:
+                    theirs = vllm.run(workload)
+                    pairs.append((done, theirs))
+                    print(f"  vLLM: {theirs.wall_s:.2f} s, {theirs.output_tps:,.1f} output tok/s "
+                          f"(bulkinfer {done.output_tps / theirs.output_tps:.2f}x)", flush=True)
     print_table(results)
     if pairs:
         from benchmarks.vllm_compare import print_comparison

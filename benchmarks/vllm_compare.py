@@ -1,7 +1,8 @@
 """vLLM beside the suite: the same workloads through vLLM from its own virtualenv, in the same run.
 
 vLLM runs in a child process of that virtualenv's Python (benchmarks/vllm_side.py), one engine per
-dtype, after bulkinfer's runs of that dtype (the two never compete for the cores). The figures come
+dtype, loaded before that dtype's runs and then fed each workload right after bulkinfer's run of it
+(the two never compete for the cores: the child waits idle while bulkinfer runs). The figures come
 back as JSON and are printed as bulkinfer ÷ vLLM output tok/s per workload.
 """
 
@@ -11,6 +12,7 @@ import json
 import os
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,28 +57,89 @@ def vllm_environment(base: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+class VllmSession:
+    """One vLLM engine of one dtype in a child process, serving workloads one at a time.
+
+    Started before a dtype's runs, so each workload runs through bulkinfer and then straight
+    through vLLM: the pair minutes apart, not a suite apart (vLLM's own wall moved up to 8% between
+    suites an hour apart on these shared machines). Between workloads the child waits on its stdin
+    and uses no CPU. ``with VllmSession(...) as vllm: vllm.run(workload)``."""
+
+    def __init__(self, venv: Path, model_dir: str, dtype: str, log_dir: Path,
+                 timeout_s: float = 3600.0) -> None:
+        self.python = venv_python(venv)
+        self.model_dir, self.dtype, self.timeout_s = model_dir, dtype, timeout_s
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_dir / f"vllm-{dtype}.log"
+        self.load_s = 0.0
+        self._scratch: tempfile.TemporaryDirectory[str] | None = None
+        self._child: subprocess.Popen[str] | None = None
+        self._count = 0
+
+    def __enter__(self) -> VllmSession:
+        self._scratch = tempfile.TemporaryDirectory(prefix="bulkinfer-vllm-")
+        scratch = Path(self._scratch.name)
+        settings = scratch / "settings.json"
+        settings.write_text(json.dumps({"model": self.model_dir, "dtype": self.dtype}))
+        with self.log_path.open("w") as log:
+            self._child = subprocess.Popen([str(self.python), str(SIDE_SCRIPT), str(settings), str(scratch)],
+                                           stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                           env=vllm_environment(), text=True)
+        self.load_s = self._wait_for(scratch / "ready.json")["load_s"]
+        return self
+
+    def run(self, workload: Any) -> VllmFigures:
+        """The workload through the waiting engine (prefix cache reset first)."""
+        assert self._child is not None and self._child.stdin is not None and self._scratch is not None
+        self._count += 1
+        path = Path(self._scratch.name) / f"workload-{self._count}.json"
+        path.write_text(json.dumps({"name": workload.name, "prompts": workload.prompts,
+                                    "max_tokens": workload.max_tokens}))
+        try:
+            self._child.stdin.write(f"{path}\n")
+            self._child.stdin.flush()
+        except BrokenPipeError:
+            pass  # it has exited: _wait_for says so
+        figures = self._wait_for(Path(f"{path}.result"))
+        return VllmFigures(figures["name"], self.dtype, figures["wall_s"], figures["output_tokens"],
+                           figures["cached_tokens"], self.load_s)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._child is not None:
+            if self._child.stdin is not None:
+                try:
+                    self._child.stdin.close()  # the child's cue to exit
+                except BrokenPipeError:
+                    pass
+            try:
+                self._child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self._child.kill()
+                self._child.wait()
+        if self._scratch is not None:
+            self._scratch.cleanup()
+
+    def _wait_for(self, path: Path) -> dict[str, Any]:
+        """The JSON the child writes whole at `path`; VllmRunError if it exits or times out first."""
+        assert self._child is not None
+        deadline = time.monotonic() + self.timeout_s
+        while not path.exists():
+            code = self._child.poll()
+            if code is not None or time.monotonic() > deadline:
+                if code is None:
+                    self._child.kill()
+                    self._child.wait()
+                what = f"exited with {code}" if code is not None else f"took over {self.timeout_s:.0f} s"
+                raise VllmRunError(f"vLLM ({self.dtype}) {what}; its output: {self.log_path}")
+            time.sleep(0.05)
+        return json.loads(path.read_text())
+
+
 def run_vllm(venv: Path, model_dir: str, dtype: str, workloads: Sequence[Any], log_dir: Path,
              timeout_s: float = 3600.0) -> list[VllmFigures]:
     """Every workload through one vLLM engine of this dtype; figures in workload order."""
-    python = venv_python(venv)
-    log_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="bulkinfer-vllm-") as scratch:
-        request_path, result_path = Path(scratch) / "request.json", Path(scratch) / "result.json"
-        request_path.write_text(json.dumps({
-            "model": model_dir, "dtype": dtype,
-            "workloads": [{"name": w.name, "prompts": w.prompts, "max_tokens": w.max_tokens}
-                          for w in workloads],
-        }))
-        log_path = log_dir / f"vllm-{dtype}.log"
-        with log_path.open("w") as log:
-            completed = subprocess.run([str(python), str(SIDE_SCRIPT), str(request_path), str(result_path)],
-                                       stdout=log, stderr=subprocess.STDOUT, env=vllm_environment(),
-                                       timeout=timeout_s, check=False)
-        if completed.returncode != 0 or not result_path.exists():
-            raise VllmRunError(f"vLLM ({dtype}) exited with {completed.returncode}; its output: {log_path}")
-        reply = json.loads(result_path.read_text())
-    return [VllmFigures(r["name"], dtype, r["wall_s"], r["output_tokens"], r["cached_tokens"],
-                        reply["load_s"]) for r in reply["results"]]
+    with VllmSession(venv, model_dir, dtype, log_dir, timeout_s) as vllm:
+        return [vllm.run(workload) for workload in workloads]
 
 
 def print_comparison(pairs: Sequence[tuple[Any, VllmFigures]], out: Callable[[str], None] = print) -> None:

@@ -11,6 +11,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from benchmarks.suite import SuiteWorkload, bench_cli
 from benchmarks.vllm_compare import VllmRunError, run_vllm, vllm_environment
 
 FAKE_VLLM = '''
-import json, os
+import json, os, time
 from types import SimpleNamespace
 __version__ = "0.0-test"
 
@@ -36,6 +37,9 @@ class LLM:
     def reset_prefix_cache(self):
         pass
     def generate(self, prompts, params, use_tqdm=True):
+        if isinstance(params, list):  # a timed run (the warm-up passes one SamplingParams)
+            with open(os.environ["FAKE_VLLM_SEEN"], "a") as seen:
+                seen.write(json.dumps({"generate": len(prompts), "at": time.time()}) + "\\n")
         params = params if isinstance(params, list) else [params] * len(prompts)
         return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[7] * p.max_tokens)],
                                 num_cached_tokens=len(prompt["prompt_token_ids"]) // 2)
@@ -65,8 +69,9 @@ def test_run_vllm_returns_figures_per_workload_and_sets_the_cpu_settings(
     assert [(f.workload, f.dtype, f.output_tokens, f.cached_tokens) for f in figures] == [
         ("a", "bfloat16", 18, 6), ("b", "bfloat16", 2, 5)]
     assert all(f.wall_s > 0 and f.load_s >= 0 and f.output_tps > 0 for f in figures)
-    [seen] = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
-    assert seen == {"model": "/models/m", "dtype": "bfloat16", "space": "4"}
+    seen = [json.loads(line) for line in (tmp_path / "seen.jsonl").read_text().splitlines()]
+    assert seen[0] == {"model": "/models/m", "dtype": "bfloat16", "space": "4"}  # one engine for both
+    assert [line.get("generate") for line in seen[1:]] == [3, 1]
 
 
 def test_caller_settings_win_over_the_defaults() -> None:
@@ -102,3 +107,29 @@ def test_the_suite_prints_bulkinfer_over_vllm_per_workload(tmp_path: Path, monke
     theirs_total = figures["vllm"][0]["load_s"] + theirs["wall_s"]
     assert (f"start and every workload (float32): bulkinfer {ours_total:.1f} s, vLLM {theirs_total:.1f} s "
             f"({theirs_total / ours_total:.2f}x)") in printed
+
+
+def test_the_suite_runs_each_workload_through_vllm_right_after_bulkinfer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One vLLM engine per dtype, loaded first, fed each workload as soon as bulkinfer's run of it
+    ends: the two figures of a pair come from the same minutes of a shared machine."""
+    import benchmarks.suite as suite
+
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_SEEN", str(seen))
+    monkeypatch.chdir(tmp_path)
+    ours: list[tuple[str, float]] = []
+    original = suite.run_workload
+
+    def recorded(model_dir, workload, dtype, engine_kwargs):
+        ours.append(("bulkinfer", time.time()))
+        return original(model_dir, workload, dtype, engine_kwargs)
+
+    monkeypatch.setattr(suite, "run_workload", recorded)
+    assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--workloads", "shared-4x400,unique",
+                      "--scale", "0.02", "--with-vllm", str(fake_venv(tmp_path))]) == 0
+    lines = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert [line.get("dtype") for line in lines if "dtype" in line] == ["float32"]
+    theirs = [("vllm", line["at"]) for line in lines if "generate" in line]
+    assert [who for who, _ in sorted(ours + theirs, key=lambda event: event[1])] == [
+        "bulkinfer", "vllm", "bulkinfer", "vllm"]
