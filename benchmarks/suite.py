@@ -40,7 +40,6 @@ import torch
 
 from engine.checkpoints import cached_checkpoint
 from engine.config import EngineConfig
-from engine.dtype_choice import checkpoint_dtype, resolve_dtype
 
 
 @dataclass
@@ -280,20 +279,22 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:
         with contextlib.ExitStack() as stack:
             vllm = None
-            if args.with_vllm:  # loaded first, then fed each workload right after bulkinfer's run of it
-                from benchmarks.vllm_compare import VllmSession
-
-                resolved = resolve_dtype(dtype, args.device, checkpoint_dtype(model_dir)).dtype
-                vllm = stack.enter_context(VllmSession(args.with_vllm, model_dir, resolved,
-                                                       log_dir=Path(".bulkinfer") / "bench"))
-                print(f"vLLM ({resolved}) loaded in {vllm.load_s:.1f} s", flush=True)
             for workload in workloads:
                 done = run_workload(model_dir, workload, dtype, engine_kwargs)
                 results.append(done)
                 # a line as each run ends: a run cut short by a time limit keeps what it measured
                 print(f"{done.workload} ({done.dtype}): {done.wall_s:.2f} s, "
                       f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
-                if vllm is not None:
+                if args.with_vllm:
+                    if vllm is None:
+                        # Loaded after bulkinfer's first run, so that run (whose engine maps fresh
+                        # memory, as a worker's first job does) has the machine alone, as a worker
+                        # would; then each workload goes to vLLM right after bulkinfer's run of it.
+                        from benchmarks.vllm_compare import VllmSession
+
+                        vllm = stack.enter_context(VllmSession(args.with_vllm, model_dir, done.resolved_dtype,
+                                                               log_dir=Path(".bulkinfer") / "bench"))
+                        print(f"vLLM ({done.resolved_dtype}) loaded in {vllm.load_s:.1f} s", flush=True)
                     theirs = vllm.run(workload)
                     pairs.append((done, theirs))
                     print(f"  vLLM: {theirs.wall_s:.2f} s, {theirs.output_tps:,.1f} output tok/s "

@@ -1,8 +1,9 @@
 """vLLM beside the suite: the same workloads through vLLM from its own virtualenv, in the same run.
 
 vLLM runs in a child process of that virtualenv's Python (benchmarks/vllm_side.py), one engine per
-dtype, loaded before that dtype's runs and then fed each workload right after bulkinfer's run of it
-(the two never compete for the cores: the child waits idle while bulkinfer runs). The figures come
+dtype, loaded after bulkinfer's first run of that dtype and then fed each workload right after
+bulkinfer's run of it (the two never compete for the cores: the child waits idle while bulkinfer
+runs). The figures come
 back as JSON and are printed as bulkinfer ÷ vLLM output tok/s per workload.
 """
 
@@ -60,8 +61,8 @@ def vllm_environment(base: dict[str, str] | None = None) -> dict[str, str]:
 class VllmSession:
     """One vLLM engine of one dtype in a child process, serving workloads one at a time.
 
-    Started before a dtype's runs, so each workload runs through bulkinfer and then straight
-    through vLLM: the pair minutes apart, not a suite apart (vLLM's own wall moved up to 8% between
+    Started after bulkinfer's first run of a dtype, so each workload runs through bulkinfer and
+    then straight through vLLM: the pair minutes apart, not a suite apart (vLLM's own wall moved up to 8% between
     suites an hour apart on these shared machines). Between workloads the child waits on its stdin
     and uses no CPU. ``with VllmSession(...) as vllm: vllm.run(workload)``."""
 
