@@ -142,23 +142,10 @@ class DecodeGraphs:
         return self.model.compute_logits_in_model_dtype(hidden)
 
     def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """Capture the forward of this shape, after one eager run on a side stream (lazy
-        initialisations stay out of the graph). The run writes the step's K/V, which the replay
-        writes again, the same values. None (and that shape runs eagerly from then on) when the
-        GPU has no memory left for it."""
-        device = self.input_ids.device
+        """The graph of this shape and its logits buffer, recorded now; None where recording failed
+        (that shape, or every shape, then runs eagerly: the engine keeps serving)."""
         try:
-            with torch.cuda.device(device):  # the engine's GPU, whichever is current
-                side = torch.cuda.Stream(device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    self._forward(rows, width)
-                torch.cuda.current_stream(device).wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads of the worker (uploads, grammar compiles) stay free to
-                # run while this one captures
-                with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                    logits = self._forward(rows, width)
+            graph, logits = self._record(rows, width)
         except torch.cuda.OutOfMemoryError:
             logger.warning("no GPU memory to capture a decode step of %d rows x %d blocks: it runs eagerly",
                            rows, width)
@@ -176,4 +163,22 @@ class DecodeGraphs:
         self.graphs[(rows, width)] = (graph, logits)
         logger.debug("captured a decode step of %d rows x %d blocks (%d graphs)", rows, width,
                      len(self.graphs))
+        return graph, logits
+
+    def _record(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Capture the forward of this shape, after one eager run on a side stream (lazy
+        initialisations stay out of the graph). The run writes the step's K/V, which the replay
+        writes again, the same values."""
+        device = self.input_ids.device
+        with torch.cuda.device(device):  # the engine's GPU, whichever is current
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                self._forward(rows, width)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads of the worker (uploads, grammar compiles) stay free to run
+            # while this one captures
+            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
+                logits = self._forward(rows, width)
         return graph, logits

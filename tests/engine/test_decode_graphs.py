@@ -171,3 +171,31 @@ def test_steps_it_does_not_take_run_eagerly(tiny_checkpoint):
 def test_decode_graphs_setting_is_checked():
     with pytest.raises(ValueError, match="decode_graphs"):
         EngineConfig(model="m", decode_graphs="yes").validate()
+
+
+@pytest.mark.parametrize("error", [torch.cuda.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "bug"])
+def test_a_capture_that_fails_leaves_steps_eager_and_outputs_unchanged(tiny_checkpoint, error, monkeypatch):
+    """A GPU that cannot record a shape (no memory left) runs that shape eagerly from then on, trying
+    it once; any other capture error (an op a graph cannot hold) turns the graphs off for good. The
+    engine keeps serving either way, with the tokens it would have given."""
+    prompts = PROMPTS[:6]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = LLM(model=str(tiny_checkpoint), num_kv_blocks=64, dtype="float32").generate(prompts, params)
+    llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=64, dtype="float32", decode_graphs=True)
+    graphs = llm.engine.runner._decode_graphs()
+    graphs.capture = True  # as on a GPU, whose recording fails here
+    attempts: list[tuple[int, int]] = []
+
+    def failing_record(rows: int, width: int):
+        attempts.append((rows, width))
+        raise error("CUDA out of memory" if error is torch.cuda.OutOfMemoryError
+                    else "operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs, "_record", failing_record)
+    got = llm.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert not graphs.graphs and attempts
+    if error is torch.cuda.OutOfMemoryError:
+        assert not graphs.broken and graphs.failed == set(attempts) and len(attempts) == len(set(attempts))
+    else:
+        assert graphs.broken and len(attempts) == 1
