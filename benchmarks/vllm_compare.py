@@ -62,9 +62,9 @@ class VllmSession:
     """One vLLM engine of one dtype in a child process, serving workloads one at a time.
 
     Started after bulkinfer's first run of a dtype, so each workload runs through bulkinfer and
-    then straight through vLLM: the pair minutes apart, not a suite apart (vLLM's own wall moved up to 8% between
-    suites an hour apart on these shared machines). Between workloads the child waits on its stdin
-    and uses no CPU. ``with VllmSession(...) as vllm: vllm.run(workload)``."""
+    then straight through vLLM: the pair minutes apart, not a suite apart (vLLM's own wall moved
+    up to 8% between suites an hour apart on these shared machines). Between workloads the child
+    waits on its stdin and uses no CPU. ``with VllmSession(...) as vllm: vllm.run(workload)``."""
 
     def __init__(self, venv: Path, model_dir: str, dtype: str, log_dir: Path,
                  timeout_s: float = 3600.0) -> None:
