@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata
@@ -308,7 +309,7 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         torch.arange(num_tokens) - query_start_loc[row_of_token] + torch.tensor(starts)[row_of_token]
     )
     max_blocks = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables], dtype=torch.long)
+    block_tables = padded_block_tables(tables, max_blocks)
     slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
 
     # Sampled positions, in the rows' own order: the last num_sample_rows of each.
@@ -344,6 +345,18 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         metadata=metadata,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
     )
+
+
+def padded_block_tables(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+    """[rows, width] int64 block tables, each row padded with block 0: filled in one numpy pass
+    from the flattened ids (a nested list through torch.tensor took 0.69 of a 256-row decode
+    step's 1.17 ms of batch preparation; this takes 0.16), which a GPU step with its forward
+    replayed as a graph waits on."""
+    lengths = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(lengths.sum()))
+    padded = np.zeros((len(tables), width), dtype=np.int64)
+    padded[np.arange(width)[None, :] < lengths[:, None]] = flat
+    return torch.from_numpy(padded)
 
 
 # glibc mallopt parameters (malloc.h).

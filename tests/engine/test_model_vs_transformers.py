@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 
 from engine.attention import TorchPagedAttention, attention_with_lse, decode_chunk_rows
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import BatchRow, ModelRunner, padded_block_tables, prepare_rows
 from engine.models import load_model
 from engine.models.llama import rope_inverse_frequencies
 from engine.request import Request
@@ -228,3 +228,18 @@ def test_tie_check_rejects_a_real_difference(tiny_checkpoint):
         assert_same_greedy(wrong, reference, prompt, tiny_checkpoint, model)
     with pytest.raises(AssertionError, match="lengths differ"):
         assert_same_greedy(reference[:2], reference, prompt, tiny_checkpoint, model)
+
+
+def test_block_tables_are_padded_with_the_null_block_and_decodes_come_first():
+    padded = padded_block_tables([[4, 5, 6], [7], [8, 9]], 4)
+    assert padded.tolist() == [[4, 5, 6, 0], [7, 0, 0, 0], [8, 9, 0, 0]] and padded.dtype == torch.long
+    # A prefill chunk of 3 tokens between two decodes: the decodes lead, each with its own blocks
+    # up to its new token; the sampled rows come back in the rows' own order.
+    rows = [BatchRow([11], 20, (3, 4, 9), 1), BatchRow([12, 13, 14], 0, (5,), 1),
+            BatchRow([15], 16, (6, 7), 1)]
+    step = prepare_rows(rows, 16, torch.device("cpu"))
+    assert step.metadata.num_decodes == 2
+    assert step.metadata.decode_block_tables.tolist() == [[3, 4], [6, 7]]
+    assert step.input_ids.tolist() == [11, 15, 12, 13, 14] and step.positions.tolist() == [20, 16, 0, 1, 2]
+    assert step.metadata.slot_mapping.tolist() == [4 * 16 + 4, 7 * 16 + 0, 80, 81, 82]
+    assert step.sample_rows.tolist() == [0, 4, 1]
