@@ -36,7 +36,7 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
 '| cuda', torch.cuda.is_available() and torch.cuda.get_device_name(0))" || exit 1
 
   echo; echo "== engine correctness on $DEVICE"
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -x \
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider -x \
     tests/engine/test_llm_correctness.py tests/engine/test_model_vs_transformers.py \
     tests/engine/test_decode_graphs.py || status=1
 
