@@ -222,6 +222,11 @@ def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
     return result
 
 
+def median_run(runs: Sequence[Any]) -> Any:
+    """The run of median wall time (the lower of the middle two for an even count)."""
+    return sorted(runs, key=lambda run: run.wall_s)[(len(runs) - 1) // 2]
+
+
 def print_table(results: Sequence[SuiteResult], out: Callable[[str], None] = print) -> None:
     out("| workload | dtype | requests | wall s | output tok/s | total tok/s | TTFT mean / p50 / p99 s | "
         "ITL mean / p50 / p99 ms | TPOT mean / p99 ms | prefix hit | peak RSS MiB | GFLOP/s | MFU |")
@@ -251,10 +256,16 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--kv-populate-seconds", type=float, default=EngineConfig.kv_populate_seconds,
                         help="how long engine start may map the KV cache's memory (default %(default)s; "
                         "a large value maps all of it, as vLLM's start does by zeroing its cache)")
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="run each workload N times (each followed by vLLM's run with --with-vllm) "
+                        "and report each side's run of median wall: this machine's hour moves a wall by "
+                        "up to 10%%, a ratio's two sides independently")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--with-vllm", type=Path, metavar="VENV",
                         help="also run vLLM from this virtualenv on the same workloads (README: Benchmarks)")
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     if args.model:
         model_dir = resolve_model(args.model) if resolve_model else args.model
     else:
@@ -280,12 +291,16 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         with contextlib.ExitStack() as stack:
             vllm = None
             for workload in workloads:
-                done = run_workload(model_dir, workload, dtype, engine_kwargs)
-                results.append(done)
-                # a line as each run ends: a run cut short by a time limit keeps what it measured
-                print(f"{done.workload} ({done.dtype}): {done.wall_s:.2f} s, "
-                      f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
-                if args.with_vllm:
+                ours_runs, theirs_runs = [], []
+                for attempt in range(args.repeat):
+                    done = run_workload(model_dir, workload, dtype, engine_kwargs)
+                    ours_runs.append(done)
+                    # a line as each run ends: a run cut short by a time limit keeps what it measured
+                    run = f" run {attempt + 1}/{args.repeat}" if args.repeat > 1 else ""
+                    print(f"{done.workload} ({done.dtype}){run}: {done.wall_s:.2f} s, "
+                          f"{done.output_tps:,.1f} output tok/s, MFU {done.mfu:.1%}", flush=True)
+                    if not args.with_vllm:
+                        continue
                     if vllm is None:
                         # Loaded after bulkinfer's first run, so that run (whose engine maps fresh
                         # memory, as a worker's first job does) has the machine alone, as a worker
@@ -296,9 +311,14 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                                                                log_dir=Path(".bulkinfer") / "bench"))
                         print(f"vLLM ({done.resolved_dtype}) loaded in {vllm.load_s:.1f} s", flush=True)
                     theirs = vllm.run(workload)
-                    pairs.append((done, theirs))
+                    theirs_runs.append(theirs)
                     print(f"  vLLM: {theirs.wall_s:.2f} s, {theirs.output_tps:,.1f} output tok/s "
                           f"(bulkinfer {done.output_tps / theirs.output_tps:.2f}x)", flush=True)
+                results.append(median_run(ours_runs))
+                if args.repeat > 1:
+                    results[-1].extra["repeat_walls_s"] = [run.wall_s for run in ours_runs]
+                if theirs_runs:
+                    pairs.append((results[-1], median_run(theirs_runs)))
     print_table(results)
     if pairs:
         from benchmarks.vllm_compare import print_comparison

@@ -133,3 +133,29 @@ def test_the_suite_runs_each_workload_through_vllm_right_after_bulkinfer(
     theirs = [("vllm", line["at"]) for line in lines if "generate" in line]
     assert [who for who, _ in sorted(ours + theirs, key=lambda event: event[1])] == [
         "bulkinfer", "vllm", "bulkinfer", "vllm"]
+
+
+def test_repeated_pairs_report_each_side_at_its_median_wall(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """--repeat 3: bulkinfer, vLLM, bulkinfer, vLLM, bulkinfer, vLLM on the workload; the table and
+    the JSON carry each side's run of median wall, and bulkinfer's three walls."""
+    seen = tmp_path / "seen.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_SEEN", str(seen))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "suite.json"
+    assert bench_cli(["--preset", "tiny", "--dtype", "float32", "--workloads", "shared-16x200",
+                      "--scale", "0.03", "--repeat", "3", "--with-vllm", str(fake_venv(tmp_path)),
+                      "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    ours_lines = [line for line in printed.splitlines() if line.startswith("shared-16x200 (float32) run ")]
+    assert [line.split(":")[0] for line in ours_lines] == [
+        f"shared-16x200 (float32) run {i}/3" for i in (1, 2, 3)]
+    assert len([line for line in printed.splitlines() if line.startswith("  vLLM: ")]) == 3
+    figures = json.loads(out.read_text())
+    [ours], [theirs] = figures["bulkinfer"], figures["vllm"]
+    walls = ours["extra"]["repeat_walls_s"]
+    assert len(walls) == 3 and ours["wall_s"] == sorted(walls)[1]
+    assert sum(1 for line in seen.read_text().splitlines() if "generate" in line) == 3
+    assert theirs["wall_s"] > 0
+    with pytest.raises(SystemExit):
+        bench_cli(["--preset", "tiny", "--repeat", "0"])
