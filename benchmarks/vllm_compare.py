@@ -3,8 +3,7 @@
 vLLM runs in a child process of that virtualenv's Python (benchmarks/vllm_side.py), one engine per
 dtype, loaded after bulkinfer's first run of that dtype and then fed each workload right after
 bulkinfer's run of it (the two never compete for the cores: the child waits idle while bulkinfer
-runs). The figures come
-back as JSON and are printed as bulkinfer ÷ vLLM output tok/s per workload.
+runs). The figures come back as JSON and are printed as bulkinfer ÷ vLLM output tok/s per workload.
 """
 
 from __future__ import annotations

@@ -280,13 +280,20 @@ def plan_decode(
     local_pos = torch.arange(width * block_size)
     cache_rows = head_major_rows(own_tables, num_kv_heads)
     key_pos = shift[:, None] * block_size + local_pos[None, :]
+    return DecodePlan(prefixes, batches, own_cache_rows=cache_rows.reshape(num_rows, -1).to(device),
+                      own_key_bias=decode_key_bias(key_pos, seq_lens, sliding_window).to(device))
+
+
+def decode_key_bias(key_pos: torch.Tensor, seq_lens: torch.Tensor,
+                    sliding_window: int | None) -> torch.Tensor:
+    """[rows, 1, 1, keys] fp32 attention bias of decode rows (one query each, at seq_len - 1) over
+    keys at positions ``key_pos [rows or 1, keys]``: 0 where visible, -inf past the row's length
+    or, with a window, transformers' rule: visible iff key_pos > query_pos - window."""
     visible = key_pos < seq_lens[:, None]
     if sliding_window is not None:
-        # transformers' rule: key visible iff key_pos > query_pos - window (query_pos = seq_len - 1).
         visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
-    bias = torch.zeros(visible.shape, dtype=torch.float32).masked_fill_(~visible, float("-inf"))
-    return DecodePlan(prefixes, batches, own_cache_rows=cache_rows.reshape(num_rows, -1).to(device),
-                      own_key_bias=bias[:, None, None, :].to(device))
+    bias = torch.zeros(visible.shape, dtype=torch.float32, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))[:, None, None, :]
 
 
 # K+V bytes a GPU gathers per decode call: enough for SmolLM2's 512 rows at 480 keys (188 MB) in one
@@ -573,12 +580,8 @@ class TorchPagedAttention(AttentionBackend):
         key = ("static_decode", sliding_window)
         if key not in metadata.step_cache:  # once per step, shared by the layers
             key_pos = torch.arange(tables.shape[1] * block_size, device=tables.device)[None, :]
-            visible = key_pos < seq_lens[:, None]
-            if sliding_window is not None:  # transformers' rule, as plan_decode's
-                visible &= key_pos > seq_lens[:, None] - 1 - sliding_window
-            bias = torch.zeros(visible.shape, dtype=torch.float32, device=tables.device)
             metadata.step_cache[key] = (head_major_rows(tables, num_kv_heads).reshape(-1),
-                                        bias.masked_fill_(~visible, float("-inf"))[:, None, None, :])
+                                        decode_key_bias(key_pos, seq_lens, sliding_window))
         rows, bias = metadata.step_cache[key]  # type: ignore[misc]
         context = (num_rows, num_kv_heads, tables.shape[1] * block_size, head_dim)
         q = query.view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
