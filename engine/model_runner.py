@@ -30,7 +30,7 @@ from engine.decode_graphs import DecodeGraphs
 from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
-from engine.models.llama import LlamaForCausalLM
+from engine.models.llama import FinalRows, LlamaForCausalLM
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -53,6 +53,16 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
     sample_rows: torch.Tensor  # [num_sampling] flat index of each sampling chunk's last token
+    # Where fewer positions are sampled than computed (a step with prefill chunks): the rows the
+    # last layer finishes. None: all (every row samples).
+    final_rows: FinalRows | None = None
+
+    def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        """Forward the batch: the final hidden states of its sampled positions, in their order."""
+        hidden = model(self.input_ids, self.positions, self.metadata, kv_caches, final_rows=self.final_rows)
+        if self.final_rows is None:
+            return hidden[self.sample_rows]
+        return hidden[self.final_rows.order]
 
 
 class ModelRunner:
@@ -210,8 +220,7 @@ class ModelRunner:
                 for _ in range(batch) for j in range(tokens_per_row)]
         step = prepare_rows(rows, self.block_size, self.device)
         assert step is not None
-        hidden = self.model(step.input_ids, step.positions, step.metadata, self.kv_caches)
-        self.model.compute_logits_in_model_dtype(hidden[step.sample_rows])
+        self.model.compute_logits_in_model_dtype(step.sampled_hidden(self.model, self.kv_caches))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -230,8 +239,7 @@ class ModelRunner:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             if logits is not None:
                 return logits
-        hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
-        return self.model.compute_logits_in_model_dtype(hidden[batch.sample_rows])
+        return self.model.compute_logits_in_model_dtype(batch.sampled_hidden(self.model, self.kv_caches))
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The fixed-shape decode path, where the config (or, by default, a GPU) asks for it;
@@ -344,6 +352,22 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         positions=positions.to(dev),
         metadata=metadata,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
+    )
+
+
+def final_rows_of(sample_rows: Sequence[int], num_tokens: int, num_single: int,
+                  device: torch.device) -> FinalRows | None:
+    """The rows the last layer must finish: the sampled ones, where they are fewer than the rows
+    (`num_single`: the batch's leading single-token rows)."""
+    if len(sample_rows) == num_tokens:
+        return None
+    ascending = sorted(sample_rows)
+    index = {row: i for i, row in enumerate(ascending)}
+    return FinalRows(
+        rows=torch.tensor(ascending, dtype=torch.long, device=device),
+        num_single=sum(1 for row in ascending if row < num_single),
+        order=torch.tensor([index[row] for row in sample_rows], dtype=torch.long, device=device),
     )
 
 

@@ -110,5 +110,5 @@ class DraftModel:
     def _forward(self, rows: list[BatchRow]) -> list[int]:
         batch = prepare_rows(rows, self.block_size, self.device)
         assert batch is not None
-        hidden = self.model(batch.input_ids, batch.positions, batch.metadata, self.kv_caches)
-        return argmax_rows(self.model.compute_logits_in_model_dtype(hidden[batch.sample_rows])).tolist()
+        hidden = batch.sampled_hidden(self.model, self.kv_caches)
+        return argmax_rows(self.model.compute_logits_in_model_dtype(hidden)).tolist()

@@ -104,6 +104,16 @@ def test_mixed_step_logits_match_transformers(arch, dtype, checkpoint_factory):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_a_one_token_prompt_chunk_that_does_not_sample_runs_among_the_decodes(dtype, checkpoint_factory):
+    """The last layer finishes only the sampled rows: here the leading single-token rows are a decode
+    (sampled) then a 1-token partial prefill (not sampled), so the kept rows' single-token count
+    (1) differs from the step's (2), and the rows come back in the chunks' order."""
+    # Request 1: 30 tokens in chunks of 9, 1 and 20; request 2 (12 tokens) joins in step 2.
+    plan = [{0: 20, 1: 9}, {0: 1, 1: 1, 2: 12}, {0: 1, 1: 20, 2: 1}]
+    run_and_compare(checkpoint_factory(arch="qwen2"), plan, lengths=[20, 30, 12], dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_rows_sharing_prefix_blocks_match_transformers(dtype, checkpoint_factory):
     """Cascade decode: rows whose tables start with the same blocks attend that prefix as a group."""
     model_dir = checkpoint_factory(arch="qwen3")
@@ -243,3 +253,8 @@ def test_block_tables_are_padded_with_the_null_block_and_decodes_come_first():
     assert step.input_ids.tolist() == [11, 15, 12, 13, 14] and step.positions.tolist() == [20, 16, 0, 1, 2]
     assert step.metadata.slot_mapping.tolist() == [4 * 16 + 4, 7 * 16 + 0, 80, 81, 82]
     assert step.sample_rows.tolist() == [0, 4, 1]
+    # The last layer finishes rows 0, 1 and 4 (two of them single-token rows), handed back as 0, 4, 1.
+    assert step.final_rows is not None and step.final_rows.rows.tolist() == [0, 1, 4]
+    assert step.final_rows.num_single == 2 and step.final_rows.order.tolist() == [0, 2, 1]
+    # Every row sampled (a pure decode step): nothing to leave out.
+    assert prepare_rows(rows[::2], 16, torch.device("cpu")).final_rows is None
