@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -36,13 +37,27 @@ ROW_BUILDS = {**BUILDS, **PREFIX_BUILDS}
 
 
 @pytest.fixture(scope="module", params=list(BUILDS))
-def kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    return _build(request.param, tmp_path_factory)
+def kernels(request, build) -> CpuKernels:
+    return build(request.param)
 
 
 @pytest.fixture(scope="module", params=list(ROW_BUILDS))
-def row_kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
-    return _build(request.param, tmp_path_factory)
+def row_kernels(request, build) -> CpuKernels:
+    return build(request.param)
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], CpuKernels]:
+    """Builds by name, each compiled once for the module (a build takes ~8 s on 2 cores, and the
+    fixtures above share their flags)."""
+    built: dict[str, CpuKernels] = {}
+
+    def named(name: str) -> CpuKernels:
+        if name not in built:
+            built[name] = _build(name, tmp_path_factory)
+        return built[name]
+
+    return named
 
 
 def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
@@ -296,14 +311,13 @@ def test_causal_attention_refuses_what_it_does_not_support(kernels: CpuKernels) 
 
 
 @pytest.fixture(scope="module", params=list(PREFIX_BUILDS))
-def prefix_kernels(request, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+def prefix_kernels(request, build) -> CpuKernels:
     """A build of the prefix kernel, on a CPU with AMX or AVX512-BF16 (elsewhere it does not exist:
     the test above); named for the unit it first ran on."""
     if not HAS_PREFIX_KERNEL:
         pytest.skip("this CPU has neither AMX nor AVX512-BF16: the engine keeps SDPA's kernel in bf16")
-    folder = tmp_path_factory.mktemp("prefix")
-    built = build_and_open(cpu_kernels._compiler(), folder, PREFIX_BUILDS[request.param])
-    assert built is not None and built.supports_prefix_attention(torch.bfloat16, 64, 16)
+    built = build(request.param)
+    assert built.supports_prefix_attention(torch.bfloat16, 64, 16)
     assert built.prefix_kind == ("amx" if HAS_AMX and request.param == "native" else "avx512_bf16")
     return built
 
