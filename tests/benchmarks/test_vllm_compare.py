@@ -13,11 +13,12 @@ import stat
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from benchmarks.suite import SuiteWorkload, bench_cli
-from benchmarks.vllm_compare import VllmRunError, run_vllm, vllm_environment
+from benchmarks.vllm_compare import VllmFigures, VllmRunError, print_comparison, run_vllm, vllm_environment
 
 FAKE_VLLM = '''
 import json, os, time
@@ -101,12 +102,29 @@ def test_the_suite_prints_bulkinfer_over_vllm_per_workload(tmp_path: Path, monke
     [ours], [theirs] = figures["bulkinfer"], figures["vllm"]
     ratio = ours["output_tps"] / (theirs["output_tokens"] / theirs["wall_s"])
     assert f"| shared-4x400 | float32 | {ours['wall_s']:.2f} | {theirs['wall_s']:.2f} |" in printed
-    assert f"{ratio:.2f}×" in printed and "engine start (float32): bulkinfer" in printed
+    verdict = "yes" if ratio >= 1.25 else "no"
+    assert f"{ratio:.3f}× | {verdict} |" in printed and "engine start (float32): bulkinfer" in printed
+    assert f"rows at 1.25x vLLM's output tok/s or more: {int(ratio >= 1.25)} of 1" in printed
     # The time a batch user waits: bulkinfer's start and run against vLLM's start and run.
     ours_total = ours["load_s"] + ours["wall_s"]
     theirs_total = figures["vllm"][0]["load_s"] + theirs["wall_s"]
     assert (f"start and every workload (float32): bulkinfer {ours_total:.1f} s, vLLM {theirs_total:.1f} s "
             f"({theirs_total / ours_total:.2f}x)") in printed
+
+
+def test_a_ratio_just_under_the_target_is_printed_as_under_it() -> None:
+    """1.248x is not 1.25x: three decimals and a verdict per row, and the count of rows that meet it."""
+    def pair(workload: str, ours_tps: float) -> tuple[SimpleNamespace, VllmFigures]:
+        ours = SimpleNamespace(workload=workload, wall_s=10.0, output_tps=ours_tps, cached_tokens=0,
+                               load_s=1.0)
+        return ours, VllmFigures(workload=workload, dtype="float32", wall_s=10.0, output_tokens=1000,
+                                 cached_tokens=0, load_s=50.0)  # 100 tok/s
+
+    lines: list[str] = []
+    print_comparison([pair("unique", 124.8), pair("mixed", 125.0)], lines.append)
+    assert any(line.startswith("| unique |") and "| 1.248× | no |" in line for line in lines)
+    assert any(line.startswith("| mixed |") and "| 1.250× | yes |" in line for line in lines)
+    assert "rows at 1.25x vLLM's output tok/s or more: 1 of 2" in lines
 
 
 def test_the_suite_runs_each_workload_through_vllm_right_after_bulkinfer(
