@@ -319,6 +319,7 @@ def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
 
 class Attention(nn.Module):
     kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    step_rows: StepRows  # the model's, shared with its projections: set by LlamaForCausalLM
 
     def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -333,7 +334,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.sliding_window = config.sliding_windows[layer_index] if config.sliding_windows else None
         self.backend = backend
-        self.step_rows = StepRows()  # the model's, shared with its projections (LlamaForCausalLM)
 
     def forward(
         self,
