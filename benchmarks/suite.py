@@ -8,6 +8,7 @@ the request counts, never the lengths):
 | --- | --- | --- | --- |
 | shared-4x400 | 256 | one of 4 shared 400-token instructions + a 50-token tail | 64 |
 | shared-16x200 | 96 | one of 16 shared 200-token instructions + a 60-token tail | 96 |
+| shared-8x300 | 128 | one of 8 shared 300-token instructions + a 50-token tail | 64 |
 | unique | 256 | 450 unique tokens | 64 |
 | long-prompt | 16 | 2,000 unique tokens | 32 |
 | long-output | 32 | 64 unique tokens | 512 |
@@ -127,6 +128,8 @@ def make_workloads(names: Sequence[str], vocab_size: int, special_ids: set[int],
     builders: dict[str, Callable[[], SuiteWorkload]] = {
         "shared-4x400": lambda: shared("shared-4x400", 256, 4, 400, 50, 64),
         "shared-16x200": lambda: shared("shared-16x200", 96, 16, 200, 60, 96),
+        # issue 13's SmolLM2 row (128 rows under 8 shared 300-token instructions, 64 out)
+        "shared-8x300": lambda: shared("shared-8x300", 128, 8, 300, 50, 64),
         "unique": lambda: unique("unique", 256, 450, 64),
         "long-prompt": lambda: unique("long-prompt", 16, 2000, 32),  # fits a 2,048-position model
         "long-output": lambda: unique("long-output", 32, 64, 512),
@@ -138,7 +141,7 @@ def make_workloads(names: Sequence[str], vocab_size: int, special_ids: set[int],
     return [builders[name]() for name in names]
 
 
-WORKLOADS = ("shared-4x400", "shared-16x200", "unique", "long-prompt", "long-output", "mixed")
+WORKLOADS = ("shared-4x400", "shared-16x200", "shared-8x300", "unique", "long-prompt", "long-output", "mixed")
 
 
 def matmul_peak_gflops(dtype: torch.dtype, device: str) -> float:

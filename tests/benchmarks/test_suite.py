@@ -13,9 +13,12 @@ from benchmarks.suite import WORKLOADS, Distribution, SuiteWorkload, bench_cli, 
 
 def test_each_workload_has_the_stated_lengths_and_scale_changes_only_the_counts() -> None:
     full = {w.name: w for w in make_workloads(WORKLOADS, 2048, {0, 1, 2})}
-    assert [len(full[name].prompts) for name in WORKLOADS] == [256, 96, 256, 16, 32, 128]
+    assert [len(full[name].prompts) for name in WORKLOADS] == [256, 96, 128, 256, 16, 32, 128]
     shared = full["shared-4x400"]
     assert {len(p) for p in shared.prompts} == {450} and len({tuple(p[:400]) for p in shared.prompts}) == 4
+    eight = full["shared-8x300"].prompts
+    assert {len(p) for p in eight} == {350} and len({tuple(p[:300]) for p in eight}) == 8
+    assert set(full["shared-8x300"].max_tokens) == {64}
     assert {len(p) for p in full["long-prompt"].prompts} == {2000}
     assert set(full["long-output"].max_tokens) == {512}
     assert all(16 <= n <= 256 for n in full["mixed"].max_tokens)
