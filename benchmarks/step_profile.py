@@ -27,8 +27,9 @@ from engine.checkpoints import cached_checkpoint
 # are whole calls (their cumulative time), and none of them calls a leaf listed here.
 CATEGORIES = {
     "matmul": ("_linear_pointwise", "row_gemm", "linear", "addmm", "mm", "matmul", "bmm"),
-    "attention": ("decode_attention", "prefix_attention", "causal_attention", "_scaled_dot_product_flash_attention_for_cpu",
-                  "scaled_dot_product_attention", "index_select"),
+    "attention": ("decode_attention", "prefix_attention", "causal_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
+                  "index_select"),
     "layer ops": ("add_rms_norm", "rope_", "silu_and_mul", "store_kv"),
     "sampling": ("sample", "argmax_rows", "amax", "argmax", "_invalid_rows"),
     "scheduling": ("schedule", "update_from_output", "prepare_batch"),

@@ -7,8 +7,8 @@
  * first. Here, per kv head, K is first transposed VL keys at a time ([key / VL][dim][lane]) so a
  * query's scores against VL keys are D broadcast-FMAs; V is read as it lies in the cache. Work
  * items of ITEM queries (token-major: the Q heads of a token are neighbours) compute only the keys
- * their last query sees: scores in blocks of ROWS queries x 4 key vectors (each row's max kept on
- * the way), an fp32 softmax in one pass (exp within 2 ulp), then P x V with a few queries' outputs
+ * their last query sees: scores in blocks of ROWS queries x 4 key vectors, the last block only the
+ * vectors it needs (each row's max kept on the way), an fp32 softmax in one pass (exp within 2 ulp), then P x V with a few queries' outputs
  * held in registers. Items along the causal triangle grow, so they are handed out one at a time.
  * With AVX-512 (32 registers, Zen 4 measured): 6-query blocks and operands pinned in registers,
  * 275-305 GFLOP/s where 4-query blocks with GCC's memory operands ran at 200-230.
@@ -50,6 +50,36 @@ static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, i
     }
 }
 
+/* ROWS queries (queries: [ROWS, D]) scored against the nv key vectors at kt (keys k0 ..), scaled,
+ * into rows (row j at rows + j * Lp); each query's running max over the keys it sees: whole vectors
+ * in registers (best), the vector its limit cuts key by key (tail). */
+static inline __attribute__((always_inline)) void score_block(
+        const float* queries, const float* kt, const int64_t D, float scale, float* rows, int64_t Lp, int64_t k0,
+        const int64_t* limit, vf* best, float* tail, const int nv) {
+    vf acc[ROWS][4];
+    for (int j = 0; j < ROWS; j++)
+        for (int c = 0; c < nv; c++) acc[j][c] = splat(0.0f);
+    for (int64_t d = 0; d < D; d++) {
+        vf k[4];
+        for (int c = 0; c < nv; c++) k[c] = HOLD(load_f32(kt + (c * D + d) * VL));
+        for (int j = 0; j < ROWS; j++) {
+            const vf qv = splat(queries[j * D + d]);
+            for (int c = 0; c < nv; c++) acc[j][c] += qv * k[c];
+        }
+    }
+    for (int j = 0; j < ROWS; j++) {
+        float* row = rows + j * Lp;
+        for (int c = 0; c < nv; c++) acc[j][c] *= scale, store_f32(row + c * VL, acc[j][c]);
+        if (k0 + nv * VL <= limit[j]) {
+            vf top = acc[j][0];
+            for (int c = 1; c < nv; c++) top = vmax(top, acc[j][c]);
+            best[j] = vmax(best[j], top);
+        } else
+            for (int64_t key = k0; key < limit[j]; key++)
+                tail[j] = row[key - k0] > tail[j] ? row[key - k0] : tail[j];
+    }
+}
+
 static inline __attribute__((always_inline)) void causal_item(
         const float* q, int64_t q_stride, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n,
         int64_t H, int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
@@ -66,8 +96,9 @@ static inline __attribute__((always_inline)) void causal_item(
         else memset(queries + t * D, 0, (size_t)D * 4);
         if (limit[t] > last) last = limit[t];
     }
-    const int64_t span = (last + KEY_STEP - 1) / KEY_STEP * KEY_STEP;  /* <= Lp */
-    /* scores, scaled: ROWS queries x 4 key vectors of accumulators */
+    /* Keys scored: up to the vector holding the last key seen (a decode group's 400-key prefix took
+       448 in whole 4-vector blocks, 12% more score work). */
+    const int64_t span = (last + VL - 1) / VL * VL;  /* <= Lp */
     float top[ITEM];
     for (int64_t t0 = 0; t0 < ITEM; t0 += ROWS) {
         if (at[t0] < 0) break;  /* padding only at the end */
@@ -75,28 +106,13 @@ static inline __attribute__((always_inline)) void causal_item(
         float tail[ROWS];
         for (int j = 0; j < ROWS; j++) best[j] = splat(-INFINITY), tail[j] = -INFINITY;
         for (int64_t k0 = 0; k0 < span; k0 += KEY_STEP) {
-            vf acc[ROWS][4];
-            for (int j = 0; j < ROWS; j++)
-                for (int c = 0; c < 4; c++) acc[j][c] = splat(0.0f);
             const float* kt = keys + k0 * D;  /* vector c of this block at kt + c * D * VL */
-            for (int64_t d = 0; d < D; d++) {
-                vf k[4];
-                for (int c = 0; c < 4; c++) k[c] = HOLD(load_f32(kt + (c * D + d) * VL));
-                for (int j = 0; j < ROWS; j++) {
-                    const vf qv = splat(queries[(t0 + j) * D + d]);
-                    for (int c = 0; c < 4; c++) acc[j][c] += qv * k[c];
-                }
-            }
-            for (int j = 0; j < ROWS; j++) {
-                float* row = scores + (t0 + j) * Lp + k0;
-                for (int c = 0; c < 4; c++) acc[j][c] *= scale, store_f32(row + c * VL, acc[j][c]);
-                /* the row's running max over the keys it sees: whole blocks in registers, the
-                   block its limit cuts key by key */
-                if (k0 + KEY_STEP <= limit[t0 + j])
-                    best[j] = vmax(vmax(best[j], vmax(acc[j][0], acc[j][1])), vmax(acc[j][2], acc[j][3]));
-                else
-                    for (int64_t key = k0; key < limit[t0 + j]; key++)
-                        tail[j] = row[key - k0] > tail[j] ? row[key - k0] : tail[j];
+            float* rows = scores + t0 * Lp + k0;
+            switch ((span - k0) / VL) {
+                case 1: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 1); break;
+                case 2: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 2); break;
+                case 3: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 3); break;
+                default: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 4); break;
             }
         }
         for (int j = 0; j < ROWS; j++) {

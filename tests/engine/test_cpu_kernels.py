@@ -228,6 +228,7 @@ def test_prefix_attention_exists_exactly_where_the_cpu_has_amx_or_avx512_bf16(ke
 @pytest.mark.parametrize("head_dim", CAUSAL_HEAD_DIMS)
 @pytest.mark.parametrize(("context", "length", "queries", "block_size"), [
     (0, 130, 3, 16),  # a whole prompt (SmolLM2's 3 queries per kv head), past two 64-key score blocks
+    (0, 44, 3, 16),  # its last score block three key vectors (AVX-512) or two (AVX2) of four
     (37, 45, 3, 16),  # a chunk after 37 cached tokens, neither on a block boundary
     (200, 5, 8, 32),  # a short tail after a long context
     (3, 9, 1, 8),  # small blocks, one query per kv head
