@@ -116,10 +116,17 @@ def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, 
     instruction = [rng.randrange(5, 2048) for _ in range(64)]  # 4 blocks, as long as PROMPTS' prefixes
     tails = (1, 7, 16, 25, 40, 3, 33, 18)
     prompts = [instruction + [rng.randrange(5, 2048) for _ in range(n)] for n in tails]
-    groups = []
+    groups, causal_calls, causal_in_groups = [], [], []
     original = TorchPagedAttention._prefill_group
-    monkeypatch.setattr(TorchPagedAttention, "_prefill_group",
-                        lambda self, *args: groups.append(len(args[-1].chunks)) or original(self, *args))
+
+    def prefill_group(self, *args):
+        groups.append(len(args[-1].chunks))
+        before = len(causal_calls)
+        result = original(self, *args)
+        causal_in_groups.append(len(causal_calls) - before)
+        return result
+
+    monkeypatch.setattr(TorchPagedAttention, "_prefill_group", prefill_group)
     llm = LLM(model=arch_dir, device=TEST_DEVICE, num_kv_blocks=256, dtype=dtype)
     kernels = llm.engine.model.layers[0].self_attn.backend.kernels  # one backend for every layer
     if not native:
@@ -129,10 +136,22 @@ def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, 
         prefix_attention = kernels.prefix_attention
         monkeypatch.setattr(kernels, "prefix_attention",
                             lambda *args, **kwargs: amx_calls.append(1) or prefix_attention(*args, **kwargs))
+    if native and kernels is not None:
+        causal_attention = kernels.causal_attention
+
+        def counted_causal_attention(*args, **kwargs):
+            causal_calls.append(1)
+            return causal_attention(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, "causal_attention", counted_causal_attention)
     outputs = llm.generate(prompts, greedy(dtype))
     assert groups and max(groups) >= 2, "no prefill chunks were attended as a cascade"
     if native and dtype == "bfloat16" and {"amx_bf16", "avx512_bf16"} & cpu_flags() and TEST_DEVICE == "cpu":
         assert amx_calls, "bf16 on an AMX / AVX512-BF16 CPU: the shared blocks go through the prefix kernel"
+    head_dim = llm.engine.model.config.head_dim
+    if native and kernels is not None and kernels.supports_causal_attention(getattr(torch, dtype), head_dim):
+        # fp32: the shared blocks through the causal kernel, straight from the cache (not SDPA)
+        assert sum(causal_in_groups) > 0
     assert_all_match(arch_dir, llm, prompts, outputs)
 
 
