@@ -8,8 +8,9 @@
  * query's scores against VL keys are D broadcast-FMAs; V is read as it lies in the cache. Work
  * items of ITEM queries (token-major: the Q heads of a token are neighbours) compute only the keys
  * their last query sees: scores in blocks of ROWS queries x 4 key vectors, the last block only the
- * vectors it needs (each row's max kept on the way), an fp32 softmax in one pass (exp within 2 ulp), then P x V with a few queries' outputs
- * held in registers. Items along the causal triangle grow, so they are handed out one at a time.
+ * vectors it needs (each row's max kept on the way), an fp32 softmax in one pass (exp within 2
+ * ulp), then P x V with a few queries' outputs held in registers. Items along the causal triangle
+ * grow, so they are handed out one at a time.
  * With AVX-512 (32 registers, Zen 4 measured): 6-query blocks and operands pinned in registers,
  * 275-305 GFLOP/s where 4-query blocks with GCC's memory operands ran at 200-230.
  *
