@@ -109,12 +109,14 @@ static inline __attribute__((always_inline)) void causal_item(
         for (int64_t k0 = 0; k0 < span; k0 += KEY_STEP) {
             const float* kt = keys + k0 * D;  /* vector c of this block at kt + c * D * VL */
             float* rows = scores + t0 * Lp + k0;
-            switch ((span - k0) / VL) {
-                case 1: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 1); break;
-                case 2: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 2); break;
-                case 3: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 3); break;
-                default: score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, 4); break;
+#define SCORE_BLOCK(NV) score_block(queries + t0 * D, kt, D, scale, rows, Lp, k0, limit + t0, best, tail, NV)
+            switch ((span - k0) / VL) {  /* a compile-time vector count for each */
+                case 1: SCORE_BLOCK(1); break;
+                case 2: SCORE_BLOCK(2); break;
+                case 3: SCORE_BLOCK(3); break;
+                default: SCORE_BLOCK(4); break;
             }
+#undef SCORE_BLOCK
         }
         for (int j = 0; j < ROWS; j++) {
             const float m = hmax(best[j]);
@@ -181,11 +183,12 @@ void causal_attention_f32(const float* q, const float* kc, const float* vc, cons
                           int64_t q_stride, float scale, float* packed, float* out, float* lse, int nt) {
     const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const int64_t tiles = (n * Q + ITEM - 1) / ITEM;
+    const int64_t vectors = (L + VL - 1) / VL;  /* packed: the key vectors scores read, not all of Lp */
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
-        for (int64_t unit = 0; unit < H * (Lp / VL); unit++) {
-            const int64_t h = unit / (Lp / VL), c = unit % (Lp / VL);
+        for (int64_t unit = 0; unit < H * vectors; unit++) {
+            const int64_t h = unit / vectors, c = unit % vectors;
             pack_key_vector(kc, blocks, h, H, D, BS, L, c, packed + (h * Lp + c * VL) * D);
         }
         /* the last tiles (the longest rows of the triangle) first, so no thread ends with one */
