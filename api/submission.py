@@ -26,7 +26,7 @@ from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.repository import JobRepository
 from jobs.sharding import open_parquet
-from jobs.spec import InputFormat, JobSpec
+from jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
 from jobs.status import JobState, JobStatus
 from jobs.webhooks import destination_problem
 
@@ -194,15 +194,13 @@ def parse_object(data: object, model: type[M], what: str) -> M:
 
 
 def parse_spec(data: object) -> JobSpec:
+    """A user's spec (a JSON submit, a dry run, an upload's spec field): 422 naming a field only the
+    server sets (jobs/spec.py's `check_user_spec`, which schedule templates go through too)."""
     spec = parse_object(data, JobSpec, "job spec")
-    for field in RETRY_FIELDS:
-        if getattr(spec, field) is not None:
-            raise HttpError(422, f"invalid job spec: {field}: set by POST /jobs/{{id}}/retry, which makes a "
-                                 "job of another job's failed rows; a submit cannot set it")
+    problems = server_set_problems(spec.model_dump(include=set(SERVER_SET_FIELDS)))
+    if problems:
+        raise HttpError(422, "invalid job spec: " + "; ".join(problems), problems)
     return spec
-
-
-RETRY_FIELDS = ("parent_job_id", "retry_error_codes")
 
 
 def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:

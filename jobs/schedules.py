@@ -15,7 +15,7 @@ import hashlib
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -23,7 +23,7 @@ from jobs.errors import LookupFailed
 from jobs.names import schedule_key
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.spec import URI_PATTERN, JobSpec, validation_messages
+from jobs.spec import SERVER_SET_FIELDS, URI_PATTERN, JobSpec, check_user_spec, validation_messages
 from jobs.webhooks import check_webhook_url
 
 if TYPE_CHECKING:
@@ -98,6 +98,9 @@ class ScheduleSpec(BaseModel):
     """What a user posts to create a schedule. Unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # A new template may not set the fields only the server sets; a stored one is read whatever it
+    # holds (one written before that check), and its tick refuses it instead (`job_spec`).
+    refuses_server_set_fields: ClassVar[bool] = True
 
     name: str | None = Field(None, max_length=200)
     cron: str = Field(description="5 fields (UTC), or 6 with seconds last; e.g. '*/10 * * * *'",
@@ -105,8 +108,10 @@ class ScheduleSpec(BaseModel):
     input_prefix: str = Field(description="s3://bucket/prefix/ (or a local store path); a glob when it "
                                           "contains * ? or [, e.g. s3://bucket/in/*.jsonl",
                               json_schema_extra={"pattern": URI_PATTERN})
-    job: dict[str, Any] = Field(description="a JobSpec without input_uri and idempotency_key",
-                                json_schema_extra={"required": ["model"]})
+    job: dict[str, Any] = Field(description="a JobSpec without input_uri, idempotency_key and the fields "
+                                "only the server sets (parent_job_id, retry_error_codes)",
+                                json_schema_extra={"required": ["model"], "properties": {
+                                    name: {"type": "null"} for name in SERVER_SET_FIELDS}})
     webhook_url: str | None = Field(None, description="copied into every job the schedule submits")
     paused: bool = False
     tenant: str | None = Field(None, description="whose schedule it is (and its jobs'): set by the API from "
@@ -134,6 +139,8 @@ class ScheduleSpec(BaseModel):
         present = [name for name in TICK_FIELDS if name in value]
         if present:
             raise ValueError(f"{', '.join(present)}: set per input object by the schedule; leave it out")
+        if cls.refuses_server_set_fields:
+            check_user_spec(value)  # e.g. parent_job_id: its jobs would merge another job's rows
         if value.get("output_uri"):
             raise ValueError("output_uri: every job a schedule submits writes to its own folder (one "
                              "output_uri for all of them would make their parts overwrite each other); "
@@ -151,6 +158,8 @@ class ScheduleSpec(BaseModel):
 class Schedule(ScheduleSpec):
     """A stored schedule."""
 
+    refuses_server_set_fields: ClassVar[bool] = False
+
     id: str
     created_at: datetime
 
@@ -159,6 +168,7 @@ class Schedule(ScheduleSpec):
         (schedule, key, ETag), so a repeated tick or a restarted scheduler finds the same job.
         """
         data = dict(self.job)
+        check_user_spec(data)  # ServerSetField: a template stored before create refused them
         data["input_uri"] = input_uri
         data["idempotency_key"] = idempotency_key(self.id, key, etag)
         data["metadata"] = {**(data.get("metadata") or {}), SCHEDULE_METADATA_KEY: self.id}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -121,7 +122,7 @@ class JobSpec(BaseModel):
                           "nothing is created or queued")
     tenant: str | None = Field(None, description="whose job it is: set by the API from the caller's key "
                                                  "(a value sent in a submit is replaced)")
-    # Set by POST /jobs/{id}/retry (a submit that sets them is refused: readOnly in the schema).
+    # Set by POST /jobs/{id}/retry (SERVER_SET_FIELDS: a user's spec that sets them is refused).
     parent_job_id: str | None = Field(None, description="the job whose failed rows this one runs again",
                                       json_schema_extra={"readOnly": True})
     retry_error_codes: list[str] | None = Field(None, description="with parent_job_id: only the parent's "
@@ -259,6 +260,32 @@ class JobSpec(BaseModel):
         data = self.model_dump(mode="json", by_alias=True, exclude_defaults=True, exclude={"idempotency_key"})
         encoded = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
         return hashlib.sha256(encoded.encode()).hexdigest()
+
+
+# Fields of a spec only the server sets (POST /jobs/{id}/retry makes a job of another job's rows):
+# a spec a user sends, in a submit (dry runs and uploads too) or in a schedule's job template, may
+# not set them; `tenant` is not among them, since a value sent is replaced by the caller's.
+SERVER_SET_FIELDS = {
+    "parent_job_id": "set by POST /jobs/{id}/retry, which makes a job of another job's failed rows",
+    "retry_error_codes": "set by POST /jobs/{id}/retry (its error_codes)",
+}
+
+
+class ServerSetField(ValueError):
+    """A user's spec sets a field only the server sets."""
+
+
+def server_set_problems(data: Mapping[str, Any]) -> list[str]:
+    """`field: why` for each server-set field a user's spec gives a value (null is as good as absent)."""
+    return [f"{name}: {why}; a spec you send cannot set it" for name, why in SERVER_SET_FIELDS.items()
+            if data.get(name) is not None]
+
+
+def check_user_spec(data: Mapping[str, Any]) -> None:
+    """The one check of every spec a user sends: `ServerSetField` naming the fields it may not set."""
+    problems = server_set_problems(data)
+    if problems:
+        raise ServerSetField("; ".join(problems))
 
 
 def validation_messages(error: ValidationError) -> list[str]:

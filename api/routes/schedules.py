@@ -94,7 +94,9 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     (a JobSpec without `input_uri` and `idempotency_key`). A bad cron or template answers 422
     naming the field; an unknown model or an unreadable prefix 400.
     """
-    spec = parse_object(body, ScheduleSpec, "schedule").model_copy(update={"tenant": caller.tenant})
+    spec = parse_object(body, ScheduleSpec, "schedule")
+    template = {name: value for name, value in spec.job.items() if name != "tenant"}  # each tick sets it
+    spec = spec.model_copy(update={"tenant": caller.tenant, "job": template})
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
