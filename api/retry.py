@@ -7,14 +7,15 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from api.auth import Caller
 from api.dependencies import ApiContext
 from api.results import part_store, parts_published
 from api.submission import check_in_flight, check_model, claim_output, create_and_enqueue
 from jobs.formats.jsonl_writer import dumps_line
-from jobs.merge import MergedChain, load_chain, merged_records
-from jobs.repository import new_job_id
+from jobs.merge import MergedChain, chain_of, load_chain, merged_records
+from jobs.repository import JobNotFound
 from jobs.retry import check_retryable, retry_plan
-from jobs.status import JobStatus
+from jobs.status import JobState, JobStatus
 
 MERGED_BATCH_ROWS = 256
 
@@ -31,29 +32,40 @@ class RetryRequest(BaseModel):
 
 
 def retry_job(context: ApiContext, parent: JobStatus, request: RetryRequest) -> JobStatus:
-    """Create and queue the retry job (its plan saved before it is queued, so the planner keeps it)."""
+    """Create the retry job, then save its plan, then queue it (so the planner keeps the plan).
+
+    Its id comes from the retry's own idempotency key space (jobs/repository.py), and job.json is
+    written (once) before the plan: a key that names some other job is a 409 before anything of that
+    job is touched, and the same retry asked again finds its job and plan as they are."""
     repository = context.repository
     check_retryable(parent)
     plan = retry_plan(repository, parent.job_id, request.error_codes)  # NothingToRetry: 409
     spec = repository.get_spec(parent.job_id)
     changes: dict[str, object] = {"parent_job_id": parent.job_id, "retry_error_codes": request.error_codes,
                                   "idempotency_key": request.idempotency_key}
-    provisional = spec.model_copy(update=changes)
-    job_id = repository.job_id_for(provisional) if request.idempotency_key else new_job_id()
+    job_id = repository.job_id_for(spec.model_copy(update=changes))
     if spec.output_uri:  # the parent's folder is the parent's: the retry's parts go in a folder of their own
         changes["output_uri"] = f"{spec.output_uri.rstrip('/')}/retry-{job_id}/"
     child = spec.model_copy(update=changes)
     check_model(context, child)
     check_in_flight(context, child, job_id)
     claim_output(context, child, job_id)
-    if plan is not None:
-        plan = repository.save_plan(job_id, plan)
+    created = repository.create(child, job_id=job_id)  # IdempotencyConflict: 409, nothing else written
+    if plan is not None and created.state == JobState.QUEUED:
+        plan = repository.save_plan(job_id, plan)  # write-once: a planner that got there first stands
         repository.counters(job_id).initialize(plan)  # the answer already counts the rows to retry
     return create_and_enqueue(context, child, job_id)
 
 
-def merged_chain(context: ApiContext, job_id: str) -> MergedChain:
-    return load_chain(context.repository, job_id, lambda result: parts_published(context, result))
+def merged_chain(context: ApiContext, caller: Caller, job_id: str) -> MergedChain:
+    """The chain to merge, checked whole before a byte is sent: every job in it the caller's (a
+    chain reaching another tenant's job is not found, as that job would be), and its parts lining up
+    (`MergeError`: 409)."""
+    repository = context.repository
+    for chain_id in chain_of(repository, job_id):
+        if not caller.sees(repository.get_spec(chain_id).tenant):
+            raise JobNotFound(job_id)
+    return load_chain(repository, job_id, lambda result: parts_published(context, result))
 
 
 def stream_merged(context: ApiContext, chain: MergedChain) -> Iterator[bytes]:

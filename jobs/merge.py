@@ -4,13 +4,17 @@ A chain is a job and the retries made from it (`parent_job_id`), oldest first. E
 names the shard of the chain's first planned job that covers its range (`ShardPlan.origin`), so
 the merge walks those ranges in input order and holds one range's rows at a time:
 
-- the range's *base* is the first job in the chain that ran the whole range (`only_rows` None);
+- the range's *base* is the last job in the chain that ran the whole range (`only_rows` None);
   its output part has one row per input row, in input order, and its error part lists the failed
-  ones, in the same order, with their `Row.index`;
+  ones, in the same order, with their `Row.index`. A later job runs a range whole only when no
+  earlier one had finished it when the retry was cut, so an earlier whole run is one that committed
+  after that (a shard of a failed job still running then) and the later one stands;
 - every later job that ran the range ran only the rows its `only_rows` lists, and its output part
   has one row for each, in that order; a success replaces the row, an error replaces an error.
 
 Rows of a range no job in the chain has finished are not in the output (`MergedChain.missing`).
+`load_chain` checks from the shard results that the parts line up before any row is read, so a
+chain that does not is refused before an answer starts, never halfway through it.
 """
 
 from __future__ import annotations
@@ -91,7 +95,31 @@ def load_chain(repository: JobRepository, job_id: str,
             runs = ranges.setdefault(shard.origin, [])
             if shard.index in results:
                 runs.append(_Ran(chain_id, shard, results[shard.index]))
+    for runs in ranges.values():
+        _check_lines_up(runs)
     return MergedChain(job_ids, output_format, ranges, total or 0)
+
+
+def _base_at(runs: list[_Ran]) -> int | None:
+    """The last run over the whole range, or None."""
+    return next((i for i in reversed(range(len(runs))) if runs[i].shard.only_rows is None), None)
+
+
+def _check_lines_up(runs: list[_Ran]) -> None:
+    """`MergeError` when the parts the merge would read do not line up, judged from the results'
+    counts (what each part was written with), before a row is read."""
+    base_at = _base_at(runs)
+    if base_at is not None:
+        base = runs[base_at]
+        if base.result.errors.rows != base.result.rows_failed or base.result.output.rows != base.result.rows:
+            raise MergeError(f"job {base.job_id} shard {base.shard.index}: its output part has "
+                             f"{base.result.rows_failed} failed rows of {base.result.output.rows}, its error "
+                             f"part {base.result.errors.rows}")
+    for run in runs[0 if base_at is None else base_at + 1:]:
+        wanted = len(run.shard.only_rows or [])
+        if run.result.output.rows != wanted:
+            raise MergeError(f"job {run.job_id} shard {run.shard.index} ran {run.result.output.rows} rows of "
+                             f"the {wanted} it retried: was the input changed since the first job?")
 
 
 def merged_records(repository: JobRepository, chain: MergedChain,
@@ -103,7 +131,7 @@ def merged_records(repository: JobRepository, chain: MergedChain,
 
 def _merge_range(repository: JobRepository, chain: MergedChain, runs: list[_Ran],
                  open_part: OpenPart) -> list[dict[str, Any]]:
-    base_at = next((i for i, run in enumerate(runs) if run.shard.only_rows is None), None)
+    base_at = _base_at(runs)
     if base_at is None:  # only retries of single rows finished here: place them by index
         latest: dict[int, dict[str, Any]] = {}
         for run in runs:

@@ -106,10 +106,14 @@ def new_job_id() -> str:
     return f"job-{uuid.uuid4().hex}"
 
 
-def idempotent_job_id(idempotency_key: str, tenant: str | None = None) -> str:
-    """The job id an idempotency key gives: per tenant, so two tenants' equal keys never meet."""
+def idempotent_job_id(idempotency_key: str, tenant: str | None = None,
+                      parent_job_id: str | None = None) -> str:
+    """The job id an idempotency key gives: per tenant, so two tenants' equal keys never meet. A
+    retry's key (`parent_job_id` set) has a space of its own per parent job: the same key on a
+    submit, or on a retry of another job, is another job (a retry must never land on a submit's job)."""
     scope = f"{tenant}\x00" if tenant else ""
-    digest = hashlib.sha256(f"bulkinfer-idempotency:{scope}{idempotency_key}".encode()).hexdigest()
+    kind = f"bulkinfer-retry-idempotency:{parent_job_id}\x00" if parent_job_id else "bulkinfer-idempotency:"
+    digest = hashlib.sha256(f"{kind}{scope}{idempotency_key}".encode()).hexdigest()
     return f"job-{digest[:32]}"
 
 
@@ -165,7 +169,9 @@ class JobRepository:
 
         The API uses it to place an upload under `jobs/<id>/input/` before the job exists.
         """
-        return idempotent_job_id(spec.idempotency_key, spec.tenant) if spec.idempotency_key else new_job_id()
+        if not spec.idempotency_key:
+            return new_job_id()
+        return idempotent_job_id(spec.idempotency_key, spec.tenant, spec.parent_job_id)
 
     # -- create and read --------------------------------------------------------------------
 
@@ -176,7 +182,7 @@ class JobRepository:
         with a different spec it raises `IdempotencyConflict` (`JobConflict` for a bare job id).
         """
         if spec.idempotency_key:
-            derived = idempotent_job_id(spec.idempotency_key, spec.tenant)
+            derived = self.job_id_for(spec)
             if job_id is not None and job_id != derived:
                 raise ValueError(f"a job with an idempotency key has the id {derived} (from "
                                  f"JobRepository.job_id_for), not {job_id}")

@@ -153,7 +153,7 @@ def get_merged_results(job_id: str, context: Context, caller: CallerDep) -> Stre
     Rows of shards no job in the chain has finished are left out; `X-Bulkinfer-Missing-Shards` says
     how many such shards there are (0: every row is there)."""
     owned_job(context, caller, job_id)
-    chain = merged_chain(context, job_id)
+    chain = merged_chain(context, caller, job_id)
     headers = {"Content-Disposition": f'attachment; filename="{job_id}-merged.jsonl"',
                "X-Bulkinfer-Chain": ",".join(chain.job_ids), "X-Bulkinfer-Missing-Shards": str(chain.missing)}
     return StreamingResponse(stream_merged(context, chain), media_type="application/x-ndjson",
