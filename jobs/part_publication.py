@@ -12,7 +12,7 @@ copy gone checks the part is there.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from jobs.formats.output import OutputRow
@@ -44,12 +44,17 @@ def staging_prefix(directory: str) -> str:
     return f"{directory}/{STAGING_DIR}/" if directory else f"{STAGING_DIR}/"
 
 
+class CommitRefused(Exception):
+    """The run's parts were staged, but it may no longer commit (its job ended meanwhile)."""
+
+
 def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
                  outputs: Sequence[OutputRow], *, fence: str, created: int, started_at: datetime,
-                 dtype: str | None = None) -> ShardResult:
+                 dtype: str | None = None, may_commit: Callable[[], bool] | None = None) -> ShardResult:
     """Stage a shard's parts under `fence` and commit its result (for a resolved spec); returns the
     result that stands: an earlier run's if one committed first, this run's staged parts then
-    dropped. Publishing is the caller's next step (`publish_parts`, before counting)."""
+    dropped. Publishing is the caller's next step (`publish_parts`, before counting).
+    `CommitRefused`, the staged parts dropped, when `may_commit` says no once they are written."""
     location = output_location(spec, job_store, layout)
     output_key, errors_key = location.part_key(shard.index), layout.error_part_key(shard.index)
     output = write_output_part(location.store, staged_key(output_key, fence), outputs, spec,
@@ -60,6 +65,9 @@ def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard
     errors = errors.model_copy(update={"key": errors_key, "uri": job_store.uri(errors_key)})
     ours = ShardResult.from_outputs(shard, outputs, output=output, errors=errors, started_at=started_at,
                                     finished_at=datetime.now(UTC), dtype=dtype, fence=fence)
+    if may_commit is not None and not may_commit():
+        discard_staged(job_store, ours)
+        raise CommitRefused(f"job {layout.job_id} shard {shard.index}: not committed")
     standing = save_shard_result(job_store, layout, ours)
     if standing.fence != fence:
         discard_staged(job_store, ours)

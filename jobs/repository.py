@@ -349,7 +349,13 @@ class JobRepository:
         except IllegalTransition:
             return self.get(job_id)
 
+    def stop_running_shards(self, job_id: str) -> None:
+        """Raise the flag every running shard of the job polls (the cancel flag): they stop, abort
+        their rows and commit nothing. For a job that ended without finishing them (it failed)."""
+        self.redis.set(self._cancel_key(job_id), "1")
+
     def is_cancel_requested(self, job_id: str) -> bool:
+        """Whether the job's shards must stop: it was cancelled, or it failed."""
         return bool(self.redis.exists(self._cancel_key(job_id)))
 
     # -- plan -------------------------------------------------------------------------------

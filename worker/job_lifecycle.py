@@ -45,12 +45,15 @@ class JobCannotRun(Exception):
 
 
 def fail_job(repository: JobRepository, job_id: str, message: str) -> None:
-    """Move the job to `failed` with `message`, unless it already ended (e.g. it was cancelled)."""
+    """Move the job to `failed` with `message`, unless it already ended (e.g. it was cancelled), and
+    stop its other running shards: one committing after a retry of the job was cut would change what
+    the retry was cut from."""
     logger.warning("job %s failed: %s", job_id, message)
     try:
         repository.transition(job_id, JobState.FAILED, error=message)
     except IllegalTransition:
-        pass
+        return
+    repository.stop_running_shards(job_id)
 
 
 def resolved_spec(context: WorkerContext, spec: JobSpec) -> JobSpec:

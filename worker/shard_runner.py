@@ -33,7 +33,7 @@ from jobs.layout import JobLayout
 from jobs.log_format import add_to_log_context
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
-from jobs.part_publication import publish_parts, write_fenced
+from jobs.part_publication import CommitRefused, publish_parts, write_fenced
 from jobs.repository import JobRepository
 from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
@@ -120,16 +120,21 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
             metrics.record_shard(spec.model if spec is not None else "unknown", "handed_back")
             raise
         if outputs is None or repository.is_cancel_requested(job_id):
-            logger.info("job %s shard %d cancelled; nothing written", job_id, shard_index)
-            metrics.record_shard(spec.model, "cancelled")
-            return {"status": "cancelled"}
+            return _stopped(job_id, shard_index, spec)
         if not lease.held:  # this process stalled past the lease's TTL: another run owns the shard now
             metrics.record_shard(spec.model, "skipped")
             return {"status": "skipped: lost the shard lease to another run"}
-        with timings.phase("write"):
-            result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
-                                  fence=lease.fence, created=int(job.created_at.timestamp()),
-                                  started_at=started_at, dtype=dtype)
+        try:
+            with timings.phase("write"):
+                # Asked again once the parts are staged: a job that failed (or was cancelled) while
+                # they were written gets no result from this run, so nothing changes under a retry
+                # cut from it.
+                result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
+                                      fence=lease.fence, created=int(job.created_at.timestamp()),
+                                      started_at=started_at, dtype=dtype,
+                                      may_commit=lambda: not repository.is_cancel_requested(job_id))
+        except CommitRefused:
+            return _stopped(job_id, shard_index, spec)
         metrics.record_shard(spec.model, "done", result)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
@@ -137,6 +142,14 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                     result.usage.cached, result.usage.completion, summary["seconds"])
     count_shard(repository, layout, plan, result, send_finalize, spec)
     return {**summary, "status": "done", "rows": result.rows, "rows_failed": result.rows_failed}
+
+
+def _stopped(job_id: str, shard_index: int, spec: JobSpec) -> dict[str, Any]:
+    """The job was cancelled, or failed, while the shard ran: nothing of it is committed."""
+    logger.info("job %s shard %d stopped (the job was cancelled or failed); nothing written", job_id,
+                shard_index)
+    metrics.record_shard(spec.model, "cancelled")
+    return {"status": "cancelled"}
 
 
 def committed_result(repository: JobRepository, layout: JobLayout, shard_index: int) -> ShardResult | None:

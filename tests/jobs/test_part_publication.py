@@ -14,6 +14,7 @@ from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import RowError
 from jobs.layout import JobLayout, output_location
 from jobs.part_publication import (
+    CommitRefused,
     PartMissing,
     publish_parts,
     settle_staged,
@@ -118,3 +119,12 @@ def test_parts_under_an_output_uri_are_staged_and_published_there(job, tmp_path)
     publish_parts(store, result)
     assert (elsewhere / "part-00000.jsonl").stat().st_size == result.output.bytes
     assert not (elsewhere / "_temporary" / "g1-aaaaaaaa" / "part-00000.jsonl").exists()
+
+
+def test_a_run_whose_job_ended_while_it_staged_its_parts_commits_nothing(job) -> None:
+    store, spec, layout, shard = job
+    with pytest.raises(CommitRefused):  # the job failed (or was cancelled) while the parts were written
+        write_fenced(store, layout, spec, shard, outputs(store, spec, shard, ""), fence="g1-aaaaaaaa",
+                     created=0, started_at=NOW, may_commit=lambda: False)
+    assert not store.exists(layout.shard_result_key(shard.index))
+    assert list(store.list(layout.job_dir + "/")) == []  # its staged parts are gone too

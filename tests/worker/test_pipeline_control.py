@@ -13,7 +13,7 @@ from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.worker.conftest import INPUTS_BUCKET, JOB_TIMEOUT_S, Pipeline
 from worker.context import WorkerContext
-from worker.job_lifecycle import plan_job
+from worker.job_lifecycle import fail_job, plan_job
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -103,6 +103,34 @@ def _until_no_shard_runs_or_waits(pipeline: Pipeline, job_id: str, shard_count: 
             return
         assert now < deadline, "the job's shards did not stop"
         time.sleep(0.05)
+
+
+def test_a_job_that_fails_stops_its_other_running_shards_and_they_commit_nothing(pipeline: Pipeline) -> None:
+    # Shard 0 runs long generations on the worker while shard 1 fails for good (its third failed
+    # attempt fails the job): shard 0 must stop and commit nothing, or a retry cut from the failed
+    # job would find its rows changed under it afterwards.
+    lines = [json.dumps({"question": f"def f{n}(x):"}) for n in range(16)]
+    spec = JobSpec(input_uri=pipeline.put_input("fails.jsonl", lines), model="tiny", prompt_column="question",
+                   sampling={"temperature": 0.0, "max_tokens": 200, "ignore_eos": True}, shard_size=8)
+    job_id = pipeline.repository.create(spec).job_id
+    planned: list[tuple[int, str]] = []
+    plan_job(WorkerContext(pipeline.settings), job_id, lambda _, index, queue: planned.append((index, queue)))
+    assert [index for index, _ in planned] == [0, 1]
+    running = pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny")
+    lease = shard_lease_key(pipeline.repository.namespace, job_id, 0)
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not pipeline.repository.redis.exists(lease):
+        assert time.monotonic() < deadline, "shard 0 never started"
+        time.sleep(0.02)
+
+    fail_job(pipeline.repository, job_id, "shard 1 failed 3 time(s); last error: boom")
+
+    assert running.get(timeout=JOB_TIMEOUT_S)["status"] == "cancelled"
+    layout = pipeline.repository.layout(job_id)
+    assert not pipeline.repository.store.exists(layout.shard_result_key(0))
+    assert list(pipeline.repository.store.list(layout.output_dir + "/")) == []
+    status = pipeline.repository.get(job_id)
+    assert (status.state, status.shards.done, status.rows.succeeded) == (JobState.FAILED, 0, 0)
 
 
 def test_an_unknown_model_fails_the_job_with_a_message(pipeline: Pipeline) -> None:
