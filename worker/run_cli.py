@@ -15,7 +15,7 @@ from jobs.errors import InputError
 from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
-from jobs.spec import InputFormat, JobSpec, validation_messages
+from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
@@ -86,6 +86,7 @@ def _spec_data(text: str | None) -> dict[str, Any]:
     data = json.loads(text)
     if not isinstance(data, dict):
         raise ValueError("--spec must be a JSON object (a JobSpec without input_uri)")
+    check_user_spec(data)  # the fields only the server sets, refused as a submit refuses them
     return data
 
 

@@ -153,6 +153,9 @@ def test_a_bad_model_or_mapping_is_a_usage_error(tiny_checkpoint: Path, tmp_path
     code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
                            "--prompt-column", "q", "--template", "{q}")
     assert code == 2 and "give exactly one of prompt_column, messages_column or template" in stderr
+    code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
+                           "--prompt-column", "q", "--spec", json.dumps({"parent_job_id": "job-1"}))
+    assert code == 2 and "parent_job_id: set by POST /jobs/{id}/retry" in stderr
     bad_schema = {"response_format": {"type": "json_schema", "json_schema": {
         "name": "out", "schema": {"type": "object", "not": {"required": ["a"]}}}}}
     out = tmp_path / "schema.jsonl"
