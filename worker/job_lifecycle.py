@@ -23,7 +23,7 @@ from jobs.names import dispatched_key, step_lease_key
 from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import settle_staged
-from jobs.repository import JobRepository
+from jobs.repository import JobNotFound, JobRepository
 from jobs.results import ShardResult, load_shard_results
 from jobs.retry import NothingToRetry, retry_plan
 from jobs.sharding import ShardPlan, plan_shards
@@ -141,6 +141,12 @@ def _retry_plan(repository: JobRepository, spec: JobSpec) -> list[ShardPlan] | N
     the parent having ended). None for a first job, or a parent that was never planned."""
     if spec.parent_job_id is None:
         return None
+    try:
+        parent_tenant = repository.get_spec(spec.parent_job_id).tenant
+    except JobNotFound:
+        parent_tenant = spec.tenant  # gone: retry_plan finds no plan and the whole input runs
+    if parent_tenant != spec.tenant:  # a spec that got past the API's checks (stored before them)
+        raise JobCannotRun(f"parent_job_id {spec.parent_job_id}: no such job of this tenant's")
     try:
         return retry_plan(repository, spec.parent_job_id, spec.retry_error_codes)
     except NothingToRetry as error:

@@ -133,6 +133,21 @@ def test_a_job_that_fails_stops_its_other_running_shards_and_they_commit_nothing
     assert (status.state, status.shards.done, status.rows.succeeded) == (JobState.FAILED, 0, 0)
 
 
+def test_a_retry_of_another_tenants_job_fails_at_planning_and_reads_nothing_of_it(pipeline: Pipeline) -> None:
+    lines = [json.dumps({"q": "x"}), "{not json"]
+    theirs = pipeline.repository.create(JobSpec(input_uri=pipeline.put_input("g.jsonl", lines), model="tiny",
+                                                prompt_column="q", tenant="globex")).job_id
+    # A job whose spec names globex's job as its parent (as a schedule template could make one).
+    spec = JobSpec(input_uri=pipeline.put_input("a.jsonl", lines), model="tiny", prompt_column="q",
+                   tenant="acme", parent_job_id=theirs)
+    mine = pipeline.repository.create(spec).job_id
+
+    outcome = plan_job(WorkerContext(pipeline.settings), mine, lambda *_: None)
+
+    assert outcome["status"] == "failed" and "no such job of this tenant's" in outcome["error"]
+    assert pipeline.repository.get(mine).state == JobState.FAILED
+
+
 def test_an_unknown_model_fails_the_job_with_a_message(pipeline: Pipeline) -> None:
     spec = JobSpec(input_uri=pipeline.put_input("one.jsonl", [json.dumps({"q": "x"})]), model="gpt-9",
                    prompt_column="q")
