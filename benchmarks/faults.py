@@ -7,9 +7,11 @@ jobs have made progress since the last: `kill -9` of a worker in the middle of i
 worker replaces it), a Redis restart with all its data lost, a worker stalled (SIGSTOP) for three
 lease TTLs and then resumed (its leases lapse and other runs take its shards over while it sleeps:
 the fenced writes keep it from overwriting them), and Redis unreachable (SIGSTOP) for three lease
-TTLs. Leases and the reaper run with
+TTLs, and a row that kills its worker (`poison-row`: a job one of whose rows carries
+the kill marker, benchmarks/poison_rows.py; dead workers are replaced). Leases and the reaper run with
 short TTLs (4 s, ticks of 1 s) so the run takes a minute or two. The last line with `--json` is
-one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated` (and details).
+one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, and with
+`poison-row` `worker_crashed_wrong` (rows wrongly `worker_crashed` or not), and details.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from api.cli.stack import (
     tail,
     wait_for,
 )
+from benchmarks.poison_rows import POISON_MARKER, check_poison, poison_job_lines
 from jobs.names import CONTROL_QUEUE, PLAN_JOB, model_queue
 from jobs.settings import Settings
 from jobs.spec import JobSpec
@@ -43,7 +46,7 @@ from jobs.status import JobState
 
 LEASE_TTL_S = 4
 PAUSE_S = 3 * LEASE_TTL_S  # a stall or an outage long enough for every lease to lapse
-FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause")
+FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", "poison-row")
 DEFAULT_FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", "worker-kill")
 MODEL = "tiny"
 ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": "float32"}
@@ -76,6 +79,10 @@ class FaultBench:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.started_workers = 0
         self.settings: Settings | None = None
+        self.kill_marker: str | None = None  # poison-row: the workers' kill marker
+        self.worker_deaths = 0  # workers that died by themselves (a poison row), each replaced
+        self.jobs: dict[str, list[str]] = {}
+        self.poison: list[str] = []
 
     # -- processes --------------------------------------------------------------------------
 
@@ -106,12 +113,23 @@ class FaultBench:
                "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
                "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1",
                "PYTHONPATH": str(SOURCE_ROOT)}
+        if self.kill_marker:
+            from worker.fault_injection import KILL_MARKER_ENV
+
+            env[KILL_MARKER_ENV] = self.kill_marker
         worker = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
              "--concurrency=2", "-Q", f"{CONTROL_QUEUE},{model_queue(MODEL)}", "-n", node,
              "--loglevel=INFO", "--without-gossip", "--without-mingle"],
             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, **env})  # noqa: SIM115
         self.workers.append(worker)
+
+    def replace_dead_workers(self) -> None:
+        """A worker that died by itself (a poison row killed it) is replaced, as a supervisor would."""
+        for worker in [worker for worker in self.workers if worker.poll() is not None]:
+            self.workers.remove(worker)
+            self.worker_deaths += 1
+            self.start_worker()
 
     def stop(self) -> None:
         for worker in self.workers:
@@ -122,6 +140,9 @@ class FaultBench:
 
     def run(self) -> dict[str, Any]:
         args = self.args
+        faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
+        if "poison-row" in faults:
+            self.kill_marker = POISON_MARKER
         checkpoint = ensure_checkpoint(self.home / "tiny", MODEL,
                                        {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
         self.start_redis()
@@ -133,7 +154,7 @@ class FaultBench:
         from celery import Celery
 
         sender = Celery(broker=self.broker_url)
-        expected: dict[str, list[str]] = {}
+        expected = self.jobs  # the poison-row fault adds its job
         for job_number in range(args.jobs):
             ids = [f"j{job_number}-r{n:04d}" for n in range(args.rows)]
             path = self.home / f"input-{job_number}.jsonl"
@@ -146,7 +167,6 @@ class FaultBench:
             job_id = repository.create(spec).job_id
             sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
             expected[job_id] = ids
-        faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
         injected: list[str] = []
         started = time.monotonic()
         total_shards = args.jobs * -(-args.rows // args.shard_size)
@@ -158,7 +178,10 @@ class FaultBench:
             injected.append(fault)
         sender.close()
         statuses = self._wait_end(repository, expected, started)
-        return {**count_rows(self.home / "store", expected), "faults": injected,
+        self.worker_deaths += sum(worker.poll() is not None for worker in self.workers)  # not yet replaced
+        poisoned = check_poison(self.home / "store", expected, self.poison) if self.poison else {}
+        return {**count_rows(self.home / "store", expected), **poisoned, "faults": injected,
+                "worker_deaths": self.worker_deaths,
                 "faults_injected": len(injected), "workers_started": self.started_workers,
                 "jobs_completed": sum(status == JobState.SUCCEEDED for status in statuses.values()),
                 "jobs": len(expected), "rows_per_job": args.rows,
@@ -169,6 +192,7 @@ class FaultBench:
             victim = next(worker for worker in self.workers if worker.poll() is None)
             victim.kill()  # kill -9: no warm shutdown, its shards' messages stay unacknowledged
             victim.wait(10)
+            self.workers.remove(victim)
             self.start_worker()
         elif fault == "redis-restart":
             assert self.redis is not None
@@ -181,8 +205,31 @@ class FaultBench:
         elif fault == "redis-pause":
             assert self.redis is not None
             pause(self.redis, PAUSE_S)
+        elif fault == "poison-row":
+            self._submit_poison_job()
         else:
             raise StackError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
+
+    def _submit_poison_job(self) -> None:
+        assert self.settings is not None
+        name = f"poison{len(self.poison)}"
+        lines, ids, poison = poison_job_lines(name, 2 * self.args.shard_size)
+        path = self.home / f"input-{name}.jsonl"
+        path.write_text("\n".join(lines) + "\n")
+        repository = self.settings.repository()
+        job_id = repository.create(JobSpec(input_uri=str(path), model=MODEL, id_column="id",
+                                           prompt_column="question", shard_size=self.args.shard_size,
+                                           sampling={"temperature": 0.0, "max_tokens": self.args.max_tokens}
+                                           )).job_id
+        from celery import Celery
+
+        sender = Celery(broker=self.broker_url)
+        try:
+            sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
+        finally:
+            sender.close()
+        self.jobs[job_id] = ids
+        self.poison += poison
 
     def _wait_progress(self, repository: Any, expected: dict[str, list[str]], shards: int,
                        started: float) -> None:
@@ -193,6 +240,7 @@ class FaultBench:
                 done = 0
             if done >= shards:
                 return
+            self.replace_dead_workers()
             time.sleep(0.2)
         raise StackError(f"the jobs made no progress to {shards} shards in {self.args.timeout:.0f}s; "
                          f"see {self.logs}:\n{tail(self.logs / f'worker-{self.started_workers}.log')}")
@@ -207,6 +255,7 @@ class FaultBench:
                 states = {}
             if states and all(state.is_terminal for state in states.values()):
                 return states
+            self.replace_dead_workers()
             time.sleep(0.5)
         return states
 
@@ -254,8 +303,12 @@ def bench_cli(argv: list[str]) -> int:
     print(f"  jobs completed    {figures['jobs_completed']} of {figures['jobs']} in {figures['seconds']} s")
     print(f"  rows lost         {figures['rows_lost']}")
     print(f"  rows duplicated   {figures['rows_duplicated']}")
+    if "poison_rows" in figures:
+        print(f"  worker_crashed    {figures['rows_worker_crashed']} row(s) of {figures['poison_rows']} "
+              f"poison row(s), {figures['worker_crashed_wrong']} wrong ({figures['worker_deaths']} workers "
+              "killed by them, each replaced)")
     if args.json:
         print(json.dumps(figures))
     whole = figures["jobs_completed"] == figures["jobs"] and not figures["rows_lost"] \
-        and not figures["rows_duplicated"]
+        and not figures["rows_duplicated"] and not figures.get("worker_crashed_wrong")
     return 0 if whole else 1

@@ -31,6 +31,7 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
 DEFAULT_SHARD_LEASE_TTL_S = 30.0
 DEFAULT_REAPER_INTERVAL_S = 15.0
+DEFAULT_CRASH_SPLIT_AFTER = 2
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "bulkinfer" / "models"
 CONFIG_ENV = "BULKINFER_CONFIG"
 DEFAULT_CONFIG_FILE = "bulkinfer.toml"
@@ -47,6 +48,7 @@ ENVIRONMENT_NAMES = {
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
     "max_task_attempts": "BULKINFER_MAX_TASK_ATTEMPTS",
+    "crash_split_after": "BULKINFER_CRASH_SPLIT_AFTER",
     "api_host": "BULKINFER_API_HOST",
     "api_port": "BULKINFER_API_PORT",
     "worker_concurrency": "BULKINFER_WORKER_CONCURRENCY",
@@ -97,6 +99,9 @@ class Settings(BaseModel):
     # Failures (other than Redis or the store being down) of one plan, shard or finalize before its
     # job fails with the reason; None: 3 (worker/task_attempts.py).
     max_task_attempts: int | None = Field(None, ge=1)
+    # Deliveries of a shard that killed their worker process (SIGKILL, out of memory, a native
+    # crash) before the shard is split in halves down to the row (worker/shard_crashes.py); None: 2.
+    crash_split_after: int | None = Field(None, ge=1)
     # Servers: what `serve api|all` and `up` listen on, and `serve worker|all`'s task threads.
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
@@ -214,6 +219,11 @@ class Settings(BaseModel):
     def reaper_tick(self) -> float:
         """Seconds between the reaper's ticks."""
         return self.reaper_interval_s or DEFAULT_REAPER_INTERVAL_S
+
+    @property
+    def crashes_before_split(self) -> int:
+        """Crashed deliveries of a shard before it runs in halves (worker/shard_crashes.py)."""
+        return self.crash_split_after or DEFAULT_CRASH_SPLIT_AFTER
 
     @property
     def model_cache_dir(self) -> Path:

@@ -23,6 +23,8 @@ HELP = {
     "shard_lease_ttl_s": "shard lease TTL in seconds",
     "reaper_interval_s": "seconds between reaper ticks (re-sending steps whose worker died)",
     "max_task_attempts": "failures of one plan, shard or finalize before its job fails with the reason",
+    "crash_split_after": "deliveries of a shard that killed their worker before it runs in halves "
+                         "down to the row (a row that still kills it alone: worker_crashed)",
     "api_host": "address the API listens on",
     "api_port": "port the API listens on (0: any free port)",
     "worker_concurrency": "task threads per worker",
@@ -50,6 +52,7 @@ HELP = {
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "speculative_config",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
+                   "crash_split_after",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
                    "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",
                    "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,10 +44,13 @@ from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
 from worker.engine_rows import run_rows
+from worker.exclusive_runs import ENGINE_RUNS
+from worker.fault_injection import kill_if_marked
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.schema_limit import limit_schemas
 from worker.shard_copies import Stopped, copy_rows, write_exports
+from worker.shard_crashes import CrashHistory, ShardCrashes, run_split
 from worker.shard_lease import ShardLease
 from worker.shutdown import ShardHandedBack
 from worker.transient import is_transient
@@ -87,12 +90,26 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
                        namespace=repository.namespace)
     if not lease.acquire(give_up=lambda: repository.is_cancel_requested(job_id)):
         return {**summary, "status": "cancelled"}
+    crashes = ShardCrashes(repository.redis, repository.namespace, job_id, shard_index,
+                           context.settings.crashes_before_split)
     with lease:
-        return {**summary, **_run_holding_lease(context, job_id, shard_index, lease, send_finalize)}
+        # A shard that crashed its worker before runs alone there (worker/shard_crashes.py)…
+        history = crashes.history()
+        gate = ENGINE_RUNS.alone(lambda: shutdown.stopping() or repository.is_cancel_requested(job_id)) \
+            if history.split else nullcontext(True)
+        with gate as holding:
+            if not holding:
+                if shutdown.stopping():
+                    raise ShardHandedBack(f"job {job_id}: the worker is stopping")
+                return {**summary, "status": "cancelled"}
+            with crashes.delivery():  # …and is counted as it starts: a crash leaves the count
+                return {**summary, **_run_holding_lease(context, job_id, shard_index, lease, send_finalize,
+                                                        (crashes, history))}
 
 
 def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, lease: ShardLease,
-                       send_finalize: Callable[[str], None]) -> dict[str, Any]:
+                       send_finalize: Callable[[str], None],
+                       crashed: tuple[ShardCrashes, CrashHistory]) -> dict[str, Any]:
     repository = context.repository
     job = repository.get(job_id)
     add_to_log_context(tenant=job.tenant)
@@ -111,7 +128,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
-            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings, job.expires_at)
+            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings, job.expires_at,
+                                    crashed)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
@@ -161,9 +179,15 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
-           expires_at: datetime | None = None) -> tuple[list[OutputRow] | None, str | None]:
+           expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory]
+           ) -> tuple[list[OutputRow] | None, str | None]:
     """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
     running at `expires_at` come back `expired`) and the dtype the engine computed them in."""
+    history = crashed[1]
+    if history.outside_pieces >= history.split_after:
+        raise JobCannotRun(f"shard {shard.index} killed its worker process {history.whole} times, "
+                           f"{history.outside_pieces} of them outside its rows' runs (reading the input or "
+                           "writing the parts): see the worker's log")
     try:
         with timings.phase("model"):
             hosted = context.hosts.get(spec.model)
@@ -176,24 +200,32 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
                               context.settings.max_schemas_per_job)
     with timings.phase("engine"):
-        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at)
+        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
-              items: list[Row | RowError], expires_at: datetime | None) -> list[OutputRow] | None:
+              items: list[Row | RowError], expires_at: datetime | None,
+              crashed: tuple[ShardCrashes, CrashHistory]) -> list[OutputRow] | None:
     """Every row's outcome in input order: the shard's own rows from the engine, then the rows it
-    copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones."""
+    copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones. A
+    shard that crashed its worker before runs its rows in pieces, each alone (worker/shard_crashes.py)."""
     repository = context.repository
     layout = repository.layout(job_id)
+    crashes, history = crashed
 
-    def run(positions: list[int]) -> dict[int, OutputRow] | None:
+    def on_engine(positions: list[int], alone: bool = False) -> dict[int, OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
                                  priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
-                                 expires_in_s=expires_in_s)
+                                 expires_in_s=expires_in_s, alone=alone)
         return None if outputs is None else dict(zip(positions, outputs, strict=True))
+
+    def run(positions: list[int]) -> dict[int, OutputRow] | None:
+        if not history.split:
+            return on_engine(positions)
+        return run_split(items, positions, history, crashes, lambda members: on_engine(members, alone=True))
 
     outcomes = run([position for position in range(len(items)) if position not in shard.copies])
     if outcomes is None:
@@ -228,13 +260,17 @@ def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[R
 
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
-                   priority: int, deduplicate: bool, expires_in_s: float | None) -> list[OutputRow] | None:
+                   priority: int, deduplicate: bool, expires_in_s: float | None,
+                   alone: bool = False) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
-    Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
+    Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py).
+    `alone`: the caller holds the process's engines alone (worker/exclusive_runs.py)."""
     try:
-        outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                           expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
-                           or context.repository.is_cancel_requested(job_id))
+        with nullcontext() if alone else ENGINE_RUNS.together():
+            kill_if_marked(items)  # off unless a test turned it on (worker/fault_injection.py)
+            outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
+                               expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
+                               or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
             raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error

@@ -35,6 +35,7 @@ class RowErrorCode(StrEnum):
     INVALID_OUTPUT_JSON = "invalid_output_json"
     ENGINE_ERROR = "engine_error"
     EXPIRED = "expired"  # the job's completion_window passed before the row finished
+    WORKER_CRASHED = "worker_crashed"  # its run killed the worker process, alone (worker/shard_crashes.py)
 
 
 @dataclass(frozen=True, slots=True)

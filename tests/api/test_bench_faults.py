@@ -31,3 +31,18 @@ def test_bench_faults_kills_stalls_and_cuts_off_workers_and_redis_and_loses_no_r
     assert figures["faults_injected"] == 5
     assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (2, 0, 0)
     assert any(line.strip().startswith("rows lost") for line in lines)
+
+
+def test_bench_faults_poison_row_ends_as_worker_crashed_and_every_other_row_once(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_cli(["--rows", "8", "--jobs", "1", "--shard-size", "2", "--faults", "poison-row",
+                      "--timeout", "300", "--json", "--home", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    figures = json.loads(lines[-1])
+    assert code == 0, lines
+    assert (figures["jobs_completed"], figures["jobs"]) == (2, 2)  # the bench's job and the poison job
+    poison = (figures["poison_rows"], figures["rows_worker_crashed"], figures["worker_crashed_wrong"])
+    assert poison == (1, 1, 0)
+    assert (figures["rows_lost"], figures["rows_duplicated"]) == (0, 0)
+    # Its shard of 2 crashed crash_split_after (2) times whole, then once alone: no more.
+    assert figures["worker_deaths"] == 3
