@@ -39,7 +39,7 @@ from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from jobs.usage import record_shard_usage
+from jobs.usage import shard_usage_entry
 from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
@@ -245,10 +245,10 @@ def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[Sha
     (it may go twice: harmless)."""
     publish_parts(repository.store, result)
     counters = repository.counters(layout.job_id)
+    spec = spec or repository.get_spec(layout.job_id)
+    usage = shard_usage_entry(repository.namespace, spec.tenant, spec.model, result)
     try:
-        if counters.apply_shard(result):
-            spec = spec or repository.get_spec(layout.job_id)
-            record_shard_usage(repository.redis, repository.namespace, spec.tenant, spec.model, result)
+        counters.apply_shard(result, usage)  # counts it and adds its usage in one step, once
     except CountersMissing:  # Redis lost them (its usage buckets too): rebuild from the shard results
         counters.rebuild_from_store(repository.store, layout, plan)
     snapshot = counters.read()
