@@ -70,6 +70,7 @@ ENVIRONMENT_NAMES = {
     "webhook_retry_base_s": "BULKINFER_WEBHOOK_RETRY_BASE_S",
     "webhook_allow_http": "BULKINFER_WEBHOOK_ALLOW_HTTP",
     "webhook_allow_private": "BULKINFER_WEBHOOK_ALLOW_PRIVATE",
+    "share_prefix_cache_across_tenants": "BULKINFER_SHARE_PREFIX_CACHE_ACROSS_TENANTS",
 }
 
 
@@ -131,6 +132,9 @@ class Settings(BaseModel):
     # Where webhooks may go: https only, and only to public addresses, unless these allow more.
     webhook_allow_http: bool = False
     webhook_allow_private: bool = False
+    # Off: each tenant's rows hit only its own prefix-cache blocks (their cached_tokens would tell
+    # one tenant which prompts another sent). On: one cache for all, for tenants that trust each other.
+    share_prefix_cache_across_tenants: bool = False
 
     @field_validator("max_completion_window")
     @classmethod

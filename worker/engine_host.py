@@ -46,6 +46,7 @@ class EngineRequest:
     prompt: str | Sequence[int]
     params: SamplingParams
     priority: int = 0  # lower runs sooner (the engine's convention), with scheduling_policy="priority"
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
 
 
 @dataclass(frozen=True)
@@ -347,7 +348,7 @@ class _Requests:
         add = self.accepted[request_id]
         try:
             engine.add_request(request_id, add.request.prompt, add.request.params,
-                               priority=add.request.priority)
+                               priority=add.request.priority, cache_salt=add.request.cache_salt)
         except Exception as error:  # noqa: BLE001 - a caller bug for this request only
             del self.accepted[request_id]
             add.future.set_exception(error)

@@ -46,6 +46,7 @@ from worker.engine_host import EngineUnavailable
 from worker.engine_rows import run_rows
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
+from worker.prefix_cache_salt import prefix_cache_salt
 from worker.schema_limit import limit_schemas
 from worker.shard_copies import Stopped, copy_rows, write_exports
 from worker.shard_lease import ShardLease
@@ -174,12 +175,13 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones."""
     repository = context.repository
     layout = repository.layout(job_id)
+    cache_salt = prefix_cache_salt(spec.tenant, context.settings.share_prefix_cache_across_tenants)
 
     def run(positions: list[int]) -> dict[int, OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
                                  priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
-                                 expires_in_s=expires_in_s)
+                                 expires_in_s=expires_in_s, cache_salt=cache_salt)
         return None if outputs is None else dict(zip(positions, outputs, strict=True))
 
     outcomes = run([position for position in range(len(items)) if position not in shard.copies])
@@ -215,12 +217,14 @@ def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[R
 
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
-                   priority: int, deduplicate: bool, expires_in_s: float | None) -> list[OutputRow] | None:
+                   priority: int, deduplicate: bool, expires_in_s: float | None,
+                   cache_salt: str | None) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
     try:
         outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                           expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
+                           expires_in_s=expires_in_s, cache_salt=cache_salt,
+                           should_stop=lambda: shutdown.stopping()
                            or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
