@@ -175,12 +175,14 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones."""
     repository = context.repository
     layout = repository.layout(job_id)
-    cache_salt = prefix_cache_salt(spec.tenant, context.settings.share_prefix_cache_across_tenants)
+    settings = context.settings
+    cache_salt = prefix_cache_salt(spec.tenant, settings.share_prefix_cache_across_tenants)
+    priority = settings.job_priority(spec)  # capped for its tenant, as the fair queue has it
 
     def run(positions: list[int]) -> dict[int, OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
-                                 priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
+                                 priority=MAX_JOB_PRIORITY - priority, deduplicate=spec.deduplicate,
                                  expires_in_s=expires_in_s, cache_salt=cache_salt)
         return None if outputs is None else dict(zip(positions, outputs, strict=True))
 
