@@ -10,7 +10,7 @@ from jobs.estimate import estimate_job
 from jobs.estimate_report import JobEstimate
 from jobs.limits import plan_limit_problems
 from jobs.object_store.base import ObjectStore
-from jobs.sharding import plan_shards
+from jobs.shard_cost import plan_within_bounds
 from jobs.spec import JobSpec
 from jobs.tokenizer_files import load_tokenizer
 from jobs.workers import Throughput, last_throughput, live_workers, measured_throughput
@@ -19,11 +19,12 @@ from jobs.workers import Throughput, last_throughput, live_workers, measured_thr
 def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobEstimate:
     """The estimate for a validated, resolved spec whose input is at `store`/`key`."""
     repository = context.repository
-    plan = plan_shards(store, key, spec)
+    plan = plan_within_bounds(context.settings, store, key, spec)
     tokenizer = load_tokenizer(repository.store, repository.prefix, spec.model)
     measured, live = _throughput(context, spec.model)
     estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live)
-    problems = plan_limit_problems(context.settings, plan, spec.shard_size)
+    settings = context.settings
+    problems = plan_limit_problems(settings, plan, min(spec.shard_size, settings.max_shard_size))
     return estimate.model_copy(update={"problems": problems})
 
 

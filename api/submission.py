@@ -132,8 +132,17 @@ def check_completion_window(context: ApiContext, spec: JobSpec) -> None:
                              f"than this deployment's max_completion_window ({limit})")
 
 
+def check_priority(context: ApiContext, tenant: str | None, priority: int) -> None:
+    """403 when the deployment does not let `tenant` use `priority` (jobs/priority_caps.py): refused,
+    not lowered, so nobody believes a job runs sooner than it will."""
+    problem = context.settings.priority_problem(tenant, priority)
+    if problem is not None:
+        raise HttpError(403, problem)
+
+
 def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
     """The spec resolved against its input (format detected, columns checked): what job.json holds."""
+    check_priority(context, spec.tenant, spec.priority)
     check_webhook(context, spec.webhook_url)
     check_completion_window(context, spec)
     check_readable(store, key, spec.input_uri)

@@ -141,8 +141,11 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queue a request. ``arrival_time`` is ``time.monotonic()`` seconds (default: now)."""
+        """Queue a request. ``arrival_time`` is ``time.monotonic()`` seconds (default: now).
+        ``cache_salt``: the request reuses (and leaves) prefix-cache blocks only for requests with
+        the same salt, so one user's prompts neither hit nor reveal another's (None: unsalted)."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         params = params if params is not None else SamplingParams()
@@ -166,6 +169,7 @@ class LLMEngine:
                 sampling_params=params,
                 arrival_time=arrival,
                 priority=priority,
+                cache_salt=cache_salt,
                 sample_seed=seed & SEED_MASK,
                 sample_index=i,
             )

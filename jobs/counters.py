@@ -20,13 +20,25 @@ from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.results import ShardResult, TokenUsage, load_shard_results
 from jobs.sharding import ShardPlan
 from jobs.status import RowCounts, ShardCounts
+from jobs.usage import UsageEntry
 
-# KEYS: counts hash, counted-shards set. ARGV: shard index, then field/increment pairs.
+# KEYS: counts hash, counted-shards set, and with usage: its bucket hash and the usage index set.
+# ARGV: shard index, the number of counter pairs, the counter field/increment pairs, then with usage:
+# its field/increment pairs, the bucket's TTL in seconds and the index member.
 # Returns 1 if applied, 0 if the shard was already counted, -1 if the counters do not exist.
+# Counting and usage are one step: a worker dying between two calls would count the shard (so no
+# later delivery adds it again) and lose its usage. (The usage keys are not in the job's hash slot:
+# on a Redis Cluster this script would need them tagged alike.)
 APPLY_SHARD_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
-for i = 2, #ARGV, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+local counter_end = 2 + 2 * tonumber(ARGV[2])
+for i = 3, counter_end, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if #KEYS == 4 then
+  for i = counter_end + 1, #ARGV - 2, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+  redis.call('EXPIRE', KEYS[3], ARGV[#ARGV - 1])
+  redis.call('SADD', KEYS[4], ARGV[#ARGV])
+end
 return 1
 """
 # KEYS: counts hash. ARGV: field/value pairs. Sets them only if the job has no counters yet.
@@ -95,8 +107,9 @@ class JobCounters:
             arguments += [name, value]
         return bool(self._initialize(keys=[self.counts_key], args=arguments))
 
-    def apply_shard(self, result: ShardResult) -> bool:
-        """Add a finished shard's counts; False if this shard was counted before.
+    def apply_shard(self, result: ShardResult, usage: UsageEntry | None = None) -> bool:
+        """Add a finished shard's counts, and `usage` to its tenant's and model's bucket in the same
+        atomic step; False (and nothing added) if this shard was counted before.
 
         Raises `CountersMissing` if Redis has no counters for the job (rebuild, then retry).
         """
@@ -107,10 +120,16 @@ class JobCounters:
             "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
             "tokens_completion": result.usage.completion, "engine_ms": engine_ms(result.usage),
         }
-        arguments: list[str | int] = [result.shard_index]
+        arguments: list[str | int] = [result.shard_index, len(increments)]
         for name, value in increments.items():
             arguments += [name, value]
-        applied = int(self._apply(keys=[self.counts_key, self.counted_key], args=arguments))
+        keys = [self.counts_key, self.counted_key]
+        if usage is not None:
+            keys += [usage.bucket_key, usage.index_key]
+            for name, value in usage.increments.items():
+                arguments += [name, value]
+            arguments += [usage.ttl_s, usage.index_member]
+        applied = int(self._apply(keys=keys, args=arguments))
         if applied < 0:
             raise CountersMissing(f"no counters at {self.counts_key}")
         return applied == 1

@@ -8,13 +8,15 @@ is decided when a worker is free, not when the job was submitted.
 
 Per model, in Redis (one hash slot, so the scripts are atomic):
 - `prios`: the priorities (0-9) that have shards waiting, highest first;
-- `tenants:<p>`: the tenants with shards waiting at priority p, scored by the rows they have been
-  given (their virtual time); `jobs:<p>:<tenant>`: that tenant's jobs, scored the same way;
-- `pending:<job>`: the job's shards waiting (`index:rows`), in input order; `offered:<job>`: the
+- `tenants:<p>`: the tenants with shards waiting at priority p, scored by the cost of the shards they
+  have been given (their virtual time); `jobs:<p>:<tenant>`: that tenant's jobs, scored the same way;
+- `pending:<job>`: the job's shards waiting (`index:cost`), in input order; `offered:<job>`: the
   shards ever offered, so a planner that runs twice offers nothing twice.
 
-The least-served tenant gets the next shard, then its least-served job; each take adds the shard's
-rows to both scores. A tenant or job that arrives (or comes back) starts just below the lowest score
+A shard's cost is its estimated tokens (prompt + max_tokens x n per row: jobs/shard_cost.py), not its
+rows, so a tenant whose rows ask 16 long samples each is charged for them. The least-served tenant
+gets the next shard, then its least-served job; each take adds the shard's cost to both scores.
+A tenant or job that arrives (or comes back) starts just below the lowest score
 of those already waiting (it goes next, ties broken its way), so it neither waits behind the others'
 history nor banks credit while idle (start-time fair queueing).
 """
@@ -30,7 +32,7 @@ from jobs.names import NO_TENANT, shards_started_key
 JOB_PLACEHOLDER = "\x00job\x00"
 
 # KEYS: prios, tenants:<p>, jobs:<p>:<tenant>, pending:<job>, offered:<job>
-# ARGV: job, shard index, rows, priority, tenant
+# ARGV: job, shard index, cost, priority, tenant
 OFFER_SCRIPT = """
 if redis.call('SADD', KEYS[5], ARGV[2]) == 0 then return 0 end
 redis.call('EXPIRE', KEYS[5], 604800)
@@ -47,7 +49,7 @@ return 1
 """
 
 # KEYS: prios; ARGV: the key prefix of the model's scheduler keys, then the job's started-shards set
-# key around the job id (prefix, suffix). Returns {job, shard index, rows} or nil. The shard taken
+# key around the job id (prefix, suffix). Returns {job, shard index, cost} or nil. The shard taken
 # is marked started in the same step, so a worker that dies before it takes the shard's lease leaves
 # a started shard with no lease, which the reaper re-sends: no shard is lost between take and run.
 TAKE_SCRIPT = """
@@ -70,22 +72,22 @@ while true do
         redis.call('ZREM', jobs, job)
       else
         local sep = string.find(entry, ':', 1, true)
-        local rows = tonumber(string.sub(entry, sep + 1))
+        local cost = tonumber(string.sub(entry, sep + 1))
         if redis.call('LLEN', prefix .. 'pending:' .. job) == 0 then
           redis.call('ZREM', jobs, job)
         else
-          redis.call('ZINCRBY', jobs, rows, job)
+          redis.call('ZINCRBY', jobs, cost, job)
         end
         if redis.call('ZCARD', jobs) == 0 then
           redis.call('ZREM', tenants, tenant)
         else
-          redis.call('ZINCRBY', tenants, rows, tenant)
+          redis.call('ZINCRBY', tenants, cost, tenant)
         end
         if redis.call('ZCARD', tenants) == 0 then redis.call('ZREM', KEYS[1], top) end
         local started = ARGV[2] .. job .. ARGV[3]
         redis.call('SADD', started, string.sub(entry, 1, sep - 1))
         redis.call('EXPIRE', started, 604800)
-        return {job, string.sub(entry, 1, sep - 1), tostring(rows)}
+        return {job, string.sub(entry, 1, sep - 1), tostring(cost)}
       end
     end
   end
@@ -97,7 +99,7 @@ end
 class TakenShard:
     job_id: str
     shard_index: int
-    rows: int
+    cost: int  # what its tenant and job were charged (estimated tokens)
 
 
 class FairQueue:
@@ -112,13 +114,14 @@ class FairQueue:
     def _prefix(self, model: str) -> str:
         return f"{self.namespace}:{{sched:{model}}}:"
 
-    def offer(self, model: str, job_id: str, shard_index: int, rows: int, priority: int,
+    def offer(self, model: str, job_id: str, shard_index: int, cost: int, priority: int,
               tenant: str | None) -> bool:
-        """Make the shard takeable; False if it was offered before (nothing changes)."""
+        """Make the shard takeable, charging `cost` (its estimated tokens: jobs/shard_cost.py) to
+        its tenant and job when taken; False if it was offered before (nothing changes)."""
         prefix, who = self._prefix(model), tenant or NO_TENANT
         keys = [f"{prefix}prios", f"{prefix}tenants:{priority}", f"{prefix}jobs:{priority}:{who}",
                 f"{prefix}pending:{job_id}", f"{prefix}offered:{job_id}"]
-        return bool(self._offer(keys=keys, args=[job_id, shard_index, max(1, rows), priority, who]))
+        return bool(self._offer(keys=keys, args=[job_id, shard_index, max(1, cost), priority, who]))
 
     def take(self, model: str) -> TakenShard | None:
         """The next shard to run for `model`, or None when none is waiting."""
@@ -127,8 +130,8 @@ class FairQueue:
         taken = self._take(keys=[f"{prefix}prios"], args=[prefix, *around])
         if not taken:
             return None
-        job, index, rows = (item.decode() if isinstance(item, bytes) else item for item in taken)
-        return TakenShard(job, int(index), int(rows))
+        job, index, cost = (item.decode() if isinstance(item, bytes) else item for item in taken)
+        return TakenShard(job, int(index), int(cost))
 
     def drop(self, model: str, job_id: str) -> None:
         """Forget a job's waiting shards (it was cancelled or has ended); the emptied job leaves the

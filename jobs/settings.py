@@ -20,18 +20,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
 from jobs.object_store.base import ObjectStore
+from jobs.priority_caps import (
+    DEFAULT_TENANT_MAX_PRIORITY,
+    effective_priority,
+    parse_tenant_max_priority,
+    priority_problem,
+)
 
 if TYPE_CHECKING:
     import redis
 
     from jobs.model_registry import ModelRegistry
     from jobs.repository import JobRepository
+    from jobs.spec import JobSpec
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
 DEFAULT_SHARD_LEASE_TTL_S = 30.0
 DEFAULT_REAPER_INTERVAL_S = 15.0
 DEFAULT_CRASH_SPLIT_AFTER = 2
+DEFAULT_MAX_SHARD_SIZE = 10_000
+DEFAULT_MAX_SHARD_TOKENS = 1_000_000
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "bulkinfer" / "models"
 CONFIG_ENV = "BULKINFER_CONFIG"
 DEFAULT_CONFIG_FILE = "bulkinfer.toml"
@@ -72,6 +81,12 @@ ENVIRONMENT_NAMES = {
     "webhook_retry_base_s": "BULKINFER_WEBHOOK_RETRY_BASE_S",
     "webhook_allow_http": "BULKINFER_WEBHOOK_ALLOW_HTTP",
     "webhook_allow_private": "BULKINFER_WEBHOOK_ALLOW_PRIVATE",
+    "share_prefix_cache_across_tenants": "BULKINFER_SHARE_PREFIX_CACHE_ACROSS_TENANTS",
+    # Fair use between tenants (jobs/priority_caps.py, jobs/shard_cost.py).
+    "tenant_max_priority": "BULKINFER_TENANT_MAX_PRIORITY",
+    "default_tenant_max_priority": "BULKINFER_DEFAULT_TENANT_MAX_PRIORITY",
+    "max_shard_size": "BULKINFER_MAX_SHARD_SIZE",
+    "max_shard_tokens": "BULKINFER_MAX_SHARD_TOKENS",
 }
 
 
@@ -136,6 +151,16 @@ class Settings(BaseModel):
     # Where webhooks may go: https only, and only to public addresses, unless these allow more.
     webhook_allow_http: bool = False
     webhook_allow_private: bool = False
+    # Off: each tenant's rows hit only its own prefix-cache blocks (their cached_tokens would tell
+    # one tenant which prompts another sent). On: one cache for all, for tenants that trust each other.
+    share_prefix_cache_across_tenants: bool = False
+    # Which priorities each tenant may use ({tenant: highest}; the others: the default, `normal`),
+    # and how big a shard may get (rows, estimated tokens): a shard is what a free worker slot is
+    # given, so its size bounds how long another tenant's new job waits for one.
+    tenant_max_priority: str | None = None
+    default_tenant_max_priority: int = Field(DEFAULT_TENANT_MAX_PRIORITY, ge=0, le=9)
+    max_shard_size: int = Field(DEFAULT_MAX_SHARD_SIZE, ge=1)
+    max_shard_tokens: int = Field(DEFAULT_MAX_SHARD_TOKENS, ge=1)
 
     @field_validator("max_completion_window")
     @classmethod
@@ -153,7 +178,14 @@ class Settings(BaseModel):
             raise ValueError(f"store URI must be s3://bucket/prefix or a local directory, got {value!r}")
         return value
 
-    @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes", mode="before")
+    @field_validator("tenant_max_priority")
+    @classmethod
+    def _caps_parse(cls, value: str | None) -> str | None:
+        parse_tenant_max_priority(value)
+        return value
+
+    @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes",
+                     "tenant_max_priority", mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
@@ -245,6 +277,18 @@ class Settings(BaseModel):
         if self.speculative_config:
             options["speculative_config"] = json.loads(self.speculative_config)
         return {**options, "dtype": self.dtype} if self.dtype else options
+
+    def priority_caps(self) -> dict[str, int]:
+        """{tenant: the highest priority it may use}; other tenants: `default_tenant_max_priority`."""
+        return parse_tenant_max_priority(self.tenant_max_priority)
+
+    def job_priority(self, spec: JobSpec) -> int:
+        """The priority a job's shards run at: its own, capped for its tenant (jobs/priority_caps.py)."""
+        return effective_priority(self.priority_caps(), self.default_tenant_max_priority, spec)
+
+    def priority_problem(self, tenant: str | None, priority: int) -> str | None:
+        """Why `tenant` may not ask for `priority` (None: it may)."""
+        return priority_problem(self.priority_caps(), self.default_tenant_max_priority, tenant, priority)
 
     @property
     def is_local_store(self) -> bool:

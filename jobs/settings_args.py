@@ -47,6 +47,12 @@ HELP = {
     "max_requests_per_s": "API requests per second per key (429 beyond)",
     "worker_metrics_port": "port of the worker's /metrics, /healthz and /readyz (0: none)",
     "log_format": "log lines as text (default) or json (one object a line)",
+    "tenant_max_priority": "JSON {tenant: highest priority 0-9 it may use} (others: the default)",
+    "default_tenant_max_priority": "highest priority a tenant not in tenant_max_priority may use (default 5)",
+    "max_shard_size": "most rows in a shard, whatever shard_size a job asks (default 10000)",
+    "max_shard_tokens": "most estimated tokens (prompt + max_tokens x n a row) in a shard (default 1000000)",
+    "share_prefix_cache_across_tenants": "true: one prefix cache for every tenant (default: one per tenant, "
+                                         "so cached_tokens tells no tenant what another sent)",
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
@@ -56,7 +62,9 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
                    "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",
                    "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
-                   "webhook_allow_private", "worker_metrics_port", "log_format")
+                   "webhook_allow_private", "worker_metrics_port", "log_format",
+                   "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
+                   "max_shard_size", "max_shard_tokens")
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

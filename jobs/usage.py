@@ -1,15 +1,17 @@
 """Usage by tenant and model over time, for `GET /usage` (and chargeback between teams).
 
-When a shard is counted (once: jobs/counters.py), its rows, deduplicated rows, tokens and the engine
-seconds attributed to it are added to an hourly bucket per (tenant, model) in Redis; a report sums
-the buckets of a time range. So usage is counted when it happens, whether the job later succeeds,
-fails, is cancelled or expires. Buckets are kept `RETENTION_DAYS`; a time range is read to the hour.
+When a shard is counted (once: jobs/counters.py, in the same atomic step), its rows, deduplicated
+rows, tokens and the engine seconds attributed to it are added to an hourly bucket per (tenant,
+model) in Redis; a report sums the buckets of a time range. So usage is counted when it happens,
+whether the job later succeeds, fails, is cancelled or expires. Buckets are kept `RETENTION_DAYS`;
+a time range is read to the hour.
 """
 
 from __future__ import annotations
 
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
@@ -56,22 +58,28 @@ def _index_key(namespace: str) -> str:
     return f"{namespace}:usage:index"
 
 
-def record_shard_usage(client: redis.Redis, namespace: str, tenant: str | None, model: str,
-                       result: ShardResult) -> None:
-    """Add a counted shard to its hour's bucket (the hour it finished)."""
+@dataclass(frozen=True)
+class UsageEntry:
+    """What counting a shard adds to usage: increments to its hour's bucket (the hour it finished),
+    the bucket's lifetime and its (tenant, model) in the index. `JobCounters.apply_shard` adds it in
+    the same atomic step that counts the shard, so a shard's usage is added exactly when it is counted."""
+    bucket_key: str
+    increments: dict[str, int]
+    ttl_s: int
+    index_key: str
+    index_member: str
+
+
+def shard_usage_entry(namespace: str, tenant: str | None, model: str, result: ShardResult) -> UsageEntry:
     who = tenant or NO_TENANT
-    key = _bucket_key(namespace, who, model, _hour(result.finished_at))
     increments = {"rows": result.rows, "rows_failed": result.rows_failed,
                   "rows_deduplicated": result.rows_deduplicated, "shards": 1,
                   "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
                   "tokens_completion": result.usage.completion,
                   "engine_ms": round(result.usage.engine_seconds * 1000)}
-    with client.pipeline(transaction=True) as pipeline:
-        for name, value in increments.items():
-            pipeline.hincrby(key, name, value)
-        pipeline.expire(key, RETENTION_DAYS * 86400)
-        pipeline.sadd(_index_key(namespace), json.dumps([who, model]))
-        pipeline.execute()
+    return UsageEntry(bucket_key=_bucket_key(namespace, who, model, _hour(result.finished_at)),
+                      increments=increments, ttl_s=RETENTION_DAYS * 86400,
+                      index_key=_index_key(namespace), index_member=json.dumps([who, model]))
 
 
 def usage_report(client: redis.Redis, namespace: str, since: datetime, until: datetime,

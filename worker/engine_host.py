@@ -22,6 +22,8 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from engine import ErrorKind, LLMEngine, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
 from engine.outputs import CompletionOutput
@@ -44,6 +46,7 @@ class EngineRequest:
     prompt: str | Sequence[int]
     params: SamplingParams
     priority: int = 0  # lower runs sooner (the engine's convention), with scheduling_policy="priority"
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
 
 
 @dataclass(frozen=True)
@@ -214,7 +217,12 @@ class EngineHost:
                 try:
                     outputs = engine.step()
                 except Exception as error:  # noqa: BLE001 - find the request at fault, rerun the rest
-                    engine = self._recover(engine, error, requests)
+                    crash: Exception | None = _without_frames(error)
+                else:
+                    crash = None
+                if crash is not None:
+                    del engine  # the last reference: the rebuilt engine needs the old one's memory
+                    engine = self._recover(crash, requests)
                     continue
                 for output in outputs:
                     requests.finish(output)
@@ -224,9 +232,11 @@ class EngineHost:
             logger.exception("engine %s crashed", self.name)
             self._die(error, requests.futures())
 
-    def _recover(self, engine: LLMEngine, error: Exception, requests: _Requests) -> LLMEngine:
+    def _recover(self, error: Exception, requests: _Requests) -> LLMEngine:
         """A step raised: fail the request found at fault (if any), rebuild the engine, and rerun
-        the suspects a group at a time (worker/crash_isolation.py)."""
+        the suspects a group at a time (worker/crash_isolation.py). The caller holds no reference
+        to the crashed engine any more (nor does `error`), so its weights and KV cache are freed
+        before the new one is built and sized: on a GPU both would not fit."""
         self.crashes += 1
         culprits = requests.isolation.crashed(requests.in_engine)
         logger.error("engine %s: a step with %d request(s) raised %r; %s", self.name, len(requests.in_engine),
@@ -235,8 +245,7 @@ class EngineHost:
         for request_id in culprits:
             requests.fail(request_id, f"the engine crashed twice while running this request: {error!r}")
         requests.in_engine.clear()
-        del engine
-        gc.collect()  # the old engine's KV cache must go before the new one is sized
+        release_engine_memory()
         engine = self._load_engine()
         requests.advance(engine)
         return engine
@@ -295,6 +304,29 @@ class EngineHost:
         return EngineUnavailable(f"engine {self.name} is unavailable: {self._failure!r}")
 
 
+def release_engine_memory() -> None:
+    """Free what an engine nobody references held: its reference cycles, then (on CUDA) the blocks
+    PyTorch's allocator keeps cached, so the next engine's memory profile sees them free."""
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
+def _without_frames(error: Exception) -> Exception:
+    """`error` with its tracebacks dropped (and those of the errors it chains): their frames hold
+    the crashed engine (`self` of its step) and would keep it alive through the rebuild."""
+    pending: list[BaseException] = [error]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [chained for chained in (current.__cause__, current.__context__) if chained is not None]
+    return error
+
+
 class _Requests:
     """The engine thread's view of the requests it accepted: which are in the engine now, which
     wait out a crash search (suspects, and requests that arrived during it)."""
@@ -316,7 +348,7 @@ class _Requests:
         add = self.accepted[request_id]
         try:
             engine.add_request(request_id, add.request.prompt, add.request.params,
-                               priority=add.request.priority)
+                               priority=add.request.priority, cache_salt=add.request.cache_salt)
         except Exception as error:  # noqa: BLE001 - a caller bug for this request only
             del self.accepted[request_id]
             add.future.set_exception(error)

@@ -169,7 +169,7 @@ class PreparedBatch:
     """
 
     def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
-                 deduplicate: bool = True) -> None:
+                 deduplicate: bool = True, cache_salt: str | None = None) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         prepared: list[PreparedRow] = []
         self._copies: list[tuple[int, Row, int]] = []  # (position, row, position of the row it copies)
@@ -180,7 +180,7 @@ class PreparedBatch:
                 continue
             try:
                 params = engine_sampling(item.sampling, item.response_format)
-                request = EngineRequest(renderer.token_ids(item), params, priority)
+                request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt)
             except RowRejected as rejected:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
@@ -258,8 +258,8 @@ class EngineRun:
     ones submitted at once; `outputs()` gives every row's outcome in input order when done."""
 
     def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
-                 deduplicate: bool = True) -> None:
-        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate)
+                 deduplicate: bool = True, cache_salt: str | None = None) -> None:
+        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, cache_salt)
         self._model = hosted.name
         requests = self._prepared.requests
         self.submission: Submission | None = hosted.host.submit(requests) if requests else None
@@ -286,15 +286,17 @@ class EngineRun:
 
 def run_rows(hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0, *,
              should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
-             deduplicate: bool = True, expires_in_s: float | None = None) -> list[OutputRow] | None:
+             deduplicate: bool = True, expires_in_s: float | None = None,
+             cache_salt: str | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
     while the rows run) said to stop: the rows still running are then aborted. When
     `expires_in_s` seconds pass first (the job's deadline), the rows not finished by then are
-    aborted and come back `expired`, the finished ones as they are."""
+    aborted and come back `expired`, the finished ones as they are. `cache_salt`: the rows share
+    prefix-cache blocks only with requests of the same salt (worker/prefix_cache_salt.py)."""
     if expires_in_s is not None and expires_in_s <= 0:
         return [expired_row(item) for item in items]
     deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
-    run = EngineRun(hosted, items, priority, deduplicate)
+    run = EngineRun(hosted, items, priority, deduplicate, cache_salt)
     while not run.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))):
         if should_stop():
             run.abort()

@@ -26,7 +26,8 @@ from jobs.part_publication import settle_staged
 from jobs.repository import JobNotFound, JobRepository
 from jobs.results import ShardResult, load_shard_results
 from jobs.retry import NothingToRetry, retry_plan
-from jobs.sharding import ShardPlan, plan_shards
+from jobs.shard_cost import plan_within_bounds
+from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState
 from worker.context import WorkerContext
@@ -155,7 +156,8 @@ def _retry_plan(repository: JobRepository, spec: JobSpec) -> list[ShardPlan] | N
 
 def _check_limits(context: WorkerContext, plan: Sequence[ShardPlan], spec: JobSpec) -> None:
     """The deployment's max_rows_per_job and max_shards_per_job: a job past them fails, saying so."""
-    problems = plan_limit_problems(context.settings, plan, spec.shard_size)
+    settings = context.settings
+    problems = plan_limit_problems(settings, plan, min(spec.shard_size, settings.max_shard_size))
     if problems:
         raise JobCannotRun(problems[0])
 
@@ -177,7 +179,7 @@ def _check_response_format(spec: JobSpec) -> None:
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     with _input_errors_fail_the_job(spec.input_uri):
-        return mark_copies(store, key, spec, plan_shards(store, key, spec))
+        return mark_copies(store, key, spec, plan_within_bounds(context.settings, store, key, spec))
 
 
 def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import JobState
-from jobs.usage import record_shard_usage
+from jobs.usage import shard_usage_entry
 from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
@@ -48,6 +48,7 @@ from worker.exclusive_runs import ENGINE_RUNS
 from worker.fault_injection import kill_if_marked
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
+from worker.prefix_cache_salt import prefix_cache_salt
 from worker.schema_limit import limit_schemas
 from worker.shard_copies import Stopped, copy_rows, write_exports
 from worker.shard_crashes import CrashHistory, ShardCrashes, run_split
@@ -214,12 +215,15 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     repository = context.repository
     layout = repository.layout(job_id)
     crashes, history = crashed
+    settings = context.settings
+    cache_salt = prefix_cache_salt(spec.tenant, settings.share_prefix_cache_across_tenants)
+    priority = settings.job_priority(spec)  # capped for its tenant, as the fair queue has it
 
     def on_engine(positions: list[int], alone: bool = False) -> dict[int, OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
-                                 priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
-                                 expires_in_s=expires_in_s, alone=alone)
+                                 priority=MAX_JOB_PRIORITY - priority, deduplicate=spec.deduplicate,
+                                 expires_in_s=expires_in_s, cache_salt=cache_salt, alone=alone)
         return None if outputs is None else dict(zip(positions, outputs, strict=True))
 
     def run(positions: list[int]) -> dict[int, OutputRow] | None:
@@ -261,7 +265,7 @@ def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[R
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None,
-                   alone: bool = False) -> list[OutputRow] | None:
+                   cache_salt: str | None, alone: bool = False) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py).
     `alone`: the caller holds the process's engines alone (worker/exclusive_runs.py)."""
@@ -269,7 +273,8 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, ite
         with nullcontext() if alone else ENGINE_RUNS.together():
             kill_if_marked(items)  # off unless a test turned it on (worker/fault_injection.py)
             outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                               expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
+                               expires_in_s=expires_in_s, cache_salt=cache_salt,
+                               should_stop=lambda: shutdown.stopping()
                                or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
@@ -294,10 +299,10 @@ def count_shard(repository: JobRepository, layout: JobLayout, plan: Sequence[Sha
     (it may go twice: harmless)."""
     publish_parts(repository.store, result)
     counters = repository.counters(layout.job_id)
+    spec = spec or repository.get_spec(layout.job_id)
+    usage = shard_usage_entry(repository.namespace, spec.tenant, spec.model, result)
     try:
-        if counters.apply_shard(result):
-            spec = spec or repository.get_spec(layout.job_id)
-            record_shard_usage(repository.redis, repository.namespace, spec.tenant, spec.model, result)
+        counters.apply_shard(result, usage)  # counts it and adds its usage in one step, once
     except CountersMissing:  # Redis lost them (its usage buckets too): rebuild from the shard results
         counters.rebuild_from_store(repository.store, layout, plan)
     snapshot = counters.read()

@@ -20,6 +20,7 @@ from kombu.exceptions import ChannelError, OperationalError
 from jobs.fair_queue import FairQueue
 from jobs.log_format import log_context
 from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_NEXT_SHARD, RUN_SHARD
+from jobs.shard_cost import shard_token_cost
 from jobs.spec import JobSpec
 from worker import job_lifecycle, metrics, shard_runner, shutdown, webhook_delivery
 from worker.celery_app import app
@@ -51,20 +52,22 @@ def send_shard(job_id: str, shard_index: int, queue: str) -> None:
 class ShardOffers:
     """The planner's `send_shard`: offer the shard to the fair queue, then send the model's queue a
     ticket (one per shard), so the worker that takes it runs whichever shard is fairest then. The
-    job's spec and shard sizes are read once per job."""
+    job's spec and shard costs (estimated tokens) are read once per job; its priority is capped for
+    its tenant (jobs/priority_caps.py)."""
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         self.queue = FairQueue(context.repository.redis, context.repository.namespace)
-        self._jobs: dict[str, tuple[JobSpec, dict[int, int]]] = {}
+        self._jobs: dict[str, tuple[JobSpec, int, dict[int, int]]] = {}
 
     def __call__(self, job_id: str, shard_index: int, queue: str) -> None:
         if job_id not in self._jobs:
-            repository = self.context.repository
-            sizes = {shard.index: shard.estimated_rows for shard in repository.load_plan(job_id)}
-            self._jobs[job_id] = (repository.get_spec(job_id), sizes)
-        spec, sizes = self._jobs[job_id]
-        self.queue.offer(queue, job_id, shard_index, sizes.get(shard_index, 1), spec.priority, spec.tenant)
+            repository, settings = self.context.repository, self.context.settings
+            spec = repository.get_spec(job_id)
+            costs = {shard.index: shard_token_cost(shard, spec) for shard in repository.load_plan(job_id)}
+            self._jobs[job_id] = (spec, settings.job_priority(spec), costs)
+        spec, priority, costs = self._jobs[job_id]
+        self.queue.offer(queue, job_id, shard_index, costs.get(shard_index, 1), priority, spec.tenant)
         send_ticket(queue)  # also when offered before
 
 

@@ -18,8 +18,9 @@ from api.dispatch import enqueue_plan
 from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
 from api.storage_rules import check_allowed
-from api.submission import check_webhook, locate, parse_object
+from api.submission import check_priority, check_webhook, locate, parse_object
 from jobs.object_store.factory import split_uri
+from jobs.priority_caps import template_priority
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
     Schedule,
@@ -100,6 +101,7 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
+    check_priority(context, spec.tenant, template_priority(spec.job))
     rules = context.settings.tenant_prefixes
     check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix")
     _check_input(context, spec)

@@ -120,13 +120,38 @@ class LocalObjectStore(ObjectStore):
         return self.path(key).as_uri()
 
 
+def _fsync_directory(path: Path) -> None:
+    """Make the entries of a directory (a rename, a link, a new sub-folder) durable."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _missing_folders(folder: Path) -> list[Path]:
+    """`folder` and the ancestors of it that do not exist yet, deepest first."""
+    missing = []
+    while not folder.exists() and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
 class _LocalWriter(ObjectWriter):
-    """Writes a temp file beside the target, then renames it (or links it, for write-once)."""
+    """Writes a temp file beside the target, then renames it (or links it, for write-once).
+
+    A committed object survives a power loss or a kernel crash, as an S3 PUT that answered does: the
+    file's bytes are fsynced before it gets its name, then the folder holding the name (and every
+    folder this write created, up to one that existed) is fsynced. Otherwise a crash could leave a
+    write-once result empty or missing after the job was told it committed.
+    """
 
     def __init__(self, target: Path, key: str, if_none_match: bool) -> None:
         self._target = target
         self._key = key
         self._if_none_match = if_none_match
+        self._new_folders = _missing_folders(target.parent)
         target.parent.mkdir(parents=True, exist_ok=True)
         descriptor, temp_name = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=target.parent)
         self._temp = Path(temp_name)
@@ -142,6 +167,8 @@ class _LocalWriter(ObjectWriter):
         if self.closed:
             return
         try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
             self._file.close()
             if self._if_none_match:
                 # link() fails if the target exists: an atomic create-if-absent, like O_EXCL,
@@ -152,9 +179,16 @@ class _LocalWriter(ObjectWriter):
                     raise AlreadyExists(self._key) from None
             else:
                 os.replace(self._temp, self._target)
+            self._temp.unlink(missing_ok=True)
+            self._fsync_names()
         finally:
             self._temp.unlink(missing_ok=True)
             super().close()
+
+    def _fsync_names(self) -> None:
+        _fsync_directory(self._target.parent)
+        for folder in self._new_folders:  # each new folder's own name lives in its parent
+            _fsync_directory(folder.parent)
 
     def abort(self) -> None:
         if self.closed:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 from urllib.request import urlopen
 
 import httpx
@@ -185,3 +186,36 @@ def test_split_uri_rejects_what_it_cannot_open(uri, problem) -> None:
 def test_local_keys_cannot_escape_the_root(local_store) -> None:
     with pytest.raises(ValueError, match="escapes"):
         local_store.put_bytes("../outside", b"x")
+
+
+def _record_fsyncs(monkeypatch) -> list[tuple[int, bool]]:
+    """(inode, is a folder) of everything fsynced, in order."""
+    synced: list[tuple[int, bool]] = []
+    real_fsync = os.fsync
+
+    def fsync(descriptor: int) -> None:
+        info = os.fstat(descriptor)
+        synced.append((info.st_ino, stat.S_ISDIR(info.st_mode)))
+        real_fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+@pytest.mark.parametrize("write_once", [True, False])
+def test_local_commits_are_fsynced_with_their_folders(local_store, monkeypatch, write_once) -> None:
+    """A committed object survives a power loss: its bytes are on disk before it gets its name, and
+    the folders holding its name (and the folders the write created) are synced after."""
+    local_store.put_bytes("jobs/old/x", b"existing folder")
+    synced = _record_fsyncs(monkeypatch)
+
+    local_store.put_bytes("jobs/job-1/shards/result-00000.json", b"{}", if_none_match=write_once)
+
+    target = local_store.path("jobs/job-1/shards/result-00000.json")
+    file_sync = (target.stat().st_ino, False)
+    folder_syncs = {(folder.stat().st_ino, True) for folder in
+                    (target.parent, target.parent.parent, local_store.path("jobs"))}
+    assert file_sync in synced
+    assert folder_syncs <= set(synced)
+    assert synced.index(file_sync) < min(synced.index(entry) for entry in folder_syncs)
+

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -186,3 +187,27 @@ def test_an_engine_that_cannot_be_rebuilt_after_a_crash_fails_the_waiting_submis
     with pytest.raises(EngineUnavailable, match="weights vanished"):
         submission.results()
     assert isinstance(crashing.failure, OSError)
+
+
+def test_an_engine_rebuilt_after_a_crash_is_built_once_the_old_one_is_gone(tiny_checkpoint: Path) -> None:
+    """On a GPU the old engine's weights and KV cache plus the new one's do not fit: nothing may keep
+    the crashed engine alive (the step's traceback, the engine thread's variables) into the rebuild."""
+    built: list[weakref.ref[LLMEngine]] = []
+    old_engine_alive_at_rebuild: list[bool] = []
+
+    def load() -> LLMEngine:
+        if built:
+            old_engine_alive_at_rebuild.append(built[-1]() is not None)
+        engine = crashing_engine(tiny_checkpoint, lambda _engine: len(built) == 1)  # the first one crashes
+        built.append(weakref.ref(engine))
+        return engine
+
+    host = EngineHost(load, name="rebuilt").start()
+    try:
+        submission = host.submit([EngineRequest(PROMPTS[0], GREEDY)])
+        assert submission.wait(WAIT_S)
+        assert submission.results()[0].finish_reason in ("length", "stop")  # a passing crash: rerun
+        assert host.crashes == 1 and len(built) == 2
+        assert old_engine_alive_at_rebuild == [False]
+    finally:
+        host.stop()

@@ -1,0 +1,44 @@
+"""The deployment bounds shards (rows and estimated tokens) whatever `shard_size` a job asks: a shard
+is what a free worker slot is given, so its size bounds how long another tenant's job waits."""
+
+from __future__ import annotations
+
+import json
+
+from jobs.settings import Settings
+from jobs.shard_cost import plan_within_bounds, shard_token_cost
+from jobs.spec import JobSpec
+
+ROWS = 200
+
+
+def _input(store) -> str:  # noqa: ANN001
+    lines = [json.dumps({"q": f"question number {n:04d}"}) for n in range(ROWS)]
+    store.put_bytes("in/rows.jsonl", ("\n".join(lines) + "\n").encode())
+    return "in/rows.jsonl"
+
+
+def _spec(**fields: object) -> JobSpec:
+    return JobSpec(input_uri="/in/rows.jsonl", input_format="jsonl", model="m", prompt_column="q",
+                   **fields)
+
+
+def test_a_huge_shard_size_is_cut_to_the_deployments_max_shard_size(local_store) -> None:
+    key = _input(local_store)
+    plan = plan_within_bounds(Settings(max_shard_size=50), local_store, key, _spec(shard_size=1_000_000))
+    assert [shard.estimated_rows for shard in plan] == [50] * 4
+    # A job asking for smaller shards than the bound keeps its own size.
+    small = plan_within_bounds(Settings(max_shard_size=50), local_store, key, _spec(shard_size=20))
+    assert len(small) == 10
+
+
+def test_rows_asking_many_long_samples_are_cut_into_shards_within_the_token_bound(local_store) -> None:
+    key = _input(local_store)
+    spec = _spec(shard_size=1_000_000, sampling={"n": 16, "max_tokens": 64})  # 1,024 tokens a row at most
+    settings = Settings(max_shard_tokens=10_000)
+    plan = plan_within_bounds(settings, local_store, key, spec)
+    assert sum(shard.estimated_rows for shard in plan) == ROWS
+    assert len(plan) >= ROWS * 1024 // 10_000
+    assert all(shard_token_cost(shard, spec) <= 10_000 for shard in plan)
+    # The same rows asking one short sample each fit in one shard.
+    assert len(plan_within_bounds(settings, local_store, key, _spec(shard_size=1_000_000))) == 1
