@@ -20,14 +20,20 @@ def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Pa
     assert count_rows(tmp_path, {"job-a": ["a", "b", "c"]}) == {"rows_lost": 1, "rows_duplicated": 2}
 
 
-def test_bench_faults_kills_stalls_and_cuts_off_workers_and_redis_and_loses_no_row(tmp_path: Path,
-                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "240", "--json",
+def test_bench_faults_kills_stalls_fills_and_cuts_off_workers_redis_and_the_disk_and_loses_no_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "300", "--json",
                       "--home", str(tmp_path)])
     lines = capsys.readouterr().out.strip().splitlines()
     figures = json.loads(lines[-1])
     assert code == 0, lines
-    assert figures["faults"] == ["worker-kill", "redis-restart", "worker-stall", "redis-pause", "worker-kill"]
-    assert figures["faults_injected"] == 5
+    assert figures["faults"] == ["worker-kill", "redis-restart", "worker-stall", "redis-pause", "disk-full",
+                                 "redis-oom", "redis-outage-long", "worker-term"]
+    assert figures["faults_injected"] == 8
     assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (2, 0, 0)
     assert any(line.strip().startswith("rows lost") for line in lines)
+    log = {record["fault"]: record for record in figures["fault_log"]}
+    # Each fault was real: a full disk and a Redis out of memory refused writes (retried, never a
+    # failed job), and the shards a long Redis outage caught were committed by the runs that had them.
+    assert log["disk-full"]["seconds"] >= 12 and log["redis-oom"]["seconds"] >= 12
+    assert log["redis-outage-long"]["shards_recomputed"] == 0
