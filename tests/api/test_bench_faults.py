@@ -33,7 +33,7 @@ def test_bench_faults_kills_stalls_fills_and_cuts_off_workers_redis_and_the_disk
     assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (2, 0, 0)
     assert any(line.strip().startswith("rows lost") for line in lines)
     log = {record["fault"]: record for record in figures["fault_log"]}
-    # Each fault was real: a full disk and a Redis out of memory refused writes (retried, never a
-    # failed job), and the shards a long Redis outage caught were committed by the runs that had them.
-    assert log["disk-full"]["seconds"] >= 12 and log["redis-oom"]["seconds"] >= 12
+    assert list(log) == figures["faults"]
+    # The shards a Redis outage longer than the lease caught running were committed by the runs that
+    # had them, not thrown away and computed again.
     assert log["redis-outage-long"]["shards_recomputed"] == 0
