@@ -7,11 +7,12 @@ jobs have made progress since the last: `kill -9` of a worker in the middle of i
 worker replaces it), a Redis restart with all its data lost, a worker stalled (SIGSTOP) for three
 lease TTLs and then resumed (its leases lapse and other runs take its shards over while it sleeps:
 the fenced writes keep it from overwriting them), and Redis unreachable (SIGSTOP) for three lease
-TTLs; and the faults of benchmarks/infra_faults.py: the store's disk full for three TTLs (a tmpfs
-mounted for the store: root needed), Redis over its memory limit for three TTLs, Redis unreachable
-for five TTLs (the shards it caught running are counted, and those computed again), and a worker
-told to stop (SIGTERM) mid-shard. Leases and the reaper run with
-short TTLs (4 s, ticks of 1 s) so the run takes a minute or two. The last line with `--json` is
+TTLs; and the faults of benchmarks/infra_faults.py: the store's disk full for three TTLs and on
+until a worker's write was refused (a tmpfs mounted for the store: root needed), Redis over its
+memory limit for three TTLs, Redis unreachable for five TTLs (the shards it caught running are
+counted, and those computed again), and a worker told to stop (SIGTERM) mid-shard. Leases and
+the reaper run with short TTLs (4 s, ticks of 1 s) so the run takes a few minutes. The last line
+with `--json` is
 one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, `fault_log` (each
 fault: when, how long, what it caught) and details.
 """
@@ -217,7 +218,10 @@ class FaultBench:
 
     def _inject_infra(self, fault: str, repository: Any) -> dict[str, Any]:
         if fault == "disk-full":
-            return infra_faults.disk_full(self.store_dir, PAUSE_S)
+            _, text = infra_faults.LOG_SIGNS[fault]
+            before = infra_faults.count_in_logs(self.logs, text)
+            return infra_faults.disk_full(self.store_dir, PAUSE_S, longest_s=6 * PAUSE_S,
+                                          felt=lambda: infra_faults.count_in_logs(self.logs, text) > before)
         if fault == "redis-oom":
             return infra_faults.redis_out_of_memory(self.broker_url, PAUSE_S)
         if fault == "redis-outage-long":

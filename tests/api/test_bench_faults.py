@@ -34,6 +34,8 @@ def test_bench_faults_kills_stalls_fills_and_cuts_off_workers_redis_and_the_disk
     assert any(line.strip().startswith("rows lost") for line in lines)
     log = {record["fault"]: record for record in figures["fault_log"]}
     assert list(log) == figures["faults"]
+    # The disk was full for the workers (writes refused), and the jobs still succeeded.
+    assert log["disk-full"]["enospc_errors_logged"] >= 1
     # The shards a Redis outage longer than the lease caught running were committed by the runs that
     # had them, not thrown away and computed again.
     assert log["redis-outage-long"]["shards_recomputed"] == 0
