@@ -7,11 +7,17 @@ jobs have made progress since the last: `kill -9` of a worker in the middle of i
 worker replaces it), a Redis restart with all its data lost, a worker stalled (SIGSTOP) for three
 lease TTLs and then resumed (its leases lapse and other runs take its shards over while it sleeps:
 the fenced writes keep it from overwriting them), and Redis unreachable (SIGSTOP) for three lease
-TTLs, and a row that kills its worker (`poison-row`: a job one of whose rows carries
-the kill marker, benchmarks/poison_rows.py; dead workers are replaced). Leases and the reaper run with
-short TTLs (4 s, ticks of 1 s) so the run takes a minute or two. The last line with `--json` is
-one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, and with
-`poison-row` `worker_crashed_wrong` (rows wrongly `worker_crashed` or not), and details.
+TTLs; and the faults of benchmarks/infra_faults.py: the store's disk full for three TTLs and on
+until a worker's write was refused (a tmpfs mounted for the store: root needed), Redis over its
+memory limit for three TTLs, Redis unreachable for five TTLs (the shards it caught running are
+counted, and those computed again), and a worker told to stop (SIGTERM) mid-shard; and a row that
+kills its worker (`poison-row`: a job one of whose rows carries the kill marker,
+benchmarks/poison_rows.py; dead workers are replaced). Leases and
+the reaper run with short TTLs (4 s, ticks of 1 s) so the run takes a few minutes. The last line
+with `--json` is
+one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, `fault_log` (each
+fault: when, how long, what it caught), with `poison-row` `worker_crashed_wrong` (rows wrongly
+`worker_crashed` or not), and details.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from api.cli.stack import (
     tail,
     wait_for,
 )
+from benchmarks import infra_faults
 from benchmarks.poison_rows import POISON_MARKER, check_poison, poison_job_lines
 from jobs.names import CONTROL_QUEUE, PLAN_JOB, model_queue
 from jobs.settings import Settings
@@ -46,8 +53,10 @@ from jobs.status import JobState
 
 LEASE_TTL_S = 4
 PAUSE_S = 3 * LEASE_TTL_S  # a stall or an outage long enough for every lease to lapse
-FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", "poison-row")
-DEFAULT_FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", "worker-kill")
+LONG_OUTAGE_S = 5 * LEASE_TTL_S  # also past the Redis client's 10 s socket timeout
+INFRA_FAULTS = infra_faults.KINDS
+FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", *INFRA_FAULTS, "poison-row")
+DEFAULT_FAULTS = FAULTS  # each once, in this order
 MODEL = "tiny"
 ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": "float32"}
 
@@ -79,6 +88,11 @@ class FaultBench:
         self.workers: list[subprocess.Popen[bytes]] = []
         self.started_workers = 0
         self.settings: Settings | None = None
+        self.store_dir = home / "store"
+        self.store_mounted = False
+        self.fault_log: list[dict[str, Any]] = []
+        self.shards: dict[str, int] = {}  # job id -> its shard count
+        self.outage_caught: dict[tuple[str, int], int] = {}
         self.kill_marker: str | None = None  # poison-row: the workers' kill marker
         self.worker_deaths = 0  # workers that died by themselves (a poison row), each replaced
         self.jobs: dict[str, list[str]] = {}
@@ -135,18 +149,29 @@ class FaultBench:
         for worker in self.workers:
             stop_process(worker, 20)
         stop_process(self.redis, 10)
+        if self.store_mounted:
+            infra_faults.unmount(self.store_dir)
 
     # -- the run ----------------------------------------------------------------------------
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
-        if "poison-row" in faults:
-            self.kill_marker = POISON_MARKER
         checkpoint = ensure_checkpoint(self.home / "tiny", MODEL,
                                        {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
+        faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            raise StackError(f"unknown fault(s) {', '.join(unknown)} (known: {', '.join(FAULTS)})")
+        if "poison-row" in faults:
+            self.kill_marker = POISON_MARKER
+        if "disk-full" in faults:  # the store on a disk of its own, to fill
+            try:
+                infra_faults.mount_tmpfs(self.store_dir, infra_faults.STORE_DISK_SIZE)
+            except infra_faults.StackFault as error:
+                raise StackError(str(error)) from error
+            self.store_mounted = True
         self.start_redis()
-        self.settings = Settings(broker_url=self.broker_url, store_uri=str(self.home / "store"),
+        self.settings = Settings(broker_url=self.broker_url, store_uri=str(self.store_dir),
                                  models=json.dumps({MODEL: str(checkpoint)}))
         for _ in range(args.workers):
             self.start_worker()
@@ -167,6 +192,7 @@ class FaultBench:
             job_id = repository.create(spec).job_id
             sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
             expected[job_id] = ids
+            self.shards[job_id] = -(-args.rows // args.shard_size)
         injected: list[str] = []
         started = time.monotonic()
         total_shards = args.jobs * -(-args.rows // args.shard_size)
@@ -174,20 +200,26 @@ class FaultBench:
             # Each fault once a share of the shards is done: spread over the run, never after it.
             target = total_shards * number // (len(faults) + 1)
             self._wait_progress(repository, expected, target, started)
-            self._inject(fault)
+            at = time.monotonic()
+            notes = self._inject(fault, repository) or {}
+            self.fault_log.append({"fault": fault, "at_s": round(at - started, 1),
+                                   "seconds": round(time.monotonic() - at, 1), **notes})
             injected.append(fault)
         sender.close()
         statuses = self._wait_end(repository, expected, started)
+        self._note_outcomes(repository)
         self.worker_deaths += sum(worker.poll() is not None for worker in self.workers)  # not yet replaced
-        poisoned = check_poison(self.home / "store", expected, self.poison) if self.poison else {}
-        return {**count_rows(self.home / "store", expected), **poisoned, "faults": injected,
-                "worker_deaths": self.worker_deaths,
+        poisoned = check_poison(self.store_dir, expected, self.poison) if self.poison else {}
+        return {**count_rows(self.store_dir, expected), **poisoned, "faults": injected,
+                "fault_log": self.fault_log, "worker_deaths": self.worker_deaths,
                 "faults_injected": len(injected), "workers_started": self.started_workers,
                 "jobs_completed": sum(status == JobState.SUCCEEDED for status in statuses.values()),
                 "jobs": len(expected), "rows_per_job": args.rows,
                 "seconds": round(time.monotonic() - started, 1)}
 
-    def _inject(self, fault: str) -> None:
+    def _inject(self, fault: str, repository: Any) -> dict[str, Any] | None:
+        if fault in INFRA_FAULTS:
+            return self._inject_infra(fault, repository)
         if fault == "worker-kill":
             victim = next(worker for worker in self.workers if worker.poll() is None)
             victim.kill()  # kill -9: no warm shutdown, its shards' messages stay unacknowledged
@@ -209,6 +241,27 @@ class FaultBench:
             self._submit_poison_job()
         else:
             raise StackError(f"unknown fault {fault!r} (known: {', '.join(FAULTS)})")
+        return None
+
+    def _inject_infra(self, fault: str, repository: Any) -> dict[str, Any]:
+        if fault == "disk-full":
+            _, text = infra_faults.LOG_SIGNS[fault]
+            before = infra_faults.count_in_logs(self.logs, text)
+            return infra_faults.disk_full(self.store_dir, PAUSE_S, longest_s=6 * PAUSE_S,
+                                          felt=lambda: infra_faults.count_in_logs(self.logs, text) > before)
+        if fault == "redis-oom":
+            return infra_faults.redis_out_of_memory(self.broker_url, PAUSE_S)
+        if fault == "redis-outage-long":
+            assert self.redis is not None
+            caught = infra_faults.running_shards(repository, self.shards)
+            self.outage_caught.update(caught)
+            pause(self.redis, LONG_OUTAGE_S)
+            return {"outage_s": LONG_OUTAGE_S, "shards_running": len(caught)}
+        victim = next(worker for worker in self.workers if worker.poll() is None)  # worker-term
+        stop_process(victim, 60)  # SIGTERM: its running shards are handed back
+        self.workers.remove(victim)
+        self.start_worker()
+        return {}
 
     def _submit_poison_job(self) -> None:
         assert self.settings is not None
@@ -229,7 +282,18 @@ class FaultBench:
         finally:
             sender.close()
         self.jobs[job_id] = ids
+        self.shards[job_id] = -(-len(ids) // self.args.shard_size)
         self.poison += poison
+
+    def _note_outcomes(self, repository: Any) -> None:
+        """What each infrastructure fault caused, read once every job ended."""
+        for record in self.fault_log:
+            fault = record["fault"]
+            if fault in infra_faults.LOG_SIGNS:
+                name, text = infra_faults.LOG_SIGNS[fault]
+                record[name] = infra_faults.count_in_logs(self.logs, text)
+            if fault == "redis-outage-long":
+                record["shards_recomputed"] = infra_faults.recomputed(repository, self.outage_caught)
 
     def _wait_progress(self, repository: Any, expected: dict[str, list[str]], shards: int,
                        started: float) -> None:
@@ -307,6 +371,11 @@ def bench_cli(argv: list[str]) -> int:
         print(f"  worker_crashed    {figures['rows_worker_crashed']} row(s) of {figures['poison_rows']} "
               f"poison row(s), {figures['worker_crashed_wrong']} wrong ({figures['worker_deaths']} workers "
               "killed by them, each replaced)")
+    for record in figures["fault_log"]:
+        notes = ", ".join(f"{name} {value}" for name, value in record.items()
+                          if name not in ("fault", "at_s", "seconds"))
+        print(f"    {record['fault']:<18} at {record['at_s']:>6.1f} s for {record['seconds']:>5.1f} s"
+              f"{'  (' + notes + ')' if notes else ''}")
     if args.json:
         print(json.dumps(figures))
     whole = figures["jobs_completed"] == figures["jobs"] and not figures["rows_lost"] \

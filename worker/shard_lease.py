@@ -90,20 +90,22 @@ class Lease:
             try:
                 extended = self._extend(keys=[self.key], args=[self.token, self.ttl_ms])
             except redis.RedisError:
-                # Redis unreachable for a moment: keep trying while the key may still be ours; past
-                # its TTL another run may hold it, so this one must write nothing.
+                # Redis unreachable (or out of memory): past the TTL another run may hold the key, so
+                # the lease counts as lapsed; keep asking, to take it back when Redis answers again.
                 if time.monotonic() - extended_at >= self.ttl_ms / 1000:
                     self._lost.set()
-                    return
                 continue
             if not extended:
                 self._lost.set()  # expired while this process stalled: the run that holds it now wins
                 return
+            # Extended, or taken back after an outage in which nobody else took it: held again, so
+            # the reaper sees a live run instead of re-sending the shard.
+            self._lost.clear()
             extended_at = time.monotonic()
 
     @property
     def held(self) -> bool:
-        """False once the lease lapsed under this run (it must then write nothing)."""
+        """False while the lease lapsed under this run (another run may hold it, or take it)."""
         return self._keeper is not None and not self._lost.is_set()
 
     def release(self) -> None:

@@ -5,8 +5,9 @@ only after the 12 h visibility timeout. Every worker runs a reaper thread; each 
 a time, via a short Redis lock) it looks at the jobs that have not ended:
 
 - shards of `running` jobs that were started (a run took the lease), have no shard result and no
-  live lease (the holder died, so its lease lapsed): `run_shard` again, at most once per two lease
-  TTLs; a shard never started (still waiting in its queue) is never re-sent;
+  live lease (the holder died, so its lease lapsed): `run_shard` again once seen so for two lease
+  TTLs across ticks, and one copy at a time (worker/shard_resend.py); a shard never started (still
+  waiting in its queue) or waiting for a retry of its run is never re-sent;
 - `queued` jobs (the API died between creating and queueing one, or its planner died) and `running`
   jobs whose planner died before sending every shard: `plan_job` again;
 - `running` jobs with every shard counted, and `finalizing` ones (the finalizer died): `finalize_job`
@@ -37,7 +38,6 @@ from jobs.names import (
     dispatched_key,
     orphan_sweep_key,
     shard_lease_key,
-    shard_resent_key,
     shards_started_key,
     step_due_key,
     step_lease_key,
@@ -46,7 +46,7 @@ from jobs.orphan_uploads import sweep_orphan_uploads
 from jobs.repository import JobRepository
 from jobs.settings import Settings
 from jobs.status import JobState
-from worker import metrics
+from worker import metrics, shard_resend
 from worker.context import WorkerContext
 from worker.deadline_sweep import expire_due
 from worker.periodic import start_periodic
@@ -63,13 +63,25 @@ ORPHAN_SWEEP_S = 600.0
 
 
 def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
-              send_finalize: SendJobStep = lambda _job_id: None) -> list[tuple[str, int]]:
+              send_finalize: SendJobStep = lambda _job_id: None,
+              count_waiting: CountTickets | None = None) -> list[tuple[str, int]]:
     """One pass over the running jobs; returns the (job, shard) pairs it re-sent. A started shard
     with a result but no live lease whose run died before counting it is counted here (and the
-    job finalized when that was the last one)."""
+    job finalized when that was the last one). `count_waiting`: messages in a queue's broker list
+    (default: the broker's count)."""
     repository = context.repository
     client, namespace = repository.redis, repository.namespace
     resent: list[tuple[str, int]] = []
+    grace_s, gap_s = 2 * ttl_s, max(3 * context.settings.reaper_tick, ttl_s)
+    waiting: dict[str, int] = {}
+
+    def queue_is_empty(queue: str) -> bool:
+        if queue not in waiting:
+            from worker.tasks import broker_ticket_count
+
+            waiting[queue] = (count_waiting or broker_ticket_count)(queue)
+        return waiting[queue] == 0
+
     cursor: str | None = None
     while True:
         jobs, cursor = repository.list(JobState.RUNNING, cursor=cursor, limit=100)
@@ -82,23 +94,27 @@ def reap_once(context: WorkerContext, send_shard: SendShard, ttl_s: float,
                 layout = repository.layout(job.job_id)
                 counted = {int(i) for i in client.smembers(repository.counters(job.job_id).counted_key)}
                 queue = None
+                alive: list[int] = []
                 for index in started:
                     if index in counted:
                         continue  # done and counted: no need to ask the store
                     if client.exists(shard_lease_key(namespace, job.job_id, index)):
+                        alive.append(index)
                         continue  # a live run holds it
                     if repository.store.exists(layout.shard_result_key(index)):
                         _count_late(repository, layout, index, send_finalize)
                         continue  # done
-                    marker = shard_resent_key(namespace, job.job_id, index)
-                    if not client.set(marker, 1, nx=True, px=int(2 * ttl_s * 1000)):
-                        continue  # re-sent recently: give that delivery time to take the lease
                     queue = queue or context.registry.queue_for(repository.get_spec(job.job_id).model)
+                    if not shard_resend.may_resend(client, namespace, job.job_id, index, grace_s=grace_s,
+                                                   gap_s=gap_s, queue_is_empty=queue_is_empty(queue)):
+                        continue  # within its grace, waiting for a retry, or a copy sent is waiting
                     send_shard(job.job_id, index, queue)
+                    shard_resend.resent(client, namespace, job.job_id, index)
                     metrics.REAPER_RESENDS.labels("shard").inc()
                     resent.append((job.job_id, index))
                     logger.warning("job %s shard %d: started, no result, no live lease; re-sent to %s",
                                    job.job_id, index, queue)
+                shard_resend.seen_alive(client, namespace, job.job_id, alive)
             except Exception:  # noqa: BLE001 - one odd job must not stop the others
                 logger.exception("shard reaper: job %s skipped", job.job_id)
         if cursor is None:

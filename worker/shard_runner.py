@@ -6,8 +6,11 @@ then tries to commit its result; whoever commits, and every later delivery that 
 publishes that result's staged parts to their deterministic keys (jobs/part_publication.py) before
 counting the shard. So a run that died before committing left only staged copies nothing reads,
 and a run that lost its lease (stalled past the TTL) cannot overwrite the parts of the run that
-did commit. Once a result exists, a rerun writes nothing and only makes sure the shard is
-published and counted (and the job finalized), so a row never appears twice.
+did commit. A run whose lease lapsed (a Redis outage longer than the TTL, or its process
+stalled) still offers its result when it finishes: if no run committed, its work counts instead
+of being computed again; if one did, it loses cleanly. Once a result exists, a rerun writes
+nothing and only makes sure the shard is published and counted (and the job finalized), so a row
+never appears twice.
 
 A `ShardLease` keeps two deliveries of one shard from running at the same time: the second
 waits for the first, then finds its result.
@@ -48,6 +51,7 @@ from worker.exclusive_runs import ENGINE_RUNS
 from worker.fault_injection import kill_if_marked
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
+from worker.outage_cancel import CancelCheck
 from worker.prefix_cache_salt import prefix_cache_salt
 from worker.schema_limit import limit_schemas
 from worker.shard_copies import Stopped, copy_rows, write_exports
@@ -138,11 +142,17 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         except ShardHandedBack:
             metrics.record_shard(spec.model if spec is not None else "unknown", "handed_back")
             raise
-        if outputs is None or repository.is_cancel_requested(job_id):
+        cancel = CancelCheck(repository, job_id)  # waits out a Redis outage instead of dropping the work
+        if outputs is None or cancel.before_commit():
             return _stopped(job_id, shard_index, spec)
-        if not lease.held:  # this process stalled past the lease's TTL: another run owns the shard now
+        # A run whose lease lapsed (a Redis outage, or this process stalled) still offers what it
+        # computed: the write-once result decides. Another run's result already there: count that.
+        standing = None if lease.held else committed_result(repository, layout, shard_index)
+        if standing is not None:
             metrics.record_shard(spec.model, "skipped")
-            return {"status": "skipped: lost the shard lease to another run"}
+            count_shard(repository, layout, plan, standing, send_finalize, spec)
+            return {"already_done": True, "status": "done", "rows": standing.rows,
+                    "rows_failed": standing.rows_failed, "committed": False}
         try:
             with timings.phase("write"):
                 # Asked again once the parts are staged: a job that failed (or was cancelled) while
@@ -151,9 +161,10 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                 result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
                                       fence=lease.fence, created=int(job.created_at.timestamp()),
                                       started_at=started_at, dtype=dtype,
-                                      may_commit=lambda: not repository.is_cancel_requested(job_id))
+                                      may_commit=lambda: not cancel.before_commit())
         except CommitRefused:
             return _stopped(job_id, shard_index, spec)
+        summary["committed"] = result.fence == lease.fence  # False: another run's result won
         metrics.record_shard(spec.model, "done", result)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
@@ -237,9 +248,9 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     write_exports(repository, layout, shard, outcomes)
     if shard.copies:
         try:
+            cancel = CancelCheck(repository, job_id)
             copied, compute = copy_rows(repository, layout, shard, items, expires_at=expires_at,
-                                        should_stop=lambda: shutdown.stopping()
-                                        or repository.is_cancel_requested(job_id))
+                                        should_stop=lambda: shutdown.stopping() or cancel.while_running())
         except Stopped:
             if shutdown.stopping():
                 raise ShardHandedBack(f"job {job_id}: the worker is stopping") from None
@@ -269,13 +280,13 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, ite
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py).
     `alone`: the caller holds the process's engines alone (worker/exclusive_runs.py)."""
+    cancel = CancelCheck(context.repository, job_id)  # a Redis outage meanwhile does not stop the rows
     try:
         with nullcontext() if alone else ENGINE_RUNS.together():
             kill_if_marked(items)  # off unless a test turned it on (worker/fault_injection.py)
             outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
                                expires_in_s=expires_in_s, cache_salt=cache_salt,
-                               should_stop=lambda: shutdown.stopping()
-                               or context.repository.is_cancel_requested(job_id))
+                               should_stop=lambda: shutdown.stopping() or cancel.while_running())
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
             raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error

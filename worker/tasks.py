@@ -22,7 +22,7 @@ from jobs.log_format import log_context
 from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_NEXT_SHARD, RUN_SHARD
 from jobs.shard_cost import shard_token_cost
 from jobs.spec import JobSpec
-from worker import job_lifecycle, metrics, shard_runner, shutdown, webhook_delivery
+from worker import job_lifecycle, metrics, shard_resend, shard_runner, shutdown, webhook_delivery
 from worker.celery_app import app
 from worker.context import WorkerContext, worker_context
 from worker.task_attempts import DEFAULT_MAX_ATTEMPTS, failure_message, record_failure
@@ -139,6 +139,8 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str, work: C
             metrics.TASK_RETRIES.labels(step_kind, "transient").inc()
             delay = retry_delay_s(task.request.retries)
             logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
+            shard_resend.hold_for_retry(context.repository.redis, context.repository.namespace, job_id, step,
+                                        delay, context.settings.lease_ttl)
             raise retry_published(task, error, delay, kwargs=retry_kwargs) from error
         repository = context.repository
         attempts = record_failure(repository.redis, repository.namespace, job_id, step)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import redis
 
+from tests.worker.test_redis_loss import RestartableRedis
 from worker.shard_lease import ShardLease
 
 
@@ -100,3 +104,30 @@ def test_each_take_of_a_shard_lease_gets_a_newer_fencing_token(redis_url: str) -
     other = ShardLease(client, "job-f", 1, ttl_s=0.3)  # another shard counts on its own
     assert other.acquire(never) and other.generation == 1
     other.release()
+
+
+def test_a_lease_that_lapsed_in_a_redis_outage_is_taken_back_when_redis_answers_again(tmp_path: Path) -> None:
+    """Redis unreachable past the TTL: the run no longer counts on its lease; when Redis answers and
+    nobody took it meanwhile, the run holds it again (so the reaper sees a live run, not a dead one)."""
+    server = RestartableRedis(tmp_path)
+    client = redis.Redis.from_url(server.url, socket_timeout=0.2, socket_connect_timeout=0.2)
+    lease = ShardLease(client, "job-g", 0, ttl_s=0.3)
+    try:
+        assert lease.acquire(never)
+        os.kill(server.process.pid, signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 5
+            while lease.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert not lease.held
+            time.sleep(0.5)  # the key expires meanwhile
+        finally:
+            os.kill(server.process.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while not lease.held and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lease.held and client.get(lease.key) == lease.token.encode()
+        lease.release()
+        assert not client.exists(lease.key)
+    finally:
+        server.stop()

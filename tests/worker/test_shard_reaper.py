@@ -15,6 +15,7 @@ from jobs.status import JobState
 from tests.fixtures.services import RedisServer, celery_worker
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 from tests.worker.conftest import Pipeline
+from worker import shard_resend
 from worker.context import WorkerContext
 from worker.job_lifecycle import plan_job
 from worker.shard_lease import ShardLease
@@ -82,14 +83,106 @@ def test_the_reaper_resends_only_started_shards_with_no_live_lease(
     repository.redis.sadd(started_key(repository.namespace, job_id), 2)
     sent: list[tuple[str, int, str]] = []
 
+    def reap() -> list[tuple[str, int]]:
+        return reap_once(context, lambda *args: sent.append(args), ttl_s=0.1, count_waiting=lambda _q: 0)
+
     try:
-        first = reap_once(context, lambda *args: sent.append(args), ttl_s=30)
-        again = reap_once(context, lambda *args: sent.append(args), ttl_s=30)
+        first = reap()
+        time.sleep(0.25)  # its grace: two lease TTLs
+        second, third = reap(), reap()
     finally:
         live.release()
 
-    assert first == [(job_id, 2)] and again == []  # the second tick is rate-limited
+    assert first == []  # seen without a live run once: not yet
+    assert second == [(job_id, 2)] and third == []  # after the grace, once
     assert sent == [(job_id, 2, "bulkinfer.model.tiny")]
+
+
+def started_shard_without_a_run(pipeline: Pipeline, name: str, reaper_tick_s: float = 15
+                                ) -> tuple[WorkerContext, str]:
+    """A planned job whose shard 0 a run started, then left (its lease lapsed)."""
+    spec, _ = small_job(pipeline, name, rows=2)
+    repository = pipeline.repository
+    job_id = repository.create(spec).job_id
+    context = WorkerContext(pipeline.settings.model_copy(update={"reaper_interval_s": reaper_tick_s}))
+    plan_job(context, job_id, lambda *_: None)
+    lease = ShardLease(repository.redis, job_id, 0, ttl_s=0.1, namespace=repository.namespace)
+    assert lease.acquire(give_up=lambda: True)
+    lease._released.set()  # the run died: its lease lapses
+    wait_for(lambda: not repository.redis.exists(lease.key), 5, "the lease to lapse")
+    return context, job_id
+
+
+def test_the_grace_starts_again_after_the_reaper_could_not_look_and_a_run_that_comes_back_keeps_it(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    """An outage stops every reaper: after it, a shard is re-sent only once seen without a live run
+    for the whole grace with Redis back, so the runs that outlived the outage take their leases back
+    (or commit) first."""
+    pipeline, _ = parts
+    context, job_id = started_shard_without_a_run(pipeline, "grace.jsonl", reaper_tick_s=0.2)
+    sent: list[tuple[str, int, str]] = []
+
+    def reap() -> list[tuple[str, int]]:
+        return reap_once(context, lambda *args: sent.append(args), ttl_s=0.5, count_waiting=lambda _q: 0)
+
+    def reap_every_tick(seconds: float) -> list[tuple[str, int]]:
+        resent, deadline = [], time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            resent += reap()
+            time.sleep(0.1)
+        return resent
+
+    assert reap_every_tick(0.5) == []  # within the 1 s grace (two lease TTLs)
+    time.sleep(1.0)  # no look for longer than three ticks (an outage): the grace starts again
+    assert reap_every_tick(0.5) == []
+    back = ShardLease(pipeline.repository.redis, job_id, 0, ttl_s=5, namespace=pipeline.repository.namespace)
+    assert back.acquire(give_up=lambda: True)  # the run that outlived it holds its lease again
+    try:
+        assert reap_every_tick(1.2) == []
+    finally:
+        back.release()
+    assert reap_every_tick(0.5) == []  # lease-less again: a new grace
+    assert reap_every_tick(1.5) == [(job_id, 0)] and len(sent) == 1
+
+
+def test_one_resent_copy_at_a_time_and_none_while_a_run_waits_for_its_retry(
+        parts: tuple[Pipeline, dict[str, str]]) -> None:
+    """A copy the reaper sent waits in the broker until a run takes the lease: no second copy joins
+    it however long it waits (a busy or faulty hour piled one per shard every two TTLs)."""
+    pipeline, _ = parts
+    context, job_id = started_shard_without_a_run(pipeline, "one-copy.jsonl")
+    repository = pipeline.repository
+    sent: list[tuple[str, int, str]] = []
+    in_broker = {"bulkinfer.model.tiny": 5}
+
+    def reap() -> list[tuple[str, int]]:
+        return reap_once(context, lambda *args: sent.append(args), ttl_s=0.05,
+                         count_waiting=lambda queue: in_broker[queue])
+
+    reap()
+    time.sleep(0.15)
+    assert reap() == [(job_id, 0)]
+    for _ in range(4):  # its copy waits behind others: never a second one
+        time.sleep(0.15)
+        assert reap() == []
+    # A run takes the copy, hits a fault and waits 2 s for its retry, without its lease meanwhile.
+    lease = ShardLease(repository.redis, job_id, 0, ttl_s=0.05, namespace=repository.namespace)
+    assert lease.acquire(give_up=lambda: True)
+    lease.release()
+    shard_resend.hold_for_retry(repository.redis, repository.namespace, job_id, "shard 0", 2.0, 0.05)
+    for _ in range(4):
+        time.sleep(0.15)
+        assert reap() == []
+    # Its worker died: once the retry was due, the grace, then one copy again. The broker empty
+    # with that copy never taken (a worker took it and died): one more.
+    repository.redis.delete(f"{lease.key}:retry")
+    reap()
+    time.sleep(0.15)
+    assert reap() == [(job_id, 0)]
+    in_broker["bulkinfer.model.tiny"] = 0
+    reap()
+    time.sleep(0.15)
+    assert reap() == [(job_id, 0)] and len(sent) == 3
 
 
 def test_shards_waiting_with_no_ticket_left_in_the_broker_get_their_tickets(

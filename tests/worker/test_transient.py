@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,10 +13,12 @@ import redis
 from botocore.exceptions import ClientError, EndpointConnectionError
 from kombu.exceptions import OperationalError
 
+from jobs.object_store.local import LocalObjectStore
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import S3Server, free_port
+from tests.support.small_disk import small_disk
 from worker.context import WorkerContext
 from worker.job_lifecycle import JobCannotRun, resolved_spec
 from worker.tasks import retry_published, run_step
@@ -122,3 +127,97 @@ def test_a_retry_that_cannot_be_published_is_sent_again_until_the_broker_takes_i
     outcome = retry_published(task, redis.ConnectionError("refused"), 4.0, sleep=slept.append)  # type: ignore[arg-type]
     assert str(outcome) == "retry scheduled" and task.tries == 4
     assert slept == [1.0, 2.0, 4.0] and task.retried["countdown"] == 4.0
+
+
+@contextmanager
+def redis_out_of_memory(client: redis.Redis) -> Iterator[None]:
+    """Redis's maxmemory below what it holds: every command that may grow memory is refused (OOM)."""
+    client.set("ballast", "x" * 10_000)
+    client.config_set("maxmemory", "1")
+    try:
+        yield
+    finally:
+        client.config_set("maxmemory", "0")
+
+
+def test_redis_out_of_memory_is_transient_a_command_that_is_wrong_is_not(redis_url: str) -> None:
+    client = redis.Redis.from_url(redis_url)
+    client.set("a-string", "v")
+    refusals = []
+    with redis_out_of_memory(client):
+        for command in (lambda: client.set("k", "v"),
+                        lambda: client.register_script("return redis.call('INCR', KEYS[1])")(keys=["n"]),
+                        lambda: client.pipeline(transaction=True).incr("n").expire("n", 9).execute()):
+            with pytest.raises(redis.ResponseError) as refused:
+                command()
+            refusals.append(refused.value)
+    assert all(is_transient(error) for error in refusals), refusals  # a plain command, a script, a pipeline
+    with pytest.raises(redis.ResponseError) as wrong_type:
+        client.lpush("a-string", "x")
+    with pytest.raises(redis.ResponseError) as in_script:
+        client.register_script("return redis.call('LPUSH', KEYS[1], 'x')")(keys=["a-string"])
+    assert not is_transient(wrong_type.value) and not is_transient(in_script.value)
+    busy = redis.ResponseError("BUSY Redis is busy running a script. You can only call SCRIPT KILL")
+    assert is_transient(busy) and not is_transient(redis.ResponseError("unknown command 'FOO'"))
+
+
+def test_a_full_disk_is_transient_other_os_errors_are_not(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        disk.fill()
+        with pytest.raises(OSError) as full:
+            LocalObjectStore(disk.path).put_bytes("jobs/j/output/part-00000.jsonl", b"{}\n" * 1000)
+    assert full.value.errno == errno.ENOSPC and is_transient(full.value)
+    assert is_transient(OSError(errno.EDQUOT, "Disk quota exceeded"))
+    assert not is_transient(PermissionError(errno.EACCES, "Permission denied"))
+    assert not is_transient(FileNotFoundError(errno.ENOENT, "No such file"))
+
+
+def test_a_step_waits_out_a_full_disk_and_finishes_when_space_comes_back(context: WorkerContext,
+                                                                        tmp_path: Path) -> None:
+    job_id = context.repository.create(JobSpec(input_uri="s3://inputs/rows.jsonl", model="tiny",
+                                               prompt_column="q")).job_id
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        store = LocalObjectStore(disk.path)
+
+        def write_part() -> dict:
+            store.put_bytes("jobs/j/output/part-00000.jsonl", b"{}\n" * 1000)
+            return {"status": "done"}
+
+        disk.fill()
+        for retries in range(5):  # more than max_task_attempts (3): none of them counted
+            task = RecordingTask(retries)
+            with pytest.raises(RuntimeError, match="retry scheduled"):
+                run_step(task, context, job_id, "shard 0", write_part)  # type: ignore[arg-type]
+            assert task.retried["countdown"] == retry_delay_s(retries)
+        assert context.repository.get(job_id).state == JobState.QUEUED
+        disk.free()
+        assert run_step(RecordingTask(5), context, job_id, "shard 0", write_part) == {"status": "done"}  # type: ignore[arg-type]
+
+
+def test_a_step_waits_out_redis_out_of_memory_but_a_wrong_command_counts(context: WorkerContext) -> None:
+    repository = context.repository
+    job_id = repository.create(JobSpec(input_uri="s3://inputs/rows.jsonl", model="tiny",
+                                       prompt_column="q")).job_id
+
+    def count_a_row() -> dict:
+        return {"status": "done", "rows": repository.redis.incr(f"rows-of-{job_id}")}
+
+    with redis_out_of_memory(repository.redis):
+        for retries in range(4):
+            with pytest.raises(RuntimeError, match="retry scheduled"):
+                run_step(RecordingTask(retries), context, job_id, "shard 1", count_a_row)  # type: ignore[arg-type]
+    assert repository.get(job_id).state == JobState.QUEUED
+    done = run_step(RecordingTask(4), context, job_id, "shard 1", count_a_row)  # type: ignore[arg-type]
+    assert done == {"status": "done", "rows": 1}
+
+    repository.redis.set(f"list-of-{job_id}", "not a list")
+
+    def wrong_type() -> dict:
+        repository.redis.lpush(f"list-of-{job_id}", "row")
+        return {}
+
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="retry scheduled"):
+            run_step(RecordingTask(0), context, job_id, "shard 2", wrong_type)  # type: ignore[arg-type]
+    summary = run_step(RecordingTask(0), context, job_id, "shard 2", wrong_type)  # type: ignore[arg-type]
+    assert summary["status"] == "failed" and "WRONGTYPE" in str(repository.get(job_id).error)
