@@ -26,6 +26,12 @@ PART_EXTENSIONS = {
     InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl"}
 
 
+# Folders directly under the store prefix that the service itself writes: never a job's input or
+# output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
+STORE_AREAS = ("jobs", "schedules", "models")
+TENANTS_FOLDER = "tenants"
+
+
 def jobs_root(prefix: str = "") -> str:
     """The folder (with its trailing '/') every job's folder sits in: `<prefix>/jobs/`."""
     prefix = prefix.strip("/")

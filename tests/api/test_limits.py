@@ -23,8 +23,10 @@ def limited(redis_url, tmp_path, **limits):  # noqa: ANN001, ANN003, ANN201
     return serve(settings)
 
 
-def spec(api, name: str, **fields) -> dict:  # noqa: ANN001, ANN003
-    return {"input_uri": api.put_input(name, ROWS), "model": "tiny", "prompt_column": "q", **fields}
+def spec(api, name: str, owner: str = "acme", **fields) -> dict:  # noqa: ANN001, ANN003
+    """Rows in `owner`'s own folder, where its key may read them."""
+    return {"input_uri": api.put_tenant_input(owner, name, ROWS), "model": "tiny", "prompt_column": "q",
+            **fields}
 
 
 def test_an_upload_past_max_upload_bytes_is_413_and_leaves_nothing(redis_url, tmp_path) -> None:
@@ -54,7 +56,7 @@ def test_a_tenant_past_max_jobs_in_flight_gets_429_and_others_do_not(redis_url, 
         assert "tenant 'acme' already has 2 job(s)" in refused.value.message
         assert "max_jobs_in_flight" in refused.value.message
         assert acme.jobs.create(spec(api, "1.jsonl", idempotency_key="first")).job_id == first.job_id
-        assert globex.jobs.create(spec(api, "g.jsonl")).tenant == "globex"
+        assert globex.jobs.create(spec(api, "g.jsonl", "globex")).tenant == "globex"
         acme.jobs.cancel(first.job_id)  # one ended: room again
         assert acme.jobs.create(spec(api, "3.jsonl")).state == "queued"
 
