@@ -29,7 +29,7 @@ from typing import Literal
 
 from api.errors import HttpError
 from jobs.layout import STORE_AREAS, TENANTS_FOLDER
-from jobs.object_store.base import AlreadyExists, ObjectStore
+from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.settings import Settings
 
@@ -145,13 +145,48 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
                              "tenant_prefixes setting says where else each tenant's data may be")
 
 
-def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str) -> None:
-    """Make the folder this job's (or find it already is); 409 when another job has it."""
-    marker = f"{folder_key.rstrip('/')}/{OWNER_MARKER}" if folder_key.strip("/") else OWNER_MARKER
+def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,
+                        related: Callable[[str], bool] = lambda _job_id: False) -> None:
+    """Make the folder this job's (or find it already is). 409 when another job has it, when it lies
+    inside another job's folder (`related(owner)`: a job this one retries, whose folder holds its
+    retries' folders), or when it already holds anything: another job's folder inside it, or files
+    whose fate would then be tied to this job's (a finalize cleans up what its runs left there).
+    """
+    folder = folder_key.strip("/")
+    marker = _marker(folder)
+    owner = _owner(store, marker)
+    if owner == job_id:
+        return
+    if owner is not None:
+        raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+                             "job a folder of its own")
+    for ancestor in _ancestors(folder):
+        other = _owner(store, _marker(ancestor))
+        if other is not None and other != job_id and not related(other):
+            raise HttpError(409, f"output_uri {uri!r} is inside {ancestor + '/' if ancestor else 'the root'}"
+                                 f", the output folder of job {other}; give this job a folder of its own")
+    first = next(iter(store.list(f"{folder}/" if folder else "")), None)
+    if first is not None:
+        raise HttpError(409, f"output_uri {uri!r} is not empty (it holds {first.key!r}); give this job a "
+                             "new, empty folder of its own")
     try:
         store.put_bytes(marker, job_id.encode(), if_none_match=True)
-    except AlreadyExists:
-        owner = store.get_bytes(marker).decode(errors="replace").strip()
-        if owner != job_id:
-            raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
-                                "job a folder of its own") from None
+    except AlreadyExists:  # another submit claimed it meanwhile
+        claim_output_folder(store, folder_key, uri, job_id, related)
+
+
+def _marker(folder: str) -> str:
+    return f"{folder}/{OWNER_MARKER}" if folder else OWNER_MARKER
+
+
+def _owner(store: ObjectStore, marker: str) -> str | None:
+    try:
+        return store.get_bytes(marker).decode(errors="replace").strip()
+    except ObjectNotFound:
+        return None
+
+
+def _ancestors(folder: str) -> list[str]:
+    """The folders `folder` lies in, nearest first, down to the root ('')."""
+    parts = folder.split("/") if folder else []
+    return ["/".join(parts[:end]) for end in range(len(parts) - 1, -1, -1)]

@@ -162,7 +162,18 @@ def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     """An output_uri folder holds one job's parts: claim it for this job (409 if another has it)."""
     if spec.output_uri:
         store, key = locate(context, spec.output_uri, "output_uri")
-        claim_output_folder(store, key, spec.output_uri, job_id)
+        claim_output_folder(store, key, spec.output_uri, job_id,
+                            related=lambda owner: owner in retried_jobs(context, spec))
+
+
+def retried_jobs(context: ApiContext, spec: JobSpec) -> set[str]:
+    """The jobs a retry's chain goes back through (its parent, the parent's parent, ...)."""
+    chain: set[str] = set()
+    parent = spec.parent_job_id
+    while parent is not None and parent not in chain:
+        chain.add(parent)
+        parent = context.repository.get_spec(parent).parent_job_id
+    return chain
 
 
 def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = None) -> JobStatus:

@@ -108,6 +108,15 @@ class OutputLocation:
         name = part_name(shard_index, self.extension)
         return f"{self.directory}/{name}" if self.directory else name
 
+    def holds_own(self, key: str) -> bool:
+        """Whether `key` is this job's own in the folder: a part directly in it, or a run's staged
+        part under `_temporary/`. Any other folder inside (a retry's `retry-<id>/`) is another job's."""
+        folder = f"{self.directory}/" if self.directory else ""
+        if not key.startswith(folder):
+            return False
+        name = key[len(folder):]
+        return "/" not in name or name.startswith("_temporary/")  # part_publication.STAGING_DIR
+
 
 def output_location(spec: JobSpec, job_store: ObjectStore, layout: JobLayout) -> OutputLocation:
     """Parts of a resolved spec's job. An `output_uri` is a folder that should be this job's alone:

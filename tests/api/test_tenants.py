@@ -248,3 +248,24 @@ def test_a_local_path_is_checked_where_it_really_points(ruled_api) -> None:
     with Client(api.url, api_key="acme-secret") as acme:
         message = refused(lambda: acme.jobs.create({**JOB, "input_uri": sneaky}))
     assert "tenant 'acme' may use" in message
+
+
+def test_an_output_folder_holds_nothing_but_its_jobs_parts(keyed_api) -> None:
+    """A folder over another job's folder (or the store's own) would let its finalize clean up
+    another job's unfinished uploads: refused, as is a folder inside another job's."""
+    api = keyed_api
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key="root-secret") as admin:
+        first = acme.jobs.create(spec(api, "1.jsonl", "acme", output_uri=api.tenant_uri("acme", "out/a/")))
+        inside = f"output folder of job {first.job_id}"
+        for folder, says in (("out/", "not empty"), ("out/a/deeper/", inside)):
+            message = refused(lambda: acme.jobs.create(  # noqa: B023
+                spec(api, "2.jsonl", "acme", output_uri=api.tenant_uri("acme", folder))), 409)  # noqa: B023
+            assert message.startswith("output_uri") and says in message
+        api.put_tenant_input("acme", "data/rows.jsonl", ROWS)  # files that are no job's
+        message = refused(lambda: acme.jobs.create(spec(api, "3.jsonl", "acme",
+                                                        output_uri=api.tenant_uri("acme", "data/"))), 409)
+        assert "not empty" in message
+        for root in (store_uri(api, ""), store_uri(api, "models/")):
+            message = refused(lambda: admin.jobs.create(spec(api, "4.jsonl", "acme", output_uri=root)))  # noqa: B023
+            assert message.startswith("output_uri") and "job store's" in message
+        assert acme.jobs.create(spec(api, "5.jsonl", "acme", output_uri=api.tenant_uri("acme", "out/b/")))
