@@ -21,6 +21,7 @@ from jobs.errors import InputError
 from jobs.estimate_report import JobEstimate
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
+from jobs.limits import in_flight_message, jobs_in_flight
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.repository import JobRepository
@@ -227,9 +228,6 @@ def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
     return create_and_enqueue(context, resolved, job_id)
 
 
-ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING)
-
-
 def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     """429 when the tenant already has `max_jobs_in_flight` jobs not yet ended (a submit that finds
     its own job again, by its idempotency key, is never refused)."""
@@ -237,12 +235,6 @@ def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     repository = context.repository
     if limit is None or repository.store.exists(repository.layout(job_id).spec_key):
         return
-    active = 0
-    for state in ACTIVE_STATES:
-        jobs, _ = repository.list(state, limit=min(1000, limit), tenant=spec.tenant)
-        active += len(jobs)
-        if active >= limit:
-            who = f"tenant {spec.tenant!r}" if spec.tenant else "this deployment"
-            raise HttpError(429, f"{who} already has {limit} job(s) queued or running, the "
-                                "max_jobs_in_flight limit; submit again when one has ended",
-                           headers={"Retry-After": "30"})
+    if jobs_in_flight(repository, spec.tenant, limit) >= limit:
+        raise HttpError(429, f"{in_flight_message(spec.tenant, limit)}; submit again when one has ended",
+                        headers={"Retry-After": "30"})

@@ -141,8 +141,10 @@ def tick_now(schedule_id: str, context: Context, caller: CallerDep) -> TickRepor
         raise HttpError(409, f"schedule {schedule_id} is paused; resume it first")
     result = tick_schedule(schedules, context.repository, schedule,
                            lambda job_id: enqueue_plan(context.tasks, job_id),
-                           endpoint_url=context.settings.s3_endpoint_url)
-    return TickReport(schedule_id=schedule_id, submitted=result.submitted, error=result.error)
+                           endpoint_url=context.settings.s3_endpoint_url,
+                           max_jobs_in_flight=context.settings.max_jobs_in_flight)
+    return TickReport(schedule_id=schedule_id, submitted=result.submitted, error=result.error,
+                      deferred=result.deferred)
 
 
 @router.get("/schedules/{schedule_id}/jobs", response_model=SubmittedList,
