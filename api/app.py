@@ -16,6 +16,7 @@ from api.auth import ApiKeyCheck, parse_keys
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
+from api.json_body import JsonBodyCheck
 from api.methods import install_method_handlers
 from api.metrics import service_registry
 from api.rate_limit import RateLimit
@@ -56,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.auth = auth
     app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
+    app.add_middleware(JsonBodyCheck)  # every JSON body: depth and Unicode checked before a route parses it
     install_method_handlers(app)
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
