@@ -53,9 +53,9 @@ def format_from_name(key: str) -> InputFormat | None:
 
 # What the validators below enforce, stated in the published schema too (a schema-valid body should
 # not be refused for a rule the schema does not say): split_uri's accepted forms, an http(s) URL.
-# No NUL and no lone surrogate anywhere (split_uri refuses them: no file or object name holds one).
-_NAME = r"[^\x00\ud800-\udfff]"
-_PART = r"[^/\x00\ud800-\udfff]"
+# No NUL anywhere (split_uri refuses it, and lone surrogates, which JSON Schema text cannot hold).
+_NAME = r"[^\x00]"
+_PART = r"[^/\x00]"
 URI_PATTERN = rf"^(s3://{_PART}+/{_NAME}*|file://(localhost)?/{_NAME}*|/{_NAME}*)$"
 # Text, {{ / }} escapes and {field} placeholders, at least one placeholder (jobs/template.py's grammar:
 # a name without `:` or `!`, which would start a format spec or a conversion).
