@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ApiKeyCheck, parse_keys
+from api.auth_failures import AuthFailureLimit
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -45,7 +46,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         context.tasks.close()
         context.repository.redis.close()
 
-    auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys))
+    failures = AuthFailureLimit(context.repository.redis, context.repository.namespace,
+                                settings.max_auth_failures_per_min)
+    auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys), failures)
     # With keys, the schema and its page are behind them too (FastAPI's own docs routes skip app
     # dependencies): they are served below by routes that need a key.
     docs = {} if not auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
