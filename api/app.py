@@ -13,9 +13,11 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ApiKeyCheck, parse_keys
+from api.auth_failures import AuthFailureLimit
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
+from api.json_body import JsonBodyCheck
 from api.methods import install_method_handlers
 from api.metrics import service_registry
 from api.rate_limit import RateLimit
@@ -44,7 +46,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         context.tasks.close()
         context.repository.redis.close()
 
-    auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys))
+    failures = AuthFailureLimit(context.repository.redis, context.repository.namespace,
+                                settings.max_auth_failures_per_min)
+    auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys), failures)
     # With keys, the schema and its page are behind them too (FastAPI's own docs routes skip app
     # dependencies): they are served below by routes that need a key.
     docs = {} if not auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
@@ -56,6 +60,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.auth = auth
     app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
+    app.add_middleware(JsonBodyCheck)  # every JSON body: depth and Unicode checked before a route parses it
     install_method_handlers(app)
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)

@@ -24,6 +24,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from api.auth_failures import AuthFailureLimit
 from api.errors import HttpError
 from jobs.settings import ConfigError
 
@@ -83,8 +84,9 @@ def parse_keys(api_keys: str | None, admin_api_keys: str | None = None) -> list[
 class ApiKeyCheck:
     """A FastAPI dependency for the whole app; `caller(request)` says who sent a request."""
 
-    def __init__(self, keys: list[tuple[str, Caller]]) -> None:
+    def __init__(self, keys: list[tuple[str, Caller]], failures: AuthFailureLimit | None = None) -> None:
         self._keys = [(digest.encode(), caller) for digest, caller in keys]
+        self._failures = failures  # wrong keys per client address (api/auth_failures.py)
 
     @property
     def enabled(self) -> bool:
@@ -97,6 +99,27 @@ class ApiKeyCheck:
         if not self._keys or request.url.path in OPEN_PATHS:
             return OPEN
         header = request.headers.get("authorization")
+        if not header or self._failures is None:
+            return self._check(header)[0]
+        # An address past its wrong-key limit gets 429 whatever it sends, unless the key is one it
+        # used successfully before: so a guess then cannot succeed, and a known client goes on.
+        address = request.client.host if request.client else "unknown"
+        blocked = self._failures.blocked(address)
+        try:
+            caller, digest = self._check(header)
+        except HttpError as error:
+            if blocked is not None:
+                raise blocked from None
+            if error.status_code == 401:
+                self._failures.record(address)
+            raise
+        if blocked is not None and not self._failures.known(address, digest):
+            raise blocked
+        self._failures.remember(address, digest)
+        return caller
+
+    def _check(self, header: str | None) -> tuple[Caller, str]:
+        """(who, the key's digest); 401 saying what was wrong."""
         if not header:
             raise _unauthorized("this API needs an API key: send 'Authorization: Bearer <key>' "
                                 "(the SDK's api_key=, the CLI's --api-key or $BULKINFER_API_KEY)")
@@ -108,7 +131,7 @@ class ApiKeyCheck:
         matches = [caller for digest, caller in self._keys if hmac.compare_digest(given, digest)]
         if not matches:
             raise _unauthorized("the API key is not valid")
-        return matches[0]
+        return matches[0], given.decode()
 
 
 def caller_of(request: Request) -> Caller:

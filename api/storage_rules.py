@@ -1,29 +1,48 @@
-"""Where a tenant's jobs may read and write, and whose outputs a folder holds.
+"""Where a job may read and write: the job store's own areas, each tenant's rules, and whose
+outputs a folder holds.
 
-`tenant_prefixes` (a setting: JSON `{"acme": ["s3://acme-data/", "s3://shared/acme/"], ...}`) lists
-the prefixes each tenant's `input_uri`, `output_uri` and schedule `input_prefix` must lie under;
-anything else is a 403 naming the rule. Unset, there is no such rule (a single team's deployment).
-Admin keys and an open API are not limited; files uploaded through the API live in the job's own
-folder and need no rule.
+Every `input_uri`, `output_uri` and schedule `input_prefix` is checked where it really points (a
+local path resolved, `..` and links followed), for every caller, admins included:
 
-Whatever the rules, an `output_uri` folder belongs to one job: the first job to use it writes
-`<folder>/.bulkinfer-job` (write-once, holding its id), and another job naming the same folder is
-refused with 409, so no job's parts are ever written over another's. Folders inside the job store's
-`jobs/` tree (other jobs' own folders) are refused outright.
+- The job store's own areas (`<store>/jobs/`, `schedules/`, `models/`: other jobs' outputs, plans,
+  status, model files) are never an input or an output. The one exception is an upload: an
+  `input_uri` naming `<store>/jobs/<id>/input/<name>` reads that upload when job `<id>` is the
+  caller's (any job's, for an admin or an open API). An `output_uri` or `input_prefix` that holds
+  one of these areas (the store root, say) is refused too.
+- With API keys set, a tenant's key reads and writes only (a) under its own folder,
+  `<store>/tenants/<tenant>/`, (b) its own uploads, and (c) under the prefixes `tenant_prefixes`
+  lists for it (a setting: JSON `{"acme": ["s3://acme-data/", "s3://shared/acme/"], ...}`).
+  Admin keys and an open API have no such rule.
+
+Anything else is a 403 naming the rule. Whatever the rules, an `output_uri` folder belongs to one
+job: the first job to use it writes `<folder>/.bulkinfer-job` (write-once, holding its id), and
+another job naming the same folder is refused with 409, so no job's parts are written over another's.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
 
 from api.errors import HttpError
-from jobs.object_store.base import AlreadyExists, ObjectStore
+from jobs.layout import STORE_AREAS, TENANTS_FOLDER
+from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
+from jobs.object_store.factory import split_uri
+from jobs.settings import Settings
 
 OWNER_MARKER = ".bulkinfer-job"
+_NO_JOB = "\0no job"  # never a tenant's name
+# object: a file (input_uri); folder: a directory of parts (output_uri); prefix: a listing's literal
+# prefix (input_prefix), which also covers names that merely begin with it ("in" lists "inputs/").
+Kind = Literal["object", "folder", "prefix"]
 
 
 def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
-    """The parsed setting (every prefix ending in '/', so `s3://acme` never matches `s3://acme-x`)."""
+    """The parsed setting, each prefix in the form `where` gives (a local one resolved) and ending
+    in '/', so `s3://acme` never matches `s3://acme-x`."""
     if not setting:
         return None
     try:
@@ -32,29 +51,142 @@ def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
         raise HttpError(500, f"the tenant_prefixes setting is not JSON: {error}") from None
     if not isinstance(rules, dict) or not all(isinstance(v, list) for v in rules.values()):
         raise HttpError(500, "the tenant_prefixes setting must be a JSON object of tenant → list of prefixes")
-    return {tenant: [p if p.endswith("/") else p + "/" for p in map(str, prefixes)]
-            for tenant, prefixes in rules.items()}
+    return {tenant: [_canonical_prefix(str(p)) for p in prefixes] for tenant, prefixes in rules.items()}
 
 
-def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str) -> None:
-    """403 unless `tenant` may use `uri` (None: an admin or an open API, never limited)."""
-    rules = tenant_prefixes(setting)
-    if rules is None or tenant is None:
+def _canonical_prefix(prefix: str) -> str:
+    try:
+        scheme, bucket, key = split_uri(prefix)
+    except ValueError as error:
+        raise HttpError(500, f"the tenant_prefixes setting: {error}") from None
+    if scheme == "s3":
+        return f"s3://{bucket}/{key}".rstrip("/") + "/"
+    return Path("/", key).resolve().as_posix().rstrip("/") + "/"
+
+
+def where(store: ObjectStore, key: str) -> str:
+    """One comparable string for (store, key): `s3://bucket/key`, or a local key's absolute path
+    (a local key from `submission.locate` is already resolved)."""
+    from jobs.object_store.local import LocalObjectStore
+
+    if isinstance(store, LocalObjectStore):
+        return (store.root / key).as_posix() if key else store.root.as_posix()
+    return store.uri(key)
+
+
+def store_base(settings: Settings) -> str:
+    """The job store, in the form `where` gives, ending in '/'."""
+    if settings.is_local_store:
+        return settings.local_store_root().as_posix().rstrip("/") + "/"
+    bucket, _, prefix = settings.store_uri[len("s3://"):].partition("/")
+    prefix = prefix.strip("/")
+    return f"s3://{bucket}/{prefix}/" if prefix else f"s3://{bucket}/"
+
+
+@dataclass(frozen=True)
+class StorageRules:
+    base: str  # the job store, ending in '/'
+    prefixes: dict[str, list[str]] | None  # tenant_prefixes, parsed
+
+    @classmethod
+    def of(cls, settings: Settings) -> StorageRules:
+        return cls(store_base(settings), tenant_prefixes(settings.tenant_prefixes))
+
+    def area(self, location: str, kind: Kind) -> str | None:
+        """The store area `location` lies in, or (a folder or prefix) holds; None when neither."""
+        for name in STORE_AREAS:
+            area = f"{self.base}{name}/"
+            if (location.rstrip("/") + "/").startswith(area):
+                return name
+            holder = location if kind == "prefix" else location.rstrip("/") + "/"
+            if kind != "object" and area.startswith(holder):
+                return name
+        return None
+
+    def upload_job(self, location: str) -> str | None:
+        """The job whose upload `location` is (`<store>/jobs/<id>/input/<name>`), if it is one."""
+        jobs = f"{self.base}jobs/"
+        if not location.startswith(jobs):
+            return None
+        parts = location[len(jobs):].split("/")
+        return parts[0] if len(parts) == 3 and parts[1] == "input" and parts[0] and parts[2] else None
+
+    def allowed(self, tenant: str) -> list[str]:
+        """Where a tenant's key may read and write (besides its uploads)."""
+        return [f"{self.base}{TENANTS_FOLDER}/{tenant}/", *(self.prefixes or {}).get(tenant, [])]
+
+
+def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str, location: str,
+                   kind: Kind, upload_owner: Callable[[str], str | None] | None = None) -> None:
+    """403 unless a caller of `tenant` (None: an admin or an open API) may use `location` as `field`.
+    `upload_owner(job_id)` gives the tenant of a job whose upload an input names (JobNotFound if none).
+    """
+    job_id = rules.upload_job(location) if kind == "object" else None
+    if job_id is not None and upload_owner is not None:
+        try:
+            owner = upload_owner(job_id)
+        except (LookupError, ValueError):  # no such job (or not a job id)
+            owner = _NO_JOB
+        if owner != _NO_JOB and (tenant is None or owner == tenant):
+            return
+        raise HttpError(403, f"{field} {uri!r} is inside the job store's jobs/ folder; of what is there, "
+                             "only the upload of one of your own jobs may be read")
+    area = rules.area(location, kind)
+    if area is not None:
+        raise HttpError(403, f"{field} {uri!r} is inside or holds the job store's {area}/ folder, where "
+                             "the service keeps its own files (jobs' outputs and state, schedules, model "
+                             "files): it is no job's input or output")
+    if tenant is None:
         return
-    allowed = rules.get(tenant, [])
-    if not any(uri == prefix.rstrip("/") or uri.startswith(prefix) for prefix in allowed):
-        names = ", ".join(allowed) or "none: upload files instead"
-        raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use ({names}); "
-                            "the deployment's tenant_prefixes setting says where each tenant's data may be")
+    allowed = rules.allowed(tenant)
+    if not any(location.startswith(prefix) or location + "/" == prefix for prefix in allowed):
+        raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use "
+                             f"({', '.join(allowed)}; and its own uploads); the deployment's "
+                             "tenant_prefixes setting says where else each tenant's data may be")
 
 
-def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str) -> None:
-    """Make the folder this job's (or find it already is); 409 when another job has it."""
-    marker = f"{folder_key.rstrip('/')}/{OWNER_MARKER}" if folder_key.strip("/") else OWNER_MARKER
+def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,
+                        related: Callable[[str], bool] = lambda _job_id: False) -> None:
+    """Make the folder this job's (or find it already is). 409 when another job has it, when it lies
+    inside another job's folder (`related(owner)`: a job this one retries, whose folder holds its
+    retries' folders), or when it already holds anything: another job's folder inside it, or files
+    whose fate would then be tied to this job's (a finalize cleans up what its runs left there).
+    """
+    folder = folder_key.strip("/")
+    marker = _marker(folder)
+    owner = _owner(store, marker)
+    if owner == job_id:
+        return
+    if owner is not None:
+        raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+                             "job a folder of its own")
+    for ancestor in _ancestors(folder):
+        other = _owner(store, _marker(ancestor))
+        if other is not None and other != job_id and not related(other):
+            raise HttpError(409, f"output_uri {uri!r} is inside {ancestor + '/' if ancestor else 'the root'}"
+                                 f", the output folder of job {other}; give this job a folder of its own")
+    first = next(iter(store.list(f"{folder}/" if folder else "")), None)
+    if first is not None:
+        raise HttpError(409, f"output_uri {uri!r} is not empty (it holds {first.key!r}); give this job a "
+                             "new, empty folder of its own")
     try:
         store.put_bytes(marker, job_id.encode(), if_none_match=True)
-    except AlreadyExists:
-        owner = store.get_bytes(marker).decode(errors="replace").strip()
-        if owner != job_id:
-            raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
-                                "job a folder of its own") from None
+    except AlreadyExists:  # another submit claimed it meanwhile
+        claim_output_folder(store, folder_key, uri, job_id, related)
+
+
+def _marker(folder: str) -> str:
+    return f"{folder}/{OWNER_MARKER}" if folder else OWNER_MARKER
+
+
+def _owner(store: ObjectStore, marker: str) -> str | None:
+    try:
+        return store.get_bytes(marker).decode(errors="replace").strip()
+    except ObjectNotFound:
+        return None
+
+
+def _ancestors(folder: str) -> list[str]:
+    """The folders `folder` lies in, nearest first, down to the root ('')."""
+    parts = folder.split("/") if folder else []
+    return ["/".join(parts[:end]) for end in range(len(parts) - 1, -1, -1)]

@@ -15,13 +15,13 @@ from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
 from api.errors import HttpError, invalid_model
 from api.estimate import estimate_spec
-from api.storage_rules import check_allowed, claim_output_folder
+from api.storage_rules import Kind, StorageRules, check_location, claim_output_folder, where
 from jobs.deadlines import window_seconds
 from jobs.errors import InputError
 from jobs.estimate_report import JobEstimate
 from jobs.formats.detect import resolve_spec
 from jobs.formats.lines import iter_lines_in_range
-from jobs.layout import jobs_root
+from jobs.limits import in_flight_message, jobs_in_flight
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.repository import JobRepository
@@ -152,30 +152,38 @@ def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: 
         raise invalid_model(error) from None
     check_columns(resolved, store, key, spec.input_uri)
     if resolved.output_uri:
-        check_allowed(context.settings.tenant_prefixes, resolved.tenant, resolved.output_uri, "output_uri")
         output_store, output_key = locate(context, resolved.output_uri, "output_uri")
-        if _in_job_folders(context, output_store, output_key):
-            raise HttpError(403, f"output_uri {resolved.output_uri!r} is inside the job store's jobs/ "
-                                 "folder, where each job keeps its own files; leave output_uri out to write "
-                                 "there")
+        check_where(context, resolved.tenant, resolved.output_uri, "output_uri", output_store, output_key,
+                    "folder")
     return resolved
 
 
-def _in_job_folders(context: ApiContext, store: ObjectStore, key: str) -> bool:
-    settings = context.settings
-    if settings.is_local_store:
-        path = Path("/", key)
-        jobs = settings.local_store_root() / "jobs"
-        return path == jobs or jobs in path.parents
-    return store.uri("") == context.store.uri("") and (key.rstrip("/") + "/").startswith(
-        jobs_root(context.repository.prefix))
+def check_where(context: ApiContext, tenant: str | None, uri: str, field: str, store: ObjectStore, key: str,
+                kind: Kind) -> None:
+    """403 unless `tenant`'s caller may use this location (api/storage_rules.py says the rules)."""
+    location = where(store, key)
+    if kind == "prefix" and key.endswith("/") and not location.endswith("/"):
+        location += "/"  # a resolved local path lost it; the listing keeps it
+    check_location(StorageRules.of(context.settings), tenant, uri, field, location, kind,
+                   upload_owner=lambda job_id: context.repository.get_spec(job_id).tenant)
 
 
 def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     """An output_uri folder holds one job's parts: claim it for this job (409 if another has it)."""
     if spec.output_uri:
         store, key = locate(context, spec.output_uri, "output_uri")
-        claim_output_folder(store, key, spec.output_uri, job_id)
+        claim_output_folder(store, key, spec.output_uri, job_id,
+                            related=lambda owner: owner in retried_jobs(context, spec))
+
+
+def retried_jobs(context: ApiContext, spec: JobSpec) -> set[str]:
+    """The jobs a retry's chain goes back through (its parent, the parent's parent, ...)."""
+    chain: set[str] = set()
+    parent = spec.parent_job_id
+    while parent is not None and parent not in chain:
+        chain.add(parent)
+        parent = context.repository.get_spec(parent).parent_job_id
+    return chain
 
 
 def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = None) -> JobStatus:
@@ -216,8 +224,8 @@ def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
     """A JSON submit: the input is already in S3 or the local store. A dry run stops after the
     checks with an estimate."""
     check_model(context, spec)
-    check_allowed(context.settings.tenant_prefixes, spec.tenant, spec.input_uri, "input_uri")
     store, key = locate(context, spec.input_uri, "input_uri")
+    check_where(context, spec.tenant, spec.input_uri, "input_uri", store, key, "object")
     resolved = validate_input(context, spec, store, key)
     if resolved.dry_run:
         return estimate_spec(context, resolved, store, key)
@@ -227,9 +235,6 @@ def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
     return create_and_enqueue(context, resolved, job_id)
 
 
-ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING)
-
-
 def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     """429 when the tenant already has `max_jobs_in_flight` jobs not yet ended (a submit that finds
     its own job again, by its idempotency key, is never refused)."""
@@ -237,12 +242,6 @@ def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     repository = context.repository
     if limit is None or repository.store.exists(repository.layout(job_id).spec_key):
         return
-    active = 0
-    for state in ACTIVE_STATES:
-        jobs, _ = repository.list(state, limit=min(1000, limit), tenant=spec.tenant)
-        active += len(jobs)
-        if active >= limit:
-            who = f"tenant {spec.tenant!r}" if spec.tenant else "this deployment"
-            raise HttpError(429, f"{who} already has {limit} job(s) queued or running, the "
-                                "max_jobs_in_flight limit; submit again when one has ended",
-                           headers={"Retry-After": "30"})
+    if jobs_in_flight(repository, spec.tenant, limit) >= limit:
+        raise HttpError(429, f"{in_flight_message(spec.tenant, limit)}; submit again when one has ended",
+                        headers={"Retry-After": "30"})

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.estimate import estimate_spec
+from api.json_body import json_problem
 from api.submission import (
     check_in_flight,
     check_model,
@@ -155,6 +156,9 @@ def _stored_sha256(store: ObjectStore, key: str) -> str:
 
 def _spec_for_upload(context: ApiContext, raw: bytes) -> dict[str, object]:
     """The spec field, checked (fields, model) before any of the file is read."""
+    problem = json_problem(raw, f"the {SPEC_FIELD!r} field")
+    if problem is not None:
+        raise HttpError(422, problem)
     try:
         data = json.loads(raw)
     except ValueError as error:

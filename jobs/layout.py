@@ -26,6 +26,12 @@ PART_EXTENSIONS = {
     InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl"}
 
 
+# Folders directly under the store prefix that the service itself writes: never a job's input or
+# output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
+STORE_AREAS = ("jobs", "schedules", "models")
+TENANTS_FOLDER = "tenants"
+
+
 def jobs_root(prefix: str = "") -> str:
     """The folder (with its trailing '/') every job's folder sits in: `<prefix>/jobs/`."""
     prefix = prefix.strip("/")
@@ -101,6 +107,15 @@ class OutputLocation:
     def part_key(self, shard_index: int) -> str:
         name = part_name(shard_index, self.extension)
         return f"{self.directory}/{name}" if self.directory else name
+
+    def holds_own(self, key: str) -> bool:
+        """Whether `key` is this job's own in the folder: a part directly in it, or a run's staged
+        part under `_temporary/`. Any other folder inside (a retry's `retry-<id>/`) is another job's."""
+        folder = f"{self.directory}/" if self.directory else ""
+        if not key.startswith(folder):
+            return False
+        name = key[len(folder):]
+        return "/" not in name or name.startswith("_temporary/")  # part_publication.STAGING_DIR
 
 
 def output_location(spec: JobSpec, job_store: ObjectStore, layout: JobLayout) -> OutputLocation:

@@ -1,12 +1,37 @@
-"""The deployment's per-job limits a plan must fit (max_rows_per_job, max_shards_per_job): the planner
-fails a job past them, and a dry run reports them."""
+"""The deployment's limits: per job (max_rows_per_job, max_shards_per_job: the planner fails a job
+past them, and a dry run reports them) and per tenant (max_jobs_in_flight: counted the same way by
+`POST /jobs`, retries and schedule ticks)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan
+from jobs.status import JobState
+
+if TYPE_CHECKING:
+    from jobs.repository import JobRepository
+
+ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING)
+
+
+def jobs_in_flight(repository: JobRepository, tenant: str | None, up_to: int) -> int:
+    """How many of `tenant`'s jobs (None: every job) are queued, running or finalizing, counted up
+    to `up_to` (enough to tell whether a limit is reached)."""
+    active = 0
+    for state in ACTIVE_STATES:
+        jobs, _ = repository.list(state, limit=min(1000, up_to), tenant=tenant)
+        active += len(jobs)
+        if active >= up_to:
+            break
+    return active
+
+
+def in_flight_message(tenant: str | None, limit: int) -> str:
+    who = f"tenant {tenant!r}" if tenant else "this deployment"
+    return f"{who} already has {limit} job(s) queued or running, the max_jobs_in_flight limit"
 
 
 def plan_limit_problems(settings: Settings, plan: Sequence[ShardPlan], shard_size: int) -> list[str]:

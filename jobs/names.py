@@ -103,6 +103,15 @@ def rate_key(namespace: str, who: str, second: int) -> str:
     return f"{namespace}:rate:{who}:{second}"
 
 
+def auth_failures_key(namespace: str, address: str, minute: int) -> str:
+    return f"{namespace}:auth-failures:{address}:{minute}"
+
+
+def auth_known_key(namespace: str, address: str) -> str:
+    """Digests of the keys that authenticated from an address lately."""
+    return f"{namespace}:auth-known:{address}"
+
+
 # ---- Workers -----------------------------------------------------------------------------------
 def worker_beat_key(namespace: str, hostname: str) -> str:
     """A live worker's latest heartbeat (jobs/workers.py); it expires when the worker stops beating."""

@@ -4,6 +4,11 @@ Both sides run it: the workers' ticker for due schedules (worker/schedule_ticker
 `POST /schedules/{id}/tick`. Each passes its own way to send `bulkinfer.plan_job`; the job itself
 is created exactly as `POST /jobs` creates it (`JobRepository.create`, then plan while queued).
 
+A tick respects the tenant's `max_jobs_in_flight`: jobs a schedule submits are the schedule
+tenant's jobs, counted like any other. Once the tenant has that many queued or running, the tick
+stops and the objects left are deferred (not marked submitted), so a later tick submits them once
+jobs have ended; the tick records why (`last_error`, and the report's `deferred` count).
+
 No tick can submit an object twice: the job's idempotency key (hence its id) derives from
 (schedule, key, ETag), and `create` returns the existing job for it. The Redis record of what was
 submitted only saves the work of asking again. A changed object (new ETag) is new input: a new job.
@@ -22,6 +27,7 @@ from redis.exceptions import LockError
 
 from jobs.errors import InputError
 from jobs.formats.detect import resolve_spec
+from jobs.limits import in_flight_message, jobs_in_flight
 from jobs.object_store.base import ObjectInfo, ObjectStore
 from jobs.object_store.factory import store_for_uri
 from jobs.repository import IdempotencyConflict, JobRepository
@@ -47,6 +53,7 @@ class TickResult:
     schedule_id: str
     submitted: list[SubmittedObject] = field(default_factory=list)  # new this tick
     error: str | None = None
+    deferred: int = 0  # new objects left for a later tick: the tenant is at max_jobs_in_flight
 
 
 def input_objects(schedule: Schedule,
@@ -81,8 +88,10 @@ def submit_object(jobs: JobRepository, schedule: Schedule, store: ObjectStore, i
 
 def tick_schedule(schedules: ScheduleRepository, jobs: JobRepository, schedule: Schedule,
                   enqueue_plan: EnqueuePlan, *, endpoint_url: str | None = None,
-                  now: datetime | None = None, limit: int = MAX_JOBS_PER_TICK) -> TickResult:
-    """Submit the schedule's new objects (at most `limit`), one tick of a schedule at a time.
+                  now: datetime | None = None, limit: int = MAX_JOBS_PER_TICK,
+                  max_jobs_in_flight: int | None = None) -> TickResult:
+    """Submit the schedule's new objects (at most `limit`, and only while the schedule's tenant has
+    fewer than `max_jobs_in_flight` jobs in flight), one tick of a schedule at a time.
     Failures are recorded on the schedule (`runtime.last_error`) and returned, with whatever was
     submitted before them.
     """
@@ -93,7 +102,8 @@ def tick_schedule(schedules: ScheduleRepository, jobs: JobRepository, schedule: 
         result.error = "another tick of this schedule is still running; try again"
         return result
     try:
-        _submit_new(schedules, jobs, schedule, enqueue_plan, endpoint_url, now, limit, result)
+        _submit_new(schedules, jobs, schedule, enqueue_plan, endpoint_url, now, limit, max_jobs_in_flight,
+                    result)
     except Exception as error:  # noqa: BLE001 - recorded on the schedule; the next tick tries again
         result.error = f"{type(error).__name__}: {error}"
         logger.warning("schedule %s tick failed: %s", schedule.id, result.error)
@@ -109,14 +119,20 @@ def tick_schedule(schedules: ScheduleRepository, jobs: JobRepository, schedule: 
 
 def _submit_new(schedules: ScheduleRepository, jobs: JobRepository, schedule: Schedule,
                 enqueue_plan: EnqueuePlan, endpoint_url: str | None, now: datetime, limit: int,
-                result: TickResult) -> None:
+                max_jobs_in_flight: int | None, result: TickResult) -> None:
     store, objects = input_objects(schedule, endpoint_url)
     seen = schedules.seen(schedule.id)
-    for info in objects:
+    new = [info for info in objects if fingerprint(info.key, info.etag) not in seen]
+    room = len(new) if max_jobs_in_flight is None else \
+        max(0, max_jobs_in_flight - jobs_in_flight(jobs, schedule.tenant, max_jobs_in_flight))
+    if room < min(len(new), limit):
+        result.deferred = len(new) - room
+        result.error = (f"{result.deferred} new object(s) deferred to a later tick: "
+                        f"{in_flight_message(schedule.tenant, max_jobs_in_flight or 0)}")
+        logger.info("schedule %s: %s", schedule.id, result.error)
+    for info in new[:room]:
         if len(result.submitted) >= limit:
             return
-        if fingerprint(info.key, info.etag) in seen:
-            continue
         job_id = submit_object(jobs, schedule, store, info, enqueue_plan)
         record = SubmittedObject(key=info.key, etag=info.etag, job_id=job_id, submitted_at=now)
         schedules.mark_submitted(schedule.id, record)  # after the plan is sent: a crash before resends
@@ -131,12 +147,13 @@ def is_due(schedules: ScheduleRepository, schedule: Schedule, now: datetime) -> 
 
 
 def tick_due(schedules: ScheduleRepository, jobs: JobRepository, enqueue_plan: EnqueuePlan, *,
-             endpoint_url: str | None = None, now: datetime | None = None) -> list[TickResult]:
+             endpoint_url: str | None = None, now: datetime | None = None,
+             max_jobs_in_flight: int | None = None) -> list[TickResult]:
     """Tick every schedule whose cron has fired since its last tick (missed fires count once)."""
     now = now or datetime.now(UTC)
     results = []
     for schedule in schedules.list():
         if is_due(schedules, schedule, now):
-            results.append(tick_schedule(schedules, jobs, schedule, enqueue_plan,
-                                         endpoint_url=endpoint_url, now=now))
+            results.append(tick_schedule(schedules, jobs, schedule, enqueue_plan, endpoint_url=endpoint_url,
+                                         now=now, max_jobs_in_flight=max_jobs_in_flight))
     return results

@@ -206,6 +206,8 @@ class TickReport(BaseModel):
     schedule_id: str
     submitted: list[SubmittedObject] = Field(description="objects that got a job in this tick")
     error: str | None = Field(None, description="why the tick stopped early (listing failed, …)")
+    deferred: int = Field(0, description="new objects left for a later tick because the schedule's tenant "
+                                         "has max_jobs_in_flight jobs queued or running")
 
 
 def fingerprint(key: str, etag: str) -> str:

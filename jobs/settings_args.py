@@ -45,6 +45,8 @@ HELP = {
     "max_schemas_per_job": "distinct response formats a job's rows may carry (row errors beyond)",
     "max_jobs_in_flight": "queued, running or finalizing jobs per tenant (429 beyond)",
     "max_requests_per_s": "API requests per second per key (429 beyond)",
+    "max_auth_failures_per_min": "wrong API keys a client address may send in a minute (then 429 until "
+                                 "the minute ends)",
     "worker_metrics_port": "port of the worker's /metrics, /healthz and /readyz (0: none)",
     "log_format": "log lines as text (default) or json (one object a line)",
     "tenant_max_priority": "JSON {tenant: highest priority 0-9 it may use} (others: the default)",

@@ -54,12 +54,16 @@ def format_from_name(key: str) -> InputFormat | None:
 
 # What the validators below enforce, stated in the published schema too (a schema-valid body should
 # not be refused for a rule the schema does not say): split_uri's accepted forms, an http(s) URL.
-URI_PATTERN = r"^(s3://[^/]+/.*|file://(localhost)?/.*|/.*)$"
+# No NUL anywhere (split_uri refuses it, and lone surrogates, which JSON Schema text cannot hold).
+_NAME = r"[^\x00]"
+_PART = r"[^/\x00]"
+URI_PATTERN = rf"^(s3://{_PART}+/{_NAME}*|file://(localhost)?/{_NAME}*|/{_NAME}*)$"
 # Text, {{ / }} escapes and {field} placeholders, at least one placeholder (jobs/template.py's grammar:
 # a name without `:` or `!`, which would start a format spec or a conversion).
 _TEMPLATE_PIECE = r"([^{}]|\{\{|\}\}|\{[^{}:!]+\})*"
 TEMPLATE_PATTERN = rf"^{_TEMPLATE_PIECE}\{{[^{{}}:!]+\}}{_TEMPLATE_PIECE}$"
-OBJECT_URI_PATTERN = r"^(s3://[^/]+/.*[^/]|file://(localhost)?/.*[^/]|/.*[^/])$"  # one object, not a folder
+OBJECT_URI_PATTERN = (  # one object, not a folder
+    rf"^(s3://{_PART}+/{_NAME}*{_PART}|file://(localhost)?/{_NAME}*{_PART}|/{_NAME}*{_PART})$")
 WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
 
 

@@ -65,19 +65,30 @@ def destination_problem(url: str, *, allow_http: bool, allow_private: bool) -> s
 PRIVATE_HINT = "allowed only when the deployment sets webhook_allow_private"
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # DNS64's IPv6 form of an IPv4 address: its last 32 bits
+
+
 def address_problem(address: str) -> str | None:
-    """Why a webhook must not go to this IP address: loopback, private, link-local (cloud metadata
-    services live at 169.254.169.254), multicast, reserved or unspecified; None for a public one."""
+    """Why a webhook must not go to this IP address; None only for a globally reachable one
+    (`ipaddress`'s `is_global`, and not multicast). Shared address space (100.64.0.0/10, where some
+    clouds' metadata services live), loopback, private and link-local (169.254.169.254) addresses are
+    refused, and so are the tunnel forms that reach an IPv4 address through a relay (6to4 2002::/16,
+    Teredo 2001::/32); an IPv4-mapped or NAT64 address is judged by the IPv4 address it carries."""
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    mapped = getattr(ip, "ipv4_mapped", None)
-    if mapped is not None:
-        ip = mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.sixtofour is not None or ip.teredo is not None:
+            kind = "6to4" if ip.sixtofour is not None else "Teredo"
+            return f"webhook_url resolves to {ip}, a {kind} tunnel address ({PRIVATE_HINT})"
+        if ip.ipv4_mapped is not None:
+            ip = ip.ipv4_mapped
+        elif ip in NAT64:
+            ip = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+    if ip.is_global and not ip.is_multicast:
+        return None
     kinds = [("loopback", ip.is_loopback), ("unspecified", ip.is_unspecified),
              ("link-local", ip.is_link_local), ("private", ip.is_private), ("multicast", ip.is_multicast),
              ("reserved", ip.is_reserved)]
-    kind = next((name for name, matches in kinds if matches), None)
-    if kind is None:
-        return None
+    kind = next((name for name, matches in kinds if matches), "non-global (not publicly routable)")
     return f"webhook_url resolves to {ip}, a {kind} address ({PRIVATE_HINT})"
 
 

@@ -34,11 +34,18 @@ class WorkerModel(BaseModel):
 
 
 class WorkerBeat(BaseModel):
+    # A tenant's key sees `worker-<n>` and no pid (api/routes/observe.py): hosts are the operator's.
     hostname: str
-    pid: int
+    pid: int | None
     started_at: datetime
     updated_at: datetime
     models: list[WorkerModel]
+
+
+def anonymous(beats: list[WorkerBeat]) -> list[WorkerBeat]:
+    """The beats as a tenant may see them: models and counts, no hostname (a label) and no pid."""
+    return [beat.model_copy(update={"hostname": f"worker-{n}", "pid": None})
+            for n, beat in enumerate(beats, start=1)]
 
 
 def write_beat(client: redis.Redis, namespace: str, beat: WorkerBeat) -> None:

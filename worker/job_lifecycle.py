@@ -246,13 +246,15 @@ def _settle_staged_parts(context: WorkerContext, resolved: JobSpec, layout: JobL
 
 def _abort_unfinished_writes(context: WorkerContext, resolved: JobSpec, layout: JobLayout) -> None:
     """Multipart uploads (or temp files) a killed shard run left in the job's folders: nothing
-    writes there once the manifest is in, so whatever is unfinished is garbage."""
+    writes there once the manifest is in, so whatever is unfinished is garbage. In an output_uri
+    folder only this job's own keys: a folder inside it (a retry's) is another job's, maybe running."""
     try:
         store = context.repository.store
         location = output_location(resolved, store, layout)
         removed = store.abort_unfinished_writes(layout.job_dir + "/")
         if location.store is not store or not location.directory.startswith(layout.job_dir):
-            removed += location.store.abort_unfinished_writes(location.directory.rstrip("/") + "/")
+            removed += location.store.abort_unfinished_writes(location.directory.rstrip("/") + "/",
+                                                              only=location.holds_own)
     except Exception:  # noqa: BLE001 - the job has succeeded; leftovers are only storage
         logger.exception("job %s: could not clean up unfinished uploads", layout.job_id)
         return

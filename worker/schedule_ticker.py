@@ -31,7 +31,8 @@ def tick_once(context: WorkerContext) -> list[TickResult]:
 
     repository = context.repository
     return tick_due(ScheduleRepository.beside(repository), repository, send_plan,
-                    endpoint_url=context.settings.s3_endpoint_url)
+                    endpoint_url=context.settings.s3_endpoint_url,
+                    max_jobs_in_flight=context.settings.max_jobs_in_flight)
 
 
 def start_ticker(settings: Settings) -> threading.Event:

@@ -16,7 +16,7 @@ from api.routes.jobs import owned_job
 from api.schemas import ERROR_RESPONSES, WorkerList
 from jobs.progress import JobProgress, job_progress
 from jobs.usage import UsageReport, usage_report
-from jobs.workers import live_workers
+from jobs.workers import anonymous, live_workers
 
 router = APIRouter(tags=["observe"], responses=ERROR_RESPONSES)
 DEFAULT_USAGE_DAYS = 30
@@ -34,9 +34,12 @@ def metrics(request: Request, caller: CallerDep) -> Response:
 
 
 @router.get("/workers", response_model=WorkerList, summary="Live workers: models, dtype, throughput")
-def workers(context: Context) -> WorkerList:
+def workers(context: Context, caller: CallerDep) -> WorkerList:
+    """Every live worker's models, state and load. Hostnames and pids are the operator's: an admin
+    key (or an open API) sees them; a tenant's key sees each worker as `worker-<n>`, without a pid."""
     repository = context.repository
-    return WorkerList(workers=live_workers(repository.redis, repository.namespace))
+    beats = live_workers(repository.redis, repository.namespace)
+    return WorkerList(workers=beats if caller.admin else anonymous(beats))
 
 
 @router.get("/usage", response_model=UsageReport,

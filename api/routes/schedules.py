@@ -6,7 +6,6 @@ workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules_and_we
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Response
@@ -17,8 +16,7 @@ from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
-from api.storage_rules import check_allowed
-from api.submission import check_priority, check_webhook, locate, parse_object
+from api.submission import check_priority, check_webhook, check_where, locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.priority_caps import template_priority
 from jobs.schedule_tick import tick_schedule
@@ -48,38 +46,23 @@ def _repository(context: ApiContext) -> ScheduleRepository:
     return ScheduleRepository.beside(context.repository)
 
 
-def _overlaps(a: str, b: str) -> bool:
-    return a.startswith(b) or b.startswith(a)
-
-
 def _check_input(context: ApiContext, spec: ScheduleSpec) -> None:
-    """The prefix must be listable by the workers, and outside the job store's own folders (a
-    schedule over its own outputs would submit jobs forever).
+    """The prefix must be listable by the workers, where the caller may read, and hold none of the
+    job store's own folders (a schedule over its own outputs would submit jobs forever).
     """
     base, _ = split_input(spec.input_prefix)
     scheme, bucket, key = split_uri(base)
-    settings = context.settings
     if scheme == "s3":
         store = context.s3_store(bucket)
-        job_store = settings.store_uri.removeprefix("s3://") if not settings.is_local_store else None
-        if job_store is not None:
-            store_bucket, _, prefix = job_store.partition("/")
-            folders = [f"{prefix.strip('/')}/{name}/".lstrip("/") for name in ("jobs", "schedules")]
-            if bucket == store_bucket and any(_overlaps(key, folder) for folder in folders):
-                raise HttpError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's "
-                                    f"{', '.join(folders)}; put inputs elsewhere")
+    else:  # inside the local store, else 400
+        store, resolved = locate(context, "/" + key if key else "/", "input_prefix")
+        key = resolved + "/" if key.endswith("/") or not key else resolved
+    check_where(context, spec.tenant, spec.input_prefix, "input_prefix", store, key, "prefix")
+    if scheme == "s3":
         try:
             next(iter(store.list(key)), None)
         except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
             raise HttpError(400, f"input_prefix {spec.input_prefix}: cannot list it ({error})") from None
-        return
-    locate(context, "/" + key if key else "/", "input_prefix")  # inside the local store, else 400
-    root = settings.local_store_root()
-    path = "/" + key
-    for name in ("jobs", "schedules"):
-        if _overlaps(path, f"{Path(root, name).as_posix()}/"):
-            raise HttpError(400, f"input_prefix {spec.input_prefix!r} overlaps the job store's {name}/ "
-                                "folder; put inputs elsewhere")
 
 
 # The body is parsed by hand (errors phrased as for a JobSpec); its schema is published here.
@@ -102,8 +85,6 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
     check_priority(context, spec.tenant, template_priority(spec.job))
-    rules = context.settings.tenant_prefixes
-    check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix")
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))
@@ -164,8 +145,10 @@ def tick_now(schedule_id: str, context: Context, caller: CallerDep) -> TickRepor
         raise HttpError(409, f"schedule {schedule_id} is paused; resume it first")
     result = tick_schedule(schedules, context.repository, schedule,
                            lambda job_id: enqueue_plan(context.tasks, job_id),
-                           endpoint_url=context.settings.s3_endpoint_url)
-    return TickReport(schedule_id=schedule_id, submitted=result.submitted, error=result.error)
+                           endpoint_url=context.settings.s3_endpoint_url,
+                           max_jobs_in_flight=context.settings.max_jobs_in_flight)
+    return TickReport(schedule_id=schedule_id, submitted=result.submitted, error=result.error,
+                      deferred=result.deferred)
 
 
 @router.get("/schedules/{schedule_id}/jobs", response_model=SubmittedList,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
@@ -135,14 +135,16 @@ class ObjectStore(ABC):
         """Drop one unfinished write (one `unfinished_writes` returned)."""
         raise NotImplementedError(f"{type(self).__name__} has no unfinished writes to abort")
 
-    def abort_unfinished_writes(self, prefix: str, older_than_s: float = 0.0) -> int:
+    def abort_unfinished_writes(self, prefix: str, older_than_s: float = 0.0,
+                                only: Callable[[str], bool] | None = None) -> int:
         """Remove what writers under `prefix` left when their process died mid-write (S3 multipart
-        uploads never completed, local temp files) and started more than `older_than_s` ago;
-        returns how many. With no age, call it only where no write is running (a job's finalize)."""
+        uploads never completed, local temp files) and started more than `older_than_s` ago (and,
+        given `only`, whose key it accepts); returns how many. With no age, call it only where no
+        write is running (a job's finalize)."""
         now = time.time()
         aborted = 0
         for write in self.unfinished_writes(prefix):
-            if now - write.started >= older_than_s:
+            if now - write.started >= older_than_s and (only is None or only(write.key)):
                 self.abort_write(write)
                 aborted += 1
         return aborted

@@ -9,6 +9,22 @@ from jobs.object_store.base import ObjectStore
 
 def split_uri(uri: str) -> tuple[str, str, str]:
     """(`s3` or `file`, bucket or '' , key) for a URI the job spec accepts; raises ValueError."""
+    scheme, bucket, key = _split(uri)
+    _check_characters(uri, bucket + key)
+    return scheme, bucket, key
+
+
+def _check_characters(uri: str, name: str) -> None:
+    """No file or key name holds a NUL, and none is stored from a lone surrogate (not UTF-8)."""
+    shown = uri.encode("utf-8", "backslashreplace").decode("utf-8")[:200]
+    if "\0" in name:
+        raise ValueError(f"{shown!r} contains a NUL character, which no file or object name may hold")
+    if any("\ud800" <= char <= "\udfff" for char in name):
+        raise ValueError(f"{shown!r} contains a lone surrogate (half of a UTF-16 pair), which no file or "
+                         "object name may hold")
+
+
+def _split(uri: str) -> tuple[str, str, str]:
     if uri.startswith("s3://"):
         bucket, _, key = uri[len("s3://"):].partition("/")
         if not bucket:

@@ -51,6 +51,26 @@ class RunningApi:
             self.store.put_bytes(f"inputs/{name}", data)
         return uri
 
+    def tenant_uri(self, tenant: str, name: str) -> str:
+        """Where a tenant's key may read by default: its folder in the job store."""
+        if self.settings.is_local_store:
+            return str(self.settings.local_store_root() / "tenants" / tenant / name)
+        return f"{self.settings.store_uri.rstrip('/')}/tenants/{tenant}/{name}"
+
+    def put_tenant_input(self, tenant: str, name: str, data: bytes) -> str:
+        uri = self.tenant_uri(tenant, name)
+        if self.settings.is_local_store:
+            Path(uri).parent.mkdir(parents=True, exist_ok=True)
+            Path(uri).write_bytes(data)
+        else:
+            self.s3_put(uri, data)
+        return uri
+
+    def s3_put(self, uri: str, data: bytes) -> None:
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        assert bucket == BUCKET, uri
+        self.store.put_bytes(key, data)  # the job store's bucket: keys are whole keys
+
     def control_queue_messages(self) -> list[dict]:
         """The task messages waiting on the control queue (kombu's JSON envelope in a Redis list)."""
         return [json.loads(raw) for raw in self.redis.lrange("bulkinfer.control", 0, -1)]

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import httpx
 import pytest
@@ -62,3 +63,22 @@ def test_the_cli_sends_its_key_from_the_flag_or_the_environment(api) -> None:
     assert cli(BULKINFER_API_KEY="first-key").returncode == 0
     refused = cli()
     assert refused.returncode == 2 and "401" in refused.stderr and "needs an API key" in refused.stderr
+
+
+def test_wrong_keys_past_the_limit_get_429_and_a_known_key_goes_on(redis_url, tmp_path) -> None:
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS),
+                        api_keys=KEYS, max_auth_failures_per_min=5)
+    if 60 - time.time() % 60 < 10:  # the count is per minute: start well inside one
+        time.sleep(60 - time.time() % 60)
+    with serve(settings) as api, httpx.Client(base_url=api.url) as http:
+        def get(key: str | None) -> httpx.Response:
+            return http.get("/jobs", headers={"Authorization": f"Bearer {key}"} if key else {})
+
+        assert all(get("first-key").status_code == 200 for _ in range(20))  # valid keys never count
+        assert [get(f"guess-{n}").status_code for n in range(5)] == [401] * 5
+        refused = get("guess-5")
+        assert refused.status_code == 429 and "max_auth_failures_per_min" in refused.json()["detail"]
+        assert 1 <= int(refused.headers["Retry-After"]) <= 60
+        assert get("second-key").status_code == 429  # a guess that happens to be right gains nothing now
+        assert get("first-key").status_code == 200  # a key this address used before goes on
+        assert get(None).status_code == 401  # no key: nothing guessed, not limited

@@ -11,6 +11,7 @@ from collections import Counter
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.generation.stateful import run_state_machine_as_test
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
@@ -84,3 +85,30 @@ def test_options_and_405_answers_name_every_method_the_path_takes(redis_url, tmp
             assert (refused.status_code, refused.headers["allow"]) == (405, allow), path
             assert refused.json()["detail"] == f"PUT is not allowed on {path} (allowed: {allow})"
         assert client.options("/no-such-route").status_code == 404
+
+
+STATEFUL_SCENARIOS = 100
+STATEFUL_STEPS = 8
+
+
+def test_stateful_sequences_of_calls_get_no_server_error(redis_url, tmp_path) -> None:
+    """Schemathesis's stateful phase: sequences of calls that feed one answer's ids into the next
+    call (a job created, then read, cancelled, retried...), from the links it infers from the schema."""
+    settings_ = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(settings_))
+    failures: list[tuple[str, str]] = []
+    calls: Counter[tuple[str, int]] = Counter()
+
+    class Sequences(schema.as_state_machine()):  # type: ignore[misc]
+        def validate_response(self, response, case, additional_checks=None, **kwargs) -> None:  # noqa: ANN001, ANN003, ARG002
+            calls[(case.operation.label, response.status_code)] += 1
+            try:
+                case.validate_response(response, checks=CHECKS)
+            except Exception as error:  # noqa: BLE001 - collected, reported together below
+                failures.append((case.operation.label, str(error)[:500]))
+
+    run_state_machine_as_test(Sequences, settings=settings(
+        max_examples=STATEFUL_SCENARIOS, stateful_step_count=STATEFUL_STEPS, deadline=None, derandomize=True,
+        database=None, suppress_health_check=list(HealthCheck)))
+    assert sum(calls.values()) > 2 * STATEFUL_SCENARIOS  # sequences, not single calls
+    assert failures == []

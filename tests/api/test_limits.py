@@ -23,8 +23,10 @@ def limited(redis_url, tmp_path, **limits):  # noqa: ANN001, ANN003, ANN201
     return serve(settings)
 
 
-def spec(api, name: str, **fields) -> dict:  # noqa: ANN001, ANN003
-    return {"input_uri": api.put_input(name, ROWS), "model": "tiny", "prompt_column": "q", **fields}
+def spec(api, name: str, owner: str = "acme", **fields) -> dict:  # noqa: ANN001, ANN003
+    """Rows in `owner`'s own folder, where its key may read them."""
+    return {"input_uri": api.put_tenant_input(owner, name, ROWS), "model": "tiny", "prompt_column": "q",
+            **fields}
 
 
 def test_an_upload_past_max_upload_bytes_is_413_and_leaves_nothing(redis_url, tmp_path) -> None:
@@ -54,7 +56,7 @@ def test_a_tenant_past_max_jobs_in_flight_gets_429_and_others_do_not(redis_url, 
         assert "tenant 'acme' already has 2 job(s)" in refused.value.message
         assert "max_jobs_in_flight" in refused.value.message
         assert acme.jobs.create(spec(api, "1.jsonl", idempotency_key="first")).job_id == first.job_id
-        assert globex.jobs.create(spec(api, "g.jsonl")).tenant == "globex"
+        assert globex.jobs.create(spec(api, "g.jsonl", "globex")).tenant == "globex"
         acme.jobs.cancel(first.job_id)  # one ended: room again
         assert acme.jobs.create(spec(api, "3.jsonl")).state == "queued"
 
@@ -71,3 +73,25 @@ def test_a_key_past_max_requests_per_s_gets_429_with_retry_after(redis_url, tmp_
         assert all(httpx.get(f"{api.url}/healthz").status_code == 200 for _ in range(10))
         other = httpx.get(f"{api.url}/jobs", headers={"Authorization": "Bearer globex-secret"})
         assert other.status_code == 200  # counted per key
+
+
+def test_a_schedule_submits_no_more_than_its_tenants_max_jobs_in_flight(redis_url, tmp_path) -> None:
+    """Its jobs are its tenant's: past the limit a tick defers the rest, says why, and a later tick
+    submits them once jobs have ended."""
+    with limited(redis_url, tmp_path, max_jobs_in_flight=2) as api, \
+            Client(api.url, api_key="acme-secret") as acme:
+        running = acme.jobs.create(spec(api, "by-hand.jsonl"))
+        for name in ("a", "b", "c"):
+            api.put_tenant_input("acme", f"daily/{name}.jsonl", ROWS)
+        schedule = acme.schedules.create(cron="0 * * * *", input_prefix=api.tenant_uri("acme", "daily/"),
+                                         job={"model": "tiny", "prompt_column": "q"})
+        first = acme.schedules.tick(schedule)
+        assert len(first.submitted) == 1 and first.deferred == 2
+        assert "max_jobs_in_flight" in first.error and "tenant 'acme'" in first.error
+        assert "max_jobs_in_flight" in acme.schedules.get(schedule).runtime.last_error
+        assert sum(1 for job in acme.jobs.list() if job.state == "queued") == 2  # never past the limit
+        acme.jobs.cancel(running.job_id)
+        acme.jobs.cancel(first.submitted[0].job_id)
+        second = acme.schedules.tick(schedule)
+        assert [item.key.rsplit("/", 1)[1] for item in second.submitted] == ["b.jsonl", "c.jsonl"]
+        assert second.deferred == 0 and second.error is None

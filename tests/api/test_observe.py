@@ -83,3 +83,24 @@ def test_the_status_page_is_served_without_a_key_and_holds_no_data(redis_url, tm
         assert refused.status_code == 403 and "admin key" in refused.json()["detail"]
         admin = httpx.get(f"{api.url}/metrics", headers={"Authorization": "Bearer root-secret"})
         assert admin.status_code == 200 and "bulkinfer_jobs" in admin.text
+
+
+def test_a_tenant_sees_workers_models_but_not_their_hosts_or_pids(redis_url, tmp_path) -> None:
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS),
+                        api_keys="acme=acme-secret", admin_api_keys="root-secret")
+    now = datetime.now(UTC)
+    with serve(settings) as api:
+        for host, pid in (("gpu-7@node-a", 42), ("gpu-8@node-b", 43)):
+            write_beat(api.redis, api.repository.namespace, WorkerBeat(
+                hostname=host, pid=pid, started_at=now, updated_at=now,
+                models=[WorkerModel(name="tiny", state="loaded", running=2, tokens_per_s=10.0)]))
+
+        def listed(key: str) -> list[dict]:
+            answer = httpx.get(f"{api.url}/workers", headers={"Authorization": f"Bearer {key}"})
+            return answer.json()["workers"]
+        seen = listed("acme-secret")
+        assert [(w["hostname"], w["pid"], w["models"][0]["name"]) for w in seen] == [
+            ("worker-1", None, "tiny"), ("worker-2", None, "tiny")]
+        assert "node-a" not in json.dumps(seen) and "42" not in json.dumps([w["pid"] for w in seen])
+        assert [(w["hostname"], w["pid"]) for w in listed("root-secret")] == [("gpu-7@node-a", 42),
+                                                                              ("gpu-8@node-b", 43)]

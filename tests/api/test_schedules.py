@@ -121,7 +121,7 @@ def test_a_prefix_over_the_job_store_itself_is_refused(api: RunningApi) -> None:
         store_prefix = api.settings.store_uri + "/"
     with pytest.raises(ApiError) as caught:
         api.client.schedules.create(cron="* * * * *", input_prefix=store_prefix, job=JOB)
-    assert caught.value.status_code == 400 and "overlaps the job store" in caught.value.message
+    assert caught.value.status_code == 403 and "holds the job store's jobs/ folder" in caught.value.message
 
 
 def test_the_cli_creates_ticks_lists_and_deletes_a_schedule(api: RunningApi, capsys) -> None:

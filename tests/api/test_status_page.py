@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from jobs.status import JobState
-from tests.api.live_stack import LiveStack, live_stack
+from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server
 from tests.support.browser import Element, chromium, dump_dom, parse, screenshot
 
@@ -32,7 +32,8 @@ def browser() -> str:
 def stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
-                    models={"tiny": str(tiny_checkpoint)}, settings_fields={"api_keys": f"acme={KEY}"},
+                    models={"tiny": str(tiny_checkpoint)}, settings_fields={"api_keys": f"acme={KEY}",
+                                                                 "tenant_prefixes": {"acme": [f"s3://{INPUTS_BUCKET}/"]}},
                     client_options={"timeout": 30, "api_key": KEY}) as live:
         yield live
 

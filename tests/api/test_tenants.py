@@ -6,15 +6,17 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
 from api.client import ApiError, Client
 from jobs.settings import Settings
-from tests.api.conftest import MODELS, serve
+from tests.api.conftest import BUCKET, MODELS, serve
 
 ROWS = b'{"q": "def f(x):"}\n{"q": "class A:"}\n'
+JOB = {"model": "tiny", "prompt_column": "q"}
 GLOBEX_KEY = "globex-secret"
 # globex's key is configured as its digest, as a config file would hold it.
 KEYS = f"acme=acme-secret,globex=sha256:{hashlib.sha256(GLOBEX_KEY.encode()).hexdigest()}"
@@ -28,8 +30,10 @@ def api(redis_url, tmp_path):
         yield running
 
 
-def spec(api, name: str, **fields) -> dict:  # noqa: ANN003
-    return {"input_uri": api.put_input(name, ROWS), "model": "tiny", "prompt_column": "q", **fields}
+def spec(api, name: str, owner: str | None = None, **fields) -> dict:  # noqa: ANN003
+    """A job spec over rows put in `owner`'s own folder (or, with no owner, under inputs/)."""
+    uri = api.put_tenant_input(owner, name, ROWS) if owner else api.put_input(name, ROWS)
+    return {"input_uri": uri, "model": "tiny", "prompt_column": "q", **fields}
 
 
 def not_found(call) -> ApiError:  # noqa: ANN001
@@ -43,8 +47,8 @@ def test_a_tenants_jobs_are_invisible_to_another_tenant_and_visible_to_an_admin(
     with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex, \
             Client(api.url, api_key="root-secret") as admin:
         # A tenant named in the body is replaced by the caller's.
-        mine = acme.jobs.create(spec(api, "a.jsonl", tenant="globex"))
-        theirs = globex.jobs.create(spec(api, "g.jsonl"))
+        mine = acme.jobs.create(spec(api, "a.jsonl", "acme", tenant="globex"))
+        theirs = globex.jobs.create(spec(api, "g.jsonl", "globex"))
         assert (mine.tenant, theirs.tenant) == ("acme", "globex")
         assert acme.jobs.spec(mine.job_id).tenant == "acme"
         for call in (lambda: globex.jobs.get(mine.job_id), lambda: globex.jobs.spec(mine.job_id),
@@ -63,26 +67,26 @@ def test_a_tenants_jobs_are_invisible_to_another_tenant_and_visible_to_an_admin(
 
 def test_listing_one_tenant_pages_through_the_others_jobs(api) -> None:
     with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex:
-        acme_ids = [acme.jobs.create(spec(api, f"a{n}.jsonl")).job_id for n in range(5)]
+        acme_ids = [acme.jobs.create(spec(api, f"a{n}.jsonl", "acme")).job_id for n in range(5)]
         for n in range(7):
-            globex.jobs.create(spec(api, f"g{n}.jsonl"))
+            globex.jobs.create(spec(api, f"g{n}.jsonl", "globex"))
         listed = [job.job_id for job in acme.jobs.list(page_size=2)]
     assert listed == acme_ids[::-1]  # newest first, every page only acme's
 
 
 def test_idempotency_keys_are_per_tenant(api) -> None:
     with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex:
-        first = acme.jobs.create(spec(api, "i.jsonl", idempotency_key="nightly-2026-12-01"))
-        again = acme.jobs.create(spec(api, "i.jsonl", idempotency_key="nightly-2026-12-01"))
-        other = globex.jobs.create(spec(api, "i.jsonl", idempotency_key="nightly-2026-12-01"))
+        first = acme.jobs.create(spec(api, "i.jsonl", "acme", idempotency_key="nightly-2026-12-01"))
+        again = acme.jobs.create(spec(api, "i.jsonl", "acme", idempotency_key="nightly-2026-12-01"))
+        other = globex.jobs.create(spec(api, "i.jsonl", "globex", idempotency_key="nightly-2026-12-01"))
     assert first.job_id == again.job_id != other.job_id
     assert other.tenant == "globex"
 
 
 def test_a_tenants_schedules_are_invisible_to_another_tenant(api) -> None:
-    body = {"cron": "0 * * * *", "input_prefix": api.input_uri("sched/"),
+    body = {"cron": "0 * * * *", "input_prefix": api.tenant_uri("acme", "sched/"),
             "job": {"model": "tiny", "prompt_column": "q"}}
-    api.put_input("sched/x.jsonl", ROWS)
+    api.put_tenant_input("acme", "sched/x.jsonl", ROWS)
     with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex, \
             Client(api.url, api_key="root-secret") as admin:
         schedule = acme.schedules.create(body)
@@ -142,14 +146,126 @@ def test_a_tenant_reads_and_writes_only_under_its_prefixes(ruled_api) -> None:
 
 def test_an_output_folder_holds_one_jobs_parts(api) -> None:
     with Client(api.url, api_key="acme-secret") as acme:
-        folder = api.input_uri("shared-out/")
-        first = acme.jobs.create(spec(api, "one.jsonl", output_uri=folder, idempotency_key="one"))
-        again = acme.jobs.create(spec(api, "one.jsonl", output_uri=folder, idempotency_key="one"))
+        folder = api.tenant_uri("acme", "shared-out/")
+        first = acme.jobs.create(spec(api, "one.jsonl", "acme", output_uri=folder, idempotency_key="one"))
+        again = acme.jobs.create(spec(api, "one.jsonl", "acme", output_uri=folder, idempotency_key="one"))
         assert again.job_id == first.job_id  # the same job may come back to its folder
         with pytest.raises(ApiError) as refused:
-            acme.jobs.create(spec(api, "two.jsonl", output_uri=folder))
+            acme.jobs.create(spec(api, "two.jsonl", "acme", output_uri=folder))
         assert refused.value.status_code == 409 and first.job_id in refused.value.message
         inside = str(api.settings.local_store_root() / "jobs" / first.job_id / "output")
         with pytest.raises(ApiError) as refused:
-            acme.jobs.create(spec(api, "three.jsonl", output_uri=inside))
+            acme.jobs.create(spec(api, "three.jsonl", "acme", output_uri=inside))
         assert refused.value.status_code == 403 and "jobs/ folder" in refused.value.message
+
+
+def refused(call, status: int = 403) -> str:  # noqa: ANN001
+    with pytest.raises(ApiError) as caught:
+        call()
+    assert caught.value.status_code == status, caught.value.message
+    return caught.value.message
+
+
+@pytest.fixture(params=["local", "s3"])
+def keyed_api(request, redis_url, tmp_path):
+    """Two tenants and an admin, no tenant_prefixes: each tenant's default rules, on either store."""
+    fields = {"broker_url": redis_url, "models": json.dumps(MODELS), "api_keys": KEYS,
+              "admin_api_keys": "root-secret"}
+    if request.param == "local":
+        settings = Settings(store_uri=str(tmp_path / "store"), **fields)
+    else:
+        s3 = request.getfixturevalue("s3")
+        s3.client().create_bucket(Bucket=BUCKET)
+        settings = Settings(store_uri=f"s3://{BUCKET}/deploy", s3_endpoint_url=s3.endpoint_url, **fields)
+    with serve(settings) as running:
+        yield running
+
+
+def store_uri(api, key: str) -> str:
+    """A key under the job store, as a URI a spec may name."""
+    if api.settings.is_local_store:
+        return str(api.settings.local_store_root() / key)
+    return f"{api.settings.store_uri}/{key}"
+
+
+def put_in_store(api, key: str, data: bytes) -> str:  # noqa: ANN001
+    uri = store_uri(api, key)
+    if api.settings.is_local_store:
+        Path(uri).parent.mkdir(parents=True, exist_ok=True)
+        Path(uri).write_bytes(data)
+    else:
+        api.s3_put(uri, data)
+    return uri
+
+
+def test_no_key_reads_the_job_stores_own_files_but_a_tenant_reads_its_own_uploads(keyed_api) -> None:
+    api = keyed_api
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex, \
+            Client(api.url, api_key="root-secret") as admin:
+        theirs = globex.jobs.create({"model": "tiny", "prompt_column": "q"}, file=io.BytesIO(ROWS),
+                                    filename="g.jsonl")
+        upload = store_uri(api, f"jobs/{theirs.job_id}/input/g.jsonl")
+        # globex's output part, as a worker writes it: readable as rows, never as an input.
+        output = put_in_store(api, f"jobs/{theirs.job_id}/output/part-00000.jsonl", ROWS)
+        schedule = put_in_store(api, "schedules/rows.jsonl", ROWS)
+        model = put_in_store(api, "models/tiny/rows.jsonl", ROWS)
+        for client in (acme, globex, admin):
+            for uri, area in ((output, "jobs/"), (schedule, "schedules/"), (model, "models/")):
+                message = refused(lambda: client.jobs.create({**JOB, "input_uri": uri}))  # noqa: B023
+                assert message.startswith("input_uri") and f"job store's {area} folder" in message
+        message = refused(lambda: acme.jobs.create({**JOB, "input_uri": upload}))
+        assert "upload of one of your own jobs" in message  # globex's upload is globex's
+        assert globex.jobs.create({**JOB, "input_uri": upload}).tenant == "globex"
+        assert admin.jobs.create({**JOB, "input_uri": upload}).tenant is None
+
+
+def test_with_keys_a_tenant_reads_only_its_own_folder_by_default(keyed_api) -> None:
+    api = keyed_api
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key="root-secret") as admin:
+        assert acme.jobs.create(spec(api, "mine.jsonl", "acme")).tenant == "acme"
+        others = (api.put_tenant_input("globex", "theirs.jsonl", ROWS), api.put_input("shared.jsonl", ROWS))
+        for uri in others:
+            message = refused(lambda: acme.jobs.create({**JOB, "input_uri": uri}))  # noqa: B023
+            assert message.startswith("input_uri") and "tenant 'acme' may use" in message
+            assert api.tenant_uri("acme", "") in message and "tenant_prefixes" in message
+            assert admin.jobs.create({**JOB, "input_uri": uri}).tenant is None  # admins as before
+        message = refused(lambda: acme.jobs.create(spec(api, "o.jsonl", "acme",
+                                                        output_uri=api.tenant_uri("globex", "out/"))))
+        assert message.startswith("output_uri") and "tenant 'acme' may use" in message
+        prefix = {"cron": "0 * * * *", "job": JOB}
+        api.put_tenant_input("globex", "daily/x.jsonl", ROWS)
+        message = refused(lambda: acme.schedules.create(
+            {**prefix, "input_prefix": api.tenant_uri("globex", "daily/")}))
+        assert message.startswith("input_prefix") and "tenant 'acme' may use" in message
+        message = refused(lambda: admin.schedules.create({**prefix, "input_prefix": store_uri(api, "jobs/")}))
+        assert "job store's jobs/ folder" in message
+
+
+def test_a_local_path_is_checked_where_it_really_points(ruled_api) -> None:
+    api = ruled_api
+    api.put_input("globex/rows.jsonl", ROWS)
+    sneaky = api.input_uri("acme/../globex/rows.jsonl")  # textually under acme's prefix
+    with Client(api.url, api_key="acme-secret") as acme:
+        message = refused(lambda: acme.jobs.create({**JOB, "input_uri": sneaky}))
+    assert "tenant 'acme' may use" in message
+
+
+def test_an_output_folder_holds_nothing_but_its_jobs_parts(keyed_api) -> None:
+    """A folder over another job's folder (or the store's own) would let its finalize clean up
+    another job's unfinished uploads: refused, as is a folder inside another job's."""
+    api = keyed_api
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key="root-secret") as admin:
+        first = acme.jobs.create(spec(api, "1.jsonl", "acme", output_uri=api.tenant_uri("acme", "out/a/")))
+        inside = f"output folder of job {first.job_id}"
+        for folder, says in (("out/", "not empty"), ("out/a/deeper/", inside)):
+            message = refused(lambda: acme.jobs.create(  # noqa: B023
+                spec(api, "2.jsonl", "acme", output_uri=api.tenant_uri("acme", folder))), 409)  # noqa: B023
+            assert message.startswith("output_uri") and says in message
+        api.put_tenant_input("acme", "data/rows.jsonl", ROWS)  # files that are no job's
+        message = refused(lambda: acme.jobs.create(spec(api, "3.jsonl", "acme",
+                                                        output_uri=api.tenant_uri("acme", "data/"))), 409)
+        assert "not empty" in message
+        for root in (store_uri(api, ""), store_uri(api, "models/")):
+            message = refused(lambda: admin.jobs.create(spec(api, "4.jsonl", "acme", output_uri=root)))  # noqa: B023
+            assert message.startswith("output_uri") and "job store's" in message
+        assert acme.jobs.create(spec(api, "5.jsonl", "acme", output_uri=api.tenant_uri("acme", "out/b/")))

@@ -15,7 +15,7 @@ import pytest
 
 from api.client import ApiError, Client
 from jobs.status import JobState
-from tests.api.live_stack import LiveStack, live_stack
+from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -28,8 +28,10 @@ ADMIN_KEY = "admin-key"
 def stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     keys = ",".join(f"{tenant}={key}" for tenant, key in KEYS.items())
+    fields = {"api_keys": keys, "admin_api_keys": ADMIN_KEY,  # the inputs bucket is theirs to read
+              "tenant_prefixes": {tenant: [f"s3://{INPUTS_BUCKET}/"] for tenant in KEYS}}
     with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
-                    settings_fields={"api_keys": keys, "admin_api_keys": ADMIN_KEY},
+                    settings_fields=fields,
                     client_options={"timeout": 30, "backoff": 0.05, "api_key": ADMIN_KEY}) as live:
         yield live
 

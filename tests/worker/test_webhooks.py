@@ -6,6 +6,7 @@ tests/api/test_schedules_live.py.
 from __future__ import annotations
 
 import json
+import socket
 
 import pytest
 
@@ -95,6 +96,13 @@ def test_an_answer_that_may_change_is_retryable_and_a_refusal_is_final() -> None
     ("https://[::1]/x", "loopback"),
     ("https://[::ffff:127.0.0.1]/x", "loopback"),
     ("https://0.0.0.0/x", "unspecified"),
+    ("https://100.100.100.200/latest/meta-data", "non-global"),  # shared space: a cloud's metadata service
+    ("https://[::ffff:100.64.0.1]/x", "non-global"),
+    ("https://[2002:7f00:1::]/x", "6to4 tunnel"),  # reaches 127.0.0.1 through a relay
+    ("https://[2001:0:4136:e378:8000:63bf:3fff:fdd2]/x", "Teredo tunnel"),
+    ("https://[64:ff9b::a9fe:a9fe]/x", "link-local"),  # NAT64 of 169.254.169.254
+    ("https://198.18.0.1/x", "private"),  # benchmarking range
+    ("https://[ff0e::1]/x", "multicast"),
 ])
 def test_webhooks_to_plain_http_or_this_network_are_refused_by_default(url: str, problem: str) -> None:
     found = destination_problem(url, allow_http=False, allow_private=False)
@@ -114,6 +122,15 @@ def test_a_name_that_resolves_to_this_machine_is_refused_when_delivering_and_no_
         with pytest.raises(RejectedDelivery) as refused:
             post(receiver.url, b"{}", {}, allow_private=True)
         assert str(refused.value) == "HTTP 400"  # the receiver's reply is not stored
+
+
+def test_every_address_a_name_resolves_to_must_be_global(monkeypatch) -> None:
+    answers = ["93.184.216.34", "100.100.100.200"]  # one public, one in the shared address space
+    monkeypatch.setattr(socket, "getaddrinfo", lambda *_args, **_kw: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 443)) for address in answers])
+    with pytest.raises(RejectedDelivery, match="100.100.100.200, a non-global"):
+        post("https://hooks.example.com/x", b"{}", {})
+    assert destination_problem("https://[64:ff9b::808:808]/x", allow_http=False, allow_private=False) is None
 
 
 def test_urls_in_logs_lose_their_query_and_credentials() -> None:
