@@ -27,8 +27,9 @@ def api(redis_url, tmp_path) -> Iterator[RunningApi]:
 
 
 def _submit(api: RunningApi, key: str, priority: object) -> httpx.Response:
-    body = {"input_uri": api.put_input("rows.jsonl", ROWS), "model": "tiny", "prompt_column": "q",
-            "priority": priority}
+    owner = next((tenant for tenant, tenant_key in KEYS.items() if tenant_key == key), "acme")
+    body = {"input_uri": api.put_tenant_input(owner, "rows.jsonl", ROWS), "model": "tiny",
+            "prompt_column": "q", "priority": priority}
     return httpx.post(f"{api.url}/jobs", json=body, headers={"Authorization": f"Bearer {key}"})
 
 
@@ -51,8 +52,8 @@ def test_a_listed_tenant_may_go_to_its_own_cap_and_an_admin_anywhere(api: Runnin
 
 
 def test_a_schedule_cannot_submit_jobs_above_its_tenants_cap(api: RunningApi) -> None:
-    api.put_input("sched/x.jsonl", ROWS)
-    body = {"cron": "0 * * * *", "input_prefix": api.input_uri("sched/"),
+    api.put_tenant_input("acme", "sched/x.jsonl", ROWS)
+    body = {"cron": "0 * * * *", "input_prefix": api.tenant_uri("acme", "sched/"),
             "job": {"model": "tiny", "prompt_column": "q", "priority": "high"}}
     headers = {"Authorization": f"Bearer {KEYS['acme']}"}
     refused = httpx.post(f"{api.url}/schedules", json=body, headers=headers)

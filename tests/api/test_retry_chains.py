@@ -42,8 +42,10 @@ assert len(BROKEN) == len(FIXED)
 
 @pytest.fixture
 def api(redis_url: str, tmp_path) -> Iterator[RunningApi]:  # noqa: ANN001
+    inputs = f"{tmp_path / 'store' / 'inputs'}/"  # where api.put_input writes: both tenants may read it
     settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS),
-                        api_keys=KEYS, admin_api_keys=ADMIN)
+                        api_keys=KEYS, admin_api_keys=ADMIN,
+                        tenant_prefixes=json.dumps({"acme": [inputs], "globex": [inputs]}))
     with serve(settings) as running:
         yield running
 

@@ -17,7 +17,7 @@ import pytest
 from api.client import ApiError, Client
 from jobs.results import load_shard_results
 from jobs.status import JobState
-from tests.api.live_stack import LiveStack, live_stack
+from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server
 
 pytestmark = pytest.mark.timeout(300)
@@ -33,7 +33,8 @@ SLACK_S = 3.0  # planning B's job and the API's polling, on a loaded 2-core mach
 def stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     fields = {"api_keys": ",".join(f"{tenant}={key}" for tenant, key in KEYS.items()),
-              "max_shard_tokens": SHARD_TOKENS}
+              "max_shard_tokens": SHARD_TOKENS,
+              "tenant_prefixes": json.dumps({tenant: [f"s3://{INPUTS_BUCKET}/"] for tenant in KEYS})}
     with live_stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
                     settings_fields=fields) as live:
         yield live
