@@ -92,6 +92,8 @@ class _Counts:
             return self.tokenizer.completion_tokens(row.prompt or "")
         except ChatRenderError:
             return None
+        except Exception:  # noqa: BLE001 - the tokenizer failed on this row: it fails there as well
+            return None
 
     def scaled(self, value: int, scale: float) -> int | None:
         return None if self.tokenizer is None else round(value * scale)

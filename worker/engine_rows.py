@@ -119,14 +119,17 @@ class PromptRenderer:
         self._lock = threading.Lock()
 
     def token_ids(self, row: Row) -> list[int]:
-        """Raises `RowRejected` when the row's messages cannot be rendered."""
+        """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
         with self._lock:
-            if row.messages is None:
-                return list(self._tokenizer.encode(row.prompt or ""))
             try:
+                if row.messages is None:
+                    return list(self._tokenizer.encode(row.prompt or ""))
                 return chat_token_ids(self._tokenizer, row.messages)
             except ChatTemplateError as error:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
+            except Exception as error:  # noqa: BLE001 - a tokenizer may raise anything on odd text
+                raise RowRejected(RowErrorCode.TOKENIZE_ERROR, "the model's tokenizer failed on this row: "
+                                  f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
 def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:

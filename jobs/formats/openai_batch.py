@@ -24,6 +24,7 @@ from jobs.formats.rows import (
     first_error_message,
     parse_response_format,
     parse_sampling_overrides,
+    unreadable_row,
     validate_messages,
     with_instructions_messages,
     with_instructions_prompt,
@@ -73,6 +74,8 @@ class OpenAIBatchRowBuilder:
             return self._row(line, row_id, url, body)
         except RowProblem as problem:
             return RowError(line.offset, row_id, problem.code, str(problem), line.number)
+        except (ValueError, TypeError, RecursionError, OverflowError) as error:  # values no check foresaw
+            return unreadable_row(line.offset, row_id, error, line.number)
 
     def _row(self, line: Line, custom_id: str, url: str, body: dict[str, Any]) -> Row:
         instructions = self.spec.instructions
