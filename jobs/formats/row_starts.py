@@ -4,7 +4,8 @@ A row is a line that is not blank, as the readers see it (`formats.jsonl`, `form
 end at `\\n`, a line of only ASCII whitespace is no row, and a UTF-8 BOM before the first line is not
 content. The pass reads the object in chunks and holds none of it: most chunks are counted with C
 loops (`bytes.count`, a regex for blank lines); only a chunk in which a shard must start is walked
-line by line to find where. A line longer than a chunk costs nothing more than its bytes.
+row by row (a regex finds each row's start) to find where. A line longer than a chunk costs nothing
+more than its bytes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from jobs.object_store.base import ObjectStore
 
 _CONTENT = re.compile(rb"[^ \t\r\n\x0b\x0c]")  # bytes.strip()'s whitespace is everything else
 _BLANK_LINE_AFTER_NEWLINE = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n)")
+_ROW_AFTER_NEWLINE = re.compile(rb"\n[ \t\r\x0b\x0c]*[^ \t\r\n\x0b\x0c]")  # a newline, then a row
 
 
 @dataclass
@@ -62,7 +64,7 @@ class _Counter:
         inner_lines = chunk.count(b"\n", first + 1, last + 1)  # lines that start and end in the chunk
         rows += inner_lines - len(_BLANK_LINE_AFTER_NEWLINE.findall(chunk, first, last + 1))
         if self._cut_among(rows):
-            self._walk(chunk, base)
+            self._walk(chunk, base, first, last)
             return
         self.result.rows += rows
         self.line_start = base + last + 1
@@ -78,17 +80,14 @@ class _Counter:
         next_cut = max(size, -(-counted // size) * size)
         return rows > 0 and next_cut <= counted + rows - 1
 
-    def _walk(self, chunk: bytes, base: int) -> None:
-        position = 0
-        while (newline := chunk.find(b"\n", position)) >= 0:
-            if position == 0:
-                if self.line_has_content or _CONTENT.search(chunk, 0, newline) is not None:
-                    self._row(self.line_start)
-            elif _CONTENT.search(chunk, position, newline) is not None:
-                self._row(base + position)
-            position = newline + 1
-        self.line_start = base + position
-        self.line_has_content = _CONTENT.search(chunk, position) is not None
+    def _walk(self, chunk: bytes, base: int, first: int, last: int) -> None:
+        """Every row ending in the chunk, one by one (at C speed: a regex finds each row's start)."""
+        if self.line_has_content or _CONTENT.search(chunk, 0, first) is not None:
+            self._row(self.line_start)
+        for match in _ROW_AFTER_NEWLINE.finditer(chunk, first, last):
+            self._row(base + match.start() + 1)
+        self.line_start = base + last + 1
+        self.line_has_content = _CONTENT.search(chunk, last + 1) is not None
 
     def _row(self, start: int) -> None:
         result = self.result
