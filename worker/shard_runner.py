@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any
@@ -43,10 +43,10 @@ from jobs.usage import record_shard_usage
 from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
-from worker.engine_rows import run_rows
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
-from worker.schema_limit import limit_schemas
+from worker.row_window import run_rows
+from worker.schema_limit import limit_schemas_streamed
 from worker.shard_copies import Stopped, copy_rows, write_exports
 from worker.shard_lease import ShardLease
 from worker.shutdown import ShardHandedBack
@@ -158,69 +158,85 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         if is_transient(error):  # …but not a store that is down for a moment
             raise
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
-    with timings.phase("read"):
-        items = read_rows(context, spec, shard)
-        items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
-                              context.settings.max_schemas_per_job)
-    with timings.phase("engine"):
+    with timings.phase("engine"):  # rows are read as the engine drains them (worker/row_window.py)
+        items = limit_schemas_streamed(context.repository.redis, context.repository.namespace, job_id,
+                                       stream_rows(context, spec, shard),
+                                       context.settings.max_schemas_per_job)
         outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
-              items: list[Row | RowError], expires_at: datetime | None) -> list[OutputRow] | None:
-    """Every row's outcome in input order: the shard's own rows from the engine, then the rows it
-    copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones."""
+              items: Iterator[Row | RowError], expires_at: datetime | None) -> list[OutputRow] | None:
+    """Every row's outcome in input order: the shard's own rows from the engine (read as it drains
+    them), then the rows it copies from earlier shards (jobs/job_dedup.py), with its exports written
+    for later ones. Only the copies' rows are kept until the end."""
     repository = context.repository
     layout = repository.layout(job_id)
+    copy_items: dict[int, Row | RowError] = {}
+    own_positions: list[int] = []
 
-    def run(positions: list[int]) -> dict[int, OutputRow] | None:
+    def own_rows() -> Iterator[Row | RowError]:
+        for position, item in enumerate(items):
+            if position in shard.copies:
+                copy_items[position] = item
+            else:
+                own_positions.append(position)
+                yield item
+
+    def run(rows: Iterable[Row | RowError]) -> list[OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
-        outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
-                                 priority=MAX_JOB_PRIORITY - spec.priority, deduplicate=spec.deduplicate,
-                                 expires_in_s=expires_in_s)
-        return None if outputs is None else dict(zip(positions, outputs, strict=True))
+        return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - spec.priority,
+                              deduplicate=spec.deduplicate, expires_in_s=expires_in_s)
 
-    outcomes = run([position for position in range(len(items)) if position not in shard.copies])
-    if outcomes is None:
+    own = run(own_rows())
+    if own is None:
         return None
+    outcomes = dict(zip(own_positions, own, strict=True))
     write_exports(repository, layout, shard, outcomes)
     if shard.copies:
         try:
-            copied, compute = copy_rows(repository, layout, shard, items, expires_at=expires_at,
+            copied, compute = copy_rows(repository, layout, shard, copy_items, expires_at=expires_at,
                                         should_stop=lambda: shutdown.stopping()
                                         or repository.is_cancel_requested(job_id))
         except Stopped:
             if shutdown.stopping():
                 raise ShardHandedBack(f"job {job_id}: the worker is stopping") from None
             return None
-        computed = run(compute) if compute else {}
+        computed = run([copy_items[position] for position in compute]) if compute else []
         if computed is None:
             return None
         outcomes.update(copied)
-        outcomes.update(computed)
-    return [outcomes[position] for position in range(len(items))]
+        outcomes.update(zip(compute, computed, strict=True))
+    return [outcomes[position] for position in range(len(outcomes))]
 
 
 def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
     """The shard's rows; `JobCannotRun` when the input cannot be read (a store down: raised as is)."""
+    return list(stream_rows(context, spec, shard))
+
+
+def stream_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> Iterator[Row | RowError]:
+    """The shard's rows, read as they are asked for; `JobCannotRun` when the input cannot be read
+    (a store down: raised as is, the task retries)."""
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
-        return list(read_shard_rows(store, key, spec, shard))
+        yield from read_shard_rows(store, key, spec, shard)
     except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
         if is_transient(error):  # …unless the store is unreachable: the task retries
             raise
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
-def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
+def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: Iterable[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py)."""
     try:
         outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                           expires_in_s=expires_in_s, should_stop=lambda: shutdown.stopping()
+                           expires_in_s=expires_in_s, window_rows=context.settings.shard_window_rows,
+                           should_stop=lambda: shutdown.stopping()
                            or context.repository.is_cancel_requested(job_id))
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker

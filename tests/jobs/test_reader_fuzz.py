@@ -5,11 +5,18 @@ run it as a module for a longer campaign)."""
 from __future__ import annotations
 
 import pyarrow as pa
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from jobs.object_store.local import LocalObjectStore
-from tests.jobs.reader_fuzz import GOOD_ROWS, check_jsonl_line, check_parquet_cell, fuzz_lines, parquet_cells
+from tests.jobs.reader_fuzz import (
+    GOOD_ROWS,
+    Unwritable,
+    check_jsonl_line,
+    check_parquet_cell,
+    fuzz_lines,
+    parquet_cells,
+)
 
 BOUNDED = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
@@ -26,4 +33,7 @@ def test_any_bytes_in_a_jsonl_line_are_that_rows_error_only(tmp_path, line: byte
 @given(cell=parquet_cells, position=st.integers(0, GOOD_ROWS))
 def test_any_value_in_a_parquet_cell_is_that_rows_error_only(tmp_path, cell: tuple[str, pa.DataType, object],
                                                              position: int) -> None:
-    check_parquet_cell(LocalObjectStore(tmp_path), *cell, position)
+    try:
+        check_parquet_cell(LocalObjectStore(tmp_path), *cell, position)
+    except Unwritable:  # Arrow cannot write such a file, so no job can be given one
+        reject()
