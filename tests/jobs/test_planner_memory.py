@@ -1,5 +1,6 @@
-"""The planner's cross-shard deduplication keeps at most `dedup_max_keys` distinct rows in memory:
-within the cap every copy is marked; at the cap the scan stops cleanly for the rest of the job."""
+"""The planner's memory is bounded: cross-shard deduplication keeps at most `dedup_max_keys` distinct
+rows (within the cap every copy is marked; at it the scan stops cleanly), and the OpenAI custom_id scan
+keeps digests, not the ids."""
 
 from __future__ import annotations
 
@@ -36,3 +37,26 @@ def test_at_the_cap_the_scan_stops_and_earlier_copies_stay(local_store) -> None:
     # a and b after it run themselves, and the copy marked before (shard 1's a) stays.
     assert planned(local_store, max_keys=3) == [({}, [0]), ({1: [0, 0]}, []), ({}, []), ({}, [])]
     assert planned(local_store, max_keys=0) == [({}, [])] * 4
+
+
+def test_the_custom_id_scan_keeps_digests_not_the_ids(local_store) -> None:
+    import tracemalloc
+
+    from jobs.formats.openai_batch import repeated_custom_id_lines
+
+    def line(custom_id: str) -> str:
+        return json.dumps({"custom_id": custom_id, "url": "/v1/completions", "body": {"prompt": "x"}})
+
+    ids = [f"{n:04d}" + "i" * 100_000 for n in range(200)]  # 20 MB of distinct ids
+    lines = [line(custom_id) for custom_id in ids] + [line(ids[7])]
+    local_store.put_bytes("batch.jsonl", "\n".join(lines).encode())
+
+    tracemalloc.start()
+    try:
+        repeated = repeated_custom_id_lines(local_store, "batch.jsonl")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+
+    assert repeated == {sum(len(text) + 1 for text in lines[:-1]): 8}  # the repeat names line 8
+    assert peak < 8 << 20  # one line at a time, not every id
