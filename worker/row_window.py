@@ -48,7 +48,8 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
              window_rows: int = DEFAULT_WINDOW_ROWS,
              stats: WindowStats | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
-    while rows run) said to stop: the rows in the engine are then aborted and no more are read.
+    while rows run, and as each window finishes) said to stop: the rows in the engine are then
+    aborted and no more are read.
     When `expires_in_s` seconds pass first (the job's deadline), the rows not finished by then come
     back `expired`, the finished ones as they are."""
     stats = stats or WindowStats()
@@ -82,6 +83,9 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
             in_flight.popleft()
             outputs += oldest.outputs(earlier=outputs)
             stats.rows_done += oldest.rows
+            if should_stop():  # also between windows: a shard of quick windows may never wait a poll
+                _abort(in_flight)
+                return None
     except BaseException:  # a read or engine failure, or the worker stopping: nothing left running
         _abort(in_flight)
         raise

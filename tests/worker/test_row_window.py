@@ -106,8 +106,8 @@ def test_cancel_stops_reading_and_a_deadline_expires_the_rest(hosted: HostedMode
         cancelled.close()
     assert cancelled.read <= 3 * WINDOW  # the rest of the shard was never read
 
-    rows = [Row(n, f"r{n}", f"while {n}:", None, JobSampling(temperature=0.0, max_tokens=100), None)
-            for n in range(30)]
-    outputs = run_rows(hosted, iter(rows), window_rows=WINDOW, poll_s=0.01, expires_in_s=0.3)
+    slow = JobSampling(temperature=0.0, max_tokens=100, ignore_eos=True)  # ~1,500 engine steps in all
+    rows = [Row(n, f"r{n}", f"while {n}:", None, slow, None) for n in range(60)]
+    outputs = run_rows(hosted, iter(rows), window_rows=WINDOW, poll_s=0.01, expires_in_s=0.2)
     assert [o.row_id for o in outputs] == [r.row_id for r in rows]
     assert outputs[-1].error_code == RowErrorCode.EXPIRED
