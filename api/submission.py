@@ -5,7 +5,6 @@ Only the head of the input is read: the first lines of JSONL, or a Parquet file'
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,6 +19,7 @@ from jobs.deadlines import window_seconds
 from jobs.errors import InputError
 from jobs.estimate_report import JobEstimate
 from jobs.formats.detect import resolve_spec
+from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.formats.lines import iter_lines_in_range
 from jobs.limits import in_flight_message, jobs_in_flight
 from jobs.object_store.base import ObjectNotFound, ObjectStore
@@ -79,8 +79,8 @@ def head_records(store: ObjectStore, key: str) -> list[dict[str, object]]:
         if len(records) == HEAD_ROWS:
             break
         try:
-            record = json.loads(line.data)
-        except ValueError:
+            record = loads_untrusted(line.data)
+        except UnreadableJson:
             continue
         if isinstance(record, dict):
             records.append(record)

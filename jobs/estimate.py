@@ -13,6 +13,7 @@ jobs/workers.py), shared by the live workers serving it; "unknown" when none has
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import islice
 
 from jobs.estimate_report import JobEstimate
 from jobs.formats.readers import read_shard_rows
@@ -36,7 +37,8 @@ def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[Sha
     for shard in plan:
         if counts.read >= max_rows:
             break
-        counts.add_shard(list(read_shard_rows(store, key, spec, shard))[:max_rows - counts.read])
+        # Only the rows it counts are read: a shard past max_rows is never held whole.
+        counts.add_shard(list(islice(read_shard_rows(store, key, spec, shard), max_rows - counts.read)))
     planned = sum(shard.estimated_rows for shard in plan)
     total = counts.read if counts.read < max_rows else max(planned, counts.read)
     scale = total / counts.read if counts.read else 0.0
@@ -91,6 +93,8 @@ class _Counts:
                 return self.tokenizer.chat_tokens(row.messages)
             return self.tokenizer.completion_tokens(row.prompt or "")
         except ChatRenderError:
+            return None
+        except Exception:  # noqa: BLE001 - the tokenizer failed on this row: it fails there as well
             return None
 
     def scaled(self, value: int, scale: float) -> int | None:

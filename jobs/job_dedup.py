@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,33 +26,61 @@ from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 
 MAX_SCAN_ROWS = 1_000_000  # a larger input keeps the per-shard deduplication only
+DEFAULT_MAX_KEYS = 1_000_000  # settings.dedup_max_keys: distinct rows remembered (~120 B each)
+
+logger = logging.getLogger(__name__)
 
 
 def row_key(row: Row) -> str | None:
     """The key of a row that computes the same output every time it runs; None otherwise."""
+    digest = row_digest(row)
+    return None if digest is None else digest.hex()
+
+
+def row_digest(row: Row) -> bytes | None:
+    """`row_key` as 16 bytes (what the planner keeps in memory per distinct row)."""
     if not (row.sampling.temperature == 0 or row.sampling.seed is not None):
         return None
     content = [row.prompt, row.messages, row.sampling.model_dump(mode="json"), row.response_format]
-    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).digest()[:16]
 
 
-def mark_copies(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan]) -> list[ShardPlan]:
+def mark_copies(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan],
+                max_keys: int = DEFAULT_MAX_KEYS) -> list[ShardPlan]:
     """The plan with cross-shard copies and exports marked (unchanged when the spec turns
-    deduplication off or the input has more than MAX_SCAN_ROWS rows)."""
-    if not spec.deduplicate or sum(shard.estimated_rows for shard in plan) > MAX_SCAN_ROWS:
+    deduplication off or the input has more than MAX_SCAN_ROWS rows).
+
+    Memory is bounded: each distinct row is remembered as a 16-byte digest with one int (its shard
+    and position), at most `max_keys` of them. The row that would need one more ends the scan:
+    cross-shard deduplication stops there for the rest of the job (the copies marked before stay
+    right; later rows run, identical ones inside a shard still once).
+    """
+    if not spec.deduplicate or max_keys <= 0 or sum(shard.estimated_rows for shard in plan) > MAX_SCAN_ROWS:
         return list(plan)
-    first: dict[str, tuple[int, int]] = {}
+    first: dict[bytes, int] = {}  # row digest -> source shard << 32 | position
     copies: dict[int, dict[int, list[int]]] = {}
     exports: dict[int, set[int]] = {}
     for shard in plan:
         for position, item in enumerate(read_shard_rows(store, key, spec, shard)):
-            row_id = row_key(item) if isinstance(item, Row) else None
-            if row_id is None:
+            digest = row_digest(item) if isinstance(item, Row) else None
+            if digest is None:
                 continue
-            source = first.setdefault(row_id, (shard.index, position))
-            if source[0] != shard.index:
-                copies.setdefault(shard.index, {})[position] = list(source)
-                exports.setdefault(source[0], set()).add(source[1])
+            source = first.get(digest)
+            if source is None:
+                if len(first) >= max_keys:
+                    logger.info("cross-shard deduplication stops at shard %d row %d: %d distinct rows "
+                                "remembered (dedup_max_keys)", shard.index, position, len(first))
+                    return _marked(plan, copies, exports)
+                first[digest] = shard.index << 32 | position
+            elif source >> 32 != shard.index:
+                source_shard, source_position = source >> 32, source & 0xFFFFFFFF
+                copies.setdefault(shard.index, {})[position] = [source_shard, source_position]
+                exports.setdefault(source_shard, set()).add(source_position)
+    return _marked(plan, copies, exports)
+
+
+def _marked(plan: Sequence[ShardPlan], copies: dict[int, dict[int, list[int]]],
+            exports: dict[int, set[int]]) -> list[ShardPlan]:
     return [shard.model_copy(update={"copies": copies.get(shard.index, {}),
                                      "exports": sorted(exports.get(shard.index, ()))})
             if shard.index in copies or shard.index in exports else shard for shard in plan]

@@ -71,6 +71,8 @@ ENVIRONMENT_NAMES = {
     "max_rows_per_job": "BULKINFER_MAX_ROWS_PER_JOB",
     "max_shards_per_job": "BULKINFER_MAX_SHARDS_PER_JOB",
     "max_schemas_per_job": "BULKINFER_MAX_SCHEMAS_PER_JOB",
+    "dedup_max_keys": "BULKINFER_DEDUP_MAX_KEYS",
+    "shard_window_rows": "BULKINFER_SHARD_WINDOW_ROWS",
     "max_jobs_in_flight": "BULKINFER_MAX_JOBS_IN_FLIGHT",
     "max_completion_window": "BULKINFER_MAX_COMPLETION_WINDOW",
     "max_requests_per_s": "BULKINFER_MAX_REQUESTS_PER_S",
@@ -140,6 +142,10 @@ class Settings(BaseModel):
     max_shards_per_job: int | None = Field(None, ge=1)
     # Distinct response formats a job's rows may carry (worker/schema_limit.py): bounds its compile time.
     max_schemas_per_job: int = Field(256, ge=1)
+    # Memory bounds: distinct rows the planner remembers to find copies across shards (jobs/job_dedup.py),
+    # and rows a shard keeps in the engine at once (worker/row_window.py).
+    dedup_max_keys: int = Field(1_000_000, ge=0)
+    shard_window_rows: int = Field(1024, ge=1)
     max_jobs_in_flight: int | None = Field(None, ge=1)  # per tenant: queued, running or finalizing
     # The longest completion_window a job may ask ('7d', '24h' or seconds); a longer one answers 422.
     max_completion_window: str = DEFAULT_MAX_WINDOW

@@ -43,6 +43,8 @@ HELP = {
     "worker_models": "comma-separated models to start loading as soon as the worker is up "
                      "(serve worker: default every served model)",
     "max_schemas_per_job": "distinct response formats a job's rows may carry (row errors beyond)",
+    "dedup_max_keys": "distinct rows the planner remembers to find copies across shards (0: none)",
+    "shard_window_rows": "rows a shard keeps in the engine at once (read as the engine drains)",
     "max_jobs_in_flight": "queued, running or finalizing jobs per tenant (429 beyond)",
     "max_requests_per_s": "API requests per second per key (429 beyond)",
     "max_auth_failures_per_min": "wrong API keys a client address may send in a minute (then 429 until "
@@ -61,9 +63,9 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "speculative_config",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "crash_split_after",
-                   "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job",
-                   "worker_concurrency", "worker_models", "schedule_tick_s", "webhook_secret",
-                   "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
+                   "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job", "dedup_max_keys",
+                   "shard_window_rows", "worker_concurrency", "worker_models", "schedule_tick_s",
+                   "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
                    "max_shard_size", "max_shard_tokens")

@@ -1,13 +1,12 @@
 """Shard planning: cut an input into shards a worker can read alone, deterministically.
 
-JSONL is cut into byte ranges of about `shard_size` rows (the row length is estimated from the
-head; `formats.lines` gives each line to exactly one range). Parquet is cut along row groups,
+JSONL is cut into byte ranges of `shard_size` rows, counted in one streaming pass
+(`formats.row_starts`; `formats.lines` gives each line to exactly one range). Parquet is cut along row groups,
 taken whole where they are small and split into row ranges where one holds many shards' rows.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -21,13 +20,10 @@ from jobs.spec import InputFormat, JobSpec
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
-SAMPLE_BYTES = 1 << 20
-
-
 class ShardPlan(BaseModel):
     """One unit of work. JSONL shards set `byte_start`/`byte_end`; Parquet shards `row_groups`
-    and the global row range `[row_start, row_end)`. `estimated_rows` is exact for Parquet and for
-    JSONL files small enough to plan from one sample, otherwise an estimate.
+    and the global row range `[row_start, row_end)`. `estimated_rows` is exact for both (a retry's
+    or an older plan's may say `rows_exact=False`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -91,37 +87,16 @@ def _with_repeated_custom_ids(store: ObjectStore, key: str, shards: list[ShardPl
 
 
 def plan_jsonl_shards(store: ObjectStore, key: str, shard_size: int) -> list[ShardPlan]:
+    """Byte ranges of exactly `shard_size` rows (the last one fewer), cut at real row starts by one
+    streaming pass over the file: every count a limit reads is exact, and no shard holds more rows
+    than asked, whatever the lengths of its lines."""
+    from jobs.formats.row_starts import count_row_starts
+
     size = store.head(key).size
-    sample = store.read_range(key, 0, min(size, SAMPLE_BYTES))
-    if len(sample) == size:
-        return _exact_jsonl_shards(sample, shard_size)
-    complete_lines = sample.count(b"\n")
-    # Without one newline in the sample, lines are at least as long as the sample.
-    bytes_per_row = (sample.rfind(b"\n") + 1) / complete_lines if complete_lines else len(sample)
-    shard_bytes = max(1, round(bytes_per_row * shard_size))
-    shards = []
-    for index in range(math.ceil(size / shard_bytes)):
-        start, end = index * shard_bytes, min(size, (index + 1) * shard_bytes)
-        estimated = max(1, round((end - start) / bytes_per_row))
-        shards.append(ShardPlan(index=index, estimated_rows=estimated, rows_exact=False,
-                                byte_start=start, byte_end=end))
-    return shards
-
-
-def _exact_jsonl_shards(data: bytes, shard_size: int) -> list[ShardPlan]:
-    """The whole file is in memory: cut at real line starts, counting non-blank lines exactly."""
-    row_starts = []
-    offset = 0
-    for line in data.split(b"\n"):
-        if line.strip():
-            row_starts.append(offset)
-        offset += len(line) + 1
-    cuts = row_starts[::shard_size] or [0]
-    cuts[0] = 0  # leading blank lines belong to the first shard
-    ends = [*cuts[1:], len(data)]
-    return [ShardPlan(index=index, estimated_rows=min(shard_size, len(row_starts) - index * shard_size),
-                      rows_exact=True, byte_start=start, byte_end=end)
-            for index, (start, end) in enumerate(zip(cuts, ends, strict=True))]
+    starts = count_row_starts(store, key, shard_size)
+    ranges = zip(starts.cuts, [*starts.cuts[1:], size], starts.shard_rows(), strict=True)
+    return [ShardPlan(index=index, estimated_rows=rows, rows_exact=True, byte_start=start, byte_end=end)
+            for index, (start, end, rows) in enumerate(ranges)]
 
 
 @contextmanager

@@ -8,18 +8,18 @@
 - Rows out: an engine `RequestOutput` becomes a job `OutputRow` (`output_row`: one choice per
   sample, logprobs in the jobs' form), and an engine rejection the row error its `error_kind` maps
   to (`ROW_CODES`: the one table between the engine's codes and the jobs').
-- In between: `run_rows` (and `EngineRun` for several batches in flight) submits a batch to a
-  hosted engine, waits, and collects every row's outcome in input order; the shard runner and
+- In between: `EngineRun` submits a batch to a hosted engine, waits, and collects every row's
+  outcome in input order; the shard runner (`worker/row_window.py`, a window of rows at a time) and
   `bulkinfer run` both go through it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import threading
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -119,14 +119,17 @@ class PromptRenderer:
         self._lock = threading.Lock()
 
     def token_ids(self, row: Row) -> list[int]:
-        """Raises `RowRejected` when the row's messages cannot be rendered."""
+        """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
         with self._lock:
-            if row.messages is None:
-                return list(self._tokenizer.encode(row.prompt or ""))
             try:
+                if row.messages is None:
+                    return list(self._tokenizer.encode(row.prompt or ""))
                 return chat_token_ids(self._tokenizer, row.messages)
             except ChatTemplateError as error:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
+            except Exception as error:  # noqa: BLE001 - a tokenizer may raise anything on odd text
+                raise RowRejected(RowErrorCode.TOKENIZE_ERROR, "the model's tokenizer failed on this row: "
+                                  f"{type(error).__name__}: {str(error)[:200]}") from None
 
 
 def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
@@ -138,6 +141,9 @@ def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
 
 
 FAILED = ("error", "abort")
+# Distinct deterministic rows one run (a shard) remembers for deduplication (~120 B each); rows past
+# it still run, only without being merged with later identical ones.
+MAX_REMEMBERED_REQUESTS = 200_000
 
 
 @dataclass(frozen=True)
@@ -158,6 +164,11 @@ def request_key(request: EngineRequest) -> str:
     return f"{list(request.prompt)!r}|{params}"
 
 
+def request_digest(request: EngineRequest) -> bytes:
+    """`request_key` in 16 bytes: what a run remembers per distinct row."""
+    return hashlib.sha256(request_key(request).encode("utf-8", "surrogatepass")).digest()[:16]
+
+
 class PreparedBatch:
     """A batch of rows readied for the engine: the outcomes of rows that cannot run (a read error, a
     rejected sampling or prompt), and a request for each of the rest.
@@ -169,11 +180,16 @@ class PreparedBatch:
     """
 
     def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
-                 deduplicate: bool = True, cache_salt: str | None = None) -> None:
+                 deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
+                 cache_salt: str | None = None) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         prepared: list[PreparedRow] = []
         self._copies: list[tuple[int, Row, int]] = []  # (position, row, position of the row it copies)
-        first_of: dict[str, int] = {}  # request key -> position of the row that runs it
+        # Rows copying a row of an earlier batch of the same run: (position, row, that row's run position).
+        self._earlier_copies: list[tuple[int, Row, int]] = []
+        # request digest -> run position of the row that runs it; shared by a run's batches (`offset`:
+        # this batch's first run position), so a row identical to one of an earlier batch runs once too.
+        first_of = {} if known is None else known
         for position, item in enumerate(items):
             if isinstance(item, RowError):
                 self._outputs[position] = OutputRow.from_error(item)
@@ -185,11 +201,16 @@ class PreparedBatch:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
             if deduplicate and deterministic(params):
-                key = request_key(request)
-                if key in first_of:
-                    self._copies.append((position, item, first_of[key]))
+                digest = request_digest(request)
+                source = first_of.get(digest)
+                if source is not None and source >= offset:
+                    self._copies.append((position, item, source - offset))
                     continue
-                first_of[key] = position
+                if source is not None:
+                    self._earlier_copies.append((position, item, source))
+                    continue
+                if len(first_of) < MAX_REMEMBERED_REQUESTS:
+                    first_of[digest] = offset + position
             prepared.append(PreparedRow(position, item, request))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
         prepared.sort(key=lambda entry: list(entry.request.prompt))
@@ -200,9 +221,11 @@ class PreparedBatch:
         """What to submit, in the order `outputs` takes the results back."""
         return [entry.request for entry in self._prepared]
 
-    def outputs(self, results: Sequence[RequestOutput], expired: bool = False) -> list[OutputRow]:
+    def outputs(self, results: Sequence[RequestOutput], expired: bool = False,
+                earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
         """Every row's outcome in input order, given the engine's results for `requests`
-        (`expired`: the rows were aborted because the job's deadline passed)."""
+        (`expired`: the rows were aborted because the job's deadline passed; `earlier`: the
+        outcomes of the run's earlier batches, by run position, for rows that copy one of them)."""
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
         for entry, result in zip(self._prepared, results, strict=True):
@@ -210,6 +233,11 @@ class PreparedBatch:
             result_at[entry.position] = result
         for position, row, source in self._copies:
             outputs[position] = dataclasses.replace(output_row(row, result_at[source], expired),
+                                                    deduplicated=True, engine_seconds=0.0,
+                                                    drafted_per_position=(), accepted_per_position=())
+        for position, row, source in self._earlier_copies:
+            outputs[position] = dataclasses.replace(earlier[source], index=row.index, row_id=row.row_id,
+                                                    passthrough=row.passthrough, line=row.line,
                                                     deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         return [output for output in outputs if output is not None]
@@ -258,8 +286,11 @@ class EngineRun:
     ones submitted at once; `outputs()` gives every row's outcome in input order when done."""
 
     def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
-                 deduplicate: bool = True, cache_salt: str | None = None) -> None:
-        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, cache_salt)
+                 deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, known, offset,
+                                       cache_salt=cache_salt)
+        self.rows = len(items)
         self._model = hosted.name
         requests = self._prepared.requests
         self.submission: Submission | None = hosted.host.submit(requests) if requests else None
@@ -268,40 +299,18 @@ class EngineRun:
         """True once the engine is done with every row (at once when none could run)."""
         return self.submission is None or self.submission.wait(timeout)
 
-    def outputs(self, expired: bool = False) -> list[OutputRow]:
+    def outputs(self, expired: bool = False, earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
         """Every row's outcome in input order; raises `EngineUnavailable` if the engine died.
-        `expired`: the run was aborted at the job's deadline (aborted rows become `expired`)."""
+        `expired`: the run was aborted at the job's deadline (aborted rows become `expired`);
+        `earlier`: the outcomes of the batches before this one (see `PreparedBatch.outputs`)."""
         if self.submission is None:
-            return self._prepared.outputs([])
+            return self._prepared.outputs([], earlier=earlier)
         self.submission.wait()
         results = self.submission.results()
         metrics.record_requests(self._model, results)
-        return self._prepared.outputs(results, expired)
+        return self._prepared.outputs(results, expired, earlier)
 
     def abort(self) -> None:
         """Stop every row still in the engine (their outcomes say so)."""
         if self.submission is not None:
             self.submission.abort()
-
-
-def run_rows(hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0, *,
-             should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
-             deduplicate: bool = True, expires_in_s: float | None = None,
-             cache_salt: str | None = None) -> list[OutputRow] | None:
-    """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
-    while the rows run) said to stop: the rows still running are then aborted. When
-    `expires_in_s` seconds pass first (the job's deadline), the rows not finished by then are
-    aborted and come back `expired`, the finished ones as they are. `cache_salt`: the rows share
-    prefix-cache blocks only with requests of the same salt (worker/prefix_cache_salt.py)."""
-    if expires_in_s is not None and expires_in_s <= 0:
-        return [expired_row(item) for item in items]
-    deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
-    run = EngineRun(hosted, items, priority, deduplicate, cache_salt)
-    while not run.wait(poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))):
-        if should_stop():
-            run.abort()
-            return None
-        if deadline is not None and time.monotonic() >= deadline:
-            run.abort()
-            return run.outputs(expired=True)
-    return run.outputs()

@@ -14,7 +14,7 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from jobs.formats.rows import Row, RowError
 
@@ -48,13 +48,19 @@ def row_text(item: Row | RowError) -> str:
 
 def kill_if_marked(items: Sequence[Row | RowError]) -> None:
     """SIGKILL this process when fault injection is on and a row carries the marker."""
+    for _ in killing_on_marker(items):
+        pass
+
+
+def killing_on_marker(items: Iterable[Row | RowError]) -> Iterator[Row | RowError]:
+    """The rows as they are read; SIGKILL this process, when fault injection is on, as the engine
+    is about to get a row that carries the marker (rows reach it a window at a time)."""
     marker = kill_marker()
-    if marker is None:
-        return
     for item in items:
-        if marker in row_text(item):
+        if marker is not None and marker in row_text(item):
             logger.warning("fault injection: row %s carries the kill marker; killing this worker (pid %d)",
                            item.row_id, os.getpid())
             for handler in logging.getLogger().handlers:
                 handler.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        yield item

@@ -14,7 +14,7 @@ most one more limit's worth).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -70,3 +70,17 @@ def limit_schemas(client: redis.Redis, namespace: str, job_id: str, items: Seque
     return [RowError(item.index, item.row_id, code, message, item.line, item.passthrough)
             if isinstance(item, Row) and digests.get(id(item)) in refused else item
             for item in items]
+
+
+def limit_schemas_streamed(client: redis.Redis, namespace: str, job_id: str, items: Iterable[Row | RowError],
+                           limit: int = DEFAULT_MAX_SCHEMAS_PER_JOB,
+                           chunk_rows: int = 1024) -> Iterator[Row | RowError]:
+    """`limit_schemas` over rows read lazily, `chunk_rows` at a time (schemas admitted in order)."""
+    chunk: list[Row | RowError] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= chunk_rows:
+            yield from limit_schemas(client, namespace, job_id, chunk, limit)
+            chunk = []
+    if chunk:
+        yield from limit_schemas(client, namespace, job_id, chunk, limit)

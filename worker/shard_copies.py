@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 
 from jobs.formats.output import OutputRow, expired_row
@@ -39,9 +39,9 @@ class Stopped(Exception):
     """The shard must stop (cancel or shutdown) while its copies wait."""
 
 
-def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan, items: list[Row | RowError],
-              should_stop: Callable[[], bool], expires_at: datetime | None) -> tuple[dict[int, OutputRow],
-                                                                                      list[int]]:
+def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
+              items: Mapping[int, Row | RowError], should_stop: Callable[[], bool],
+              expires_at: datetime | None) -> tuple[dict[int, OutputRow], list[int]]:
     """The copies' outcomes by position, and the positions the shard must compute itself (its
     source exported nothing). Raises `Stopped` when `should_stop()` says so while waiting."""
     by_source: dict[int, list[tuple[int, int]]] = {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import UTC, datetime
 from typing import Any
@@ -46,14 +46,14 @@ from jobs.usage import shard_usage_entry
 from worker import metrics, shutdown
 from worker.context import WorkerContext
 from worker.engine_host import EngineUnavailable
-from worker.engine_rows import run_rows
 from worker.exclusive_runs import ENGINE_RUNS
-from worker.fault_injection import kill_if_marked
+from worker.fault_injection import killing_on_marker
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.model_hosts import HostedModel
 from worker.outage_cancel import CancelCheck
 from worker.prefix_cache_salt import prefix_cache_salt
-from worker.schema_limit import limit_schemas
+from worker.row_window import run_rows
+from worker.schema_limit import limit_schemas_streamed
 from worker.shard_copies import Stopped, copy_rows, write_exports
 from worker.shard_crashes import CrashHistory, ShardCrashes, run_split
 from worker.shard_lease import ShardLease
@@ -207,22 +207,22 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         if is_transient(error):  # …but not a store that is down for a moment
             raise
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
-    with timings.phase("read"):
-        items = read_rows(context, spec, shard)
-        items = limit_schemas(context.repository.redis, context.repository.namespace, job_id, items,
-                              context.settings.max_schemas_per_job)
-    with timings.phase("engine"):
+    with timings.phase("engine"):  # rows are read as the engine drains them (worker/row_window.py)
+        items = limit_schemas_streamed(context.repository.redis, context.repository.namespace, job_id,
+                                       stream_rows(context, spec, shard),
+                                       context.settings.max_schemas_per_job)
         outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
-              items: list[Row | RowError], expires_at: datetime | None,
+              items: Iterator[Row | RowError], expires_at: datetime | None,
               crashed: tuple[ShardCrashes, CrashHistory]) -> list[OutputRow] | None:
-    """Every row's outcome in input order: the shard's own rows from the engine, then the rows it
-    copies from earlier shards (jobs/job_dedup.py), with its exports written for later ones. A
-    shard that crashed its worker before runs its rows in pieces, each alone (worker/shard_crashes.py)."""
+    """Every row's outcome in input order: the shard's own rows from the engine (read as it drains
+    them), then the rows it copies from earlier shards (jobs/job_dedup.py), with its exports written
+    for later ones. Only the copies' rows are kept until the end, except in a shard that crashed its
+    worker before: that one holds its rows and runs them in pieces, each alone (worker/shard_crashes.py)."""
     repository = context.repository
     layout = repository.layout(job_id)
     crashes, history = crashed
@@ -230,26 +230,47 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     cache_salt = prefix_cache_salt(spec.tenant, settings.share_prefix_cache_across_tenants)
     priority = settings.job_priority(spec)  # capped for its tenant, as the fair queue has it
 
-    def on_engine(positions: list[int], alone: bool = False) -> dict[int, OutputRow] | None:
+    def on_engine(rows: Iterable[Row | RowError], alone: bool = False) -> list[OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
-        outputs = _run_on_engine(context, hosted, job_id, [items[p] for p in positions],
-                                 priority=MAX_JOB_PRIORITY - priority, deduplicate=spec.deduplicate,
-                                 expires_in_s=expires_in_s, cache_salt=cache_salt, alone=alone)
-        return None if outputs is None else dict(zip(positions, outputs, strict=True))
+        return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - priority,
+                              deduplicate=spec.deduplicate, expires_in_s=expires_in_s, cache_salt=cache_salt,
+                              alone=alone)
 
-    def run(positions: list[int]) -> dict[int, OutputRow] | None:
-        if not history.split:
-            return on_engine(positions)
-        return run_split(items, positions, history, crashes, lambda members: on_engine(members, alone=True))
+    copy_items: dict[int, Row | RowError] = {}
+    if history.split:
+        held = list(items)
+        copy_items.update((position, held[position]) for position in shard.copies if position < len(held))
 
-    outcomes = run([position for position in range(len(items)) if position not in shard.copies])
+        def run(positions: list[int]) -> dict[int, OutputRow] | None:
+            def run_alone(members: list[int]) -> dict[int, OutputRow] | None:
+                return _keyed(members, on_engine([held[member] for member in members], alone=True))
+
+            return run_split(held, positions, history, crashes, run_alone)
+
+        outcomes = run([position for position in range(len(held)) if position not in shard.copies])
+    else:
+        own_positions: list[int] = []
+
+        def own_rows() -> Iterator[Row | RowError]:
+            for position, item in enumerate(items):
+                if position in shard.copies:
+                    copy_items[position] = item
+                else:
+                    own_positions.append(position)
+                    yield item
+
+        def run(positions: list[int]) -> dict[int, OutputRow] | None:
+            return _keyed(positions, on_engine([copy_items[position] for position in positions]))
+
+        own = on_engine(own_rows())
+        outcomes = None if own is None else _keyed(own_positions, own)
     if outcomes is None:
         return None
     write_exports(repository, layout, shard, outcomes)
     if shard.copies:
         try:
             cancel = CancelCheck(repository, job_id)
-            copied, compute = copy_rows(repository, layout, shard, items, expires_at=expires_at,
+            copied, compute = copy_rows(repository, layout, shard, copy_items, expires_at=expires_at,
                                         should_stop=lambda: shutdown.stopping() or cancel.while_running())
         except Stopped:
             if shutdown.stopping():
@@ -260,21 +281,31 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
             return None
         outcomes.update(copied)
         outcomes.update(computed)
-    return [outcomes[position] for position in range(len(items))]
+    return [outcomes[position] for position in range(len(outcomes))]
 
 
 def read_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> list[Row | RowError]:
     """The shard's rows; `JobCannotRun` when the input cannot be read (a store down: raised as is)."""
+    return list(stream_rows(context, spec, shard))
+
+
+def stream_rows(context: WorkerContext, spec: JobSpec, shard: ShardPlan) -> Iterator[Row | RowError]:
+    """The shard's rows, read as they are asked for; `JobCannotRun` when the input cannot be read
+    (a store down: raised as is, the task retries)."""
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     try:
-        return list(read_shard_rows(store, key, spec, shard))
+        yield from read_shard_rows(store, key, spec, shard)
     except Exception as error:  # noqa: BLE001 - any failure to read the input fails the job…
         if is_transient(error):  # …unless the store is unreachable: the task retries
             raise
         raise JobCannotRun(f"cannot read the input {spec.input_uri}: {error}") from error
 
 
-def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: list[Row | RowError],
+def _keyed(positions: Sequence[int], outputs: list[OutputRow] | None) -> dict[int, OutputRow] | None:
+    return None if outputs is None else dict(zip(positions, outputs, strict=True))
+
+
+def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: Iterable[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None,
                    cache_salt: str | None, alone: bool = False) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if the job was cancelled while its rows ran.
@@ -283,9 +314,10 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, ite
     cancel = CancelCheck(context.repository, job_id)  # a Redis outage meanwhile does not stop the rows
     try:
         with nullcontext() if alone else ENGINE_RUNS.together():
-            kill_if_marked(items)  # off unless a test turned it on (worker/fault_injection.py)
-            outputs = run_rows(hosted, items, priority, poll_s=CANCEL_POLL_S, deduplicate=deduplicate,
-                               expires_in_s=expires_in_s, cache_salt=cache_salt,
+            # killing_on_marker: off unless a test turned it on (worker/fault_injection.py)
+            outputs = run_rows(hosted, killing_on_marker(items), priority, poll_s=CANCEL_POLL_S,
+                               deduplicate=deduplicate, expires_in_s=expires_in_s,
+                               window_rows=context.settings.shard_window_rows, cache_salt=cache_salt,
                                should_stop=lambda: shutdown.stopping() or cancel.while_running())
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker

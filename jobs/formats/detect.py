@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from jobs.errors import InputError
+from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.formats.lines import iter_lines_in_range
 from jobs.object_store.base import ObjectStore
 from jobs.spec import InputFormat, JobSpec, format_from_name
@@ -23,8 +22,8 @@ def detect_input_format(store: ObjectStore, key: str) -> InputFormat:
         return InputFormat.PARQUET
     first = _first_non_blank_line(store, key)
     try:
-        record = json.loads(first) if first is not None else None
-    except ValueError:
+        record = loads_untrusted(first) if first is not None else None
+    except UnreadableJson:
         record = None
     if isinstance(record, dict) and "custom_id" in record and "body" in record:
         return InputFormat.OPENAI_BATCH

@@ -6,6 +6,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.formats.lines import MAX_LINE_BYTES, Line, iter_lines_in_range
 from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
 from jobs.object_store.base import ObjectStore
@@ -19,13 +20,10 @@ def decode_object_line(line: Line) -> dict[str, Any] | RowError:
                         f"{where}: the line is {line.too_long:,} bytes, over the {MAX_LINE_BYTES >> 20} MiB "
                         "a row may have (it was skipped, not read)", line.number)
     try:
-        record = json.loads(line.data)
-    except UnicodeDecodeError as error:
-        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON,
-                        f"{where}: not UTF-8 text ({error.reason})", line.number)
-    except json.JSONDecodeError as error:
-        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON,
-                        f"{where}: invalid JSON: {error.msg} at column {error.colno}", line.number)
+        record = loads_untrusted(line.data)
+    except UnreadableJson as error:
+        return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_JSON, f"{where}: {error}",
+                        line.number)
     if not isinstance(record, dict):
         return RowError(line.offset, str(line.offset), RowErrorCode.INVALID_ROW,
                         f"{where}: a JSON {type(record).__name__} where an object was expected", line.number)

@@ -9,6 +9,7 @@ lines that repeat an earlier one).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from jobs.formats.rows import (
     first_error_message,
     parse_response_format,
     parse_sampling_overrides,
+    unreadable_row,
     validate_messages,
     with_instructions_messages,
     with_instructions_prompt,
@@ -73,6 +75,8 @@ class OpenAIBatchRowBuilder:
             return self._row(line, row_id, url, body)
         except RowProblem as problem:
             return RowError(line.offset, row_id, problem.code, str(problem), line.number)
+        except (ValueError, TypeError, RecursionError, OverflowError) as error:  # values no check foresaw
+            return unreadable_row(line.offset, row_id, error, line.number)
 
     def _row(self, line: Line, custom_id: str, url: str, body: dict[str, Any]) -> Row:
         instructions = self.spec.instructions
@@ -169,14 +173,17 @@ def repeated_custom_id_lines(store: ObjectStore, key: str) -> dict[int, int]:
 
 
 def _repeats(store: ObjectStore, key: str) -> dict[str, list[tuple[int, int]]]:
-    first_line: dict[str, int] = {}
+    # Ids are remembered as 16-byte digests: a custom_id may be as long as its line (MiBs), and the
+    # planner must not hold every one of them.
+    first_line: dict[bytes, int] = {}
     repeats: dict[str, list[tuple[int, int]]] = {}
     for line in iter_lines_in_range(store, key, 0, store.head(key).size):
         record = decode_object_line(line) if line.data.strip() else None
         if isinstance(record, dict) and isinstance(record.get("custom_id"), str):
             custom_id = record["custom_id"]
-            if custom_id in first_line:
-                repeats.setdefault(custom_id, []).append((line.offset, first_line[custom_id]))
+            digest = hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).digest()[:16]
+            if digest in first_line:
+                repeats.setdefault(custom_id, []).append((line.offset, first_line[digest]))
             else:
-                first_line[custom_id] = line.number
+                first_line[digest] = line.number
     return repeats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -10,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
@@ -32,6 +32,7 @@ class RowErrorCode(StrEnum):
     UNSUPPORTED_URL = "unsupported_url"
     # Set by the worker, not the readers: the engine refused or failed the row.
     PROMPT_TOO_LONG = "prompt_too_long"
+    TOKENIZE_ERROR = "tokenize_error"  # the model's tokenizer raised on this row's text
     INVALID_OUTPUT_JSON = "invalid_output_json"
     ENGINE_ERROR = "engine_error"
     EXPIRED = "expired"  # the job's completion_window passed before the row finished
@@ -76,6 +77,14 @@ class RowError:
     passthrough: dict[str, Any] = field(default_factory=dict)
 
 
+def unreadable_row(index: int, row_id: str, error: Exception, line: int | None = None,
+                   passthrough: dict[str, Any] | None = None) -> RowError:
+    """The error of a row whose values broke a step no check foresaw: that row fails, never the job."""
+    return RowError(index, row_id, RowErrorCode.INVALID_ROW,
+                    f"the row's values cannot be used ({type(error).__name__}: {str(error)[:200]})",
+                    line, passthrough or {})
+
+
 class RowProblem(ValueError):
     """Raised while building a row; becomes a `RowError` with this code."""
 
@@ -88,9 +97,9 @@ def _decode_json_cell(value: Any, where: str, code: RowErrorCode) -> Any:
     # Parquet users often store objects as JSON text; accept both forms.
     if isinstance(value, str):
         try:
-            return json.loads(value)
-        except json.JSONDecodeError as error:
-            raise RowProblem(code, f"{where} holds text that is not JSON ({error.msg})") from None
+            return loads_untrusted(value)
+        except UnreadableJson as error:
+            raise RowProblem(code, f"{where} holds text that is not JSON ({error})") from None
     return value
 
 
@@ -201,6 +210,8 @@ class RowBuilder:
         except ValidationError as error:  # a row override that is valid alone but not merged
             code = RowErrorCode.INVALID_SAMPLING
             return RowError(index, row_id, code, first_error_message(error), line, passthrough)
+        except (ValueError, TypeError, RecursionError, OverflowError) as error:  # values no check foresaw
+            return unreadable_row(index, row_id, error, line, passthrough)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
 
     def _row_id(self, index: int, record: Mapping[str, Any]) -> str:

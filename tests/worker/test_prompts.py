@@ -11,7 +11,14 @@ from transformers import AutoTokenizer
 from engine import ErrorKind, SamplingParams
 from jobs.formats.rows import Row, RowErrorCode
 from jobs.sampling import JobSampling
-from worker.engine_rows import ROW_CODES, PromptRenderer, RowRejected, engine_error_code, engine_sampling
+from worker.engine_rows import (
+    ROW_CODES,
+    PreparedBatch,
+    PromptRenderer,
+    RowRejected,
+    engine_error_code,
+    engine_sampling,
+)
 
 
 def row(prompt: str | None = None, messages: list | None = None) -> Row:
@@ -96,3 +103,19 @@ def test_structured_output_values_the_engine_refuses_are_format_errors() -> None
     with pytest.raises(RowRejected, match="json_schema") as rejected:
         engine_sampling(JobSampling(), {"type": "json_schema", "json_schema": {"schema": "not a dict"}})
     assert rejected.value.code == RowErrorCode.INVALID_RESPONSE_FORMAT
+
+
+def test_a_tokenizer_that_raises_on_a_rows_text_fails_that_row_only(tiny_checkpoint: Path) -> None:
+    # A Row may hold text the Rust tokenizer cannot take (half a UTF-16 pair); any row from any
+    # reader must end as its own error, never as an exception that fails the shard.
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    rows = [Row(n, f"r{n}", prompt, None, JobSampling(temperature=0.0), None)
+            for n, prompt in enumerate(["def main():", "half a pair: \ud800", "import os"])]
+
+    batch = PreparedBatch(PromptRenderer(tokenizer), rows)
+
+    assert sorted(list(request.prompt) for request in batch.requests) == sorted(
+        [tokenizer.encode("def main():"), tokenizer.encode("import os")])
+    [failed] = PreparedBatch(PromptRenderer(tokenizer), rows[1:2]).outputs([])
+    assert (failed.row_id, failed.error_code) == ("r1", RowErrorCode.TOKENIZE_ERROR)
+    assert "tokenizer failed on this row" in failed.error_message
