@@ -18,6 +18,7 @@ import json
 
 from api.errors import HttpError
 from jobs.object_store.base import AlreadyExists, ObjectStore
+from jobs.object_store.factory import split_uri
 
 OWNER_MARKER = ".bulkinfer-job"
 
@@ -36,13 +37,35 @@ def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
             for tenant, prefixes in rules.items()}
 
 
-def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str) -> None:
-    """403 unless `tenant` may use `uri` (None: an admin or an open API, never limited)."""
+def canonical_uri(uri: str) -> str:
+    """The URI as the stores will read it (`s3://bucket/key`, or `/path` for the `file://` forms and
+    their percent-escapes), so a rule compares what is read, not how it was spelled. ValueError for a
+    `.` or `..` segment: `<acme's folder>/../globex/x` starts with acme's prefix, and a local store
+    (or an S3 client that tidies paths) reads globex's file."""
+    scheme, bucket, key = split_uri(uri)
+    if {".", ".."} & set(key.split("/")):
+        raise ValueError(f"{uri!r} has a '.' or '..' segment; name the object by its own path")
+    return f"s3://{bucket}/{key}" if scheme == "s3" else "/" + key
+
+
+def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str, *,
+                  listing: bool = False) -> None:
+    """403 unless `tenant` may use `uri` (None: an admin or an open API, never limited). A `listing`
+    URI (a schedule's input_prefix) lists every key that starts with it, so it must lie inside an
+    allowed folder: `s3://b/acme` would list `s3://b/acme-evil/` too."""
     rules = tenant_prefixes(setting)
     if rules is None or tenant is None:
         return
     allowed = rules.get(tenant, [])
-    if not any(uri == prefix.rstrip("/") or uri.startswith(prefix) for prefix in allowed):
+    try:
+        wanted = canonical_uri(uri)
+        folders = [canonical_uri(prefix) for prefix in allowed]  # each ends in "/"
+    except ValueError as error:
+        raise HttpError(400, f"{field}: {error}") from None
+    if listing and wanted + "/" in folders:
+        raise HttpError(400, f"{field} {uri!r}: end it with '/' (without it, it also lists the folders "
+                             "beside it whose names start the same)")
+    if not any(wanted + "/" == folder or wanted.startswith(folder) for folder in folders):
         names = ", ".join(allowed) or "none: upload files instead"
         raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use ({names}); "
                             "the deployment's tenant_prefixes setting says where each tenant's data may be")

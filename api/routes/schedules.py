@@ -101,7 +101,7 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
     rules = context.settings.tenant_prefixes
-    check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix")
+    check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix", listing=True)
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))
