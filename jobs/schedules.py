@@ -37,6 +37,15 @@ GLOB_CHARACTERS = "*?["
 # Fields a template may not set: the tick fills them in per input object.
 TICK_FIELDS = ("input_uri", "idempotency_key")
 SCHEDULE_METADATA_KEY = "schedule_id"
+TEMPLATE_PROBE_URI = "s3://bucket/template-check"  # a template is checked as a JobSpec with this input
+
+
+def check_template(template: dict[str, Any]) -> None:
+    """ValueError for a template field that makes no sense on a job a tick submits: `dry_run` (each
+    tick would create and run, as real jobs, what the user asked only to be estimated)."""
+    if template.get("dry_run"):
+        raise ValueError("dry_run: a schedule submits real jobs at every tick; estimate a template "
+                         "with POST /jobs and dry_run, then leave dry_run out")
 
 
 class ScheduleNotFound(LookupFailed):
@@ -141,11 +150,12 @@ class ScheduleSpec(BaseModel):
             raise ValueError(f"{', '.join(present)}: set per input object by the schedule; leave it out")
         if cls.refuses_server_set_fields:
             check_user_spec(value)  # e.g. parent_job_id: its jobs would merge another job's rows
+            check_template(value)
         if value.get("output_uri"):
             raise ValueError("output_uri: every job a schedule submits writes to its own folder (one "
                              "output_uri for all of them would make their parts overwrite each other); "
                              "leave it out")
-        probe = {**value, "input_uri": "s3://bucket/template-check"}
+        probe = {**value, "input_uri": TEMPLATE_PROBE_URI}
         if isinstance(value.get("metadata", {}), dict):  # leaves room for the schedule id
             probe["metadata"] = {**value.get("metadata", {}), SCHEDULE_METADATA_KEY: "x"}
         try:
@@ -169,6 +179,7 @@ class Schedule(ScheduleSpec):
         """
         data = dict(self.job)
         check_user_spec(data)  # ServerSetField: a template stored before create refused them
+        check_template(data)
         data["input_uri"] = input_uri
         data["idempotency_key"] = idempotency_key(self.id, key, etag)
         data["metadata"] = {**(data.get("metadata") or {}), SCHEDULE_METADATA_KEY: self.id}

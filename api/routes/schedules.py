@@ -18,10 +18,11 @@ from api.dispatch import enqueue_plan
 from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
 from api.storage_rules import check_allowed
-from api.submission import check_webhook, locate, parse_object
+from api.submission import check_completion_window, check_webhook, locate, parse_object
 from jobs.object_store.factory import split_uri
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
+    TEMPLATE_PROBE_URI,
     Schedule,
     ScheduleNotFound,
     ScheduleRepository,
@@ -31,6 +32,7 @@ from jobs.schedules import (
     TickReport,
     split_input,
 )
+from jobs.spec import JobSpec
 
 router = APIRouter(tags=["schedules"], responses=ERROR_RESPONSES)
 
@@ -100,6 +102,8 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
+    # Every job a tick submits is held to the limits a POST /jobs is held to.
+    check_completion_window(context, JobSpec.model_validate({**spec.job, "input_uri": TEMPLATE_PROBE_URI}))
     rules = context.settings.tenant_prefixes
     check_allowed(rules, spec.tenant, spec.input_prefix, "input_prefix", listing=True)
     _check_input(context, spec)

@@ -1,0 +1,52 @@
+"""A schedule's job template is held to what a submit is held to, and refuses what makes no sense
+for the real jobs a tick submits."""
+
+from __future__ import annotations
+
+import pytest
+
+from api.client import ApiError
+from jobs.schedules import Schedule, ScheduleRepository
+from tests.api.conftest import RunningApi
+
+JOB = {"model": "tiny", "prompt_column": "q"}
+
+
+def schedule_body(api: RunningApi, **job) -> dict:  # noqa: ANN003
+    api.put_input("tpl/x.jsonl", b'{"q": "hello"}\n')
+    return {"cron": "0 0 1 1 *", "input_prefix": api.input_uri("tpl") + "/", "job": {**JOB, **job}}
+
+
+@pytest.mark.parametrize(("job", "status", "message"), [
+    ({"dry_run": True}, 422, "job: dry_run: a schedule submits real jobs"),
+    ({"completion_window": "30d"}, 422, "completion_window: '30d' is longer than this deployment's "
+                                        "max_completion_window (7d)"),
+])
+def test_a_template_field_no_tick_could_honour_is_refused(local_api: RunningApi, job, status,
+                                                          message) -> None:
+    with pytest.raises(ApiError) as refused:
+        local_api.client.schedules.create(schedule_body(local_api, **job))
+    assert refused.value.status_code == status and message in refused.value.message, refused.value.message
+    assert local_api.client.schedules.list() == []
+
+
+def test_a_template_within_the_limits_is_accepted(local_api: RunningApi) -> None:
+    body = schedule_body(local_api, dry_run=False, completion_window="2d")
+    schedule = local_api.client.schedules.create(body)
+    [submitted] = local_api.client.schedules.tick(schedule.id).submitted
+    assert local_api.client.jobs.get(submitted.job_id).state == "queued"
+
+
+def test_a_stored_dry_run_template_submits_nothing_and_says_why(local_api: RunningApi) -> None:
+    """A schedule stored before templates refused dry_run: its tick creates no job (each would run
+    for real) and the schedule's last_error says why."""
+    schedules = ScheduleRepository.beside(local_api.repository)
+    body = schedule_body(local_api)
+    created = local_api.client.schedules.create(body)
+    old_template = {**JOB, "dry_run": True}
+    stored = Schedule.model_validate({**schedules.get(created.id).model_dump(), "job": old_template})
+    schedules.store.put_bytes(schedules._key(created.id), stored.model_dump_json().encode())
+    report = local_api.client.schedules.tick(created.id)
+    assert report.submitted == [] and "dry_run" in report.error
+    assert list(local_api.client.jobs.list()) == []
+    assert "dry_run" in local_api.client.schedules.get(created.id).runtime.last_error
