@@ -15,6 +15,7 @@ refused with 409, so no job's parts are ever written over another's. Folders ins
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from api.errors import HttpError
 from jobs.object_store.base import AlreadyExists, ObjectStore
@@ -71,13 +72,17 @@ def check_allowed(setting: str | None, tenant: str | None, uri: str, field: str,
                             "the deployment's tenant_prefixes setting says where each tenant's data may be")
 
 
-def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str) -> None:
-    """Make the folder this job's (or find it already is); 409 when another job has it."""
+def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,
+                        may_name: Callable[[str], bool] = lambda _owner: True) -> None:
+    """Make the folder this job's (or find it already is); 409 when another job has it. The owning
+    job is named only when `may_name(owner)` (the caller may see it): another tenant's job id is
+    not for this caller to learn."""
     marker = f"{folder_key.rstrip('/')}/{OWNER_MARKER}" if folder_key.strip("/") else OWNER_MARKER
     try:
         store.put_bytes(marker, job_id.encode(), if_none_match=True)
     except AlreadyExists:
         owner = store.get_bytes(marker).decode(errors="replace").strip()
         if owner != job_id:
-            raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+            whose = f"job {owner}" if may_name(owner) else "another job"
+            raise HttpError(409, f"output_uri {uri!r} already holds the outputs of {whose}; give this "
                                 "job a folder of its own") from None

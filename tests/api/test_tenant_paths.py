@@ -3,10 +3,23 @@ a schedule prefix without its final '/' never reaches past the folders `tenant_p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from api.client import ApiError, Client
-from tests.api.test_tenants import ROWS, ruled_api  # noqa: F401 - the fixture, with rules per tenant
+from jobs.settings import Settings
+from tests.api.conftest import MODELS, serve
+from tests.api.test_tenants import GLOBEX_KEY, KEYS, ROWS, ruled_api  # noqa: F401 - ruled_api: a fixture
+
+
+@pytest.fixture
+def keyed_local_api(redis_url, tmp_path):
+    """Keys for acme and globex, no tenant_prefixes rule (the default)."""
+    settings = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS),
+                        api_keys=KEYS)
+    with serve(settings) as running:
+        yield running
 
 
 def refused(call) -> ApiError:  # noqa: ANN001
@@ -45,3 +58,19 @@ def test_a_schedule_prefix_must_end_inside_the_tenants_folder(ruled_api) -> None
         assert error.status_code == 400 and "end it with '/'" in error.message, error.message
         schedule = acme.schedules.create({**body, "input_prefix": api.input_uri("acme") + "/"})
         assert acme.schedules.tick(schedule.id).submitted == []  # acme-evil/ is not listed
+
+
+def test_a_claimed_output_folder_does_not_name_another_tenants_job(keyed_local_api) -> None:
+    api = keyed_local_api
+    folder = api.input_uri("shared") + "/out/"
+    rows = api.put_input("rows.jsonl", ROWS)
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex:
+        mine = acme.jobs.create({"input_uri": rows, "model": "tiny", "prompt_column": "q",
+                                 "output_uri": folder})
+        error = refused(lambda: globex.jobs.create({"input_uri": rows, "model": "tiny", "prompt_column": "q",
+                                                    "output_uri": folder}))
+        assert error.status_code == 409 and "another job" in error.message, error.message
+        assert mine.job_id not in error.message
+        error = refused(lambda: acme.jobs.create({"input_uri": rows, "model": "tiny", "prompt_column": "q",
+                                                  "output_uri": folder}))
+        assert error.status_code == 409 and mine.job_id in error.message  # its own job is named
