@@ -17,6 +17,7 @@ from api.app import create_app
 from api.client import Client
 from jobs.settings import Settings
 from tests.api.conftest import MODELS, serve
+from tests.fixtures.services import free_port
 
 ROWS = b'{"q": "def f(x):"}\n{"q": "class A:"}\n'
 KEYS = "acme=acme-secret,globex=globex-secret"
@@ -147,3 +148,13 @@ def test_the_walk_covers_every_route_of_the_schema(keyed_api) -> None:
     walked = set(_routes(keyed_api.settings))
     assert published <= walked, published - walked
     assert len([route for route in walked if "{" in route[1]]) >= 13  # jobs' and schedules' sub-routes
+
+
+def test_the_open_health_check_names_no_host_port_or_path_when_keys_are_set(tmp_path) -> None:
+    port = free_port()  # nothing listens there: Redis is down
+    settings = Settings(broker_url=f"redis://127.0.0.1:{port}/0", store_uri=str(tmp_path / "store"),
+                        models=json.dumps(MODELS), api_keys=KEYS)
+    with serve(settings) as api:
+        answer = httpx.get(f"{api.url}/healthz")
+    assert answer.status_code == 503 and answer.json()["checks"]["redis"] == "failing: ConnectionError"
+    assert str(port) not in answer.text and str(tmp_path) not in answer.text
