@@ -73,11 +73,28 @@ def check_cron(expression: str) -> str:
     return " ".join(fields)
 
 
-def next_fire(expression: str, after: datetime) -> datetime:
-    """The first time strictly after `after` that the expression names (UTC)."""
-    from croniter import croniter
+def next_fire(expression: str, after: datetime) -> datetime | None:
+    """The first time strictly after `after` that the expression names (UTC); None when no date
+    matches it (`0 0 31 2 *`: February has no 31st)."""
+    from croniter import CroniterBadDateError, croniter
 
-    return croniter(expression, after.astimezone(UTC)).get_next(datetime)
+    try:
+        return croniter(expression, after.astimezone(UTC)).get_next(datetime)
+    except CroniterBadDateError:
+        return None
+
+
+def check_fires(expression: str) -> str:
+    """The expression if some date matches it; ValueError naming it otherwise (a new schedule's
+    check: one stored before it is read as it is, and simply never ticks)."""
+    try:
+        import croniter  # noqa: F401
+    except ImportError:  # the SDK (client extra) without croniter: the server checks it
+        return expression
+    if next_fire(expression, datetime.now(UTC)) is None:
+        raise ValueError(f"{expression!r} never fires: no date matches it (e.g. a day the month "
+                         "never has)")
+    return expression
 
 
 def split_input(input_prefix: str) -> tuple[str, str | None]:
@@ -107,8 +124,9 @@ class ScheduleSpec(BaseModel):
     """What a user posts to create a schedule. Unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # A new template may not set the fields only the server sets; a stored one is read whatever it
-    # holds (one written before that check), and its tick refuses it instead (`job_spec`).
+    # A new template may not set the fields only the server sets, nor a new cron be one that never
+    # fires; a stored one is read whatever it holds (one written before those checks), and its tick
+    # refuses it instead (`job_spec`), or it never ticks.
     refuses_server_set_fields: ClassVar[bool] = True
 
     name: str | None = Field(None, max_length=200)
@@ -129,7 +147,8 @@ class ScheduleSpec(BaseModel):
     @field_validator("cron")
     @classmethod
     def _cron_is_valid(cls, value: str) -> str:
-        return check_cron(value)
+        value = check_cron(value)
+        return check_fires(value) if cls.refuses_server_set_fields else value
 
     @field_validator("input_prefix")
     @classmethod

@@ -3,9 +3,12 @@ for the real jobs a tick submits."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime, timedelta
+
 import pytest
 
 from api.client import ApiError
+from jobs.schedule_tick import tick_due
 from jobs.schedules import Schedule, ScheduleRepository
 from tests.api.conftest import RunningApi
 
@@ -50,3 +53,26 @@ def test_a_stored_dry_run_template_submits_nothing_and_says_why(local_api: Runni
     assert report.submitted == [] and "dry_run" in report.error
     assert list(local_api.client.jobs.list()) == []
     assert "dry_run" in local_api.client.schedules.get(created.id).runtime.last_error
+
+
+def test_a_cron_that_never_fires_is_a_422_and_a_stored_one_stops_no_other_schedule(
+        local_api: RunningApi) -> None:
+    api = local_api
+    with pytest.raises(ApiError) as refused:
+        api.client.schedules.create({**schedule_body(api), "cron": "0 0 31 2 *"})
+    assert refused.value.status_code == 422 and "'0 0 31 2 *' never fires" in refused.value.message
+    # One stored before that check (any tenant's): listed with no next tick, and every other
+    # schedule still ticks when due.
+    schedules = ScheduleRepository.beside(api.repository)
+    never = api.client.schedules.create(schedule_body(api))
+    stored = Schedule.model_validate({**schedules.get(never.id).model_dump(), "cron": "0 0 31 2 *"})
+    schedules.store.put_bytes(schedules._key(never.id), stored.model_dump_json().encode())
+    api.put_input("other/y.jsonl", b'{"q": "hi"}\n')
+    other = api.client.schedules.create({**schedule_body(api), "cron": "* * * * *",
+                                         "input_prefix": api.input_uri("other") + "/"})
+    listed = {view.id: view for view in api.client.schedules.list()}
+    assert listed[never.id].runtime.next_tick_at is None and listed[other.id].runtime.next_tick_at
+    later = datetime.now(UTC) + timedelta(minutes=2)
+    results = tick_due(schedules, api.repository, lambda _job_id: None, now=later)
+    assert [result.schedule_id for result in results] == [other.id]
+    assert len(results[0].submitted) == 1
