@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import fnmatch
 import hashlib
+import logging
 import re
 import uuid
 from datetime import UTC, datetime
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     import redis
 
     from jobs.repository import JobRepository
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NAMESPACE = "bulkinfer"
 SCHEDULE_ID_PATTERN = re.compile(r"^sched-[0-9a-f]{32}$")
@@ -301,7 +304,9 @@ class ScheduleRepository:
             raise ScheduleNotFound(schedule_id) from None
 
     def list(self) -> builtins.list[Schedule]:
-        """Every schedule, oldest first (schedules are few; the store is their index)."""
+        """Every schedule, oldest first (schedules are few; the store is their index). One that no
+        longer reads (a rule tightened since it was stored) is logged and left out: it must not
+        take every tenant's listing and ticks down with it."""
         schedules = []
         for info in self.store.list(self._folder):
             name = info.key.removeprefix(self._folder).removesuffix(".json")
@@ -310,6 +315,9 @@ class ScheduleRepository:
                     schedules.append(self.get(name))
                 except ScheduleNotFound:  # deleted while we listed
                     continue
+                except ValidationError as error:
+                    logger.error("schedule %s no longer reads, left out: %s", name,
+                                 "; ".join(validation_messages(error)))
         return sorted(schedules, key=lambda schedule: schedule.created_at)
 
     def set_paused(self, schedule_id: str, paused: bool) -> Schedule:

@@ -3,6 +3,7 @@ for the real jobs a tick submits."""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -76,3 +77,20 @@ def test_a_cron_that_never_fires_is_a_422_and_a_stored_one_stops_no_other_schedu
     results = tick_due(schedules, api.repository, lambda _job_id: None, now=later)
     assert [result.schedule_id for result in results] == [other.id]
     assert len(results[0].submitted) == 1
+
+
+def test_a_stored_schedule_that_no_longer_reads_is_left_out_not_every_tenants(
+        local_api: RunningApi) -> None:
+    """A rule tightened after a schedule was stored (here: its template sets input_uri, refused
+    since) hides that schedule only: the listing and every other schedule's ticks go on."""
+    api = local_api
+    schedules = ScheduleRepository.beside(api.repository)
+    broken = api.client.schedules.create(schedule_body(api))
+    data = json.loads(schedules.store.get_bytes(schedules._key(broken.id)))
+    data["job"]["input_uri"] = "s3://bucket/x.jsonl"
+    schedules.store.put_bytes(schedules._key(broken.id), json.dumps(data).encode())
+    fine = api.client.schedules.create({**schedule_body(api), "cron": "* * * * *"})
+    assert [view.id for view in api.client.schedules.list()] == [fine.id]
+    results = tick_due(schedules, api.repository, lambda _job_id: None,
+                       now=datetime.now(UTC) + timedelta(minutes=2))
+    assert [result.schedule_id for result in results] == [fine.id] and len(results[0].submitted) == 1
