@@ -139,9 +139,10 @@ class ScheduleSpec(BaseModel):
                                           "contains * ? or [, e.g. s3://bucket/in/*.jsonl",
                               json_schema_extra={"pattern": URI_PATTERN})
     job: dict[str, Any] = Field(description="a JobSpec without input_uri, idempotency_key and the fields "
-                                "only the server sets (parent_job_id, retry_error_codes)",
+                                "only the server sets (parent_job_id, retry_error_codes), and not a dry run",
                                 json_schema_extra={"required": ["model"], "properties": {
-                                    name: {"type": "null"} for name in SERVER_SET_FIELDS}})
+                                    **{name: {"type": "null"} for name in SERVER_SET_FIELDS},
+                                    "dry_run": {"const": False}}})
     webhook_url: str | None = Field(None, description="copied into every job the schedule submits")
     paused: bool = False
     tenant: str | None = Field(None, description="whose schedule it is (and its jobs'): set by the API from "
