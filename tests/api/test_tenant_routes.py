@@ -78,10 +78,13 @@ def acme_objects(keyed_api):
     """A job and a schedule of acme's."""
     api = keyed_api
     with Client(api.url, api_key="acme-secret") as acme:
-        job = acme.jobs.create({"input_uri": api.put_input("acme/rows.jsonl", ROWS), "model": "tiny",
-                                "prompt_column": "q", "metadata": {"secret": "acme-only"}})
-        api.put_input("acme-sched/x.jsonl", ROWS)
-        schedule = acme.schedules.create({"cron": "0 0 1 1 *", "input_prefix": api.input_uri("acme-sched/"),
+        own = api.settings.local_store_root() / "tenants" / "acme"  # its own folder, whatever the rules
+        (own / "sched").mkdir(parents=True)
+        (own / "rows.jsonl").write_bytes(ROWS)
+        (own / "sched" / "x.jsonl").write_bytes(ROWS)
+        job = acme.jobs.create({"input_uri": str(own / "rows.jsonl"), "model": "tiny", "prompt_column": "q",
+                                "metadata": {"secret": "acme-only"}})
+        schedule = acme.schedules.create({"cron": "0 0 1 1 *", "input_prefix": f"{own / 'sched'}/",
                                           "job": {"model": "tiny", "prompt_column": "q"}})
     return {"job_id": job.job_id, "schedule_id": schedule.id}
 
