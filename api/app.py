@@ -13,6 +13,7 @@ from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
 from api.auth import ApiKeyCheck, parse_keys
+from api.body_limit import BodyLimit
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
     install_method_handlers(app)
+    app.add_middleware(BodyLimit)  # before any route reads a body: one tenant's huge body is not everyone's
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from api.app import create_app
+from api.body_limit import MAX_BODY_BYTES
 from api.client import Client
 from jobs.settings import Settings
 from tests.api.conftest import MODELS, serve
@@ -161,3 +162,16 @@ def test_the_open_health_check_names_no_host_port_or_path_when_keys_are_set(tmp_
         answer = httpx.get(f"{api.url}/healthz")
     assert answer.status_code == 503 and answer.json()["checks"]["redis"] == "failing: ConnectionError"
     assert str(port) not in answer.text and str(tmp_path) not in answer.text
+
+
+@pytest.mark.parametrize("path", ["/schedules", "/jobs/{job_id}/retry", "/jobs"])
+def test_a_body_past_the_limit_is_413_before_any_route_reads_it(keyed_api, acme_objects, path) -> None:
+    """One tenant's multi-gigabyte body must not take the API (every tenant's) out of memory: refused
+    by its declared length, or, sent without one, once the limit is passed."""
+    url = keyed_api.url + path.format(**acme_objects)
+    padding = {"padding": "x" * MAX_BODY_BYTES}
+    declared = httpx.post(url, json=padding, headers=OWNER)
+    assert declared.status_code == 413 and f"larger than {MAX_BODY_BYTES} bytes" in declared.json()["detail"]
+    chunks = (b'{"padding": "' + b"x" * 65536 * n for n in range(1, 40))  # ~50 MiB, no Content-Length
+    chunked = httpx.post(url, content=chunks, headers={**OWNER, "content-type": "application/json"})
+    assert chunked.status_code == 413, chunked.text
