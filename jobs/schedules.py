@@ -12,6 +12,7 @@ from __future__ import annotations
 import builtins
 import fnmatch
 import hashlib
+import json
 import logging
 import re
 import uuid
@@ -55,6 +56,25 @@ class ScheduleNotFound(LookupFailed):
     def __init__(self, schedule_id: str) -> None:
         super().__init__(f"no schedule {schedule_id!r}")
         self.schedule_id = schedule_id
+
+
+class ScheduleUnreadable(ValueError):
+    """A stored schedule that no longer validates (a rule tightened after it was stored)."""
+
+    def __init__(self, schedule_id: str, tenant: str | None, problems: list[str]) -> None:
+        super().__init__(f"schedule {schedule_id} no longer reads ({'; '.join(problems)}): delete it and "
+                         "create it again")
+        self.schedule_id = schedule_id
+        self.tenant = tenant
+
+
+def _stored_tenant(data: bytes) -> str | None:
+    """The owner a stored schedule names, read without validating the rest."""
+    try:
+        tenant = json.loads(data).get("tenant")
+    except (ValueError, AttributeError):
+        return None
+    return tenant if isinstance(tenant, str) else None
 
 
 def check_cron(expression: str) -> str:
@@ -299,10 +319,16 @@ class ScheduleRepository:
         return schedule
 
     def get(self, schedule_id: str) -> Schedule:
+        """ScheduleNotFound for an unknown id; ScheduleUnreadable for one stored under rules that
+        have tightened since (its owner can still delete it)."""
         try:
-            return Schedule.model_validate_json(self.store.get_bytes(self._key(schedule_id)))
+            data = self.store.get_bytes(self._key(schedule_id))
         except ObjectNotFound:
             raise ScheduleNotFound(schedule_id) from None
+        try:
+            return Schedule.model_validate_json(data)
+        except ValidationError as error:
+            raise ScheduleUnreadable(schedule_id, _stored_tenant(data), validation_messages(error)) from None
 
     def list(self) -> builtins.list[Schedule]:
         """Every schedule, oldest first (schedules are few; the store is their index). One that no
@@ -316,9 +342,8 @@ class ScheduleRepository:
                     schedules.append(self.get(name))
                 except ScheduleNotFound:  # deleted while we listed
                     continue
-                except ValidationError as error:
-                    logger.error("schedule %s no longer reads, left out: %s", name,
-                                 "; ".join(validation_messages(error)))
+                except ScheduleUnreadable as error:
+                    logger.error("%s; left out", error)
         return sorted(schedules, key=lambda schedule: schedule.created_at)
 
     def set_paused(self, schedule_id: str, paused: bool) -> Schedule:
@@ -330,7 +355,8 @@ class ScheduleRepository:
 
     def delete(self, schedule_id: str) -> None:
         """Remove the schedule and its tick state; the jobs it submitted stay."""
-        self.get(schedule_id)  # ScheduleNotFound for an unknown id
+        if not self.store.exists(self._key(schedule_id)):
+            raise ScheduleNotFound(schedule_id)
         self.store.delete(self._key(schedule_id))
         self.redis.delete(*(self._redis_key(schedule_id, what) for what in ("state", "seen")))
 

@@ -27,6 +27,7 @@ from jobs.schedules import (
     ScheduleNotFound,
     ScheduleRepository,
     ScheduleSpec,
+    ScheduleUnreadable,
     ScheduleView,
     SubmittedObject,
     TickReport,
@@ -120,8 +121,14 @@ def list_schedules(context: Context, caller: CallerDep) -> ScheduleList:
 
 
 def _owned(context: ApiContext, caller: Caller, schedule_id: str) -> Schedule:
-    """The schedule, if the caller may see it; another tenant's is not found, as if it did not exist."""
-    schedule = _repository(context).get(schedule_id)
+    """The schedule, if the caller may see it; another tenant's is not found, as if it did not exist.
+    One that no longer reads is a 409 for its owner (who may delete it)."""
+    try:
+        schedule = _repository(context).get(schedule_id)
+    except ScheduleUnreadable as unreadable:
+        if not caller.sees(unreadable.tenant):
+            raise ScheduleNotFound(schedule_id) from None
+        raise HttpError(409, str(unreadable)) from None
     if not caller.sees(schedule.tenant):
         raise ScheduleNotFound(schedule_id)
     return schedule
@@ -151,8 +158,12 @@ def resume_schedule(schedule_id: str, context: Context, caller: CallerDep) -> Sc
 
 @router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
 def delete_schedule(schedule_id: str, context: Context, caller: CallerDep) -> Response:
-    """The jobs it submitted stay."""
-    _owned(context, caller, schedule_id)
+    """The jobs it submitted stay. One that no longer reads may be deleted by its owner."""
+    try:
+        _owned(context, caller, schedule_id)
+    except HttpError as error:
+        if error.status_code != 409:
+            raise
     _repository(context).delete(schedule_id)
     return Response(status_code=204)
 

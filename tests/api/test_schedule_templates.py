@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime, timedelta
 
+import httpx
 import pytest
 
 from api.client import ApiError
@@ -94,3 +95,8 @@ def test_a_stored_schedule_that_no_longer_reads_is_left_out_not_every_tenants(
     results = tick_due(schedules, api.repository, lambda _job_id: None,
                        now=datetime.now(UTC) + timedelta(minutes=2))
     assert [result.schedule_id for result in results] == [fine.id] and len(results[0].submitted) == 1
+    # Its owner is told why (409, not a 500) and may delete it.
+    answer = httpx.get(f"{api.url}/schedules/{broken.id}")
+    assert answer.status_code == 409 and "no longer reads (job: input_uri" in answer.json()["detail"]
+    assert httpx.delete(f"{api.url}/schedules/{broken.id}").status_code == 204
+    assert httpx.get(f"{api.url}/schedules/{broken.id}").status_code == 404

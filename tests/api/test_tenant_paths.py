@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import httpx
 import pytest
 
 from api.client import ApiError, Client
@@ -93,3 +94,23 @@ def test_a_claimed_output_folder_does_not_name_another_tenants_job(ruled_api) ->
         assert mine.job_id not in error.message
         error = refused(lambda: acme.jobs.create(job(place(api, "tenants/acme/two.jsonl"), output_uri=out)))
         assert error.status_code == 409 and mine.job_id in error.message  # its own job is named
+
+
+def test_a_schedule_that_no_longer_reads_is_still_its_owners_alone(ruled_api) -> None:
+    from jobs.schedules import ScheduleRepository
+
+    api = ruled_api
+    place(api, "tenants/acme/in/x.jsonl")
+    with Client(api.url, **ACME) as acme:
+        schedule = acme.schedules.create({"cron": "0 * * * *", "input_prefix": folder(api, "tenants/acme/in"),
+                                          "job": {"model": "tiny", "prompt_column": "q"}})
+    schedules = ScheduleRepository.beside(api.repository)
+    data = json.loads(schedules.store.get_bytes(schedules._key(schedule.id)))
+    data["job"]["input_uri"] = "s3://bucket/x.jsonl"  # a template refused since it was stored
+    schedules.store.put_bytes(schedules._key(schedule.id), json.dumps(data).encode())
+    url = f"{api.url}/schedules/{schedule.id}"
+    other = {"Authorization": "Bearer globex-secret"}
+    for method in ("GET", "DELETE"):
+        assert httpx.request(method, url, headers=other).status_code == 404
+    assert httpx.get(url, headers={"Authorization": "Bearer acme-secret"}).status_code == 409
+    assert httpx.delete(url, headers={"Authorization": "Bearer acme-secret"}).status_code == 204
