@@ -14,6 +14,7 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import ApiKeyCheck, parse_keys
 from api.auth_failures import AuthFailureLimit
+from api.body_limit import BodyLimit
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
@@ -62,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     app.add_middleware(JsonBodyCheck)  # every JSON body: depth and Unicode checked before a route parses it
     install_method_handlers(app)
+    app.add_middleware(BodyLimit)  # before any route reads a body: one tenant's huge body is not everyone's
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 from api.dependencies import ApiContext
 from api.schemas import Health
 from jobs.layout import jobs_root
+
+logger = logging.getLogger(__name__)
 
 
 def _check_redis(context: ApiContext) -> str:
@@ -27,12 +30,16 @@ def _check_store(context: ApiContext) -> str:
     return "ok"
 
 
-def health(context: ApiContext) -> Health:
+def health(context: ApiContext, *, detailed: bool = True) -> Health:
+    """Each check's answer. Not `detailed` (the route is open while API keys are set), a failure
+    says only its kind: its message names hosts, ports, buckets and paths, which are the operator's
+    (logged here), not for whoever asks."""
     checks: dict[str, str] = {}
     for name, check in (("redis", _check_redis), ("store", _check_store)):
         try:
             checks[name] = check(context)
         except Exception as error:  # noqa: BLE001 - any failure is the answer
-            checks[name] = f"failing: {type(error).__name__}: {error}"
+            logger.warning("health check %s failing: %s: %s", name, type(error).__name__, error)
+            checks[name] = f"failing: {type(error).__name__}" + (f": {error}" if detailed else "")
     return Health(status="ok" if all(value == "ok" for value in checks.values()) else "failing",
                   checks=checks)

@@ -121,6 +121,10 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
     """403 unless a caller of `tenant` (None: an admin or an open API) may use `location` as `field`.
     `upload_owner(job_id)` gives the tenant of a job whose upload an input names (JobNotFound if none).
     """
+    if location.startswith("s3://") and {".", ".."} & set(location[len("s3://"):].split("/")[1:]):
+        # `<acme's folder>/../globex/x` starts with acme's prefix, and an S3 client that tidies
+        # paths (or a proxy) reads globex's object.
+        raise HttpError(400, f"{field} {uri!r} has a '.' or '..' segment; name the object by its own path")
     job_id = rules.upload_job(location) if kind == "object" else None
     if job_id is not None and upload_owner is not None:
         try:
@@ -139,6 +143,9 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
     if tenant is None:
         return
     allowed = rules.allowed(tenant)
+    if kind == "prefix" and location + "/" in allowed:
+        raise HttpError(400, f"{field} {uri!r}: end it with '/' (without it, it also lists the folders "
+                             "beside it whose names start the same)")
     if not any(location.startswith(prefix) or location + "/" == prefix for prefix in allowed):
         raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use "
                              f"({', '.join(allowed)}; and its own uploads); the deployment's "
@@ -146,11 +153,14 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
 
 
 def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,
-                        related: Callable[[str], bool] = lambda _job_id: False) -> None:
+                        related: Callable[[str], bool] = lambda _job_id: False,
+                        may_name: Callable[[str], bool] = lambda _job_id: True) -> None:
     """Make the folder this job's (or find it already is). 409 when another job has it, when it lies
     inside another job's folder (`related(owner)`: a job this one retries, whose folder holds its
     retries' folders), or when it already holds anything: another job's folder inside it, or files
     whose fate would then be tied to this job's (a finalize cleans up what its runs left there).
+    Another job is named only when `may_name(owner)` (the caller may see it): another tenant's job
+    id is not for this caller to learn.
     """
     folder = folder_key.strip("/")
     marker = _marker(folder)
@@ -158,13 +168,15 @@ def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: s
     if owner == job_id:
         return
     if owner is not None:
-        raise HttpError(409, f"output_uri {uri!r} already holds the outputs of job {owner}; give this "
+        whose = f"job {owner}" if may_name(owner) else "another job"
+        raise HttpError(409, f"output_uri {uri!r} already holds the outputs of {whose}; give this "
                              "job a folder of its own")
     for ancestor in _ancestors(folder):
         other = _owner(store, _marker(ancestor))
         if other is not None and other != job_id and not related(other):
+            whose = f"job {other}" if may_name(other) else "another job"
             raise HttpError(409, f"output_uri {uri!r} is inside {ancestor + '/' if ancestor else 'the root'}"
-                                 f", the output folder of job {other}; give this job a folder of its own")
+                                 f", the output folder of {whose}; give this job a folder of its own")
     first = next(iter(store.list(f"{folder}/" if folder else "")), None)
     if first is not None:
         raise HttpError(409, f"output_uri {uri!r} is not empty (it holds {first.key!r}); give this job a "
@@ -172,7 +184,7 @@ def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: s
     try:
         store.put_bytes(marker, job_id.encode(), if_none_match=True)
     except AlreadyExists:  # another submit claimed it meanwhile
-        claim_output_folder(store, folder_key, uri, job_id, related)
+        claim_output_folder(store, folder_key, uri, job_id, related, may_name)
 
 
 def _marker(folder: str) -> str:

@@ -24,7 +24,7 @@ from jobs.formats.lines import iter_lines_in_range
 from jobs.limits import in_flight_message, jobs_in_flight
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.repository import JobRepository
+from jobs.repository import JobNotFound, JobRepository
 from jobs.sharding import open_parquet
 from jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
 from jobs.status import JobState, JobStatus
@@ -173,7 +173,8 @@ def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:
     if spec.output_uri:
         store, key = locate(context, spec.output_uri, "output_uri")
         claim_output_folder(store, key, spec.output_uri, job_id,
-                            related=lambda owner: owner in retried_jobs(context, spec))
+                            related=lambda owner: owner in retried_jobs(context, spec),
+                            may_name=lambda owner: _same_tenant(context, spec.tenant, owner))
 
 
 def retried_jobs(context: ApiContext, spec: JobSpec) -> set[str]:
@@ -184,6 +185,16 @@ def retried_jobs(context: ApiContext, spec: JobSpec) -> set[str]:
         chain.add(parent)
         parent = context.repository.get_spec(parent).parent_job_id
     return chain
+
+
+def _same_tenant(context: ApiContext, tenant: str | None, job_id: str) -> bool:
+    """Whether a caller of `tenant` may see the job (None: an admin or an open API, who see all)."""
+    if tenant is None:
+        return True
+    try:
+        return context.repository.get(job_id).tenant == tenant
+    except (JobNotFound, ValueError):  # a claim whose job was never created, or not a job id at all
+        return False
 
 
 def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = None) -> JobStatus:

@@ -27,6 +27,8 @@ from engine.sampling_params import GREEDY_EPSILON, SamplingParams
 from engine.sampling_random import split_seed, uniforms
 from engine.scheduler import eos_id_set
 
+INT64_MAX = 2**63 - 1
+
 
 class SampledRow(Protocol):
     """What the sampler reads from a request (engine.request.Request satisfies it)."""
@@ -210,7 +212,8 @@ def _random_rows(rows: Sequence[SampledRow], indices: list[int]) -> RandomRows:
         seed_hi.append(hi)
         sample_index.append(row.sample_index)
         position.append(len(row.output_token_ids))
-        top_k.append(p.top_k if p.top_k > 0 else 0)
+        # Any k past the vocabulary keeps every token; clamped so a huge k fits the int64 tensor.
+        top_k.append(min(p.top_k, INT64_MAX) if p.top_k > 0 else 0)
         top_p.append(p.top_p)
         min_p.append(p.min_p)
     return RandomRows(

@@ -26,7 +26,7 @@ from jobs.deadlines import register_deadline
 from jobs.errors import LookupFailed
 from jobs.layout import JobLayout, jobs_root
 from jobs.manifest import read_manifest
-from jobs.names import cancel_key, jobs_tag
+from jobs.names import NO_TENANT, cancel_key, jobs_tag
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
@@ -155,6 +155,14 @@ class JobRepository:
     def _state_index_key(self, state: JobState) -> str:
         return f"{self._tag}:state:{state.value}"
 
+    def _tenant_index_key(self, tenant: str | None) -> str:
+        return f"{self._tag}:tenant:{tenant or NO_TENANT}"
+
+    @property
+    def _tenant_index_whole_key(self) -> str:
+        """Present once every job of the shared index is in its tenant's index too."""
+        return f"{self._tag}:tenant-index-whole"
+
     @property
     def _index_whole_key(self) -> str:
         """Present while the index holds every job in the store; a Redis that lost its data lacks it."""
@@ -240,19 +248,20 @@ class JobRepository:
         if not 1 <= limit <= 1000:
             raise ValueError(f"limit must be 1 to 1000, got {limit}")
         self.ensure_index()
-        key = self._state_index_key(JobState(state)) if state else self._index_key
+        state = JobState(state) if state else None
+        key, filtered = self._listing_index(state, tenant)
         upper = f"({cursor}" if cursor else "+"
         found: builtins.list[tuple[str, JobStatus]] = []  # up to limit + 1: one more says "more"
         while len(found) <= limit:
             members = self.redis.zrange(key, upper, "-", desc=True, bylex=True, offset=0,
-                                        num=limit + 1 - len(found) if tenant is None else LIST_SCAN_PAGE)
+                                        num=LIST_SCAN_PAGE if filtered else limit + 1 - len(found))
             names = [member.decode() if isinstance(member, bytes) else member for member in members]
             for member in names:
                 try:
                     status = self.get(member.split(":", 1)[1])
                 except JobNotFound:  # deleted from the store; the index entry is stale
                     continue
-                if tenant is None or status.tenant == tenant:
+                if (tenant is None or status.tenant == tenant) and (state is None or status.state == state):
                     found.append((member, status))
                     if len(found) > limit:
                         break
@@ -261,6 +270,51 @@ class JobRepository:
             upper = f"({names[-1]}"
         statuses = [status for _, status in found[:limit]]
         return statuses, found[limit - 1][0] if len(found) > limit else None
+
+    def _listing_index(self, state: JobState | None, tenant: str | None) -> tuple[str, bool]:
+        """The index a listing walks, and whether its entries still need the state and tenant
+        filter. One tenant's listing walks its own index (or, with a state, whichever of its index
+        and the state's is smaller): a tenant with few jobs must not make every request read every
+        other tenant's jobs."""
+        state_key = self._state_index_key(state) if state else self._index_key
+        if tenant is None:
+            return state_key, False
+        if not self._ensure_tenant_index():  # being built by another process: the shared index, filtered
+            return state_key, True
+        tenant_key = self._tenant_index_key(tenant)
+        if state is None:
+            return tenant_key, False
+        smaller = min((tenant_key, state_key), key=self.redis.zcard)
+        return smaller, True
+
+    def _ensure_tenant_index(self) -> bool:
+        """Whether every indexed job is in its tenant's index. Jobs recorded before tenant indexes
+        existed are added once, from the shared index, by one process at a time."""
+        if self.redis.exists(self._tenant_index_whole_key):
+            return True
+        lock = f"{self._tag}:tenant-index-rebuild"
+        if not self.redis.set(lock, 1, nx=True, px=INDEX_REBUILD_LOCK_MS):
+            return False
+        try:
+            upper = "+"
+            while members := self.redis.zrange(self._index_key, upper, "-", desc=True, bylex=True, offset=0,
+                                               num=1000):
+                names = [member.decode() if isinstance(member, bytes) else member for member in members]
+                pipe = self.redis.pipeline(transaction=False)
+                for member in names:
+                    pipe.hget(self._job_key(member.split(":", 1)[1]), "tenant")
+                tenants = pipe.execute()
+                pipe = self.redis.pipeline(transaction=False)
+                for member, owner in zip(names, tenants, strict=True):
+                    if owner is not None:  # None: the job hash is gone; the entry is stale
+                        owner = owner.decode() if isinstance(owner, bytes) else owner
+                        pipe.zadd(self._tenant_index_key(owner or None), {member: 0})
+                pipe.execute()
+                upper = f"({names[-1]}"
+            self.redis.set(self._tenant_index_whole_key, 1)
+        finally:
+            self.redis.delete(lock)
+        return True
 
     def count_by_state(self) -> dict[str, int]:
         """How many jobs are in each state, every tenant's (one ZCARD per state)."""
@@ -390,6 +444,7 @@ class JobRepository:
             arguments += [name, value]
         keys = [self._job_key(status.job_id), self._index_key, *(self._state_index_key(s) for s in STATES)]
         self._record_if_absent(keys=keys, args=arguments)
+        self.redis.zadd(self._tenant_index_key(status.tenant), {member: 0})  # its tenant's listing
         if status.expires_at is not None and not status.state.is_terminal:  # again after a Redis loss
             register_deadline(self.redis, self.namespace, status.job_id, status.expires_at)
         if status.state == JobState.CANCELLED:

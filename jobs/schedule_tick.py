@@ -153,7 +153,12 @@ def tick_due(schedules: ScheduleRepository, jobs: JobRepository, enqueue_plan: E
     now = now or datetime.now(UTC)
     results = []
     for schedule in schedules.list():
-        if is_due(schedules, schedule, now):
+        try:  # one schedule's fault (whoever's it is) never stops the others' ticks
+            due = is_due(schedules, schedule, now)
+        except Exception:
+            logger.exception("schedule %s: cannot tell whether it is due; skipped", schedule.id)
+            continue
+        if due:
             results.append(tick_schedule(schedules, jobs, schedule, enqueue_plan, endpoint_url=endpoint_url,
                                          now=now, max_jobs_in_flight=max_jobs_in_flight))
     return results

@@ -12,6 +12,8 @@ from __future__ import annotations
 import builtins
 import fnmatch
 import hashlib
+import json
+import logging
 import re
 import uuid
 from datetime import UTC, datetime
@@ -31,18 +33,48 @@ if TYPE_CHECKING:
 
     from jobs.repository import JobRepository
 
+logger = logging.getLogger(__name__)
+
 DEFAULT_NAMESPACE = "bulkinfer"
 SCHEDULE_ID_PATTERN = re.compile(r"^sched-[0-9a-f]{32}$")
 GLOB_CHARACTERS = "*?["
 # Fields a template may not set: the tick fills them in per input object.
 TICK_FIELDS = ("input_uri", "idempotency_key")
 SCHEDULE_METADATA_KEY = "schedule_id"
+TEMPLATE_PROBE_URI = "s3://bucket/template-check"  # a template is checked as a JobSpec with this input
+
+
+def check_template(template: dict[str, Any]) -> None:
+    """ValueError for a template field that makes no sense on a job a tick submits: `dry_run` (each
+    tick would create and run, as real jobs, what the user asked only to be estimated)."""
+    if template.get("dry_run"):
+        raise ValueError("dry_run: a schedule submits real jobs at every tick; estimate a template "
+                         "with POST /jobs and dry_run, then leave dry_run out")
 
 
 class ScheduleNotFound(LookupFailed):
     def __init__(self, schedule_id: str) -> None:
         super().__init__(f"no schedule {schedule_id!r}")
         self.schedule_id = schedule_id
+
+
+class ScheduleUnreadable(ValueError):
+    """A stored schedule that no longer validates (a rule tightened after it was stored)."""
+
+    def __init__(self, schedule_id: str, tenant: str | None, problems: list[str]) -> None:
+        super().__init__(f"schedule {schedule_id} no longer reads ({'; '.join(problems)}): delete it and "
+                         "create it again")
+        self.schedule_id = schedule_id
+        self.tenant = tenant
+
+
+def _stored_tenant(data: bytes) -> str | None:
+    """The owner a stored schedule names, read without validating the rest."""
+    try:
+        tenant = json.loads(data).get("tenant")
+    except (ValueError, AttributeError):
+        return None
+    return tenant if isinstance(tenant, str) else None
 
 
 def check_cron(expression: str) -> str:
@@ -64,11 +96,28 @@ def check_cron(expression: str) -> str:
     return " ".join(fields)
 
 
-def next_fire(expression: str, after: datetime) -> datetime:
-    """The first time strictly after `after` that the expression names (UTC)."""
-    from croniter import croniter
+def next_fire(expression: str, after: datetime) -> datetime | None:
+    """The first time strictly after `after` that the expression names (UTC); None when no date
+    matches it (`0 0 31 2 *`: February has no 31st)."""
+    from croniter import CroniterBadDateError, croniter
 
-    return croniter(expression, after.astimezone(UTC)).get_next(datetime)
+    try:
+        return croniter(expression, after.astimezone(UTC)).get_next(datetime)
+    except CroniterBadDateError:
+        return None
+
+
+def check_fires(expression: str) -> str:
+    """The expression if some date matches it; ValueError naming it otherwise (a new schedule's
+    check: one stored before it is read as it is, and simply never ticks)."""
+    try:
+        import croniter  # noqa: F401
+    except ImportError:  # the SDK (client extra) without croniter: the server checks it
+        return expression
+    if next_fire(expression, datetime.now(UTC)) is None:
+        raise ValueError(f"{expression!r} never fires: no date matches it (e.g. a day the month "
+                         "never has)")
+    return expression
 
 
 def split_input(input_prefix: str) -> tuple[str, str | None]:
@@ -98,8 +147,9 @@ class ScheduleSpec(BaseModel):
     """What a user posts to create a schedule. Unknown fields are rejected."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # A new template may not set the fields only the server sets; a stored one is read whatever it
-    # holds (one written before that check), and its tick refuses it instead (`job_spec`).
+    # A new template may not set the fields only the server sets, nor a new cron be one that never
+    # fires; a stored one is read whatever it holds (one written before those checks), and its tick
+    # refuses it instead (`job_spec`), or it never ticks.
     refuses_server_set_fields: ClassVar[bool] = True
 
     name: str | None = Field(None, max_length=200)
@@ -109,9 +159,10 @@ class ScheduleSpec(BaseModel):
                                           "contains * ? or [, e.g. s3://bucket/in/*.jsonl",
                               json_schema_extra={"pattern": URI_PATTERN})
     job: dict[str, Any] = Field(description="a JobSpec without input_uri, idempotency_key and the fields "
-                                "only the server sets (parent_job_id, retry_error_codes)",
+                                "only the server sets (parent_job_id, retry_error_codes), and not a dry run",
                                 json_schema_extra={"required": ["model"], "properties": {
-                                    name: {"type": "null"} for name in SERVER_SET_FIELDS}})
+                                    **{name: {"type": "null"} for name in SERVER_SET_FIELDS},
+                                    "dry_run": {"const": False}}})
     webhook_url: str | None = Field(None, description="copied into every job the schedule submits")
     paused: bool = False
     tenant: str | None = Field(None, description="whose schedule it is (and its jobs'): set by the API from "
@@ -120,7 +171,8 @@ class ScheduleSpec(BaseModel):
     @field_validator("cron")
     @classmethod
     def _cron_is_valid(cls, value: str) -> str:
-        return check_cron(value)
+        value = check_cron(value)
+        return check_fires(value) if cls.refuses_server_set_fields else value
 
     @field_validator("input_prefix")
     @classmethod
@@ -141,11 +193,12 @@ class ScheduleSpec(BaseModel):
             raise ValueError(f"{', '.join(present)}: set per input object by the schedule; leave it out")
         if cls.refuses_server_set_fields:
             check_user_spec(value)  # e.g. parent_job_id: its jobs would merge another job's rows
+            check_template(value)
         if value.get("output_uri"):
             raise ValueError("output_uri: every job a schedule submits writes to its own folder (one "
                              "output_uri for all of them would make their parts overwrite each other); "
                              "leave it out")
-        probe = {**value, "input_uri": "s3://bucket/template-check"}
+        probe = {**value, "input_uri": TEMPLATE_PROBE_URI}
         if isinstance(value.get("metadata", {}), dict):  # leaves room for the schedule id
             probe["metadata"] = {**value.get("metadata", {}), SCHEDULE_METADATA_KEY: "x"}
         try:
@@ -169,6 +222,7 @@ class Schedule(ScheduleSpec):
         """
         data = dict(self.job)
         check_user_spec(data)  # ServerSetField: a template stored before create refused them
+        check_template(data)
         data["input_uri"] = input_uri
         data["idempotency_key"] = idempotency_key(self.id, key, etag)
         data["metadata"] = {**(data.get("metadata") or {}), SCHEDULE_METADATA_KEY: self.id}
@@ -267,13 +321,21 @@ class ScheduleRepository:
         return schedule
 
     def get(self, schedule_id: str) -> Schedule:
+        """ScheduleNotFound for an unknown id; ScheduleUnreadable for one stored under rules that
+        have tightened since (its owner can still delete it)."""
         try:
-            return Schedule.model_validate_json(self.store.get_bytes(self._key(schedule_id)))
+            data = self.store.get_bytes(self._key(schedule_id))
         except ObjectNotFound:
             raise ScheduleNotFound(schedule_id) from None
+        try:
+            return Schedule.model_validate_json(data)
+        except ValidationError as error:
+            raise ScheduleUnreadable(schedule_id, _stored_tenant(data), validation_messages(error)) from None
 
     def list(self) -> builtins.list[Schedule]:
-        """Every schedule, oldest first (schedules are few; the store is their index)."""
+        """Every schedule, oldest first (schedules are few; the store is their index). One that no
+        longer reads (a rule tightened since it was stored) is logged and left out: it must not
+        take every tenant's listing and ticks down with it."""
         schedules = []
         for info in self.store.list(self._folder):
             name = info.key.removeprefix(self._folder).removesuffix(".json")
@@ -282,6 +344,8 @@ class ScheduleRepository:
                     schedules.append(self.get(name))
                 except ScheduleNotFound:  # deleted while we listed
                     continue
+                except ScheduleUnreadable as error:
+                    logger.error("%s; left out", error)
         return sorted(schedules, key=lambda schedule: schedule.created_at)
 
     def set_paused(self, schedule_id: str, paused: bool) -> Schedule:
@@ -293,7 +357,8 @@ class ScheduleRepository:
 
     def delete(self, schedule_id: str) -> None:
         """Remove the schedule and its tick state; the jobs it submitted stay."""
-        self.get(schedule_id)  # ScheduleNotFound for an unknown id
+        if not self.store.exists(self._key(schedule_id)):
+            raise ScheduleNotFound(schedule_id)
         self.store.delete(self._key(schedule_id))
         self.redis.delete(*(self._redis_key(schedule_id, what) for what in ("state", "seen")))
 

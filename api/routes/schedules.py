@@ -16,20 +16,30 @@ from api.dependencies import ApiContext, Context
 from api.dispatch import enqueue_plan
 from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
-from api.submission import check_priority, check_webhook, check_where, locate, parse_object
+from api.submission import (
+    check_completion_window,
+    check_priority,
+    check_webhook,
+    check_where,
+    locate,
+    parse_object,
+)
 from jobs.object_store.factory import split_uri
 from jobs.priority_caps import template_priority
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
+    TEMPLATE_PROBE_URI,
     Schedule,
     ScheduleNotFound,
     ScheduleRepository,
     ScheduleSpec,
+    ScheduleUnreadable,
     ScheduleView,
     SubmittedObject,
     TickReport,
     split_input,
 )
+from jobs.spec import JobSpec
 
 router = APIRouter(tags=["schedules"], responses=ERROR_RESPONSES)
 
@@ -84,7 +94,9 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
+    # Every job a tick submits is held to the limits a POST /jobs is held to.
     check_priority(context, spec.tenant, template_priority(spec.job))
+    check_completion_window(context, JobSpec.model_validate({**spec.job, "input_uri": TEMPLATE_PROBE_URI}))
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))
@@ -99,8 +111,14 @@ def list_schedules(context: Context, caller: CallerDep) -> ScheduleList:
 
 
 def _owned(context: ApiContext, caller: Caller, schedule_id: str) -> Schedule:
-    """The schedule, if the caller may see it; another tenant's is not found, as if it did not exist."""
-    schedule = _repository(context).get(schedule_id)
+    """The schedule, if the caller may see it; another tenant's is not found, as if it did not exist.
+    One that no longer reads is a 409 for its owner (who may delete it)."""
+    try:
+        schedule = _repository(context).get(schedule_id)
+    except ScheduleUnreadable as unreadable:
+        if not caller.sees(unreadable.tenant):
+            raise ScheduleNotFound(schedule_id) from None
+        raise HttpError(409, str(unreadable)) from None
     if not caller.sees(schedule.tenant):
         raise ScheduleNotFound(schedule_id)
     return schedule
@@ -130,8 +148,12 @@ def resume_schedule(schedule_id: str, context: Context, caller: CallerDep) -> Sc
 
 @router.delete("/schedules/{schedule_id}", status_code=204, summary="Delete a schedule")
 def delete_schedule(schedule_id: str, context: Context, caller: CallerDep) -> Response:
-    """The jobs it submitted stay."""
-    _owned(context, caller, schedule_id)
+    """The jobs it submitted stay. One that no longer reads may be deleted by its owner."""
+    try:
+        _owned(context, caller, schedule_id)
+    except HttpError as error:
+        if error.status_code != 409:
+            raise
     _repository(context).delete(schedule_id)
     return Response(status_code=204)
 

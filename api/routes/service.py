@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from api.dependencies import Context
@@ -14,8 +14,9 @@ router = APIRouter(tags=["service"])
 
 @router.get("/healthz", response_model=Health, responses={503: {"model": Health}},
             summary="Redis and the object store are reachable")
-def healthz(context: Context) -> Health | JSONResponse:
-    result = health(context)
+def healthz(request: Request, context: Context) -> Health | JSONResponse:
+    """Open to all; with API keys set, a failing check says what kind of failure only."""
+    result = health(context, detailed=not request.app.state.auth.enabled)
     if result.status != "ok":
         failing = "; ".join(f"{name}: {state}" for name, state in result.checks.items() if state != "ok")
         return JSONResponse({"detail": failing, **result.model_dump()}, status_code=503)

@@ -56,13 +56,15 @@ def test_generated_requests_get_no_server_error_and_answers_the_schema_describes
     assert cases > 200
     assert failures == []
     # Schema-valid bodies refused with 422 only for what a schema cannot state: a cron whose fields are
-    # shaped right but out of range (the schema states the shape, check_cron the ranges); a spec whose
+    # shaped right but out of range (the schema states the shape, check_cron the ranges) or that no date
+    # matches (February 31st); a spec whose
     # row mapping does not fit its input's format (detected from the file's content); the multipart
     # `spec` field's text that is not JSON; two row mappings given at once (each may be null, and JSON
     # Schema's `required` counts a null as given, so the schema cannot say "at most one is set").
     # And a completion_window longer than the deployment's max_completion_window (a setting, not schema),
     # and a usage range whose `until` is not after its `since` or spans too long (two fields together).
-    explained = ("is not a valid cron expression", "input needs exactly one of prompt_column",
+    explained = ("is not a valid cron expression", "never fires: no date matches it",
+                 "input needs exactly one of prompt_column",
                  "max_completion_window", "must be after since", "a usage range may span at most",
                  "field is not JSON", "give exactly one of prompt_column, messages_column or template")
     unexplained = [(label, detail) for label, detail in refused
