@@ -17,9 +17,10 @@ from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.worker.conftest import ENGINE_OPTIONS, Pipeline
 from worker.engine_host import EngineHost
-from worker.engine_rows import PromptRenderer, run_rows
+from worker.engine_rows import PromptRenderer
 from worker.model_hosts import HostedModel
 from worker.prefix_cache_salt import prefix_cache_salt
+from worker.row_window import run_rows
 
 # Several full 16-token blocks, so a prefix hit shows in cached_tokens.
 PROMPT = "Summarise the quarterly revenue report for the board, listing every region in order: " * 2
