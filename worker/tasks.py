@@ -17,7 +17,7 @@ from celery import Celery, Task
 from celery.exceptions import Retry
 from kombu.exceptions import ChannelError, OperationalError
 
-from jobs.fair_queue import FairQueue
+from jobs.fair_queue import FairQueue, TakenShard
 from jobs.log_format import log_context
 from jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_NEXT_SHARD, RUN_SHARD
 from jobs.shard_cost import shard_token_cost
@@ -174,15 +174,32 @@ def run_next_shard(self: Task, queue: str, job_id: str | None = None,
     that shard again)."""
     context = worker_context()
     if job_id is None or shard_index is None:
-        fair = FairQueue(context.repository.redis, context.repository.namespace)
-        taken = fair.take(queue)
+        taken = take_next_shard(self, context, queue)
         if taken is None:
             return {"status": "nothing waiting"}
         job_id, shard_index = taken.job_id, taken.shard_index
-        if context.repository.is_cancel_requested(job_id):
-            fair.drop(queue, job_id)  # its other shards would only be taken to be skipped
     return _run_shard_step(self, context, job_id, shard_index,
-                           retry_kwargs={"job_id": job_id, "shard_index": shard_index})
+                           retry_kwargs={"job_id": job_id, "shard_index": shard_index}, fair_queue=queue)
+
+
+def take_next_shard(task: Task, context: WorkerContext, queue: str) -> TakenShard | None:
+    """The fair queue's next shard for a ticket (None: nothing waiting). A Redis fault here
+    (unreachable, OOM, BUSY…) retries the ticket with backoff, uncounted, as `run_step` retries a
+    step: the take and its marking the shard started are one script, so nothing was taken and the
+    retried ticket takes the fairest shard then. (Had the script run and only its reply been lost,
+    the shard is started with no lease, which the reaper re-sends.) Failing the task instead lost
+    the ticket until the reaper's lost-ticket pass, two lease TTLs later."""
+    try:
+        return FairQueue(context.repository.redis, context.repository.namespace).take(queue)
+    except Exception as error:
+        if not is_transient(error):
+            raise
+        metrics.record_transient(error)
+        metrics.TASK_RETRIES.labels("take", "transient").inc()
+        delay = retry_delay_s(task.request.retries)
+        logger.warning("%s %s: taking a shard of %s: %s; retrying in %.0fs", task.name, task.request.id,
+                       queue, error, delay)
+        raise retry_published(task, error, delay, kwargs={}) from error
 
 
 @app.task(name=RUN_SHARD, bind=True)
@@ -192,8 +209,14 @@ def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
 
 
 def _run_shard_step(self: Task, context: WorkerContext, job_id: str, shard_index: int,
-                    retry_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                    retry_kwargs: dict[str, Any] | None = None,
+                    fair_queue: str | None = None) -> dict[str, Any]:
+    """`fair_queue`: the queue a ticket took the shard from; a cancelled job's other shards waiting
+    there are dropped (inside the step, so a Redis fault meanwhile retries the shard, not loses it)."""
     def work() -> dict[str, Any]:
+        if fair_queue is not None and context.repository.is_cancel_requested(job_id):
+            # its other shards would only be taken to be skipped
+            FairQueue(context.repository.redis, context.repository.namespace).drop(fair_queue, job_id)
         try:
             return shard_runner.run_shard(context, job_id, shard_index, send_finalize)
         except shutdown.ShardHandedBack:
