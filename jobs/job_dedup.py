@@ -4,9 +4,11 @@ The planner reads every row once (inputs up to `MAX_SCAN_ROWS`) and keys each de
 (greedy, or seeded) by its prompt or messages, sampling and response format. A row whose key an
 earlier shard holds becomes a *copy*: its shard's plan maps its position to the source's (shard,
 position), and the source shard's plan lists that position among its *exports*. A running shard
-writes its exported rows' outcomes to `dedup/part-NNNNN.json` before it commits, and fills its copies
-from its sources' files (a source has a lower index, so it is running or done by then; see
-worker/shard_copies.py). Identical rows inside one shard are left to the shard's own deduplication.
+writes its exported rows' outcomes to `dedup/part-NNNNN.<fence>.json` (under its run's fencing
+token) before it commits, and fills its copies from the exports of the run whose result its sources
+committed (a source has a lower index, so it is running or done by then; see
+worker/shard_copies.py), so a copy equals its source's committed row even when two runs of the
+source raced. Identical rows inside one shard are left to the shard's own deduplication.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ def _marked(plan: Sequence[ShardPlan], copies: dict[int, dict[int, list[int]]],
             if shard.index in copies or shard.index in exports else shard for shard in plan]
 
 
-def exports_key(job_dir: str, shard_index: int) -> str:
-    return f"{job_dir}/dedup/part-{shard_index:05d}.json"
+def exports_key(job_dir: str, shard_index: int, fence: str | None) -> str:
+    """Where the run with fencing token `fence` writes the shard's exports (None: a result committed
+    without a fence, by a worker that wrote its exports in place)."""
+    name = f"part-{shard_index:05d}" if fence is None else f"part-{shard_index:05d}.{fence}"
+    return f"{job_dir}/dedup/{name}.json"
 
 
 def dump_outputs(outputs: dict[int, OutputRow]) -> bytes:

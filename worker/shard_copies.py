@@ -2,10 +2,14 @@
 the shard exports the outcomes later shards copy, and takes its copies from its sources' exports.
 
 A source shard has a lower index than its copies, so when a copy's shard has run its own rows, the
-source is running or done. The copy waits for the source's export file; it computes the row itself
-when the source committed without one (written by the expiry sweep, or by an older worker), or
-after `MAX_WAIT_S`; it stops with the shard on cancel or shutdown, and its rows expire at the job's
-deadline like the others.
+source is running or done. Each run of the source writes its exports under its own fencing token
+(as it stages its parts: jobs/part_publication.py), and the copy waits for the source's committed
+result, then reads the exports of the run that committed it: two runs of a source can race (a
+stalled run resumes after the reaper re-sent the shard) and their outcomes can differ (logprobs,
+cached tokens, any nondeterminism), and a copy must equal the source row that stands. The copy
+computes the row itself when the committed run wrote no exports (the expiry sweep's result, or an
+older worker's), or after `MAX_WAIT_S`; it stops with the shard on cancel or shutdown, and its rows
+expire at the job's deadline like the others.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from jobs.job_dedup import dump_outputs, exports_key, load_outputs
 from jobs.layout import JobLayout
 from jobs.object_store.base import ObjectNotFound
 from jobs.repository import JobRepository
+from jobs.results import ShardResult
 from jobs.sharding import ShardPlan
 
 WAIT_POLL_S = 0.5
@@ -28,11 +33,18 @@ MAX_WAIT_S = 600.0
 
 
 def write_exports(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
-                  outcomes: dict[int, OutputRow]) -> None:
-    """The outcomes of this shard's rows that later shards copy."""
+                  outcomes: dict[int, OutputRow], fence: str) -> None:
+    """The outcomes of this shard's rows that later shards copy, under this run's fencing token;
+    written before the run commits, so the committed run's exports are there when copies look."""
     exported = {position: outcomes[position] for position in shard.exports if position in outcomes}
     if exported:
-        repository.store.put_bytes(exports_key(layout.job_dir, shard.index), dump_outputs(exported))
+        repository.store.put_bytes(exports_key(layout.job_dir, shard.index, fence), dump_outputs(exported))
+
+
+def discard_exports(repository: JobRepository, layout: JobLayout, shard: ShardPlan, fence: str) -> None:
+    """Drop the exports of a run whose result did not commit (no copy ever reads them)."""
+    if shard.exports:
+        repository.store.delete(exports_key(layout.job_dir, shard.index, fence))
 
 
 class Stopped(Exception):
@@ -68,16 +80,18 @@ def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
 def _wait_for_exports(repository: JobRepository, layout: JobLayout, source_shard: int,
                       should_stop: Callable[[], bool], expires_at: datetime | None,
                       started: float) -> dict[int, OutputRow] | str | None:
-    """The source's exports; None when it will not have any; "expired" at the job's deadline."""
-    key = exports_key(layout.job_dir, source_shard)
+    """The exports of the run that committed the source; None when it has none; "expired" at the
+    job's deadline."""
     while True:
         try:
-            return load_outputs(repository.store.get_bytes(key))
+            committed = ShardResult.model_validate_json(
+                repository.store.get_bytes(layout.shard_result_key(source_shard)))
         except ObjectNotFound:
-            pass
-        if repository.store.exists(layout.shard_result_key(source_shard)):
-            try:  # committed: its exports were written before, unless it never wrote any
-                return load_outputs(repository.store.get_bytes(key))
+            committed = None
+        if committed is not None:
+            try:  # its exports were written before it committed, unless it never wrote any
+                return load_outputs(repository.store.get_bytes(
+                    exports_key(layout.job_dir, source_shard, committed.fence)))
             except ObjectNotFound:
                 return None
         if should_stop():

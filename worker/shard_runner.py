@@ -54,7 +54,7 @@ from worker.outage_cancel import CancelCheck
 from worker.prefix_cache_salt import prefix_cache_salt
 from worker.row_window import run_rows
 from worker.schema_limit import limit_schemas_streamed
-from worker.shard_copies import Stopped, copy_rows, write_exports
+from worker.shard_copies import Stopped, copy_rows, discard_exports, write_exports
 from worker.shard_crashes import CrashHistory, ShardCrashes, run_split
 from worker.shard_lease import ShardLease
 from worker.shutdown import ShardHandedBack
@@ -134,7 +134,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
             outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings, job.expires_at,
-                                    crashed)
+                                    crashed, lease.fence)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
@@ -149,6 +149,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         # computed: the write-once result decides. Another run's result already there: count that.
         standing = None if lease.held else committed_result(repository, layout, shard_index)
         if standing is not None:
+            discard_exports(repository, layout, plan[shard_index], lease.fence)
             metrics.record_shard(spec.model, "skipped")
             count_shard(repository, layout, plan, standing, send_finalize, spec)
             return {"already_done": True, "status": "done", "rows": standing.rows,
@@ -165,6 +166,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         except CommitRefused:
             return _stopped(job_id, shard_index, spec)
         summary["committed"] = result.fence == lease.fence  # False: another run's result won
+        if not summary["committed"]:
+            discard_exports(repository, layout, plan[shard_index], lease.fence)
         metrics.record_shard(spec.model, "done", result)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
@@ -191,10 +194,11 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
-           expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory]
+           expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory], fence: str
            ) -> tuple[list[OutputRow] | None, str | None]:
     """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
-    running at `expires_at` come back `expired`) and the dtype the engine computed them in."""
+    running at `expires_at` come back `expired`) and the dtype the engine computed them in.
+    `fence`: this run's fencing token, under which it writes its exports."""
     history = crashed[1]
     if history.outside_pieces >= history.split_after:
         raise JobCannotRun(f"shard {shard.index} killed its worker process {history.whole} times, "
@@ -211,14 +215,14 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas_streamed(context.repository.redis, context.repository.namespace, job_id,
                                        stream_rows(context, spec, shard),
                                        context.settings.max_schemas_per_job)
-        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed)
+        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed, fence)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None
 
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
               items: Iterator[Row | RowError], expires_at: datetime | None,
-              crashed: tuple[ShardCrashes, CrashHistory]) -> list[OutputRow] | None:
+              crashed: tuple[ShardCrashes, CrashHistory], fence: str) -> list[OutputRow] | None:
     """Every row's outcome in input order: the shard's own rows from the engine (read as it drains
     them), then the rows it copies from earlier shards (jobs/job_dedup.py), with its exports written
     for later ones. Only the copies' rows are kept until the end, except in a shard that crashed its
@@ -266,7 +270,7 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
         outcomes = None if own is None else _keyed(own_positions, own)
     if outcomes is None:
         return None
-    write_exports(repository, layout, shard, outcomes)
+    write_exports(repository, layout, shard, outcomes, fence)
     if shard.copies:
         try:
             cancel = CancelCheck(repository, job_id)
