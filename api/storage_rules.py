@@ -42,6 +42,7 @@ OWNER_MARKER = ".bulkinfer-job"
 # when older than any submit takes.
 UNCREATED_CLAIM_GRACE_S = 600.0
 _NO_JOB = "\0no job"  # never a tenant's name
+_RELEASED = "released-"  # a claim's owner after its job's submit released it (never a job id)
 # object: a file (input_uri); folder: a directory of parts (output_uri); prefix: a listing's literal
 # prefix (input_prefix), which also covers names that merely begin with it ("in" lists "inputs/").
 Kind = Literal["object", "folder", "prefix"]
@@ -174,17 +175,17 @@ def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: s
     """
     folder = folder_key.strip("/")
     marker = _marker(folder)
-    owner = _owner(store, marker)
+    owner, named_by = _claim(store, marker)
     if owner == job_id:
         return
-    if owner is not None and not _void(store, marker, owner, folder, backs):
+    if owner is not None and not _void(store, named_by, owner, folder, backs):
         whose = f"job {owner}" if may_name(owner) else "another job"
         raise HttpError(409, f"output_uri {uri!r} already holds the outputs of {whose}; give this "
                              "job a folder of its own")
     for ancestor in _ancestors(folder):
-        other = _owner(store, _marker(ancestor))
+        other, other_named_by = _claim(store, _marker(ancestor))
         if other is not None and other != job_id and not related(other) \
-                and not _void(store, _marker(ancestor), other, ancestor, backs):
+                and not _void(store, other_named_by, other, ancestor, backs):
             whose = f"job {other}" if may_name(other) else "another job"
             raise HttpError(409, f"output_uri {uri!r} is inside {ancestor + '/' if ancestor else 'the root'}"
                                  f", the output folder of {whose}; give this job a folder of its own")
@@ -197,27 +198,34 @@ def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: s
         if owner is None:
             store.put_bytes(marker, job_id.encode(), if_none_match=True)
         else:  # a void claim: the one claim that takes over from `owner` wins, then names its job
-            store.put_bytes(f"{marker}.void-{owner}", job_id.encode(), if_none_match=True)
+            store.put_bytes(_takeover(marker, owner), job_id.encode(), if_none_match=True)
             store.put_bytes(marker, job_id.encode())
     except AlreadyExists:  # another submit claimed it meanwhile
         claim_output_folder(store, folder_key, uri, job_id, related, may_name, backs)
 
 
 def release_output_folder(store: ObjectStore, folder_key: str, job_id: str) -> None:
-    """Undo this job's claim when its job was not created (the claim would be void: module doc)."""
+    """Undo this job's claim when its job was not created: recorded as a takeover by nobody, so a
+    claim racing to take the folder over (the claim being void) and this release cannot both win."""
     marker = _marker(folder_key.strip("/"))
     if _owner(store, marker) == job_id:
-        store.delete(marker)
+        try:
+            store.put_bytes(_takeover(marker, job_id), f"{_RELEASED}{job_id}".encode(), if_none_match=True)
+        except AlreadyExists:  # another claim took the folder over first: nothing left to release
+            pass
 
 
-def _void(store: ObjectStore, marker: str, owner: str, folder: str,
+def _void(store: ObjectStore, named_by: str, owner: str, folder: str,
           backs: Callable[[str, str], bool | None]) -> bool:
-    """Whether no job stands behind `owner`'s claim of `folder` (a submit that failed after it)."""
+    """Whether no job stands behind `owner`'s claim of `folder` (a submit that failed after it);
+    `named_by`: the object that made it the owner, whose age tells a submit still under way."""
+    if owner.startswith(_RELEASED):
+        return True
     backed = backs(owner, folder)
     if backed is not None:  # False: the job exists, and its spec (written once) names another folder
         return not backed
     try:
-        modified = store.head(marker).modified
+        modified = store.head(named_by).modified
     except ObjectNotFound:
         return True
     return modified is not None and time.time() - modified > UNCREATED_CLAIM_GRACE_S
@@ -234,10 +242,32 @@ def _marker(folder: str) -> str:
 
 
 def _owner(store: ObjectStore, marker: str) -> str | None:
+    return _claim(store, marker)[0]
+
+
+def _claim(store: ObjectStore, marker: str) -> tuple[str | None, str]:
+    """The folder's owner and the object that names it. The takeover records decide (write-once);
+    the marker is rewritten after a takeover, but a claim that died between the two, or a stale
+    rewrite, is followed through the records."""
     try:
-        return store.get_bytes(marker).decode(errors="replace").strip()
+        owner = store.get_bytes(marker).decode(errors="replace").strip()
     except ObjectNotFound:
-        return None
+        return None, marker
+    named_by, seen = marker, {owner}
+    while True:
+        record = _takeover(marker, owner)
+        try:
+            successor = store.get_bytes(record).decode(errors="replace").strip()
+        except ObjectNotFound:
+            return owner, named_by
+        if successor in seen:
+            return owner, named_by
+        owner, named_by = successor, record
+        seen.add(owner)
+
+
+def _takeover(marker: str, owner: str) -> str:
+    return f"{marker}.void-{owner}"
 
 
 def _ancestors(folder: str) -> list[str]:

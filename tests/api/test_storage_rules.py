@@ -69,3 +69,43 @@ def test_a_claim_by_a_job_whose_output_is_elsewhere_is_void_and_a_released_one_i
     assert (tmp_path / "out" / OWNER_MARKER).read_text() == "job-next"
     release_output_folder(store, "out/", "job-next")
     claim_output_folder(store, "out", "/out", "job-third")
+
+
+class _ClaimRacingStore(LocalObjectStore):
+    """A real local store where another submit's claim runs just after the marker is read once."""
+
+    def __init__(self, root, race) -> None:  # noqa: ANN001
+        super().__init__(root)
+        self.race = race
+
+    def get_bytes(self, key: str) -> bytes:
+        data = super().get_bytes(key)
+        if key.endswith(OWNER_MARKER) and self.race is not None:
+            race, self.race = self.race, None
+            race()
+        return data
+
+
+def test_a_release_racing_a_takeover_of_the_same_void_claim_leaves_one_owner(tmp_path) -> None:
+    """A submit whose create met an idempotency conflict releases its claim while another claim, seeing
+    it void (its job writes elsewhere), takes the folder over: the folder stays the taker's."""
+    conflicted = lambda owner, _folder: False if owner == "job-conflicted" else None  # noqa: E731
+    store = _ClaimRacingStore(tmp_path, race=None)
+    claim_output_folder(store, "out", "/out", "job-conflicted")
+    store.race = lambda: claim_output_folder(store, "out", "/out", "job-taker", backs=conflicted)
+    release_output_folder(store, "out", "job-conflicted")  # read the marker, then the taker ran
+    with pytest.raises(HttpError) as refused:
+        claim_output_folder(store, "out", "/out", "job-third", backs=conflicted)
+    assert refused.value.status_code == 409 and "job-taker" in refused.value.message
+
+
+def test_a_takeover_that_died_before_rewriting_the_marker_still_owns_the_folder(tmp_path) -> None:
+    store = LocalObjectStore(tmp_path)
+    claim_output_folder(store, "out", "/out", "job-crashed")
+    old = time.time() - UNCREATED_CLAIM_GRACE_S - 60
+    os.utime(tmp_path / "out" / OWNER_MARKER, (old, old))
+    (tmp_path / "out" / f"{OWNER_MARKER}.void-job-crashed").write_text("job-taker")  # its record, no more
+    with pytest.raises(HttpError) as refused:
+        claim_output_folder(store, "out", "/out", "job-next", backs=lambda _owner, _folder: None)
+    assert refused.value.status_code == 409 and "job-taker" in refused.value.message
+    claim_output_folder(store, "out", "/out", "job-taker")  # the taker's own submit, again: its folder
