@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.results import part_store, parts_published
-from api.submission import check_in_flight, check_model, claim_output, create_and_enqueue
+from api.submission import check_in_flight, check_model, claimed_output, create_and_enqueue
 from jobs.formats.jsonl_writer import dumps_line
 from jobs.merge import MergedChain, chain_of, load_chain, merged_records
 from jobs.repository import JobNotFound
@@ -49,12 +49,12 @@ def retry_job(context: ApiContext, parent: JobStatus, request: RetryRequest) -> 
     child = spec.model_copy(update=changes)
     check_model(context, child)
     check_in_flight(context, child, job_id)
-    claim_output(context, child, job_id)
-    created = repository.create(child, job_id=job_id)  # IdempotencyConflict: 409, nothing else written
-    if plan is not None and created.state == JobState.QUEUED:
-        plan = repository.save_plan(job_id, plan)  # write-once: a planner that got there first stands
-        repository.counters(job_id).initialize(plan)  # the answer already counts the rows to retry
-    return create_and_enqueue(context, child, job_id)
+    with claimed_output(context, child, job_id):  # released if the retry job is not created
+        created = repository.create(child, job_id=job_id)  # IdempotencyConflict: 409, nothing else written
+        if plan is not None and created.state == JobState.QUEUED:
+            plan = repository.save_plan(job_id, plan)  # write-once: a planner that got there first stands
+            repository.counters(job_id).initialize(plan)  # the answer already counts the rows to retry
+        return create_and_enqueue(context, child, job_id)
 
 
 def merged_chain(context: ApiContext, caller: Caller, job_id: str) -> MergedChain:

@@ -17,11 +17,15 @@ local path resolved, `..` and links followed), for every caller, admins included
 Anything else is a 403 naming the rule. Whatever the rules, an `output_uri` folder belongs to one
 job: the first job to use it writes `<folder>/.bulkinfer-job` (write-once, holding its id), and
 another job naming the same folder is refused with 409, so no job's parts are written over another's.
+A claim no job stands behind (its submit failed after claiming: the job was never created, or its id
+names a job whose own output_uri is elsewhere) is void: the submit releases it, and the next claim
+takes a void one over (once per void owner, so two racing claims cannot both win).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +38,11 @@ from jobs.object_store.factory import split_uri
 from jobs.settings import Settings
 
 OWNER_MARKER = ".bulkinfer-job"
+# A claim whose job does not exist yet may be a submit between its claim and its create: void only
+# when older than any submit takes.
+UNCREATED_CLAIM_GRACE_S = 600.0
 _NO_JOB = "\0no job"  # never a tenant's name
+_RELEASED = "released-"  # a claim's owner after its job's submit released it (never a job id)
 # object: a file (input_uri); folder: a directory of parts (output_uri); prefix: a listing's literal
 # prefix (input_prefix), which also covers names that merely begin with it ("in" lists "inputs/").
 Kind = Literal["object", "folder", "prefix"]
@@ -154,37 +162,79 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
 
 def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,
                         related: Callable[[str], bool] = lambda _job_id: False,
-                        may_name: Callable[[str], bool] = lambda _job_id: True) -> None:
+                        may_name: Callable[[str], bool] = lambda _job_id: True,
+                        backs: Callable[[str, str], bool | None] = lambda _job_id, _folder: True) -> None:
     """Make the folder this job's (or find it already is). 409 when another job has it, when it lies
     inside another job's folder (`related(owner)`: a job this one retries, whose folder holds its
     retries' folders), or when it already holds anything: another job's folder inside it, or files
     whose fate would then be tied to this job's (a finalize cleans up what its runs left there).
     Another job is named only when `may_name(owner)` (the caller may see it): another tenant's job
-    id is not for this caller to learn.
+    id is not for this caller to learn. `backs(owner, folder_key)` says whether the owner's job
+    stands behind its claim (True; False: its output is elsewhere; None: no such job), so a claim
+    left by a failed submit is void (module doc).
     """
     folder = folder_key.strip("/")
     marker = _marker(folder)
-    owner = _owner(store, marker)
+    owner, named_by = _claim(store, marker)
     if owner == job_id:
         return
-    if owner is not None:
+    if owner is not None and not _void(store, named_by, owner, folder, backs):
         whose = f"job {owner}" if may_name(owner) else "another job"
         raise HttpError(409, f"output_uri {uri!r} already holds the outputs of {whose}; give this "
                              "job a folder of its own")
     for ancestor in _ancestors(folder):
-        other = _owner(store, _marker(ancestor))
-        if other is not None and other != job_id and not related(other):
+        other, other_named_by = _claim(store, _marker(ancestor))
+        if other is not None and other != job_id and not related(other) \
+                and not _void(store, other_named_by, other, ancestor, backs):
             whose = f"job {other}" if may_name(other) else "another job"
             raise HttpError(409, f"output_uri {uri!r} is inside {ancestor + '/' if ancestor else 'the root'}"
                                  f", the output folder of {whose}; give this job a folder of its own")
-    first = next(iter(store.list(f"{folder}/" if folder else "")), None)
+    first = next((info for info in store.list(f"{folder}/" if folder else "")
+                  if not _is_claim_file(info.key, folder)), None)
     if first is not None:
         raise HttpError(409, f"output_uri {uri!r} is not empty (it holds {first.key!r}); give this job a "
                              "new, empty folder of its own")
     try:
-        store.put_bytes(marker, job_id.encode(), if_none_match=True)
+        if owner is None:
+            store.put_bytes(marker, job_id.encode(), if_none_match=True)
+        else:  # a void claim: the one claim that takes over from `owner` wins, then names its job
+            store.put_bytes(_takeover(marker, owner), job_id.encode(), if_none_match=True)
+            store.put_bytes(marker, job_id.encode())
     except AlreadyExists:  # another submit claimed it meanwhile
-        claim_output_folder(store, folder_key, uri, job_id, related, may_name)
+        claim_output_folder(store, folder_key, uri, job_id, related, may_name, backs)
+
+
+def release_output_folder(store: ObjectStore, folder_key: str, job_id: str) -> None:
+    """Undo this job's claim when its job was not created: recorded as a takeover by nobody, so a
+    claim racing to take the folder over (the claim being void) and this release cannot both win."""
+    marker = _marker(folder_key.strip("/"))
+    if _owner(store, marker) == job_id:
+        try:
+            store.put_bytes(_takeover(marker, job_id), f"{_RELEASED}{job_id}".encode(), if_none_match=True)
+        except AlreadyExists:  # another claim took the folder over first: nothing left to release
+            pass
+
+
+def _void(store: ObjectStore, named_by: str, owner: str, folder: str,
+          backs: Callable[[str, str], bool | None]) -> bool:
+    """Whether no job stands behind `owner`'s claim of `folder` (a submit that failed after it);
+    `named_by`: the object that made it the owner, whose age tells a submit still under way."""
+    if owner.startswith(_RELEASED):
+        return True
+    backed = backs(owner, folder)
+    if backed is not None:  # False: the job exists, and its spec (written once) names another folder
+        return not backed
+    try:
+        modified = store.head(named_by).modified
+    except ObjectNotFound:
+        return True
+    return modified is not None and time.time() - modified > UNCREATED_CLAIM_GRACE_S
+
+
+def _is_claim_file(key: str, folder: str) -> bool:
+    """The marker, or a takeover's record, of `folder` itself."""
+    parent, _, name = key.rpartition("/")
+    return parent == folder and name.startswith(OWNER_MARKER)
 
 
 def _marker(folder: str) -> str:
@@ -192,10 +242,32 @@ def _marker(folder: str) -> str:
 
 
 def _owner(store: ObjectStore, marker: str) -> str | None:
+    return _claim(store, marker)[0]
+
+
+def _claim(store: ObjectStore, marker: str) -> tuple[str | None, str]:
+    """The folder's owner and the object that names it. The takeover records decide (write-once);
+    the marker is rewritten after a takeover, but a claim that died between the two, or a stale
+    rewrite, is followed through the records."""
     try:
-        return store.get_bytes(marker).decode(errors="replace").strip()
+        owner = store.get_bytes(marker).decode(errors="replace").strip()
     except ObjectNotFound:
-        return None
+        return None, marker
+    named_by, seen = marker, {owner}
+    while True:
+        record = _takeover(marker, owner)
+        try:
+            successor = store.get_bytes(record).decode(errors="replace").strip()
+        except ObjectNotFound:
+            return owner, named_by
+        if successor in seen:
+            return owner, named_by
+        owner, named_by = successor, record
+        seen.add(owner)
+
+
+def _takeover(marker: str, owner: str) -> str:
+    return f"{marker}.void-{owner}"
 
 
 def _ancestors(folder: str) -> list[str]:

@@ -5,6 +5,8 @@ Only the head of the input is read: the first lines of JSONL, or a Parquet file'
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -14,7 +16,14 @@ from api.dependencies import ApiContext
 from api.dispatch import enqueue_plan
 from api.errors import HttpError, invalid_model
 from api.estimate import estimate_spec
-from api.storage_rules import Kind, StorageRules, check_location, claim_output_folder, where
+from api.storage_rules import (
+    Kind,
+    StorageRules,
+    check_location,
+    claim_output_folder,
+    release_output_folder,
+    where,
+)
 from jobs.deadlines import window_seconds
 from jobs.errors import InputError
 from jobs.estimate_report import JobEstimate
@@ -174,7 +183,39 @@ def claim_output(context: ApiContext, spec: JobSpec, job_id: str) -> None:
         store, key = locate(context, spec.output_uri, "output_uri")
         claim_output_folder(store, key, spec.output_uri, job_id,
                             related=lambda owner: owner in retried_jobs(context, spec),
-                            may_name=lambda owner: _same_tenant(context, spec.tenant, owner))
+                            may_name=lambda owner: _same_tenant(context, spec.tenant, owner),
+                            backs=lambda owner, folder: _backs(context, owner, store, folder))
+
+
+@contextmanager
+def claimed_output(context: ApiContext, spec: JobSpec, job_id: str) -> Iterator[None]:
+    """Claim the output folder for the job the body creates; if it fails before the job stands
+    behind the claim (an idempotency conflict, a store error), release it: the folder stays usable."""
+    claim_output(context, spec, job_id)
+    try:
+        yield
+    except BaseException:
+        if spec.output_uri:
+            store, key = locate(context, spec.output_uri, "output_uri")
+            if _backs(context, job_id, store, key.strip("/")) is not True:
+                release_output_folder(store, key, job_id)
+        raise
+
+
+def _backs(context: ApiContext, job_id: str, store: ObjectStore, folder: str) -> bool | None:
+    """Whether job `job_id` stands behind a claim of `folder` in `store`: None when there is no such
+    job, False when its spec's output folder is another."""
+    try:
+        spec = context.repository.get_spec(job_id)
+    except (JobNotFound, ValueError):  # never created, or not a job id at all
+        return None
+    if not spec.output_uri:
+        return False
+    try:
+        owner_store, owner_key = locate(context, spec.output_uri, "output_uri")
+    except HttpError:  # its folder no longer resolves here (settings changed): keep its claim
+        return True
+    return where(owner_store, owner_key.strip("/")) == where(store, folder)
 
 
 def retried_jobs(context: ApiContext, spec: JobSpec) -> set[str]:
@@ -242,8 +283,8 @@ def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
         return estimate_spec(context, resolved, store, key)
     job_id = JobRepository.job_id_for(resolved)
     check_in_flight(context, resolved, job_id)
-    claim_output(context, resolved, job_id)
-    return create_and_enqueue(context, resolved, job_id)
+    with claimed_output(context, resolved, job_id):
+        return create_and_enqueue(context, resolved, job_id)
 
 
 def check_in_flight(context: ApiContext, spec: JobSpec, job_id: str) -> None:

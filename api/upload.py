@@ -25,7 +25,7 @@ from api.json_body import json_problem
 from api.submission import (
     check_in_flight,
     check_model,
-    claim_output,
+    claimed_output,
     create_and_enqueue,
     parse_spec,
     validate_input,
@@ -197,8 +197,13 @@ async def submit_upload(context: ApiContext, request: Request,
         finally:
             await receiver.discard()
     await run_in_threadpool(check_in_flight, context, resolved, receiver.job_id)
-    await run_in_threadpool(claim_output, context, resolved, receiver.job_id)
-    return await run_in_threadpool(create_and_enqueue, context, resolved, receiver.job_id)
+    return await run_in_threadpool(create_claimed, context, resolved, receiver.job_id)
+
+
+def create_claimed(context: ApiContext, spec: JobSpec, job_id: str) -> JobStatus:
+    """Claim the output folder, then create and queue the job (the claim released if that fails)."""
+    with claimed_output(context, spec, job_id):
+        return create_and_enqueue(context, spec, job_id)
 
 
 class _Receiver:
