@@ -179,20 +179,10 @@ class FaultBench:
         from celery import Celery
 
         sender = Celery(broker=self.broker_url)
-        expected = self.jobs  # the poison-row fault adds its job
+        expected = self.jobs  # the poison-row and disk-full faults add a job each
         for job_number in range(args.jobs):
             ids = [f"j{job_number}-r{n:04d}" for n in range(args.rows)]
-            path = self.home / f"input-{job_number}.jsonl"
-            lines = [json.dumps({"id": row_id, "question": f"def f_{row_id.replace('-', '_')}(x):"})
-                     for row_id in ids]
-            path.write_text("\n".join(lines) + "\n")
-            spec = JobSpec(input_uri=str(path), model=MODEL, id_column="id", prompt_column="question",
-                           sampling={"temperature": 0.0, "max_tokens": args.max_tokens},
-                           shard_size=args.shard_size)
-            job_id = repository.create(spec).job_id
-            sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
-            expected[job_id] = ids
-            self.shards[job_id] = -(-args.rows // args.shard_size)
+            self._plan(self._create_job(str(job_number), _question_lines(ids), ids))
         injected: list[str] = []
         started = time.monotonic()
         total_shards = args.jobs * -(-args.rows // args.shard_size)
@@ -247,8 +237,13 @@ class FaultBench:
         if fault == "disk-full":
             _, text = infra_faults.LOG_SIGNS[fault]
             before = infra_faults.count_in_logs(self.logs, text)
+            # A job planned while the disk is full: its plan must be written, so a worker meets the full
+            # disk even when the other jobs' shards happen to be between writes (or all done).
+            ids = [f"disk-r{n:04d}" for n in range(self.args.shard_size)]
+            job_id = self._create_job("disk-full", _question_lines(ids), ids)
             return infra_faults.disk_full(self.store_dir, PAUSE_S, longest_s=6 * PAUSE_S,
-                                          felt=lambda: infra_faults.count_in_logs(self.logs, text) > before)
+                                          felt=lambda: infra_faults.count_in_logs(self.logs, text) > before,
+                                          while_full=lambda: self._plan(job_id))
         if fault == "redis-oom":
             return infra_faults.redis_out_of_memory(self.broker_url, PAUSE_S)
         if fault == "redis-outage-long":
@@ -264,16 +259,25 @@ class FaultBench:
         return {}
 
     def _submit_poison_job(self) -> None:
-        assert self.settings is not None
         name = f"poison{len(self.poison)}"
         lines, ids, poison = poison_job_lines(name, 2 * self.args.shard_size)
+        self._plan(self._create_job(name, lines, ids))
+        self.poison += poison
+
+    def _create_job(self, name: str, lines: list[str], ids: list[str]) -> str:
+        """A job of `lines` in the store (not planned yet), counted as one whose rows must all come back."""
+        assert self.settings is not None
         path = self.home / f"input-{name}.jsonl"
         path.write_text("\n".join(lines) + "\n")
-        repository = self.settings.repository()
-        job_id = repository.create(JobSpec(input_uri=str(path), model=MODEL, id_column="id",
-                                           prompt_column="question", shard_size=self.args.shard_size,
-                                           sampling={"temperature": 0.0, "max_tokens": self.args.max_tokens}
-                                           )).job_id
+        spec = JobSpec(input_uri=str(path), model=MODEL, id_column="id", prompt_column="question",
+                       sampling={"temperature": 0.0, "max_tokens": self.args.max_tokens},
+                       shard_size=self.args.shard_size)
+        job_id = self.settings.repository().create(spec).job_id
+        self.jobs[job_id] = ids
+        self.shards[job_id] = -(-len(ids) // self.args.shard_size)
+        return job_id
+
+    def _plan(self, job_id: str) -> None:
         from celery import Celery
 
         sender = Celery(broker=self.broker_url)
@@ -281,9 +285,6 @@ class FaultBench:
             sender.send_task(PLAN_JOB, args=[job_id], queue=CONTROL_QUEUE)
         finally:
             sender.close()
-        self.jobs[job_id] = ids
-        self.shards[job_id] = -(-len(ids) // self.args.shard_size)
-        self.poison += poison
 
     def _note_outcomes(self, repository: Any) -> None:
         """What each infrastructure fault caused, read once every job ended."""
@@ -322,6 +323,10 @@ class FaultBench:
             self.replace_dead_workers()
             time.sleep(0.5)
         return states
+
+
+def _question_lines(ids: list[str]) -> list[str]:
+    return [json.dumps({"id": row_id, "question": f"def f_{row_id.replace('-', '_')}(x):"}) for row_id in ids]
 
 
 def pause(process: subprocess.Popen[bytes], seconds: float) -> None:

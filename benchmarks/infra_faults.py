@@ -59,14 +59,16 @@ def fill_disk(ballast: Path) -> None:
                     raise
 
 
-def disk_full(store_dir: Path, seconds: float, felt: Callable[[], bool], longest_s: float) -> dict[str, Any]:
+def disk_full(store_dir: Path, seconds: float, felt: Callable[[], bool], longest_s: float,
+              while_full: Callable[[], None] = lambda: None) -> dict[str, Any]:
     """The store's disk full for `seconds`, and on until a worker `felt` it (a write refused: a
     disk full while every run computes is no fault at all), at most `longest_s`; then space comes
-    back."""
+    back. `while_full` runs once the disk is full (the bench plans a job then)."""
     ballast = store_dir / ".ballast"
     fill_disk(ballast)
     started = time.monotonic()
     try:
+        while_full()
         time.sleep(seconds)
         while not felt() and time.monotonic() - started < longest_s:
             time.sleep(0.5)
