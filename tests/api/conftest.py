@@ -58,7 +58,10 @@ class RunningApi:
         return f"{self.settings.store_uri.rstrip('/')}/tenants/{tenant}/{name}"
 
     def put_tenant_input(self, tenant: str, name: str, data: bytes) -> str:
-        uri = self.tenant_uri(tenant, name)
+        return self.put_uri(self.tenant_uri(tenant, name), data)
+
+    def put_uri(self, uri: str, data: bytes) -> str:
+        """Write `data` at `uri` inside the job store (a local path, or a key of its bucket)."""
         if self.settings.is_local_store:
             Path(uri).parent.mkdir(parents=True, exist_ok=True)
             Path(uri).write_bytes(data)

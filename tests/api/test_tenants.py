@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import io
 import json
-from pathlib import Path
 
 import httpx
 import pytest
@@ -189,13 +188,7 @@ def store_uri(api, key: str) -> str:
 
 
 def put_in_store(api, key: str, data: bytes) -> str:  # noqa: ANN001
-    uri = store_uri(api, key)
-    if api.settings.is_local_store:
-        Path(uri).parent.mkdir(parents=True, exist_ok=True)
-        Path(uri).write_bytes(data)
-    else:
-        api.s3_put(uri, data)
-    return uri
+    return api.put_uri(store_uri(api, key), data)
 
 
 def test_no_key_reads_the_job_stores_own_files_but_a_tenant_reads_its_own_uploads(keyed_api) -> None:

@@ -5,6 +5,7 @@ running `worker.celery_app` with two task threads and the tiny model.
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -14,12 +15,13 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
+from api.cli.stack import free_port, redis_server_binary
 from jobs.manifest import Manifest, read_manifest
 from jobs.repository import JobRepository
 from jobs.settings import Settings
 from jobs.spec import JobSpec
 from jobs.status import JobStatus
-from tests.fixtures.services import RedisServer, S3Server, celery_worker
+from tests.fixtures.services import RedisServer, S3Server, celery_worker, wait_until
 from worker.celery_app import create_app
 
 JOBS_BUCKET = "jobs"
@@ -137,3 +139,41 @@ def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
     """A pipeline with no worker yet, and the environment a worker process needs (4 s leases)."""
     with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache")) as made:
         yield made
+
+
+class RestartableRedis:
+    """A redis-server of this test's own (the session's is shared), restarted with nothing kept."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        self.workdir = workdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.process = self._start()
+
+    def _start(self) -> subprocess.Popen:
+        process = subprocess.Popen(
+            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.workdir)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        import redis
+
+        wait_until(lambda: redis.Redis.from_url(self.url).ping(), timeout=15, what="redis-server")
+        return process
+
+    def restart_empty(self) -> None:
+        self.process.kill()
+        self.process.wait(timeout=10)
+        self.process = self._start()
+
+    def stop(self) -> None:
+        self.process.kill()  # also ends one a test left stopped (SIGSTOP)
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
+    server = RestartableRedis(tmp_path)
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -3,61 +3,21 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from api.cli.stack import free_port, redis_server_binary
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import S3Server, celery_worker, wait_until
-from tests.worker.conftest import Pipeline, bare_pipeline
+from tests.worker.conftest import Pipeline, RestartableRedis, bare_pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
 LEASE_TTL_S = 4
 QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
-
-
-class RestartableRedis:
-    """A redis-server of this test's own (the session's is shared), restarted with nothing kept."""
-
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.workdir = workdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = self._start()
-
-    def _start(self) -> subprocess.Popen:
-        process = subprocess.Popen(
-            [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        import redis
-
-        wait_until(lambda: redis.Redis.from_url(self.url).ping(), timeout=15, what="redis-server")
-        return process
-
-    def restart_empty(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-        self.process = self._start()
-
-    def stop(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=10)
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
-    server = RestartableRedis(tmp_path)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

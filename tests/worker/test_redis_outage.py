@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +15,8 @@ from jobs.names import shard_lease_key
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.fixtures.services import S3Server, celery_worker
-from tests.worker.conftest import bare_pipeline
-from tests.worker.test_redis_loss import QUEUES, RestartableRedis
+from tests.worker.conftest import RestartableRedis, bare_pipeline
+from tests.worker.test_redis_loss import QUEUES
 from worker.shard_runner import committed_result
 
 pytestmark = pytest.mark.timeout(600)
@@ -26,16 +25,6 @@ LEASE_TTL_S = 3
 # Longer than the lease TTL, and than the Redis client's socket timeout (10 s): every Redis call
 # of the run fails meanwhile.
 OUTAGE_S = 14
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RestartableRedis]:
-    server = RestartableRedis(tmp_path)
-    try:
-        yield server
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
-        server.stop()
 
 
 def test_a_shard_running_through_a_redis_outage_longer_than_its_lease_commits_its_own_work(
