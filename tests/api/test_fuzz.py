@@ -72,16 +72,21 @@ def steered_bodies(operation: str, body: object, seeded: Path):  # noqa: ANN201 
     return st.sampled_from([real, real, real, body])
 
 
-def test_generated_requests_get_no_server_error_and_answers_the_schema_describes(redis_url, tmp_path) -> None:
+def steered_schema(redis_url: str, tmp_path: Path):  # noqa: ANN201
+    """The API's schema over an app with a seeded input, its generated bodies steered to it."""
     settings_ = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS))
-    app = create_app(settings_)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     seeded = seed_input(tmp_path / "store")
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(settings_))
 
     @schema.hook
     def flatmap_body(context, body):  # noqa: ANN001, ANN202 - schemathesis's hook signature
         return steered_bodies(context.operation.label, body, seeded)
 
+    return settings_, schema, seeded
+
+
+def test_generated_requests_get_no_server_error_and_answers_the_schema_describes(redis_url, tmp_path) -> None:
+    _, schema, _ = steered_schema(redis_url, tmp_path)
     failures: list[tuple[str, str]] = []
     refused: Counter[tuple[str, str]] = Counter()
     calls: Counter[str] = Counter()
@@ -152,14 +157,8 @@ def test_stateful_sequences_of_calls_get_no_server_error(redis_url, tmp_path) ->
     call (a job created, then read, cancelled, retried, its results and progress...), from the links
     it infers from the schema. Most generated submits name a served model and a seeded input, so the
     linked calls reach real jobs (counted: the test fails if few do)."""
-    settings_ = Settings(broker_url=redis_url, store_uri=str(tmp_path / "store"), models=json.dumps(MODELS))
-    seeded = seed_input(tmp_path / "store")
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(settings_))
+    settings_, schema, seeded = steered_schema(redis_url, tmp_path)
     store, redis_client = tmp_path / "store", settings_.redis_client()
-
-    @schema.hook
-    def flatmap_body(context, body):  # noqa: ANN001, ANN202 - schemathesis's hook signature
-        return steered_bodies(context.operation.label, body, seeded)
 
     failures: list[tuple[str, str]] = []
     calls: Counter[tuple[str, int]] = Counter()
