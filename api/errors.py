@@ -37,11 +37,11 @@ def invalid_model(error: ValidationError, what: str = "job spec") -> HttpError:
 
 def error_response(error: HttpError) -> JSONResponse:
     """The API's error body (`detail`, `messages`) with the error's status and headers."""
-    body = {"detail": _encodable(error.message), "messages": [_encodable(line) for line in error.messages]}
+    body = {"detail": encodable(error.message), "messages": [encodable(line) for line in error.messages]}
     return JSONResponse(body, status_code=error.status_code, headers=error.headers or None)
 
 
-def _encodable(text: str) -> str:
+def encodable(text: str) -> str:
     """The text as UTF-8 can carry it: a lone surrogate echoed from a request becomes `\\udXXX`."""
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 

@@ -13,7 +13,7 @@ import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from api.errors import HttpError, error_response
+from api.errors import HttpError, encodable, error_response
 
 MAX_JSON_DEPTH = 200  # well past a spec with a deep response_format, whose own limit (32) then speaks
 MAX_CHECKED_BYTES = 1 << 20  # larger JSON bodies are refused by their route (413) unread
@@ -44,14 +44,10 @@ def json_problem(raw: bytes | str, what: str = "the JSON body") -> str | None:
                 inner = f"{where}.{key}" if where else str(key)
                 pending.extend(((key, depth, f"{inner} (a key)"), (item, depth + 1, inner)))
         elif isinstance(value, str) and not _is_unicode(value):
-            place = f"{what}: {_encodable(where)}" if where else what
-            return (f"{place}: {_encodable(value)[:80]!r} holds a lone surrogate escape; JSON text must be "
+            place = f"{what}: {encodable(where)}" if where else what
+            return (f"{place}: {encodable(value)[:80]!r} holds a lone surrogate escape; JSON text must be "
                     "valid Unicode (a \\ud800-\\udfff escape only as half of a pair)")
     return None
-
-
-def _encodable(text: str) -> str:
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _is_unicode(text: str) -> bool:

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.results import part_store, parts_published
-from api.submission import check_in_flight, check_model, claimed_output, create_and_enqueue
+from api.submission import check_in_flight, check_model, claimed_output, enqueue_created
 from jobs.formats.jsonl_writer import dumps_line
 from jobs.merge import MergedChain, chain_of, load_chain, merged_records
 from jobs.repository import JobNotFound
@@ -54,7 +54,7 @@ def retry_job(context: ApiContext, parent: JobStatus, request: RetryRequest) -> 
         if plan is not None and created.state == JobState.QUEUED:
             plan = repository.save_plan(job_id, plan)  # write-once: a planner that got there first stands
             repository.counters(job_id).initialize(plan)  # the answer already counts the rows to retry
-        return create_and_enqueue(context, child, job_id)
+        return enqueue_created(context, repository.get(job_id))
 
 
 def merged_chain(context: ApiContext, caller: Caller, job_id: str) -> MergedChain:

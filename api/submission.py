@@ -242,7 +242,11 @@ def create_and_enqueue(context: ApiContext, spec: JobSpec, job_id: str | None = 
     """Create the job and ask the control queue to plan it. A job found again by its idempotency
     key is planned again only if it is still queued (a first submit that never reached the broker).
     """
-    status = context.repository.create(spec, job_id=job_id)
+    return enqueue_created(context, context.repository.create(spec, job_id=job_id))
+
+
+def enqueue_created(context: ApiContext, status: JobStatus) -> JobStatus:
+    """Ask the control queue to plan a created job that is still queued; 503 when the broker is down."""
     if status.state == JobState.QUEUED:
         try:
             enqueue_plan(context.tasks, status.job_id)

@@ -15,7 +15,6 @@ tenant (an admin key's, or any on an open API, which is for a trusted network) a
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from jobs.spec import PRIORITY_NAMES, JobSpec
 
@@ -52,12 +51,6 @@ def priority_problem(caps: dict[str, int], default: int, tenant: str | None, pri
         return None
     return (f"priority {priority} is above the highest tenant {tenant!r} may use ({highest}); the "
             "deployment's tenant_max_priority setting says which priorities each tenant may use")
-
-
-def template_priority(job: dict[str, Any]) -> int:
-    """The priority of a schedule's job template (validated as a JobSpec already): 0-9 or a name."""
-    value = job.get("priority", JobSpec.model_fields["priority"].default)
-    return PRIORITY_NAMES.get(value, value) if isinstance(value, str) else int(value)
 
 
 def effective_priority(caps: dict[str, int], default: int, spec: JobSpec) -> int:

@@ -25,7 +25,6 @@ from api.submission import (
     parse_object,
 )
 from jobs.object_store.factory import split_uri
-from jobs.priority_caps import template_priority
 from jobs.schedule_tick import tick_schedule
 from jobs.schedules import (
     TEMPLATE_PROBE_URI,
@@ -95,8 +94,9 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
     # Every job a tick submits is held to the limits a POST /jobs is held to.
-    check_priority(context, spec.tenant, template_priority(spec.job))
-    check_completion_window(context, JobSpec.model_validate({**spec.job, "input_uri": TEMPLATE_PROBE_URI}))
+    probe = JobSpec.model_validate({**spec.job, "input_uri": TEMPLATE_PROBE_URI})
+    check_priority(context, spec.tenant, probe.priority)
+    check_completion_window(context, probe)
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))
