@@ -176,9 +176,6 @@ class FaultBench:
         for _ in range(args.workers):
             self.start_worker()
         repository = self.settings.repository()
-        from celery import Celery
-
-        sender = Celery(broker=self.broker_url)
         expected = self.jobs  # the poison-row and disk-full faults add a job each
         for job_number in range(args.jobs):
             ids = [f"j{job_number}-r{n:04d}" for n in range(args.rows)]
@@ -195,7 +192,6 @@ class FaultBench:
             self.fault_log.append({"fault": fault, "at_s": round(at - started, 1),
                                    "seconds": round(time.monotonic() - at, 1), **notes})
             injected.append(fault)
-        sender.close()
         statuses = self._wait_end(repository, expected, started)
         self._note_outcomes(repository)
         self.worker_deaths += sum(worker.poll() is not None for worker in self.workers)  # not yet replaced

@@ -233,22 +233,26 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     settings = context.settings
     cache_salt = prefix_cache_salt(spec.tenant, settings.share_prefix_cache_across_tenants)
     priority = settings.job_priority(spec)  # capped for its tenant, as the fair queue has it
+    cancel = CancelCheck(repository, job_id)  # a Redis outage meanwhile does not stop the rows
 
-    def on_engine(rows: Iterable[Row | RowError], alone: bool = False) -> list[OutputRow] | None:
+    def should_stop() -> bool:
+        return shutdown.stopping() or cancel.while_running()
+
+    def on_engine(rows: Iterable[Row | RowError]) -> list[OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - priority,
                               deduplicate=spec.deduplicate, expires_in_s=expires_in_s, cache_salt=cache_salt,
-                              alone=alone)
+                              should_stop=should_stop, alone=history.split)
 
     copy_items: dict[int, Row | RowError] = {}
     if history.split:
         held = list(items)
         copy_items.update((position, held[position]) for position in shard.copies if position < len(held))
 
-        def run(positions: list[int]) -> dict[int, OutputRow] | None:
-            def run_alone(members: list[int]) -> dict[int, OutputRow] | None:
-                return _keyed(members, on_engine([held[member] for member in members], alone=True))
+        def run_alone(members: list[int]) -> dict[int, OutputRow] | None:
+            return _keyed(members, on_engine([held[member] for member in members]))
 
+        def run(positions: list[int]) -> dict[int, OutputRow] | None:
             return run_split(held, positions, history, crashes, run_alone)
 
         outcomes = run([position for position in range(len(held)) if position not in shard.copies])
@@ -273,9 +277,8 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     write_exports(repository, layout, shard, outcomes, fence)
     if shard.copies:
         try:
-            cancel = CancelCheck(repository, job_id)
             copied, compute = copy_rows(repository, layout, shard, copy_items, expires_at=expires_at,
-                                        should_stop=lambda: shutdown.stopping() or cancel.while_running())
+                                        should_stop=should_stop)
         except Stopped:
             if shutdown.stopping():
                 raise ShardHandedBack(f"job {job_id}: the worker is stopping") from None
@@ -311,18 +314,18 @@ def _keyed(positions: Sequence[int], outputs: list[OutputRow] | None) -> dict[in
 
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: Iterable[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None,
-                   cache_salt: str | None, alone: bool = False) -> list[OutputRow] | None:
-    """Every row's outcome in input order; None if the job was cancelled while its rows ran.
+                   cache_salt: str | None, should_stop: Callable[[], bool],
+                   alone: bool = False) -> list[OutputRow] | None:
+    """Every row's outcome in input order; None if `should_stop()` said to stop while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/shutdown.py).
     `alone`: the caller holds the process's engines alone (worker/exclusive_runs.py)."""
-    cancel = CancelCheck(context.repository, job_id)  # a Redis outage meanwhile does not stop the rows
     try:
         with nullcontext() if alone else ENGINE_RUNS.together():
             # killing_on_marker: off unless a test turned it on (worker/fault_injection.py)
             outputs = run_rows(hosted, killing_on_marker(items), priority, poll_s=CANCEL_POLL_S,
                                deduplicate=deduplicate, expires_in_s=expires_in_s,
                                window_rows=context.settings.shard_window_rows, cache_salt=cache_salt,
-                               should_stop=lambda: shutdown.stopping() or cancel.while_running())
+                               should_stop=should_stop)
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
             raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error
