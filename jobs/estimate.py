@@ -23,7 +23,7 @@ from jobs.object_store.base import ObjectStore
 from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
-from jobs.tokenizer_files import ChatRenderError, PublishedTokenizer
+from jobs.tokenizer_files import PublishedTokenizer
 from jobs.workers import Throughput
 
 KV_BLOCK_TOKENS = 16
@@ -92,9 +92,7 @@ class _Counts:
             if row.messages is not None:
                 return self.tokenizer.chat_tokens(row.messages)
             return self.tokenizer.completion_tokens(row.prompt or "")
-        except ChatRenderError:
-            return None
-        except Exception:  # noqa: BLE001 - the tokenizer failed on this row: it fails there as well
+        except Exception:  # noqa: BLE001 - a chat template or the tokenizer failed on this row: it fails there too
             return None
 
     def scaled(self, value: int, scale: float) -> int | None:

@@ -123,7 +123,7 @@ def _submit_new(schedules: ScheduleRepository, jobs: JobRepository, schedule: Sc
     store, objects = input_objects(schedule, endpoint_url)
     seen = schedules.seen(schedule.id)
     new = [info for info in objects if fingerprint(info.key, info.etag) not in seen]
-    room = len(new) if max_jobs_in_flight is None else \
+    room = len(new) if max_jobs_in_flight is None or not new else \
         max(0, max_jobs_in_flight - jobs_in_flight(jobs, schedule.tenant, max_jobs_in_flight))
     if room < min(len(new), limit):
         result.deferred = len(new) - room

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from jobs.object_store.base import ObjectStore
 from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS
-from jobs.sharding import ShardPlan, plan_shards
+from jobs.sharding import ShardPlan, plan_ranges, with_file_checks
 from jobs.spec import JobSpec
 
 if TYPE_CHECKING:
@@ -53,11 +53,9 @@ def shard_token_cost(shard: ShardPlan, spec: JobSpec) -> int:
     return max(1, prompt + rows * completion_tokens_per_row(spec))
 
 
-def bounded_shard_size(spec: JobSpec, max_shard_size: int, max_shard_tokens: int,
-                       tokens_per_row: float) -> int:
-    """Rows per shard: the job's `shard_size`, cut to `max_shard_size` rows and to as many rows as
-    fit in `max_shard_tokens` at `tokens_per_row` (at least one row)."""
-    size = min(spec.shard_size, max_shard_size)
+def bounded_shard_size(size: int, max_shard_tokens: int, tokens_per_row: float) -> int:
+    """Rows per shard: `size` (the job's `shard_size`, cut to `max_shard_size`), cut to as many rows
+    as fit in `max_shard_tokens` at `tokens_per_row` (at least one row)."""
     if tokens_per_row * size > max_shard_tokens:
         size = max(1, int(max_shard_tokens // tokens_per_row))
     return size
@@ -74,14 +72,16 @@ def plan_bounded(plan_with_size: Callable[[int], Sequence[ShardPlan]], spec: Job
     if rows == 0:
         return plan
     tokens_per_row = sum(shard_token_cost(shard, spec) for shard in plan) / rows
-    bounded = bounded_shard_size(spec, max_shard_size, max_shard_tokens, tokens_per_row)
+    bounded = bounded_shard_size(size, max_shard_tokens, tokens_per_row)
     return list(plan_with_size(bounded)) if bounded < size else plan
 
 
 def plan_within_bounds(settings: Settings, store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
     """`plan_shards` with the deployment's `max_shard_size` and `max_shard_tokens`: a job asking for
-    bigger shards gets more, smaller ones (its `shard_size` is an upper bound)."""
+    bigger shards gets more, smaller ones (its `shard_size` is an upper bound). The checks across the
+    whole file run once, on the final plan."""
     def plan_with_size(rows: int) -> list[ShardPlan]:
-        return plan_shards(store, key, spec.model_copy(update={"shard_size": rows}))
+        return plan_ranges(store, key, spec.model_copy(update={"shard_size": rows}))
 
-    return plan_bounded(plan_with_size, spec, settings.max_shard_size, settings.max_shard_tokens)
+    plan = plan_bounded(plan_with_size, spec, settings.max_shard_size, settings.max_shard_tokens)
+    return with_file_checks(store, key, spec, plan)

@@ -60,11 +60,21 @@ class ShardPlan(BaseModel):
 
 def plan_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
     """At least one shard (an empty input has one empty shard), numbered from 0 in input order."""
+    return with_file_checks(store, key, spec, plan_ranges(store, key, spec))
+
+
+def plan_ranges(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
+    """The shards' ranges of rows, without the checks across the whole file (`with_file_checks`)."""
     if spec.input_format is None:
         raise ValueError("plan_shards needs a resolved input_format (see formats.detect.resolve_spec)")
     if spec.input_format == InputFormat.PARQUET:
         return plan_parquet_shards(store, key, spec)
-    shards = plan_jsonl_shards(store, key, spec.shard_size)
+    return plan_jsonl_shards(store, key, spec.shard_size)
+
+
+def with_file_checks(store: ObjectStore, key: str, spec: JobSpec, shards: list[ShardPlan]) -> list[ShardPlan]:
+    """The plan with what one pass over the whole file finds (an OpenAI batch file's repeated
+    custom_ids); the same whatever the shards' size."""
     if spec.input_format == InputFormat.OPENAI_BATCH:
         return _with_repeated_custom_ids(store, key, shards)
     return shards
