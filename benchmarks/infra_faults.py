@@ -18,9 +18,8 @@ from typing import Any
 import redis
 
 from jobs.names import shard_lease_key
-from jobs.object_store.base import ObjectNotFound
 from jobs.repository import JobRepository
-from jobs.results import ShardResult
+from jobs.results import committed_shard_result
 
 KINDS = ("disk-full", "redis-oom", "redis-outage-long", "worker-term")
 STORE_DISK_SIZE = "256m"
@@ -109,11 +108,10 @@ def recomputed(repository: JobRepository, caught: dict[tuple[str, int], int]) ->
     that held them (their work thrown away and computed again)."""
     again = 0
     for (job_id, index), generation in caught.items():
-        try:
-            data = repository.store.get_bytes(repository.layout(job_id).shard_result_key(index))
-        except ObjectNotFound:  # its job failed or was cancelled: the rows are counted as lost
+        result = committed_shard_result(repository.store, repository.layout(job_id), index)
+        if result is None:  # its job failed or was cancelled: the rows are counted as lost
             continue
-        fence = ShardResult.model_validate_json(data).fence or ""
+        fence = result.fence or ""
         again += not fence.startswith(f"g{generation}-")
     return again
 

@@ -20,7 +20,7 @@ from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.job_dedup import row_key
 from jobs.object_store.base import ObjectStore
-from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS
+from jobs.shard_cost import completion_tokens_per_row
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.tokenizer_files import PublishedTokenizer
@@ -79,7 +79,7 @@ class _Counts:
                     self.duplicates += 1
                     continue
                 seen.add(key)
-            self.output += (item.sampling.max_tokens or ENGINE_DEFAULT_MAX_TOKENS) * (item.sampling.n or 1)
+            self.output += completion_tokens_per_row(item.sampling)
             if tokens is not None:
                 prompts.append(tokens)
         self.prompt += sum(map(len, prompts))

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 from jobs.layout import JobLayout
-from jobs.object_store.base import AlreadyExists, ObjectStore
+from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 
 if TYPE_CHECKING:
     from jobs.formats.output import OutputRow
@@ -164,6 +164,14 @@ def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult
     except AlreadyExists:
         return ShardResult.model_validate_json(store.get_bytes(key))
     return result
+
+
+def committed_shard_result(store: ObjectStore, layout: JobLayout, shard_index: int) -> ShardResult | None:
+    """The shard's write-once result, or None while no run has committed one."""
+    try:
+        return ShardResult.model_validate_json(store.get_bytes(layout.shard_result_key(shard_index)))
+    except ObjectNotFound:
+        return None
 
 
 def load_shard_results(store: ObjectStore, layout: JobLayout) -> list[ShardResult]:

@@ -16,7 +16,7 @@ from collections.abc import Collection
 from jobs.object_store.base import ObjectNotFound
 from jobs.part_publication import staged_key
 from jobs.repository import JobRepository
-from jobs.results import ShardResult
+from jobs.results import ShardResult, committed_shard_result
 from jobs.sharding import ShardPlan
 from jobs.status import JobState, JobStatus
 
@@ -50,11 +50,7 @@ def retry_plan(repository: JobRepository, parent_id: str,
     layout = repository.layout(parent_id)
     shards: list[ShardPlan] = []
     for shard in parent_plan:
-        try:
-            result = ShardResult.model_validate_json(repository.store.get_bytes(
-                layout.shard_result_key(shard.index)))
-        except ObjectNotFound:
-            result = None
+        result = committed_shard_result(repository.store, layout, shard.index)
         rows = _rows_to_retry(repository, shard, result, codes)
         if rows is not None and not rows:
             continue

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from jobs.object_store.base import ObjectStore
-from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS
+from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS, JobSampling
 from jobs.sharding import ShardPlan, plan_ranges, with_file_checks
 from jobs.spec import JobSpec
 
@@ -31,9 +31,8 @@ BYTES_PER_TOKEN = 4  # about what BPE tokenizers give for English text
 PARQUET_PROMPT_TOKENS_PER_ROW = 64  # a Parquet shard's size in bytes is not known when it is planned
 
 
-def completion_tokens_per_row(spec: JobSpec) -> int:
-    """The most tokens one of the job's rows may generate: `max_tokens` x `n`."""
-    sampling = spec.sampling
+def completion_tokens_per_row(sampling: JobSampling) -> int:
+    """The most tokens one row may generate under `sampling`: `max_tokens` x `n`."""
     return (sampling.max_tokens or ENGINE_DEFAULT_MAX_TOKENS) * (sampling.n or 1)
 
 
@@ -50,7 +49,7 @@ def shard_token_cost(shard: ShardPlan, spec: JobSpec) -> int:
     prompt = shard_prompt_tokens(shard)
     if shard.only_rows is not None and shard.estimated_rows:  # a retry runs some rows of the range
         prompt = prompt * rows // shard.estimated_rows
-    return max(1, prompt + rows * completion_tokens_per_row(spec))
+    return max(1, prompt + rows * completion_tokens_per_row(spec.sampling))
 
 
 def bounded_shard_size(size: int, max_shard_tokens: int, tokens_per_row: float) -> int:

@@ -25,7 +25,7 @@ from jobs.job_dedup import dump_outputs, exports_key, load_outputs
 from jobs.layout import JobLayout
 from jobs.object_store.base import ObjectNotFound
 from jobs.repository import JobRepository
-from jobs.results import ShardResult
+from jobs.results import committed_shard_result
 from jobs.sharding import ShardPlan
 
 WAIT_POLL_S = 0.5
@@ -83,11 +83,7 @@ def _wait_for_exports(repository: JobRepository, layout: JobLayout, source_shard
     """The exports of the run that committed the source; None when it has none; "expired" at the
     job's deadline."""
     while True:
-        try:
-            committed = ShardResult.model_validate_json(
-                repository.store.get_bytes(layout.shard_result_key(source_shard)))
-        except ObjectNotFound:
-            committed = None
+        committed = committed_shard_result(repository.store, layout, source_shard)
         if committed is not None:
             try:  # its exports were written before it committed, unless it never wrote any
                 return load_outputs(repository.store.get_bytes(

@@ -34,11 +34,10 @@ from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.layout import JobLayout
 from jobs.log_format import add_to_log_context
-from jobs.object_store.base import ObjectNotFound
 from jobs.object_store.factory import store_for_uri
 from jobs.part_publication import CommitRefused, publish_parts, write_fenced
 from jobs.repository import JobRepository
-from jobs.results import ShardResult
+from jobs.results import ShardResult, committed_shard_result
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import JobState
@@ -186,11 +185,7 @@ def _stopped(job_id: str, shard_index: int, spec: JobSpec) -> dict[str, Any]:
 
 
 def committed_result(repository: JobRepository, layout: JobLayout, shard_index: int) -> ShardResult | None:
-    try:
-        data = repository.store.get_bytes(layout.shard_result_key(shard_index))
-    except ObjectNotFound:
-        return None
-    return ShardResult.model_validate_json(data)
+    return committed_shard_result(repository.store, layout, shard_index)
 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
