@@ -14,11 +14,10 @@ from pydantic.json_schema import models_json_schema
 
 from api.auth import ApiKeyCheck, parse_keys
 from api.auth_failures import AuthFailureLimit
-from api.body_limit import BodyLimit
+from api.body_limit import BodyCheck
 from api.dependencies import ApiContext
 from api.dispatch import CeleryTaskSender
 from api.errors import install_error_handlers
-from api.json_body import JsonBodyCheck
 from api.methods import install_method_handlers
 from api.metrics import service_registry
 from api.rate_limit import RateLimit
@@ -61,9 +60,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.auth = auth
     app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
-    app.add_middleware(JsonBodyCheck)  # every JSON body: depth and Unicode checked before a route parses it
+    # Every body before a route reads it: one tenant's huge body is not everyone's, and a JSON one's
+    # depth and Unicode are checked once.
+    app.add_middleware(BodyCheck)
     install_method_handlers(app)
-    app.add_middleware(BodyLimit)  # before any route reads a body: one tenant's huge body is not everyone's
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)

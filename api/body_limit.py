@@ -1,4 +1,5 @@
-"""A size limit on every request body but an upload's, before any route reads it.
+"""A size limit, and the JSON checks of api/json_body.py, on every request body but an upload's,
+before any route reads it.
 
 Routes that take a JSON body through FastAPI (`POST /schedules`, `POST /jobs/{id}/retry`) read it
 whole before validating it, so one tenant's multi-gigabyte body would take the API process (every
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from starlette.types import Message, Receive, Scope, Send
 
 from api.errors import HttpError, error_response
+from api.json_body import json_problem
 
 MAX_BODY_BYTES = 1 << 20  # a job spec, a schedule or a retry request is a few KiB
 
@@ -29,7 +31,16 @@ def _too_large(limit: int) -> HttpError:
                           "(multipart) or name them by input_uri")
 
 
-class BodyLimit:
+def _takes_json(headers: dict[bytes, bytes]) -> bool:
+    content_type = headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower()
+    return content_type in (b"", b"application/json") or content_type.endswith(b"+json")
+
+
+class BodyCheck:
+    """Every request body but an upload's, read once before any route: refused past `limit` (413),
+    and a JSON one refused when `json_problem` finds it nested too deep or not valid Unicode (422);
+    otherwise the route gets the same messages."""
+
     def __init__(self, app: App, limit: int = MAX_BODY_BYTES) -> None:
         self.app = app
         self.limit = limit
@@ -43,16 +54,12 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         declared = headers.get(b"content-length")
-        if declared is not None and declared.strip().isdigit():
-            if int(declared) > self.limit:
-                await error_response(_too_large(self.limit))(scope, receive, send)
-                return
-            await self.app(scope, receive, send)  # the server holds the body to its declared length
+        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
+            await error_response(_too_large(self.limit))(scope, receive, send)
             return
-        # No length given (chunked): read up to the limit here, then hand the route the same messages.
         messages: list[Message] = []
         size = 0
-        while True:
+        while True:  # a body sent without a length (chunked) is refused as soon as it passes the limit
             message = await receive()
             messages.append(message)
             if message["type"] != "http.request":
@@ -63,6 +70,11 @@ class BodyLimit:
                 return
             if not message.get("more_body", False):
                 break
+        if size and _takes_json(headers):
+            problem = json_problem(b"".join(message.get("body", b"") for message in messages))
+            if problem is not None:
+                await error_response(HttpError(422, problem))(scope, receive, send)
+                return
 
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
