@@ -1,8 +1,8 @@
 """API keys and the tenants they belong to.
 
 With `api_keys` set (BULKINFER_API_KEYS, or the config file's `api_keys`), every route but the
-health check needs `Authorization: Bearer <key>`. Unset, the API is open, for a trusted network,
-and every caller sees everything.
+health check needs `Authorization: Bearer <key>` (or `x-api-key: <key>`, as Anthropic's SDK sends
+it). Unset, the API is open, for a trusted network, and every caller sees everything.
 
 `api_keys` is a comma-separated list of `tenant=key` (a bare `key` belongs to the tenant
 `default`); a key may be given as `sha256:<hex digest of the key>` instead, so a config file need
@@ -99,6 +99,8 @@ class ApiKeyCheck:
         if not self._keys or request.url.path in OPEN_PATHS:
             return OPEN
         header = request.headers.get("authorization")
+        if not header and request.headers.get("x-api-key"):  # Anthropic's SDK sends its key so
+            header = f"Bearer {request.headers['x-api-key']}"
         if not header or self._failures is None:
             return self._check(header)[0]
         # An address past its wrong-key limit gets 429 whatever it sends, unless the key is one it
@@ -121,8 +123,9 @@ class ApiKeyCheck:
     def _check(self, header: str | None) -> tuple[Caller, str]:
         """(who, the key's digest); 401 saying what was wrong."""
         if not header:
-            raise _unauthorized("this API needs an API key: send 'Authorization: Bearer <key>' "
-                                "(the SDK's api_key=, the CLI's --api-key or $BULKINFER_API_KEY)")
+            raise _unauthorized("this API needs an API key: send 'Authorization: Bearer <key>' or "
+                                "'x-api-key: <key>' (the SDK's api_key=, the CLI's --api-key or "
+                                "$BULKINFER_API_KEY)")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _unauthorized("the Authorization header must be 'Bearer <key>'")

@@ -41,9 +41,11 @@ class BodyCheck:
     and a JSON one refused when `json_problem` finds it nested too deep or not valid Unicode (422);
     otherwise the route gets the same messages."""
 
-    def __init__(self, app: App, limit: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: App, limit: int = MAX_BODY_BYTES,
+                 path_limits: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.path_limits = path_limits or {}  # routes whose body is the work itself (a message batch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS", "DELETE"):
@@ -53,9 +55,11 @@ class BodyCheck:
         if headers.get(b"content-type", b"").split(b";", 1)[0].strip().lower() == b"multipart/form-data":
             await self.app(scope, receive, send)
             return
+        path = scope.get("path", "")
+        limit = self.path_limits.get(path, self.limit)
         declared = headers.get(b"content-length")
-        if declared is not None and declared.strip().isdigit() and int(declared) > self.limit:
-            await error_response(_too_large(self.limit))(scope, receive, send)
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            await error_response(_too_large(limit), path)(scope, receive, send)
             return
         messages: list[Message] = []
         size = 0
@@ -65,15 +69,15 @@ class BodyCheck:
             if message["type"] != "http.request":
                 break
             size += len(message.get("body", b""))
-            if size > self.limit:
-                await error_response(_too_large(self.limit))(scope, receive, send)
+            if size > limit:
+                await error_response(_too_large(limit), path)(scope, receive, send)
                 return
             if not message.get("more_body", False):
                 break
         if size and _takes_json(headers):
             problem = json_problem(b"".join(message.get("body", b"") for message in messages))
             if problem is not None:
-                await error_response(HttpError(422, problem))(scope, receive, send)
+                await error_response(HttpError(422, problem), path)(scope, receive, send)
                 return
 
         async def replay() -> Message:

@@ -1,4 +1,8 @@
-"""Errors the API returns: one JSON shape, `{"detail": message, "messages": [...]}`, whatever failed."""
+"""Errors the API returns: one JSON shape, `{"detail": message, "messages": [...]}`, whatever failed.
+
+Under `/v1/` the routes speak OpenAI's and Anthropic's wire formats, so their errors do too: the
+official SDKs read the body to raise their own typed exceptions (`openai.NotFoundError`, ...).
+"""
 
 from __future__ import annotations
 
@@ -21,12 +25,15 @@ class HttpError(Exception):
     """An error with the status code and the message the client should see."""
 
     def __init__(self, status_code: int, message: str, messages: list[str] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, *, param: str | None = None,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.messages = messages or []
         self.headers = headers or {}
+        self.param = param  # OpenAI's error fields: the parameter at fault, a machine-readable code
+        self.code = code
 
 
 def invalid_model(error: ValidationError, what: str = "job spec") -> HttpError:
@@ -35,10 +42,34 @@ def invalid_model(error: ValidationError, what: str = "job spec") -> HttpError:
     return HttpError(422, f"invalid {what}: " + "; ".join(messages), messages)
 
 
-def error_response(error: HttpError) -> JSONResponse:
-    """The API's error body (`detail`, `messages`) with the error's status and headers."""
-    body = {"detail": encodable(error.message), "messages": [encodable(line) for line in error.messages]}
+def error_response(error: HttpError, path: str = "") -> JSONResponse:
+    """The error body for a request to `path` (the wire format's under `/v1/`, else ours: `detail`,
+    `messages`) with the error's status and headers."""
+    message = encodable(error.message)
+    if path.startswith(ANTHROPIC_PREFIX):
+        body: dict[str, object] = {"type": "error", "error": {"type": _anthropic_type(error.status_code),
+                                                              "message": message}}
+    elif path.startswith(OPENAI_PREFIX):
+        body = {"error": {"message": message, "type": _openai_type(error.status_code), "param": error.param,
+                          "code": error.code}}
+    else:
+        body = {"detail": message, "messages": [encodable(line) for line in error.messages]}
     return JSONResponse(body, status_code=error.status_code, headers=error.headers or None)
+
+
+OPENAI_PREFIX = "/v1/"
+ANTHROPIC_PREFIX = "/v1/messages/"
+_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error"}
+
+
+def _openai_type(status: int) -> str:
+    return _OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def _anthropic_type(status: int) -> str:
+    return _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
 def encodable(text: str) -> str:
@@ -53,21 +84,22 @@ _STATUS_FOR = [
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    async def api_error(_request: Request, error: Exception) -> JSONResponse:
+    async def api_error(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, HttpError)
-        return error_response(error)
+        return error_response(error, request.url.path)
 
-    async def domain_error(_request: Request, error: Exception) -> JSONResponse:
+    async def domain_error(request: Request, error: Exception) -> JSONResponse:
         status = next(code for kind, code in _STATUS_FOR if isinstance(error, kind))
-        return error_response(HttpError(status, str(error)))
+        return error_response(HttpError(status, str(error)), request.url.path)
 
-    async def request_invalid(_request: Request, error: Exception) -> JSONResponse:
+    async def request_invalid(request: Request, error: Exception) -> JSONResponse:
         assert isinstance(error, RequestValidationError)
         messages = []
         for item in error.errors():
             where = ".".join(str(part) for part in item["loc"] if part not in ("body", "query", "path"))
             messages.append(f"{where}: {item['msg']}" if where else item["msg"])
-        return error_response(HttpError(422, "invalid request: " + "; ".join(messages), messages))
+        return error_response(HttpError(422, "invalid request: " + "; ".join(messages), messages),
+                              request.url.path)
 
     app.add_exception_handler(HttpError, api_error)
     app.add_exception_handler(RequestValidationError, request_invalid)

@@ -12,7 +12,7 @@ from fastapi.exception_handlers import http_exception_handler
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from api.errors import HttpError, error_response
+from api.errors import OPENAI_PREFIX, HttpError, error_response
 
 CANDIDATES = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
 
@@ -30,12 +30,15 @@ def install_method_handlers(app: FastAPI) -> None:
     async def not_allowed(request: Request, error: Exception) -> Response:
         assert isinstance(error, StarletteHTTPException)
         if error.status_code != 405:
+            if request.url.path.startswith(OPENAI_PREFIX):  # the SDKs' shape, e.g. an unknown /v1 route
+                return error_response(HttpError(error.status_code, str(error.detail)), request.url.path)
             return await http_exception_handler(request, error)
         allow = allowed_methods(app, request)
         if request.method == "OPTIONS" and allow:
             return Response(status_code=204, headers={"Allow": ", ".join(allow)})
         allowed = ", ".join(allow)
         return error_response(HttpError(405, f"{request.method} is not allowed on {request.url.path} "
-                                            f"(allowed: {allowed})", headers={"Allow": allowed}))
+                                            f"(allowed: {allowed})", headers={"Allow": allowed}),
+                              request.url.path)
 
     app.add_exception_handler(StarletteHTTPException, not_allowed)

@@ -26,8 +26,14 @@ class UnknownModel(LookupFailed):
 
 
 class ModelRegistry:
-    def __init__(self, models: Mapping[str, str] | None = None) -> None:
+    def __init__(self, models: Mapping[str, str] | None = None,
+                 aliases: Mapping[str, str] | None = None) -> None:
         self._models = dict(models or {})
+        self._aliases = dict(aliases or {})
+        for alias, name in self._aliases.items():
+            if not isinstance(name, str) or name not in self._models:
+                raise ValueError(f"model alias {alias!r} names {name!r}, which is not a served model "
+                                 f"(served: {', '.join(sorted(self._models)) or 'none'})")
         for name, location in self._models.items():
             if not isinstance(name, str) or not name.strip() or any(ch.isspace() for ch in name):
                 raise ValueError(f"model name {name!r} must be non-empty text without spaces")
@@ -35,10 +41,12 @@ class ModelRegistry:
                 raise ValueError(f"model {name!r}: its location must be a directory or s3:// URI")
 
     @classmethod
-    def parse(cls, value: str | None) -> ModelRegistry:
-        """From JSON text `{"name": "dir or s3://…"}` or the path of a file holding it; None → empty."""
+    def parse(cls, value: str | None, aliases: str | None = None) -> ModelRegistry:
+        """From JSON text `{"name": "dir or s3://…"}` or the path of a file holding it; None → empty.
+        `aliases`: JSON text `{"alias": "served name"}`."""
+        alias_map = _json_object(aliases, "BULKINFER_MODEL_ALIASES", "alias → served model name")
         if not value or not value.strip():
-            return cls()
+            return cls(aliases=alias_map)
         text = value
         source = "BULKINFER_MODELS"
         if not value.lstrip().startswith(("{", "[")):
@@ -54,7 +62,7 @@ class ModelRegistry:
             raise ValueError(f"{source}: not JSON ({error.msg} at line {error.lineno})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{source}: expected a JSON object of model name → location")
-        return cls(data)
+        return cls(data, alias_map)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ModelRegistry:
@@ -73,7 +81,25 @@ class ModelRegistry:
         except KeyError:
             raise UnknownModel(name, self.names()) from None
 
+    def resolve(self, name: str) -> str:
+        """The served model a name means (itself, or what it is an alias of); `UnknownModel` otherwise."""
+        name = self._aliases.get(name, name)
+        self.location(name)
+        return name
+
     def queue_for(self, name: str) -> str:
         self.location(name)
         return model_queue(name)
 
+
+
+def _json_object(text: str | None, source: str, what: str) -> dict[str, str]:
+    if not text or not text.strip():
+        return {}
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source}: not JSON ({error.msg})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: expected a JSON object of {what}")
+    return data

@@ -68,6 +68,8 @@ ENVIRONMENT_NAMES = {
     "admin_api_keys": "BULKINFER_ADMIN_API_KEYS",
     "tenant_prefixes": "BULKINFER_TENANT_PREFIXES",
     "max_upload_bytes": "BULKINFER_MAX_UPLOAD_BYTES",
+    "model_aliases": "BULKINFER_MODEL_ALIASES",
+    "max_message_batch_bytes": "BULKINFER_MAX_MESSAGE_BATCH_BYTES",
     "max_rows_per_job": "BULKINFER_MAX_ROWS_PER_JOB",
     "max_shards_per_job": "BULKINFER_MAX_SHARDS_PER_JOB",
     "max_schemas_per_job": "BULKINFER_MAX_SCHEMAS_PER_JOB",
@@ -138,6 +140,11 @@ class Settings(BaseModel):
     # Limits (docs/configuration.md); None: no limit. Uploads and request rates answer 413 / 429 at
     # the API; rows and shards fail the job at planning, naming the limit.
     max_upload_bytes: int | None = Field(None, ge=1)
+    # Other names for served models (JSON {alias: served name}): a batch file written for OpenAI or
+    # Anthropic names their models, and runs unchanged when the name is an alias of one served here.
+    model_aliases: str | None = None
+    # The largest POST /v1/messages/batches body (its requests are inline; Anthropic takes 256 MB).
+    max_message_batch_bytes: int = Field(64 << 20, ge=1 << 20)
     max_rows_per_job: int | None = Field(None, ge=1)
     max_shards_per_job: int | None = Field(None, ge=1)
     # Distinct response formats a job's rows may carry (worker/schema_limit.py): bounds its compile time.
@@ -194,7 +201,7 @@ class Settings(BaseModel):
         return value
 
     @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes",
-                     "tenant_max_priority", mode="before")
+                     "tenant_max_priority", "model_aliases", mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
@@ -332,7 +339,7 @@ class Settings(BaseModel):
     def model_registry(self) -> ModelRegistry:
         from jobs.model_registry import ModelRegistry
 
-        return ModelRegistry.parse(self.models)
+        return ModelRegistry.parse(self.models, self.model_aliases)
 
     def repository(self) -> JobRepository:
         from jobs.repository import JobRepository

@@ -37,7 +37,9 @@ HELP = {
     "webhook_allow_private": "true: accept and call webhooks to loopback, private and link-local addresses",
     "admin_api_keys": "comma-separated admin keys (or sha256:<hex>): they see every tenant's jobs",
     "tenant_prefixes": "JSON {tenant: [s3:// prefixes its inputs and outputs must lie under]}",
-    "max_upload_bytes": "largest file a submit may upload (413 beyond)",
+    "max_upload_bytes": "largest file a submit (or POST /v1/files) may upload (413 beyond)",
+    "model_aliases": "JSON {alias: served model}: names a batch file may use for a served model",
+    "max_message_batch_bytes": "largest POST /v1/messages/batches body (default 64 MiB; 413 beyond)",
     "max_rows_per_job": "rows a job may have (the job fails at planning beyond)",
     "max_shards_per_job": "shards a job may plan into (the job fails at planning beyond)",
     "worker_models": "comma-separated models to start loading as soon as the worker is up "
