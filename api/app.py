@@ -21,8 +21,11 @@ from api.errors import install_error_handlers
 from api.methods import install_method_handlers
 from api.metrics import service_registry
 from api.rate_limit import RateLimit
+from api.routes import anthropic_batches as anthropic_batch_routes
 from api.routes import jobs as job_routes
 from api.routes import observe as observe_routes
+from api.routes import openai_batches as openai_batch_routes
+from api.routes import openai_files as openai_file_routes
 from api.routes import schedules as schedule_routes
 from api.routes import service as service_routes
 from jobs.settings import Settings
@@ -62,12 +65,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     install_error_handlers(app)
     # Every body before a route reads it: one tenant's huge body is not everyone's, and a JSON one's
     # depth and Unicode are checked once.
-    app.add_middleware(BodyCheck)
+    app.add_middleware(BodyCheck, path_limits={anthropic_batch_routes.PATH: settings.max_message_batch_bytes})
     install_method_handlers(app)
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)
     app.include_router(observe_routes.router)
+    # The OpenAI and Anthropic wire formats, over the same jobs, keys and tenants.
+    app.include_router(openai_file_routes.router)
+    app.include_router(openai_batch_routes.router)
+    app.include_router(anthropic_batch_routes.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:

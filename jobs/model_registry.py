@@ -81,6 +81,10 @@ class ModelRegistry:
         except KeyError:
             raise UnknownModel(name, self.names()) from None
 
+    def aliases(self) -> dict[str, str]:
+        """alias → the served model it names."""
+        return dict(self._aliases)
+
     def resolve(self, name: str) -> str:
         """The served model a name means (itself, or what it is an alias of); `UnknownModel` otherwise."""
         name = self._aliases.get(name, name)

@@ -1,0 +1,83 @@
+"""Anthropic's `/v1/messages/batches`, as the official `anthropic` SDK calls them."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from api.auth import CallerDep
+from api.dependencies import Context
+from api.errors import HttpError
+from api.v1.anthropic_batches import batch_object, create_batch, result_lines
+from api.v1.batch_records import BatchRecords
+from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
+from jobs.status import JobState
+from jobs.webhook_claims import claim_delivery
+
+PATH = "/v1/messages/batches"
+router = APIRouter(prefix=PATH, tags=["anthropic"])
+
+
+@router.post("", summary="Create a Message Batch (Anthropic Message Batches API)")
+async def create(request: Request, context: Context, caller: CallerDep,
+                 body: Annotated[Any, Body()] = None) -> dict[str, Any]:
+    """`{requests: [{custom_id, params}]}`, each `params` a Messages request."""
+    batch = await run_in_threadpool(create_batch, context, caller, body)
+    return {**batch, "results_url": None}
+
+
+@router.get("/{batch_id}", summary="A Message Batch")
+def retrieve(batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
+    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+    return batch_object(context, record, str(request.base_url))
+
+
+@router.get("", summary="The caller's Message Batches, newest first")
+def list_batches(request: Request, context: Context, caller: CallerDep, before_id: str | None = None,
+                 after_id: str | None = None,
+                 limit: Annotated[int, Query(ge=1, le=1000)] = 20) -> dict[str, Any]:
+    if before_id is not None and after_id is not None:
+        raise HttpError(400, "give before_id or after_id, not both")
+    records, has_more = BatchRecords(context, "anthropic").page(caller, after=after_id, before=before_id,
+                                                                limit=limit)
+    data = [batch_object(context, record, str(request.base_url)) for record in records]
+    return {"data": data, "has_more": has_more, "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
+
+
+@router.post("/{batch_id}/cancel", summary="Cancel a Message Batch")
+def cancel(batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
+    """Requests not yet done are `canceled`; those done keep their results. 409 once it has ended."""
+    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+    status = context.repository.request_cancel(str(record.job_id))
+    if status.state != JobState.CANCELLED:
+        raise HttpError(409, f"message batch {batch_id} has already ended; there is nothing to cancel")
+    if claim_delivery(context.repository, str(record.job_id)):
+        context.tasks.send(DELIVER_WEBHOOK, [record.job_id], CONTROL_QUEUE)
+    return batch_object(context, record, str(request.base_url), status, canceling=True)
+
+
+@router.delete("/{batch_id}", summary="Delete an ended Message Batch")
+def delete(batch_id: str, context: Context, caller: CallerDep) -> dict[str, Any]:
+    """Only once it has ended (cancel it first): it leaves /v1/messages/batches; its job stays at /jobs."""
+    records = BatchRecords(context, "anthropic")
+    record = records.get(caller, batch_id)
+    if not context.repository.get(str(record.job_id)).state.is_terminal:
+        raise HttpError(409, f"message batch {batch_id} is still processing; cancel it before deleting it")
+    records.delete(record)
+    return {"id": batch_id, "type": "message_batch_deleted"}
+
+
+@router.get("/{batch_id}/results", summary="A Message Batch's results (JSON lines)",
+            response_class=StreamingResponse)
+def results(batch_id: str, context: Context, caller: CallerDep) -> StreamingResponse:
+    """One line per request `{custom_id, result}`, once the batch has ended."""
+    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+    status = context.repository.get(str(record.job_id))
+    if not status.state.is_terminal:
+        raise HttpError(409, f"message batch {batch_id} is still processing: its results are ready once it "
+                             "has ended")
+    return StreamingResponse(result_lines(context, record, status), media_type="application/x-jsonl")

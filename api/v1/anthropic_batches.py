@@ -1,0 +1,199 @@
+"""Anthropic's Message Batches API over our jobs.
+
+A batch's requests arrive inline; each becomes a line `{custom_id, method, url: "/v1/messages",
+body: params}` of the job's input (OpenAI-batch JSONL, the format whose row builder reads Messages
+bodies: jobs/formats/anthropic_messages.py), so a request we cannot serve (tools, images, another
+model) is that request's `errored` result and never fails the batch. The job runs one model: the
+first request's (a name in `model_aliases` counts as the model it names).
+
+Results are the job's output lines in Anthropic's shape (jobs/formats/anthropic_results.py), plus
+`canceled` for each request a cancelled batch never ran. Anthropic keeps a batch 24 hours: that is
+the job's completion window, and a request not done by then is `expired`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from typing import Any
+
+from api.v1.files import owner_of
+from jobs.formats.anthropic_results import anthropic_result, canceled_result
+
+from api.auth import Caller
+from api.dependencies import ApiContext
+from api.errors import HttpError
+from api.results import finished_manifest, part_store
+from api.submission import check_in_flight, create_and_enqueue, validate_input
+from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from jobs.formats.lines import iter_lines_in_range
+from jobs.model_registry import UnknownModel
+from jobs.object_store.base import AlreadyExists, ObjectNotFound
+from jobs.spec import InputFormat, JobSpec
+from jobs.status import JobState, JobStatus
+
+MESSAGES_URL = "/v1/messages"
+WINDOW = "24h"
+MAX_REQUESTS = 100_000
+CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+INPUT_NAME = "requests.jsonl"
+COUNTS_NAME = "anthropic_counts.json"
+COUNT_NAMES = ("processing", "succeeded", "errored", "canceled", "expired")
+
+
+def create_batch(context: ApiContext, caller: Caller, body: object) -> dict[str, Any]:
+    requests = _requests(body)
+    model = _batch_model(context, requests)
+    job_id = new_job_id()
+    store = context.store
+    input_key = context.repository.layout(job_id).input_key(INPUT_NAME)
+    store.put_bytes(input_key, b"".join(_input_line(context, request) for request in requests))
+    spec = JobSpec(input_uri=store.uri(input_key), input_format=InputFormat.OPENAI_BATCH,
+                   output_format=InputFormat.OPENAI_BATCH, model=model, tenant=caller.tenant,
+                   completion_window=WINDOW)
+    try:
+        check_in_flight(context, spec, job_id)
+        spec = validate_input(context, spec, store, input_key)
+    except Exception:
+        store.delete(input_key)
+        raise
+    status = create_and_enqueue(context, spec, job_id)
+    record = BatchRecord(id=batch_id_for("anthropic", job_id), api="anthropic", owner=owner_of(caller),
+                         created_at=int(time.time()), job_id=job_id, model=model, requests=len(requests),
+                         completion_window=WINDOW)
+    BatchRecords(context, "anthropic").put(record)
+    return batch_object(context, record, "", status)
+
+
+def _requests(body: object) -> list[dict[str, Any]]:
+    """The body's requests; 400 naming the first that is not `{custom_id, params}` (unique ids)."""
+    if not isinstance(body, dict) or not isinstance(body.get("requests"), list):
+        raise HttpError(400, "requests: a list of {custom_id, params} is required")
+    requests = body["requests"]
+    extra = sorted(set(body) - {"requests"})
+    if extra:
+        raise HttpError(400, f"{extra[0]}: Extra inputs are not permitted")
+    if not requests or len(requests) > MAX_REQUESTS:
+        raise HttpError(400, f"requests: give 1 to {MAX_REQUESTS:,} requests, not {len(requests):,}")
+    seen: dict[str, int] = {}
+    for index, request in enumerate(requests):
+        where = f"requests.{index}"
+        if not isinstance(request, dict) or set(request) - {"custom_id", "params"}:
+            raise HttpError(400, f"{where}: must be an object with exactly custom_id and params")
+        custom_id = request.get("custom_id")
+        if not isinstance(custom_id, str) or not CUSTOM_ID.match(custom_id):
+            raise HttpError(400, f"{where}.custom_id: 1 to 64 letters, digits, '_' or '-'")
+        if custom_id in seen:
+            raise HttpError(400, f"{where}.custom_id: {custom_id!r} is also the custom_id of requests."
+                                 f"{seen[custom_id]}; each request needs its own")
+        seen[custom_id] = index
+        params = request.get("params")
+        if not isinstance(params, dict) or not isinstance(params.get("model"), str):
+            raise HttpError(400, f"{where}.params: an object with a model is required")
+    return requests
+
+
+def _batch_model(context: ApiContext, requests: list[dict[str, Any]]) -> str:
+    """The served model of the first request whose model is served (or an alias of one)."""
+    for request in requests:
+        try:
+            return context.registry.resolve(request["params"]["model"])
+        except UnknownModel:
+            continue
+    name = requests[0]["params"]["model"]
+    raise HttpError(400, str(UnknownModel(name, sorted({*context.registry.names(),
+                                                         *context.registry.aliases()}))))
+
+
+def _input_line(context: ApiContext, request: dict[str, Any]) -> bytes:
+    params = dict(request["params"])
+    try:  # the served name, so the row builder sees an alias as the model it is
+        params["model"] = context.registry.resolve(params["model"])
+    except UnknownModel:
+        pass  # the row builder makes it this request's error, naming the batch's model
+    line = {"custom_id": request["custom_id"], "method": "POST", "url": MESSAGES_URL, "body": params}
+    return (json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
+
+
+# -- the batch object -----------------------------------------------------------------------------
+
+
+def batch_object(context: ApiContext, record: BatchRecord, base_url: str, status: JobStatus | None = None,
+                 canceling: bool = False) -> dict[str, Any]:
+    """The SDK's `MessageBatch`, its state read from the job."""
+    status = status or context.repository.get(str(record.job_id))
+    ended = status.state.is_terminal and not canceling
+    cancelled = status.state == JobState.CANCELLED
+    return {
+        "id": record.id, "type": "message_batch",
+        "processing_status": "ended" if ended else "canceling" if cancelled else "in_progress",
+        "request_counts": _counts(context, record, status, ended),
+        "ended_at": _rfc3339(status.finished_at) if ended else None,
+        "created_at": _rfc3339(datetime.fromtimestamp(record.created_at, UTC)),
+        "expires_at": _rfc3339(status.expires_at), "archived_at": None,
+        "cancel_initiated_at": _rfc3339(status.finished_at) if cancelled else None,
+        "results_url": f"{base_url}v1/messages/batches/{record.id}/results" if ended else None}
+
+
+def _rfc3339(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+def _counts(context: ApiContext, record: BatchRecord, status: JobStatus, ended: bool) -> dict[str, int]:
+    """Live counts while the batch runs; once it has ended, each result's type counted (once: kept
+    in the job's folder)."""
+    if not ended:
+        done = status.rows.succeeded + status.rows.failed
+        return {"processing": max(0, record.requests - done), "succeeded": status.rows.succeeded,
+                "errored": status.rows.failed, "canceled": 0, "expired": 0}
+    key = f"{context.repository.layout(status.job_id).job_dir}/{COUNTS_NAME}"
+    try:
+        return json.loads(context.store.get_bytes(key))
+    except ObjectNotFound:
+        pass
+    counts = dict.fromkeys(COUNT_NAMES, 0)
+    for line in results(context, record, status):
+        result_type = line["result"]["type"]
+        counts["errored" if result_type == "errored" else result_type] += 1
+    try:
+        context.store.put_bytes(key, json.dumps(counts).encode(), if_none_match=True)
+    except AlreadyExists:
+        pass
+    return counts
+
+
+# -- results --------------------------------------------------------------------------------------
+
+
+def results(context: ApiContext, record: BatchRecord, status: JobStatus) -> Iterator[dict[str, Any]]:
+    """One result per request: the job's output rows, then `canceled` for each request it never ran."""
+    manifest = finished_manifest(context, status, partial=True)
+    seen: set[str] = set()
+    for part in manifest.parts:
+        store, key = part_store(context, part.output.uri)
+        with store.open_read(key) as stream:
+            for line in stream:
+                if line.strip():
+                    output = json.loads(line)
+                    seen.add(output["custom_id"])
+                    yield anthropic_result(output, record.model or "")
+    if len(seen) < record.requests:
+        input_key = context.repository.layout(status.job_id).input_key(INPUT_NAME)
+        for line in iter_lines_in_range(context.store, input_key, 0, context.store.head(input_key).size):
+            custom_id = json.loads(line.data)["custom_id"]
+            if custom_id in seen:
+                continue
+            if status.state == JobState.CANCELLED:
+                yield canceled_result(custom_id)
+            else:  # the job failed before this request ran: say why
+                failed = {"custom_id": custom_id, "response": None,
+                          "error": {"code": "job_failed", "message": status.error or "the batch failed"}}
+                yield anthropic_result(failed, record.model or "")
+
+
+def result_lines(context: ApiContext, record: BatchRecord, status: JobStatus) -> Iterator[bytes]:
+    for result in results(context, record, status):
+        yield (json.dumps(result, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
