@@ -45,6 +45,7 @@ class LiveStack:
     s3: S3Server
     env: dict[str, str]  # what a child process (the CLI) needs to reach this S3
     inputs_bucket: str = INPUTS_BUCKET
+    settings: Settings | None = None  # the API's (another API over the same deployment: create_app(settings))
 
     def put_input(self, name: str, body: bytes) -> str:
         self.s3.client().put_object(Bucket=self.inputs_bucket, Key=name, Body=body)
@@ -91,4 +92,4 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
                 ServerThread(create_app(settings), port=free_port()) as server, \
                 Client(server.url, **client_options) as client:
             yield LiveStack(server.url, client, settings.repository(), s3_server, s3_server.env(),
-                            inputs_bucket)
+                            inputs_bucket, settings)
