@@ -26,9 +26,9 @@ from jobs.formats.anthropic_results import anthropic_result, canceled_result
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.errors import HttpError
-from api.results import finished_manifest, part_store
 from api.submission import check_in_flight, create_and_enqueue, validate_input
 from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from api.v1.job_outputs import output_records
 from jobs.formats.lines import iter_lines_in_range
 from jobs.model_registry import UnknownModel
 from jobs.object_store.base import AlreadyExists, ObjectNotFound
@@ -170,16 +170,10 @@ def _counts(context: ApiContext, record: BatchRecord, status: JobStatus, ended: 
 
 def results(context: ApiContext, record: BatchRecord, status: JobStatus) -> Iterator[dict[str, Any]]:
     """One result per request: the job's output rows, then `canceled` for each request it never ran."""
-    manifest = finished_manifest(context, status, partial=True)
     seen: set[str] = set()
-    for part in manifest.parts:
-        store, key = part_store(context, part.output.uri)
-        with store.open_read(key) as stream:
-            for line in stream:
-                if line.strip():
-                    output = json.loads(line)
-                    seen.add(output["custom_id"])
-                    yield anthropic_result(output, record.model or "")
+    for _data, output in output_records(context, status):
+        seen.add(output["custom_id"])
+        yield anthropic_result(output, record.model or "")
     if len(seen) < record.requests:
         input_key = context.repository.layout(status.job_id).input_key(INPUT_NAME)
         for line in iter_lines_in_range(context.store, input_key, 0, context.store.head(input_key).size):

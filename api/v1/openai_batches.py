@@ -27,11 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.errors import HttpError
-from api.results import finished_manifest, part_store
 from api.submission import check_in_flight, create_and_enqueue, validate_input
 from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from api.v1.job_outputs import output_records
 from jobs.formats.openai_batch import SUPPORTED_URLS
-from jobs.manifest import Manifest
 from jobs.model_registry import UnknownModel
 from jobs.repository import JobNotFound
 from jobs.spec import InputFormat, JobSpec, validation_messages
@@ -225,8 +224,7 @@ def publish_outputs(context: ApiContext, record: BatchRecord,
     for a file that would be empty."""
     at = _seconds(status.finished_at) or record.created_at
     files = FileStore(context)
-    manifest = finished_manifest(context, status, partial=True)
-    counts = _line_counts(manifest)
+    counts = {False: status.rows.succeeded, True: status.rows.failed}
     expires_at = at + record.output_expires_after_s if record.output_expires_after_s else None
     ids: list[str | None] = []
     for kind, purpose, failed in (("output", "batch_output", False), ("error", "batch_error", True)):
@@ -235,29 +233,18 @@ def publish_outputs(context: ApiContext, record: BatchRecord,
             continue
         file_id = output_file_id(status.job_id, kind, at)
         files.write_output(record.owner, file_id, f"{record.id}_{kind}.jsonl", purpose,
-                           _lines(context, manifest, failed), at, expires_at=expires_at)
+                           _lines(context, status, failed), at, expires_at=expires_at)
         ids.append(file_id)
     return ids[0], ids[1]
 
 
-def _line_counts(manifest: Manifest) -> dict[bool, int]:
-    return {False: sum(part.rows_succeeded for part in manifest.parts),
-            True: sum(part.rows_failed for part in manifest.parts)}
-
-
-def _lines(context: ApiContext, manifest: Manifest, failed: bool) -> Iterator[bytes]:
-    """The output parts' lines of succeeded (or failed) rows, in input order."""
-    for part in manifest.parts:
-        store, key = part_store(context, part.output.uri)
-        with store.open_read(key) as stream:
-            for line in stream:
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if (record.get("response") is None) != failed:
-                    continue
-                if failed and isinstance(record.get("error"), dict):
-                    code = record["error"].get("code")
-                    record["error"]["code"] = ERROR_CODE_NAMES.get(code, code)
-                    line = (json.dumps(record, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
-                yield line if line.endswith(b"\n") else line + b"\n"
+def _lines(context: ApiContext, status: JobStatus, failed: bool) -> Iterator[bytes]:
+    """The job's output lines of succeeded (or failed) rows, in input order."""
+    for data, record in output_records(context, status):
+        if (record.get("response") is None) != failed:
+            continue
+        if failed and isinstance(record.get("error"), dict):
+            code = record["error"].get("code")
+            record["error"]["code"] = ERROR_CODE_NAMES.get(code, code)
+            data = json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode()
+        yield data + b"\n"
