@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from anthropic.types.messages import MessageBatchIndividualResponse
 
 from engine import LLM, SamplingParams
+from jobs.formats.anthropic_results import anthropic_result
+from jobs.formats.readers import read_shard_rows
+from jobs.object_store import S3ObjectStore
+from jobs.retry import retry_plan
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, MODELS_BUCKET, Pipeline
@@ -295,10 +300,6 @@ def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthrop
     """An Anthropic batch runs as `/v1/messages` lines of an OpenAI-batch job: each comes back with the
     stop string that ended it (`stop_reason`), and its record becomes the Anthropic result the SDK
     parses: `stop_sequence` when a stop sequence matched; a refused parameter is that request's error."""
-    from anthropic.types.messages import MessageBatchIndividualResponse
-
-    from jobs.formats.anthropic_results import anthropic_result
-
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
     tokenizer = offline.tokenizer
     rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
@@ -314,7 +315,8 @@ def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthrop
                                                     "max_tokens": 16, "temperature": 0})]
     lines = [json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
              for custom_id, url, body in requests]
-    spec = JobSpec(input_uri=pipeline.put_input("anthropic.jsonl", lines), model="tiny")
+    spec = JobSpec(input_uri=pipeline.put_input("anthropic.jsonl", lines), model="tiny",
+                   input_format="openai_batch")
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
@@ -345,3 +347,9 @@ def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthrop
     refused = results["m-tools"].result
     assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
     assert refused.error.error.message == "params.tools: tool use is not supported by this server"
+
+    # A retry of the failed requests runs the refused /v1/messages line again, and only it.
+    inputs = S3ObjectStore(INPUTS_BUCKET, client=pipeline.s3.client())
+    retried = [item for shard in retry_plan(pipeline.repository, status.job_id)
+               for item in read_shard_rows(inputs, "anthropic.jsonl", spec, shard)]
+    assert [(item.row_id, item.message) for item in retried] == [("m-tools", refused.error.error.message)]
