@@ -256,7 +256,8 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False) -> Output
         message = result.error or ("aborted by the worker" if failed == "abort" else "the engine failed")
         return OutputRow.engine_failed(row, engine_error_code(result.error_kind), message)
     if outputs:
-        choices = [Choice(out.index, out.text, out.finish_reason or "stop", _logprobs(out.logprobs))
+        choices = [Choice(out.index, out.text, out.finish_reason or "stop", _logprobs(out.logprobs),
+                          stop_reason=out.stop_reason)
                    for out in sorted(outputs, key=lambda out: out.index)]
     else:  # an engine that reports one sample only on the request itself
         choices = [Choice(0, result.text, result.finish_reason or "stop")]

@@ -1,7 +1,9 @@
 """OpenAI Batch API input lines: `{"custom_id", "method", "url", "body"}`, accepted unchanged.
 
 The job's `model` runs every line; a line's `body.model` is ignored (files written for OpenAI name
-OpenAI models). A `custom_id` that appears more than once fails every line after its first, as
+OpenAI models). A `/v1/messages` line carries an Anthropic Messages request instead
+(`jobs/formats/anthropic_messages.py`: that is how an Anthropic batch runs, and its `model` must be
+the job's). A `custom_id` that appears more than once fails every line after its first, as
 that row's `duplicate_custom_id` error: within a shard as it is read, across shards from the plan
 (`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's plan lists its
 lines that repeat an earlier one).
@@ -15,6 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jobs.formats.anthropic_messages import MESSAGES_URL, AnthropicMessagesRowBuilder
 from jobs.formats.jsonl import decode_object_line
 from jobs.formats.lines import Line, iter_lines_in_range
 from jobs.formats.rows import (
@@ -36,7 +39,7 @@ from jobs.spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL)
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL)
 # Body fields that map straight onto SamplingParams (OpenAI's, plus vLLM's extra sampling knobs).
 SAMPLING_FIELDS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
                              "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
@@ -55,6 +58,7 @@ class OpenAIBatchRowBuilder:
     def __init__(self, spec: JobSpec) -> None:
         self.spec = spec
         self.default_response_format = engine_response_format(spec.response_format)
+        self.messages = AnthropicMessagesRowBuilder(spec, self.default_response_format)
 
     def build(self, line: Line, record: dict[str, Any]) -> Row | RowError:
         custom_id = record.get("custom_id")
@@ -68,10 +72,12 @@ class OpenAIBatchRowBuilder:
             url = record.get("url")
             if url not in SUPPORTED_URLS:
                 raise RowProblem(RowErrorCode.UNSUPPORTED_URL,
-                                 f"url {url!r} is not supported; use {CHAT_URL} or {COMPLETIONS_URL}")
+                                 f"url {url!r} is not supported; use {', '.join(SUPPORTED_URLS)}")
             body = record.get("body")
             if not isinstance(body, dict):
                 raise RowProblem(RowErrorCode.INVALID_ROW, "body must be an object")
+            if url == MESSAGES_URL:
+                return self.messages.row(line.offset, row_id, body, line.number)
             return self._row(line, row_id, url, body)
         except RowProblem as problem:
             return RowError(line.offset, row_id, problem.code, str(problem), line.number)

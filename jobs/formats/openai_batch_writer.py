@@ -1,7 +1,8 @@
 """OpenAI Batch API output lines: `{"id", "custom_id", "response", "error"}`.
 
 Completed rows carry `response.body` shaped like a `chat.completion` or `text_completion`
-object with `usage` and one entry in `choices` per sample (`n`), each with its `logprobs` in
+object with `usage` and one entry in `choices` per sample (`n`), each with vLLM's `stop_reason` (the
+stop string or stop token id that ended it, else null) and its `logprobs` in
 OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
 completions: `{tokens, token_logprobs, top_logprobs, text_offset}`); failed rows carry
 `response: null` and `error: {code, message}`.
@@ -56,7 +57,7 @@ def chat_choice(choice: Choice) -> dict[str, Any]:
                                 for position in choice.logprobs],
                     "refusal": None}
     return {"index": choice.index, "message": {"role": "assistant", "content": choice.text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason}
+            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def _chat_token(entry: TokenLogprob) -> dict[str, Any]:
@@ -66,7 +67,7 @@ def _chat_token(entry: TokenLogprob) -> dict[str, Any]:
 def completion_choice(choice: Choice) -> dict[str, Any]:
     logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
     return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-            "finish_reason": choice.finish_reason}
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def completion_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:

@@ -41,13 +41,16 @@ class PositionLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class Choice:
-    """One sample of a row. `json_value` is the parsed text when the row asked for JSON."""
+    """One sample of a row. `json_value` is the parsed text when the row asked for JSON.
+    `stop_reason`: the stop string or stop token id that ended it (None at EOS or max_tokens), as
+    vLLM reports it; it tells an Anthropic `stop_sequence` from an `end_turn`."""
 
     index: int
     text: str
     finish_reason: str
     logprobs: list[PositionLogprobs] | None = None
     json_value: Any = None
+    stop_reason: str | int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +88,11 @@ class OutputRow:
     def logprobs(self) -> list[PositionLogprobs] | None:
         """Choice 0's logprobs; None when the row did not ask for them."""
         return self.choices[0].logprobs if self.choices else None
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """Choice 0's stop string or stop token id; None when it ended otherwise (or failed)."""
+        return self.choices[0].stop_reason if self.choices else None
 
     @classmethod
     def completed(cls, row: Row, text: str, finish_reason: str, *, prompt_tokens: int, cached_tokens: int,

@@ -193,7 +193,21 @@ def test_single_choice_rows_without_logprobs_keep_logprobs_null(local_store) -> 
     [row] = read(local_store, [request("a", url="/v1/completions", prompt="p")])
     output = OutputRow.completed(row, "x", "stop", prompt_tokens=1, cached_tokens=0, completion_tokens=1)
     [choice] = openai_batch_record(output, job_id="j", model="m", created=0)["response"]["body"]["choices"]
-    assert choice == {"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop"}
+    assert choice == {"index": 0, "text": "x", "logprobs": None, "finish_reason": "stop", "stop_reason": None}
+
+
+def test_each_choice_says_which_stop_string_or_token_ended_it_as_vllm_does(local_store) -> None:
+    chat, completion = read(local_store, [
+        request("a", messages=[{"role": "user", "content": "x"}], n=3, stop=["END"], seed=1),
+        request("b", url="/v1/completions", prompt="p", n=3, stop=["END"], seed=1),
+    ])
+    choices = [Choice(0, "Hi", "stop", stop_reason="END"), Choice(1, "Yo", "stop", stop_reason=2),
+               Choice(2, "Hey", "length")]
+    for row in (chat, completion):
+        output = OutputRow.with_choices(row, choices, prompt_tokens=3, cached_tokens=0, completion_tokens=5)
+        body = openai_batch_record(output, job_id="j", model="m", created=0)["response"]["body"]
+        assert [(choice["finish_reason"], choice["stop_reason"]) for choice in body["choices"]] == [
+            ("stop", "END"), ("stop", 2), ("length", None)]
 
 
 def test_text_offsets_count_characters_and_a_split_character_starts_where_it_begins() -> None:

@@ -104,7 +104,7 @@ def test_arbitrary_json_values_never_crash_the_row_builders() -> None:
     from jobs.formats.openai_batch import OpenAIBatchRowBuilder
 
     rng = random.Random(5)
-    keys = ["role", "content", "type", "json_schema", "temperature", "name", "schema", "stop"]
+    keys = ["role", "content", "type", "json_schema", "temperature", "name", "schema", "stop", "text"]
     scalars = [None, True, 3, -1.5, "text", '{"temperature": 9}', "[]", float("nan"), {}, []]
 
     def value(depth: int = 0):
@@ -121,14 +121,18 @@ def test_arbitrary_json_values_never_crash_the_row_builders() -> None:
     batch = OpenAIBatchRowBuilder(JobSpec(input_uri="/b.jsonl", input_format="openai_batch", model="m",
                                           instructions="I"))
     body_keys = ["messages", "prompt", "temperature", "stop", "response_format", "logprobs", "top_logprobs",
-                 "max_completion_tokens", "n", "seed"]
+                 "max_completion_tokens", "n", "seed", "system", "max_tokens", "stop_sequences", "model",
+                 "stream", "top_k"]
     for _ in range(3000):
         record = {key: value() for key in rng.sample(["c", "s", "r", "i"], rng.randint(0, 4))}
         for row_builder in builders:
             assert isinstance(row_builder.build(0, record), Row | RowError)
         body = {key: value() for key in rng.sample(body_keys, rng.randint(0, 5))}
+        if rng.random() < 0.5:  # the job's model: a /v1/messages line gets past the model check
+            body["model"] = "m"
+        urls = ["/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/embeddings"]
         line = {"custom_id": rng.choice(["a", None, 3]), "body": rng.choice([body, body, None, []]),
-                "url": rng.choice(["/v1/chat/completions", "/v1/completions", "/v1/embeddings"])}
+                "url": rng.choice(urls)}
         assert isinstance(batch.build(Line(0, 1, b""), line), Row | RowError)
 
 

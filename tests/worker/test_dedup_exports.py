@@ -110,3 +110,21 @@ def test_a_copy_waits_for_the_source_to_commit_not_for_a_run_s_exports(job) -> N
     assert copied[0].cached_tokens == 0 and copied[0].logprobs[0].chosen.logprob == -0.5  # type: ignore[index]
     discard_exports(repository, layout, plan[0], STALE)  # what the losing run does once it lost
     assert not list(repository.store.list(f"{layout.job_dir}/dedup/part-00000.{STALE}"))
+
+
+def test_a_copy_keeps_the_stop_string_that_ended_its_source() -> None:
+    """The exports a cross-shard copy reads carry each choice's stop_reason (an Anthropic result of
+    the copy says `stop_sequence` as its source's does)."""
+    from jobs.formats.output import Choice
+    from jobs.job_dedup import dump_outputs, load_outputs
+    from jobs.sampling import JobSampling
+
+    row = Row(0, "r0", "p", None, JobSampling(), None)
+    outputs = {0: OutputRow.with_choices(row, [Choice(0, "a", "stop", stop_reason="END"),
+                                               Choice(1, "b", "stop", stop_reason=7)],
+                                         prompt_tokens=1, cached_tokens=0, completion_tokens=2)}
+
+    loaded = load_outputs(dump_outputs(outputs))
+
+    assert loaded[0].choices == outputs[0].choices
+    assert [choice.stop_reason for choice in loaded[0].choices] == ["END", 7]

@@ -36,6 +36,20 @@ def test_every_sample_becomes_a_choice_in_index_order_with_its_logprobs() -> Non
     assert row.is_chat and not row.failed
 
 
+def test_each_choice_carries_the_stop_string_or_token_that_ended_it() -> None:
+    """vLLM's `stop_reason`: which stop string or stop token id matched (None at EOS or a length end);
+    an Anthropic result tells `stop_sequence` from `end_turn` by it."""
+    plain = Row(0, "r0", "p", None, JobSampling(), None)
+    samples = [CompletionOutput(0, "a", [1], "stop", stop_reason="\n\n"),
+               CompletionOutput(1, "b", [2], "stop", stop_reason=13),
+               CompletionOutput(2, "c", [3], "stop"), CompletionOutput(3, "d", [4], "length")]
+
+    row = output_row(plain, request_output(samples))
+
+    assert [choice.stop_reason for choice in row.choices] == ["\n\n", 13, None, None]
+    assert row.stop_reason == "\n\n"  # choice 0's, as text and finish_reason
+
+
 def test_a_failed_sample_fails_the_row_with_the_engines_reason() -> None:
     message = "structured output: the grammar failed to compile: unsupported keyword"
     samples = [CompletionOutput(0, "", [], "error"), CompletionOutput(1, "", [], "error")]

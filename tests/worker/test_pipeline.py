@@ -6,8 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
+from anthropic.types.messages import MessageBatchIndividualResponse
 
 from engine import LLM, SamplingParams
+from jobs.formats.anthropic_results import anthropic_result
+from jobs.formats.readers import read_shard_rows
+from jobs.object_store import S3ObjectStore
+from jobs.retry import retry_plan
 from jobs.spec import JobSpec
 from jobs.status import JobState
 from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, MODELS_BUCKET, Pipeline
@@ -288,3 +293,63 @@ def test_identical_deterministic_rows_run_once_and_each_row_gets_the_output(
             records[copy]["usage"]["completion_tokens"] for copy in (2, 3, 4))
     if sampling["temperature"] == 0.0:
         assert [record["text"] for record in records] == greedy_texts(offline, DUPLICATED)
+
+
+def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthropic_results(
+        pipeline: Pipeline, offline: LLM) -> None:
+    """An Anthropic batch runs as `/v1/messages` lines of an OpenAI-batch job: each comes back with the
+    stop string that ended it (`stop_reason`), and its record becomes the Anthropic result the SDK
+    parses: `stop_sequence` when a stop sequence matched; a refused parameter is that request's error."""
+    conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": QUESTIONS[0]}]
+    tokenizer = offline.tokenizer
+    rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    prompt = tokenizer.encode(rendered, add_special_tokens=False)
+    [greedy] = offline.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16))
+    stop = stop_string_in(greedy.text)
+    params = {"model": "tiny", "max_tokens": 16, "temperature": 0, "system": "Be brief.",
+              "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTIONS[0]}]}]}
+    requests = [("m-stop", "/v1/messages", {**params, "stop_sequences": ["never-there", stop]}),
+                ("m-full", "/v1/messages", params),
+                ("m-tools", "/v1/messages", {**params, "tools": [{"name": "f", "input_schema": {}}]}),
+                ("c-full", "/v1/chat/completions", {"model": "gpt-4o-mini", "messages": conversation,
+                                                    "max_tokens": 16, "temperature": 0})]
+    lines = [json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+             for custom_id, url, body in requests]
+    spec = JobSpec(input_uri=pipeline.put_input("anthropic.jsonl", lines), model="tiny",
+                   input_format="openai_batch")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = {record["custom_id"]: record for record in pipeline.output_records(status.job_id)}
+    assert list(records) == ["m-stop", "m-full", "m-tools", "c-full"]
+    cut = greedy.text.index(stop)
+    [choice] = records["m-stop"]["response"]["body"]["choices"]
+    assert (choice["message"]["content"], choice["finish_reason"], choice["stop_reason"]) == (
+        greedy.text[:cut], "stop", stop)
+    # The same conversation as an OpenAI chat line: the same answer (run once: identical and greedy).
+    for custom_id in ("m-full", "c-full"):
+        [choice] = records[custom_id]["response"]["body"]["choices"]
+        assert (choice["message"]["content"], choice["stop_reason"]) == (greedy.text, None)
+    assert status.rows.deduplicated == 1
+
+    results = {custom_id: MessageBatchIndividualResponse.model_validate(anthropic_result(record, "tiny"))
+               for custom_id, record in records.items() if custom_id.startswith("m-")}
+    stopped = results["m-stop"].result
+    assert stopped.type == "succeeded" and stopped.message.content[0].text == greedy.text[:cut]
+    assert (stopped.message.stop_reason, stopped.message.stop_sequence) == ("stop_sequence", stop)
+    usage = stopped.message.usage
+    assert usage.input_tokens + usage.cache_read_input_tokens == len(prompt)
+    assert 0 < usage.output_tokens < 16
+    full = results["m-full"].result.message
+    assert full.content[0].text == greedy.text and full.stop_sequence is None
+    assert full.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[greedy.finish_reason]
+    refused = results["m-tools"].result
+    assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
+    assert refused.error.error.message == "params.tools: tool use is not supported by this server"
+
+    # A retry of the failed requests runs the refused /v1/messages line again, and only it.
+    inputs = S3ObjectStore(INPUTS_BUCKET, client=pipeline.s3.client())
+    retried = [item for shard in retry_plan(pipeline.repository, status.job_id)
+               for item in read_shard_rows(inputs, "anthropic.jsonl", spec, shard)]
+    assert [(item.row_id, item.message) for item in retried] == [("m-tools", refused.error.error.message)]
