@@ -23,6 +23,7 @@ from api.metrics import service_registry
 from api.rate_limit import RateLimit
 from api.routes import jobs as job_routes
 from api.routes import observe as observe_routes
+from api.routes import openai_files as openai_file_routes
 from api.routes import schedules as schedule_routes
 from api.routes import service as service_routes
 from jobs.settings import Settings
@@ -68,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(service_routes.router)
     app.include_router(schedule_routes.router)
     app.include_router(observe_routes.router)
+    app.include_router(openai_file_routes.router)
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
