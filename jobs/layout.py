@@ -28,14 +28,23 @@ PART_EXTENSIONS = {
 
 # Folders directly under the store prefix that the service itself writes: never a job's input or
 # output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
-STORE_AREAS = ("jobs", "schedules", "models")
+# `files/` holds the /v1/files uploads and batch outputs, `batches/` the /v1 batch records: what a
+# tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
+STORE_AREAS = ("jobs", "schedules", "models", "files", "batches")
 TENANTS_FOLDER = "tenants"
+
+
+def area_root(area: str, prefix: str = "") -> str:
+    """The folder (with its trailing '/') of one of the STORE_AREAS: `<prefix>/<area>/`."""
+    if area not in STORE_AREAS:
+        raise ValueError(f"{area!r} is not one of the store's areas {STORE_AREAS}")
+    prefix = prefix.strip("/")
+    return f"{prefix}/{area}/" if prefix else f"{area}/"
 
 
 def jobs_root(prefix: str = "") -> str:
     """The folder (with its trailing '/') every job's folder sits in: `<prefix>/jobs/`."""
-    prefix = prefix.strip("/")
-    return f"{prefix}/jobs/" if prefix else "jobs/"
+    return area_root("jobs", prefix)
 
 
 def part_name(shard_index: int, extension: str) -> str:
