@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import tracemalloc
 from collections.abc import Iterator
 
 import httpx
@@ -254,3 +255,33 @@ def test_an_output_file_is_written_once_and_served_to_its_owner_only(keyed_api) 
         files.write_output("acme", new_file_id(), "x.jsonl", "batch", [ROWS], 5)
     with pytest.raises(ValueError, match="file id"):
         files.write_output("acme", "../escape", "x.jsonl", "batch_output", [ROWS], 5)
+
+
+def test_an_upload_streams_to_the_store_and_is_never_held_whole(local_api) -> None:
+    """48 MiB go through the API with well under that allocated at any time (the request body, the
+    multipart parts and the line check all hold a MiB or so)."""
+    boundary = "bulkinfer-test-boundary"
+    row = line("r" + "x" * 16000) + b"\n"
+    count = (48 << 20) // len(row)
+
+    def body() -> Iterator[bytes]:
+        yield (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+               f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"big.jsonl\"\r\n"
+               "Content-Type: application/octet-stream\r\n\r\n").encode()
+        for n in range(count):
+            yield row.replace(b'"r' + b"x" * 9, f'"{n:010d}'.encode(), 1)  # unique custom_ids, same size
+        yield f"\r\n--{boundary}--\r\n".encode()
+
+    tracemalloc.start()
+    try:
+        answer = httpx.post(f"{local_api.url}/v1/files", content=body(), timeout=120,
+                            headers={"content-type": f"multipart/form-data; boundary={boundary}"})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["bytes"] == count * len(row)
+    assert peak < 16 << 20, f"{peak / (1 << 20):.1f} MiB allocated at the peak of a 48 MiB upload"
+    record = file_store(local_api).get(OPEN, answer.json()["id"])
+    assert record.batch_lines is not None and record.batch_lines.requests == count
+    assert record.batch_lines.problem_count == 0
