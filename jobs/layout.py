@@ -10,6 +10,8 @@
                                                     copied to the part keys once its result commits
     <prefix>/jobs/<job_id>/shards/part-00000.json   the shard's result, written after its parts
     <prefix>/jobs/<job_id>/manifest.json            written last
+    <prefix>/files/<owner>/<file_id>/content        a /v1 file's bytes (api/v1/files.py)
+    <prefix>/files/<owner>/<file_id>/meta.json      its record, written once after the content
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ PART_EXTENSIONS = {
 # tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
 STORE_AREAS = ("jobs", "schedules", "models", "files", "batches")
 TENANTS_FOLDER = "tenants"
+# A /v1 file: `files/<owner>/<file_id>/` holds its content, then (written last) its record.
+FILE_CONTENT_NAME = "content"
+FILE_RECORD_NAME = "meta.json"
 
 
 def area_root(area: str, prefix: str = "") -> str:

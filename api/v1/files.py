@@ -30,7 +30,7 @@ from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.upload import PartData, PartEnd, PartStart, iter_multipart
 from api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
-from jobs.layout import area_root
+from jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectWriter
 
 OPEN_OWNER = "_open"  # no tenant's name: tenants start with a letter or digit (api.auth.TENANT_PATTERN)
@@ -43,8 +43,6 @@ MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
 WRITE_BATCH_BYTES = 1 << 20  # hand the store (and the line check) ~1 MiB at a time
 MAX_FIELD_BYTES = 256  # purpose, expires_after[...]
 MAX_FILENAME_CHARS = 255
-META_NAME = "meta.json"
-CONTENT_NAME = "content"
 
 PURPOSE_FIELD = "purpose"
 FILE_FIELD = "file"
@@ -99,11 +97,11 @@ class FileStore:
         return f"{self.root}{owner}/{file_id}/"
 
     def meta_key(self, owner: str, file_id: str) -> str:
-        return self.folder(owner, file_id) + META_NAME
+        return self.folder(owner, file_id) + FILE_RECORD_NAME
 
     def content_key(self, record: FileRecord) -> str:
         """Where the file's bytes are in `context.store`."""
-        return self.folder(record.owner, record.id) + CONTENT_NAME
+        return self.folder(record.owner, record.id) + FILE_CONTENT_NAME
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -146,7 +144,7 @@ class FileStore:
         """(owner, file_id) of every record under `folder`."""
         for info in self.store.list(folder):
             parts = info.key[len(self.root):].split("/")
-            if len(parts) == 3 and parts[2] == META_NAME:
+            if len(parts) == 3 and parts[2] == FILE_RECORD_NAME:
                 yield parts[0], parts[1]
 
     def _owners_to_search(self) -> list[str]:
@@ -303,7 +301,7 @@ class _UploadReceiver:
         self.filename = base[:MAX_FILENAME_CHARS] or "file"
         at_ms = int(self.files.clock() * 1000)
         self.file_id = new_file_id(at_ms)
-        self.content_key = self.files.folder(self.owner, self.file_id) + CONTENT_NAME
+        self.content_key = self.files.folder(self.owner, self.file_id) + FILE_CONTENT_NAME
         self.writer = await run_in_threadpool(self.files.store.open_write, self.content_key, True)
 
     async def _write(self, data: bytes) -> None:
