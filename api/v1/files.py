@@ -25,7 +25,7 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import Caller, parse_keys
+from api.auth import TENANT_PATTERN, Caller, parse_keys
 from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.upload import PartData, PartEnd, PartStart, iter_multipart
@@ -197,6 +197,8 @@ class FileStore:
         a racing request), the record already there is returned and `chunks` is not read."""
         if not FILE_ID_PATTERN.match(file_id):
             raise ValueError(f"file id {file_id!r} must match {FILE_ID_PATTERN.pattern}")
+        if owner != OPEN_OWNER and not re.match(TENANT_PATTERN, owner):
+            raise ValueError(f"owner {owner!r} is neither a tenant nor {OPEN_OWNER!r} (see owner_of)")
         if purpose not in OUTPUT_PURPOSES:
             raise ValueError(f"purpose {purpose!r}: an output file's is one of {OUTPUT_PURPOSES}")
         meta_key = self.meta_key(owner, file_id)

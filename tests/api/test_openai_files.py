@@ -255,6 +255,8 @@ def test_an_output_file_is_written_once_and_served_to_its_owner_only(keyed_api) 
         files.write_output("acme", new_file_id(), "x.jsonl", "batch", [ROWS], 5)
     with pytest.raises(ValueError, match="file id"):
         files.write_output("acme", "../escape", "x.jsonl", "batch_output", [ROWS], 5)
+    with pytest.raises(ValueError, match="owner"):
+        files.write_output("acme/../globex", new_file_id(), "x.jsonl", "batch_output", [ROWS], 5)
 
 
 def test_an_upload_streams_to_the_store_and_is_never_held_whole(local_api) -> None:
