@@ -4,11 +4,11 @@ outputs a folder holds.
 Every `input_uri`, `output_uri` and schedule `input_prefix` is checked where it really points (a
 local path resolved, `..` and links followed), for every caller, admins included:
 
-- The job store's own areas (`<store>/jobs/`, `schedules/`, `models/`: other jobs' outputs, plans,
-  status, model files) are never an input or an output. The one exception is an upload: an
-  `input_uri` naming `<store>/jobs/<id>/input/<name>` reads that upload when job `<id>` is the
-  caller's (any job's, for an admin or an open API). An `output_uri` or `input_prefix` that holds
-  one of these areas (the store root, say) is refused too.
+- The job store's own areas (`<store>/jobs/`, `schedules/`, `models/`, `files/`, `batches/`: other
+  jobs' outputs, plans, status, model files, /v1 uploads and batch records) are never an input or
+  an output. The one exception is an upload: an `input_uri` naming `<store>/jobs/<id>/input/<name>`
+  reads that upload when job `<id>` is the caller's (any job's, for an admin or an open API). An
+  `output_uri` or `input_prefix` that holds one of these areas (the store root, say) is refused too.
 - With API keys set, a tenant's key reads and writes only (a) under its own folder,
   `<store>/tenants/<tenant>/`, (b) its own uploads, and (c) under the prefixes `tenant_prefixes`
   lists for it (a setting: JSON `{"acme": ["s3://acme-data/", "s3://shared/acme/"], ...}`).
@@ -147,7 +147,7 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
     if area is not None:
         raise HttpError(403, f"{field} {uri!r} is inside or holds the job store's {area}/ folder, where "
                              "the service keeps its own files (jobs' outputs and state, schedules, model "
-                             "files): it is no job's input or output")
+                             "files, /v1 files and batches): it is no job's input or output")
     if tenant is None:
         return
     allowed = rules.allowed(tenant)

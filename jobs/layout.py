@@ -10,6 +10,8 @@
                                                     copied to the part keys once its result commits
     <prefix>/jobs/<job_id>/shards/part-00000.json   the shard's result, written after its parts
     <prefix>/jobs/<job_id>/manifest.json            written last
+    <prefix>/files/<owner>/<file_id>/content        a /v1 file's bytes (api/v1/files.py)
+    <prefix>/files/<owner>/<file_id>/meta.json      its record, written once after the content
 """
 
 from __future__ import annotations
@@ -28,14 +30,26 @@ PART_EXTENSIONS = {
 
 # Folders directly under the store prefix that the service itself writes: never a job's input or
 # output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
-STORE_AREAS = ("jobs", "schedules", "models")
+# `files/` holds the /v1/files uploads and batch outputs, `batches/` the /v1 batch records: what a
+# tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
+STORE_AREAS = ("jobs", "schedules", "models", "files", "batches")
 TENANTS_FOLDER = "tenants"
+# A /v1 file: `files/<owner>/<file_id>/` holds its content, then (written last) its record.
+FILE_CONTENT_NAME = "content"
+FILE_RECORD_NAME = "meta.json"
+
+
+def area_root(area: str, prefix: str = "") -> str:
+    """The folder (with its trailing '/') of one of the STORE_AREAS: `<prefix>/<area>/`."""
+    if area not in STORE_AREAS:
+        raise ValueError(f"{area!r} is not one of the store's areas {STORE_AREAS}")
+    prefix = prefix.strip("/")
+    return f"{prefix}/{area}/" if prefix else f"{area}/"
 
 
 def jobs_root(prefix: str = "") -> str:
     """The folder (with its trailing '/') every job's folder sits in: `<prefix>/jobs/`."""
-    prefix = prefix.strip("/")
-    return f"{prefix}/jobs/" if prefix else "jobs/"
+    return area_root("jobs", prefix)
 
 
 def part_name(shard_index: int, extension: str) -> str:

@@ -6,6 +6,10 @@ temp file), and no job will ever read it. The reaper calls `sweep_orphan_uploads
 it removes finished inputs of folders without `job.json` once they are an hour old (a submit writes
 `job.json` seconds after its upload ends), and unfinished writes under such folders once they are
 six hours old (an upload still streaming is left alone). Inputs of real jobs are never touched.
+
+The same goes for /v1 files (`files/<owner>/<file_id>/`): an upload writes its content, then its
+record (`meta.json`); content with no record an hour on, and unfinished writes there six hours on,
+are what an API stopped mid-upload left, and are removed. A file with its record is never touched.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from jobs.layout import jobs_root
+from jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root, jobs_root
 from jobs.object_store.base import ObjectStore
 
 FINISHED_GRACE_S = 3600.0
@@ -24,6 +28,8 @@ UNFINISHED_GRACE_S = 6 * 3600.0
 class SweepResult:
     inputs_removed: int = 0
     writes_aborted: int = 0
+    files_removed: int = 0  # /v1 file contents whose upload never wrote a record
+    file_writes_aborted: int = 0
 
 
 def sweep_orphan_uploads(store: ObjectStore, prefix: str = "", *, now: float | None = None,
@@ -50,4 +56,27 @@ def sweep_orphan_uploads(store: ObjectStore, prefix: str = "", *, now: float | N
         if rest.startswith("input/") and job_id not in with_spec and old_enough:
             store.abort_write(write)
             result.writes_aborted += 1
+    _sweep_files(store, prefix, now, finished_grace_s, unfinished_grace_s, result)
     return result
+
+
+def _sweep_files(store: ObjectStore, prefix: str, now: float, finished_grace_s: float,
+                 unfinished_grace_s: float, result: SweepResult) -> None:
+    files_dir = area_root("files", prefix)
+    with_record: set[str] = set()  # "<owner>/<file_id>"
+    contents: list[tuple[str, str, float | None]] = []
+    for info in store.list(files_dir):
+        folder, _, name = info.key[len(files_dir):].rpartition("/")
+        if name == FILE_RECORD_NAME:
+            with_record.add(folder)
+        elif name == FILE_CONTENT_NAME:
+            contents.append((folder, info.key, info.modified))
+    for folder, key, modified in contents:
+        if folder not in with_record and modified is not None and now - modified >= finished_grace_s:
+            store.delete(key)
+            result.files_removed += 1
+    for write in store.unfinished_writes(files_dir):
+        folder = write.key[len(files_dir):].rpartition("/")[0]
+        if folder not in with_record and now - write.started >= unfinished_grace_s:
+            store.abort_write(write)
+            result.file_writes_aborted += 1

@@ -209,7 +209,8 @@ def _due_for_resend(client: redis.Redis, key: str, grace_s: float) -> bool:
 
 
 def _sweep_uploads(context: WorkerContext) -> None:
-    """Now and then (one worker, once per ORPHAN_SWEEP_S): inputs of uploads that never became a job."""
+    """Now and then (one worker, once per ORPHAN_SWEEP_S): inputs of uploads that never became a job,
+    and /v1 file uploads that never got their record."""
     repository = context.repository
     if not repository.redis.set(orphan_sweep_key(repository.namespace), 1, nx=True,
                                 px=int(ORPHAN_SWEEP_S * 1000)):
@@ -218,6 +219,9 @@ def _sweep_uploads(context: WorkerContext) -> None:
     if swept.inputs_removed or swept.writes_aborted:
         logger.warning("removed %d input(s) and aborted %d unfinished upload(s) that never became a job",
                        swept.inputs_removed, swept.writes_aborted)
+    if swept.files_removed or swept.file_writes_aborted:
+        logger.warning("removed %d /v1 file(s) and aborted %d unfinished /v1 file upload(s) that never got "
+                       "their record", swept.files_removed, swept.file_writes_aborted)
 
 
 def tick(context: WorkerContext) -> None:

@@ -141,12 +141,16 @@ def test_the_openapi_document_describes_every_route_and_both_submit_bodies(local
               "/jobs/{job_id}/results", "/jobs/{job_id}/progress", "/jobs/{job_id}/retry",
               "/jobs/{job_id}/results/merged", "/usage", "/healthz", "/models", "/metrics",
               "/workers", "/schedules", "/schedules/{schedule_id}",
-              *(f"/schedules/{{schedule_id}}/{action}" for action in ("pause", "resume", "tick", "jobs"))}
+              *(f"/schedules/{{schedule_id}}/{action}" for action in ("pause", "resume", "tick", "jobs")),
+              "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content"}
     assert set(document["paths"]) == routes
     body = document["paths"]["/jobs"]["post"]["requestBody"]["content"]
     assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/JobSpec"}
     assert set(body["multipart/form-data"]["schema"]["properties"]) == {"spec", "file"}
     assert "input_uri" in document["components"]["schemas"]["JobSpec"]["properties"]
+    upload = document["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    assert set(upload["schema"]["properties"]) == {"purpose", "file", "expires_after[anchor]",
+                                                   "expires_after[seconds]"}
 
 
 def test_the_client_reports_an_unreachable_server() -> None:

@@ -37,10 +37,12 @@ UNOWNED_ROUTES = {
     ("POST", "/jobs"): "creates a job of the caller's tenant",
     ("GET", "/schedules"): "lists the caller's tenant's schedules",
     ("POST", "/schedules"): "creates a schedule of the caller's tenant",
+    ("GET", "/v1/files"): "lists the caller's tenant's files",
+    ("POST", "/v1/files"): "uploads a file of the caller's tenant",
     ("GET", "/openapi.json"): "the schema, the same for every tenant",
     ("GET", "/docs"): "the schema's page",
 }
-OBJECT_PARAMETERS = {"job_id", "schedule_id"}
+OBJECT_PARAMETERS = {"job_id", "schedule_id", "file_id"}
 
 
 def _flat(routes: list, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -76,7 +78,7 @@ def keyed_api(redis_server, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def acme_objects(keyed_api):
-    """A job and a schedule of acme's."""
+    """A job, a schedule and a file of acme's."""
     api = keyed_api
     with Client(api.url, api_key="acme-secret") as acme:
         own = api.settings.local_store_root() / "tenants" / "acme"  # its own folder, whatever the rules
@@ -87,7 +89,10 @@ def acme_objects(keyed_api):
                                 "metadata": {"secret": "acme-only"}})
         schedule = acme.schedules.create({"cron": "0 0 1 1 *", "input_prefix": f"{own / 'sched'}/",
                                           "job": {"model": "tiny", "prompt_column": "q"}})
-    return {"job_id": job.job_id, "schedule_id": schedule.id}
+    uploaded = httpx.post(f"{api.url}/v1/files", headers=OWNER,
+                          files={"purpose": (None, b"batch"), "file": ("rows.jsonl", ROWS)})
+    assert uploaded.status_code == 200, uploaded.text
+    return {"job_id": job.job_id, "schedule_id": schedule.id, "file_id": uploaded.json()["id"]}
 
 
 def test_every_route_is_either_owner_checked_or_listed_as_safe(keyed_api) -> None:
@@ -108,7 +113,7 @@ def test_another_tenants_key_gets_404_on_every_route_naming_a_job_or_schedule(ke
     api = keyed_api
     walked = []
     for method, path in _routes(api.settings):
-        if not re.search(r"{(job_id|schedule_id)}", path):
+        if not re.search(r"{(job_id|schedule_id|file_id)}", path):
             continue
         url = api.url + path.format(**acme_objects)
         for query in ("", "?download=true", "?partial=true&download=true"):
@@ -118,6 +123,7 @@ def test_another_tenants_key_gets_404_on_every_route_naming_a_job_or_schedule(ke
             assert "acme" not in answer.text, (method, path, answer.text)  # nothing of acme's in the body
         walked.append((method, path))
     assert ("POST", "/jobs/{job_id}/cancel") in walked and ("DELETE", "/schedules/{schedule_id}") in walked
+    assert ("DELETE", "/v1/files/{file_id}") in walked and ("GET", "/v1/files/{file_id}/content") in walked
     # Nothing was changed by those calls: the job still queued, the schedule there and not paused.
     job = httpx.get(f"{api.url}/jobs/{acme_objects['job_id']}", headers=OWNER).json()
     assert job["state"] == "queued"
@@ -125,6 +131,8 @@ def test_another_tenants_key_gets_404_on_every_route_naming_a_job_or_schedule(ke
     assert schedule["paused"] is False and schedule["runtime"]["jobs_submitted"] == 0
     listed = httpx.get(f"{api.url}/jobs", headers=OWNER).json()["jobs"]
     assert [entry["job_id"] for entry in listed] == [acme_objects["job_id"]]  # no retry job was made
+    content = httpx.get(f"{api.url}/v1/files/{acme_objects['file_id']}/content", headers=OWNER)
+    assert content.status_code == 200 and content.content == ROWS  # the file not deleted
 
 
 def test_routes_that_name_nothing_show_another_tenant_nothing_of_acme(keyed_api, acme_objects) -> None:
@@ -133,6 +141,7 @@ def test_routes_that_name_nothing_show_another_tenant_nothing_of_acme(keyed_api,
     for status in ("queued", "running", "succeeded"):
         assert httpx.get(f"{api.url}/jobs?status={status}", headers=OTHER).json()["jobs"] == []
     assert httpx.get(f"{api.url}/schedules", headers=OTHER).json()["schedules"] == []
+    assert httpx.get(f"{api.url}/v1/files", headers=OTHER).json()["data"] == []
     assert httpx.get(f"{api.url}/metrics", headers=OTHER).status_code == 403
     usage = httpx.get(f"{api.url}/usage?tenant=acme", headers=OTHER)
     assert usage.status_code == 403

@@ -212,6 +212,29 @@ def test_no_key_reads_the_job_stores_own_files_but_a_tenant_reads_its_own_upload
         assert admin.jobs.create({**JOB, "input_uri": upload}).tenant is None
 
 
+def test_no_key_names_an_uploaded_file_or_a_batch_record_as_a_jobs_input_or_output(keyed_api) -> None:
+    """/v1 files are reached through their routes, which check the owner: a job naming where one
+    is kept (its own tenant's included) is refused, so no tenant reads another's upload that way."""
+    api = keyed_api
+    uploaded = httpx.post(f"{api.url}/v1/files", headers={"Authorization": f"Bearer {GLOBEX_KEY}"},
+                          files={"purpose": (None, b"batch"), "file": ("g.jsonl", ROWS)})
+    assert uploaded.status_code == 200, uploaded.text
+    content = store_uri(api, f"files/globex/{uploaded.json()['id']}/content")
+    batch = put_in_store(api, "batches/openai/globex/batch_x.json", ROWS)
+    with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key=GLOBEX_KEY) as globex, \
+            Client(api.url, api_key="root-secret") as admin:
+        for client in (acme, globex, admin):
+            for uri, area in ((content, "files/"), (batch, "batches/")):
+                message = refused(lambda: client.jobs.create({**JOB, "input_uri": uri}))  # noqa: B023
+                assert message.startswith("input_uri") and f"job store's {area} folder" in message
+        inside_files = store_uri(api, "files/x/")
+        message = refused(lambda: admin.jobs.create(spec(api, "o.jsonl", output_uri=inside_files)))
+        assert message.startswith("output_uri") and "job store's files/ folder" in message
+        message = refused(lambda: admin.schedules.create({"cron": "0 * * * *", "job": JOB,
+                                                          "input_prefix": store_uri(api, "batches/")}))
+        assert message.startswith("input_prefix") and "job store's batches/ folder" in message
+
+
 def test_with_keys_a_tenant_reads_only_its_own_folder_by_default(keyed_api) -> None:
     api = keyed_api
     with Client(api.url, api_key="acme-secret") as acme, Client(api.url, api_key="root-secret") as admin:

@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.layout import JobLayout, output_location
+from jobs.layout import JobLayout, area_root, output_location
 from jobs.manifest import build_manifest, write_manifest
 from jobs.object_store import LocalObjectStore, S3ObjectStore
 from jobs.results import load_shard_results
@@ -25,6 +25,13 @@ def test_keys_follow_the_documented_layout() -> None:
     assert layout.shard_result_key(3) == "bulkinfer/jobs/j-42/shards/part-00003.json"
     assert layout.manifest_key == "bulkinfer/jobs/j-42/manifest.json"
     assert JobLayout("j-42").spec_key == "jobs/j-42/job.json"
+
+
+def test_each_store_area_is_a_folder_under_the_prefix() -> None:
+    assert area_root("files", "/bulkinfer/") == "bulkinfer/files/"
+    assert area_root("batches") == "batches/"
+    with pytest.raises(ValueError, match="not one of the store's areas"):
+        area_root("tenants")  # a tenant's own data, not the service's
 
 
 @pytest.mark.parametrize("job_id", ["", "../x", "a/b", "-lead", "x" * 129])

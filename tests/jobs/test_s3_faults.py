@@ -82,3 +82,27 @@ def test_uploads_that_never_became_a_job_are_swept_once_old(s3: S3Server, tmp_pa
     keys = [info.key for info in store.list("p/")]
     assert keys == ["p/jobs/job-real/input/rows.jsonl", "p/jobs/job-real/job.json"]
     assert store.unfinished_writes("p/jobs/") == []
+
+
+@pytest.mark.parametrize("kind", ["s3", "local"])
+def test_v1_file_uploads_that_never_got_their_record_are_swept_once_old(s3: S3Server, tmp_path,  # noqa: ANN001
+                                                                        kind: str) -> None:
+    store = LocalObjectStore(tmp_path)
+    if kind == "s3":
+        s3.client().create_bucket(Bucket=BUCKET)
+        store = S3ObjectStore(BUCKET, endpoint_url=s3.endpoint_url)
+    store.put_bytes("p/files/acme/file-kept/content", b"an uploaded file")
+    store.put_bytes("p/files/acme/file-kept/meta.json", b"{}")
+    store.put_bytes("p/files/_open/file-orphan/content", b"the API died before meta.json")
+    writer = store.open_write("p/files/acme/file-half/content")  # still streaming, or killed
+    writer.write(b"x" * 10)
+    if kind == "s3":
+        s3.client().create_multipart_upload(Bucket=BUCKET, Key="p/files/acme/file-half/content")
+    [write] = store.unfinished_writes("p/files/")
+    young = min(time.time(), write.started + 60)
+    assert sweep_orphan_uploads(store, "p", now=young) == SweepResult()  # all too young to tell
+    assert sweep_orphan_uploads(store, "p", now=time.time() + 7 * 3600) == \
+        SweepResult(files_removed=1, file_writes_aborted=1)
+    keys = [info.key for info in store.list("p/")]
+    assert keys == ["p/files/acme/file-kept/content", "p/files/acme/file-kept/meta.json"]
+    assert store.unfinished_writes("p/files/") == []
