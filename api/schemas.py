@@ -14,6 +14,37 @@ class ErrorBody(BaseModel):
     messages: list[str] = Field(default_factory=list, description="one line per problem (`field: problem`)")
 
 
+class OpenAIError(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIErrorBody(BaseModel):
+    """The error body under /v1/ (OpenAI's shape: its SDK raises its typed exceptions from it)."""
+
+    error: OpenAIError
+
+
+class AnthropicError(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """The error body under /v1/messages/ (Anthropic's shape)."""
+
+    type: str = Field(pattern="^error$")
+    error: AnthropicError
+
+
+def error_responses(model: type[BaseModel],
+                    descriptions: dict[int, str]) -> dict[int | str, dict[str, object]]:
+    """The schema's `responses` for these statuses, each with `model` as its body."""
+    return {code: {"model": model, "description": text} for code, text in descriptions.items()}
+
+
 class JobPage(BaseModel):
     jobs: list[JobStatus]
     next_cursor: str | None = Field(None, description="pass as ?cursor= for the next page; null on the last")

@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import CallerDep
 from api.dependencies import Context
 from api.errors import HttpError
+from api.schemas import AnthropicErrorBody, error_responses
 from api.v1.anthropic_batches import batch_object, create_batch, result_lines
 from api.v1.batch_records import BatchRecords
 from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
@@ -18,7 +19,10 @@ from jobs.status import JobState
 from jobs.webhook_claims import claim_delivery
 
 PATH = "/v1/messages/batches"
-router = APIRouter(prefix=PATH, tags=["anthropic"])
+router = APIRouter(prefix=PATH, tags=["anthropic batches"], responses=error_responses(AnthropicErrorBody, {
+    400: "the requests cannot be used", 404: "no such batch (or another tenant's)",
+    409: "the batch is still processing, or has ended", 413: "the body is over max_message_batch_bytes",
+    422: "a parameter is invalid", 429: "too many jobs in flight or requests"}))
 
 
 @router.post("", summary="Create a Message Batch (Anthropic Message Batches API)")

@@ -11,13 +11,16 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import CallerDep
 from api.dependencies import Context
 from api.errors import HttpError
+from api.schemas import OpenAIErrorBody, error_responses
 from api.v1.batch_records import BatchRecords
 from api.v1.openai_batches import batch_object, create_batch, parse_create
 from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
 from jobs.status import JobState
 from jobs.webhook_claims import claim_delivery
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai batches"], responses=error_responses(OpenAIErrorBody, {
+    400: "the request or its input file cannot be used", 404: "no such batch or file (or another tenant's)",
+    409: "the batch has ended", 422: "a parameter is invalid", 429: "too many jobs in flight or requests"}))
 
 
 @router.post("/batches", summary="Create a batch (OpenAI Batches API)")

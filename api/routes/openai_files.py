@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from api.auth import CallerDep
 from api.dependencies import Context
-from api.schemas import ErrorBody
+from api.schemas import OpenAIErrorBody, error_responses
 from api.v1.files import (
     ANCHOR_FIELD,
     FILE_FIELD,
@@ -29,11 +29,10 @@ READ_CHUNK_BYTES = 1 << 20
 MAX_LIST_LIMIT = 10_000
 
 # The errors each route may answer, for the schema (the /v1 error body is api/errors.py's).
-FILE_ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorBody, "description": description} for code, description in {
-        400: "the upload's fields are wrong", 404: "no such file (or another tenant's, or expired)",
-        413: "the upload is larger than max_upload_bytes", 422: "a query parameter is invalid",
-        503: "a backing service is down"}.items()}
+FILE_ERRORS: dict[int | str, dict[str, Any]] = error_responses(OpenAIErrorBody, {
+    400: "the upload's fields are wrong", 404: "no such file (or another tenant's, or expired)",
+    413: "the upload is larger than max_upload_bytes", 422: "a query parameter is invalid",
+    503: "a backing service is down"})
 
 router = APIRouter(prefix="/v1", tags=["openai files"])
 

@@ -20,15 +20,14 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from api.v1.files import owner_of
-from jobs.formats.anthropic_results import anthropic_result, canceled_result
-
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.submission import check_in_flight, create_and_enqueue, validate_input
 from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from api.v1.files import owner_of
 from api.v1.job_outputs import output_records
+from jobs.formats.anthropic_results import anthropic_result, canceled_result
 from jobs.formats.lines import iter_lines_in_range
 from jobs.model_registry import UnknownModel
 from jobs.object_store.base import AlreadyExists, ObjectNotFound

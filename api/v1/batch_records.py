@@ -14,13 +14,13 @@ import os
 import time
 from typing import Literal
 
-from api.v1.batch_lines import LineProblem
-from api.v1.files import owner_of
 from pydantic import BaseModel, Field
 
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.errors import HttpError
+from api.v1.batch_lines import LineProblem
+from api.v1.files import owner_of
 from jobs.object_store.base import AlreadyExists, ObjectNotFound
 
 BatchApi = Literal["openai", "anthropic"]

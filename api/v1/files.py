@@ -192,7 +192,7 @@ class FileStore:
             raise
 
     def write_output(self, owner: str, file_id: str, filename: str, purpose: str,
-                     chunks: Iterable[bytes], created_at: int) -> FileRecord:
+                     chunks: Iterable[bytes], created_at: int, expires_at: int | None = None) -> FileRecord:
         """Publish a batch's output or error file, once: with the same id again (a second finalize,
         a racing request), the record already there is returned and `chunks` is not read."""
         if not FILE_ID_PATTERN.match(file_id):
@@ -206,7 +206,7 @@ class FileStore:
         if existing is not None:
             return existing
         record = FileRecord(id=file_id, owner=owner, filename=filename, purpose=purpose, bytes=0,
-                            created_at=created_at)
+                            created_at=created_at, expires_at=expires_at)
         content_key = self.content_key(record)
         try:
             with self.store.open_write(content_key, if_none_match=True) as writer:

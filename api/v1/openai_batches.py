@@ -20,15 +20,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from api.v1.batch_lines import LineProblem
-from api.v1.files import FileRecord, FileStore, owner_of
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.auth import Caller
 from api.dependencies import ApiContext
 from api.errors import HttpError
 from api.submission import check_in_flight, create_and_enqueue, validate_input
+from api.v1.batch_lines import LineProblem
 from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from api.v1.files import FileRecord, FileStore, owner_of
 from api.v1.job_outputs import output_records
 from jobs.formats.openai_batch import SUPPORTED_URLS
 from jobs.model_registry import UnknownModel
@@ -129,7 +129,7 @@ def _file_problems(context: ApiContext, file: FileRecord,
         except UnknownModel as error:
             problems.append(LineProblem(code="model_not_found", line=line, param="body.model",
                                         message=str(error)))
-    return model, sorted(problems, key=lambda problem: problem.line)
+    return model, sorted(problems, key=lambda problem: problem.line or 0)
 
 
 def _job_spec(context: ApiContext, caller: Caller, request: CreateBatch, file: FileRecord, job_id: str,
@@ -227,7 +227,8 @@ def publish_outputs(context: ApiContext, record: BatchRecord,
     counts = {False: status.rows.succeeded, True: status.rows.failed}
     expires_at = at + record.output_expires_after_s if record.output_expires_after_s else None
     ids: list[str | None] = []
-    for kind, purpose, failed in (("output", "batch_output", False), ("error", "batch_error", True)):
+    # Both are `batch_output` files, as OpenAI's are.
+    for kind, purpose, failed in (("output", "batch_output", False), ("error", "batch_output", True)):
         if not counts[failed]:
             ids.append(None)
             continue

@@ -137,7 +137,9 @@ def test_a_message_batch_survives_an_api_restart(stack: LiveStack) -> None:
     port = free_port()
     with ServerThread(create_app(stack.settings), port=port) as first:
         batch = client(stack, url=first.url).messages.batches.create(
-            requests=[request(f"r{n}", f"Restart {n}?") for n in range(4)])
+            requests=[request(f"r{n}", f"Restart {n}?", max_tokens=64) for n in range(4)])
+    job_id = f"job-{batch.id.removeprefix('msgbatch_')}"
+    assert not stack.repository.get(job_id).state.is_terminal  # the API went away mid-batch
     with ServerThread(create_app(stack.settings), port=port) as second:
         sdk = client(stack, url=second.url)
         ended = wait(sdk, batch.id)

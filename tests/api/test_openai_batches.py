@@ -224,8 +224,10 @@ def test_a_batch_survives_an_api_restart(stack: LiveStack) -> None:
     port = free_port()
     with ServerThread(create_app(stack.settings), port=port) as first:
         sdk = client(stack, url=first.url)
-        lines = [chat_line(f"r{n}", f"Restart {n}?") for n in range(6)]
+        lines = [chat_line(f"r{n}", f"Restart {n}?", max_tokens=64, ignore_eos=True) for n in range(6)]
         batch = sdk.batches.create(input_file_id=upload(sdk, lines), endpoint=CHAT, completion_window="24h")
+    job_id = f"job-{batch.id.removeprefix('batch_')}"
+    assert not stack.repository.get(job_id).state.is_terminal  # the API went away mid-batch
     with ServerThread(create_app(stack.settings), port=port) as second:  # a new process's state: nothing kept
         sdk = client(stack, url=second.url)
         done = wait(sdk, batch.id)
