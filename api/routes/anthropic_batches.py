@@ -33,9 +33,9 @@ async def create(request: Request, context: Context, caller: CallerDep,
     return {**batch, "results_url": None}
 
 
-@router.get("/{batch_id}", summary="A Message Batch")
-def retrieve(batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
-    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+@router.get("/{message_batch_id}", summary="A Message Batch")
+def retrieve(message_batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
+    record = BatchRecords(context, "anthropic").get(caller, message_batch_id)
     return batch_object(context, record, str(request.base_url))
 
 
@@ -52,36 +52,38 @@ def list_batches(request: Request, context: Context, caller: CallerDep, before_i
             "last_id": data[-1]["id"] if data else None}
 
 
-@router.post("/{batch_id}/cancel", summary="Cancel a Message Batch")
-def cancel(batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
+@router.post("/{message_batch_id}/cancel", summary="Cancel a Message Batch")
+def cancel(message_batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
     """Requests not yet done are `canceled`; those done keep their results. 409 once it has ended."""
-    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+    record = BatchRecords(context, "anthropic").get(caller, message_batch_id)
     status = context.repository.request_cancel(str(record.job_id))
     if status.state != JobState.CANCELLED:
-        raise HttpError(409, f"message batch {batch_id} has already ended; there is nothing to cancel")
+        raise HttpError(409, f"message batch {message_batch_id} has already ended; there is nothing to "
+                             "cancel")
     if claim_delivery(context.repository, str(record.job_id)):
         context.tasks.send(DELIVER_WEBHOOK, [record.job_id], CONTROL_QUEUE)
     return batch_object(context, record, str(request.base_url), status, canceling=True)
 
 
-@router.delete("/{batch_id}", summary="Delete an ended Message Batch")
-def delete(batch_id: str, context: Context, caller: CallerDep) -> dict[str, Any]:
+@router.delete("/{message_batch_id}", summary="Delete an ended Message Batch")
+def delete(message_batch_id: str, context: Context, caller: CallerDep) -> dict[str, Any]:
     """Only once it has ended (cancel it first): it leaves /v1/messages/batches; its job stays at /jobs."""
     records = BatchRecords(context, "anthropic")
-    record = records.get(caller, batch_id)
+    record = records.get(caller, message_batch_id)
     if not context.repository.get(str(record.job_id)).state.is_terminal:
-        raise HttpError(409, f"message batch {batch_id} is still processing; cancel it before deleting it")
+        raise HttpError(409, f"message batch {message_batch_id} is still processing; cancel it before "
+                             "deleting it")
     records.delete(record)
-    return {"id": batch_id, "type": "message_batch_deleted"}
+    return {"id": message_batch_id, "type": "message_batch_deleted"}
 
 
-@router.get("/{batch_id}/results", summary="A Message Batch's results (JSON lines)",
+@router.get("/{message_batch_id}/results", summary="A Message Batch's results (JSON lines)",
             response_class=StreamingResponse)
-def results(batch_id: str, context: Context, caller: CallerDep) -> StreamingResponse:
+def results(message_batch_id: str, context: Context, caller: CallerDep) -> StreamingResponse:
     """One line per request `{custom_id, result}`, once the batch has ended."""
-    record = BatchRecords(context, "anthropic").get(caller, batch_id)
+    record = BatchRecords(context, "anthropic").get(caller, message_batch_id)
     status = context.repository.get(str(record.job_id))
     if not status.state.is_terminal:
-        raise HttpError(409, f"message batch {batch_id} is still processing: its results are ready once it "
-                             "has ended")
+        raise HttpError(409, f"message batch {message_batch_id} is still processing: its results are "
+                             "ready once it has ended")
     return StreamingResponse(result_lines(context, record, status), media_type="application/x-jsonl")

@@ -158,6 +158,10 @@ def test_stateful_sequences_of_calls_get_no_server_error(redis_url, tmp_path) ->
     it infers from the schema. Most generated submits name a served model and a seeded input, so the
     linked calls reach real jobs (counted: the test fails if few do)."""
     settings_, schema, seeded = steered_schema(redis_url, tmp_path)
+    # Our own routes' sequences: the /v1 wire formats (single calls fuzzed above) are walked in
+    # sequence by their official SDKs (tests/api/test_openai_batches.py, test_anthropic_batches.py),
+    # and left in here they thin out the steps that reach real jobs.
+    schema = schema.exclude(path_regex="^/v1/")
     store, redis_client = tmp_path / "store", settings_.redis_client()
 
     failures: list[tuple[str, str]] = []

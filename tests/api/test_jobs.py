@@ -142,7 +142,9 @@ def test_the_openapi_document_describes_every_route_and_both_submit_bodies(local
               "/jobs/{job_id}/results/merged", "/usage", "/healthz", "/models", "/metrics",
               "/workers", "/schedules", "/schedules/{schedule_id}",
               *(f"/schedules/{{schedule_id}}/{action}" for action in ("pause", "resume", "tick", "jobs")),
-              "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content"}
+              "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
+              "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/models", "/v1/messages/batches",
+              *(f"/v1/messages/batches/{{message_batch_id}}{tail}" for tail in ("", "/cancel", "/results"))}
     assert set(document["paths"]) == routes
     body = document["paths"]["/jobs"]["post"]["requestBody"]["content"]
     assert body["application/json"]["schema"] == {"$ref": "#/components/schemas/JobSpec"}

@@ -39,10 +39,15 @@ UNOWNED_ROUTES = {
     ("POST", "/schedules"): "creates a schedule of the caller's tenant",
     ("GET", "/v1/files"): "lists the caller's tenant's files",
     ("POST", "/v1/files"): "uploads a file of the caller's tenant",
+    ("GET", "/v1/batches"): "lists the caller's tenant's batches",
+    ("POST", "/v1/batches"): "creates a batch of the caller's tenant (from one of its own files)",
+    ("GET", "/v1/messages/batches"): "lists the caller's tenant's message batches",
+    ("POST", "/v1/messages/batches"): "creates a message batch of the caller's tenant",
+    ("GET", "/v1/models"): "the deployment's model names and aliases, the same for every tenant",
     ("GET", "/openapi.json"): "the schema, the same for every tenant",
     ("GET", "/docs"): "the schema's page",
 }
-OBJECT_PARAMETERS = {"job_id", "schedule_id", "file_id"}
+OBJECT_PARAMETERS = {"job_id", "schedule_id", "file_id", "batch_id", "message_batch_id"}
 
 
 def _flat(routes: list, prefix: str = "") -> Iterator[tuple[str, object]]:
@@ -92,7 +97,22 @@ def acme_objects(keyed_api):
     uploaded = httpx.post(f"{api.url}/v1/files", headers=OWNER,
                           files={"purpose": (None, b"batch"), "file": ("rows.jsonl", ROWS)})
     assert uploaded.status_code == 200, uploaded.text
-    return {"job_id": job.job_id, "schedule_id": schedule.id, "file_id": uploaded.json()["id"]}
+    file_id = uploaded.json()["id"]
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}]}}
+    requests = httpx.post(f"{api.url}/v1/files", headers=OWNER, files={
+        "purpose": (None, b"batch"), "file": ("requests.jsonl", json.dumps(line).encode())})
+    batch = httpx.post(f"{api.url}/v1/batches", headers=OWNER, json={
+        "input_file_id": requests.json()["id"], "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"})
+    assert batch.status_code == 200 and batch.json()["status"] == "validating", batch.text
+    anthropic_key = {"x-api-key": "acme-secret"}
+    message_batch = httpx.post(f"{api.url}/v1/messages/batches", headers=anthropic_key, json={
+        "requests": [{"custom_id": "a", "params": {"model": "tiny", "max_tokens": 4,
+                                                   "messages": [{"role": "user", "content": "Hi"}]}}]})
+    assert message_batch.status_code == 200, message_batch.text
+    return {"job_id": job.job_id, "schedule_id": schedule.id, "file_id": file_id,
+            "batch_id": batch.json()["id"], "message_batch_id": message_batch.json()["id"]}
 
 
 def test_every_route_is_either_owner_checked_or_listed_as_safe(keyed_api) -> None:
@@ -113,7 +133,7 @@ def test_another_tenants_key_gets_404_on_every_route_naming_a_job_or_schedule(ke
     api = keyed_api
     walked = []
     for method, path in _routes(api.settings):
-        if not re.search(r"{(job_id|schedule_id|file_id)}", path):
+        if not re.search(r"{(job_id|schedule_id|file_id|batch_id|message_batch_id)}", path):
             continue
         url = api.url + path.format(**acme_objects)
         for query in ("", "?download=true", "?partial=true&download=true"):
@@ -124,13 +144,23 @@ def test_another_tenants_key_gets_404_on_every_route_naming_a_job_or_schedule(ke
         walked.append((method, path))
     assert ("POST", "/jobs/{job_id}/cancel") in walked and ("DELETE", "/schedules/{schedule_id}") in walked
     assert ("DELETE", "/v1/files/{file_id}") in walked and ("GET", "/v1/files/{file_id}/content") in walked
+    assert ("POST", "/v1/batches/{batch_id}/cancel") in walked
+    assert ("DELETE", "/v1/messages/batches/{message_batch_id}") in walked
+    batch = httpx.get(f"{api.url}/v1/batches/{acme_objects['batch_id']}", headers=OWNER).json()
+    assert batch["status"] == "validating"  # not cancelled by the other tenant
+    message_batch = httpx.get(f"{api.url}/v1/messages/batches/{acme_objects['message_batch_id']}",
+                              headers=OWNER).json()
+    assert message_batch["processing_status"] == "in_progress"
     # Nothing was changed by those calls: the job still queued, the schedule there and not paused.
     job = httpx.get(f"{api.url}/jobs/{acme_objects['job_id']}", headers=OWNER).json()
     assert job["state"] == "queued"
     schedule = httpx.get(f"{api.url}/schedules/{acme_objects['schedule_id']}", headers=OWNER).json()
     assert schedule["paused"] is False and schedule["runtime"]["jobs_submitted"] == 0
     listed = httpx.get(f"{api.url}/jobs", headers=OWNER).json()["jobs"]
-    assert [entry["job_id"] for entry in listed] == [acme_objects["job_id"]]  # no retry job was made
+    batch_jobs = {f"job-{acme_objects['batch_id'].removeprefix('batch_')}",
+                  f"job-{acme_objects['message_batch_id'].removeprefix('msgbatch_')}"}
+    # No retry job was made: acme's job and the jobs under its two batches.
+    assert {entry["job_id"] for entry in listed} == {acme_objects["job_id"], *batch_jobs}
     content = httpx.get(f"{api.url}/v1/files/{acme_objects['file_id']}/content", headers=OWNER)
     assert content.status_code == 200 and content.content == ROWS  # the file not deleted
 
