@@ -81,7 +81,8 @@ def up(argv: list[str]) -> int:
                                preset=args.preset or "small", models_dir=args.models_dir,
                                engine_options=settings.engine_options_dict(),
                                models=_served_models(args, settings), api_keys=settings.api_keys,
-                               admin_api_keys=settings.admin_api_keys, environment=settings.to_env())
+                               admin_api_keys=settings.admin_api_keys, model_aliases=settings.model_aliases,
+                               environment=settings.to_env())
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
