@@ -1,11 +1,13 @@
-"""`bulkinfer bench engine|suite|step|service|faults|spec`: which benchmark a `bench` command line runs."""
+"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis`: which benchmark a `bench` command
+line runs."""
 
 from __future__ import annotations
 
 import importlib
 
 TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "step": "benchmarks.step_profile",
-           "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative"}
+           "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative",
+           "batch-apis": "benchmarks.batch_apis"}
 
 
 def main(argv: list[str]) -> int:

@@ -38,7 +38,8 @@ COMMANDS: dict[str, Command] = {
     "tune": Command("worker.tune_cli:tune_cli", "Measure engine settings for a model on this machine and "
                     "write the fastest for its workers", "worker"),
     "bench": Command("benchmarks.cli:main",
-                     "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults` | `spec`",
+                     "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults` | `spec` | "
+                     "`batch-apis`",
                      "worker"),
     "serve api": Command("api.cli.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)",
                          "server"),
