@@ -78,20 +78,23 @@ class BatchRecords:
         if _well_formed(self._api, batch_id):
             for owner in self._owners(caller):
                 try:
-                    return BatchRecord.model_validate_json(self._store.get_bytes(self._key(owner, batch_id)))
+                    return self._read(owner, batch_id)
                 except ObjectNotFound:
                     continue
         raise HttpError(404, f"no batch {batch_id!r}", code="not_found")
 
+    def _read(self, owner: str, batch_id: str) -> BatchRecord:
+        return BatchRecord.model_validate_json(self._store.get_bytes(self._key(owner, batch_id)))
+
     def delete(self, record: BatchRecord) -> None:
         self._store.delete(self._key(record.owner, record.id))
 
-    def ids(self, caller: Caller) -> list[str]:
-        """Every batch id the caller sees, newest first."""
-        ids: list[str] = []
+    def _ids(self, caller: Caller) -> list[tuple[str, str]]:
+        """(batch id, owner) of every batch the caller sees, newest first."""
+        ids: list[tuple[str, str]] = []
         for owner in self._owners(caller):
             folder = f"{self._root}{owner}/"
-            ids += [info.key[len(folder):-len(".json")] for info in self._store.list(folder)
+            ids += [(info.key[len(folder):-len(".json")], owner) for info in self._store.list(folder)
                     if info.key.endswith(".json") and "/" not in info.key[len(folder):]]
         return sorted(ids, reverse=True)
 
@@ -99,14 +102,13 @@ class BatchRecords:
              limit: int = 20) -> tuple[list[BatchRecord], bool]:
         """Up to `limit` records, newest first, older than `after` / newer than `before` (ids), and
         whether more lie beyond them in that direction."""
-        ids = self.ids(caller)
+        ids = self._ids(caller)
         if after is not None:
-            ids = [batch_id for batch_id in ids if batch_id < after]
+            ids = [entry for entry in ids if entry[0] < after]
         if before is not None:
-            ids = [batch_id for batch_id in ids if batch_id > before]
-            chosen = ids[-limit:]  # the ones just before the cursor
-            return [self.get(caller, batch_id) for batch_id in chosen], len(ids) > limit
-        return [self.get(caller, batch_id) for batch_id in ids[:limit]], len(ids) > limit
+            ids = [entry for entry in ids if entry[0] > before]
+        chosen = ids[-limit:] if before is not None else ids[:limit]  # the ones next to the cursor
+        return [self._read(owner, batch_id) for batch_id, owner in chosen], len(ids) > limit
 
     def _owners(self, caller: Caller) -> list[str]:
         if caller.scope is not None:
