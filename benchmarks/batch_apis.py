@@ -36,8 +36,16 @@ CAPITALS = {"France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madr
 CHAT = "/v1/chat/completions"
 
 
-def question(country: str) -> str:
-    return f"What is the capital of {country}? Answer with the city's name."
+def question(row: str) -> str:
+    country, _, number = row.partition("-")
+    return f"Question {number}: what is the capital of {country}? Answer with the city's name."
+
+
+def country_rows(count: int, first: int = 0) -> list[str]:
+    """`<country>-<n>` ids: the countries in turn, each question numbered (no two prompts equal, so
+    no path gets another's prompts from the prefix cache)."""
+    countries = list(CAPITALS)
+    return [f"{countries[n % len(countries)]}-{n}" for n in range(first, first + count)]
 
 
 def cpu_model() -> str:
@@ -66,14 +74,14 @@ def start(home: Path, port: int) -> subprocess.Popen[bytes]:
 
 
 def right(answers: dict[str, str]) -> int:
-    return sum(CAPITALS[country].lower() in text.lower() for country, text in answers.items())
+    return sum(CAPITALS[row.partition("-")[0]].lower() in text.lower() for row, text in answers.items())
 
 
 def openai_batch(url: str, rows: list[str]) -> tuple[float, dict[str, str], float, float]:
     sdk = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
-    lines = b"".join(json.dumps({"custom_id": country, "method": "POST", "url": CHAT, "body": {
+    lines = b"".join(json.dumps({"custom_id": row, "method": "POST", "url": CHAT, "body": {
         "model": "gpt-4o-mini", "max_tokens": 16, "temperature": 0,
-        "messages": [{"role": "user", "content": question(country)}]}}).encode() + b"\n" for country in rows)
+        "messages": [{"role": "user", "content": question(row)}]}}).encode() + b"\n" for row in rows)
     started = time.perf_counter()
     file = sdk.files.create(file=("capitals.jsonl", lines), purpose="batch")
     batch = sdk.batches.create(input_file_id=file.id, endpoint=CHAT, completion_window="24h")
@@ -96,9 +104,9 @@ def openai_batch(url: str, rows: list[str]) -> tuple[float, dict[str, str], floa
 def anthropic_batch(url: str, rows: list[str]) -> tuple[float, dict[str, str]]:
     sdk = anthropic.Anthropic(base_url=url, api_key="unused")
     started = time.perf_counter()
-    batch = sdk.messages.batches.create(requests=[{"custom_id": country, "params": {
+    batch = sdk.messages.batches.create(requests=[{"custom_id": row, "params": {
         "model": "claude-haiku-4-5", "max_tokens": 16, "temperature": 0,
-        "messages": [{"role": "user", "content": question(country)}]}} for country in rows])
+        "messages": [{"role": "user", "content": question(row)}]}} for row in rows])
     while batch.processing_status != "ended":
         time.sleep(0.2)
         batch = sdk.messages.batches.retrieve(batch.id)
@@ -111,9 +119,10 @@ def anthropic_batch(url: str, rows: list[str]) -> tuple[float, dict[str, str]]:
 def plain_job(url: str, rows: list[str]) -> tuple[float, dict[str, str]]:
     with Client(url) as client:
         started = time.perf_counter()
-        job = client.jobs.create({"model": MODEL, "id_column": "country", "prompt_column": "q",
+        job = client.jobs.create({"model": MODEL, "id_column": "id", "messages_column": "messages",
                                   "sampling": {"max_tokens": 16, "temperature": 0}},
-                                 input=[{"country": country, "q": question(country)} for country in rows])
+                                 input=[{"id": row, "messages": [{"role": "user", "content": question(row)}]}
+                                        for row in rows])
         client.jobs.wait(job, poll_interval=0.2, progress=False)
         wall = time.perf_counter() - started
         answers = {row["id"]: row["text"] for row in client.jobs.results(job)}
@@ -141,31 +150,30 @@ def bench_cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bulkinfer bench batch-apis", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=8741)
+    parser.add_argument("--rows", type=int, default=256, help="questions in each batch and job")
     parser.add_argument("--big-requests", type=int, default=50_000, help="requests in the upload-rate file")
     args = parser.parse_args(argv)
-    rows = list(CAPITALS)
     print(f"machine: {cpu_model()}; {time.strftime('%Y-%m-%d')}")
     describe_cpu()
     with tempfile.TemporaryDirectory(prefix="bench-batch-apis-") as home:
         process = start(Path(home), args.port)
         url = f"http://127.0.0.1:{args.port}"
         try:
-            plain_job(url, rows[:2])  # warm the engine: compile-once costs out of the figures
-            report(url, rows, args.big_requests)
+            plain_job(url, country_rows(2, first=10**6))  # warm the engine: compile-once costs out
+            report(url, args.rows, args.big_requests)
         finally:
             process.terminate()
             process.wait(60)
     return 0
 
 
-def report(url: str, rows: list[str], big_requests: int) -> None:
-    count = len(rows)
-    wall, answers, publishing, later = openai_batch(url, rows)
+def report(url: str, count: int, big_requests: int) -> None:
+    wall, answers, publishing, later = openai_batch(url, country_rows(count))
     print(f"openai batch     {count} rows: {wall:5.1f} s submit→completed, right {right(answers)}/{count}; "
           f"the read that published the files {publishing * 1000:.0f} ms, a later read {later * 1000:.0f} ms")
-    wall, answers = anthropic_batch(url, rows)
+    wall, answers = anthropic_batch(url, country_rows(count, first=count))
     print(f"anthropic batch  {count} rows: {wall:5.1f} s submit→ended, right {right(answers)}/{count}")
-    wall, answers = plain_job(url, rows)
+    wall, answers = plain_job(url, country_rows(count, first=2 * count))
     print(f"POST /jobs       {count} rows: {wall:5.1f} s submit→succeeded, right {right(answers)}/{count}")
     megabytes, uploaded, created = upload_rate(url, big_requests)
     print(f"files.create     {big_requests:,} requests, {megabytes:.1f} MB: {uploaded:.2f} s "
