@@ -50,7 +50,8 @@ class CommitRefused(Exception):
 
 def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
                  outputs: Sequence[OutputRow], *, fence: str, created: int, started_at: datetime,
-                 dtype: str | None = None, may_commit: Callable[[], bool] | None = None) -> ShardResult:
+                 dtype: str | None = None, may_commit: Callable[[], bool] | None = None,
+                 embedding_dimension: int | None = None) -> ShardResult:
     """Stage a shard's parts under `fence` and commit its result (for a resolved spec); returns the
     result that stands: an earlier run's if one committed first, this run's staged parts then
     dropped. Publishing is the caller's next step (`publish_parts`, before counting).
@@ -58,7 +59,8 @@ def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard
     location = output_location(spec, job_store, layout)
     output_key, errors_key = location.part_key(shard.index), layout.error_part_key(shard.index)
     output = write_output_part(location.store, staged_key(output_key, fence), outputs, spec,
-                               job_id=layout.job_id, created=created, if_none_match=False)
+                               job_id=layout.job_id, created=created, if_none_match=False,
+                               embedding_dimension=embedding_dimension)
     errors = write_error_part(job_store, staged_key(errors_key, fence), outputs, if_none_match=False)
     # The result names the parts' own keys; the fence says where their staged copies are.
     output = output.model_copy(update={"key": output_key, "uri": location.store.uri(output_key)})

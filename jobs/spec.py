@@ -23,7 +23,7 @@ MAX_METADATA_VALUE_CHARS = 512
 # Output columns the writers own; a passthrough column of the same name would be ambiguous.
 RESERVED_OUTPUT_COLUMNS = frozenset(
     {"id", "text", "json", "finish_reason", "usage", "prompt_tokens", "cached_tokens", "completion_tokens",
-     "error", "error_code", "logprobs", "choices"})
+     "error", "error_code", "logprobs", "choices", "embedding", "embeddings"})
 
 
 PRIORITY_NAMES = {"high": 8, "normal": 5, "low": 2}
@@ -34,6 +34,13 @@ def _priority_schema(schema: dict[str, Any]) -> None:
     for key in ("type", "minimum", "maximum"):
         schema.pop(key, None)
     schema["anyOf"] = [{"type": "integer", "minimum": 0, "maximum": 9}, {"enum": list(PRIORITY_NAMES)}]
+
+
+class JobTask(StrEnum):
+    """What a job does with each row's prompt: generate text after it, or embed it as one vector."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
 
 
 class InputFormat(StrEnum):
@@ -80,6 +87,12 @@ class JobSpec(BaseModel):
                            json_schema_extra={"pattern": OBJECT_URI_PATTERN})
     input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
     model: str = Field(min_length=1)
+    task: JobTask = Field(JobTask.GENERATE, description="generate: text after each prompt; embed: one "
+                          "vector per prompt (an embedding model; OpenAI lines with url /v1/embeddings)")
+    dimensions: int | None = Field(None, ge=1, description="embed: keep the first N values of each vector "
+                                   "and renormalise (Matryoshka models); at most the model's size")
+    truncate: bool = Field(False, description="embed: cut inputs longer than the model's maximum length "
+                           "(default: such a row fails with prompt_too_long)")
 
     id_column: str | None = Field(None, description="row ids; default: the row's index")
     prompt_column: str | None = None
@@ -214,9 +227,35 @@ class JobSpec(BaseModel):
         elif not mapping and self.input_format is not None:
             raise ValueError(f"{self.input_format.value} input needs exactly one of prompt_column, "
                              "messages_column or template")
+        self._fits_the_task()
         if self.effective_output_format == InputFormat.OPENAI_BATCH and self.passthrough_columns:
             raise ValueError("passthrough_columns: OpenAI batch output lines have no room for extra columns")
         return self
+
+    def _fits_the_task(self) -> None:
+        """An embed job has no sampling and no chat; a generate job has no vector to shorten."""
+        if self.task == JobTask.GENERATE:
+            if self.dimensions is not None:
+                raise ValueError("dimensions: only an embed job (task: embed) has vectors to shorten")
+            if self.truncate:
+                raise ValueError("truncate: only an embed job (task: embed) truncates its inputs")
+            return
+        refused = {
+            "messages_column": "an embed job embeds text: use prompt_column or template",
+            "response_format": "an embed job writes vectors, not JSON text",
+            "response_format_column": "an embed job writes vectors, not JSON text",
+            "sampling_column": "an embed job samples nothing",
+        }
+        for name, why in refused.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: {why}; omit it")
+        if self.sampling.as_dict():
+            raise ValueError(f"sampling: an embed job samples nothing; omit sampling "
+                             f"({', '.join(sorted(self.sampling.as_dict()))} given)")
+
+    @property
+    def is_embed(self) -> bool:
+        return self.task == JobTask.EMBED
 
     @property
     def effective_output_format(self) -> InputFormat | None:

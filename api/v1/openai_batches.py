@@ -31,9 +31,10 @@ from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_jo
 from api.v1.files import FileRecord, FileStore, owner_of
 from api.v1.job_outputs import output_records
 from jobs.formats.openai_batch import SUPPORTED_URLS
+from jobs.formats.openai_embeddings import EMBEDDINGS_URL
 from jobs.model_registry import UnknownModel
 from jobs.repository import JobNotFound
-from jobs.spec import InputFormat, JobSpec, validation_messages
+from jobs.spec import InputFormat, JobSpec, JobTask, validation_messages
 from jobs.status import JobState, JobStatus
 
 STATUS_OF = {JobState.QUEUED: "validating", JobState.RUNNING: "in_progress",
@@ -141,7 +142,8 @@ def _job_spec(context: ApiContext, caller: Caller, request: CreateBatch, file: F
     try:
         spec = JobSpec(input_uri=store.uri(input_key), input_format=InputFormat.OPENAI_BATCH,
                        output_format=InputFormat.OPENAI_BATCH, model=model or "", tenant=caller.tenant,
-                       completion_window=request.completion_window, metadata=request.metadata or {})
+                       completion_window=request.completion_window, metadata=request.metadata or {},
+                       task=JobTask.EMBED if request.endpoint == EMBEDDINGS_URL else JobTask.GENERATE)
     except ValidationError as error:
         store.delete(input_key)
         first = error.errors()[0]

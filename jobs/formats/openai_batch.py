@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from jobs.formats.anthropic_messages import MESSAGES_URL, AnthropicMessagesRowBuilder
 from jobs.formats.jsonl import decode_object_line
 from jobs.formats.lines import Line, iter_lines_in_range
+from jobs.formats.openai_embeddings import EMBEDDINGS_URL, embedding_row
 from jobs.formats.rows import (
     Row,
     RowError,
@@ -39,7 +40,7 @@ from jobs.spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL)
+SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL, EMBEDDINGS_URL)
 # Body fields that map straight onto SamplingParams (OpenAI's, plus vLLM's extra sampling knobs).
 SAMPLING_FIELDS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
                              "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
@@ -76,6 +77,9 @@ class OpenAIBatchRowBuilder:
             body = record.get("body")
             if not isinstance(body, dict):
                 raise RowProblem(RowErrorCode.INVALID_ROW, "body must be an object")
+            _check_task(self.spec, url)
+            if url == EMBEDDINGS_URL:
+                return embedding_row(line.offset, row_id, body, self.spec, line.number)
             if url == MESSAGES_URL:
                 return self.messages.row(line.offset, row_id, body, line.number)
             return self._row(line, row_id, url, body)
@@ -114,6 +118,17 @@ class OpenAIBatchRowBuilder:
             parsed = parse_response_format(body["response_format"], "body.response_format")
             response_format = engine_response_format(parsed)
         return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number)
+
+
+def _check_task(spec: JobSpec, url: str) -> None:
+    """One job runs one task: an embeddings line in a generate job (or the reverse) is that row's error."""
+    if spec.is_embed and url != EMBEDDINGS_URL:
+        raise RowProblem(RowErrorCode.UNSUPPORTED_URL, f"url {url!r} generates text, and this job embeds "
+                         f"(task embed): only {EMBEDDINGS_URL} lines run here; put generation lines in a "
+                         "job of their own")
+    if not spec.is_embed and url == EMBEDDINGS_URL:
+        raise RowProblem(RowErrorCode.UNSUPPORTED_URL, f"url {EMBEDDINGS_URL!r} needs an embed job (task "
+                         "embed, or a batch created with endpoint /v1/embeddings); this job generates text")
 
 
 def _completion_prompt(prompt: Any) -> str:

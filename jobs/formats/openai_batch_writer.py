@@ -5,7 +5,8 @@ object with `usage` and one entry in `choices` per sample (`n`), each with vLLM'
 stop string or stop token id that ended it, else null) and its `logprobs` in
 OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
 completions: `{tokens, token_logprobs, top_logprobs, text_offset}`); failed rows carry
-`response: null` and `error: {code, message}`.
+`response: null` and `error: {code, message}`. An embed row's body is OpenAI's embeddings `list`
+(jobs/formats/embedding_writer.py).
 Ids derive from the job and the custom_id, so a rerun writes the same ids.
 """
 
@@ -15,6 +16,7 @@ import codecs
 import hashlib
 from typing import Any
 
+from jobs.formats.embedding_writer import embeddings_body
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 
 
@@ -29,8 +31,11 @@ def openai_batch_record(row: OutputRow, *, job_id: str, model: str, created: int
         record["response"] = None
         record["error"] = {"code": row.error_code, "message": row.error_message}
         return record
-    record["response"] = {"status_code": 200, "request_id": f"req_{request_id}",
-                          "body": completion_body(row, request_id, model, created)}
+    if row.embeddings is not None:
+        body = embeddings_body(row, model)
+    else:
+        body = completion_body(row, request_id, model, created)
+    record["response"] = {"status_code": 200, "request_id": f"req_{request_id}", "body": body}
     record["error"] = None
     return record
 

@@ -9,6 +9,7 @@ per output token, in an engine-neutral form the writers shape for their format.
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -79,6 +80,9 @@ class OutputRow:
     # Speculative decoding: drafts verified / accepted at each draft position (empty without).
     drafted_per_position: tuple[int, ...] = ()
     accepted_per_position: tuple[int, ...] = ()
+    # An embed row's vectors (float32), one per input in order; None for generated rows and failures.
+    embeddings: tuple[array, ...] | None = None
+    encoding_format: str = "float"  # how an OpenAI body carries them: "float" or "base64"
 
     @property
     def failed(self) -> bool:
@@ -129,6 +133,15 @@ class OutputRow:
                    first.finish_reason, prompt_tokens, cached_tokens, completion_tokens, error_code,
                    error_message, row.passthrough, row.line, tuple(choices), engine_seconds=engine_seconds,
                    drafted_per_position=drafted_per_position, accepted_per_position=accepted_per_position)
+
+    @classmethod
+    def embedded(cls, row: Row, vectors: Sequence[array], *, prompt_tokens: int,
+                 engine_seconds: float = 0.0) -> OutputRow:
+        """An embed row's vectors (already shortened to its `dimensions`); no completion tokens."""
+        encoding = row.embed.encoding_format if row.embed is not None else "float"
+        return cls(row.index, row.row_id, prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
+                   passthrough=row.passthrough, line=row.line, engine_seconds=engine_seconds,
+                   embeddings=tuple(vectors), encoding_format=encoding)
 
     @classmethod
     def from_error(cls, error: RowError) -> OutputRow:

@@ -8,6 +8,7 @@ import hashlib
 import time
 from collections.abc import Iterable
 
+from jobs.formats.embedding_writer import embedding_table, jsonl_embedding_record
 from jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
 from jobs.formats.openai_batch_writer import openai_batch_record
 from jobs.formats.output import OutputRow
@@ -49,10 +50,12 @@ def includes_json_column(spec: JobSpec) -> bool:
 
 
 def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], spec: JobSpec, *, job_id: str,
-                      created: int | None = None, if_none_match: bool = True) -> PartFile:
+                      created: int | None = None, if_none_match: bool = True,
+                      embedding_dimension: int | None = None) -> PartFile:
     """Every row of the shard, failed ones included, sorted into input order.
 
-    `created` (unix seconds) stamps OpenAI response bodies; default: now.
+    `created` (unix seconds) stamps OpenAI response bodies; default: now. `embedding_dimension`: an
+    embed job's vector size (the model's), so a Parquet part of failed rows only has the job's type.
     """
     ordered = sorted(rows, key=lambda row: row.index)
     output_format = spec.effective_output_format
@@ -61,9 +64,12 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
         if output_format == InputFormat.PARQUET:
             import pyarrow.parquet as pq
 
-            table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns,
-                                 include_logprobs=may_have_logprobs(spec),
-                                 include_choices=may_have_choices(spec))
+            if spec.is_embed:
+                table = embedding_table(ordered, spec, embedding_dimension)
+            else:
+                table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns,
+                                     include_logprobs=may_have_logprobs(spec),
+                                     include_choices=may_have_choices(spec))
             pq.write_table(table, sink)
         elif output_format == InputFormat.OPENAI_BATCH:
             stamp = int(time.time()) if created is None else created
@@ -73,7 +79,9 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
         elif output_format == InputFormat.JSONL:
             include_json = includes_json_column(spec)
             for row in ordered:
-                sink.write(dumps_line(jsonl_output_record(row, include_json)))
+                record = jsonl_embedding_record(row, spec) if spec.is_embed else jsonl_output_record(row,
+                                                                                                   include_json)
+                sink.write(dumps_line(record))
         else:
             raise ValueError("write_output_part needs a resolved output format")
     return sink.part_file(store, key, rows=len(ordered))

@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from jobs.embedding import EmbedRequest
 from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
 from jobs.sampling import JobSampling
@@ -41,7 +42,8 @@ class RowErrorCode(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Row:
-    """One request for the engine: exactly one of `prompt` (completion) or `messages` (chat).
+    """One request for the engine: exactly one of `prompt` (completion) or `messages` (chat), or,
+    in an embed job, `embed` (its inputs; `prompt` is then the text of a single-text row).
 
     `index` orders rows in the input: the 0-based row number for Parquet, the byte offset of the
     line for JSONL (a shard can number its rows without reading the bytes before it).
@@ -55,10 +57,15 @@ class Row:
     response_format: dict[str, Any] | None
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
+    embed: EmbedRequest | None = None  # an embed job's row: what to embed
 
     @property
     def is_chat(self) -> bool:
         return self.messages is not None
+
+    @property
+    def is_embed(self) -> bool:
+        return self.embed is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,6 +219,9 @@ class RowBuilder:
             return RowError(index, row_id, code, first_error_message(error), line, passthrough)
         except (ValueError, TypeError, RecursionError, OverflowError) as error:  # values no check foresaw
             return unreadable_row(index, row_id, error, line, passthrough)
+        if spec.is_embed:
+            embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate)
+            return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
 
     def _row_id(self, index: int, record: Mapping[str, Any]) -> str:

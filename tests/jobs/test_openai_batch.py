@@ -46,7 +46,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     items = read(local_store, [
         request("a", messages=[{"role": "user", "content": "x"}]),
         request("a", messages=[{"role": "user", "content": "again"}]),
-        request("c", url="/v1/embeddings", input="x"),
+        request("c", url="/v1/moderations", input="x"),
         request("d", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function"}]),
         request("e", messages=[{"role": "user", "content": "x"}], n=17),
         request("f", messages=[{"role": "user", "content": "x"}], temperature=5),
@@ -65,7 +65,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     assert codes[7] == ("h", RowErrorCode.INVALID_ROW)
     assert codes[8] == ("i", RowErrorCode.INVALID_SAMPLING)
     assert items[9].message.startswith("body: logprobs: Input should be a valid integer")
-    assert "url '/v1/embeddings' is not supported" in items[2].message
+    assert "url '/v1/moderations' is not supported" in items[2].message
     assert items[3].message == "body.tools is not supported here"
     assert items[4].message == "body: n: Input should be less than or equal to 16"
     assert "appears more than once (line 2 of the shard)" in items[1].message
