@@ -1,0 +1,179 @@
+"""Text -> one vector per text, for embedding models (BERT family) and decoders used as embedders.
+
+```python
+embedder = Embedder.load("path/to/all-minilm-l6-v2")
+vectors = [out.embedding for out in embedder.embed(["a sentence", "another one"])]
+```
+
+Batches are packed: sequences laid end to end with no padding, longest first, attention per
+sequence (engine/models/bert.py). Pooling, normalisation and the maximum length come from the
+checkpoint (engine/pooling.py). The compute dtype is chosen as the LLMEngine chooses it
+(engine/dtype_choice.py); vectors are always float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
+from engine.models.bert import PackedBatch, encoder_family, load_bert
+from engine.models.llama import UnsupportedModelError
+from engine.pooling import (
+    PoolingConfig,
+    SentenceTransformersFiles,
+    pool,
+    read_sentence_transformers,
+    resolve_pooling_config,
+)
+
+__all__ = ["EmbeddingOutput", "Embedder", "PoolingConfig", "is_embedding_model"]
+
+logger = logging.getLogger(__name__)
+
+# Tokens per forward pass: large enough that the GEMMs run at full speed, small enough that the
+# activations of a pass stay in the CPU's caches' neighbourhood (measured: benchmarks/embed.py).
+DEFAULT_BATCH_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    embedding: list[float]  # float32 values; normalized when the config says so
+    prompt_tokens: int
+
+
+class PackedModel(Protocol):
+    def __call__(self, batch: PackedBatch) -> torch.Tensor: ...
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: a model folder needs config.json")
+    return json.loads(path.read_text())
+
+
+def is_embedding_model(model_dir: str | Path) -> bool:
+    """Whether the folder holds an embedding model: a BERT-family encoder, or any checkpoint with
+    sentence-transformers files (``modules.json``)."""
+    folder = Path(model_dir)
+    if (folder / "modules.json").is_file():
+        return True
+    try:
+        return encoder_family(_read_config(folder)) is not None
+    except (OSError, ValueError):
+        return False
+
+
+class Embedder:
+    """A loaded embedding model: ``embed(texts)`` or ``embed_token_ids(batch)``."""
+
+    batch_tokens: int = DEFAULT_BATCH_TOKENS
+
+    def __init__(self, model: PackedModel, tokenizer: Any, config: PoolingConfig, dtype_choice: DtypeChoice,
+                 vocab_size: int, lower_case: bool = False) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.dtype_choice = dtype_choice
+        self.dtype: torch.dtype = dtype_choice.torch_dtype
+        self.vocab_size = vocab_size
+        self.lower_case = lower_case
+
+    @classmethod
+    def load(cls, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
+             pooling: str | None = None, normalize: bool | None = None) -> Embedder:
+        """Load ``model_dir`` (a Hugging Face folder). ``pooling`` ("mean" | "cls" | "last") and
+        ``normalize`` apply where the checkpoint's sentence-transformers files do not say."""
+        from transformers import AutoTokenizer  # tokenizer only; the model is our own
+
+        folder = Path(model_dir)
+        hf_config = _read_config(folder)
+        st_files = read_sentence_transformers(folder)
+        dtype_choice = resolve_dtype(dtype, device, checkpoint_dtype(folder))
+        logger.info("embedder dtype %s (%s)", dtype_choice.dtype, dtype_choice.reason)
+        if encoder_family(hf_config) is None:
+            raise UnsupportedModelError(
+                f"{folder}: architectures {hf_config.get('architectures')} cannot embed "
+                "(supported: BERT, RoBERTa and XLM-RoBERTa encoders)"
+            )
+        model = load_bert(folder, hf_config, dtype_choice.torch_dtype, device, batch_hint=cls.batch_tokens)
+        config = resolve_pooling_config(
+            st_files, pooling=pooling, normalize=normalize, position_limit=model.config.max_tokens,
+            dimension=model.config.hidden_size, default_pooling="mean",
+        )
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        return cls(model, tokenizer, config, dtype_choice, model.config.vocab_size, _lower_case(st_files))
+
+    def tokenize(self, text: str) -> list[int]:
+        """The text's token ids with the model's special tokens, not truncated."""
+        return list(self.tokenizer(self._prepare(text), add_special_tokens=True)["input_ids"])
+
+    def embed(self, texts: Sequence[str], *, truncate: bool = False) -> list[EmbeddingOutput]:
+        """One output per text, in order. A text longer than ``config.max_length`` tokens raises
+        ValueError, unless ``truncate``: then its first tokens are kept (special tokens included)."""
+        if isinstance(texts, str):
+            raise TypeError("embed takes a sequence of texts, not one string")
+        prepared = [self._prepare(t) for t in texts]
+        if not prepared:
+            return []
+        limit: dict[str, Any] = {"truncation": True, "max_length": self.config.max_length} if truncate else {}
+        ids = self.tokenizer(prepared, add_special_tokens=True, **limit)["input_ids"]
+        return self.embed_token_ids(ids)
+
+    def embed_token_ids(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingOutput]:
+        """One output per token-id sequence, in order. Raises ValueError naming the first sequence
+        that is empty, longer than ``config.max_length`` or holds an id outside the vocabulary."""
+        sequences = [list(s) for s in batch]
+        for index, ids in enumerate(sequences):
+            self._check(index, ids)
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))
+        vectors: list[torch.Tensor | None] = [None] * len(sequences)
+        with torch.inference_mode():
+            for chunk in self._chunks(order, sequences):
+                packed = PackedBatch.build([sequences[i] for i in chunk])
+                pooled = pool(self.model(packed), packed.lengths, self.config)
+                for row, index in enumerate(chunk):
+                    vectors[index] = pooled[row]
+        return [EmbeddingOutput(v.tolist(), len(s)) for v, s in zip(vectors, sequences, strict=True)]  # type: ignore[union-attr]
+
+    def _chunks(self, order: list[int], sequences: list[list[int]]) -> list[list[int]]:
+        """Consecutive runs of ``order`` (longest first) of at most ``batch_tokens`` tokens each
+        (a sequence longer than that alone)."""
+        chunks: list[list[int]] = []
+        current: list[int] = []
+        tokens = 0
+        for index in order:
+            n = len(sequences[index])
+            if current and tokens + n > self.batch_tokens:
+                chunks.append(current)
+                current, tokens = [], 0
+            current.append(index)
+            tokens += n
+        if current:
+            chunks.append(current)
+        return chunks
+
+    def _check(self, index: int, ids: list[int]) -> None:
+        if not ids:
+            raise ValueError(f"input {index} is empty: nothing to embed")
+        if len(ids) > self.config.max_length:
+            raise ValueError(f"input {index} has {len(ids)} tokens, "
+                             f"more than the model's maximum of {self.config.max_length}")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"input {index} holds token id {bad!r}, "
+                             f"outside the vocabulary [0, {self.vocab_size})")
+
+    def _prepare(self, text: str) -> str:
+        return text.lower() if self.lower_case else text
+
+
+def _lower_case(files: SentenceTransformersFiles | None) -> bool:
+    return files is not None and files.do_lower_case
