@@ -54,3 +54,11 @@ def little_endian_bytes(vector: array) -> bytes:
 
 def base64_vector(vector: array) -> str:
     return base64.b64encode(little_endian_bytes(vector)).decode("ascii")
+
+
+def vector_from_base64(text: str) -> array:
+    """`base64_vector` read back."""
+    values = array("f", base64.b64decode(text))
+    if sys.byteorder != "little":
+        values.byteswap()
+    return values

@@ -79,6 +79,9 @@ class _Counts:
                     self.duplicates += 1
                     continue
                 seen.add(key)
+            if item.embed is not None:  # no output tokens, and no prefix cache: every token computed
+                self.prompt += len(tokens or ())
+                continue
             self.output += completion_tokens_per_row(item.sampling)
             if tokens is not None:
                 prompts.append(tokens)
@@ -89,6 +92,10 @@ class _Counts:
         if self.tokenizer is None:
             return None
         try:
+            if row.embed is not None:  # each input: text with the model's special tokens, or its ids
+                encode = self.tokenizer.completion_tokens
+                return [token for value in row.embed.inputs
+                        for token in (list(value) if isinstance(value, tuple) else encode(value))]
             if row.messages is not None:
                 return self.tokenizer.chat_tokens(row.messages)
             return self.tokenizer.completion_tokens(row.prompt or "")

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from jobs.embedding import base64_vector, vector_from_base64
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row
@@ -41,6 +42,9 @@ def row_key(row: Row) -> str | None:
 
 def row_digest(row: Row) -> bytes | None:
     """`row_key` as 16 bytes (what the planner keeps in memory per distinct row)."""
+    if row.embed is not None:  # embeddings are deterministic: the same inputs, the same vectors
+        content: list[Any] = ["embed", repr(row.embed)]
+        return hashlib.sha256(json.dumps(content).encode("utf-8", "surrogatepass")).digest()[:16]
     if not (row.sampling.temperature == 0 or row.sampling.seed is not None):
         return None
     content = [row.prompt, row.messages, row.sampling.model_dump(mode="json"), row.response_format]
@@ -96,8 +100,15 @@ def exports_key(job_dir: str, shard_index: int, fence: str | None) -> str:
 
 
 def dump_outputs(outputs: dict[int, OutputRow]) -> bytes:
-    return json.dumps({str(position): dataclasses.asdict(row) for position, row in outputs.items()},
+    return json.dumps({str(position): _fields(row) for position, row in outputs.items()},
                       ensure_ascii=False, default=str).encode()
+
+
+def _fields(row: OutputRow) -> dict[str, Any]:
+    fields = dataclasses.asdict(row)
+    if row.embeddings is not None:  # float32 vectors kept exact: their little-endian bytes, base64
+        fields["embeddings"] = [base64_vector(vector) for vector in row.embeddings]
+    return fields
 
 
 def load_outputs(data: bytes) -> dict[int, OutputRow]:
@@ -107,7 +118,10 @@ def load_outputs(data: bytes) -> dict[int, OutputRow]:
 def _output_row(fields: dict[str, Any]) -> OutputRow:
     choices = tuple(Choice(**{**choice, "logprobs": _positions(choice.get("logprobs"))})
                     for choice in fields.get("choices") or ())
-    return OutputRow(**{**fields, "choices": choices})
+    embeddings = fields.get("embeddings")
+    if embeddings is not None:
+        embeddings = tuple(vector_from_base64(text) for text in embeddings)
+    return OutputRow(**{**fields, "choices": choices, "embeddings": embeddings})
 
 
 def _positions(positions: list[dict[str, Any]] | None) -> list[PositionLogprobs] | None:

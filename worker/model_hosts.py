@@ -1,4 +1,7 @@
-"""The engines of a worker process: one `EngineHost` per served model, built on first use.
+"""The engines of a worker process: one `EngineHost` per served model, built on first use; an
+embedding model (`engine.embedder.is_embedding_model`) gets an `EmbedHost` instead, and runs only
+embed jobs (a decoder checkpoint without sentence-transformers files generates; it is not loaded a
+second time as an embedder).
 
 Resolving a model (and downloading it from S3) happens in the calling thread; only the engine
 build itself runs on the engine thread, so that thread never touches the object store.
@@ -16,6 +19,8 @@ from typing import Any
 
 from engine import EngineConfig, LLMEngine
 from jobs.model_registry import ModelRegistry
+from jobs.spec import JobSpec
+from worker.embed_host import EmbedHost
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
 from worker.model_cache import model_cache_dir
@@ -45,8 +50,13 @@ def engine_options(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
 class HostedModel:
     name: str
     directory: Path
-    host: EngineHost
+    host: EngineHost | EmbedHost
     renderer: PromptRenderer
+
+    @property
+    def is_embedding(self) -> bool:
+        """An embedding model: it embeds rows (EmbedHost) and cannot generate."""
+        return isinstance(self.host, EmbedHost)
 
 
 class ModelHosts:
@@ -91,7 +101,14 @@ class ModelHosts:
         if self.on_tokenizer is not None:
             self.on_tokenizer(name, tokenizer)
         renderer = PromptRenderer(tokenizer)
-        host = EngineHost(lambda: LLMEngine(config), name=name).start()
+        from engine.embedder import Embedder, is_embedding_model
+
+        if is_embedding_model(directory):
+            options = {"dtype": config.dtype, "device": config.device}
+            host: EngineHost | EmbedHost = EmbedHost(lambda: Embedder.load(directory, **options), name=name)
+        else:
+            host = EngineHost(lambda: LLMEngine(config), name=name)
+        host.start()
         logger.info("loading model %s from %s", name, directory)
         return HostedModel(name, directory, host, renderer)
 
@@ -137,3 +154,25 @@ class ModelHosts:
             for hosted in self._models.values():
                 hosted.host.stop()
             self._models.clear()
+
+
+def task_problem(spec: JobSpec, hosted: HostedModel) -> str | None:
+    """Why the job cannot run on this model (an embed job on a generation model, or the reverse, or
+    `dimensions` past the model's size once it is loaded), or None."""
+    if spec.is_embed and not hosted.is_embedding:
+        return (f"model {hosted.name!r} generates text and cannot embed: an embed job needs an embedding "
+                "model (a BERT-family encoder or a checkpoint with sentence-transformers files)")
+    if not spec.is_embed and hosted.is_embedding:
+        return (f"model {hosted.name!r} is an embedding model and cannot generate text: run it with task "
+                "'embed' (OpenAI batch lines: url /v1/embeddings)")
+    size = hosted.host.dimension if isinstance(hosted.host, EmbedHost) else None
+    if spec.dimensions is not None and size is not None and spec.dimensions > size:
+        return f"dimensions {spec.dimensions} is more than model {hosted.name!r}'s {size}"
+    return None
+
+
+def embedding_dimension(spec: JobSpec, hosted: HostedModel) -> int | None:
+    """The size of an embed job's vectors: its `dimensions`, else the loaded model's."""
+    if not isinstance(hosted.host, EmbedHost):
+        return None
+    return spec.dimensions or hosted.host.dimension

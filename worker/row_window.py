@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from jobs.formats.output import OutputRow, expired_row
 from jobs.formats.rows import Row, RowError
+from worker.embed_rows import EmbedRun
 from worker.engine_rows import EngineRun
 
 if TYPE_CHECKING:
@@ -60,12 +61,12 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
     deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
     known: dict[bytes, int] = {}
     outputs: list[OutputRow] = []
-    in_flight: deque[EngineRun] = deque()
+    in_flight: deque[EngineRun | EmbedRun] = deque()
     submitted = 0
     try:
         while True:
             while len(in_flight) < WINDOWS_IN_FLIGHT and (window := next(source, None)) is not None:
-                in_flight.append(EngineRun(hosted, window, priority, deduplicate, known, offset=submitted,
+                in_flight.append(start_run(hosted, window, priority, deduplicate, known, offset=submitted,
                                            cache_salt=cache_salt))
                 submitted += len(window)
             if not in_flight:
@@ -93,7 +94,15 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
         raise
 
 
-def _abort(runs: Iterable[EngineRun]) -> None:
+def start_run(hosted: HostedModel, items: list[Row | RowError], priority: int = 0, deduplicate: bool = True,
+              known: dict[bytes, int] | None = None, offset: int = 0,
+              cache_salt: str | None = None) -> EngineRun | EmbedRun:
+    """The rows submitted to the model's host: an `EmbedRun` on an embedding model, else an `EngineRun`."""
+    run = EmbedRun if hosted.is_embedding else EngineRun
+    return run(hosted, items, priority, deduplicate, known, offset, cache_salt=cache_salt)
+
+
+def _abort(runs: Iterable[EngineRun | EmbedRun]) -> None:
     for run in runs:
         run.abort()
 

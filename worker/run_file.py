@@ -25,9 +25,11 @@ from jobs.object_store.factory import store_for_uri
 from jobs.settings import Settings
 from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
+from worker.embed_rows import EmbedRun
 from worker.engine_rows import EngineRun, job_response_format_problem
 from worker.model_files import ModelUnavailable, local_model_dir
-from worker.model_hosts import HostedModel, ModelHosts
+from worker.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
+from worker.row_window import start_run
 from worker.run_output import ResumableOutput, open_output
 from worker.run_progress import RunProgress
 
@@ -105,10 +107,10 @@ def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[l
 def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], output: ResumableOutput,
                 progress: RunProgress) -> None:
     """Keep `IN_FLIGHT_BATCHES` batches in the engine; write each one, in order, as it finishes."""
-    in_flight: deque[EngineRun] = deque()
+    in_flight: deque[EngineRun | EmbedRun] = deque()
     try:
         for items_of_batch in items:
-            in_flight.append(EngineRun(hosted, items_of_batch))
+            in_flight.append(start_run(hosted, items_of_batch))
             while len(in_flight) >= IN_FLIGHT_BATCHES:
                 _finish(in_flight.popleft(), output, progress)
         while in_flight:
@@ -119,7 +121,7 @@ def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], outp
         raise
 
 
-def _finish(batch: EngineRun, output: ResumableOutput, progress: RunProgress) -> None:
+def _finish(batch: EngineRun | EmbedRun, output: ResumableOutput, progress: RunProgress) -> None:
     rows = batch.outputs()
     output.append(rows)
     progress.advance(rows)
@@ -145,13 +147,18 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                        s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
     try:
         hosted = hosts.get(LOCAL_MODEL)
-        hosted.host.wait_ready()
+        for _ in ("before", "after"):  # the task at once; the model's size once it is loaded
+            problem = task_problem(spec, hosted)
+            if problem is not None:
+                raise RunError(problem)
+            hosted.host.wait_ready()
+        output.embedding_dimension = embedding_dimension(spec, hosted)
         choice = hosted.host.dtype_choice
         started = time.monotonic()  # rates count inference, not the model load
         with RunProgress(total=max(estimated_rows, skipped), done=skipped, enabled=show_progress) as progress:
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
                         output, progress)
-        metrics = hosted.host.call(lambda engine: engine.get_metrics())
+        metrics = {} if hosted.is_embedding else hosted.host.call(lambda engine: engine.get_metrics())
     finally:
         hosts.stop()
     output.finish()

@@ -108,6 +108,7 @@ class ResumableOutput:
         self.work_dir = work_dir_for(output)
         self._store = LocalObjectStore(self.work_dir)
         self.is_parquet = spec.effective_output_format == InputFormat.PARQUET
+        self.embedding_dimension: int | None = None  # an embed run's vector size, once the model says
 
     # -- opening ----------------------------------------------------------------------------
 
@@ -136,7 +137,8 @@ class ResumableOutput:
             return
         key = f"parts/part-{len(self.progress.parts):06d}.parquet" if self.is_parquet else "batch.tmp"
         write_output_part(self._store, key, rows, self.spec, job_id=self.job_id,
-                          created=self.progress.created, if_none_match=False)
+                          created=self.progress.created, if_none_match=False,
+                          embedding_dimension=self.embedding_dimension)
         if self.is_parquet:
             with open(self.work_dir / key, "rb") as part:  # durable before progress.json lists it
                 os.fsync(part.fileno())
@@ -208,12 +210,14 @@ def combine_parquet(parts: Sequence[Path], output: Path, spec: JobSpec) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from jobs.formats.embedding_writer import embedding_table
     from jobs.formats.parquet_writer import output_table
     from jobs.formats.parts import includes_json_column
 
     schemas = [pq.read_schema(part) for part in parts]
-    schema = (pa.unify_schemas(schemas, promote_options="permissive") if schemas else
-              output_table([], includes_json_column(spec), spec.passthrough_columns).schema)
+    empty = (embedding_table([], spec) if spec.is_embed else
+             output_table([], includes_json_column(spec), spec.passthrough_columns))
+    schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else empty.schema
     descriptor, temp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.close(descriptor)
     try:

@@ -48,7 +48,7 @@ from worker.engine_host import EngineUnavailable
 from worker.exclusive_runs import ENGINE_RUNS
 from worker.fault_injection import killing_on_marker
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
-from worker.model_hosts import HostedModel
+from worker.model_hosts import HostedModel, embedding_dimension, task_problem
 from worker.outage_cancel import CancelCheck
 from worker.prefix_cache_salt import prefix_cache_salt
 from worker.row_window import run_rows
@@ -132,8 +132,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
-            outputs, dtype = _infer(context, job_id, spec, plan[shard_index], timings, job.expires_at,
-                                    crashed, lease.fence)
+            outputs, dtype, dimension = _infer(context, job_id, spec, plan[shard_index], timings,
+                                               job.expires_at, crashed, lease.fence)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
@@ -161,7 +161,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                 result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
                                       fence=lease.fence, created=int(job.created_at.timestamp()),
                                       started_at=started_at, dtype=dtype,
-                                      may_commit=lambda: not cancel.before_commit())
+                                      may_commit=lambda: not cancel.before_commit(),
+                                      embedding_dimension=dimension)
         except CommitRefused:
             return _stopped(job_id, shard_index, spec)
         summary["committed"] = result.fence == lease.fence  # False: another run's result won
@@ -190,9 +191,10 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
            expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory], fence: str
-           ) -> tuple[list[OutputRow] | None, str | None]:
+           ) -> tuple[list[OutputRow] | None, str | None, int | None]:
     """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
-    running at `expires_at` come back `expired`) and the dtype the engine computed them in.
+    running at `expires_at` come back `expired`), the dtype the engine computed them in and, for an
+    embed job, the vectors' size.
     `fence`: this run's fencing token, under which it writes its exports."""
     history = crashed[1]
     if history.outside_pieces >= history.split_after:
@@ -206,13 +208,29 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         if is_transient(error):  # …but not a store that is down for a moment
             raise
         raise JobCannotRun(f"cannot load model {spec.model!r}: {error}") from error
+    _check_task(spec, hosted, timings)
     with timings.phase("engine"):  # rows are read as the engine drains them (worker/row_window.py)
         items = limit_schemas_streamed(context.repository.redis, context.repository.namespace, job_id,
                                        stream_rows(context, spec, shard),
                                        context.settings.max_schemas_per_job)
         outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed, fence)
     choice = hosted.host.dtype_choice
-    return outputs, choice.dtype if choice else None
+    return outputs, choice.dtype if choice else None, embedding_dimension(spec, hosted)
+
+
+def _check_task(spec: JobSpec, hosted: HostedModel, timings: PhaseTimings) -> None:
+    """`JobCannotRun` when the model cannot do the job's task (an embed job's `dimensions` is checked
+    once the embedding model is loaded: every row would fail the same way)."""
+    problem = task_problem(spec, hosted)
+    if problem is None and spec.is_embed and spec.dimensions is not None:
+        try:
+            with timings.phase("model"):
+                hosted.host.wait_ready()
+        except EngineUnavailable as error:
+            raise JobCannotRun(f"model {hosted.name!r} is unavailable on this worker: {error}") from error
+        problem = task_problem(spec, hosted)
+    if problem is not None:
+        raise JobCannotRun(problem)
 
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
