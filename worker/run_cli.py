@@ -16,6 +16,7 @@ from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
+from jobs.task_args import add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
@@ -73,6 +74,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passthrough", action="append", dest="passthrough_columns", metavar="COLUMN",
                         help="copy this input column to the output (repeatable)")
     parser.add_argument("--input-format", choices=FORMATS, help="default: detected from the file")
+    add_task_arguments(parser)
     sampling = parser.add_argument_group("sampling (the job's defaults; rows may override them)")
     for name, field in JobSampling.model_fields.items():
         _sampling_flag(sampling, name, field.annotation, field.description)
@@ -96,12 +98,13 @@ def spec_from_args(args: argparse.Namespace, model_name: str) -> JobSpec:
     data["input_uri"] = args.input if "://" in args.input else str(Path(args.input).expanduser().resolve())
     data["model"] = model_name
     for name in ("prompt_column", "messages_column", "template", "instructions", "id_column",
-                 "passthrough_columns", "input_format"):
+                 "passthrough_columns", "input_format", "task", "dimensions", "truncate"):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
     sampling = {name: getattr(args, f"sampling_{name}") for name in JobSampling.model_fields
                 if getattr(args, f"sampling_{name}") is not None}
-    data["sampling"] = {**data.get("sampling", {}), **sampling}
+    if sampling or "sampling" in data:
+        data["sampling"] = {**data.get("sampling", {}), **sampling}
     data.pop("output_format", None)  # chosen after the input format is known (see resolved_run_spec)
     return JobSpec.model_validate(data)
 

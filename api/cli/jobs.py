@@ -35,6 +35,7 @@ from api.client import ApiError, Client, JobState, JobStatus, WaitTimeout
 from api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
 from api.client.inputs import is_uri
 from jobs.estimate_report import JobEstimate
+from jobs.task_args import add_task_arguments
 from jobs.usage import UsageLine
 
 EXIT_SUCCEEDED = 0
@@ -204,6 +205,7 @@ def submit(argv: list[str]) -> int:
     mapping.add_argument("--messages-column", help="the column holding each row's chat messages")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column holding row ids (default: the row's index)")
+    add_task_arguments(parser)
     parser.add_argument("--max-tokens", type=int, help="sampling.max_tokens")
     parser.add_argument("--temperature", type=float, help="sampling.temperature")
     parser.add_argument("--sampling", type=json_argument, default=None, help="sampling as a JSON object "
@@ -316,7 +318,7 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
         spec["response_format"] = {"type": "json_object"}
     for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
                   "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url",
-                  "completion_window"):
+                  "completion_window", "task", "dimensions", "truncate"):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value

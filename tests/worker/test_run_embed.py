@@ -1,0 +1,75 @@
+"""`bulkinfer run --task embed`: a file's rows embedded here, no servers; Parquet out holds a
+fixed-size float32 column that reads straight into numpy, OpenAI batch out holds embeddings bodies."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from engine.embedder import Embedder
+from tests.fixtures.encoder_checkpoints import build_sentence_transformer
+from tests.worker.test_run_file import _run, _write_jsonl
+
+TEXTS = ["the cat", "a dog and the cat", "of the", "the cat"]
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_sentence_transformer(tmp_path_factory.mktemp("bert"), seed=9)
+
+
+def test_run_embeds_a_parquet_file_into_a_numpy_ready_column(bert: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"doc": TEXTS, "n": [1, 2, 3, 4]}), source)
+    out = tmp_path / "vectors.parquet"
+    code, stdout, stderr = _run(capsys, source, "-o", out, "--model", bert, "--task", "embed",
+                                "--prompt-column", "doc", "--passthrough", "n", "--dimensions", "16",
+                                "--dtype", "float32")
+    assert code == 0, stderr
+    assert "rows: 4" in stdout
+    table = pq.read_table(out)
+    assert table.column_names == ["id", "embedding", "prompt_tokens", "error_code", "error", "n"]
+    matrix = np.stack(table.column("embedding").to_numpy(zero_copy_only=False))
+    assert matrix.shape == (4, 16) and matrix.dtype == np.float32
+    full = np.array([output.embedding for output in Embedder.load(bert, dtype="float32").embed(TEXTS)])
+    short = full[:, :16] / np.linalg.norm(full[:, :16], axis=1, keepdims=True)
+    cosines = (matrix * short).sum(axis=1) / np.linalg.norm(matrix, axis=1)
+    assert cosines.min() >= 0.99999
+
+
+def test_run_answers_embeddings_lines_with_openai_bodies_and_refuses_a_generation_line(
+        bert: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "batch.jsonl", [
+        {"custom_id": "a", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "text-embedding-3-small", "input": ["the cat", "of the"]}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
+         "body": {"model": "x", "input": "the cat", "encoding_format": "base64"}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}]}},
+    ])
+    out = tmp_path / "results.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", bert, "--task", "embed",
+                           "--dtype", "float32")
+    assert code == 0, stderr
+    a, b, c = (json.loads(line) for line in out.read_text().splitlines())
+    body = a["response"]["body"]
+    assert body["object"] == "list" and [item["index"] for item in body["data"]] == [0, 1]
+    decoded = np.frombuffer(base64.b64decode(b["response"]["body"]["data"][0]["embedding"]), "<f4")
+    np.testing.assert_array_equal(decoded, np.array(body["data"][0]["embedding"], np.float32))
+    assert c["error"]["code"] == "unsupported_url" and "this job embeds" in c["error"]["message"]
+
+
+def test_run_refuses_an_embed_job_on_a_generation_model(tiny_checkpoint: Path, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "rows.jsonl", [{"q": "x"}])
+    code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
+                           "--task", "embed", "--prompt-column", "q")
+    assert code == 1
+    assert "generates text and cannot embed: an embed job needs an embedding model" in stderr
