@@ -60,12 +60,14 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
                models: dict[str, str] | None = None, worker_models: dict[str, str] | None = None,
                jobs_bucket: str = JOBS_BUCKET, inputs_bucket: str = INPUTS_BUCKET,
                engine_options: dict[str, Any] | None = None, client_options: dict[str, Any] | None = None,
-               settings_fields: dict[str, Any] | None = None) -> Iterator[LiveStack]:
+               settings_fields: dict[str, Any] | None = None,
+               worker_served: tuple[str, ...] = ("tiny",)) -> Iterator[LiveStack]:
     """Flush Redis, reset S3 and make the buckets, then run a worker serving `tiny`, the API and a client.
 
     `models=None` is the SDK tests' deployment (the three models of the module docstring);
     otherwise `models` are the API's and `worker_models` the worker's (None: the same as the API's).
     `settings_fields` are extra `Settings` fields (the worker gets them too, through its environment).
+    `worker_served`: the models whose queues the worker consumes (and preloads).
     """
     if models is None:
         worker_models = {"tiny": str(tiny_checkpoint), "small": "/nonexistent/small"}
@@ -79,16 +81,17 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
     settings = Settings(broker_url=redis_server.url, store_uri=f"s3://{jobs_bucket}/bulkinfer",
                         s3_endpoint_url=s3_server.endpoint_url, models=json.dumps(models),
                         **(settings_fields or {}))
-    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_WORKER_MODELS": "tiny",
+    worker_env = {**s3_server.env(), **settings.to_env(), "BULKINFER_WORKER_MODELS": ",".join(worker_served),
                   "BULKINFER_ENGINE_OPTIONS": json.dumps(engine_options), "HF_HUB_OFFLINE": "1",
                   "BULKINFER_MODEL_CACHE": str(model_cache)}
     if worker_models is not None:
         worker_env["BULKINFER_MODELS"] = json.dumps(worker_models)
+    queues = ",".join(["bulkinfer.control", *(QUEUE_PREFIX + name for name in worker_served)])
     with pytest.MonkeyPatch.context() as patch:
         for name, value in s3_server.env().items():  # S3 credentials for the API in this process
             patch.setenv(name, value)
-        with celery_worker("worker.celery_app", redis_server.url, env=worker_env,
-                           queues=f"bulkinfer.control,{QUEUE_PREFIX}tiny", pool="threads", concurrency=2), \
+        with celery_worker("worker.celery_app", redis_server.url, env=worker_env, queues=queues,
+                           pool="threads", concurrency=2), \
                 ServerThread(create_app(settings), port=free_port()) as server, \
                 Client(server.url, **client_options) as client:
             yield LiveStack(server.url, client, settings.repository(), s3_server, s3_server.env(),
