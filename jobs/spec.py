@@ -74,6 +74,17 @@ OBJECT_URI_PATTERN = (  # one object, not a folder
 WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
 
 
+def _task_schema(schema: dict[str, Any]) -> None:
+    """What `JobSpec._fits_the_task` enforces, in the published schema too: an embed job has no chat,
+    JSON format or sampling; a generate job (the default) no `dimensions` or `truncate`."""
+    nothing = {"type": "null"}
+    schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
+    schema["then"] = {"properties": {
+        "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
+        "sampling_column": nothing, "sampling": {"type": "object", "additionalProperties": nothing}}}
+    schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False}}}
+
+
 class JobSpec(BaseModel):
     """A batch job. Unknown fields are rejected, so a typo never silently falls back to a default.
 
@@ -81,7 +92,7 @@ class JobSpec(BaseModel):
     (none for OpenAI batch input, whose lines carry their own request bodies).
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, json_schema_extra=_task_schema)
 
     input_uri: str = Field(description="s3://bucket/key, file:///abs/path or /abs/path",
                            json_schema_extra={"pattern": OBJECT_URI_PATTERN})

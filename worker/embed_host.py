@@ -121,6 +121,10 @@ class EmbedHost:
         self.dimension: int | None = None  # the model's vector size, once loaded
         self.max_length: int | None = None  # tokens per input, special tokens included, once loaded
         self.crashes = 0
+        # What a heartbeat reports (worker/status_server.py), written by the embed thread only.
+        self._busy_s = 0.0
+        self._tokens_computed = 0
+        self._waiting = 0
         self.load_seconds: float | None = None
         self.device: str | None = None
 
@@ -179,6 +183,12 @@ class EmbedHost:
             self._fail_futures([future])
         return future.result(timeout)
 
+    def figures(self) -> dict[str, Any]:
+        """The engine figures a heartbeat reads (`LLMEngine.get_metrics()`'s names): inputs waiting,
+        seconds spent embedding and tokens embedded (the deployment's measured throughput)."""
+        return {"num_running": 0, "num_waiting": self._waiting, "busy_time_s": self._busy_s,
+                "prefill_tokens_computed": self._tokens_computed, "generation_tokens": 0}
+
     # ---- the embed thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -209,6 +219,7 @@ class EmbedHost:
                     self._apply(embedder, command, pending)
                 if pending:
                     self._pass(embedder, pending)
+                self._waiting = len(pending)
         except BaseException as error:  # noqa: BLE001 - fails its submitters, not silently
             logger.exception("embedder %s crashed", self.name)
             self._die(error, [add.future for add in pending.values()])
@@ -249,9 +260,13 @@ class EmbedHost:
                 break
             chosen.append(ids)
             tokens += len(ids)
+        self._waiting = len(pending)
         started = time.monotonic()
         results = self._embed(embedder, chosen)
-        per_token = (time.monotonic() - started) / max(tokens, 1)
+        seconds = time.monotonic() - started
+        self._busy_s += seconds
+        self._tokens_computed += tokens
+        per_token = seconds / max(tokens, 1)
         for ids, (vector, error) in zip(chosen, results, strict=True):
             for request_id in sequences[ids]:
                 add = pending.pop(request_id)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from worker.embed_host import EmbedHost
+
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from jobs.results import ShardResult
@@ -152,6 +154,8 @@ class EngineCollector:
 
 def engine_figures(hosted: HostedModel) -> dict[str, Any] | None:
     """The engine's `get_metrics()`, asked between two steps; None when it does not answer in time."""
+    if isinstance(hosted.host, EmbedHost):  # its own counters, read without waiting for a pass
+        return hosted.host.figures()
     try:
         return hosted.host.call(lambda engine: engine.get_metrics(), timeout=ENGINE_SCRAPE_TIMEOUT_S)
     except Exception as error:  # noqa: BLE001 - a busy or dying engine leaves its figures out of this scrape

@@ -10,6 +10,7 @@ import json
 import math
 from array import array
 
+import jsonschema
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -66,6 +67,20 @@ def test_what_an_embed_job_cannot_have_is_refused_by_name(changes, expected) -> 
     with pytest.raises(ValidationError) as error:
         JobSpec.model_validate({key: value for key, value in data.items() if value is not None})
     assert expected in "; ".join(validation_messages(error.value))
+
+
+@pytest.mark.parametrize("changes", [
+    {"sampling": {"temperature": 0.5}}, {"response_format": {"type": "json_object"}},
+    {"task": "generate", "dimensions": 64}, {"task": "generate", "truncate": True},
+    {"task": None, "truncate": True},
+])
+def test_the_published_schema_states_the_task_rules(changes) -> None:
+    data = {key: value for key, value in {**EMBED, **changes}.items() if value is not None}
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, JobSpec.model_json_schema())
+    # …and what the API sends back for an embed job (every sampling field null) is valid under it.
+    stored = JobSpec.model_validate(EMBED).model_dump(mode="json")
+    jsonschema.validate(stored, JobSpec.model_json_schema())
 
 
 def test_embedding_columns_are_reserved_for_passthrough() -> None:

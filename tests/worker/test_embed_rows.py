@@ -143,3 +143,14 @@ def test_truncation_keeps_the_closing_special_token() -> None:
     assert truncated([101, 5, 6, 7, 102], 4, {101, 102}) == [101, 5, 6, 102]
     assert truncated([1, 5, 6, 7], 3, {1}) == [1, 5, 6]
     assert truncated([1, 5], 3, set()) == [1, 5]
+
+
+def test_the_heartbeat_reads_the_embedders_throughput_figures(hosted) -> None:
+    from worker.metrics import engine_figures
+
+    before = engine_figures(hosted)
+    [output] = run_rows(hosted, rows(spec(), ["figures for the heartbeat, once"]), deduplicate=False)
+    after = engine_figures(hosted)
+    computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
+    assert computed == output.prompt_tokens and after["busy_time_s"] > before["busy_time_s"]
+    assert after["generation_tokens"] == 0 and after["num_waiting"] == 0
