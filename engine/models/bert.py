@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
+from engine.packed_attention import PackedBatch, packed_attention
 
 ENCODER_ARCHITECTURES = {
     "BertModel": "bert",
@@ -114,53 +115,6 @@ def encoder_family(cfg: dict[str, Any]) -> str | None:
     if not cfg.get("architectures"):
         return ENCODER_MODEL_TYPES.get(cfg.get("model_type", ""))
     return None
-
-
-@dataclass(frozen=True)
-class PackedBatch:
-    """Sequences laid end to end, longest first: ``lengths`` in order, ``groups`` the runs of equal
-    length as (first token, number of sequences, length)."""
-
-    input_ids: torch.Tensor  # [tokens]
-    positions: torch.Tensor  # [tokens], each sequence from 0
-    lengths: tuple[int, ...]
-    groups: tuple[tuple[int, int, int], ...]
-
-    @staticmethod
-    def build(sequences: list[list[int]]) -> PackedBatch:
-        lengths = tuple(len(s) for s in sequences)
-        if any(a < b for a, b in zip(lengths, lengths[1:], strict=False)):
-            raise ValueError("a packed batch holds its sequences longest first")
-        ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        groups: list[tuple[int, int, int]] = []
-        start = 0
-        for n in lengths:
-            if groups and groups[-1][2] == n:
-                first, count, _ = groups[-1]
-                groups[-1] = (first, count + 1, n)
-            else:
-                groups.append((start, 1, n))
-            start += n
-        return PackedBatch(ids, positions, lengths, tuple(groups))
-
-
-def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
-                     num_heads: int, causal: bool = False) -> torch.Tensor:
-    """Attention of each sequence over itself. q/k/v: [tokens, heads * head_dim] (k/v may have
-    fewer heads: grouped-query attention); returns [tokens, heads * head_dim]."""
-    tokens, width = q.shape
-    head_dim = width // num_heads
-    kv_heads = k.shape[1] // head_dim
-    out = torch.empty_like(q)
-    for first, count, length in batch.groups:
-        rows = slice(first, first + count * length)
-        qs = q[rows].view(count, length, num_heads, head_dim).transpose(1, 2)
-        ks = k[rows].view(count, length, kv_heads, head_dim).transpose(1, 2)
-        vs = v[rows].view(count, length, kv_heads, head_dim).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=kv_heads != num_heads)
-        out[rows] = o.transpose(1, 2).reshape(count * length, width)
-    return out
 
 
 class EncoderLayer(nn.Module):

@@ -1,0 +1,71 @@
+"""Decoder models as embedders (Qwen3-Embedding style): our packed causal forward, pooled, against
+transformers' AutoModel hidden states pooled the same way, one unpadded sequence at a time."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.embedder import Embedder, is_embedding_model
+from engine.packed_attention import PackedBatch, packed_attention
+
+TEXTS = ["def f(x): return x", "import os", "class A: pass", "a", "for i in range(10): print(i) # loop",
+         "import re", "x = [1, 2, 3]"]
+
+
+def _reference(model_dir: Path, sequences: list[list[int]], pooling: str) -> np.ndarray:
+    from transformers import AutoModel
+
+    model = AutoModel.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    vectors = []
+    with torch.inference_mode():
+        for ids in sequences:
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]  # after the final norm
+            vector = hidden[-1] if pooling == "last" else hidden.mean(0)
+            vectors.append(torch.nn.functional.normalize(vector, dim=0).numpy())
+    return np.asarray(vectors, dtype=np.float64)
+
+
+@pytest.mark.parametrize("arch,pooling", [("llama", "last"), ("qwen3", "last"), ("qwen2", "mean"),
+                                          ("mistral", "mean")])
+def test_decoder_embeddings_match_transformers(checkpoint_factory, arch: str, pooling: str) -> None:
+    model_dir = checkpoint_factory(arch=arch)
+    assert not is_embedding_model(model_dir)  # a generator; it embeds when asked to
+    embedder = Embedder.load(model_dir, dtype="float32", pooling=pooling)
+    assert embedder.config.pooling == pooling and embedder.config.normalize
+    embedder.batch_tokens = 24  # several packed passes
+    outputs = embedder.embed(TEXTS)
+    reference = _reference(model_dir, [embedder.tokenize(t) for t in TEXTS], pooling)
+    ours = np.asarray([o.embedding for o in outputs], dtype=np.float64)
+    cosines = (ours * reference).sum(1)
+    assert cosines.min() >= 0.99999, cosines
+    np.testing.assert_allclose(ours, reference, atol=2e-5)
+
+
+def test_a_decoder_defaults_to_last_token_pooling(tiny_checkpoint: Path) -> None:
+    embedder = Embedder.load(tiny_checkpoint, dtype="float32")
+    assert embedder.config.pooling == "last"
+    assert embedder.config.max_length == 2048 and embedder.config.dimension > 0
+
+
+def test_sliding_window_attention_sees_only_the_window() -> None:
+    torch.manual_seed(0)
+    lengths = [9, 9, 4]
+    batch = PackedBatch.build([[0] * n for n in lengths])
+    heads, kv_heads, dim = 4, 2, 8
+    q = torch.randn(sum(lengths), heads, dim)
+    k, v = torch.randn(sum(lengths), kv_heads, dim), torch.randn(sum(lengths), kv_heads, dim)
+    out = packed_attention(q, k, v, batch, heads, causal=True, sliding_window=3)
+    start = 0
+    for n in lengths:
+        for t in range(n):
+            keys = range(max(0, t - 2), t + 1)  # itself and the two before it
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                scores = torch.stack([q[start + t, h] @ k[start + j, kv] for j in keys]) / dim ** 0.5
+                expected = (scores.softmax(0)[:, None] * torch.stack([v[start + j, kv] for j in keys])).sum(0)
+                torch.testing.assert_close(out[start + t, h], expected, atol=1e-5, rtol=1e-5)
+        start += n
