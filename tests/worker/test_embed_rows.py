@@ -16,7 +16,8 @@ from jobs.model_registry import ModelRegistry
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
-from worker.embed_host import truncated
+from worker.embed_host import EmbedResult, truncated
+from worker.embed_rows import embedded_row
 from worker.model_hosts import HostedModel, ModelHosts, task_problem
 from worker.row_window import WindowStats, run_rows
 
@@ -154,3 +155,12 @@ def test_the_heartbeat_reads_the_embedders_throughput_figures(hosted) -> None:
     computed = after["prefill_tokens_computed"] - before["prefill_tokens_computed"]
     assert computed == output.prompt_tokens and after["busy_time_s"] > before["busy_time_s"]
     assert after["generation_tokens"] == 0 and after["num_waiting"] == 0
+
+
+def test_rows_past_the_jobs_deadline_come_back_expired(hosted) -> None:
+    assert {output.error_code for output in run_rows(hosted, rows(spec(), ["a", "b"]), expires_in_s=0)} == \
+        {"expired"}
+    [row] = rows(spec(), ["a"])
+    aborted = [EmbedResult(None, 0, aborted=True)]
+    assert embedded_row(row, aborted, expired=True).error_code == "expired"
+    assert embedded_row(row, aborted).error_message == "aborted by the worker"
