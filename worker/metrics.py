@@ -137,7 +137,7 @@ class EngineCollector:
                 continue
             choice = host.dtype_choice
             info.add_metric([hosted.name, choice.dtype if choice else "", host.device or ""], 1.0)
-            if hosted.is_embedding:  # an embedder has no scheduler or KV cache to report
+            if isinstance(host, EmbedHost):  # an embedder has no scheduler or KV cache to report
                 continue
             figures = engine_figures(hosted)
             if figures is None:
