@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 from openai.types import CreateEmbeddingResponse
 
@@ -22,7 +25,7 @@ from engine.embedder import Embedder
 from jobs.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
-from tests.fixtures.services import RedisServer, S3Server
+from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -149,3 +152,22 @@ def test_an_embed_job_with_chat_or_sampling_is_refused_at_submit(stack: LiveStac
     assert refused.value.status_code == 422
     said = " ".join([refused.value.message, *refused.value.messages])
     assert "sampling: an embed job samples nothing" in said
+
+
+def test_bulkinfer_submit_task_embed_with_dimensions_and_truncate(stack: LiveStack, tmp_path: Path) -> None:
+    source = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"text": ["the cat", TOO_LONG]}), source)
+    submitted = subprocess.run(
+        [sys.executable, "-m", "api.cli", "submit", str(source), "--model", MODEL, "--task", "embed",
+         "--prompt-column", "text", "--dimensions", "8", "--truncate", "--wait", "--poll-interval", "0.2",
+         "--json", "--no-progress"],
+        cwd=REPO_ROOT, env=stack.cli_env(BULKINFER_API_URL=stack.url, BULKINFER_API_KEY=KEY),
+        capture_output=True, text=True, timeout=180)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)["job_id"]
+    spec = stack.client.jobs.spec(job_id)
+    assert (spec.task, spec.dimensions, spec.truncate) == ("embed", 8, True)
+    table = stack.client.jobs.results(job_id).to_arrow()
+    assert table.column("error").to_pylist() == [None, None]  # the long text was cut, not failed
+    assert table.schema.field("embedding").type.list_size == 8
+    assert table.column("prompt_tokens").to_pylist()[1] == 48
