@@ -126,6 +126,8 @@ def _windows(items: Iterable[Row | RowError], window_rows: int,
 def _prompt_bytes(item: Row | RowError) -> int:
     if isinstance(item, RowError):
         return 0
+    if item.embed is not None:  # texts, or token ids (4 bytes each, about what they hold in text)
+        return sum(len(value) if isinstance(value, str) else 4 * len(value) for value in item.embed.inputs)
     if item.prompt is not None:
         return len(item.prompt)
     return sum(len(str(message.get("content") or "")) for message in item.messages or ())

@@ -164,3 +164,10 @@ def test_rows_past_the_jobs_deadline_come_back_expired(hosted) -> None:
     aborted = [EmbedResult(None, 0, aborted=True)]
     assert embedded_row(row, aborted, expired=True).error_code == "expired"
     assert embedded_row(row, aborted).error_message == "aborted by the worker"
+
+
+def test_a_windows_size_counts_every_input_of_an_embed_row() -> None:
+    from worker.row_window import _prompt_bytes
+
+    row = Row(0, "many", None, None, JobSampling(), None, embed=EmbedRequest(("abc", (1, 2), "de")))
+    assert _prompt_bytes(row) == 3 + 8 + 2
