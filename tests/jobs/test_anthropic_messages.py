@@ -121,10 +121,10 @@ def test_what_cannot_be_served_is_that_requests_error_naming_it(local_store, par
 
 
 def test_an_unknown_url_names_the_messages_url_among_those_served(local_store) -> None:
-    [error] = read(local_store, [line("a", url="/v1/embeddings")])
+    [error] = read(local_store, [line("a", url="/v1/moderations")])
     assert error.code == RowErrorCode.UNSUPPORTED_URL
-    assert error.message == ("url '/v1/embeddings' is not supported; use /v1/chat/completions, "
-                             "/v1/completions, /v1/messages")
+    assert error.message == ("url '/v1/moderations' is not supported; use /v1/chat/completions, "
+                             "/v1/completions, /v1/messages, /v1/embeddings")
 
 
 def test_messages_lines_mix_with_chat_and_completion_lines_in_one_file(local_store) -> None:
