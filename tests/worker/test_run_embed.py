@@ -73,3 +73,20 @@ def test_run_refuses_an_embed_job_on_a_generation_model(tiny_checkpoint: Path, t
                            "--task", "embed", "--prompt-column", "q")
     assert code == 1
     assert "generates text and cannot embed: an embed job needs an embedding model" in stderr
+
+
+def test_the_catalog_embedding_model_by_name_matches_sentence_transformers(
+        real_embedding_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["A man is eating food.", "Embedding a corpus is the most common batch job there is.", "ok"]
+    source = _write_jsonl(tmp_path / "docs.jsonl", [{"text": text} for text in texts])
+    out = tmp_path / "vectors.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", "all-minilm-l6-v2", "--task", "embed",
+                           "--prompt-column", "text", "--dtype", "float32")
+    assert code == 0, stderr
+    got = np.array([json.loads(line)["embedding"] for line in out.read_text().splitlines()], np.float32)
+    want = SentenceTransformer(str(real_embedding_model), device="cpu").encode(texts)
+    assert got.shape == (3, 384)
+    assert ((got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)).min() \
+        >= 0.99999
