@@ -294,19 +294,22 @@ class EmbedHost:
 
     @staticmethod
     def _embed(embedder: Embedder, chosen: list[tuple[int, ...]]) -> list[tuple[Vector | None, str | None]]:
-        """(vector, None) or (None, why) per sequence. When a pass raises, each sequence runs alone,
-        so only the ones the embedder refuses (an id outside its vocabulary…) fail."""
+        """(vector, None) or (None, why) per sequence. A sequence the embedder refuses (ValueError: an id
+        outside its vocabulary…) fails alone: when a pass raises, each sequence runs on its own. Any
+        other failure ends the host (the shard is retried on a fresh one, as after an engine crash)."""
         try:
             return [(output.embedding, None) for output in embedder.embed_token_ids(chosen)]
-        except Exception:  # noqa: BLE001 - find the sequences at fault
+        except Exception as error:  # noqa: BLE001 - find the sequences at fault
             if len(chosen) == 1:
+                if isinstance(error, ValueError):
+                    return [(None, _refusal(error))]
                 raise
         results: list[tuple[Vector | None, str | None]] = []
         for ids in chosen:
             try:
                 results.append((embedder.embed_token_ids([ids])[0].embedding, None))
-            except Exception as error:  # noqa: BLE001 - that input's error
-                results.append((None, f"{type(error).__name__}: {str(error)[:300]}"))
+            except ValueError as error:
+                results.append((None, _refusal(error)))
         return results
 
     def _drain(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
@@ -354,3 +357,9 @@ def truncated(ids: list[int], limit: int, special_ids: set[int]) -> list[int]:
     if ids[-1] in special_ids:
         return [*ids[:limit - 1], ids[-1]]
     return ids[:limit]
+
+
+def _refusal(error: ValueError) -> str:
+    """The embedder's reason for one sequence, which it names "input 0" (the only one it was given)."""
+    text = str(error)[:300]
+    return "the input " + text.removeprefix("input 0 ") if text.startswith("input 0 ") else text

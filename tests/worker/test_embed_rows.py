@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,8 +17,9 @@ from jobs.model_registry import ModelRegistry
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
-from worker.embed_host import EmbedResult, truncated
+from worker.embed_host import EmbedHost, EmbedInputRequest, EmbedResult, truncated
 from worker.embed_rows import embedded_row
+from worker.engine_host import EngineUnavailable
 from worker.model_hosts import HostedModel, ModelHosts, task_problem
 from worker.row_window import WindowStats, run_rows
 
@@ -113,7 +115,8 @@ def test_token_id_inputs_and_several_inputs_in_one_row(hosted, reference) -> Non
     assert output.prompt_tokens == 2 * want[0].prompt_tokens + want[1].prompt_tokens
     outside = Row(1, "bad-id", None, None, JobSampling(), None, embed=EmbedRequest(((2, 10_000, 3),)))
     [bad] = run_rows(hosted, [outside, row])[:1]
-    assert bad.error_code == "invalid_row" and "10000" in bad.error_message
+    assert bad.error_code == "invalid_row"
+    assert bad.error_message.startswith("the input holds token id 10000, outside the vocabulary")
 
 
 def test_a_stopped_run_aborts_and_the_host_serves_the_next_one(hosted) -> None:
@@ -171,3 +174,29 @@ def test_a_windows_size_counts_every_input_of_an_embed_row() -> None:
 
     row = Row(0, "many", None, None, JobSampling(), None, embed=EmbedRequest(("abc", (1, 2), "de")))
     assert _prompt_bytes(row) == 3 + 8 + 2
+
+
+class CrashingEmbedder:
+    """A stand-in whose forward pass fails as a broken device would (not a refusal of the input)."""
+
+    dtype_choice = SimpleNamespace(dtype="float32")
+    config = SimpleNamespace(dimension=4, max_length=16)
+    tokenizer = SimpleNamespace(all_special_ids=[])
+
+    def tokenize(self, text: str) -> list[int]:
+        return [1] * len(text)
+
+    def embed_token_ids(self, batch):  # noqa: ANN001, ANN201
+        raise RuntimeError("device lost")
+
+
+def test_an_embedder_failure_ends_the_host_instead_of_failing_rows() -> None:
+    host = EmbedHost(CrashingEmbedder, name="crashing").start()
+    try:
+        submission = host.submit([EmbedInputRequest("ab"), EmbedInputRequest("abc")])
+        assert submission.wait(10)
+        with pytest.raises(EngineUnavailable, match="device lost"):
+            submission.results()
+        assert isinstance(host.failure, RuntimeError)  # ModelHosts builds a fresh host next time
+    finally:
+        host.stop()
