@@ -1,4 +1,4 @@
-"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis`: which benchmark a `bench` command
+"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed`: which benchmark a `bench` command
 line runs."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import importlib
 
 TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "step": "benchmarks.step_profile",
            "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative",
-           "batch-apis": "benchmarks.batch_apis"}
+           "batch-apis": "benchmarks.batch_apis", "embed": "benchmarks.embed"}
 
 
 def main(argv: list[str]) -> int:
@@ -15,7 +15,8 @@ def main(argv: list[str]) -> int:
         print(f"usage: bulkinfer bench {{{','.join(TARGETS)}}} [--help]")
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     module = importlib.import_module(TARGETS[argv[0]])
-    if argv[0] in {"engine", "suite", "step", "spec"}:  # --model: also a catalog model or a .gguf file
+    # --model: also a catalog model or a .gguf file
+    if argv[0] in {"engine", "suite", "step", "spec", "embed"}:
         from worker.model_files import local_model_dir
 
         return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))

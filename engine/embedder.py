@@ -135,12 +135,14 @@ class Embedder:
         ValueError, unless ``truncate``: then its first tokens are kept (special tokens included)."""
         if isinstance(texts, str):
             raise TypeError("embed takes a sequence of texts, not one string")
-        prepared = [self._prepare(t) for t in texts]
-        if not prepared:
-            return []
+        return self.embed_token_ids(self.tokenize_batch(texts, truncate=truncate)) if texts else []
+
+    def tokenize_batch(self, texts: Sequence[str], *, truncate: bool = False) -> list[list[int]]:
+        """``tokenize`` of many texts at once; ``truncate``: each cut to ``config.max_length``
+        tokens (special tokens kept)."""
         limit: dict[str, Any] = {"truncation": True, "max_length": self.config.max_length} if truncate else {}
-        ids = self.tokenizer(prepared, add_special_tokens=True, **limit)["input_ids"]
-        return self.embed_token_ids(ids)
+        prepared = [self._prepare(t) for t in texts]
+        return [list(ids) for ids in self.tokenizer(prepared, add_special_tokens=True, **limit)["input_ids"]]
 
     def embed_token_ids(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingOutput]:
         """One output per token-id sequence, in order. Raises ValueError naming the first sequence

@@ -1,4 +1,5 @@
-"""Offline batch API: ``LLM(model=DIR, **config).generate(prompts, params)``."""
+"""Offline batch API: ``LLM(model=DIR, **config).generate(prompts, params)``, and
+``LLM(model=EMBEDDING_DIR).embed(texts)`` for embedding models (vLLM's names)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 from engine.chat import ChatTemplateError, chat_token_ids
 from engine.config import EngineConfig
 from engine.dtype_choice import DtypeChoice
+from engine.embedder import Embedder, EmbeddingOutput, is_embedding_model
 from engine.llm_engine import LLMEngine, RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -16,21 +18,66 @@ Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
 
 
-class LLM:
-    """Build an engine once, then ``generate`` as many batches as needed."""
+TASKS = ("auto", "generate", "embed")
+# The EngineConfig keys an embedding model takes; the others (KV cache, scheduling) are a generator's.
+EMBED_CONFIG_KEYS = ("dtype", "device")
 
-    def __init__(self, model: str, **config_kwargs: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=str(model), **config_kwargs))
+
+class LLM:
+    """Build an engine once, then ``generate`` (or, for an embedding model, ``embed``) as many
+    batches as needed.
+
+    ``task``: "auto" embeds with an embedding model folder (engine.embedder.is_embedding_model)
+    and generates with any other; "embed" makes a decoder model an embedder (``pooling``:
+    "last" by default, or "mean"; ``normalize``), with no KV cache; "generate" always generates.
+    """
+
+    def __init__(self, model: str, task: str = "auto", pooling: str | None = None,
+                 normalize: bool | None = None, **config_kwargs: Any) -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+        embeds = task == "embed" or (task == "auto" and is_embedding_model(model))
+        self.task = "embed" if embeds else "generate"
         self._ids = itertools.count()
+        self.embedder: Embedder | None = None
+        self._engine: LLMEngine | None = None
+        if self.task == "embed":
+            unused = sorted(set(config_kwargs) - set(EMBED_CONFIG_KEYS))
+            if unused:
+                raise ValueError(f"{unused} do not apply to an embedding model "
+                                 f"(it takes {EMBED_CONFIG_KEYS})")
+            self.embedder = Embedder.load(model, pooling=pooling, normalize=normalize, **config_kwargs)
+        else:
+            if pooling is not None or normalize is not None:
+                raise ValueError("pooling and normalize apply to embedding models (task='embed')")
+            self._engine = LLMEngine(EngineConfig(model=str(model), **config_kwargs))
+
+    @property
+    def engine(self) -> LLMEngine:
+        if self._engine is None:
+            raise TypeError("this LLM holds an embedding model: use embed(), not generate()")
+        return self._engine
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.embedder.tokenizer if self.embedder is not None else self.engine.tokenizer
 
     @property
     def dtype_choice(self) -> DtypeChoice:
-        """The dtype the engine runs in and why (``dtype="auto"`` resolves at start-up)."""
-        return self.engine.dtype_choice
+        """The dtype the model runs in and why (``dtype="auto"`` resolves at start-up)."""
+        return self.embedder.dtype_choice if self.embedder is not None else self.engine.dtype_choice
+
+    def embed(self, prompts: Prompt | Sequence[Prompt], truncate: bool = False) -> list[EmbeddingOutput]:
+        """One float32 vector per prompt (a string or a token-id list), in order, pooled and
+        normalized as the model says (engine/embedder.py). A prompt longer than the model's maximum
+        raises ValueError naming it, unless ``truncate`` (texts only: token ids are taken as given)."""
+        if self.embedder is None:
+            raise TypeError("this LLM generates: load it with task='embed' (or an embedding model) to embed")
+        prompt_list = _as_prompt_list(prompts)
+        texts = [p for p in prompt_list if isinstance(p, str)]
+        tokenized = iter(self.embedder.tokenize_batch(texts, truncate=truncate) if texts else [])
+        ids = [next(tokenized) if isinstance(p, str) else list(p) for p in prompt_list]
+        return self.embedder.embed_token_ids(ids)
 
     def generate(
         self,
@@ -63,6 +110,7 @@ class LLM:
         if progress is not None:
             progress.close()
         return [results[request_id] for request_id in ids]
+
 
     def chat(
         self,

@@ -138,3 +138,28 @@ def test_outputs_are_float32_in_bf16(bert_dir: Path) -> None:
     outputs = embedder.embed(TEXTS[:3])
     reference = _reference(bert_dir, TEXTS[:3])
     assert _cosines([o.embedding for o in outputs], reference).min() >= 0.99
+
+
+def test_llm_embed_is_the_offline_api_for_an_embedding_model(bert_dir: Path, tiny_checkpoint: Path) -> None:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=str(bert_dir), dtype="float32")
+    assert llm.task == "embed" and llm.dtype_choice.dtype == "float32"
+    ids = llm.tokenizer("the cat")["input_ids"]
+    outputs = llm.embed(["the cat", ids, "x" * 80], truncate=True)  # texts and token ids, in order
+    reference = _reference(bert_dir, ["the cat", "the cat", "x" * 80])
+    assert _cosines([o.embedding for o in outputs], reference).min() >= 0.99999
+    assert [o.prompt_tokens for o in outputs] == [len(ids), len(ids), 48]
+    assert len(llm.embed("one text")) == 1
+    with pytest.raises(ValueError, match="more than the model's maximum of 48"):
+        llm.embed(["x" * 80])
+    with pytest.raises(TypeError, match="use embed\\(\\), not generate\\(\\)"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="do not apply to an embedding model"):
+        LLM(model=str(bert_dir), max_num_seqs=4)
+    decoder = LLM(model=str(tiny_checkpoint), task="embed", dtype="float32", pooling="mean")
+    assert decoder.embedder is not None and decoder.embedder.config.pooling == "mean"
+    assert len(decoder.embed(["def f(): pass"])[0].embedding) == decoder.embedder.config.dimension
+    generator = LLM(model=str(tiny_checkpoint), dtype="float32", max_model_len=256)
+    with pytest.raises(TypeError, match="task='embed'"):
+        generator.embed(["hello"])

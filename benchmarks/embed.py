@@ -1,0 +1,149 @@
+"""`bulkinfer bench embed`: our Embedder against sentence-transformers' own `encode`.
+
+The same texts of mixed lengths (default 10,000 of 5-250 tokens, benchmarks/embed_corpus.py)
+through both, on this machine, in the same process and dtype: fp32, and bf16 where the CPU has
+native bf16 (elsewhere bf16 is emulated and neither side would run it). sentence-transformers runs
+at its best batch size, chosen by timing each of --batch-sizes on the first --probe-texts texts.
+Prints texts/s for both, the ratio and the worst cosine similarity between the two vectors of a
+text; exits 1 when a cosine is below the bar (0.99999 in fp32, 0.999 in bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from benchmarks.embed_corpus import mixed_length_texts
+from benchmarks.engine import describe_cpu
+
+DEFAULT_MODEL = "all-minilm-l6-v2"
+MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Row:
+    dtype: str
+    ours_per_s: float
+    reference_per_s: float
+    reference_batch: int
+    worst_cosine: float
+
+    @property
+    def ratio(self) -> float:
+        return self.ours_per_s / self.reference_per_s
+
+
+def machine() -> str:
+    from engine.dtype_choice import cpu_model_name
+
+    return (f"{cpu_model_name()}, {os.cpu_count()} cores, torch {torch.__version__} "
+            f"with {torch.get_num_threads()} threads")
+
+
+def _timed(run: Callable[[], object]) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = run()
+    return time.perf_counter() - started, result
+
+
+def reference_rate(folder: str, dtype: str, texts: Sequence[str], batch_sizes: Sequence[int],
+                   probe_texts: int) -> tuple[float, int, np.ndarray]:
+    """sentence-transformers' texts/s at its best batch size, and its vectors."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": TORCH_DTYPES[dtype]})
+    probe = list(texts[:probe_texts])
+    model.encode(probe[:64], batch_size=32)  # warm-up: first-call costs out of the timings
+    rates = {}
+    for size in batch_sizes:
+        seconds, _ = _timed(lambda size=size: model.encode(probe, batch_size=size))
+        rates[size] = len(probe) / seconds
+    best = max(rates, key=rates.__getitem__)
+    seconds, vectors = _timed(lambda: model.encode(list(texts), batch_size=best, convert_to_numpy=True))
+    return len(texts) / seconds, best, np.asarray(vectors, dtype=np.float64)
+
+
+def our_rate(folder: str, dtype: str, texts: Sequence[str]) -> tuple[float, np.ndarray]:
+    from engine.embedder import Embedder
+
+    embedder = Embedder.load(folder, dtype=dtype)
+    embedder.embed(list(texts[:64]), truncate=True)  # warm-up, as for sentence-transformers
+    seconds, outputs = _timed(lambda: embedder.embed(list(texts), truncate=True))
+    vectors = np.asarray([o.embedding for o in outputs], dtype=np.float64)  # type: ignore[attr-defined]
+    return len(texts) / seconds, vectors
+
+
+def worst_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(((a * b).sum(1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)).min())
+
+
+def run(folder: str, dtypes: Sequence[str], count: int, batch_sizes: Sequence[int], probe_texts: int,
+        out: Callable[[str], None] = print) -> list[Row]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    texts = mixed_length_texts(tokenizer, count, min_tokens=5, max_tokens=250, seed=0)
+    lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
+    out(f"texts: {count:,}, tokens per text {min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.0f})")
+    rows = []
+    for dtype in dtypes:
+        ours, our_vectors = our_rate(folder, dtype, texts)
+        reference, batch, reference_vectors = reference_rate(folder, dtype, texts, batch_sizes, probe_texts)
+        rows.append(Row(dtype, ours, reference, batch, worst_cosine(our_vectors, reference_vectors)))
+        out(format_row(rows[-1]))
+    return rows
+
+
+HEADER = "| dtype | bulkinfer texts/s | sentence-transformers texts/s (best batch) | ratio | worst cosine |"
+
+
+def format_row(row: Row) -> str:
+    return (f"| {row.dtype} | {row.ours_per_s:,.1f} | {row.reference_per_s:,.1f} "
+            f"(batch {row.reference_batch}) | {row.ratio:.2f}x | {row.worst_cosine:.6f} |")
+
+
+def default_dtypes() -> list[str]:
+    from engine.dtype_choice import probe_cpu_bf16
+
+    return ["float32", "bfloat16"] if probe_cpu_bf16().native_bf16 else ["float32"]
+
+
+def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bulkinfer bench embed", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=DEFAULT_MODEL,
+                        help="an embedding model folder, or (from the CLI) a catalog name; "
+                        "default %(default)s")
+    parser.add_argument("--texts", type=int, default=10_000, help="texts embedded by each side")
+    parser.add_argument("--dtype", action="append", choices=sorted(TORCH_DTYPES), dest="dtypes",
+                        help="repeatable; default float32, plus bfloat16 where the CPU has native bf16")
+    parser.add_argument("--batch-sizes", default="16,32,64,128",
+                        help="sentence-transformers batch sizes to try (the best is used)")
+    parser.add_argument("--probe-texts", type=int, default=1000,
+                        help="texts each sentence-transformers batch size is timed on")
+    args = parser.parse_args(argv)
+    folder = resolve_model(args.model) if resolve_model else args.model
+    print(f"machine: {machine()}; {time.strftime('%Y-%m-%d')}")
+    describe_cpu()
+    print(f"model: {args.model}")
+    print(HEADER)
+    print("| --- | --- | --- | --- | --- |")
+    rows = run(folder, args.dtypes or default_dtypes(), args.texts,
+               [int(size) for size in args.batch_sizes.split(",")], min(args.probe_texts, args.texts),
+               out=lambda line: print(line, flush=True))
+    failed = [row.dtype for row in rows if row.worst_cosine < MIN_COSINE[row.dtype]]
+    if failed:
+        print(f"worst cosine below the bar ({MIN_COSINE}) in: {', '.join(failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(bench_cli())
