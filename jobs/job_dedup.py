@@ -20,7 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row
 from jobs.object_store.base import ObjectStore
@@ -107,7 +107,10 @@ def load_outputs(data: bytes) -> dict[int, OutputRow]:
 def _output_row(fields: dict[str, Any]) -> OutputRow:
     choices = tuple(Choice(**{**choice, "logprobs": _positions(choice.get("logprobs"))})
                     for choice in fields.get("choices") or ())
-    return OutputRow(**{**fields, "choices": choices})
+    prompt = fields.get("prompt_logprobs")
+    if prompt is not None:
+        prompt = PromptLogprobs(**{**prompt, "positions": _positions(prompt["positions"])})
+    return OutputRow(**{**fields, "choices": choices, "prompt_logprobs": prompt})
 
 
 def _positions(positions: list[dict[str, Any]] | None) -> list[PositionLogprobs] | None:

@@ -55,6 +55,7 @@ class Row:
     response_format: dict[str, Any] | None
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
+    echo: bool = False  # OpenAI completions' `echo`: the output text and logprobs start with the prompt
 
     @property
     def is_chat(self) -> bool:

@@ -30,7 +30,8 @@ def test_a_minimal_spec_gets_documented_defaults() -> None:
 @pytest.mark.parametrize("changes, expected", [
     ({"sampling": {"temperature": 2.5}}, "sampling.temperature: Input should be less than or equal to 2"),
     ({"sampling": {"top_p": 0}}, "sampling.top_p: Input should be greater than 0"),
-    ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: Input should be greater than or equal to 1"),
+    ({"sampling": {"max_tokens": -1}}, "sampling.max_tokens: Input should be greater than or equal to 0"),
+    ({"sampling": {"prompt_logprobs": 21}}, "sampling.prompt_logprobs: Input should be less than or equal to 20"),
     ({"sampling": {"stop": ["a", ""]}}, "sampling.stop: stop strings must not be empty"),
     ({"sampling": {"temprature": 1}}, "sampling.temprature: Extra inputs are not permitted"),
     ({"shard_size": 0}, "shard_size: Input should be greater than or equal to 1"),
