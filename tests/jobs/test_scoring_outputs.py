@@ -16,7 +16,7 @@ from jobs.formats.parts import write_output_part
 from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowBuilder, RowErrorCode
 from jobs.job_dedup import dump_outputs, load_outputs
 from jobs.spec import JobSpec
-from tests.jobs.test_openai_batch import SPEC, read, request
+from tests.jobs.test_openai_batch import read, request
 
 
 def parse_completion(body: dict) -> Completion:
@@ -48,7 +48,8 @@ def test_completions_echo_with_logprobs_asks_for_the_prompts_logprobs(local_stor
         request("d", url="/v1/completions", prompt="x", echo=True),
     ])
     assert echo.echo and echo.prompt == "Answer briefly." + INSTRUCTIONS_SEPARATOR + "Paris is"
-    assert echo.sampling.as_dict() == {"temperature": 0.0, "max_tokens": 0, "logprobs": 2, "prompt_logprobs": 2}
+    assert echo.sampling.as_dict() == {"temperature": 0.0, "max_tokens": 0, "logprobs": 2,
+                                       "prompt_logprobs": 2}
     assert explicit.sampling.prompt_logprobs == 4  # vLLM's own field wins over echo's default
     assert chat.sampling.prompt_logprobs == 0 and not chat.echo
     assert plain.echo and plain.sampling.prompt_logprobs is None  # echo alone: the text only
@@ -108,7 +109,8 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(local_store) -> None:
 
 
 def test_a_row_without_echo_gets_no_prompt_in_its_text(local_store) -> None:
-    [row] = read(local_store, [request("a", url="/v1/completions", prompt="x", logprobs=0, prompt_logprobs=0)])
+    [row] = read(local_store, [request("a", url="/v1/completions", prompt="x", logprobs=0,
+                                       prompt_logprobs=0)])
     output = OutputRow.with_choices(row, [Choice(0, "y", "stop", [PositionLogprobs(entry("y", -1.0), [])])],
                                     prompt_tokens=2, cached_tokens=0, completion_tokens=1,
                                     prompt_logprobs=scored("A", [("b", -2.0, [])]))
@@ -118,7 +120,8 @@ def test_a_row_without_echo_gets_no_prompt_in_its_text(local_store) -> None:
 
 def job(output_format: str, **sampling) -> JobSpec:
     return JobSpec.model_validate({"input_uri": "/in/rows.jsonl", "input_format": "jsonl", "model": "m",
-                                   "prompt_column": "q", "output_format": output_format, "sampling": sampling})
+                                   "prompt_column": "q", "output_format": output_format,
+                                   "sampling": sampling})
 
 
 def scored_row(spec: JobSpec, index: int) -> OutputRow:
@@ -126,7 +129,8 @@ def scored_row(spec: JobSpec, index: int) -> OutputRow:
     assert isinstance(row, Row)
     return OutputRow.with_choices(row, [Choice(0, "", "length")], prompt_tokens=3, cached_tokens=0,
                                   completion_tokens=0,
-                                  prompt_logprobs=scored("Paris", [(" is", -0.5, [(" is", -0.5), (" was", -2.0)])]))
+                                  prompt_logprobs=scored("Paris", [(" is", -0.5, [(" is", -0.5),
+                                                                                   (" was", -2.0)])]))
 
 
 def test_jsonl_and_parquet_outputs_carry_prompt_logprobs(local_store) -> None:
