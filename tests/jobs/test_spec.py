@@ -55,6 +55,7 @@ def test_a_minimal_spec_gets_documented_defaults() -> None:
     ({"input_format": "openai_batch"}, "prompt_column: OpenAI batch lines carry their own request body"),
     ({"input_format": "csv"}, "input_format: Input should be 'parquet', 'jsonl' or 'openai_batch'"),
     ({"passthrough_columns": ["text", "source"]}, "passthrough_columns: text would collide"),
+    ({"passthrough_columns": ["prompt_logprobs"]}, "passthrough_columns: prompt_logprobs would collide"),
     ({"passthrough_columns": ["a", "a"]}, "passthrough_columns: columns are listed more than once"),
     ({"output_format": "openai_batch", "passthrough_columns": ["a"]},
      "passthrough_columns: OpenAI batch output"),
