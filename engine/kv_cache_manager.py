@@ -58,13 +58,18 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of full blocks and the number of tokens it covers.
 
-        Capped so at least one token is recomputed: the last token's logits are needed to sample.
+        Capped so at least one token is recomputed: the last token's logits are needed to sample;
+        and for a request asking for prompt_logprobs, before the first position it has not scored.
         Pure lookup: no references are taken and no stats are counted until `allocate_slots`.
         """
         if not self.enable_prefix_caching:
             return [], 0
         hashes = self.block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.needs_prompt_logprobs:
+            # A cached block has KV but no logits: positions still to be scored are recomputed
+            # (their blocks are cached for others as usual once computed).
+            max_blocks = min(max_blocks, request.num_prompt_logprobs // self.block_size)
         tokens = request.all_token_ids
         computed: list[KVBlock] = []
         parent: BlockHash | None = None

@@ -175,7 +175,8 @@ class LLMEngine:
             )
             for i in range(n if error is None else 1)
         ]
-        parent = Parent(request_id, prompt_text, list(token_ids), children)
+        parent = Parent(request_id, prompt_text, list(token_ids), children,
+                        prompt_logprobs=[] if params.prompt_logprobs is not None and error is None else None)
         if error is not None:
             children[0].finish(FinishReason.ERROR, time.monotonic(), error=error, kind=kind)
             self._reject(parent, n)
@@ -245,8 +246,9 @@ class LLMEngine:
             first_tokens = sum(c.request.num_prompt_tokens for c in sampling
                                if not c.request.output_token_ids)
             outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sampling}
-            logits = self.runner.execute(scheduled)
-            sampled, logprobs = self._sample(logits, sampling, finished)
+            result = self.runner.run_step(scheduled)
+            self._keep_prompt_logprobs(result.prompt_logprobs)
+            sampled, logprobs = self._sample(result.logits, sampling, finished)
             finished += self.scheduler.update_from_output(scheduled, sampled)
             if self._post_ids:
                 finished += self._after_sampling(sampling, outputs_before, logprobs)
@@ -270,6 +272,15 @@ class LLMEngine:
                 else:
                     self.counters.num_finished += 1
         return outputs
+
+    def _keep_prompt_logprobs(self, scored: dict[str, list[RowLogprobs]]) -> None:
+        """Append a step's scored prompt positions to their requests' (in position order: chunks
+        run in order and a request's scored count only grows)."""
+        for request_id, rows in scored.items():
+            sample = self._samples[request_id]
+            assert sample.parent.prompt_logprobs is not None
+            sample.parent.prompt_logprobs.extend(rows)
+            sample.request.num_prompt_logprobs += len(rows)
 
     def _sample(
         self, logits: torch.Tensor, chunks: list[ScheduledChunk], finished: list[Request]
@@ -385,7 +396,7 @@ class LLMEngine:
         if sample.structured:
             self._grammars.release(request.request_id)
         sample.parent.outputs[request.sample_index] = self._assembler.completion(sample)
-        output = parent_output(sample.parent)
+        output = parent_output(sample.parent, self._assembler.prompt_logprobs(sample.parent))
         if output is not None:
             self._parents.pop(sample.parent.request_id, None)
         return output

@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +31,8 @@ from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from engine.models.llama import FinalRows, LlamaForCausalLM
+from engine.prompt_logprobs import ScoreSpan, score_rows, score_span
+from engine.sampler import RowLogprobs
 from engine.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -46,16 +48,28 @@ PROFILE_LAYERS = 2
 
 
 @dataclass
+class StepResult:
+    """What one forward pass gives: the sampled rows' logits (in the model's dtype; the sampler
+    takes them to fp32) and the prompt logprobs it scored, by request id."""
+
+    logits: torch.Tensor
+    prompt_logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
 class StepBatch:
     """The flattened inputs of one step."""
 
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     metadata: AttentionMetadata
-    sample_rows: torch.Tensor  # [num_sampling] flat index of each sampling chunk's last token
+    sample_rows: torch.Tensor  # [num_sampling] flat index of each sampling chunk's last token,
+    # then the rows scored for prompt_logprobs (`score_spans`' positions, in order)
     # Where fewer positions are sampled than computed (a step with prefill chunks): the rows the
     # last layer finishes. None: all (every row samples).
     final_rows: FinalRows | None = None
+    score_spans: list[ScoreSpan] = field(default_factory=list)
+    num_scored: int = 0  # the last rows of sample_rows that are scored, not sampled
 
     def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Forward the batch: the final hidden states of its sampled positions, in their order."""
@@ -226,20 +240,31 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Forward the scheduled chunks; logits [sampled positions, vocab] in chunk order (one row
         per sampling chunk, 1 + drafts for a chunk verifying drafts), in the model's dtype (the
         sampler takes them to fp32)."""
+        return self.run_step(output).logits
+
+    @torch.inference_mode()
+    def run_step(self, output: SchedulerOutput) -> StepResult:
+        """`execute`, plus the prompt logprobs of the chunks that ask for them, from the same pass."""
         batch = self.prepare_batch(output)
         if batch is None:
-            return torch.empty(0, self.model.config.vocab_size, dtype=torch.float32, device=self.device)
-        graphs = self._decode_graphs()
+            return StepResult(torch.empty(0, self.model.config.vocab_size, dtype=torch.float32,
+                                          device=self.device))
+        graphs = self._decode_graphs() if not batch.num_scored else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             if logits is not None:
-                return logits
-        return self.model.compute_logits_in_model_dtype(batch.sampled_hidden(self.model, self.kv_caches))
+                return StepResult(logits)
+        hidden = batch.sampled_hidden(self.model, self.kv_caches)
+        num_sampled = len(hidden) - batch.num_scored
+        logits = self.model.compute_logits_in_model_dtype(hidden[:num_sampled])
+        if not batch.num_scored:
+            return StepResult(logits)
+        scored = score_rows(self.model.lm_head.weight, hidden[num_sampled:], batch.score_spans)
+        return StepResult(logits, scored)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The fixed-shape decode path, where the config (or, by default, a GPU) asks for it;
@@ -262,6 +287,7 @@ class ModelRunner:
         the shared blocks), so in bf16 too verification gives the logits a lone decode gets.
         """
         rows: list[BatchRow] = []
+        spans: list[ScoreSpan] = []
         for chunk in output.chunks:
             if chunk.spec_token_ids:
                 tokens = [chunk.request.all_token_ids[chunk.start], *chunk.spec_token_ids]
@@ -269,9 +295,15 @@ class ModelRunner:
                             for j, token in enumerate(tokens))
                 continue
             end = chunk.start + chunk.num_new_tokens
+            span = score_span(chunk)
+            if span is not None:
+                spans.append(span)
             rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
-                                 chunk.num_sample_rows))
-        return prepare_rows(rows, self.block_size, self.device)
+                                 chunk.num_sample_rows, score=(span.offset, span.count) if span else None))
+        batch = prepare_rows(rows, self.block_size, self.device)
+        if batch is not None:
+            batch.score_spans = spans
+        return batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +315,8 @@ class BatchRow:
     block_ids: Sequence[int]  # the sequence's block table, covering start + len(token_ids)
     num_sample_rows: int  # logits wanted for this many last positions (0 for a partial prefill)
     solo: bool = False  # a decode row computed as if alone (no shared-prefix grouping)
+    # (offset, count): positions of this row, from `offset` in its tokens, scored for prompt_logprobs.
+    score: tuple[int, int] | None = None
 
 
 def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
@@ -327,6 +361,13 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     for i, row in enumerate(rows):
         end = qsl[row_in_batch[i] + 1]
         sample_rows.extend(range(end - row.num_sample_rows, end))
+    # Then the scored positions (never a sampled one: they lie before the last prompt token).
+    num_scored = 0
+    for i, row in enumerate(rows):
+        if row.score is not None:
+            begin = qsl[row_in_batch[i]] + row.score[0]
+            sample_rows.extend(range(begin, begin + row.score[1]))
+            num_scored += row.score[1]
 
     decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
     solo = torch.tensor([rows[i].solo for i in order[:num_decodes]], dtype=torch.bool)
@@ -353,6 +394,7 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         metadata=metadata,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
+        num_scored=num_scored,
     )
 
 

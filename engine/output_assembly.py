@@ -27,6 +27,8 @@ class Parent:
     prompt_token_ids: list[int]
     children: list[Request]
     outputs: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
+    # prompt_logprobs: the scored positions so far (prompt tokens 1..), from the first sample.
+    prompt_logprobs: list[RowLogprobs] | None = None
 
 
 @dataclass(eq=False)
@@ -75,25 +77,33 @@ class OutputAssembler:
             logprobs=self._position_logprobs(sample.logprobs) if sample.logprobs is not None else None,
         )
 
+    def prompt_logprobs(self, parent: Parent) -> list[PositionLogprobs | None] | None:
+        """The request's prompt logprobs: None for the first prompt token, then one per scored one."""
+        if parent.prompt_logprobs is None:
+            return None
+        return [None, *self._position_logprobs(parent.prompt_logprobs)]
+
     def _position_logprobs(self, rows: list[RowLogprobs]) -> list[PositionLogprobs]:
         if self._token_bytes is None:
             self._token_bytes = TokenBytes(self._tokenizer)
         token_bytes = self._token_bytes
 
-        def entry(token_id: int, logprob: float) -> TokenLogprob:
+        def entry(token_id: int, logprob: float, rank: int | None) -> TokenLogprob:
             text, raw = token_bytes.get(token_id)
-            return TokenLogprob(token_id, text, logprob, raw)
+            return TokenLogprob(token_id, text, logprob, raw, rank)
 
         return [
             PositionLogprobs(
-                chosen=entry(row.token_id, row.chosen),
-                top=[entry(t, lp) for t, lp in zip(row.top_ids, row.top_logprobs, strict=True)],
+                chosen=entry(row.token_id, row.chosen, row.rank),
+                top=[entry(t, lp, i + 1) for i, (t, lp) in enumerate(zip(row.top_ids, row.top_logprobs,
+                                                                          strict=True))],
             )
             for row in rows
         ]
 
 
-def parent_output(parent: Parent) -> RequestOutput | None:
+def parent_output(parent: Parent, prompt_logprobs: list[PositionLogprobs | None] | None = None
+                  ) -> RequestOutput | None:
     """The request's output once every sample has its completion; None before."""
     if len(parent.outputs) < len(parent.children):
         return None
@@ -116,6 +126,7 @@ def parent_output(parent: Parent) -> RequestOutput | None:
         metrics=RequestMetrics.merged([RequestMetrics.from_request(c) for c in parent.children]),
         finished=all(c.is_finished for c in parent.children),
         outputs=outputs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 

@@ -14,13 +14,14 @@ class TokenLogprob:
     token: str  # the token's text (U+FFFD where it holds part of a UTF-8 character)
     logprob: float
     bytes: list[int]  # the token's exact UTF-8 bytes
+    rank: int | None = None  # its rank in the model's distribution (1: the most likely)
 
 
 @dataclass
 class PositionLogprobs:
     """Log-probabilities at one output position, from the model's raw log-softmax."""
 
-    chosen: TokenLogprob  # the token that was sampled
+    chosen: TokenLogprob  # the token that was sampled (for a prompt position: the prompt's token)
     top: list[TokenLogprob]  # the `logprobs` most likely tokens, most likely first
 
 
@@ -55,3 +56,6 @@ class RequestOutput:
     finished: bool = True
     outputs: list[CompletionOutput] = field(default_factory=list)
     error_kind: ErrorKind | None = None  # why, as a code (engine/errors.py): what callers branch on
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # precedes it), then its logprob given the tokens before it and the top-k alternatives.
+    prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -72,6 +72,9 @@ class Request:
     stop_reason: str | int | None = field(default=None, init=False)
     stopped_on_token: bool = field(default=False, init=False)  # EOS or a stop token id ended it
     num_preemptions: int = field(default=0, init=False)
+    # prompt_logprobs: prompt positions whose logits were scored so far (position p scores prompt
+    # token p + 1), kept across preemption so a recompute neither repeats nor skips one.
+    num_prompt_logprobs: int = field(default=0, init=False)
     # Draft tokens to verify after the last known token in the next step (speculative decoding):
     # set by the engine before each schedule(); the scheduler may verify fewer.
     spec_token_ids: list[int] = field(default_factory=list, init=False)
@@ -108,6 +111,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether prompt positions are still to be scored: only the first sample of a prompt
+        scores it (its n - 1 siblings share the result)."""
+        return (self.sampling_params.prompt_logprobs is not None and self.sample_index == 0
+                and self.num_prompt_logprobs < self.num_prompt_tokens - 1)
 
     @property
     def first_token_time(self) -> float | None:

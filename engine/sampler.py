@@ -137,6 +137,7 @@ class RowLogprobs:
     chosen: float  # its logprob
     top_ids: list[int]  # the k most likely tokens, most likely first
     top_logprobs: list[float]
+    rank: int | None = None  # the token's rank in the distribution (1: the most likely)
 
 
 @dataclass
@@ -367,7 +368,9 @@ def _gather_logprobs(
     if raw is None:
         return result
     chosen_ids = torch.tensor([tokens[i] for i in batch.logprob_rows], device=raw.device)
-    chosen = raw.gather(1, chosen_ids[:, None])[:, 0].tolist()
+    chosen_t = raw.gather(1, chosen_ids[:, None])
+    chosen = chosen_t[:, 0].tolist()
+    ranks = ((raw > chosen_t).sum(dim=-1) + 1).tolist()
     max_k = max(batch.num_logprobs)
     if max_k:
         top = raw.topk(max_k, dim=-1)
@@ -375,5 +378,5 @@ def _gather_logprobs(
     else:
         top_ids = top_values = [[] for _ in batch.logprob_rows]
     for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.num_logprobs, strict=True)):
-        result[row] = RowLogprobs(tokens[row], chosen[j], top_ids[j][:k], top_values[j][:k])
+        result[row] = RowLogprobs(tokens[row], chosen[j], top_ids[j][:k], top_values[j][:k], ranks[j])
     return result

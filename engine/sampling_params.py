@@ -45,6 +45,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Per prompt token after the first: its logprob and the top-k alternatives (0: its own only).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     json_schema: dict[str, Any] | bool | None = None
     regex: str | None = None
@@ -100,17 +102,18 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_number(rp) or not rp > 0.0 or math.isinf(rp):
             raise _invalid(f"repetition_penalty must be a finite number > 0, got {rp!r}")
-        _check_int(self.max_tokens, "max_tokens", "must be >= 1", minimum=1)
+        # 0: score the prompt only (prompt_logprobs), generate nothing.
+        _check_int(self.max_tokens, "max_tokens", "must be >= 0", minimum=0)
         _check_int(self.min_tokens, "min_tokens", "must be >= 0", minimum=0)
         if self.min_tokens > self.max_tokens:
             raise _invalid(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens!r}"
             )
         self._validate_stops()
-        if self.logprobs is not None:
-            _check_int(self.logprobs, "logprobs", f"must be in [0, {MAX_LOGPROBS}] or None", minimum=0)
-            if self.logprobs > MAX_LOGPROBS:
-                raise _invalid(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _invalid(f"{name} must be in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _invalid(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -337,6 +337,11 @@ class Scheduler:
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
             request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
+            if chunk.samples and request.sampling_params.max_tokens == 0:
+                # Score only: the prompt is computed (its logprobs taken); no token is generated.
+                self._finish(request, FinishReason.LENGTH, now)
+                finished.append(request)
+                continue
             if chunk.samples:
                 new_tokens = sampled[request.request_id]
                 token_ids = [new_tokens] if isinstance(new_tokens, int) else new_tokens
@@ -513,8 +518,8 @@ class Scheduler:
     ) -> bool:
         """Whether another chunk of this step computes the request's first uncached block.
         Only ever true when something else is scheduled, so holding back cannot stall."""
-        if not step.blocks_in_flight:
-            return False
+        if not step.blocks_in_flight or request.needs_prompt_logprobs:
+            return False  # a request scoring its prompt recomputes those blocks anyway
         hashes = self.kv_cache_manager.block_hashes(request)
         return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in step.blocks_in_flight
 

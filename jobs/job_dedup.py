@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from jobs.embedding import base64_vector, vector_from_base64
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row
 from jobs.object_store.base import ObjectStore
@@ -121,7 +121,10 @@ def _output_row(fields: dict[str, Any]) -> OutputRow:
     embeddings = fields.get("embeddings")
     if embeddings is not None:
         embeddings = tuple(vector_from_base64(text) for text in embeddings)
-    return OutputRow(**{**fields, "choices": choices, "embeddings": embeddings})
+    prompt = fields.get("prompt_logprobs")
+    if prompt is not None:
+        prompt = PromptLogprobs(**{**prompt, "positions": _positions(prompt["positions"])})
+    return OutputRow(**{**fields, "choices": choices, "embeddings": embeddings, "prompt_logprobs": prompt})
 
 
 def _positions(positions: list[dict[str, Any]] | None) -> list[PositionLogprobs] | None:

@@ -27,7 +27,8 @@ class JobSampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0, description="0: generate nothing (score the prompt: "
+                                   "prompt_logprobs)")
     min_tokens: int | None = Field(None, ge=0)
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES,
@@ -40,6 +41,8 @@ class JobSampling(BaseModel):
     repetition_penalty: float | None = Field(None, gt=0.0)
     logprobs: int | None = Field(None, ge=0, le=20, description="top-k logprobs per output token (0: the "
                                  "chosen token's only); OpenAI chat's logprobs/top_logprobs map here")
+    prompt_logprobs: int | None = Field(None, ge=0, le=20, description="per prompt token after the first: "
+                                        "its logprob and the top-k alternatives (0: its own only), as vLLM's")
     skip_special_tokens: bool | None = Field(None, description="leave special tokens out of the text (vLLM)")
 
     @field_validator("stop", mode="before")

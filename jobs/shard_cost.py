@@ -33,7 +33,9 @@ PARQUET_PROMPT_TOKENS_PER_ROW = 64  # a Parquet shard's size in bytes is not kno
 
 def completion_tokens_per_row(sampling: JobSampling) -> int:
     """The most tokens one row may generate under `sampling`: `max_tokens` x `n`."""
-    return (sampling.max_tokens or ENGINE_DEFAULT_MAX_TOKENS) * (sampling.n or 1)
+    # max_tokens 0 (scoring only) generates nothing: not the default.
+    max_tokens = ENGINE_DEFAULT_MAX_TOKENS if sampling.max_tokens is None else sampling.max_tokens
+    return max_tokens * (sampling.n or 1)
 
 
 def shard_prompt_tokens(shard: ShardPlan) -> int:

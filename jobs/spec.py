@@ -23,7 +23,7 @@ MAX_METADATA_VALUE_CHARS = 512
 # Output columns the writers own; a passthrough column of the same name would be ambiguous.
 RESERVED_OUTPUT_COLUMNS = frozenset(
     {"id", "text", "json", "finish_reason", "usage", "prompt_tokens", "cached_tokens", "completion_tokens",
-     "error", "error_code", "logprobs", "choices", "embedding", "embeddings"})
+     "error", "error_code", "logprobs", "choices", "embedding", "embeddings", "prompt_logprobs"})
 
 
 PRIORITY_NAMES = {"high": 8, "normal": 5, "low": 2}

@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from engine import ErrorKind, RequestOutput, SamplingParams, SamplingParamsError
 from engine.chat import ChatTemplateError, chat_token_ids
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob, expired_row
+from engine.token_bytes import TokenBytes
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob, expired_row
 from jobs.formats.rows import Row, RowError, RowErrorCode
 from jobs.response_format import engine_response_format
 from jobs.sampling import JobSampling
@@ -117,6 +118,14 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
+        self._token_bytes: TokenBytes | None = None  # built for the first row that scores its prompt
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and exact bytes, as the engine's logprobs give them."""
+        with self._lock:
+            if self._token_bytes is None:
+                self._token_bytes = TokenBytes(self._tokenizer)
+            return self._token_bytes.get(token_id)
 
     def token_ids(self, row: Row) -> list[int]:
         """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
@@ -183,6 +192,7 @@ class PreparedBatch:
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
                  cache_salt: str | None = None) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
+        self._renderer = renderer
         prepared: list[PreparedRow] = []
         self._copies: list[tuple[int, Row, int]] = []  # (position, row, position of the row it copies)
         # Rows copying a row of an earlier batch of the same run: (position, row, that row's run position).
@@ -229,24 +239,27 @@ class PreparedBatch:
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
         for entry, result in zip(self._prepared, results, strict=True):
-            outputs[entry.position] = output_row(entry.row, result, expired)
+            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer)
             result_at[entry.position] = result
         for position, row, source in self._copies:
-            outputs[position] = dataclasses.replace(output_row(row, result_at[source], expired),
-                                                    deduplicated=True, engine_seconds=0.0,
+            copy = output_row(row, result_at[source], expired, self._renderer)
+            outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         for position, row, source in self._earlier_copies:
             outputs[position] = dataclasses.replace(earlier[source], index=row.index, row_id=row.row_id,
                                                     passthrough=row.passthrough, line=row.line,
+                                                    echo_prompt=row.prompt if row.echo else None,
                                                     deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         return [output for output in outputs if output is not None]
 
 
-def output_row(row: Row, result: RequestOutput, expired: bool = False) -> OutputRow:
+def output_row(row: Row, result: RequestOutput, expired: bool = False,
+               renderer: PromptRenderer | None = None) -> OutputRow:
     """The row's outcome: every sample as a choice, or the engine's error when any sample failed
     (a grammar that does not compile fails them all; an aborted request aborts them all, and is
-    `expired` when the job's deadline aborted it)."""
+    `expired` when the job's deadline aborted it). `renderer` names the first prompt token of a
+    row that scored its prompt."""
     outputs = list(getattr(result, "outputs", None) or [])
     reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
     failed = next((reason for reason in reasons if reason in FAILED), None)
@@ -268,7 +281,17 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False) -> Output
                                   cached_tokens=result.num_cached_tokens,
                                   completion_tokens=result.num_completion_tokens,
                                   engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
-                                  drafted_per_position=drafted, accepted_per_position=accepted)
+                                  drafted_per_position=drafted, accepted_per_position=accepted,
+                                  prompt_logprobs=_prompt_logprobs(result, renderer))
+
+
+def _prompt_logprobs(result: RequestOutput, renderer: PromptRenderer | None) -> PromptLogprobs | None:
+    scored = getattr(result, "prompt_logprobs", None)
+    if scored is None or not result.prompt_token_ids:
+        return None
+    first = result.prompt_token_ids[0]
+    text, raw = renderer.token_text(first) if renderer is not None else ("", [])
+    return PromptLogprobs(first, text, raw, _logprobs(scored[1:]) or [])
 
 
 def _logprobs(positions: Sequence | None) -> list[PositionLogprobs] | None:

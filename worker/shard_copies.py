@@ -73,7 +73,8 @@ def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
             else:
                 copied[position] = dataclasses.replace(
                     exported[source_position], index=item.index, row_id=item.row_id,
-                    passthrough=item.passthrough, line=item.line, deduplicated=True, engine_seconds=0.0)
+                    passthrough=item.passthrough, line=item.line, deduplicated=True, engine_seconds=0.0,
+                    echo_prompt=item.prompt if item.echo else None)
     return copied, compute
 
 

@@ -15,11 +15,14 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
     `text`, `json` and `finish_reason` are the first sample's. `logprobs` is there when the row asked
     for them: one `{token, token_id, logprob, bytes, top_logprobs: [...]}` per output token. `choices`
     is there when the row has more than one sample (`n` > 1): `{index, text, [json,] finish_reason,
-    [logprobs]}` each, choice 0 included.
+    [logprobs]}` each, choice 0 included. `prompt_logprobs` is there when the row asked: null for the
+    first prompt token, then one record (as in `logprobs`) per later prompt token.
     """
     record: dict[str, Any] = {"id": row.row_id, **_sample_fields(row, include_json)}
     if len(row.choices) > 1:
         record["choices"] = [choice_record(choice, include_json) for choice in row.choices]
+    if row.prompt_logprobs is not None:
+        record["prompt_logprobs"] = row.prompt_logprobs.as_records()
     record["usage"] = None if row.prompt_tokens is None else {
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens}

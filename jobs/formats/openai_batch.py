@@ -45,11 +45,14 @@ SUPPORTED_URLS = (CHAT_URL, COMPLETIONS_URL, MESSAGES_URL, EMBEDDINGS_URL)
 SAMPLING_FIELDS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max_tokens", "min_tokens",
                              "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
                              "repetition_penalty", "ignore_eos", "include_stop_str_in_output",
-                             "skip_special_tokens"})
+                             "skip_special_tokens", "prompt_logprobs"})
 # Body fields that change nothing here (or only at their default value, checked below).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
                             "parallel_tool_calls", "stream", "echo", "best_of"})
 DEFAULT_ONLY = {"stream": False, "echo": False, "best_of": 1}
+# Completions take `echo` (the legacy API's: the prompt, and with `logprobs` its tokens' logprobs,
+# come back before the completion); chat has no such field.
+COMPLETIONS_DEFAULT_ONLY = {name: value for name, value in DEFAULT_ONLY.items() if name != "echo"}
 REQUEST_FIELDS = frozenset({"messages", "prompt", "response_format", "max_completion_tokens", "logprobs",
                             "top_logprobs"})
 KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
@@ -90,9 +93,10 @@ class OpenAIBatchRowBuilder:
 
     def _row(self, line: Line, custom_id: str, url: str, body: dict[str, Any]) -> Row:
         instructions = self.spec.instructions
+        default_only = DEFAULT_ONLY if url == CHAT_URL else COMPLETIONS_DEFAULT_ONLY
         unsupported = sorted(
             name for name, value in body.items()
-            if name not in KNOWN_FIELDS or (name in DEFAULT_ONLY and value not in (DEFAULT_ONLY[name], None)))
+            if name not in KNOWN_FIELDS or (name in default_only and value not in (default_only[name], None)))
         if unsupported:
             raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{unsupported[0]} is not supported here")
         if url == CHAT_URL:
@@ -113,11 +117,18 @@ class OpenAIBatchRowBuilder:
             sampling = self.spec.sampling.merged(overrides)
         except ValidationError as error:
             raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"body: {first_error_message(error)}") from None
+        echo = body.get("echo") or False
+        if not isinstance(echo, bool):
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"body.echo must be true or false, got {echo!r}")
+        if echo and sampling.logprobs is not None and sampling.prompt_logprobs is None:
+            # The legacy API's echo + logprobs: the prompt's tokens come back scored, top-k as asked.
+            sampling = sampling.merged({"prompt_logprobs": sampling.logprobs})
         response_format = self.default_response_format
         if body.get("response_format") is not None:
             parsed = parse_response_format(body["response_format"], "body.response_format")
             response_format = engine_response_format(parsed)
-        return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number)
+        return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number,
+                   echo=echo)
 
 
 def _check_task(spec: JobSpec, url: str) -> None:

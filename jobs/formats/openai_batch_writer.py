@@ -4,7 +4,8 @@ Completed rows carry `response.body` shaped like a `chat.completion` or `text_co
 object with `usage` and one entry in `choices` per sample (`n`), each with vLLM's `stop_reason` (the
 stop string or stop token id that ended it, else null) and its `logprobs` in
 OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
-completions: `{tokens, token_logprobs, top_logprobs, text_offset}`); failed rows carry
+completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, which with `echo` cover the
+prompt's tokens first, the first one's logprob null, as the legacy API did); failed rows carry
 `response: null` and `error: {code, message}`. An embed row's body is OpenAI's embeddings `list`
 (jobs/formats/embedding_writer.py).
 Ids derive from the job and the custom_id, so a rerun writes the same ids.
@@ -17,7 +18,7 @@ import hashlib
 from typing import Any
 
 from jobs.formats.embedding_writer import embeddings_body
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
 
 
 def _stable_id(*parts: str) -> str:
@@ -51,7 +52,7 @@ def completion_body(row: OutputRow, request_id: str, model: str, created: int) -
         return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
                 "model": model, "choices": [chat_choice(choice) for choice in choices], "usage": usage}
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [completion_choice(choice) for choice in choices], "usage": usage}
+            "choices": [completion_choice(choice, row) for choice in choices], "usage": usage}
 
 
 def chat_choice(choice: Choice) -> dict[str, Any]:
@@ -69,18 +70,35 @@ def _chat_token(entry: TokenLogprob) -> dict[str, Any]:
     return {"token": entry.token, "logprob": entry.logprob, "bytes": entry.bytes}
 
 
-def completion_choice(choice: Choice) -> dict[str, Any]:
-    logprobs = None if choice.logprobs is None else completion_logprobs(choice.logprobs)
-    return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
+def completion_choice(choice: Choice, row: OutputRow | None = None) -> dict[str, Any]:
+    """One sample; with the row's `echo`, its text and logprobs start with the prompt's."""
+    echo = row.echo_prompt if row is not None else None
+    text = choice.text if echo is None else echo + choice.text
+    logprobs = None
+    if choice.logprobs is not None:
+        prompt = row.prompt_logprobs if echo is not None and row is not None else None
+        logprobs = completion_logprobs(choice.logprobs, prompt)
+    return {"index": choice.index, "text": text, "logprobs": logprobs,
             "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
-def completion_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
+def completion_logprobs(positions: list[PositionLogprobs], prompt: PromptLogprobs | None = None
+                        ) -> dict[str, Any]:
     """The legacy completions shape. `top_logprobs` maps token text to logprob: the top k plus the
     chosen token (OpenAI: "up to logprobs+1 elements"); tokens with the same text keep the likelier.
     `text_offset`: where each token starts in the text, in characters (a token that begins inside
-    a multi-byte character gets that character's offset)."""
-    tokens, token_logprobs, top_logprobs = [], [], []
+    a multi-byte character gets that character's offset). `prompt` (echo): the prompt's tokens come
+    first, the first with a null logprob and null top_logprobs (nothing precedes it)."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    token_bytes: list[list[int]] = []
+    if prompt is not None:
+        tokens.append(prompt.first_token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
+        token_bytes.append(prompt.first_bytes)
+        positions = [*prompt.positions, *positions]
     for position in positions:
         tokens.append(position.chosen.token)
         token_logprobs.append(position.chosen.logprob)
@@ -88,8 +106,9 @@ def completion_logprobs(positions: list[PositionLogprobs]) -> dict[str, Any]:
         for entry in [*position.top, position.chosen]:
             top.setdefault(entry.token, entry.logprob)
         top_logprobs.append(top)
+    token_bytes.extend(position.chosen.bytes for position in positions)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": text_offsets([position.chosen.bytes for position in positions])}
+            "text_offset": text_offsets(token_bytes)}
 
 
 def text_offsets(token_bytes: list[list[int]]) -> list[int]:

@@ -41,6 +41,21 @@ class PositionLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """A row's prompt, scored (`prompt_logprobs`): its first token, which nothing precedes to score
+    it, then one `PositionLogprobs` per later prompt token (`chosen` is the prompt's own token)."""
+
+    first_token_id: int
+    first_token: str
+    first_bytes: list[int]
+    positions: list[PositionLogprobs]
+
+    def as_records(self) -> list[dict[str, Any] | None]:
+        """vLLM's shape: null for the first token, then each later one's record."""
+        return [None, *(position.as_record() for position in self.positions)]
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One sample of a row. `json_value` is the parsed text when the row asked for JSON.
     `stop_reason`: the stop string or stop token id that ended it (None at EOS or max_tokens), as
@@ -83,6 +98,8 @@ class OutputRow:
     # An embed row's vectors (float32), one per input in order; None for generated rows and failures.
     embeddings: tuple[array, ...] | None = None
     encoding_format: str = "float"  # how an OpenAI body carries them: "float" or "base64"
+    prompt_logprobs: PromptLogprobs | None = None  # when the row asked (prompt_logprobs)
+    echo_prompt: str | None = None  # the prompt, where the row asked to have it echoed (OpenAI `echo`)
 
     @property
     def failed(self) -> bool:
@@ -109,7 +126,8 @@ class OutputRow:
     def with_choices(cls, row: Row, choices: Sequence[Choice], *, prompt_tokens: int, cached_tokens: int,
                      completion_tokens: int, engine_seconds: float = 0.0,
                      drafted_per_position: tuple[int, ...] = (),
-                     accepted_per_position: tuple[int, ...] = ()) -> OutputRow:
+                     accepted_per_position: tuple[int, ...] = (),
+                     prompt_logprobs: PromptLogprobs | None = None) -> OutputRow:
         """The engine's `n` answers for `row` (`completion_tokens` counts them all); each is parsed
         when the row asked for JSON, and one that does not parse makes the row INVALID_OUTPUT_JSON
         (its text is kept)."""
@@ -132,7 +150,8 @@ class OutputRow:
         return cls(row.index, row.row_id, row.is_chat, wants_json, first.text, first.json_value,
                    first.finish_reason, prompt_tokens, cached_tokens, completion_tokens, error_code,
                    error_message, row.passthrough, row.line, tuple(choices), engine_seconds=engine_seconds,
-                   drafted_per_position=drafted_per_position, accepted_per_position=accepted_per_position)
+                   drafted_per_position=drafted_per_position, accepted_per_position=accepted_per_position,
+                   prompt_logprobs=prompt_logprobs, echo_prompt=row.prompt if row.echo else None)
 
     @classmethod
     def embedded(cls, row: Row, vectors: Sequence[array], *, prompt_tokens: int,

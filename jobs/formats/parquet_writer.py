@@ -2,7 +2,8 @@
 
 Which columns a part has is decided per job (never per part), so every part of a job has the same
 schema: `json` when the job asks for JSON, `logprobs` when any row may ask for logprobs, `choices`
-when any row may ask for more than one sample (see `may_have_logprobs` / `may_have_choices`).
+when any row may ask for more than one sample, `prompt_logprobs` when any row may score its prompt
+(see `may_have_logprobs` / `may_have_choices` / `may_have_prompt_logprobs`).
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ def may_have_logprobs(spec: JobSpec) -> bool:
                 or spec.input_format == InputFormat.OPENAI_BATCH)
 
 
+def may_have_prompt_logprobs(spec: JobSpec) -> bool:
+    """Whether a row of this job can ask for prompt_logprobs."""
+    return bool(spec.sampling.prompt_logprobs is not None or spec.sampling_column
+                or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
 def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns: list[str], *,
-                 include_logprobs: bool = False, include_choices: bool = False) -> pa.Table:
-    """Columns: id, text, [json (JSON text),] finish_reason, [logprobs,] [choices,]
+                 include_logprobs: bool = False, include_choices: bool = False,
+                 include_prompt_logprobs: bool = False) -> pa.Table:
+    """Columns: id, text, [json (JSON text),] finish_reason, [logprobs,] [choices,] [prompt_logprobs,]
     prompt/cached/completion_tokens, error_code, error, then the passthrough columns with the types
     pyarrow infers.
 
     `text`, `json`, `finish_reason` and `logprobs` are the first sample's. `logprobs`: a list per row
     (null when the row did not ask) of structs `{token, token_id, logprob, bytes (binary),
     top_logprobs: list<{token, token_id, logprob, bytes}>}`. `choices`: every sample of a completed row
-    as structs `{index, text, json, finish_reason, logprobs}`.
+    as structs `{index, text, json, finish_reason, logprobs}`. `prompt_logprobs`: as `logprobs`, one
+    per prompt token, the first null (nothing precedes it); the column is null where a row did not ask.
     """
     import pyarrow as pa
 
@@ -55,6 +64,8 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
     if include_choices:
         columns["choices"] = pa.array([[_choice_value(choice) for choice in row.choices] or None
                                        for row in rows], pa.list_(_choice_type()))
+    if include_prompt_logprobs:
+        columns["prompt_logprobs"] = pa.array([_prompt_logprobs_value(row) for row in rows], _logprobs_type())
     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
         columns[name] = pa.array([getattr(row, name) for row in rows], pa.int64())
     columns["error_code"] = pa.array([row.error_code for row in rows], pa.string())
@@ -99,6 +110,12 @@ def _logprobs_value(positions: list[PositionLogprobs] | None) -> list[dict[str, 
         return None
     return [{**_token_value(position.chosen), "top_logprobs": [_token_value(entry) for entry in position.top]}
             for position in positions]
+
+
+def _prompt_logprobs_value(row: OutputRow) -> list[dict[str, Any] | None] | None:
+    if row.prompt_logprobs is None:
+        return None
+    return [None, *_logprobs_value(row.prompt_logprobs.positions)]  # type: ignore[misc]
 
 
 def _choice_value(choice: Choice) -> dict[str, Any]:

@@ -12,7 +12,12 @@ from jobs.formats.embedding_writer import embedding_table, jsonl_embedding_recor
 from jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
 from jobs.formats.openai_batch_writer import openai_batch_record
 from jobs.formats.output import OutputRow
-from jobs.formats.parquet_writer import may_have_choices, may_have_logprobs, output_table
+from jobs.formats.parquet_writer import (
+    may_have_choices,
+    may_have_logprobs,
+    may_have_prompt_logprobs,
+    output_table,
+)
 from jobs.object_store.base import ObjectStore, ObjectWriter
 from jobs.results import PartFile
 from jobs.spec import InputFormat, JobSpec
@@ -69,7 +74,8 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
             else:
                 table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns,
                                      include_logprobs=may_have_logprobs(spec),
-                                     include_choices=may_have_choices(spec))
+                                     include_choices=may_have_choices(spec),
+                                     include_prompt_logprobs=may_have_prompt_logprobs(spec))
             pq.write_table(table, sink)
         elif output_format == InputFormat.OPENAI_BATCH:
             stamp = int(time.time()) if created is None else created

@@ -58,6 +58,7 @@ class Row:
     passthrough: dict[str, Any] = field(default_factory=dict)
     line: int | None = None  # JSONL: the line number within the shard
     embed: EmbedRequest | None = None  # an embed job's row: what to embed
+    echo: bool = False  # OpenAI completions' `echo`: the output text and logprobs start with the prompt
 
     @property
     def is_chat(self) -> bool:

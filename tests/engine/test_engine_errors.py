@@ -22,7 +22,7 @@ def test_bad_requests_fail_alone_in_a_batch(llm, tiny_checkpoint):
     bad = {
         "empty prompt": ([], GREEDY, "empty", ErrorKind.EMPTY_PROMPT),
         "too long": ([7] * 200, GREEDY, "max_model_len", ErrorKind.PROMPT_TOO_LONG),
-        "max_tokens 0": ([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=0), "max_tokens",
+        "max_tokens -1": ([7, 8, 9], SamplingParams(temperature=0.0, max_tokens=-1), "max_tokens",
                          ErrorKind.INVALID_SAMPLING),
         "out of vocab": ([7, 99999], GREEDY, "vocabulary", ErrorKind.INVALID_PROMPT),
         "negative id": ([7, -3], GREEDY, "negative", ErrorKind.INVALID_PROMPT),

@@ -90,6 +90,9 @@ def test_a_shard_costs_its_prompt_tokens_plus_max_tokens_times_n_per_row() -> No
     assert shard_token_cost(_shard(0), _spec("a", n=16)) == 4 * 10 + 4 * 16 * 16
     unset = JobSpec(input_uri="s3://in/rows.jsonl", model="m", prompt_column="q")
     assert shard_token_cost(_shard(0), unset) == 4 * 10 + 4 * 16  # the engine's default max_tokens
+    scoring = JobSpec(input_uri="s3://in/rows.jsonl", model="m", prompt_column="q",
+                      sampling={"max_tokens": 0, "prompt_logprobs": 1})
+    assert shard_token_cost(_shard(0), scoring) == 4 * 10  # scoring only: nothing generated
     parquet = ShardPlan(index=0, estimated_rows=10, rows_exact=True, row_groups=[0], row_start=0, row_end=10)
     assert shard_token_cost(parquet, _spec("a")) == 10 * 64 + 10 * 16
     retry = _shard(0).model_copy(update={"only_rows": [40]})  # a retry runs one row of the four

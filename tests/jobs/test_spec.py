@@ -30,7 +30,9 @@ def test_a_minimal_spec_gets_documented_defaults() -> None:
 @pytest.mark.parametrize("changes, expected", [
     ({"sampling": {"temperature": 2.5}}, "sampling.temperature: Input should be less than or equal to 2"),
     ({"sampling": {"top_p": 0}}, "sampling.top_p: Input should be greater than 0"),
-    ({"sampling": {"max_tokens": 0}}, "sampling.max_tokens: Input should be greater than or equal to 1"),
+    ({"sampling": {"max_tokens": -1}}, "sampling.max_tokens: Input should be greater than or equal to 0"),
+    ({"sampling": {"prompt_logprobs": 21}},
+     "sampling.prompt_logprobs: Input should be less than or equal to 20"),
     ({"sampling": {"stop": ["a", ""]}}, "sampling.stop: stop strings must not be empty"),
     ({"sampling": {"temprature": 1}}, "sampling.temprature: Extra inputs are not permitted"),
     ({"shard_size": 0}, "shard_size: Input should be greater than or equal to 1"),
@@ -53,6 +55,7 @@ def test_a_minimal_spec_gets_documented_defaults() -> None:
     ({"input_format": "openai_batch"}, "prompt_column: OpenAI batch lines carry their own request body"),
     ({"input_format": "csv"}, "input_format: Input should be 'parquet', 'jsonl' or 'openai_batch'"),
     ({"passthrough_columns": ["text", "source"]}, "passthrough_columns: text would collide"),
+    ({"passthrough_columns": ["prompt_logprobs"]}, "passthrough_columns: prompt_logprobs would collide"),
     ({"passthrough_columns": ["a", "a"]}, "passthrough_columns: columns are listed more than once"),
     ({"output_format": "openai_batch", "passthrough_columns": ["a"]},
      "passthrough_columns: OpenAI batch output"),

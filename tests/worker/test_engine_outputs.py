@@ -58,3 +58,27 @@ def test_a_failed_sample_fails_the_row_with_the_engines_reason() -> None:
     assert row.failed and row.error_code == "invalid_response_format" and row.error_message == message
     aborted = output_row(ROW, request_output([CompletionOutput(0, "x", [1], "abort")], finish_reason="abort"))
     assert aborted.error_code == "engine_error" and aborted.error_message == "aborted by the worker"
+
+
+class OneTokenRenderer:
+    """Stands in for `PromptRenderer.token_text` (the model's tokenizer)."""
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        return f"<{token_id}>", list(f"<{token_id}>".encode())
+
+
+def test_a_scored_prompt_comes_with_its_first_token_named_and_echo_keeps_the_prompt() -> None:
+    second = TokenLogprob(token_id=2, token="b", logprob=-1.5, bytes=[98], rank=4)
+    result = request_output([CompletionOutput(0, "", [], "length", logprobs=[])], finish_reason="length")
+    result.prompt_logprobs = [None, PositionLogprobs(chosen=second, top=[])]
+    row = Row(0, "r0", "ab", None, JobSampling(max_tokens=0, prompt_logprobs=0), None, echo=True)
+
+    output = output_row(row, result, renderer=OneTokenRenderer())
+
+    prompt = output.prompt_logprobs
+    assert (prompt.first_token_id, prompt.first_token, prompt.first_bytes) == (1, "<1>", [60, 49, 62])
+    assert [p.chosen for p in prompt.positions] == [JobTokenLogprob(2, "b", -1.5, [98])]
+    assert output.echo_prompt == "ab" and output.text == "" and output.finish_reason == "length"
+    # A row that did not ask has neither.
+    plain = output_row(ROW, request_output([CompletionOutput(0, "{}", [7], "stop")]))
+    assert plain.prompt_logprobs is None and plain.echo_prompt is None

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
+from openai.types import Completion
 
 from engine import LLM, SamplingParams
 from jobs.formats.anthropic_results import anthropic_result
@@ -168,6 +169,43 @@ def test_openai_batch_lines_run_unchanged_and_come_back_as_openai_responses(
         # The token bytes spell the text (a sample that stops at EOS has no bytes for it).
         assert bytes(b for entry in content for b in entry["bytes"]).decode(errors="replace") \
             .startswith(choice["message"]["content"])
+
+
+def test_completions_with_echo_logprobs_and_max_tokens_zero_score_the_prompt(
+        pipeline: Pipeline, offline: LLM) -> None:
+    """The legacy completions scoring request: the prompt's tokens and logprobs come back, nothing is
+    generated; a row that also generates gets its tokens after the prompt's."""
+    prompts = QUESTIONS[:2]
+    lines = [json.dumps({"custom_id": f"s{n}", "method": "POST", "url": "/v1/completions",
+                         "body": {"prompt": text, "echo": True, "logprobs": 2, "max_tokens": tokens,
+                                  "temperature": 0}})
+             for n, (text, tokens) in enumerate([(prompts[0], 0), (prompts[1], 0), (prompts[0], 3)])]
+    spec = JobSpec(input_uri=pipeline.put_input("scoring.jsonl", lines), model="tiny")
+
+    status = pipeline.wait_for_end(pipeline.submit(spec))
+
+    assert status.state == JobState.SUCCEEDED, status.error
+    records = pipeline.output_records(status.job_id)
+    expected = offline.generate(prompts, SamplingParams(temperature=0.0, max_tokens=0, prompt_logprobs=2))
+    tokenizer = offline.tokenizer
+    for record, prompt, reference in zip(records, [*prompts, prompts[0]], [*expected, expected[0]],
+                                         strict=True):
+        [choice] = Completion.construct(**record["response"]["body"]).choices
+        assert choice.text.startswith(prompt)
+        logprobs = choice.logprobs
+        num_prompt = len(reference.prompt_token_ids)
+        assert logprobs.tokens[:num_prompt] == [tokenizer.decode([t]) for t in reference.prompt_token_ids]
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        assert logprobs.token_logprobs[1:num_prompt] == pytest.approx(
+            [p.chosen.logprob for p in reference.prompt_logprobs[1:]], abs=1e-5)
+        assert all(2 <= len(top) <= 3 for top in logprobs.top_logprobs[1:])
+        assert logprobs.text_offset[:num_prompt] == [len(tokenizer.decode(reference.prompt_token_ids[:i]))
+                                                     for i in range(num_prompt)]
+    assert [record["response"]["body"]["usage"]["completion_tokens"] for record in records] == [0, 0, 3]
+    generated = records[2]["response"]["body"]["choices"][0]
+    [three] = offline.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
+    assert generated["text"] == prompts[0] + three.text
+    assert len(generated["logprobs"]["tokens"]) == len(expected[0].prompt_token_ids) + 3
 
 
 def test_a_parquet_job_writes_parquet_parts_in_input_order(pipeline: Pipeline, offline: LLM,
