@@ -33,7 +33,8 @@ class Row:
     ours_per_s: float
     reference_per_s: float
     reference_batch: int
-    worst_cosine: float
+    worst_cosine: float  # ours vs sentence-transformers in the same dtype
+    worst_cosine_fp32: float | None = None  # ours vs sentence-transformers in fp32 (bf16 rows)
 
     @property
     def ratio(self) -> float:
@@ -93,20 +94,29 @@ def run(folder: str, dtypes: Sequence[str], count: int, batch_sizes: Sequence[in
     lengths = [len(ids) for ids in tokenizer(texts)["input_ids"]]
     out(f"texts: {count:,}, tokens per text {min(lengths)}-{max(lengths)} (mean {np.mean(lengths):.0f})")
     rows = []
+    fp32_vectors = None
     for dtype in dtypes:
         ours, our_vectors = our_rate(folder, dtype, texts)
         reference, batch, reference_vectors = reference_rate(folder, dtype, texts, batch_sizes, probe_texts)
-        rows.append(Row(dtype, ours, reference, batch, worst_cosine(our_vectors, reference_vectors)))
+        if dtype == "float32":
+            fp32_vectors = reference_vectors
+        versus_fp32 = None
+        if dtype != "float32" and fp32_vectors is not None:
+            versus_fp32 = worst_cosine(our_vectors, fp32_vectors)
+        same = worst_cosine(our_vectors, reference_vectors)
+        rows.append(Row(dtype, ours, reference, batch, same, versus_fp32))
         out(format_row(rows[-1]))
     return rows
 
 
-HEADER = "| dtype | bulkinfer texts/s | sentence-transformers texts/s (best batch) | ratio | worst cosine |"
+HEADER = ("| dtype | bulkinfer texts/s | sentence-transformers texts/s (best batch) | ratio | worst cosine "
+          "(same dtype) | worst cosine vs fp32 reference |")
 
 
 def format_row(row: Row) -> str:
     return (f"| {row.dtype} | {row.ours_per_s:,.1f} | {row.reference_per_s:,.1f} "
-            f"(batch {row.reference_batch}) | {row.ratio:.2f}x | {row.worst_cosine:.6f} |")
+            f"(batch {row.reference_batch}) | {row.ratio:.2f}x | {row.worst_cosine:.6f} | "
+            f"{'-' if row.worst_cosine_fp32 is None else f'{row.worst_cosine_fp32:.6f}'} |")
 
 
 def default_dtypes() -> list[str]:
@@ -134,7 +144,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     describe_cpu()
     print(f"model: {args.model}")
     print(HEADER)
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     rows = run(folder, args.dtypes or default_dtypes(), args.texts,
                [int(size) for size in args.batch_sizes.split(",")], min(args.probe_texts, args.texts),
                out=lambda line: print(line, flush=True))
