@@ -44,7 +44,7 @@ def test_the_corpus_spreads_over_the_asked_token_lengths(tmp_path: Path) -> None
 def test_the_bf16_bar_takes_the_nearer_reference() -> None:
     from benchmarks.embed import MIN_COSINE, Row, judged_cosine
 
-    fp32 = Row("float32", 10.0, 5.0, 32, 0.999995)
+    fp32 = Row("float32", 10.0, 5.0, 32, 0.99998)
     assert judged_cosine(fp32) < MIN_COSINE["float32"]  # fp32: its own vectors, no second chance
     reference_off = Row("bfloat16", 10.0, 5.0, 32, 0.9963, worst_cosine_fp32=0.9999)
     assert judged_cosine(reference_off) >= MIN_COSINE["bfloat16"]
