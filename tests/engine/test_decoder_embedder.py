@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from engine.embedder import Embedder, is_embedding_model
-from engine.packed_attention import PackedBatch, packed_attention
 
 TEXTS = ["def f(x): return x", "import os", "class A: pass", "a", "for i in range(10): print(i) # loop",
          "import re", "x = [1, 2, 3]"]
@@ -49,23 +48,3 @@ def test_a_decoder_defaults_to_last_token_pooling(tiny_checkpoint: Path) -> None
     embedder = Embedder.load(tiny_checkpoint, dtype="float32")
     assert embedder.config.pooling == "last"
     assert embedder.config.max_length == 2048 and embedder.config.dimension > 0
-
-
-def test_sliding_window_attention_sees_only_the_window() -> None:
-    torch.manual_seed(0)
-    lengths = [9, 9, 4]
-    batch = PackedBatch.build([[0] * n for n in lengths])
-    heads, kv_heads, dim = 4, 2, 8
-    q = torch.randn(sum(lengths), heads, dim)
-    k, v = torch.randn(sum(lengths), kv_heads, dim), torch.randn(sum(lengths), kv_heads, dim)
-    out = packed_attention(q, k, v, batch, heads, causal=True, sliding_window=3)
-    start = 0
-    for n in lengths:
-        for t in range(n):
-            keys = range(max(0, t - 2), t + 1)  # itself and the two before it
-            for h in range(heads):
-                kv = h // (heads // kv_heads)
-                scores = torch.stack([q[start + t, h] @ k[start + j, kv] for j in keys]) / dim ** 0.5
-                expected = (scores.softmax(0)[:, None] * torch.stack([v[start + j, kv] for j in keys])).sum(0)
-                torch.testing.assert_close(out[start + t, h], expected, atol=1e-5, rtol=1e-5)
-        start += n
