@@ -4,6 +4,8 @@ The same texts of mixed lengths (default 10,000 of 5-250 tokens, benchmarks/embe
 through both, on this machine, in the same process and dtype: fp32, and bf16 where the CPU has
 native bf16 (elsewhere bf16 is emulated and neither side would run it). sentence-transformers runs
 at its best batch size, chosen by timing each of --batch-sizes on the first --probe-texts texts.
+The texts go through in --rounds slices, each slice through both sides in turn (on a shared
+machine a neighbour's load then falls on both alike).
 Prints texts/s for both, the ratio and the worst cosine similarity between the two vectors of a
 text; exits 1 when a cosine is below the bar (0.99999 in fp32, 0.999 in bf16).
 """
@@ -54,31 +56,44 @@ def _timed(run: Callable[[], object]) -> tuple[float, object]:
     return time.perf_counter() - started, result
 
 
-def reference_rate(folder: str, dtype: str, texts: Sequence[str], batch_sizes: Sequence[int],
-                   probe_texts: int) -> tuple[float, int, np.ndarray]:
-    """sentence-transformers' texts/s at its best batch size, and its vectors."""
+def best_batch_size(model: object, probe: list[str], batch_sizes: Sequence[int]) -> int:
+    """sentence-transformers' fastest batch size on ``probe`` (each size timed twice, best kept)."""
+    rates = {size: 0.0 for size in batch_sizes}
+    for _ in range(2):
+        for size in batch_sizes:
+            seconds, _ = _timed(lambda size=size: model.encode(probe, batch_size=size))  # type: ignore[attr-defined]
+            rates[size] = max(rates[size], len(probe) / seconds)
+    return max(rates, key=rates.__getitem__)
+
+
+def compare(folder: str, dtype: str, texts: Sequence[str], batch_sizes: Sequence[int], probe_texts: int,
+            rounds: int) -> tuple[float, float, int, np.ndarray, np.ndarray]:
+    """(our texts/s, sentence-transformers' texts/s, its batch size, our vectors, its vectors).
+    The texts go through in ``rounds`` slices, each slice through one side and then the other, so
+    a neighbour's load on a shared machine falls on both sides alike."""
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": TORCH_DTYPES[dtype]})
-    probe = list(texts[:probe_texts])
-    model.encode(probe[:64], batch_size=32)  # warm-up: first-call costs out of the timings
-    rates = {}
-    for size in batch_sizes:
-        seconds, _ = _timed(lambda size=size: model.encode(probe, batch_size=size))
-        rates[size] = len(probe) / seconds
-    best = max(rates, key=rates.__getitem__)
-    seconds, vectors = _timed(lambda: model.encode(list(texts), batch_size=best, convert_to_numpy=True))
-    return len(texts) / seconds, best, np.asarray(vectors, dtype=np.float64)
-
-
-def our_rate(folder: str, dtype: str, texts: Sequence[str]) -> tuple[float, np.ndarray]:
     from engine.embedder import Embedder
 
-    embedder = Embedder.load(folder, dtype=dtype)
-    embedder.embed(list(texts[:64]), truncate=True)  # warm-up, as for sentence-transformers
-    seconds, outputs = _timed(lambda: embedder.embed(list(texts), truncate=True))
-    vectors = np.asarray([o.embedding for o in outputs], dtype=np.float64)  # type: ignore[attr-defined]
-    return len(texts) / seconds, vectors
+    ours = Embedder.load(folder, dtype=dtype)
+    reference = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": TORCH_DTYPES[dtype]})
+    warm = list(texts[:64])
+    ours.embed(warm, truncate=True)  # first-call costs out of the timings, on both sides
+    reference.encode(warm, batch_size=32)
+    batch = best_batch_size(reference, list(texts[:probe_texts]), batch_sizes)
+    our_seconds = reference_seconds = 0.0
+    our_vectors, reference_vectors = [], []
+    size = -(-len(texts) // rounds)
+    for start in range(0, len(texts), size):
+        chunk = list(texts[start:start + size])
+        seconds, outputs = _timed(lambda chunk=chunk: ours.embed(chunk, truncate=True))
+        our_seconds += seconds
+        our_vectors += [o.embedding for o in outputs]  # type: ignore[attr-defined]
+        seconds, vectors = _timed(lambda chunk=chunk: reference.encode(chunk, batch_size=batch))
+        reference_seconds += seconds
+        reference_vectors.append(np.asarray(vectors, dtype=np.float64))
+    return (len(texts) / our_seconds, len(texts) / reference_seconds, batch,
+            np.asarray(our_vectors, dtype=np.float64), np.concatenate(reference_vectors))
 
 
 def worst_cosine(a: np.ndarray, b: np.ndarray) -> float:
@@ -86,7 +101,7 @@ def worst_cosine(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def run(folder: str, dtypes: Sequence[str], count: int, batch_sizes: Sequence[int], probe_texts: int,
-        out: Callable[[str], None] = print) -> list[Row]:
+        out: Callable[[str], None] = print, rounds: int = 5) -> list[Row]:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -96,8 +111,8 @@ def run(folder: str, dtypes: Sequence[str], count: int, batch_sizes: Sequence[in
     rows = []
     fp32_vectors = None
     for dtype in dtypes:
-        ours, our_vectors = our_rate(folder, dtype, texts)
-        reference, batch, reference_vectors = reference_rate(folder, dtype, texts, batch_sizes, probe_texts)
+        ours, reference, batch, our_vectors, reference_vectors = compare(folder, dtype, texts, batch_sizes,
+                                                                         probe_texts, rounds)
         if dtype == "float32":
             fp32_vectors = reference_vectors
         versus_fp32 = None
@@ -150,6 +165,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         help="sentence-transformers batch sizes to try (the best is used)")
     parser.add_argument("--probe-texts", type=int, default=1000,
                         help="texts each sentence-transformers batch size is timed on")
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="slices the texts go through, each through both sides in turn")
     args = parser.parse_args(argv)
     folder = resolve_model(args.model) if resolve_model else args.model
     print(f"machine: {machine()}; {time.strftime('%Y-%m-%d')}")
@@ -159,7 +176,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     print("| --- | --- | --- | --- | --- | --- |")
     rows = run(folder, args.dtypes or default_dtypes(), args.texts,
                [int(size) for size in args.batch_sizes.split(",")], min(args.probe_texts, args.texts),
-               out=lambda line: print(line, flush=True))
+               out=lambda line: print(line, flush=True), rounds=max(1, args.rounds))
     failed = [row.dtype for row in rows if judged_cosine(row) < MIN_COSINE[row.dtype]]
     if failed:
         print(f"worst cosine below the bar ({MIN_COSINE}) in: {', '.join(failed)}")
