@@ -44,7 +44,8 @@ class ModelRegistry:
     def parse(cls, value: str | None, aliases: str | None = None) -> ModelRegistry:
         """From JSON text `{"name": "dir or s3://…"}` or the path of a file holding it; None → empty.
         `aliases`: JSON text `{"alias": "served name"}`."""
-        alias_map = _json_object(aliases, "BULKINFER_MODEL_ALIASES", "alias → served model name")
+        alias_map = (_json_object(aliases, "BULKINFER_MODEL_ALIASES", "alias → served model name")
+                     if aliases and aliases.strip() else {})
         if not value or not value.strip():
             return cls(aliases=alias_map)
         text = value
@@ -56,13 +57,7 @@ class ModelRegistry:
             except OSError as error:
                 raise ValueError(f"{MODELS_ENV}: cannot read {path}: {error.strerror}") from None
             source = str(path)
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{source}: not JSON ({error.msg} at line {error.lineno})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{source}: expected a JSON object of model name → location")
-        return cls(data, alias_map)
+        return cls(_json_object(text, source, "model name → location"), alias_map)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ModelRegistry:
@@ -97,13 +92,12 @@ class ModelRegistry:
 
 
 
-def _json_object(text: str | None, source: str, what: str) -> dict[str, str]:
-    if not text or not text.strip():
-        return {}
+def _json_object(text: str, source: str, what: str) -> dict[str, str]:
+    """`text` as a JSON object; ValueError naming `source` otherwise."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
-        raise ValueError(f"{source}: not JSON ({error.msg})") from None
+        raise ValueError(f"{source}: not JSON ({error.msg} at line {error.lineno})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{source}: expected a JSON object of {what}")
     return data
