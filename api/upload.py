@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -112,14 +112,17 @@ def input_name(filename: str | None) -> str:
     return cleaned or "input"
 
 
-class _Upload:
-    """One file part on its way into the store, hashed as it goes."""
+class StreamedUpload:
+    """One file part on its way into the store (write-once), hashed as it goes and handed over about
+    1 MiB at a time; `on_chunk` sees each piece as it is stored (in the thread pool)."""
 
-    def __init__(self, store: ObjectStore, key: str) -> None:
+    def __init__(self, store: ObjectStore, key: str,
+                 on_chunk: Callable[[bytes], None] | None = None) -> None:
         self.store = store
         self.key = key
         self.sha256 = hashlib.sha256()
         self._pending = bytearray()
+        self._on_chunk = on_chunk
         self._writer: ObjectWriter = store.open_write(key, if_none_match=True)
 
     async def write(self, data: bytes) -> None:
@@ -131,7 +134,12 @@ class _Upload:
     async def _flush(self) -> None:
         if self._pending:
             chunk, self._pending = bytes(self._pending), bytearray()
-            await run_in_threadpool(self._writer.write, chunk)
+            await run_in_threadpool(self._store, chunk)
+
+    def _store(self, chunk: bytes) -> None:
+        self._writer.write(chunk)
+        if self._on_chunk is not None:
+            self._on_chunk(chunk)
 
     async def finish(self) -> bool:
         """Make the object visible; False if an earlier upload already wrote this key."""
@@ -144,6 +152,10 @@ class _Upload:
 
     async def abort(self) -> None:
         await run_in_threadpool(self._writer.abort)
+
+    def abort_now(self) -> None:
+        """`abort` from a thread that may block (nothing if the upload was already made visible)."""
+        self._writer.abort()
 
 
 def _stored_sha256(store: ObjectStore, key: str) -> str:
@@ -214,10 +226,11 @@ class _Receiver:
         self.tenant = tenant
         self.received = 0  # bytes of the file so far
         self.job_id: str | None = None
-        self.upload: _Upload | None = None
+        self.upload: StreamedUpload | None = None
         self._wrote = False
 
-    async def receive(self, events: AsyncIterator[PartStart | PartData | PartEnd]) -> tuple[JobSpec, _Upload]:
+    async def receive(
+            self, events: AsyncIterator[PartStart | PartData | PartEnd]) -> tuple[JobSpec, StreamedUpload]:
         spec_data: dict[str, object] | None = None
         spec: JobSpec | None = None
         spec_bytes = bytearray()
@@ -261,7 +274,7 @@ class _Receiver:
         self.job_id = JobRepository.job_id_for(parse_spec({**spec_data, "input_uri": PENDING_UPLOAD_URI}))
         key = self.context.repository.layout(self.job_id).input_key(input_name(filename))
         spec = parse_spec({**spec_data, "input_uri": self.context.store.uri(key)})
-        self.upload = await run_in_threadpool(_Upload, self.context.store, key)
+        self.upload = await run_in_threadpool(StreamedUpload, self.context.store, key)
         return spec
 
     async def _finish_file(self, spec_data: dict[str, object]) -> None:

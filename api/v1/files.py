@@ -28,10 +28,10 @@ from starlette.concurrency import run_in_threadpool
 from api.auth import TENANT_PATTERN, Caller, parse_keys
 from api.dependencies import ApiContext
 from api.errors import HttpError
-from api.upload import PartData, PartEnd, PartStart, iter_multipart
+from api.upload import PartData, PartEnd, PartStart, StreamedUpload, iter_multipart
 from api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
 from jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root
-from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectWriter
+from jobs.object_store.base import AlreadyExists, ObjectNotFound
 
 OPEN_OWNER = "_open"  # no tenant's name: tenants start with a letter or digit (api.auth.TENANT_PATTERN)
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9_-]{1,120}$")
@@ -40,7 +40,6 @@ OUTPUT_PURPOSES = ("batch_output", "batch_error")  # set by us, for a batch's re
 EXPIRES_AFTER_ANCHOR = "created_at"
 MIN_EXPIRES_AFTER_S = 3600  # OpenAI's bounds: one hour to thirty days
 MAX_EXPIRES_AFTER_S = 30 * 24 * 3600
-WRITE_BATCH_BYTES = 1 << 20  # hand the store (and the line check) ~1 MiB at a time
 MAX_FIELD_BYTES = 256  # purpose, expires_after[...]
 MAX_FILENAME_CHARS = 255
 
@@ -240,11 +239,10 @@ class _UploadReceiver:
         self.file_id: str | None = None
         self.filename = ""
         self.received = 0
-        self.writer: ObjectWriter | None = None
+        self.upload: StreamedUpload | None = None
         self.content_key: str | None = None
         self.scanner = BatchLinesScanner()
         self.summary: BatchLinesSummary | None = None
-        self._pending = bytearray()
 
     async def receive(self, events: AsyncIterator[PartStart | PartData | PartEnd]) -> FileRecord:
         current: str | None = None
@@ -304,7 +302,8 @@ class _UploadReceiver:
         at_ms = int(self.files.clock() * 1000)
         self.file_id = new_file_id(at_ms)
         self.content_key = self.files.folder(self.owner, self.file_id) + FILE_CONTENT_NAME
-        self.writer = await run_in_threadpool(self.files.store.open_write, self.content_key, True)
+        self.upload = await run_in_threadpool(StreamedUpload, self.files.store, self.content_key,
+                                              self.scanner.feed)
 
     async def _write(self, data: bytes) -> None:
         limit = self.files.context.settings.max_upload_bytes
@@ -312,25 +311,13 @@ class _UploadReceiver:
         if limit is not None and self.received > limit:
             raise HttpError(413, f"the uploaded file is larger than this deployment's max_upload_bytes "
                                  f"({limit:,} bytes); nothing of it was kept")
-        self._pending += data
-        if len(self._pending) >= WRITE_BATCH_BYTES:
-            await self._flush()
-
-    async def _flush(self) -> None:
-        if self._pending:
-            chunk, self._pending = bytes(self._pending), bytearray()
-            await run_in_threadpool(self._store_chunk, chunk)
-
-    def _store_chunk(self, chunk: bytes) -> None:
-        assert self.writer is not None
-        self.writer.write(chunk)
-        self.scanner.feed(chunk)
+        assert self.upload is not None
+        await self.upload.write(data)
 
     async def _finish_file(self) -> None:
-        assert self.writer is not None
-        await self._flush()
+        assert self.upload is not None
+        await self.upload.finish()  # a fresh id: never written before
         self.summary = self.scanner.finish()
-        await run_in_threadpool(self.writer.close)  # a fresh id: never AlreadyExists
 
     def _expires_at(self, created_at: int) -> int | None:
         anchor, seconds = self._field(ANCHOR_FIELD), self._field(SECONDS_FIELD)
@@ -350,8 +337,8 @@ class _UploadReceiver:
 
     def discard(self) -> None:
         """After a failed upload: drop a half-written file, or the one this request wrote."""
-        if self.writer is not None:
-            self.writer.abort()  # nothing if it was closed
+        if self.upload is not None:
+            self.upload.abort_now()  # nothing if it was made visible
         if self.content_key is not None:
             self.files.store.delete(self.content_key)
 
