@@ -23,6 +23,7 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
+from engine.models.loader import tensor_problems
 from engine.packed_attention import PackedBatch, packed_attention
 
 ENCODER_ARCHITECTURES = {
@@ -286,17 +287,7 @@ def load_bert(model_dir: str | Path, cfg: dict[str, Any], dtype: torch.dtype, de
     tensors = read_encoder_tensors(model_dir)
     with torch.device("meta"):
         model = BertEncoder(config)
-    expected = model.expected_hf_tensors()
-    problems = []
-    missing = sorted(set(expected) - set(tensors))
-    if missing:
-        problems.append(f"missing tensor(s): {', '.join(missing)}")
-    unexpected = sorted(set(tensors) - set(expected))
-    if unexpected:
-        problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
-    for name, shape in expected.items():
-        if name in tensors and tuple(tensors[name].shape) != shape:
-            problems.append(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    problems = tensor_problems(model.expected_hf_tensors(), tensors)
     if problems:
         raise EncoderCheckpointError(f"{model_dir}: " + "; ".join(problems))
     model = model.to(dtype).to_empty(device=device)

@@ -105,20 +105,27 @@ def read_safetensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, tor
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor], tied: bool) -> None:
     """Raise CheckpointError naming every missing, unexpected or wrong-shape tensor."""
+    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); accept it.
+    problems = tensor_problems(expected, found, allowed_extra={"lm_head.weight"} if tied else set())
+    if problems:
+        raise CheckpointError("; ".join(problems))
+
+
+def tensor_problems(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor],
+                    allowed_extra: set[str] | frozenset[str] = frozenset()) -> list[str]:
+    """Every tensor `expected` that `found` lacks, every one it has beyond them (and `allowed_extra`),
+    and every one whose shape differs, as messages."""
     problems = []
     missing = sorted(set(expected) - set(found))
     if missing:
         problems.append(f"missing tensor(s): {', '.join(missing)}")
-    # A tied checkpoint may still carry lm_head.weight (a copy of the embedding); accept it.
-    allowed_extra = {"lm_head.weight"} if tied else set()
     unexpected = sorted(set(found) - set(expected) - allowed_extra)
     if unexpected:
         problems.append(f"unexpected tensor(s): {', '.join(unexpected)}")
     for name, shape in expected.items():
         if name in found and tuple(found[name].shape) != shape:
             problems.append(f"tensor {name} has shape {tuple(found[name].shape)}, expected {shape}")
-    if problems:
-        raise CheckpointError("; ".join(problems))
+    return problems
 
 
 def load_model(
