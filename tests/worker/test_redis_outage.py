@@ -35,7 +35,8 @@ def test_a_shard_running_through_a_redis_outage_longer_than_its_lease_commits_it
         ids = [f"q{n:02d}" for n in range(rows)]
         lines = [json.dumps({"id": row_id, "question": f"def {row_id}(x):"}) for row_id in ids]
         spec = JobSpec(input_uri=pipeline.put_input("outage.jsonl", lines), model="tiny", id_column="id",
-                       prompt_column="question", sampling={"temperature": 0.0, "max_tokens": 160},
+                       prompt_column="question",
+                       sampling={"temperature": 0.0, "max_tokens": 160, "ignore_eos": True},
                        shard_size=rows)
         repository = pipeline.repository
         with celery_worker("worker.celery_app", private_redis.url, env=env, queues=QUEUES, pool="threads",
