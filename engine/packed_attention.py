@@ -1,7 +1,10 @@
 """Packed batches: sequences laid end to end (no padding), attention computed per sequence.
 
 Every projection, norm and MLP of a model runs over all of a batch's tokens at once, with no
-padding. Attention runs per sequence, in few calls: a batch is sorted longest first, and runs of
+padding. Attention runs per sequence. Where the native kernels are built (engine/cpu_kernels:
+fp32 anywhere, bf16 on AMX or AVX512-BF16), one call attends every sequence of the batch, reading
+Q/K/V where the projection wrote them: nothing is padded or copied. Elsewhere (and for
+sliding-window layers) PyTorch's SDPA runs in few calls: a batch is sorted longest first, and runs of
 sequences whose lengths are within ``BUCKET_RATIO`` of the run's longest share one
 ``scaled_dot_product_attention`` call, padded to that longest inside the call only (the padded keys
 masked out). Measured on a 2-core AVX-512/AMX machine (all-MiniLM-L6-v2's shapes, 4k-16k token
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend
+from engine.cpu_kernels import CpuKernels
 
 # A bucket's shortest sequence is at least this fraction of its longest: attention pads at most
 # 1 / 0.7 of a bucket's real keys, and attention is a small share of a layer's FLOPs.
@@ -47,6 +51,7 @@ class PackedBatch:
     positions: torch.Tensor  # [tokens], each sequence from 0
     lengths: tuple[int, ...]
     buckets: tuple[AttentionBucket, ...]
+    starts: torch.Tensor  # [sequences + 1] int64: sequence s is tokens starts[s]:starts[s + 1]
 
     @staticmethod
     def build(sequences: list[list[int]], bucket_ratio: float = BUCKET_RATIO) -> PackedBatch:
@@ -55,7 +60,9 @@ class PackedBatch:
             raise ValueError("a packed batch holds one or more sequences, longest first")
         ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
         positions = torch.cat([torch.arange(n) for n in lengths])
-        return PackedBatch(ids, positions, lengths, _buckets(lengths, bucket_ratio))
+        starts = torch.zeros(len(lengths) + 1, dtype=torch.long)
+        torch.cumsum(torch.tensor(lengths), 0, out=starts[1:])
+        return PackedBatch(ids, positions, lengths, _buckets(lengths, bucket_ratio), starts)
 
     # What a decoder model's forward reads from its attention metadata: no decodes, one prefill
     # per sequence, nothing cached.
@@ -103,13 +110,23 @@ def _padded(x: torch.Tensor, bucket: AttentionBucket, heads: int, head_dim: int)
 
 
 def packed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PackedBatch,
-                     num_heads: int, causal: bool = False, sliding_window: int | None = None) -> torch.Tensor:
+                     num_heads: int, causal: bool = False, sliding_window: int | None = None,
+                     kernels: CpuKernels | None = None) -> torch.Tensor:
     """Attention of each sequence over itself. q: [tokens, heads * head_dim] (or [tokens, heads,
-    head_dim]); k/v may have fewer heads (grouped-query attention). Returns q's shape."""
+    head_dim]); k/v may have fewer heads (grouped-query attention). Returns q's shape. With
+    ``kernels`` (engine/cpu_kernels) that run this dtype and head size, in one native call."""
     tokens = q.shape[0]
     head_dim = q[0].numel() // num_heads
     kv_heads = k[0].numel() // head_dim
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    windowed = sliding_window is not None and max(batch.lengths) > sliding_window
+    if (kernels is not None and q.device.type == "cpu" and not windowed
+            and kernels.supports_packed_attention(q.dtype, head_dim)):
+        groups = num_heads // kv_heads
+        grouped = (tokens, kv_heads, groups, head_dim)
+        kernels.packed_attention(q.view(grouped), k.view(tokens, kv_heads, head_dim),
+                                 v.view(tokens, kv_heads, head_dim), batch.starts, causal, out.view(grouped))
+        return out
     flat_out = out.view(tokens, num_heads * head_dim)
     for bucket in batch.buckets:
         qs = _padded(q, bucket, num_heads, head_dim)
@@ -134,6 +151,9 @@ class PackedCausalBackend(AttentionBackend):
     """Our decoder models' attention over a PackedBatch (passed as their metadata): causal per
     sequence, from the step's own keys and values. No KV cache: an embedding pass has no next step."""
 
+    def __init__(self, kernels: CpuKernels | None = None) -> None:
+        self.kernels = kernels
+
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  metadata: object) -> None:
         return None
@@ -143,4 +163,4 @@ class PackedCausalBackend(AttentionBackend):
                 value: torch.Tensor | None = None) -> torch.Tensor:
         assert isinstance(metadata, PackedBatch) and key is not None and value is not None
         return packed_attention(query, key, value, metadata, query.shape[1], causal=True,
-                                sliding_window=sliding_window)
+                                sliding_window=sliding_window, kernels=self.kernels)

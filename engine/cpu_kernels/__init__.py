@@ -37,7 +37,7 @@ HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 15
+ABI_VERSION = 16
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -78,6 +78,11 @@ class CpuKernels:
         # Scratch the kernels pack K/V into, reused call to call: one per calling thread, since two
         # engines of one process (a worker serving two models) call these kernels at the same time.
         self._scratch = threading.local()
+        packed_arguments = [_POINTER] * 7 + [_INT] * 8 + [ctypes.c_float, _POINTER, _POINTER]
+        self._packed = {torch.float32: _declare(library.packed_attention_f32, packed_arguments)}
+        if self._prefix is not None:
+            self._packed[torch.bfloat16] = _declare(library.packed_attention_bf16,
+                                                    [*packed_arguments, _POINTER])
         self._causal_f32 = _declare(library.causal_attention_f32, [_POINTER] * 4 + [_INT] * 8
                                     + [ctypes.c_float, _POINTER, _POINTER, _POINTER])
         # Projections of single-token rows (row_gemm.c): fp32 where the build has AVX-512, bf16 on AMX
@@ -235,6 +240,65 @@ class CpuKernels:
                          lse.data_ptr() if lse is not None else None,
                          torch.get_num_threads())
         return (out, lse) if lse is not None else out
+
+    def supports_packed_attention(self, dtype: torch.dtype, head_dim: int) -> bool:
+        """Whether ``packed_attention`` runs here: fp32 as ``causal_attention``, bf16 where the
+        prefix kernel is built (AMX or AVX512-BF16)."""
+        if dtype == torch.bfloat16:
+            return torch.bfloat16 in self._packed and head_dim in PREFIX_HEAD_DIMS
+        return self.supports_causal_attention(dtype, head_dim)
+
+    def packed_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         starts: torch.Tensor, causal: bool, out: torch.Tensor) -> None:
+        """Attention of packed sequences over themselves (an embedding pass): sequence s is the
+        tokens ``starts[s]:starts[s + 1]`` (int64, ``S + 1`` values from 0 to the token count), each
+        token seeing every token of its own sequence, or (``causal``) those up to itself.
+        ``query [T, kv_heads, Q, dim]`` and ``key``/``value`` ``[T, kv_heads, dim]`` may be views of
+        the QKV projection (rows apart; heads and dims packed); writes ``out`` (contiguous, like
+        ``query``)."""
+        tokens, kv_heads, queries, head_dim = query.shape
+        count = starts.numel() - 1
+        _require(self.supports_packed_attention(query.dtype, head_dim)
+                 and query.dtype == key.dtype == value.dtype == out.dtype and out.shape == query.shape
+                 and out.is_contiguous() and _rows_apart(query)
+                 and key.shape == value.shape == (tokens, kv_heads, head_dim)
+                 and all(t.stride()[1:] == (head_dim, 1) and t.stride(0) >= kv_heads * head_dim
+                         for t in (key, value))
+                 and starts.dtype == torch.int64 and count > 0 and int(starts[0]) == 0
+                 and int(starts[-1]) == tokens, "packed_attention")
+        starts = starts.contiguous()
+        lengths = starts.diff()
+        _require(bool((lengths > 0).all()), "packed_attention")
+        if query.dtype == torch.bfloat16:
+            per_head = (-(-lengths // 16) * 16 + -(-lengths // 32) * 32) * head_dim
+            per_item = 32
+        else:
+            step = 4 * self.vector_lanes  # the fp32 kernel's keys per score block
+            per_head = -(-lengths // step) * step * head_dim
+            per_item = 24 if self.vector_lanes == 16 else 16  # causal_attention.c's ITEM
+        packed_at = torch.zeros(count + 1, dtype=torch.int64)
+        torch.cumsum(per_head * kv_heads, 0, out=packed_at[1:])
+        item_at = torch.zeros(count + 1, dtype=torch.int64)
+        torch.cumsum(-(-(lengths * queries) // per_item) * kv_heads, 0, out=item_at[1:])
+        rows = self._token_indices(tokens)
+        packed = self._scratch_buffer(f"packed_{query.dtype}", int(packed_at[-1]), query.dtype)
+        arguments = [query.data_ptr(), key.data_ptr(), value.data_ptr(), starts.data_ptr(),
+                     packed_at.data_ptr(), item_at.data_ptr(), rows.data_ptr(), count, kv_heads, queries,
+                     head_dim, query.stride(0),
+                     key.stride(0), value.stride(0), int(causal), head_dim ** -0.5, packed.data_ptr(),
+                     out.data_ptr()]
+        if query.dtype == torch.bfloat16:
+            lse = self._scratch_buffer("packed_lse", tokens * kv_heads * queries, torch.float32)
+            arguments.append(lse.data_ptr())
+        self._packed[query.dtype](*arguments, torch.get_num_threads())
+
+    def _token_indices(self, tokens: int) -> torch.Tensor:
+        """0 .. tokens - 1 (int64), kept between calls: the packed kernels' block ids."""
+        indices = getattr(self._scratch, "token_indices", None)
+        if indices is None or indices.numel() < tokens:
+            indices = torch.arange(max(tokens, 16384), dtype=torch.int64)
+            self._scratch.token_indices = indices
+        return indices
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  rows: torch.Tensor) -> None:

@@ -41,12 +41,22 @@
 static __thread void* causal_buffer = NULL;
 static __thread int64_t causal_capacity = 0;
 
+/* Where key `key` of kv head h lies, in floats: blocks[key / BS] * block + h * head + (key % BS) * row.
+ * The paged cache [blocks, H, BS, D]: {H * BS * D, BS * D, D}; a projection's output (rows `stride`
+ * apart, one block per sequence): {stride, D, stride}. */
+typedef struct { int64_t block, head, row; } kv_layout;
+
+static inline const float* kv_at(const float* base, const int64_t* blocks, kv_layout at, int64_t BS, int64_t h,
+                                 int64_t key) {
+    return base + blocks[key / BS] * at.block + h * at.head + key % BS * at.row;
+}
+
 /* Keys c * VL .. of kv head h, transposed: dst[d * VL + lane] = K[c * VL + lane][d], zero past L. */
-static void pack_key_vector(const float* kc, const int64_t* blocks, int64_t h, int64_t H, int64_t D, int64_t BS,
-                            int64_t L, int64_t c, float* dst) {
+static void pack_key_vector(const float* kc, const int64_t* blocks, kv_layout layout, int64_t h, int64_t D,
+                            int64_t BS, int64_t L, int64_t c, float* dst) {
     for (int64_t lane = 0; lane < VL; lane++) {
         const int64_t key = c * VL + lane;
-        const float* src = key < L ? kc + ((blocks[key / BS] * H + h) * BS + key % BS) * D : NULL;
+        const float* src = key < L ? kv_at(kc, blocks, layout, BS, h, key) : NULL;
         for (int64_t d = 0; d < D; d++) dst[d * VL + lane] = src ? src[d] : 0.0f;
     }
 }
@@ -82,7 +92,8 @@ static inline __attribute__((always_inline)) void score_block(
 }
 
 static inline __attribute__((always_inline)) void causal_item(
-        const float* q, int64_t q_stride, const float* vc, const int64_t* blocks, int64_t h, int64_t m0, int64_t n,
+        const float* q, int64_t q_stride, const float* vc, const int64_t* blocks, kv_layout layout, int64_t h,
+        int64_t m0, int64_t n,
         int64_t H, int64_t Q, const int64_t D, int64_t BS, int64_t L, int64_t Lp, int64_t causal_base, float scale,
         const float* keys, float* out, float* lse) {
     const int64_t M = n * Q;
@@ -153,11 +164,11 @@ static inline __attribute__((always_inline)) void causal_item(
         vf acc[PV_ACC];
         for (int i = 0; i < QB * VECS; i++) acc[i] = splat(0.0f);
         for (int64_t first = 0; first < keys_seen; first += BS) {  /* block by block: no division a key */
-            const float* block = vc + (blocks[first / BS] * H + h) * BS * D;
+            const float* block = kv_at(vc, blocks, layout, BS, h, first);
             const int64_t count = keys_seen - first < BS ? keys_seen - first : BS;
             for (int64_t i = 0; i < count; i++) {
                 vf row[16];
-                for (int e = 0; e < VECS; e++) row[e] = HOLD(load_f32(block + i * D + e * VL));
+                for (int e = 0; e < VECS; e++) row[e] = HOLD(load_f32(block + i * layout.row + e * VL));
                 for (int j = 0; j < QB; j++) {
                     const vf p = splat(scores[(t0 + j) * Lp + first + i]);
                     for (int e = 0; e < VECS; e++) acc[j * VECS + e] += p * row[e];
@@ -172,8 +183,8 @@ static inline __attribute__((always_inline)) void causal_item(
     }
 }
 
-#define CAUSAL_ITEM(DIM) causal_item(q, q_stride, vc, blocks, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, scale, \
-                                     packed + h * Lp * DIM, out, lse)
+#define CAUSAL_ITEM(DIM) causal_item(q, q_stride, vc, blocks, cache, h, m0, n, H, Q, DIM, BS, L, Lp, causal_base, \
+                                     scale, packed + h * Lp * DIM, out, lse)
 
 /* L keys along `blocks`; query token i sees the first min(causal_base + i + 1, L) of them (a prefill
  * chunk: L = causal_base + n; a decode group's shared prefix: causal_base = L, every query sees all).
@@ -183,13 +194,14 @@ void causal_attention_f32(const float* q, const float* kc, const float* vc, cons
                           int64_t q_stride, float scale, float* packed, float* out, float* lse, int nt) {
     const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
     const int64_t tiles = (n * Q + ITEM - 1) / ITEM;
+    const kv_layout cache = {H * BS * D, BS * D, D};
     const int64_t vectors = (L + VL - 1) / VL;  /* packed: the key vectors scores read, not all of Lp */
     #pragma omp parallel num_threads(nt)
     {
         #pragma omp for schedule(static)
         for (int64_t unit = 0; unit < H * vectors; unit++) {
             const int64_t h = unit / vectors, c = unit % vectors;
-            pack_key_vector(kc, blocks, h, H, D, BS, L, c, packed + (h * Lp + c * VL) * D);
+            pack_key_vector(kc, blocks, cache, h, D, BS, L, c, packed + (h * Lp + c * VL) * D);
         }
         /* the last tiles (the longest rows of the triangle) first, so no thread ends with one */
         #pragma omp for schedule(dynamic, 1)
@@ -200,6 +212,51 @@ void causal_attention_f32(const float* q, const float* kc, const float* vc, cons
                 case 64: CAUSAL_ITEM(64); break;
                 case 96: CAUSAL_ITEM(96); break;
                 default: CAUSAL_ITEM(128); break;
+            }
+        }
+    }
+}
+
+#define PACKED_ITEM(DIM) causal_item(q + first * q_stride, q_stride, v, starts + s, v_layout, h, m0, L, H, Q, DIM, \
+                                     L, L, Lp, causal ? 0 : L, scale, packed + packed_at[s] + h * Lp * DIM, \
+                                     out + first * H * Q * DIM, NULL)
+
+/* Packed sequences (an embedding pass): S sequences laid end to end, sequence s the tokens
+ * starts[s] .. starts[s + 1] - 1, each attending only to itself, bidirectionally (causal = 0: every
+ * query sees all L keys, as a decode group's prefix above) or causally (causal = 1). The items above
+ * with each sequence as a chunk of its own and one block (its first token: starts[s]), its K/V read
+ * where the projection wrote them (rows k_stride and v_stride floats apart). `rows` is unused. `packed_at` and
+ * `item_at` (S + 1 offsets into `packed` and prefix counts of items) come from the caller.
+ * q, out [T, H, Q, D] (q's rows q_stride apart). */
+void packed_attention_f32(const float* q, const float* k, const float* v, const int64_t* starts,
+                          const int64_t* packed_at, const int64_t* item_at, const int64_t* rows, int64_t S, int64_t H,
+                          int64_t Q, int64_t D, int64_t q_stride, int64_t k_stride, int64_t v_stride, int64_t causal,
+                          float scale, float* packed, float* out, int nt) {
+    const kv_layout k_layout = {k_stride, D, k_stride}, v_layout = {v_stride, D, v_stride};
+    #pragma omp parallel num_threads(nt)
+    {
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t unit = 0; unit < S * H; unit++) {
+            const int64_t s = unit / H, h = unit % H, first = starts[s], L = starts[s + 1] - first;
+            const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP;
+            for (int64_t c = 0; c < (L + VL - 1) / VL; c++)
+                pack_key_vector(k, starts + s, k_layout, h, D, L, L, c, packed + packed_at[s] + (h * Lp + c * VL) * D);
+        }
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < item_at[S]; item++) {
+            int64_t lo = 0, hi = S - 1;  /* the sequence holding this item: item_at[lo] <= item < item_at[lo + 1] */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (item_at[mid] <= item) lo = mid; else hi = mid - 1;
+            }
+            const int64_t s = lo, first = starts[s], L = starts[s + 1] - first;
+            const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP, tiles = (L * Q + ITEM - 1) / ITEM;
+            const int64_t local = item - item_at[s], h = local / tiles, m0 = local % tiles * ITEM;
+            switch (D) {
+                case 32: PACKED_ITEM(32); break;
+                case 64: PACKED_ITEM(64); break;
+                case 96: PACKED_ITEM(96); break;
+                default: PACKED_ITEM(128); break;
             }
         }
     }

@@ -100,12 +100,13 @@ static char* item_scratch(int64_t bytes) {
     return (char*)thread_scratch(&item_buffer, &item_capacity, bytes);
 }
 
-/* K of 16 keys (rows of D bf16 = D / 2 pairs) as the B operand of the scores product, one 16 x 16
+/* K of 16 keys (rows of D bf16 = D / 2 pairs, key_pairs_apart pairs apart) as the B operand of the scores product, one 16 x 16
  * tile of pairs per 32 dims: tile d, row i, column j = the pair (2i, 2i + 1) of dims 32d.. of key j
  * (a transpose of 32-bit pairs: one gather per row). */
-static void pack_keys(const uint32_t* keys, uint32_t* tiles, int64_t D) {
+static void pack_keys(const uint32_t* keys, int64_t key_pairs_apart, uint32_t* tiles, int64_t D) {
     const __m512i key_starts = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32((int)D / 2));
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)key_pairs_apart));
     for (int64_t row = 0; row < D / 2; row++)  /* row = d * 16 + i: pair 16d + i of every key */
         _mm512_storeu_si512(tiles + row * 16, _mm512_i32gather_epi32(key_starts, keys + row, 4));
 }
@@ -230,7 +231,7 @@ static void attend_item(const uint16_t* q, int64_t q_stride, const int64_t* rows
                         int64_t n, int64_t H, int64_t Q, int64_t D, int64_t L, int64_t L32, int64_t causal_base,
                         float scale, const uint16_t* packed, int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
-    const uint16_t* values = keys + L * D;
+    const uint16_t* values = keys + (L + 15) / 16 * 16 * D;  /* K packed by whole 16-key tiles */
     const item_space space = item_buffers(L32, D);
     float* scores = space.scores;
     uint16_t* probs = space.probs;
@@ -370,7 +371,7 @@ static inline __attribute__((always_inline)) void attend_item_dims(
         int64_t H, int64_t Q, const int64_t D, int64_t L, int64_t L32, int64_t causal_base, float scale, const uint16_t* packed,
         int64_t per_head, uint16_t* out, float* lse) {
     const uint16_t* keys = packed + (g * H + h) * per_head;
-    const uint16_t* values = keys + L * D;
+    const uint16_t* values = keys + (L + 15) / 16 * 16 * D;  /* K packed by whole 16-key tiles */
     const item_space space = item_buffers(L32, D);
     float* scores = space.scores;
     uint16_t* probs = space.probs;
@@ -440,7 +441,7 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
             pack_values(values, present, head + L * D + c * 32 * D, D);
             for (int64_t half = c * 32; half < c * 32 + 32 && half < L; half += 16) {
                 const int64_t block = blocks[g * k + half / BS];
-                pack_keys((const uint32_t*)(kc + ((block * H + h) * BS + half % BS) * D),
+                pack_keys((const uint32_t*)(kc + ((block * H + h) * BS + half % BS) * D), D / 2,
                           (uint32_t*)(head + half * D), D);
             }
         }
@@ -460,6 +461,70 @@ void prefix_attention_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t
             for (int64_t item = 0; item < items; item++)
                 attend_item(q, q_stride, rows, item / (H * tiles_m), item / tiles_m % H, item % tiles_m * 32, n, H, Q, D,
                             L, L32, causal_base, scale, packed, per_head, out, lse);
+        }
+#ifdef HAVE_AMX
+        _tile_release();
+#endif
+    }
+}
+/* Packed sequences (an embedding pass): S sequences laid end to end, sequence s the tokens
+ * starts[s] .. starts[s + 1] - 1, each attending only to itself, bidirectionally (causal = 0) or
+ * causally (causal = 1). Reuses the items above with each sequence as a group of its own: its
+ * tokens are the rows, its own K/V the keys (L = its length). K/V are read from the projection's
+ * output (rows k_stride / v_stride elements apart, heads and dims contiguous) and packed per (sequence,
+ * head): K by 16-key tiles (a sequence's last, partial tile from a zero-padded copy: nothing is read
+ * past a sequence), V by 32 keys. Work items run over every sequence's (head, 32 queries) at once,
+ * handed out one at a time (sequences differ in length); `packed_at` (S + 1 offsets into `packed`)
+ * and `item_at` (S + 1 prefix counts of items) come from the caller. q, out [T, H, Q, D] (q's rows
+ * q_stride apart); lse [T, H, Q] scratch; rows [T] = 0 .. T - 1. */
+void packed_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t* v, const int64_t* starts,
+                           const int64_t* packed_at, const int64_t* item_at, const int64_t* rows, int64_t S,
+                           int64_t H, int64_t Q, int64_t D, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                           int64_t causal, float scale, uint16_t* packed, uint16_t* out, float* lse, int nt) {
+    #pragma omp parallel num_threads(nt)
+    {
+#ifdef HAVE_AMX
+        configure_tiles();
+#endif
+        /* 1. pack: one unit per (sequence, head) */
+        #pragma omp for schedule(dynamic, 4)
+        for (int64_t unit = 0; unit < S * H; unit++) {
+            const int64_t s = unit / H, h = unit % H, first = starts[s], L = starts[s + 1] - first;
+            const int64_t L16 = (L + 15) / 16 * 16, L32 = (L + 31) / 32 * 32;
+            uint16_t* head = packed + packed_at[s] + h * (L16 + L32) * D;
+            uint16_t partial[16 * 128];
+            for (int64_t c = 0; c < L32; c += 32) {
+                const uint16_t* values[32];
+                int64_t present = 0;
+                for (int64_t key = c; key < c + 32 && key < L; key++, present++)
+                    values[present] = v + (first + key) * v_stride + h * D;
+                pack_values(values, present, head + L16 * D + c * D, D);
+            }
+            for (int64_t half = 0; half < L; half += 16) {
+                const uint16_t* keys = k + (first + half) * k_stride + h * D;
+                if (half + 16 <= L) {
+                    pack_keys((const uint32_t*)keys, k_stride / 2, (uint32_t*)(head + half * D), D);
+                } else {
+                    memset(partial, 0, sizeof partial);
+                    for (int64_t key = 0; key < L - half; key++)
+                        memcpy(partial + key * D, keys + key * k_stride, (size_t)D * 2);
+                    pack_keys((const uint32_t*)partial, D / 2, (uint32_t*)(head + half * D), D);
+                }
+            }
+        }
+        /* 2. attend: items of 32 queries of one (sequence, head), longest sequences first */
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < item_at[S]; item++) {
+            int64_t lo = 0, hi = S - 1;  /* the sequence holding this item: item_at[lo] <= item < item_at[lo + 1] */
+            while (lo < hi) {
+                const int64_t mid = (lo + hi + 1) / 2;
+                if (item_at[mid] <= item) lo = mid; else hi = mid - 1;
+            }
+            const int64_t s = lo, first = starts[s], L = starts[s + 1] - first;
+            const int64_t tiles_m = (L * Q + 31) / 32, local = item - item_at[s];
+            const int64_t L32 = (L + 31) / 32 * 32, per_head = ((L + 15) / 16 * 16 + L32) * D;
+            attend_item(q, q_stride, rows + first, 0, local / tiles_m, local % tiles_m * 32, L, H, Q, D, L, L32,
+                        causal ? 0 : -1, scale, packed + packed_at[s], per_head, out, lse);
         }
 #ifdef HAVE_AMX
         _tile_release();

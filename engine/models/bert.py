@@ -2,8 +2,8 @@
 
 The batch is one flat run of tokens (no padding): sequences sit one after another, longest first.
 Every projection, LayerNorm and MLP runs over all tokens at once; attention runs per sequence
-(sequences of the same length share one ``scaled_dot_product_attention`` call), so no token sees
-another sequence and no FLOP is spent on padding.
+(engine/packed_attention.py: one native call for the whole batch where the kernels are built), so
+no token sees another sequence and no FLOP is spent on padding.
 
 Weights load by their Hugging Face names (``embeddings.*``, ``encoder.layer.N.*``), with a task
 model's prefix (``bert.``, ``roberta.``) stripped. RoBERTa's differences from BERT are only in the
@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
+from engine.cpu_kernels import CpuKernels
+from engine.cpu_kernels import load as load_cpu_kernels
 from engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
 from engine.models.loader import tensor_problems
 from engine.packed_attention import PackedBatch, packed_attention
@@ -152,9 +154,9 @@ class EncoderLayer(nn.Module):
         self.output_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.hidden_act = config.hidden_act
 
-    def forward(self, x: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, batch: PackedBatch, kernels: CpuKernels | None = None) -> torch.Tensor:
         q, k, v = self.qkv(x).chunk(3, dim=-1)
-        attended = packed_attention(q, k, v, batch, self.num_heads)
+        attended = packed_attention(q, k, v, batch, self.num_heads, kernels=kernels)
         x = self.attn_norm(linear_add(self.attn_out, attended, x))
         hidden = linear_activation(self.intermediate, x, self.hidden_act)
         return self.output_norm(linear_add(self.output, hidden, x))
@@ -172,6 +174,7 @@ class BertEncoder(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        self.kernels: CpuKernels | None = None  # native attention (engine/cpu_kernels) where built
         self.requires_grad_(False)
 
     def forward(self, batch: PackedBatch) -> torch.Tensor:
@@ -181,7 +184,7 @@ class BertEncoder(nn.Module):
              + self.token_type_embeddings.weight[0])
         x = self.embed_norm(x)
         for layer in self.layers:
-            x = layer(x, batch)
+            x = layer(x, batch, self.kernels)
         return x
 
     def pack_linear_weights(self, batch_hint: int) -> None:
@@ -294,4 +297,6 @@ def load_bert(model_dir: str | Path, cfg: dict[str, Any], dtype: torch.dtype, de
     model.load_hf_tensors({name: t.to(dtype) for name, t in tensors.items()})
     if onednn_linear_available(torch.device(device), dtype):
         model.pack_linear_weights(batch_hint)
+    if torch.device(device).type == "cpu":
+        model.kernels = load_cpu_kernels()
     return model.eval()

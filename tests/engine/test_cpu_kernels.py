@@ -311,6 +311,93 @@ def test_causal_attention_refuses_what_it_does_not_support(kernels: CpuKernels) 
         kernels.causal_attention(q, cache, cache, table, 15)  # 17 keys, one 16-key block
 
 
+def packed_qkv(lengths: list[int], kv_heads: int, groups: int, head_dim: int, dtype: torch.dtype,
+               seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed sequences' (starts, q, k, v) as an embedding pass has them: q and v views of one fused
+    projection (rows apart), k a tensor of its own (as after rotary): every stride differs."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, q_size, kv_size = sum(lengths), kv_heads * groups * head_dim, kv_heads * head_dim
+    fused = (torch.randn(tokens, q_size + 2 * kv_size, generator=generator) * 2).to(dtype)
+    q = fused[:, :q_size].view(tokens, kv_heads, groups, head_dim)
+    k = fused[:, q_size:q_size + kv_size].reshape(tokens, kv_heads, head_dim).clone()
+    v = fused[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+    return starts, q, k, v
+
+
+def packed_reference(starts: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     causal: bool) -> torch.Tensor:
+    """Each sequence over itself in fp32, sequence by sequence: [tokens, kv_heads, groups, dim]."""
+    tokens, kv_heads, groups, dim = q.shape
+    out = torch.empty(tokens, kv_heads, groups, dim)
+    for first, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        queries = q[first:end].float().permute(1, 2, 0, 3)  # [kv_heads, groups, n, dim]
+        keys, values = (t[first:end].float().transpose(0, 1)[:, None] for t in (k, v))
+        scores = queries @ keys.transpose(-1, -2) * dim ** -0.5
+        if causal:
+            n = end - first
+            scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out[first:end] = (torch.softmax(scores, dim=-1) @ values).permute(2, 0, 1, 3)
+    return out
+
+
+# Lengths around the kernels' tiles (16 keys, 32 queries, 24-query fp32 items), longest first.
+PACKED_LENGTHS = [250, 130, 33, 32, 17, 16, 5, 1]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("head_dim", "kv_heads", "groups"), [(32, 12, 1), (64, 2, 3)])
+def test_packed_attention_attends_each_sequence_over_itself_in_fp32(kernels: CpuKernels, causal: bool,
+                                                                    head_dim: int, kv_heads: int,
+                                                                    groups: int) -> None:
+    """An embedding pass's attention (BERT: bidirectional, 12 heads of 32; a decoder embedder:
+    causal, grouped-query): every sequence sees its own tokens only, as the formula says."""
+    starts, q, k, v = packed_qkv(PACKED_LENGTHS, kv_heads, groups, head_dim, torch.float32, seed=head_dim)
+    out = torch.empty(q.shape)
+    kernels.packed_attention(q, k, v, starts, causal, out)
+    torch.testing.assert_close(out, packed_reference(starts, q, k, v, causal), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("head_dim", "kv_heads", "groups"), [(32, 12, 1), (64, 2, 3), (128, 1, 2)])
+def test_packed_attention_attends_each_sequence_over_itself_in_bf16(prefix_kernels: CpuKernels, causal: bool,
+                                                                    head_dim: int, kv_heads: int,
+                                                                    groups: int) -> None:
+    starts, q, k, v = packed_qkv(PACKED_LENGTHS, kv_heads, groups, head_dim, torch.bfloat16, seed=head_dim)
+    out = torch.empty(q.shape, dtype=torch.bfloat16)
+    prefix_kernels.packed_attention(q, k, v, starts, causal, out)
+    # bf16: the probabilities and the output are rounded to bf16
+    torch.testing.assert_close(out.float(), packed_reference(starts, q, k, v, causal), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_packed_sequence_gets_the_same_bits_whatever_else_is_in_the_batch(build, dtype) -> None:
+    """A text's vector must not depend on the texts it was batched with (re-runs, dedup and retries
+    compare them): its attention output alone equals, bit for bit, its output among others."""
+    if dtype == torch.bfloat16 and not HAS_PREFIX_KERNEL:
+        pytest.skip("no bf16 packed kernel on this CPU (neither AMX nor AVX512-BF16)")
+    kernels = build("native")
+    starts, q, k, v = packed_qkv(PACKED_LENGTHS, 4, 1, 32, dtype, seed=7)
+    out = torch.empty(q.shape, dtype=dtype)
+    kernels.packed_attention(q, k, v, starts, False, out)
+    for first, end in zip(starts[:-1].tolist(), starts[1:].tolist(), strict=True):
+        alone = torch.empty(q[first:end].shape, dtype=dtype)
+        kernels.packed_attention(q[first:end], k[first:end], v[first:end], torch.tensor([0, end - first]),
+                                 False, alone)
+        assert torch.equal(alone, out[first:end])
+
+
+def test_packed_attention_refuses_what_it_does_not_support(kernels: CpuKernels) -> None:
+    starts, q, k, v = packed_qkv([5, 3], 2, 1, 32, torch.float32, seed=1)
+    out = torch.empty(q.shape)
+    for bad_starts in ([0, 5, 9], [1, 5, 8], [0, 5, 5, 8]):  # past the tokens, not from 0, an empty sequence
+        with pytest.raises(ValueError, match="packed_attention"):
+            kernels.packed_attention(q, k, v, torch.tensor(bad_starts), False, out)
+    with pytest.raises(ValueError, match="packed_attention"):  # a head size the kernel is not built for
+        narrow = out[..., :16].contiguous()
+        kernels.packed_attention(q[..., :16], k[..., :16], v[..., :16], starts, False, narrow)
+
+
 @pytest.fixture(scope="module", params=list(PREFIX_BUILDS))
 def prefix_kernels(request, build) -> CpuKernels:
     """A build of the prefix kernel, on a CPU with AMX or AVX512-BF16 (elsewhere it does not exist:
