@@ -1,9 +1,10 @@
 """`EmbedHost`: one long-lived `Embedder` in its own thread, fed by any number of threads.
 
 The counterpart of `EngineHost` for embedding models. Callers submit inputs (texts or token ids);
-the embed thread tokenizes them, embeds every distinct sequence once (identical inputs waiting
-together share one vector), longest first in passes of about `batch_tokens` tokens, and answers
-each input's future. Between passes it takes new commands, so an abort or a stop waits for one
+the embed thread tokenizes them, embeds every distinct sequence once per pooling asked for
+(identical inputs waiting together share one vector), in passes of about `batch_tokens` tokens that
+take the highest-priority inputs first and, within a priority, the longest first, and answers each
+input's future. Between passes it takes new commands, so an abort or a stop waits for one
 pass at most. Nothing here touches the object store.
 """
 
@@ -20,7 +21,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jobs.embedding import EmbedInput
+from jobs.embedding import EmbedInput, Pooling
 from worker.engine_host import IDLE_POLL_S, EngineUnavailable
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Vector = list[float]
+_Key = tuple[tuple[int, ...], Pooling | None, bool | None]  # a sequence and how it is pooled
 DEFAULT_PASS_TOKENS = 4096  # tokens per call to the embedder (Embedder.batch_tokens when it says)
 
 
@@ -38,6 +40,9 @@ class EmbedInputRequest:
 
     value: EmbedInput
     truncate: bool = False
+    pooling: Pooling | None = None  # None: the model's (Embedder.pooling_config)
+    normalize: bool | None = None
+    priority: int = 0  # lower runs sooner (the engine's convention, as EngineRequest's)
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,7 @@ class EmbedHost:
         self._tokenized: dict[str, tuple[int, ...]] = {}  # the embed thread's: pending inputs' sequences
         self.dtype_choice = None  # engine.dtype_choice.DtypeChoice, once loaded
         self.dimension: int | None = None  # the model's vector size, once loaded
+        self.fixed_pooling: str | None = None  # the pooling its checkpoint fixes, once loaded (None: free)
         self.max_length: int | None = None  # tokens per input, special tokens included, once loaded
         self.crashes = 0
         # What a heartbeat reports (worker/status_server.py), written by the embed thread only.
@@ -203,6 +209,7 @@ class EmbedHost:
         self.dtype_choice = embedder.dtype_choice
         self.dimension = embedder.config.dimension
         self.max_length = embedder.config.max_length
+        self.fixed_pooling = getattr(embedder, "fixed_pooling", None)
         self.device = str(getattr(embedder, "device", "cpu"))
         self._ready.set()
         self._settled.set()
@@ -241,8 +248,9 @@ class EmbedHost:
                 command.future.set_exception(error)
 
     def _pass(self, embedder: Embedder, pending: dict[str, _Add]) -> None:
-        """Embed the longest waiting sequences, about one pass of tokens (identical ones once)."""
-        sequences: dict[tuple[int, ...], list[str]] = {}
+        """Embed about one pass of tokens: the highest-priority waiting sequences first, the longest
+        first within a priority (identical ones pooled the same way once)."""
+        sequences: dict[_Key, list[str]] = {}
         for request_id, add in list(pending.items()):
             ids = self._tokenized.get(request_id)
             if ids is None:
@@ -251,27 +259,34 @@ class EmbedHost:
                 del pending[request_id]
                 continue
             self._tokenized[request_id] = ids
-            sequences.setdefault(ids, []).append(request_id)
+            sequences.setdefault((ids, add.request.pooling, add.request.normalize), []).append(request_id)
         budget = int(getattr(embedder, "batch_tokens", DEFAULT_PASS_TOKENS))
-        chosen: list[tuple[int, ...]] = []
+
+        def rank(key: _Key) -> tuple[int, int]:
+            return min(pending[request_id].request.priority for request_id in sequences[key]), -len(key[0])
+
+        chosen: dict[tuple[Pooling | None, bool | None], list[_Key]] = {}  # by the pooling they ask for
         tokens = 0
-        for ids in sorted(sequences, key=len, reverse=True):
-            if chosen and tokens + len(ids) > budget:
+        for key in sorted(sequences, key=rank):
+            if chosen and tokens + len(key[0]) > budget:
                 break
-            chosen.append(ids)
-            tokens += len(ids)
+            chosen.setdefault(key[1:], []).append(key)
+            tokens += len(key[0])
         self._waiting = len(pending)
-        started = time.monotonic()
-        results = self._embed(embedder, chosen)
-        seconds = time.monotonic() - started
-        self._busy_s += seconds
-        self._tokens_computed += tokens
-        per_token = seconds / max(tokens, 1)
-        for ids, (vector, error) in zip(chosen, results, strict=True):
-            for request_id in sequences[ids]:
-                add = pending.pop(request_id)
-                self._tokenized.pop(request_id, None)
-                add.future.set_result(EmbedResult(vector, len(ids), error, seconds=per_token * len(ids)))
+        for (pooling, normalize), keys in chosen.items():
+            started = time.monotonic()
+            results = self._embed(embedder, [key[0] for key in keys], pooling, normalize)
+            seconds = time.monotonic() - started
+            group_tokens = sum(len(key[0]) for key in keys)
+            self._busy_s += seconds
+            self._tokens_computed += group_tokens
+            per_token = seconds / max(group_tokens, 1)
+            for key, (vector, error) in zip(keys, results, strict=True):
+                for request_id in sequences[key]:
+                    add = pending.pop(request_id)
+                    self._tokenized.pop(request_id, None)
+                    add.future.set_result(EmbedResult(vector, len(key[0]), error,
+                                                      seconds=per_token * len(key[0])))
 
     def _token_ids(self, embedder: Embedder, add: _Add) -> tuple[int, ...] | None:
         """The input's sequence, truncated when it asked; None once its future holds an error."""
@@ -293,12 +308,22 @@ class EmbedHost:
         return tuple(ids)
 
     @staticmethod
-    def _embed(embedder: Embedder, chosen: list[tuple[int, ...]]) -> list[tuple[Vector | None, str | None]]:
-        """(vector, None) or (None, why) per sequence. A sequence the embedder refuses (ValueError: an id
-        outside its vocabulary…) fails alone: when a pass raises, each sequence runs on its own. Any
-        other failure ends the host (the shard is retried on a fresh one, as after an engine crash)."""
+    def _embed(embedder: Embedder, chosen: list[tuple[int, ...]], pooling: Pooling | None = None,
+               normalize: bool | None = None) -> list[tuple[Vector | None, str | None]]:
+        """(vector, None) or (None, why) per sequence, pooled as asked (None: the model's way). A
+        pooling the model does not allow fails every sequence with the reason. A sequence the embedder
+        refuses (ValueError: an id outside its vocabulary…) fails alone: when a pass raises, each
+        sequence runs on its own. Any other failure ends the host (the shard is retried on a fresh
+        one, as after an engine crash)."""
+        asked = {name: value for name, value in (("pooling", pooling), ("normalize", normalize))
+                 if value is not None}
+        if asked:
+            try:
+                embedder.pooling_config(**asked)
+            except ValueError as error:
+                return [(None, str(error)[:300])] * len(chosen)
         try:
-            return [(output.embedding, None) for output in embedder.embed_token_ids(chosen)]
+            return [(output.embedding, None) for output in embedder.embed_token_ids(chosen, **asked)]
         except Exception as error:  # noqa: BLE001 - find the sequences at fault
             if len(chosen) == 1:
                 if isinstance(error, ValueError):
@@ -307,7 +332,7 @@ class EmbedHost:
         results: list[tuple[Vector | None, str | None]] = []
         for ids in chosen:
             try:
-                results.append((embedder.embed_token_ids([ids])[0].embedding, None))
+                results.append((embedder.embed_token_ids([ids], **asked)[0].embedding, None))
             except ValueError as error:
                 results.append((None, _refusal(error)))
         return results
