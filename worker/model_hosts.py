@@ -22,6 +22,7 @@ from engine import EngineConfig, LLMEngine
 from jobs.model_registry import ModelRegistry
 from jobs.spec import JobSpec
 from worker.embed_host import EmbedHost
+from worker.embedding_size import checkpoint_dimension
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
 from worker.model_cache import model_cache_dir
@@ -183,7 +184,8 @@ def task_problem(spec: JobSpec, hosted: HostedModel) -> str | None:
 
 
 def embedding_dimension(spec: JobSpec, hosted: HostedModel) -> int | None:
-    """The size of an embed job's vectors: its `dimensions`, else the loaded model's."""
+    """The size of an embed job's vectors: its `dimensions`, else the loaded model's, else (the rows
+    ended before it loaded) its checkpoint's (worker/embedding_size.py)."""
     if not isinstance(hosted.host, EmbedHost):
         return None
-    return spec.dimensions or hosted.host.dimension
+    return spec.dimensions or hosted.host.dimension or checkpoint_dimension(hosted.directory)
