@@ -1,6 +1,7 @@
 """The embed host takes the highest-priority waiting inputs first for each pass (the engine's
-convention: a lower value runs sooner), in arrival order within a priority, as the LLM engine's
-priority scheduling does for generate jobs; an embed run passes its job's priority to every input."""
+convention: a lower value runs sooner), longest first and then in arrival order within a priority,
+as the LLM engine's priority scheduling does for generate jobs; an embed run passes its job's
+priority to every input."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class GatedEmbedder:
         return [SimpleNamespace(embedding=[1.0, 0.0]) for _ in batch]
 
 
-def test_each_pass_takes_the_highest_priority_inputs_first_in_arrival_order_within_one() -> None:
+def test_each_pass_takes_the_highest_priority_inputs_first_in_arrival_order_within_one_length() -> None:
     embedder = GatedEmbedder()
     host = EmbedHost(lambda: embedder, name="gated").start()
     try:
