@@ -14,18 +14,11 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from jobs.embedding import EmbedInput, Pooling
-from worker.model_host import (
-    AbortCommand,
-    AddCommand,
-    CallCommand,
-    EngineUnavailable,
-    HostSubmission,
-    ModelHost,
-    StopCommand,
-)
+from worker.model_host import AbortCommand, AddCommand, Command, HostSubmission, ModelHost
 
 if TYPE_CHECKING:
     from engine.embedder import Embedder
@@ -114,12 +107,9 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
         pending: dict[str, AddCommand] = {}
         try:
             while True:
-                for command in self._drain(block=not pending):
-                    if isinstance(command, StopCommand):
-                        self._die(EngineUnavailable(f"embedder {self.name} was stopped"),
-                                  [add.future for add in pending.values()])
-                        return
-                    self._apply(embedder, command, pending)
+                if not self._apply_commands(not pending, partial(self._apply, embedder, pending=pending),
+                                            lambda: [add.future for add in pending.values()]):
+                    return
                 if pending:
                     self._pass(embedder, pending)
                 self._waiting = len(pending)
@@ -127,8 +117,7 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
             logger.exception("embedder %s crashed", self.name)
             self._die(error, [add.future for add in pending.values()])
 
-    def _apply(self, embedder: Embedder, command: AddCommand | AbortCommand | CallCommand,
-               pending: dict[str, AddCommand]) -> None:
+    def _apply(self, embedder: Embedder, command: Command, pending: dict[str, AddCommand]) -> None:
         if isinstance(command, AddCommand):
             if command.future.set_running_or_notify_cancel():
                 pending[command.request_id] = command

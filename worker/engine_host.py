@@ -16,6 +16,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -23,21 +24,11 @@ from engine import ErrorKind, LLMEngine, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
 from engine.outputs import CompletionOutput
 from worker.crash_isolation import CrashIsolation
-from worker.model_host import (
-    IDLE_POLL_S,
-    AbortCommand,
-    AddCommand,
-    CallCommand,
-    EngineUnavailable,
-    HostSubmission,
-    ModelHost,
-    StopCommand,
-)
+from worker.model_host import AbortCommand, AddCommand, Command, EngineUnavailable, HostSubmission, ModelHost
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["IDLE_POLL_S", "EngineHost", "EngineRequest", "EngineUnavailable", "Submission",
-           "release_engine_memory"]
+__all__ = ["EngineHost", "EngineRequest", "EngineUnavailable", "Submission", "release_engine_memory"]
 
 
 @dataclass(frozen=True)
@@ -89,11 +80,9 @@ class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
         try:
             while True:
                 busy = engine.has_unfinished_requests()
-                for command in self._drain(block=not busy):
-                    if isinstance(command, StopCommand):
-                        self._die(EngineUnavailable(f"engine {self.name} was stopped"), requests.futures())
-                        return
-                    self._apply(engine, command, requests)
+                if not self._apply_commands(not busy, partial(self._apply, engine, requests=requests),
+                                            requests.futures):
+                    return
                 if not engine.has_unfinished_requests():
                     continue
                 try:
@@ -132,8 +121,7 @@ class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
         requests.advance(engine)
         return engine
 
-    def _apply(self, engine: LLMEngine, command: AddCommand | AbortCommand | CallCommand,
-               requests: _Requests) -> None:
+    def _apply(self, engine: LLMEngine, command: Command, requests: _Requests) -> None:
         if isinstance(command, AddCommand):
             if not command.future.set_running_or_notify_cancel():
                 return  # the submitter gave up on it before it reached the engine

@@ -217,6 +217,17 @@ class ModelHost(Generic[Model, Request, Output]):
             except queue.Empty:
                 return commands
 
+    def _apply_commands(self, block: bool, apply: Callable[[Command], None],
+                        pending: Callable[[], Iterable[Future[Any]]]) -> bool:
+        """`apply` each waiting command in order (waiting up to `IDLE_POLL_S` for one when `block`);
+        False once a stop came: the host is then dead and `pending()`'s futures failed."""
+        for command in self._drain(block):
+            if isinstance(command, StopCommand):
+                self._die(EngineUnavailable(f"{self.noun} {self.name} was stopped"), pending())
+                return False
+            apply(command)
+        return True
+
     @staticmethod
     def _run_call(model: Model, command: CallCommand[Model]) -> None:
         try:

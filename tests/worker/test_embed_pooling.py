@@ -17,6 +17,7 @@ from jobs.formats.rows import Row, RowBuilder
 from jobs.model_registry import ModelRegistry
 from jobs.spec import JobSpec
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
+from tests.fixtures.hosted_models import hosted_model
 from worker.embed_host import EmbedInputRequest
 from worker.embed_rows import row_digest
 from worker.model_hosts import HostedModel, ModelHosts, task_problem
@@ -85,13 +86,8 @@ def test_a_decoder_checkpoint_embeds_each_row_pooled_as_its_job_asks(decoder_hos
 @pytest.fixture(scope="module")
 def bert_hosted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostedModel]:
     folder = build_sentence_transformer(tmp_path_factory.mktemp("bert"), seed=7, pooling="mean")
-    hosts = ModelHosts(ModelRegistry({"bert": str(folder)}), {"dtype": "float32"})
-    try:
-        hosted = hosts.get("bert")
-        hosted.host.wait_ready(60)
+    with hosted_model("bert", folder, {"dtype": "float32"}) as hosted:
         yield hosted
-    finally:
-        hosts.stop()
 
 
 def test_a_pooling_the_checkpoint_fixes_cannot_change_but_normalize_can(bert_hosted: HostedModel) -> None:
