@@ -128,9 +128,15 @@ class ModelHosts:
         return EngineConfig(model=str(directory), **{**tuned, **explicit})
 
     def hosted(self) -> list[HostedModel]:
-        """The models this process hosts now (loaded, loading or failed)."""
+        """The models this process hosts now (loaded, loading or failed), one per name, as heartbeats
+        and metrics report them: a decoder hosted both ways is reported by its engine."""
         with self._lock:
-            return list(self._models.values())
+            models = list(self._models.items())
+        by_name: dict[str, HostedModel] = {}
+        for (name, as_embedder), hosted in models:
+            if not as_embedder or name not in by_name:
+                by_name[name] = hosted
+        return list(by_name.values())
 
     def state(self, name: str) -> str:
         """One model's state: "loaded", "loading", "not loaded" or "failed: <why>"."""

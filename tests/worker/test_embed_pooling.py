@@ -64,6 +64,7 @@ def test_a_decoder_checkpoint_embeds_each_row_pooled_as_its_job_asks(decoder_hos
     embedder = decoder_hosts.get("tiny", embed=True)
     assert not generator.is_embedding and embedder.is_embedding
     assert decoder_hosts.get("tiny", embed=True) is embedder  # loaded once, kept for every embed job
+    assert decoder_hosts.hosted() == [generator]  # heartbeats and metrics report the model once
     embedder.host.wait_ready(120)
     assert task_problem(spec("tiny", pooling="mean"), embedder) is None
     assert embedder.host.fixed_pooling is None
