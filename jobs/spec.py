@@ -102,7 +102,8 @@ class JobSpec(BaseModel):
     input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
     model: str = Field(min_length=1)
     task: JobTask = Field(JobTask.GENERATE, description="generate: text after each prompt; embed: one "
-                          "vector per prompt (an embedding model; OpenAI lines with url /v1/embeddings)")
+                          "vector per prompt (an embedding model, or a decoder pooled; OpenAI lines with url "
+                          "/v1/embeddings)")
     dimensions: int | None = Field(None, ge=1, description="embed: keep the first N values of each vector "
                                    "and renormalise (Matryoshka models); at most the model's size")
     truncate: bool = Field(False, description="embed: cut inputs longer than the model's maximum length "
