@@ -7,7 +7,9 @@ vectors = [out.embedding for out in embedder.embed(["a sentence", "another one"]
 
 Batches are packed: sequences laid end to end with no padding, longest first, attention per
 sequence (engine/models/bert.py). Pooling, normalisation and the maximum length come from the
-checkpoint (engine/pooling.py). The compute dtype is chosen as the LLMEngine chooses it
+checkpoint (engine/pooling.py); one call may pool and normalize otherwise
+(``embed_token_ids(batch, pooling=..., normalize=...)``) where the checkpoint leaves it free, so one
+loaded model serves jobs that ask differently. The compute dtype is chosen as the LLMEngine chooses it
 (engine/dtype_choice.py); vectors are always float32.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,6 +31,7 @@ from engine.models.llama import LlamaForCausalLM, UnsupportedModelError
 from engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
 from engine.packed_attention import PackedBatch, PackedCausalBackend
 from engine.pooling import (
+    POOLINGS,
     PoolingConfig,
     SentenceTransformersFiles,
     pool,
@@ -83,8 +86,11 @@ class Embedder:
     batch_tokens: int = DEFAULT_BATCH_TOKENS
 
     def __init__(self, model: PackedModel, tokenizer: Any, config: PoolingConfig, dtype_choice: DtypeChoice,
-                 vocab_size: int, lower_case: bool = False) -> None:
+                 vocab_size: int, lower_case: bool = False, fixed_pooling: str | None = None) -> None:
+        """``fixed_pooling``: the pooling the checkpoint's sentence-transformers files fix (the model
+        was trained with it), which no call may change; None when they say none."""
         self.model = model
+        self.fixed_pooling = fixed_pooling
         self.tokenizer = tokenizer
         self.config = config
         self.dtype_choice = dtype_choice
@@ -129,7 +135,8 @@ class Embedder:
             dimension=dimension, default_pooling=default_pooling,
         )
         tokenizer = AutoTokenizer.from_pretrained(str(folder))
-        return cls(model, tokenizer, config, dtype_choice, vocab_size, _lower_case(st_files))
+        fixed_pooling = st_files.pooling if st_files is not None else None
+        return cls(model, tokenizer, config, dtype_choice, vocab_size, _lower_case(st_files), fixed_pooling)
 
     def tokenize(self, text: str) -> list[int]:
         """The text's token ids with the model's special tokens, not truncated."""
@@ -149,9 +156,30 @@ class Embedder:
         prepared = [self._prepare(t) for t in texts]
         return [list(ids) for ids in self.tokenizer(prepared, add_special_tokens=True, **limit)["input_ids"]]
 
-    def embed_token_ids(self, batch: Sequence[Sequence[int]]) -> list[EmbeddingOutput]:
-        """One output per token-id sequence, in order. Raises ValueError naming the first sequence
-        that is empty, longer than ``config.max_length`` or holds an id outside the vocabulary."""
+    def pooling_config(self, pooling: str | None = None, normalize: bool | None = None) -> PoolingConfig:
+        """``config`` with this call's ``pooling`` and ``normalize`` (None: the loaded one's). A pooling
+        other than the one the checkpoint fixes (``fixed_pooling``) raises ValueError: the vectors
+        would not be the model's. ``normalize`` always applies: it is a step after pooling, as in
+        sentence-transformers' ``encode(normalize_embeddings=...)``."""
+        if pooling is not None and pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}, got {pooling!r}")
+        if pooling is not None and self.fixed_pooling is not None and pooling != self.fixed_pooling:
+            raise ValueError(f"pooling {pooling!r} differs from the model's: its sentence-transformers files "
+                             f"fix {self.fixed_pooling!r} pooling, which it was trained with")
+        changes: dict[str, Any] = {}
+        if pooling is not None:
+            changes["pooling"] = pooling
+        if normalize is not None:
+            changes["normalize"] = normalize
+        return replace(self.config, **changes) if changes else self.config
+
+    def embed_token_ids(self, batch: Sequence[Sequence[int]], *, pooling: str | None = None,
+                        normalize: bool | None = None) -> list[EmbeddingOutput]:
+        """One output per token-id sequence, in order, pooled and normalized as ``pooling_config``
+        says for ``pooling`` and ``normalize``. Raises ValueError for a pooling the checkpoint does
+        not allow, or naming the first sequence that is empty, longer than ``config.max_length`` or
+        holds an id outside the vocabulary."""
+        config = self.pooling_config(pooling, normalize)
         sequences = [list(s) for s in batch]
         for index, ids in enumerate(sequences):
             self._check(index, ids)
@@ -160,7 +188,7 @@ class Embedder:
         with torch.inference_mode():
             for chunk in self._chunks(order, sequences):
                 packed = PackedBatch.build([sequences[i] for i in chunk])
-                pooled = pool(self.model(packed), packed.lengths, self.config)
+                pooled = pool(self.model(packed), packed.lengths, config)
                 for row, index in enumerate(chunk):
                     vectors[index] = pooled[row]
         return [EmbeddingOutput(v.tolist(), len(s)) for v, s in zip(vectors, sequences, strict=True)]  # type: ignore[union-attr]

@@ -17,6 +17,9 @@ from typing import Literal
 
 EncodingFormat = Literal["float", "base64"]
 ENCODING_FORMATS: tuple[str, ...] = ("float", "base64")
+# How a model's token vectors become one vector (engine/pooling.py's names): the mean of every
+# token's, the first token's ([CLS]), or the last token's (a decoder's, as Qwen3-Embedding).
+Pooling = Literal["mean", "cls", "last"]
 # One input of an embed row: text (tokenized with the model's special tokens) or token ids as given.
 EmbedInput = str | tuple[int, ...]
 
@@ -29,17 +32,23 @@ class EmbedRequest:
     dimensions: int | None = None  # None: the model's full size
     encoding_format: EncodingFormat = "float"  # OpenAI bodies only; the other outputs hold floats
     truncate: bool = False  # cut inputs past the model's maximum length instead of failing the row
+    # None: the model's own (its sentence-transformers files, else its kind's default).
+    pooling: Pooling | None = None
+    normalize: bool | None = None
 
 
-def shorten(vector: Sequence[float], dimensions: int | None) -> array:
-    """The first `dimensions` values renormalised to unit length (the whole vector, as float32,
-    when `dimensions` is None or the vector's size)."""
+def shorten(vector: Sequence[float], dimensions: int | None, renormalize: bool = True) -> array:
+    """The first `dimensions` values renormalised to unit length unless `renormalize` is False (a job
+    that asked for `normalize: false`); the whole vector, as float32, when `dimensions` is None or
+    the vector's size."""
     values = array("f", vector)
     if dimensions is None or dimensions == len(values):
         return values
     if dimensions > len(values):
         raise ValueError(f"dimensions {dimensions} is more than the model's {len(values)}")
     kept = values[:dimensions]
+    if not renormalize:
+        return kept
     norm = math.sqrt(math.fsum(value * value for value in kept))
     return array("f", (value / norm for value in kept)) if norm > 0 else kept
 

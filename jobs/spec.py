@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
+from jobs.embedding import Pooling
 from jobs.object_store.factory import split_uri
 from jobs.response_format import ResponseFormat
 from jobs.sampling import JobSampling
@@ -76,13 +77,15 @@ WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
 
 def _task_schema(schema: dict[str, Any]) -> None:
     """What `JobSpec._fits_the_task` enforces, in the published schema too: an embed job has no chat,
-    JSON format or sampling; a generate job (the default) no `dimensions` or `truncate`."""
+    JSON format or sampling; a generate job (the default) no `dimensions`, `truncate`, `pooling` or
+    `normalize`."""
     nothing = {"type": "null"}
     schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
     schema["then"] = {"properties": {
         "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
         "sampling_column": nothing, "sampling": {"type": "object", "additionalProperties": nothing}}}
-    schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False}}}
+    schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False},
+                                     "pooling": nothing, "normalize": nothing}}
 
 
 class JobSpec(BaseModel):
@@ -99,11 +102,19 @@ class JobSpec(BaseModel):
     input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
     model: str = Field(min_length=1)
     task: JobTask = Field(JobTask.GENERATE, description="generate: text after each prompt; embed: one "
-                          "vector per prompt (an embedding model; OpenAI lines with url /v1/embeddings)")
+                          "vector per prompt (an embedding model, or a decoder pooled; OpenAI lines with url "
+                          "/v1/embeddings)")
     dimensions: int | None = Field(None, ge=1, description="embed: keep the first N values of each vector "
                                    "and renormalise (Matryoshka models); at most the model's size")
     truncate: bool = Field(False, description="embed: cut inputs longer than the model's maximum length "
                            "(default: such a row fails with prompt_too_long)")
+    pooling: Pooling | None = Field(None, description="embed: mean, cls or last (token); default: the "
+                                    "checkpoint's sentence-transformers files, else last for a decoder and "
+                                    "mean for an encoder. A pooling other than the one those files fix "
+                                    "fails the job")
+    normalize: bool | None = Field(None, description="embed: scale each vector to unit length; default: "
+                                   "the checkpoint's sentence-transformers files (a Normalize module), else "
+                                   "true")
 
     id_column: str | None = Field(None, description="row ids; default: the row's index")
     prompt_column: str | None = None
@@ -244,12 +255,17 @@ class JobSpec(BaseModel):
         return self
 
     def _fits_the_task(self) -> None:
-        """An embed job has no sampling and no chat; a generate job has no vector to shorten."""
+        """An embed job has no sampling and no chat; a generate job has no vector to shorten, pool or
+        normalize."""
         if self.task == JobTask.GENERATE:
             if self.dimensions is not None:
                 raise ValueError("dimensions: only an embed job (task: embed) has vectors to shorten")
             if self.truncate:
                 raise ValueError("truncate: only an embed job (task: embed) truncates its inputs")
+            if self.pooling is not None:
+                raise ValueError("pooling: only an embed job (task: embed) pools token vectors")
+            if self.normalize is not None:
+                raise ValueError("normalize: only an embed job (task: embed) has vectors to normalize")
             return
         refused = {
             "messages_column": "an embed job embeds text: use prompt_column or template",

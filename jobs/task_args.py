@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 
+# The spec fields these flags set (each flag's dest is the field's name; None: not given).
+TASK_FIELDS = ("task", "dimensions", "truncate", "pooling", "normalize")
+
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    """--task, --dimensions and --truncate: what the job does with each prompt."""
+    """--task, --dimensions, --truncate, --pooling and --normalize: what the job does with each prompt."""
     parser.add_argument("--task", choices=["generate", "embed"],
                         help="generate text (default) or embed each prompt as one vector (an embedding "
                              "model)")
@@ -14,3 +17,8 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
                         "renormalised (Matryoshka models)")
     parser.add_argument("--truncate", action="store_true", default=None,
                         help="embed: cut inputs longer than the model's maximum (default: such a row fails)")
+    parser.add_argument("--pooling", choices=["mean", "cls", "last"],
+                        help="embed: how token vectors become one (default: the checkpoint's "
+                             "sentence-transformers files, else last for a decoder, mean for an encoder)")
+    parser.add_argument("--normalize", action=argparse.BooleanOptionalAction, default=None,
+                        help="embed: unit-length vectors (default: the checkpoint's files, else yes)")

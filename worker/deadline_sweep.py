@@ -7,7 +7,8 @@ Each reaper tick looks at the jobs whose deadline is due (jobs/deadlines.py):
   each of its rows an `expired` row error (read from the input, so each row keeps its id), under
   that shard's lease, as a run would write it; a shard a run holds expires its own rows within a
   poll (worker/engine_rows.py). The last shard counted sends finalize, which ends the job `expired`
-  with its finished rows, manifest and webhook.
+  with its finished rows, manifest and webhook. An embed job's expired parts have the job's vector
+  column type, the size read from the model's checkpoint (worker/embedding_size.py).
 A shard task still waiting in a queue later finds its result and only counts it (once).
 """
 
@@ -27,6 +28,7 @@ from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
 from jobs.status import IllegalTransition, JobState, JobStatus
 from worker.context import WorkerContext
+from worker.embedding_size import job_vector_size
 from worker.job_lifecycle import JobCannotRun, fail_job, resolved_spec
 from worker.shard_lease import ShardLease
 from worker.shard_runner import committed_result, count_shard, read_rows
@@ -84,6 +86,7 @@ def _expire_shards(context: WorkerContext, status: JobStatus, send_finalize: Sen
     spec = resolved_spec(context, repository.get_spec(job_id))
     layout = repository.layout(job_id)
     expired = []
+    vector_size: int | None = None  # an embed job's, read when a shard of it is expired here
     for shard in plan:
         if repository.store.exists(layout.shard_result_key(shard.index)):
             continue
@@ -95,8 +98,11 @@ def _expire_shards(context: WorkerContext, status: JobStatus, send_finalize: Sen
             if committed_result(repository, layout, shard.index) is not None:
                 continue
             outputs = [expired_row(item) for item in _rows(context, job_id, spec, shard)]
+            if vector_size is None:
+                vector_size = _vector_size(context, spec)
             result = write_fenced(repository.store, layout, spec, shard, outputs, fence=lease.fence,
-                                  created=int(status.created_at.timestamp()), started_at=now)
+                                  created=int(status.created_at.timestamp()), started_at=now,
+                                  embedding_dimension=vector_size)
         count_shard(repository, layout, plan, result, send_finalize, spec)
         expired.append(shard.index)
     if expired:
@@ -111,3 +117,18 @@ def _rows(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan) 
     except JobCannotRun as error:
         fail_job(context.repository, job_id, f"its completion_window passed and it {error}")
         raise
+
+
+def _vector_size(context: WorkerContext, spec: JobSpec) -> int | None:
+    """An embed job's vector size for its expired parts; None (a plain float-list column) only when
+    the model's files cannot be had now: the job still ends at its deadline."""
+    if not spec.is_embed:
+        return None
+    settings = context.settings
+    try:
+        return job_vector_size(spec, context.registry.location(spec.model), settings.model_cache_dir,
+                               endpoint_url=settings.s3_endpoint_url)
+    except Exception:  # noqa: BLE001 - an unknown or unreachable model must not keep the job running
+        logger.exception("expiry sweep: the vector size of model %s is unknown; its expired parts hold "
+                         "a float-list column", spec.model)
+        return None

@@ -1,27 +1,24 @@
 """`EmbedHost`: one long-lived `Embedder` in its own thread, fed by any number of threads.
 
 The counterpart of `EngineHost` for embedding models. Callers submit inputs (texts or token ids);
-the embed thread tokenizes them, embeds every distinct sequence once (identical inputs waiting
-together share one vector), longest first in passes of about `batch_tokens` tokens, and answers
-each input's future. Between passes it takes new commands, so an abort or a stop waits for one
+the embed thread tokenizes them, embeds every distinct sequence once per pooling asked for
+(identical inputs waiting together share one vector), in passes of about `batch_tokens` tokens that
+take the highest-priority inputs first and, within a priority, the longest first, and answers each
+input's future. Between passes it takes new commands, so an abort or a stop waits for one
 pass at most. Nothing here touches the object store.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-import queue
-import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from jobs.embedding import EmbedInput
-from worker.engine_host import IDLE_POLL_S, EngineUnavailable
+from jobs.embedding import EmbedInput, Pooling
+from worker.model_host import AbortCommand, AddCommand, Command, HostSubmission, ModelHost
 
 if TYPE_CHECKING:
     from engine.embedder import Embedder
@@ -29,6 +26,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Vector = list[float]
+_Key = tuple[tuple[int, ...], Pooling | None, bool | None]  # a sequence and how it is pooled
 DEFAULT_PASS_TOKENS = 4096  # tokens per call to the embedder (Embedder.batch_tokens when it says)
 
 
@@ -38,6 +36,9 @@ class EmbedInputRequest:
 
     value: EmbedInput
     truncate: bool = False
+    pooling: Pooling | None = None  # None: the model's (Embedder.pooling_config)
+    normalize: bool | None = None
+    priority: int = 0  # lower runs sooner (the engine's convention, as EngineRequest's)
 
 
 @dataclass(frozen=True)
@@ -53,135 +54,34 @@ class EmbedResult:
     seconds: float = 0.0  # embedder time attributed to it
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    request: EmbedInputRequest
-    future: Future[EmbedResult]
-
-
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Call:
-    function: Callable[[Embedder], Any]
-    future: Future[Any]
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-class EmbedSubmission:
+class EmbedSubmission(HostSubmission[EmbedResult]):
     """The inputs of one `submit` call: their results come back in the order they were given."""
 
-    def __init__(self, host: EmbedHost, request_ids: list[str], futures: list[Future[EmbedResult]]) -> None:
-        self._host = host
-        self.request_ids = request_ids
-        self.futures = futures
 
-    def wait(self, timeout: float | None = None) -> bool:
-        _, not_done = wait_futures(self.futures, timeout=timeout)
-        return not not_done
-
-    def results(self) -> list[EmbedResult]:
-        """Results in submit order; raises `EngineUnavailable` if the embedder died before finishing."""
-        return [future.result(timeout=0) for future in self.futures]
-
-    def abort(self) -> None:
-        self._host.abort(rid for rid, future in zip(self.request_ids, self.futures, strict=True)
-                         if not future.done())
-
-
-class EmbedHost:
+class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
     """Loads the embedder with `load_embedder()` in its own thread, then embeds what it is sent.
 
     Inputs may be submitted before it is ready: they wait. If loading fails, every waiting and later
     submission fails with `EngineUnavailable` carrying the reason (as `EngineHost`'s do).
     """
 
+    noun = "embedder"
+    thread_prefix = "embed"
+
     def __init__(self, load_embedder: Callable[[], Embedder], name: str = "embedder") -> None:
-        self.name = name
-        self._load_embedder = load_embedder
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
-        self._ids = itertools.count()
-        self._ids_lock = threading.Lock()
-        self._ready = threading.Event()
-        self._dead = threading.Event()
-        self._settled = threading.Event()
-        self._failure: BaseException | None = None
-        self._start_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        super().__init__(load_embedder, name)
         self._tokenized: dict[str, tuple[int, ...]] = {}  # the embed thread's: pending inputs' sequences
         self.dtype_choice = None  # engine.dtype_choice.DtypeChoice, once loaded
         self.dimension: int | None = None  # the model's vector size, once loaded
+        self.fixed_pooling: str | None = None  # the pooling its checkpoint fixes, once loaded (None: free)
         self.max_length: int | None = None  # tokens per input, special tokens included, once loaded
-        self.crashes = 0
         # What a heartbeat reports (worker/status_server.py), written by the embed thread only.
         self._busy_s = 0.0
         self._tokens_computed = 0
         self._waiting = 0
-        self.load_seconds: float | None = None
-        self.device: str | None = None
-
-    # ---- lifecycle (as EngineHost) ---------------------------------------------------------------
-
-    def start(self) -> EmbedHost:
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"embed-{self.name}", daemon=True)
-                self._thread.start()
-        return self
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        self._settled.wait(timeout)
-        if self._dead.is_set():
-            raise self._unavailable()
-        return self._ready.is_set()
-
-    @property
-    def loaded(self) -> bool:
-        return self._ready.is_set()
-
-    @property
-    def failure(self) -> BaseException | None:
-        return self._failure
-
-    def stop(self, timeout: float | None = 30) -> None:
-        self._commands.put(_Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, requests: Sequence[EmbedInputRequest]) -> EmbedSubmission:
-        if self._dead.is_set():
-            raise self._unavailable()
-        with self._ids_lock:
-            ids = [f"{self.name}-{next(self._ids)}" for _ in requests]
-        futures: list[Future[EmbedResult]] = [Future() for _ in requests]
-        for request_id, request, future in zip(ids, requests, futures, strict=True):
-            self._commands.put(_Add(request_id, request, future))
-        if self._dead.is_set():
-            self._fail_futures(futures)
-        return EmbedSubmission(self, ids, futures)
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        ids = tuple(request_ids)
-        if ids:
-            self._commands.put(_Abort(ids))
-
-    def call(self, function: Callable[[Embedder], Any], timeout: float | None = 30) -> Any:
-        """Run `function(embedder)` between two passes and return its result."""
-        future: Future[Any] = Future()
-        self._commands.put(_Call(function, future))
-        if self._dead.is_set():
-            self._fail_futures([future])
-        return future.result(timeout)
+        return EmbedSubmission(self, *self._queue(requests))
 
     def figures(self) -> dict[str, Any]:
         """The engine figures a heartbeat reads (`LLMEngine.get_metrics()`'s names): inputs waiting,
@@ -191,32 +91,25 @@ class EmbedHost:
 
     # ---- the embed thread ----------------------------------------------------------------------
 
-    def _run(self) -> None:
-        started = time.monotonic()
-        try:
-            embedder = self._load_embedder()
-        except BaseException as error:  # noqa: BLE001 - reported to every submitter
-            logger.exception("embedder %s failed to load", self.name)
-            self._die(error)
-            return
-        self.load_seconds = time.monotonic() - started
+    def _on_loaded(self, embedder: Embedder) -> None:
         self.dtype_choice = embedder.dtype_choice
         self.dimension = embedder.config.dimension
         self.max_length = embedder.config.max_length
+        self.fixed_pooling = getattr(embedder, "fixed_pooling", None)
         self.device = str(getattr(embedder, "device", "cpu"))
-        self._ready.set()
-        self._settled.set()
         logger.info("embedder %s ready (dtype %s, %d dimensions, %d tokens at most)", self.name,
                     embedder.dtype_choice.dtype, self.dimension, self.max_length)
-        pending: dict[str, _Add] = {}
+
+    def _serve(self) -> None:
+        embedder = self._load_model()
+        if embedder is None:
+            return
+        pending: dict[str, AddCommand] = {}
         try:
             while True:
-                for command in self._drain(block=not pending):
-                    if isinstance(command, _Stop):
-                        self._die(EngineUnavailable(f"embedder {self.name} was stopped"),
-                                  [add.future for add in pending.values()])
-                        return
-                    self._apply(embedder, command, pending)
+                if not self._apply_commands(not pending, partial(self._apply, embedder, pending=pending),
+                                            lambda: [add.future for add in pending.values()]):
+                    return
                 if pending:
                     self._pass(embedder, pending)
                 self._waiting = len(pending)
@@ -224,25 +117,23 @@ class EmbedHost:
             logger.exception("embedder %s crashed", self.name)
             self._die(error, [add.future for add in pending.values()])
 
-    def _apply(self, embedder: Embedder, command: _Add | _Abort | _Call, pending: dict[str, _Add]) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, embedder: Embedder, command: Command, pending: dict[str, AddCommand]) -> None:
+        if isinstance(command, AddCommand):
             if command.future.set_running_or_notify_cancel():
                 pending[command.request_id] = command
-        elif isinstance(command, _Abort):
+        elif isinstance(command, AbortCommand):
             for request_id in command.request_ids:
                 add = pending.pop(request_id, None)
                 self._tokenized.pop(request_id, None)
                 if add is not None:
                     add.future.set_result(EmbedResult(None, 0, aborted=True))
         else:
-            try:
-                command.future.set_result(command.function(embedder))
-            except Exception as error:  # noqa: BLE001 - the caller gets it back
-                command.future.set_exception(error)
+            self._run_call(embedder, command)
 
-    def _pass(self, embedder: Embedder, pending: dict[str, _Add]) -> None:
-        """Embed the longest waiting sequences, about one pass of tokens (identical ones once)."""
-        sequences: dict[tuple[int, ...], list[str]] = {}
+    def _pass(self, embedder: Embedder, pending: dict[str, AddCommand]) -> None:
+        """Embed about one pass of tokens: the highest-priority waiting sequences first, the longest
+        first within a priority (identical ones pooled the same way once)."""
+        sequences: dict[_Key, list[str]] = {}
         for request_id, add in list(pending.items()):
             ids = self._tokenized.get(request_id)
             if ids is None:
@@ -251,29 +142,36 @@ class EmbedHost:
                 del pending[request_id]
                 continue
             self._tokenized[request_id] = ids
-            sequences.setdefault(ids, []).append(request_id)
+            sequences.setdefault((ids, add.request.pooling, add.request.normalize), []).append(request_id)
         budget = int(getattr(embedder, "batch_tokens", DEFAULT_PASS_TOKENS))
-        chosen: list[tuple[int, ...]] = []
-        tokens = 0
-        for ids in sorted(sequences, key=len, reverse=True):
-            if chosen and tokens + len(ids) > budget:
-                break
-            chosen.append(ids)
-            tokens += len(ids)
-        self._waiting = len(pending)
-        started = time.monotonic()
-        results = self._embed(embedder, chosen)
-        seconds = time.monotonic() - started
-        self._busy_s += seconds
-        self._tokens_computed += tokens
-        per_token = seconds / max(tokens, 1)
-        for ids, (vector, error) in zip(chosen, results, strict=True):
-            for request_id in sequences[ids]:
-                add = pending.pop(request_id)
-                self._tokenized.pop(request_id, None)
-                add.future.set_result(EmbedResult(vector, len(ids), error, seconds=per_token * len(ids)))
 
-    def _token_ids(self, embedder: Embedder, add: _Add) -> tuple[int, ...] | None:
+        def rank(key: _Key) -> tuple[int, int]:
+            return min(pending[request_id].request.priority for request_id in sequences[key]), -len(key[0])
+
+        chosen: dict[tuple[Pooling | None, bool | None], list[_Key]] = {}  # by the pooling they ask for
+        tokens = 0
+        for key in sorted(sequences, key=rank):
+            if chosen and tokens + len(key[0]) > budget:
+                break
+            chosen.setdefault(key[1:], []).append(key)
+            tokens += len(key[0])
+        self._waiting = len(pending)
+        for (pooling, normalize), keys in chosen.items():
+            started = time.monotonic()
+            results = self._embed(embedder, [key[0] for key in keys], pooling, normalize)
+            seconds = time.monotonic() - started
+            group_tokens = sum(len(key[0]) for key in keys)
+            self._busy_s += seconds
+            self._tokens_computed += group_tokens
+            per_token = seconds / max(group_tokens, 1)
+            for key, (vector, error) in zip(keys, results, strict=True):
+                for request_id in sequences[key]:
+                    add = pending.pop(request_id)
+                    self._tokenized.pop(request_id, None)
+                    add.future.set_result(EmbedResult(vector, len(key[0]), error,
+                                                      seconds=per_token * len(key[0])))
+
+    def _token_ids(self, embedder: Embedder, add: AddCommand) -> tuple[int, ...] | None:
         """The input's sequence, truncated when it asked; None once its future holds an error."""
         value = add.request.value
         try:
@@ -293,12 +191,22 @@ class EmbedHost:
         return tuple(ids)
 
     @staticmethod
-    def _embed(embedder: Embedder, chosen: list[tuple[int, ...]]) -> list[tuple[Vector | None, str | None]]:
-        """(vector, None) or (None, why) per sequence. A sequence the embedder refuses (ValueError: an id
-        outside its vocabulary…) fails alone: when a pass raises, each sequence runs on its own. Any
-        other failure ends the host (the shard is retried on a fresh one, as after an engine crash)."""
+    def _embed(embedder: Embedder, chosen: list[tuple[int, ...]], pooling: Pooling | None = None,
+               normalize: bool | None = None) -> list[tuple[Vector | None, str | None]]:
+        """(vector, None) or (None, why) per sequence, pooled as asked (None: the model's way). A
+        pooling the model does not allow fails every sequence with the reason. A sequence the embedder
+        refuses (ValueError: an id outside its vocabulary…) fails alone: when a pass raises, each
+        sequence runs on its own. Any other failure ends the host (the shard is retried on a fresh
+        one, as after an engine crash)."""
+        asked = {name: value for name, value in (("pooling", pooling), ("normalize", normalize))
+                 if value is not None}
+        if asked:
+            try:
+                embedder.pooling_config(**asked)
+            except ValueError as error:
+                return [(None, str(error)[:300])] * len(chosen)
         try:
-            return [(output.embedding, None) for output in embedder.embed_token_ids(chosen)]
+            return [(output.embedding, None) for output in embedder.embed_token_ids(chosen, **asked)]
         except Exception as error:  # noqa: BLE001 - find the sequences at fault
             if len(chosen) == 1:
                 if isinstance(error, ValueError):
@@ -307,46 +215,10 @@ class EmbedHost:
         results: list[tuple[Vector | None, str | None]] = []
         for ids in chosen:
             try:
-                results.append((embedder.embed_token_ids([ids])[0].embedding, None))
+                results.append((embedder.embed_token_ids([ids], **asked)[0].embedding, None))
             except ValueError as error:
                 results.append((None, _refusal(error)))
         return results
-
-    def _drain(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
-        commands = []
-        if block:
-            try:
-                commands.append(self._commands.get(timeout=IDLE_POLL_S))
-            except queue.Empty:
-                return []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    def _die(self, error: BaseException, pending: Iterable[Future[Any]] = ()) -> None:
-        self._failure = error
-        self._dead.set()
-        self._settled.set()
-        self._fail_futures(list(pending))
-        for command in self._drain(block=False):
-            if isinstance(command, _Add | _Call):
-                self._fail_futures([command.future])
-
-    def _fail_futures(self, futures: Iterable[Future[Any]]) -> None:
-        for future in futures:
-            if future.done():
-                continue
-            try:
-                future.set_exception(self._unavailable())
-            except Exception:  # noqa: BLE001, S110 - it finished or was cancelled meanwhile
-                pass
-
-    def _unavailable(self) -> EngineUnavailable:
-        if isinstance(self._failure, EngineUnavailable):
-            return self._failure
-        return EngineUnavailable(f"embedder {self.name} is unavailable: {self._failure!r}")
 
 
 def truncated(ids: list[int], limit: int, special_ids: set[int]) -> list[int]:

@@ -2,9 +2,9 @@
 
 `EmbedRun` is `EngineRun`'s counterpart (same calls: `wait`, `outputs`, `abort`, `rows`), so the
 shard runner's window loop (worker/row_window.py) and `bulkinfer run` drive either. With
-`deduplicate`, a row identical to an earlier row of the run (same inputs, truncate and dimensions)
-is not sent again and takes that row's vectors (`OutputRow.deduplicated`); identical inputs of
-different rows waiting in the host together are embedded once there too.
+`deduplicate`, a row identical to an earlier row of the run (same inputs, truncate, dimensions,
+pooling and normalize) is not sent again and takes that row's vectors (`OutputRow.deduplicated`);
+identical inputs of different rows waiting in the host together are embedded once there too.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class _Span:
 def row_digest(row: Row) -> bytes:
     """Rows with equal digests get equal vectors."""
     embed = row.embed
-    key = repr((embed.inputs, embed.truncate, embed.dimensions)) if embed is not None else ""
+    key = (repr((embed.inputs, embed.truncate, embed.dimensions, embed.pooling, embed.normalize))
+           if embed is not None else "")
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
@@ -50,7 +51,7 @@ class EmbedRun:
     def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
                  cache_salt: str | None = None) -> None:
-        # priority and cache_salt: an embedder has no queue order between jobs and no prefix cache.
+        # priority: lower runs sooner (the engine's convention); cache_salt: an embedder has no prefix cache.
         self.rows = len(items)
         self._model = hosted.name
         self._outputs: list[OutputRow | None] = [None] * len(items)
@@ -77,7 +78,9 @@ class EmbedRun:
                 if len(first_of) < MAX_REMEMBERED_REQUESTS:
                     first_of[digest] = offset + position
             self._spans.append(_Span(position, item, len(requests), len(item.embed.inputs)))
-            requests += [EmbedInputRequest(value, item.embed.truncate) for value in item.embed.inputs]
+            embed = item.embed
+            requests += [EmbedInputRequest(value, embed.truncate, embed.pooling, embed.normalize, priority)
+                         for value in embed.inputs]
         self.submission: EmbedSubmission | None = hosted.host.submit(requests) if requests else None
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -117,8 +120,9 @@ def _copy(source: OutputRow | None, row: Row) -> OutputRow:
 
 
 def embedded_row(row: Row, results: Sequence[EmbedResult], expired: bool = False) -> OutputRow:
-    """The row's outcome from its inputs' results: its vectors (shortened to its `dimensions`), or the
-    first input's error (named by position when the row has several)."""
+    """The row's outcome from its inputs' results: its vectors (shortened to its `dimensions`, and
+    renormalised unless it asked for `normalize: false`), or the first input's error (named by
+    position when the row has several)."""
     if any(result.aborted for result in results):
         if expired:
             return expired_row(row)
@@ -130,8 +134,9 @@ def embedded_row(row: Row, results: Sequence[EmbedResult], expired: bool = False
             code = RowErrorCode.PROMPT_TOO_LONG if result.too_long else RowErrorCode.INVALID_ROW
             return OutputRow.engine_failed(row, code, f"{where}{result.error or 'no vector came back'}")
     dimensions = row.embed.dimensions if row.embed is not None else None
+    renormalize = row.embed is None or row.embed.normalize is not False
     try:
-        vectors = [shorten(result.embedding or [], dimensions) for result in results]
+        vectors = [shorten(result.embedding or [], dimensions, renormalize) for result in results]
     except ValueError as error:  # dimensions past the model's size
         return OutputRow.engine_failed(row, RowErrorCode.INVALID_ROW, str(error))
     return OutputRow.embedded(row, vectors, prompt_tokens=sum(result.prompt_tokens for result in results),

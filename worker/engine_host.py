@@ -2,8 +2,9 @@
 
 `LLMEngine` is not thread-safe, so only the engine thread touches it. Other threads talk to it
 through a command queue the engine thread drains between steps (add requests, abort them, read
-metrics, stop) and get answers back through futures. While the engine has work it never blocks on
-the queue; when idle it waits on it, so an idle host costs no CPU.
+metrics, stop) and get answers back through futures (worker/model_host.py, shared with the
+`EmbedHost`). While the engine has work it never blocks on the queue; when idle it waits on it, so
+an idle host costs no CPU. A step that raises rebuilds the engine and finds the request at fault.
 
 The engine thread does no object-store I/O: callers hand it prompts and take outputs away.
 """
@@ -11,16 +12,11 @@ The engine thread does no object-store I/O: callers hand it prompts and take out
 from __future__ import annotations
 
 import gc
-import itertools
 import logging
-import queue
-import threading
-import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
 
 import torch
 
@@ -28,15 +24,11 @@ from engine import ErrorKind, LLMEngine, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
 from engine.outputs import CompletionOutput
 from worker.crash_isolation import CrashIsolation
+from worker.model_host import AbortCommand, AddCommand, Command, EngineUnavailable, HostSubmission, ModelHost
 
 logger = logging.getLogger(__name__)
 
-# How long an idle engine thread sleeps on the queue before checking again that it should live.
-IDLE_POLL_S = 1.0
-
-
-class EngineUnavailable(RuntimeError):
-    """The engine failed to load, crashed in a step, or was stopped; the message says which."""
+__all__ = ["EngineHost", "EngineRequest", "EngineUnavailable", "Submission", "release_engine_memory"]
 
 
 @dataclass(frozen=True)
@@ -49,169 +41,48 @@ class EngineRequest:
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    request: EngineRequest
-    future: Future[RequestOutput]
+class Submission(HostSubmission[RequestOutput]):
+    """The requests of one `submit` call: their outputs come back in the order they were given; an
+    aborted request's output says `abort`."""
 
 
-@dataclass(frozen=True)
-class _Abort:
-    request_ids: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class _Call:
-    """Run `function(engine)` on the engine thread (metrics, tests); the answer comes via `future`."""
-
-    function: Callable[[LLMEngine], Any]
-    future: Future[Any]
-
-
-@dataclass(frozen=True)
-class _Stop:
-    pass
-
-
-class Submission:
-    """The requests of one `submit` call: their outputs come back in the order they were given."""
-
-    def __init__(self, host: EngineHost, request_ids: list[str],
-                 futures: list[Future[RequestOutput]]) -> None:
-        self._host = host
-        self.request_ids = request_ids
-        self.futures = futures
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until every output is in (True) or `timeout` seconds pass (False)."""
-        _, not_done = wait_futures(self.futures, timeout=timeout)
-        return not not_done
-
-    def results(self) -> list[RequestOutput]:
-        """Outputs in submit order; raises `EngineUnavailable` if the engine died before finishing."""
-        return [future.result(timeout=0) for future in self.futures]
-
-    def abort(self) -> None:
-        """Stop every request of this submission that has not finished (their outputs say `abort`)."""
-        self._host.abort(rid for rid, future in zip(self.request_ids, self.futures, strict=True)
-                         if not future.done())
-
-
-class EngineHost:
+class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
     """Builds the engine with `load_engine()` in its own thread, then steps it for as long as it lives.
 
     Requests may be submitted before the engine is ready: they wait in the queue. If loading fails,
     every waiting and later submission fails with `EngineUnavailable` carrying the reason.
     """
 
+    noun = "engine"
+    thread_prefix = "engine"
+
     def __init__(self, load_engine: Callable[[], LLMEngine], name: str = "engine") -> None:
-        self.name = name
-        self._load_engine = load_engine
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | _Stop] = queue.SimpleQueue()
-        self._ids = itertools.count()
-        self._ids_lock = threading.Lock()
-        self._ready = threading.Event()
-        self._dead = threading.Event()
-        self._settled = threading.Event()  # set once the engine is ready or dead, whichever first
-        self._failure: BaseException | None = None
-        self._start_lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+        super().__init__(load_engine, name)
         self.dtype_choice: DtypeChoice | None = None  # the engine's dtype and why, once it is loaded
-        self.crashes = 0  # engine steps that raised (each rebuilt the engine)
-        self.load_seconds: float | None = None  # how long the engine took to build, once it is loaded
-        self.device: str | None = None  # where it computes ("cpu", "cuda"), once it is loaded
-
-    # ---- lifecycle -----------------------------------------------------------------------------
-
-    def start(self) -> EngineHost:
-        """Start the engine thread (once; later calls do nothing)."""
-        with self._start_lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
-                self._thread.start()
-        return self
-
-    def wait_ready(self, timeout: float | None = None) -> bool:
-        """True once the engine is loaded, False on timeout; raises `EngineUnavailable` if it failed
-        to load or has died since.
-        """
-        self._settled.wait(timeout)
-        if self._dead.is_set():
-            raise self._unavailable()
-        return self._ready.is_set()
-
-    @property
-    def loaded(self) -> bool:
-        """True once the engine has loaded (it may have died since)."""
-        return self._ready.is_set()
-
-    @property
-    def failure(self) -> BaseException | None:
-        """Why the engine thread ended (load error, step error), or None while it is healthy."""
-        return self._failure
-
-    def stop(self, timeout: float | None = 30) -> None:
-        """Stop stepping; unfinished submissions fail with `EngineUnavailable`."""
-        self._commands.put(_Stop())
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    # ---- requests ------------------------------------------------------------------------------
 
     def submit(self, requests: Sequence[EngineRequest]) -> Submission:
         """Queue `requests` for the engine, in this order; returns their futures at once."""
-        if self._dead.is_set():
-            raise self._unavailable()
-        with self._ids_lock:
-            ids = [f"{self.name}-{next(self._ids)}" for _ in requests]
-        futures: list[Future[RequestOutput]] = [Future() for _ in requests]
-        for request_id, request, future in zip(ids, requests, futures, strict=True):
-            self._commands.put(_Add(request_id, request, future))
-        if self._dead.is_set():  # died while we queued: nobody will answer these
-            self._fail_futures(futures)
-        return Submission(self, ids, futures)
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        """Abort these requests if they have not finished; unknown ids are ignored."""
-        ids = tuple(request_ids)
-        if ids:
-            self._commands.put(_Abort(ids))
-
-    def call(self, function: Callable[[LLMEngine], Any], timeout: float | None = 30) -> Any:
-        """Run `function(engine)` between two steps and return its result (e.g. `get_metrics`)."""
-        future: Future[Any] = Future()
-        self._commands.put(_Call(function, future))
-        if self._dead.is_set():
-            self._fail_futures([future])
-        return future.result(timeout)
+        return Submission(self, *self._queue(requests))
 
     # ---- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
-        started = time.monotonic()
-        try:
-            engine = self._load_engine()
-        except BaseException as error:  # noqa: BLE001 - reported to every submitter
-            logger.exception("engine %s failed to load", self.name)
-            self._die(error)
-            return
-        self.load_seconds = time.monotonic() - started
+    def _on_loaded(self, engine: LLMEngine) -> None:
         self.device = str(engine.config.device)
         self.dtype_choice = engine.dtype_choice
-        self._ready.set()
-        self._settled.set()
         logger.info("engine %s ready (dtype %s: %s)", self.name, engine.dtype_choice.dtype,
                     engine.dtype_choice.reason)
+
+    def _serve(self) -> None:
+        engine = self._load_model()
+        if engine is None:
+            return
         requests = _Requests()
         try:
             while True:
                 busy = engine.has_unfinished_requests()
-                for command in self._drain(block=not busy):
-                    if isinstance(command, _Stop):
-                        self._die(EngineUnavailable(f"engine {self.name} was stopped"), requests.futures())
-                        return
-                    self._apply(engine, command, requests)
+                if not self._apply_commands(not busy, partial(self._apply, engine, requests=requests),
+                                            requests.futures):
+                    return
                 if not engine.has_unfinished_requests():
                     continue
                 try:
@@ -246,62 +117,21 @@ class EngineHost:
             requests.fail(request_id, f"the engine crashed twice while running this request: {error!r}")
         requests.in_engine.clear()
         release_engine_memory()
-        engine = self._load_engine()
+        engine = self._load()
         requests.advance(engine)
         return engine
 
-    def _drain(self, block: bool) -> list[_Add | _Abort | _Call | _Stop]:
-        commands = []
-        if block:
-            try:
-                commands.append(self._commands.get(timeout=IDLE_POLL_S))
-            except queue.Empty:
-                return []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
-
-    @staticmethod
-    def _apply(engine: LLMEngine, command: _Add | _Abort | _Call, requests: _Requests) -> None:
-        if isinstance(command, _Add):
+    def _apply(self, engine: LLMEngine, command: Command, requests: _Requests) -> None:
+        if isinstance(command, AddCommand):
             if not command.future.set_running_or_notify_cancel():
                 return  # the submitter gave up on it before it reached the engine
             requests.accept(engine, command)
-        elif isinstance(command, _Abort):
+        elif isinstance(command, AbortCommand):
             for request_id in command.request_ids:
                 if not requests.abort_outside_engine(request_id):
                     engine.abort_request(request_id)
         else:
-            try:
-                command.future.set_result(command.function(engine))
-            except Exception as error:  # noqa: BLE001 - the caller gets it back
-                command.future.set_exception(error)
-
-    def _die(self, error: BaseException, pending: Iterable[Future[RequestOutput]] = ()) -> None:
-        self._failure = error
-        self._dead.set()
-        self._settled.set()
-        self._fail_futures(list(pending))
-        # Commands that arrived after the last drain: nobody will ever answer them.
-        for command in self._drain(block=False):
-            if isinstance(command, _Add | _Call):
-                self._fail_futures([command.future])
-
-    def _fail_futures(self, futures: Iterable[Future[Any]]) -> None:
-        for future in futures:
-            if future.done():
-                continue
-            try:
-                future.set_exception(self._unavailable())
-            except Exception:  # noqa: BLE001, S110 - it finished or was cancelled meanwhile
-                pass
-
-    def _unavailable(self) -> EngineUnavailable:
-        if isinstance(self._failure, EngineUnavailable):
-            return self._failure
-        return EngineUnavailable(f"engine {self.name} is unavailable: {self._failure!r}")
+            self._run_call(engine, command)
 
 
 def release_engine_memory() -> None:
@@ -332,14 +162,14 @@ class _Requests:
     wait out a crash search (suspects, and requests that arrived during it)."""
 
     def __init__(self) -> None:
-        self.accepted: dict[str, _Add] = {}  # not finished yet, in the engine or not
+        self.accepted: dict[str, AddCommand] = {}  # not finished yet, in the engine or not
         self.in_engine: set[str] = set()
         self.isolation = CrashIsolation()
 
     def futures(self) -> list[Future[RequestOutput]]:
         return [add.future for add in self.accepted.values()]
 
-    def accept(self, engine: LLMEngine, add: _Add) -> None:
+    def accept(self, engine: LLMEngine, add: AddCommand) -> None:
         self.accepted[add.request_id] = add
         if not self.isolation.active:
             self._add(engine, add.request_id)

@@ -1,7 +1,8 @@
 """The engines of a worker process: one `EngineHost` per served model, built on first use; an
 embedding model (`engine.embedder.is_embedding_model`) gets an `EmbedHost` instead, and runs only
-embed jobs (a decoder checkpoint without sentence-transformers files generates; it is not loaded a
-second time as an embedder).
+embed jobs. A decoder checkpoint without sentence-transformers files generates; an embed job on it
+(`get(name, embed=True)`) loads it a second time, as an embedder (last-token pooling unless the job
+says otherwise, as Qwen3-Embedding), beside its engine when generate jobs use it too.
 
 Resolving a model (and downloading it from S3) happens in the calling thread; only the engine
 build itself runs on the engine thread, so that thread never touches the object store.
@@ -21,6 +22,7 @@ from engine import EngineConfig, LLMEngine
 from jobs.model_registry import ModelRegistry
 from jobs.spec import JobSpec
 from worker.embed_host import EmbedHost
+from worker.embedding_size import checkpoint_dimension
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
 from worker.model_cache import model_cache_dir
@@ -71,24 +73,27 @@ class ModelHosts:
         self.engine_options = engine_options
         self.s3_endpoint_url = s3_endpoint_url
         self.cache_dir = cache_dir
-        self._models: dict[str, HostedModel] = {}
+        self._models: dict[tuple[str, bool], HostedModel] = {}  # (name, hosted as an embedder)
+        self._embedding_models: dict[str, bool] = {}  # name -> is an embedding model, once resolved
         self._lock = threading.Lock()
 
-    def get(self, name: str) -> HostedModel:
-        """The hosted model, loading it the first time (and again if its last load failed).
+    def get(self, name: str, *, embed: bool = False) -> HostedModel:
+        """The hosted model, loading it the first time (and again if its last load failed); `embed`:
+        as an embedder (an embedding model always is one; a decoder is then hosted a second time).
 
         Raises `UnknownModel` for a name the registry lacks and `ModelUnavailable` when its files
         cannot be found or fetched; the engine itself finishes loading in its own thread (see
         `EngineHost.wait_ready`).
         """
         with self._lock:
-            hosted = self._models.get(name)
+            known = self._embedding_models.get(name)
+            hosted = None if known is None else self._models.get((name, embed or known))
             if hosted is None or hosted.host.failure is not None:
-                hosted = self._load(name)
-                self._models[name] = hosted
+                hosted = self._load(name, embed)
+                self._models[(name, hosted.is_embedding)] = hosted
             return hosted
 
-    def _load(self, name: str) -> HostedModel:
+    def _load(self, name: str, embed: bool) -> HostedModel:
         from transformers import AutoTokenizer
 
         directory = local_model_dir(self.registry.location(name), self.cache_dir,
@@ -103,7 +108,9 @@ class ModelHosts:
         renderer = PromptRenderer(tokenizer)
         from engine.embedder import Embedder, is_embedding_model
 
-        if is_embedding_model(directory):
+        embedding_model = is_embedding_model(directory)
+        self._embedding_models[name] = embedding_model
+        if embedding_model or embed:
             options = {"dtype": config.dtype, "device": config.device}
             host: EngineHost | EmbedHost = EmbedHost(lambda: Embedder.load(directory, **options), name=name)
         else:
@@ -121,14 +128,20 @@ class ModelHosts:
         return EngineConfig(model=str(directory), **{**tuned, **explicit})
 
     def hosted(self) -> list[HostedModel]:
-        """The models this process hosts now (loaded, loading or failed)."""
+        """The models this process hosts now (loaded, loading or failed), one per name, as heartbeats
+        and metrics report them: a decoder hosted both ways is reported by its engine."""
         with self._lock:
-            return list(self._models.values())
+            models = list(self._models.items())
+        by_name: dict[str, HostedModel] = {}
+        for (name, as_embedder), hosted in models:
+            if not as_embedder or name not in by_name:
+                by_name[name] = hosted
+        return list(by_name.values())
 
     def state(self, name: str) -> str:
         """One model's state: "loaded", "loading", "not loaded" or "failed: <why>"."""
         with self._lock:
-            hosted = self._models.get(name)
+            hosted = self._models.get((name, False)) or self._models.get((name, True))
         if hosted is None:
             return "not loaded"
         if hosted.host.failure is not None:
@@ -157,22 +170,28 @@ class ModelHosts:
 
 
 def task_problem(spec: JobSpec, hosted: HostedModel) -> str | None:
-    """Why the job cannot run on this model (an embed job on a generation model, or the reverse, or
-    `dimensions` past the model's size once it is loaded), or None."""
+    """Why the job cannot run on this model (an embed job on a model not hosted as an embedder, a
+    generate job on an embedding model, or, once it is loaded, `dimensions` past the model's size
+    or a `pooling` its checkpoint does not allow), or None."""
     if spec.is_embed and not hosted.is_embedding:
-        return (f"model {hosted.name!r} generates text and cannot embed: an embed job needs an embedding "
-                "model (a BERT-family encoder or a checkpoint with sentence-transformers files)")
+        return (f"model {hosted.name!r} is hosted to generate text, not to embed: an embed job asks for "
+                "it with ModelHosts.get(name, embed=True)")
     if not spec.is_embed and hosted.is_embedding:
         return (f"model {hosted.name!r} is an embedding model and cannot generate text: run it with task "
                 "'embed' (OpenAI batch lines: url /v1/embeddings)")
     size = hosted.host.dimension if isinstance(hosted.host, EmbedHost) else None
     if spec.dimensions is not None and size is not None and spec.dimensions > size:
         return f"dimensions {spec.dimensions} is more than model {hosted.name!r}'s {size}"
+    fixed = hosted.host.fixed_pooling if isinstance(hosted.host, EmbedHost) else None
+    if spec.pooling is not None and fixed is not None and spec.pooling != fixed:
+        return (f"pooling {spec.pooling!r}: model {hosted.name!r} was trained with {fixed!r} pooling (its "
+                f"sentence-transformers files fix it); omit pooling or ask for {fixed!r}")
     return None
 
 
 def embedding_dimension(spec: JobSpec, hosted: HostedModel) -> int | None:
-    """The size of an embed job's vectors: its `dimensions`, else the loaded model's."""
+    """The size of an embed job's vectors: its `dimensions`, else the loaded model's, else (the rows
+    ended before it loaded) its checkpoint's (worker/embedding_size.py)."""
     if not isinstance(hosted.host, EmbedHost):
         return None
-    return spec.dimensions or hosted.host.dimension
+    return spec.dimensions or hosted.host.dimension or checkpoint_dimension(hosted.directory)

@@ -16,7 +16,7 @@ from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
-from jobs.task_args import add_task_arguments
+from jobs.task_args import TASK_FIELDS, add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
@@ -98,7 +98,7 @@ def spec_from_args(args: argparse.Namespace, model_name: str) -> JobSpec:
     data["input_uri"] = args.input if "://" in args.input else str(Path(args.input).expanduser().resolve())
     data["model"] = model_name
     for name in ("prompt_column", "messages_column", "template", "instructions", "id_column",
-                 "passthrough_columns", "input_format", "task", "dimensions", "truncate"):
+                 "passthrough_columns", "input_format", *TASK_FIELDS):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
     sampling = {name: getattr(args, f"sampling_{name}") for name in JobSampling.model_fields

@@ -146,7 +146,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}), settings.engine_options_dict(),
                        s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
     try:
-        hosted = hosts.get(LOCAL_MODEL)
+        hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)
         for _ in ("before", "after"):  # the task at once; the model's size once it is loaded
             problem = task_problem(spec, hosted)
             if problem is not None:

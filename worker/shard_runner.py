@@ -203,7 +203,7 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
                            "writing the parts): see the worker's log")
     try:
         with timings.phase("model"):
-            hosted = context.hosts.get(spec.model)
+            hosted = context.hosts.get(spec.model, embed=spec.is_embed)
     except Exception as error:  # noqa: BLE001 - unknown model, files missing, tokenizer unreadable…
         if is_transient(error):  # …but not a store that is down for a moment
             raise
@@ -219,10 +219,10 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
 
 
 def _check_task(spec: JobSpec, hosted: HostedModel, timings: PhaseTimings) -> None:
-    """`JobCannotRun` when the model cannot do the job's task (an embed job's `dimensions` is checked
-    once the embedding model is loaded: every row would fail the same way)."""
+    """`JobCannotRun` when the model cannot do the job's task (an embed job's `dimensions` and `pooling`
+    are checked once the embedding model is loaded: every row would fail the same way)."""
     problem = task_problem(spec, hosted)
-    if problem is None and spec.is_embed and spec.dimensions is not None:
+    if problem is None and spec.is_embed and (spec.dimensions is not None or spec.pooling is not None):
         try:
             with timings.phase("model"):
                 hosted.host.wait_ready()

@@ -35,7 +35,7 @@ from api.client import ApiError, Client, JobState, JobStatus, WaitTimeout
 from api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
 from api.client.inputs import is_uri
 from jobs.estimate_report import JobEstimate
-from jobs.task_args import add_task_arguments
+from jobs.task_args import TASK_FIELDS, add_task_arguments
 from jobs.usage import UsageLine
 
 EXIT_SUCCEEDED = 0
@@ -318,7 +318,7 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
         spec["response_format"] = {"type": "json_object"}
     for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
                   "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url",
-                  "completion_window", "task", "dimensions", "truncate"):
+                  "completion_window", *TASK_FIELDS):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value

@@ -3,7 +3,8 @@
 `input` is a string, a list of strings, a list of token ids or a list of token-id lists (one vector
 per input, in order); `encoding_format` is `float` (default) or `base64`; `dimensions` shortens the
 vectors (else the job's `dimensions`). `model` and `user` are ignored, as on every line. The job's
-`instructions` go before each text input (token ids are embedded as given).
+`instructions` go before each text input (token ids are embedded as given); its `truncate`,
+`pooling` and `normalize` apply to every line.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def embedding_row(index: int, custom_id: str, body: dict[str, Any], spec: JobSpe
         raise RowProblem(RowErrorCode.INVALID_ROW,
                          f"body.dimensions must be a whole number ≥ 1, got {dimensions!r}")
     request = EmbedRequest(inputs, dimensions if dimensions is not None else spec.dimensions, encoding,
-                           spec.truncate)
+                           spec.truncate, spec.pooling, spec.normalize)
     prompt = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], str) else None
     return Row(index, custom_id, prompt, None, JobSampling(), None, {}, line, request)
 

@@ -221,7 +221,8 @@ class RowBuilder:
         except (ValueError, TypeError, RecursionError, OverflowError) as error:  # values no check foresaw
             return unreadable_row(index, row_id, error, line, passthrough)
         if spec.is_embed:
-            embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate)
+            embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate, spec.pooling,
+                                 spec.normalize)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
 

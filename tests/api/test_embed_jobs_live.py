@@ -154,20 +154,35 @@ def test_an_embed_job_with_chat_or_sampling_is_refused_at_submit(stack: LiveStac
     assert "sampling: an embed job samples nothing" in said
 
 
-def test_bulkinfer_submit_task_embed_with_dimensions_and_truncate(stack: LiveStack, tmp_path: Path) -> None:
+def test_bulkinfer_submit_task_embed_with_dimensions_and_truncate(stack: LiveStack, tmp_path: Path,
+                                                                   reference: Embedder) -> None:
     source = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": ["the cat", TOO_LONG]}), source)
     submitted = subprocess.run(
         [sys.executable, "-m", "api.cli", "submit", str(source), "--model", MODEL, "--task", "embed",
-         "--prompt-column", "text", "--dimensions", "8", "--truncate", "--wait", "--poll-interval", "0.2",
+         "--prompt-column", "text", "--dimensions", "8", "--truncate", "--pooling", "mean", "--no-normalize",
+         "--wait", "--poll-interval", "0.2",
          "--json", "--no-progress"],
         cwd=REPO_ROOT, env=stack.cli_env(BULKINFER_API_URL=stack.url, BULKINFER_API_KEY=KEY),
         capture_output=True, text=True, timeout=180)
     assert submitted.returncode == 0, submitted.stderr
     job_id = json.loads(submitted.stdout)["job_id"]
     spec = stack.client.jobs.spec(job_id)
-    assert (spec.task, spec.dimensions, spec.truncate) == ("embed", 8, True)
+    assert (spec.task, spec.dimensions, spec.truncate, spec.pooling, spec.normalize) == ("embed", 8, True,
+                                                                                       "mean", False)
     table = stack.client.jobs.results(job_id).to_arrow()
     assert table.column("error").to_pylist() == [None, None]  # the long text was cut, not failed
     assert table.schema.field("embedding").type.list_size == 8
     assert table.column("prompt_tokens").to_pylist()[1] == 48
+    # normalize: false: the first 8 values as the model pooled them, not renormalised.
+    raw = reference.embed_token_ids([reference.tokenize("the cat")], normalize=False)[0].embedding
+    np.testing.assert_allclose(table.column("embedding").to_pylist()[0], raw[:8], atol=1e-5)
+
+
+def test_an_embed_job_asking_for_a_pooling_the_checkpoint_fixes_otherwise_fails_saying_why(
+        stack: LiveStack) -> None:
+    job = stack.client.jobs.create(input=[{"q": "hi"}], model=MODEL, task="embed", prompt_column="q",
+                                   pooling="cls")
+    done = stack.client.jobs.wait(job, poll_interval=0.1, timeout=JOB_TIMEOUT_S)
+    assert done.state == JobState.FAILED
+    assert f"pooling 'cls': model {MODEL!r} was trained with 'mean' pooling" in done.error

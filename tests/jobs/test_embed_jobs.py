@@ -47,6 +47,10 @@ def test_a_job_generates_unless_it_says_embed_and_old_hashes_stay() -> None:
     assert "task" not in plain.model_dump(exclude_defaults=True)
     embed = JobSpec.model_validate({**EMBED, "dimensions": 128, "truncate": True})
     assert embed.is_embed and embed.dimensions == 128 and embed.truncate
+    assert (embed.pooling, embed.normalize) == (None, None)  # the model's own, and out of the hash
+    assert not {"pooling", "normalize"} & set(embed.model_dump(exclude_defaults=True))
+    chosen = JobSpec.model_validate({**EMBED, "pooling": "last", "normalize": False})
+    assert (chosen.pooling, chosen.normalize) == ("last", False)
 
 
 @pytest.mark.parametrize("changes, expected", [
@@ -61,6 +65,10 @@ def test_a_job_generates_unless_it_says_embed_and_old_hashes_stay() -> None:
     ({"task": "classify"}, "task: Input should be 'generate' or 'embed'"),
     ({"task": "generate", "dimensions": 64}, "dimensions: only an embed job (task: embed)"),
     ({"task": "generate", "truncate": True}, "truncate: only an embed job (task: embed)"),
+    ({"task": "generate", "pooling": "mean"}, "pooling: only an embed job (task: embed) pools token vectors"),
+    ({"task": "generate", "normalize": False}, "normalize: only an embed job (task: embed) has vectors"),
+    ({"task": "generate", "normalize": True}, "normalize: only an embed job (task: embed) has vectors"),
+    ({"pooling": "max"}, "pooling: Input should be 'mean', 'cls' or 'last'"),
 ])
 def test_what_an_embed_job_cannot_have_is_refused_by_name(changes, expected) -> None:
     data = {**EMBED, **changes}
@@ -72,7 +80,8 @@ def test_what_an_embed_job_cannot_have_is_refused_by_name(changes, expected) -> 
 @pytest.mark.parametrize("changes", [
     {"sampling": {"temperature": 0.5}}, {"response_format": {"type": "json_object"}},
     {"task": "generate", "dimensions": 64}, {"task": "generate", "truncate": True},
-    {"task": None, "truncate": True},
+    {"task": None, "truncate": True}, {"task": "generate", "pooling": "last"},
+    {"task": None, "normalize": False}, {"pooling": "max"},
 ])
 def test_the_published_schema_states_the_task_rules(changes) -> None:
     data = {key: value for key, value in {**EMBED, **changes}.items() if value is not None}
@@ -96,6 +105,7 @@ def test_shorten_keeps_the_first_values_at_unit_length() -> None:
     assert list(short) == pytest.approx([0.6, 0.8]) and short.typecode == "f"
     with pytest.raises(ValueError, match="dimensions 5 is more than the model's 3"):
         shorten([1.0, 0.0, 0.0], 5)
+    assert list(shorten([3.0, 4.0, 12.0], 2, renormalize=False)) == [3.0, 4.0]  # a normalize: false job
 
 
 def test_base64_is_little_endian_float32() -> None:
@@ -116,6 +126,9 @@ def test_a_parquet_or_jsonl_row_of_an_embed_job_embeds_its_prompt_after_the_inst
     assert templated.build(0, {"title": "x"}).embed.inputs == ("T: x",)
     missing = RowBuilder(spec).build(4, {"doc": 1})
     assert isinstance(missing, RowError) and missing.code == RowErrorCode.MISSING_COLUMN
+    pooled = JobSpec.model_validate({**EMBED, "pooling": "cls", "normalize": False})
+    assert RowBuilder(pooled).build(0, {"text": "a"}).embed == EmbedRequest(("a",), None, "float", False,
+                                                                           "cls", False)
 
 
 OPENAI_EMBED = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model="minilm", task="embed",
@@ -147,6 +160,9 @@ def test_embeddings_lines_become_embed_rows_of_every_input_shape(local_store) ->
     assert ids.embed.inputs == ((101, 7592, 102),) and ids.prompt is None
     assert id_lists.embed.inputs == ((101, 102), (5, 6, 7))
     assert own.embed.dimensions == 8
+    pooled = OPENAI_EMBED.model_copy(update={"pooling": "mean", "normalize": False})
+    [row] = read_lines(local_store, [line("one", input="hello")], pooled)
+    assert (row.embed.pooling, row.embed.normalize) == ("mean", False)  # the job's, on every line
 
 
 @pytest.mark.parametrize("body, expected", [

@@ -138,7 +138,8 @@ def test_a_generate_row_on_an_embedder_and_an_embed_job_on_a_generator_are_named
         llm = hosts.get("tiny")
         assert not llm.is_embedding
         problem = task_problem(spec(), llm)
-        assert "generates text and cannot embed: an embed job needs an embedding model" in problem
+        assert "is hosted to generate text, not to embed" in problem
+        assert hosts.get("tiny", embed=True).is_embedding  # an embed job gets it as an embedder
     finally:
         hosts.stop()
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from jobs.formats.rows import Row, RowError, RowErrorCode
-from jobs.model_registry import ModelRegistry
 from jobs.sampling import JobSampling
-from worker.model_hosts import HostedModel, ModelHosts
+from tests.fixtures.hosted_models import hosted_model
+from worker.model_hosts import HostedModel
 from worker.row_window import WindowStats, run_rows
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,14 +23,9 @@ WINDOW = 4
 
 @pytest.fixture(scope="module")
 def hosted(tiny_checkpoint: Path) -> Iterator[HostedModel]:
-    hosts = ModelHosts(ModelRegistry({"tiny": str(tiny_checkpoint)}),
-                       {"max_model_len": 128, "num_kv_blocks": 64, "max_num_seqs": 4})
-    try:
-        model = hosts.get("tiny")
-        model.host.wait_ready(120)
+    with hosted_model("tiny", tiny_checkpoint, {"max_model_len": 128, "num_kv_blocks": 64,
+                                                "max_num_seqs": 4}) as model:
         yield model
-    finally:
-        hosts.stop()
 
 
 class CountingReader:

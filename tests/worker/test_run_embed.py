@@ -66,13 +66,19 @@ def test_run_answers_embeddings_lines_with_openai_bodies_and_refuses_a_generatio
     assert c["error"]["code"] == "unsupported_url" and "this job embeds" in c["error"]["message"]
 
 
-def test_run_refuses_an_embed_job_on_a_generation_model(tiny_checkpoint: Path, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    source = _write_jsonl(tmp_path / "rows.jsonl", [{"q": "x"}])
-    code, _, stderr = _run(capsys, source, "-o", tmp_path / "o.jsonl", "--model", tiny_checkpoint,
-                           "--task", "embed", "--prompt-column", "q")
-    assert code == 1
-    assert "generates text and cannot embed: an embed job needs an embedding model" in stderr
+def test_run_embeds_with_a_decoder_checkpoint_pooled_as_the_flags_say(
+        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "rows.jsonl", [{"q": "def f(x): return x"}, {"q": "import os"}])
+    out = tmp_path / "o.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--task", "embed",
+                           "--prompt-column", "q", "--pooling", "mean", "--no-normalize",
+                           "--dtype", "float32")
+    assert code == 0, stderr
+    got = np.array([json.loads(line)["embedding"] for line in out.read_text().splitlines()])
+    reference = Embedder.load(tiny_checkpoint, dtype="float32", pooling="mean", normalize=False)
+    want = np.array([output.embedding for output in reference.embed(["def f(x): return x", "import os"])])
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert abs(np.linalg.norm(got[0]) - 1) > 0.01  # not normalized, as asked
 
 
 def test_the_catalog_embedding_model_by_name_matches_sentence_transformers(
