@@ -52,6 +52,9 @@ class EngineConfig:
     # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
     # (engine/speculative/config.py); None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
+    # Tensor parallel (vLLM's name): the model split over this many ranks, one process each (rank 0
+    # is the engine's own; engine/parallel/). On CUDA rank r uses device index r (after `device`'s).
+    tensor_parallel_size: int = 1
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -83,6 +86,10 @@ class EngineConfig:
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
             )
         _require_int(self.seed, "seed", minimum=0)
+        _require_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
+        if self.tensor_parallel_size > 1 and self.decode_graphs:
+            # A replayed graph cannot pair its collectives with the other ranks' steps.
+            raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
         SpeculativeConfig.from_value(self.speculative_config)
 
     def _validate_kv_cache_memory(self) -> None:

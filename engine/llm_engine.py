@@ -30,6 +30,7 @@ from engine.output_assembly import (
     text_includes_last_token,
 )
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from engine.parallel.start import load_rank_model, start_group
 from engine.request import FinishReason, Request
 from engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from engine.sampling_params import SamplingParams
@@ -89,14 +90,22 @@ class LLMEngine:
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
         kernels = cpu_kernels.load() if config.device == "cpu" else None
-        self.model = load_model(
-            config.model,
-            TorchPagedAttention(kernels=kernels),
-            dtype=self.dtype_choice.torch_dtype,
-            device=config.device,
-            # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
-            batch_hint=config.max_num_batched_tokens,
-        )
+        # Tensor parallel: the other ranks start loading while this one loads its own part.
+        self.parallel = start_group(config, model_config)
+        if self.parallel is None:
+            self.model = load_model(
+                config.model,
+                TorchPagedAttention(kernels=kernels),
+                dtype=self.dtype_choice.torch_dtype,
+                device=config.device,
+                # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
+                batch_hint=config.max_num_batched_tokens,
+            )
+        else:
+            self.model = load_rank_model(config.model, TorchPagedAttention(kernels=kernels),
+                                         self.parallel.communicator, dtype=self.dtype_choice.torch_dtype,
+                                         device=self.parallel.device,
+                                         batch_hint=config.max_num_batched_tokens)
         self.model.use_cpu_kernels(kernels)
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
         draft = None
@@ -106,6 +115,9 @@ class LLMEngine:
                                device=config.device, block_size=config.block_size, kernels=kernels)
         # A draft model's KV shares the target's blocks, so each block holds both.
         self.runner = ModelRunner(config, self.model, extra_block_bytes=draft.block_bytes if draft else 0)
+        if self.parallel is not None:
+            self.parallel.wait_ready()
+            self.runner.parallel = self.parallel
         num_blocks = self.runner.initialize_kv_cache()
         if draft is not None:
             draft.allocate(num_blocks)
@@ -217,6 +229,12 @@ class LLMEngine:
         if output is not None:
             self._pending.append(output)
         return True
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks now (they stop with the engine's process or when it
+        is garbage collected otherwise); no-op with one rank."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished_requests()

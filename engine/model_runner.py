@@ -17,9 +17,11 @@ import itertools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +36,9 @@ from engine.models.llama import FinalRows, LlamaForCausalLM
 from engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from engine.sampler import RowLogprobs
 from engine.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -98,6 +103,12 @@ class ModelRunner:
         wanted = config.decode_graphs
         self.use_decode_graphs = self.device.type == "cuda" if wanted is None else wanted
         self.decode_graphs: DecodeGraphs | None = None
+        # Rank 0 of a tensor-parallel engine: the other ranks, which run every forward it runs.
+        self.parallel: TensorParallelGroup | None = None
+        self.tensor_parallel_size = config.tensor_parallel_size
+        if self.tensor_parallel_size > 1:
+            # A graph's step cannot pair its collectives with the other ranks (engine/config.py).
+            self.use_decode_graphs = False
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
 
@@ -108,7 +119,10 @@ class ModelRunner:
         """Bytes of one block across all layers (K and V)."""
         c = self.model.config
         per_layer = 2 * self.block_size * c.num_kv_heads * c.head_dim * self.dtype.itemsize
-        return per_layer * c.num_layers + self.extra_block_bytes
+        # Tensor parallel: each rank holds its KV heads' share of a block. On CPU the ranks' caches
+        # share the host's memory, so a block costs all of theirs; a GPU rank's is on its own device.
+        ranks_on_this_memory = self.tensor_parallel_size if self.device.type == "cpu" else 1
+        return per_layer * c.num_layers * ranks_on_this_memory + self.extra_block_bytes
 
     def max_useful_blocks(self) -> int:
         """Blocks that max_num_seqs requests of max_model_len could ever hold, plus the null block."""
@@ -132,6 +146,12 @@ class ModelRunner:
                     f"of {self.kv_block_bytes} bytes; "
                     "raise kv_cache_memory or set num_kv_blocks"
                 )
+        self.allocate_kv_cache(num_blocks)
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """Allocate `num_blocks` blocks (on every rank) and map what the start-up time allows."""
+        self._send("allocate", num_blocks)
         self._allocate(num_blocks)
         started = time.perf_counter()
         populated = populate_kv_caches(self.kv_caches, self.config.kv_populate_seconds)
@@ -143,7 +163,6 @@ class ModelRunner:
             populated,
             time.perf_counter() - started,
         )
-        return num_blocks
 
     def _kv_budget_bytes(self, rss_before_kib: int | None) -> int:
         setting = self.config.kv_cache_memory
@@ -174,6 +193,11 @@ class ModelRunner:
 
         Only the first PROFILE_LAYERS layers run: the peak of activation memory is one layer's, the
         same in each, and the other 28 of SmolLM2's 30 cost an fp32 start 2.6 s for nothing."""
+        self._send("profile")
+        with self._collectives("the profiling pass"):
+            self._profile()
+
+    def _profile(self) -> None:
         c = self.model.config
         num_layers = min(PROFILE_LAYERS, c.num_layers)
         budget = self.config.max_num_batched_tokens
@@ -229,12 +253,14 @@ class ModelRunner:
         a solo decode row, as ``prepare_batch`` lays out verification. The rows share blocks 1.. of
         the pool: run it only while no request holds blocks (start-up); the garbage KV it writes is
         overwritten before any request reads those slots."""
+        self._send("probe", batch, tokens_per_row, context)
         blocks = list(range(1, 1 + -(-(context + tokens_per_row) // self.block_size)))
         rows = [BatchRow([0], context + j, blocks, 1, solo=tokens_per_row > 1)
                 for _ in range(batch) for j in range(tokens_per_row)]
         step = prepare_rows(rows, self.block_size, self.device)
         assert step is not None
-        self.model.compute_logits_in_model_dtype(step.sampled_hidden(self.model, self.kv_caches))
+        with self._collectives("a timing probe"):
+            self.model.compute_logits_in_model_dtype(step.sampled_hidden(self.model, self.kv_caches))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -249,10 +275,26 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, output: SchedulerOutput) -> StepResult:
         """`execute`, plus the prompt logprobs of the chunks that ask for them, from the same pass."""
-        batch = self.prepare_batch(output)
-        if batch is None:
+        rows, spans = self.batch_rows(output)
+        if not rows:
             return StepResult(torch.empty(0, self.model.config.vocab_size, dtype=torch.float32,
                                           device=self.device))
+        self._send("step", rows)
+        batch = prepare_rows(rows, self.block_size, self.device)
+        assert batch is not None
+        batch.score_spans = spans
+        with self._collectives("a step"):
+            return self.forward_batch(batch)
+
+    @torch.inference_mode()
+    def forward_rows(self, rows: list[BatchRow]) -> None:
+        """Another rank's share of rank 0's step over `rows` (its outputs stay with rank 0)."""
+        batch = prepare_rows(rows, self.block_size, self.device)
+        assert batch is not None
+        self.forward_batch(batch)
+
+    def forward_batch(self, batch: StepBatch) -> StepResult:
+        """The sampled rows' logits of a prepared batch, and its scored prompt positions'."""
         graphs = self._decode_graphs() if not batch.num_scored else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
@@ -263,8 +305,35 @@ class ModelRunner:
         logits = self.model.compute_logits_in_model_dtype(hidden[:num_sampled])
         if not batch.num_scored:
             return StepResult(logits)
-        scored = score_rows(self.model.lm_head.weight, hidden[num_sampled:], batch.score_spans)
+        scored = score_rows(self._score_head(), hidden[num_sampled:], batch.score_spans, batch.num_scored)
         return StepResult(logits, scored)
+
+    def _score_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """fp32 logits of hidden rows over the whole vocabulary, for prompt logprobs."""
+        head = self.model.lm_head
+        if hasattr(head, "score_logits"):  # a tensor-parallel head: its vocabulary slices gathered
+            return head.score_logits
+        weight = head.weight.float()  # a no-op in fp32; in bf16 the scores come from an fp32 head
+        return lambda hidden: torch.nn.functional.linear(hidden.float(), weight)
+
+    # ---- tensor parallel (rank 0) ------------------------------------------------------------------
+
+    def _send(self, *message: object) -> None:
+        if self.parallel is not None:
+            self.parallel.send(*message)
+
+    @contextmanager
+    def _collectives(self, what: str) -> Iterator[None]:
+        """A collective that fails (a rank died) fails the engine with the rank's own story."""
+        if self.parallel is None:
+            yield
+            return
+        from engine.parallel.communicator import CollectiveError
+
+        try:
+            yield
+        except CollectiveError as error:
+            raise self.parallel.fail(f"{what} failed ({error})") from None
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """The fixed-shape decode path, where the config (or, by default, a GPU) asks for it;
@@ -279,7 +348,15 @@ class ModelRunner:
         return self.decode_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
-        """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks.
+        """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""
+        rows, spans = self.batch_rows(output)
+        batch = prepare_rows(rows, self.block_size, self.device)
+        if batch is not None:
+            batch.score_spans = spans
+        return batch
+
+    def batch_rows(self, output: SchedulerOutput) -> tuple[list[BatchRow], list[ScoreSpan]]:
+        """A SchedulerOutput's rows (what ``prepare_rows`` flattens) and its scored prompt spans.
 
         A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k solo decode
         rows over the same block table, each attending up to its own position: every position is
@@ -300,10 +377,7 @@ class ModelRunner:
                 spans.append(span)
             rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
                                  chunk.num_sample_rows, score=(span.offset, span.count) if span else None))
-        batch = prepare_rows(rows, self.block_size, self.device)
-        if batch is not None:
-            batch.score_spans = spans
-        return batch
+        return rows, spans
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,10 +10,10 @@ of rows at a time so a long prompt never holds [prompt, vocab] logits at once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.request import Request
 from engine.sampler import RowLogprobs
@@ -46,10 +46,16 @@ def score_span(chunk: ScheduledChunk) -> ScoreSpan | None:
     return ScoreSpan(request, first, end - first, first - chunk.start)
 
 
-def score_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor,
-               spans: list[ScoreSpan]) -> dict[str, list[RowLogprobs]]:
+def score_rows(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
+               spans: list[ScoreSpan], num_rows: int) -> dict[str, list[RowLogprobs]]:
     """Each span's prompt logprobs from the final hidden states of its positions (`hidden` holds
-    the spans' rows in order), by request id."""
+    the spans' rows in order), by request id. `head`: fp32 logits of hidden rows. A tensor-parallel
+    rank other than 0 has no spans (it does not sample): it runs `head` over the same `num_rows` in
+    the same slices (its part of the gather), and gets nothing back."""
+    if not spans:
+        for begin in range(0, num_rows, ROWS_PER_SLICE):
+            head(hidden[begin : begin + ROWS_PER_SLICE])
+        return {}
     targets: list[int] = []
     ks: list[int] = []
     for span in spans:
@@ -57,12 +63,10 @@ def score_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor,
         targets.extend(prompt[span.first + 1 : span.first + 1 + span.count])
         k = span.request.sampling_params.prompt_logprobs or 0
         ks.extend([k] * span.count)
-    weight = lm_head_weight.float()  # a no-op in fp32; in bf16 the scores come from an fp32 head
     rows: list[RowLogprobs] = []
     for begin in range(0, len(targets), ROWS_PER_SLICE):
         end = begin + ROWS_PER_SLICE
-        rows.extend(_slice_logprobs(F.linear(hidden[begin:end].float(), weight), targets[begin:end],
-                                    ks[begin:end]))
+        rows.extend(_slice_logprobs(head(hidden[begin:end]), targets[begin:end], ks[begin:end]))
     result: dict[str, list[RowLogprobs]] = {}
     at = 0
     for span in spans:

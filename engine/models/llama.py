@@ -22,6 +22,8 @@ from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.native_decode import NativeDecode
+from engine.parallel.plan import Split
+from engine.parallel.plans import llama_plan
 
 if TYPE_CHECKING:
     from engine.cpu_kernels import CpuKernels
@@ -491,6 +493,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_onednn(batch_hint)
+
+    def tensor_parallel_plan(self) -> dict[str, Split]:
+        """How each checkpoint tensor splits over tensor-parallel ranks (engine/parallel/plan.py)."""
+        return llama_plan(self.config)
 
     # ---- loading from Hugging Face tensor names -------------------------------------------------
 

@@ -73,6 +73,10 @@ class NativeDecode:
         config = model.config
         if kernels is None or config.qk_norm:
             return None
+        if getattr(model, "tensor_parallel_size", 1) > 1:
+            # The layers run from C, which cannot all-reduce between them: a tensor-parallel rank
+            # steps through the Python path (its norms, attention and projections still native).
+            return None
         if any(window is not None for window in config.sliding_windows):
             return None
         backend = model.layers[0].self_attn.backend
