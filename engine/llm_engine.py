@@ -92,6 +92,40 @@ class LLMEngine:
         kernels = cpu_kernels.load() if config.device == "cpu" else None
         # Tensor parallel: the other ranks start loading while this one loads its own part.
         self.parallel = start_group(config, model_config)
+        try:
+            spec_config, draft, num_blocks = self._load_model(config, model_config, kernels)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown()  # now, not when the half-built engine is collected
+            raise
+        self._speculator = None
+        if spec_config is not None:
+            curve = cost_curve_or_none(spec_config, self.runner.probe_forward, config.max_num_seqs,
+                                       self.runner.can_probe(spec_config.num_speculative_tokens))
+            self._speculator = Speculator(spec_config, SpeculationGate(spec_config, curve), draft)
+        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
+        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids)
+        # Structured output: grammars of live samples; xgrammar is imported on the first such request.
+        self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
+        self.scheduler.can_admit = self._grammars.can_admit
+        self.sampler = Sampler()
+        # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
+        self._seed_rng = random.Random(config.seed)
+        self.counters = EngineCounters()
+        self._vocab_size = model_config.vocab_size
+        self._parents: dict[str, Parent] = {}
+        self._samples: dict[str, Sample] = {}  # by scheduler request id
+        # Samples that need per-token work after sampling (stop strings, grammar, logprobs).
+        self._post_ids: set[str] = set()
+        self._assembler = OutputAssembler(self.tokenizer)
+        self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
+
+    def _load_model(self, config: EngineConfig, model_config: Any,
+                    kernels: Any) -> tuple[SpeculativeConfig | None, DraftModel | None, int]:
+        """Load the model (this rank's part of it, with tensor parallel), a draft model where
+        speculative decoding asks for one, and size the KV cache; returns (speculative config,
+        draft, number of KV blocks)."""
         if self.parallel is None:
             self.model = load_model(
                 config.model,
@@ -121,28 +155,7 @@ class LLMEngine:
         num_blocks = self.runner.initialize_kv_cache()
         if draft is not None:
             draft.allocate(num_blocks)
-        self._speculator = None
-        if spec_config is not None:
-            curve = cost_curve_or_none(spec_config, self.runner.probe_forward, config.max_num_seqs,
-                                       self.runner.can_probe(spec_config.num_speculative_tokens))
-            self._speculator = Speculator(spec_config, SpeculationGate(spec_config, curve), draft)
-        self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
-        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids)
-        # Structured output: grammars of live samples; xgrammar is imported on the first such request.
-        self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
-        self.scheduler.can_admit = self._grammars.can_admit
-        self.sampler = Sampler()
-        # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
-        self._seed_rng = random.Random(config.seed)
-        self.counters = EngineCounters()
-        self._vocab_size = model_config.vocab_size
-        self._parents: dict[str, Parent] = {}
-        self._samples: dict[str, Sample] = {}  # by scheduler request id
-        # Samples that need per-token work after sampling (stop strings, grammar, logprobs).
-        self._post_ids: set[str] = set()
-        self._assembler = OutputAssembler(self.tokenizer)
-        self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
+        return spec_config, draft, num_blocks
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -53,6 +53,7 @@ ENVIRONMENT_NAMES = {
     "engine_options": "BULKINFER_ENGINE_OPTIONS",
     "dtype": "BULKINFER_DTYPE",
     "speculative_config": "BULKINFER_SPECULATIVE_CONFIG",
+    "tensor_parallel_size": "BULKINFER_TENSOR_PARALLEL_SIZE",
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
@@ -113,6 +114,9 @@ class Settings(BaseModel):
     # JSON object: the engines' speculative decoding (vLLM's keys, engine/speculative/config.py),
     # over engine_options' own `speculative_config`; None: as engine_options say (default off).
     speculative_config: str | None = None
+    # Ranks (devices) each engine spans (tensor parallel), over engine_options' own; None: as
+    # engine_options say (default 1).
+    tensor_parallel_size: int | None = Field(None, ge=1)
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
@@ -288,10 +292,13 @@ class Settings(BaseModel):
         return secret_values([self.api_keys, self.admin_api_keys, self.webhook_secret])
 
     def engine_options_dict(self) -> dict[str, Any]:
-        """`engine_options` with the `dtype` and `speculative_config` settings over its own, when set."""
+        """`engine_options` with the `dtype`, `speculative_config` and `tensor_parallel_size` settings
+        over its own, when set."""
         options = json.loads(self.engine_options) if self.engine_options else {}
         if self.speculative_config:
             options["speculative_config"] = json.loads(self.speculative_config)
+        if self.tensor_parallel_size is not None:
+            options["tensor_parallel_size"] = self.tensor_parallel_size
         return {**options, "dtype": self.dtype} if self.dtype else options
 
     def priority_caps(self) -> dict[str, int]:

@@ -19,6 +19,8 @@ HELP = {
     "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     "dtype": "compute dtype: auto (bf16 where the CPU has native bf16 matmul, the checkpoint's on CUDA, "
              "else fp32) | float32 | bfloat16 | float16",
+    "tensor_parallel_size": "devices (ranks) each engine spans, its model split across them "
+                            "(tensor parallel)",
     "model_cache": "where s3:// models are downloaded",
     "shard_lease_ttl_s": "shard lease TTL in seconds",
     "reaper_interval_s": "seconds between reaper ticks (re-sending steps whose worker died)",
@@ -62,7 +64,7 @@ HELP = {
 }
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
-                   "speculative_config",
+                   "speculative_config", "tensor_parallel_size",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "crash_split_after",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job", "dedup_max_keys",

@@ -18,7 +18,8 @@ from jobs.settings_args import add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
 from jobs.task_args import TASK_FIELDS, add_task_arguments
 
-RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "model_cache", "s3_endpoint_url")
+RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "tensor_parallel_size",
+                "model_cache", "s3_endpoint_url")
 FORMATS = [value.value for value in InputFormat]
 
 

@@ -68,10 +68,14 @@ def up(argv: list[str]) -> int:
                         help="keys the API requires, per tenant (default: the api_keys setting; unset: open)")
     parser.add_argument("--admin-api-keys", default=None, metavar="KEY,...",
                         help="admin keys, which see every tenant's jobs (default: admin_api_keys)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
+                        help="devices the worker's engine spans, the model split across them (default: "
+                        "the tensor_parallel_size setting, else 1)")
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port,
-                                     dtype=args.dtype, api_keys=args.api_keys,
+                                     dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                                     api_keys=args.api_keys,
                                      admin_api_keys=args.admin_api_keys)
     except ConfigError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)

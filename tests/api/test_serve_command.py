@@ -104,3 +104,11 @@ def test_serve_all_refuses_a_model_it_does_not_serve(tmp_path: Path,
     config.write_text('[models]\ntiny = "/models/tiny"\n')
     assert main(["serve", "all", "--config", str(config), "--model", "big"]) == 2
     assert "model 'big' is not served here (served: tiny)" in capsys.readouterr().err
+
+
+def test_up_takes_the_tensor_parallel_size_flag_as_the_setting(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from api.cli import main
+
+    assert main(["up", "--home", str(tmp_path), "--tensor-parallel-size", "0"]) == 2
+    assert "--tensor-parallel-size: Input should be greater than or equal to 1" in capsys.readouterr().err

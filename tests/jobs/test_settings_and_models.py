@@ -162,3 +162,20 @@ def test_the_speculative_config_setting_reaches_the_engine_options() -> None:
         "max_num_seqs": 8, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
     with pytest.raises(ValueError, match="must be a JSON object"):
         Settings(speculative_config='["ngram"]')
+
+
+def test_the_tensor_parallel_size_setting_reaches_the_engine_options_from_flag_or_environment() -> None:
+    options = '{"tensor_parallel_size": 4, "max_num_seqs": 8}'
+    settings = Settings.from_env({"BULKINFER_ENGINE_OPTIONS": options, "BULKINFER_TENSOR_PARALLEL_SIZE": "2"})
+    assert settings.engine_options_dict() == {"tensor_parallel_size": 2, "max_num_seqs": 8}
+    assert "tensor_parallel_size" not in Settings.from_env({}).engine_options_dict()
+    with pytest.raises(ConfigError, match="variable BULKINFER_TENSOR_PARALLEL_SIZE: Input should be greater"):
+        Settings.from_env({"BULKINFER_TENSOR_PARALLEL_SIZE": "0"})
+    from jobs.settings_args import WORKER_SETTINGS
+    from worker.run_cli import RUN_SETTINGS
+
+    for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run`
+        parser = argparse.ArgumentParser()
+        add_settings_arguments(parser, fields)
+        parsed = settings_from_args(parser.parse_args(["--tensor-parallel-size", "2"]))
+        assert parsed.engine_options_dict()["tensor_parallel_size"] == 2
