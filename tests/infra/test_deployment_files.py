@@ -404,6 +404,8 @@ def test_kustomization_lists_every_manifest_and_image() -> None:
 def test_k8s_worker_asks_for_one_gpu_and_runs_as_non_root() -> None:
     worker = k8s_object("Deployment", "bulkinfer-worker")
     assert only_container(worker)["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # An engine spans as many GPUs (tensor-parallel ranks) as the pod asks for.
+    assert container_env(only_container(worker))["BULKINFER_TENSOR_PARALLEL_SIZE"] == "1"
     for name in ("bulkinfer-api", "bulkinfer-worker"):
         context = k8s_object("Deployment", name)["spec"]["template"]["spec"]["securityContext"]
         assert context["runAsNonRoot"] is True and context["runAsUser"] != 0
@@ -488,3 +490,12 @@ def test_the_gpu_worker_image_runs_its_engines_on_the_gpu() -> None:
     options = re.search(r"BULKINFER_ENGINE_OPTIONS='(\{[^']*\})'", dockerfile)
     assert options and json.loads(options[1])["device"] == "cuda"
     assert "BULKINFER_ENGINE_OPTIONS" not in (REPO / "infra" / "docker" / "Dockerfile.worker-cpu").read_text()
+
+
+def test_the_compose_gpu_worker_reserves_as_many_gpus_as_its_engine_spans() -> None:
+    gpu = compose()["services"]["worker-gpu"]
+    (device,) = gpu["deploy"]["resources"]["reservations"]["devices"]
+    size = compose_env("worker-gpu")["BULKINFER_TENSOR_PARALLEL_SIZE"]
+    assert device["count"] == "${TENSOR_PARALLEL_SIZE:-1}" and size == "1"
+    assert str(gpu["environment"]["BULKINFER_TENSOR_PARALLEL_SIZE"]) == "${TENSOR_PARALLEL_SIZE:-1}"
+    assert gpu["shm_size"]  # NCCL's shared memory between the ranks
