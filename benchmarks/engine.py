@@ -11,6 +11,10 @@ and why); the baseline runs in fp32, as a user without a bf16 kernel story would
 64 output tokens per request, greedy, EOS ignored. The baseline is `transformers` `generate` in
 static batches of 32 with left padding.
 
+``--tensor-parallel-size 1,2``: one engine run per size and dtype (the ranks share this machine's
+threads), and each size's output tok/s against one rank's: on one CPU box that figure is what the
+ranks' all-reduces and step broadcast cost, not a speed-up.
+
 With ``--structured``: JSON-schema-constrained against unconstrained generation on one workload
 instead (benchmarks/structured.py; defaults 32 requests of 64 prompt tokens, 96 output tokens).
 """
@@ -124,10 +128,14 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunRe
 
     llm = LLM(model=model_dir, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
-    # Warm-up (first-call kernel selection) on prompts shorter than a block, so nothing is cached.
-    timed_generate(llm, [p[-8:] for p in workload.prompts[:2]], SamplingParams(max_tokens=2, ignore_eos=True))
-    llm.engine.counters = EngineCounters()
-    outputs, wall = timed_generate(llm, workload.prompts, params)
+    try:
+        # Warm-up (first-call kernel selection) on prompts shorter than a block, so nothing is cached.
+        timed_generate(llm, [p[-8:] for p in workload.prompts[:2]],
+                       SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.engine.counters = EngineCounters()
+        outputs, wall = timed_generate(llm, workload.prompts, params)
+    finally:
+        llm.engine.shutdown()  # tensor parallel: its ranks stop and this process gets its threads back
     cached = sum(o.num_cached_tokens for o in outputs)
     metrics = llm.get_metrics()
     extra = {
@@ -137,7 +145,10 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunRe
     }
     output_tokens = sum(o.num_completion_tokens for o in outputs)
     requested, chosen = engine_kwargs.get("dtype", "auto"), llm.dtype_choice.dtype
-    label = f"bulkinfer engine {chosen if requested == chosen else f'{requested}->{chosen}'}"
+    ranks = engine_kwargs.get("tensor_parallel_size", 1)
+    extra["tensor_parallel_size"] = float(ranks)
+    label = (f"bulkinfer engine{f' tp={ranks}' if ranks > 1 else ''} "
+             f"{chosen if requested == chosen else f'{requested}->{chosen}'}")
     return RunResult(label, wall, workload.prompt_tokens, output_tokens, extra)
 
 
@@ -159,11 +170,19 @@ def print_comparison(workload: Workload, baseline: RunResult | None, engines: li
         out(f"  {engine.label}: prefix-cache hit rate {engine.extra['prefix_hit_rate']:.1%} of prompt "
             f"tokens; prefill tokens computed {int(engine.extra['prefill_tokens_computed'])} "
             f"vs prompt tokens {workload.prompt_tokens}; preemptions {int(engine.extra['preemptions'])}")
-    fp32 = next((e for e in engines if e.label.endswith(" float32")), None)
-    for engine in engines:
+    single = [e for e in engines if e.extra.get("tensor_parallel_size", 1) == 1]
+    fp32 = next((e for e in single if e.label.endswith(" float32")), None)
+    for engine in single:
         if fp32 is not None and engine is not fp32:
             out(f"  {engine.label.rsplit(' ', 1)[-1]} / float32 output tok/s: "
                 f"{engine.output_tps / fp32.output_tps:.2f}x")
+    for engine in engines:
+        ranks = int(engine.extra.get("tensor_parallel_size", 1))
+        dtype = engine.label.rsplit(" ", 1)[-1]
+        one = next((e for e in single if e.label.rsplit(" ", 1)[-1] == dtype), None)
+        if ranks > 1 and one is not None:
+            out(f"  tp={ranks} / tp=1 output tok/s ({dtype}): {engine.output_tps / one.output_tps:.2f}x "
+                f"(wall {engine.wall_s:.2f}s vs {one.wall_s:.2f}s)")
     return met
 
 
@@ -198,6 +217,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
                         default=EngineConfig.max_num_batched_tokens)
+    parser.add_argument("--tensor-parallel-size", default="1", metavar="N[,N...]",
+                        help="comma list of rank counts: one engine run per entry and dtype (default 1)")
     parser.add_argument("--structured", action="store_true",
                         help="structured output (JSON schema) vs unconstrained on the same workload")
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request (--structured)")
@@ -209,6 +230,11 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     bad = [d for d in dtypes if d not in DTYPE_CHOICES]
     if bad or not dtypes:
         parser.error(f"--dtype: {bad[0] if bad else '(empty)'!r} is not one of {', '.join(DTYPE_CHOICES)}")
+    sizes = [s.strip() for s in args.tensor_parallel_size.split(",") if s.strip()]
+    if not sizes or not all(s.isdigit() and int(s) >= 1 for s in sizes):
+        parser.error(f"--tensor-parallel-size: {args.tensor_parallel_size!r} is not a comma list of "
+                     "counts >= 1")
+    ranks = [int(s) for s in sizes]
     if args.structured:
         from benchmarks.structured import run_structured_bench
 
@@ -246,7 +272,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         baseline = (None if args.no_baseline
                     else run_transformers_baseline(model_dir, workload, args.baseline_batch,
                                                    device=args.device))
-        engines = [run_engine(model_dir, workload, {**engine_kwargs, "dtype": dtype}) for dtype in dtypes]
+        engines = [run_engine(model_dir, workload,
+                              {**engine_kwargs, "dtype": dtype, "tensor_parallel_size": n})
+                   for dtype in dtypes for n in ranks]
         print_comparison(workload, baseline, engines, targets[name])
     return 0
 

@@ -95,3 +95,17 @@ def test_bench_spec_keeps_n_requests_running_and_returns_rows_in_order(tiny_chec
     llm.engine.step = step  # type: ignore[method-assign]
     assert max(in_flight) == 2 and in_flight.count(2) > len(in_flight) // 2
     assert kept == [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_times_two_ranks_against_one(tiny_checkpoint,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code = bench_cli(["--model", str(tiny_checkpoint), "--dtype", "float32", "--tensor-parallel-size", "1,2",
+                      "--no-baseline", "--workloads", "shared", "--requests", "6", "--shared-len", "32",
+                      "--tail-len", "4", "--max-tokens", "3"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "bulkinfer engine float32 " in out and "bulkinfer engine tp=2 float32 " in out
+    assert "tp=2 / tp=1 output tok/s (float32): " in out
+    with pytest.raises(SystemExit):
+        bench_cli(["--tensor-parallel-size", "2,0"])
