@@ -4,7 +4,8 @@
 # their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B),
 # the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
 # step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
-# then the suite on a 1B-class model under its tokenizer. Every figure goes to one file.
+# then the suite on a 1B-class model under its tokenizer; with 2+ GPUs, tensor parallel (TP=2 exact
+# with TP=1, a dead rank failing cleanly, TP=2 vs TP=1 timed). Every figure goes to one file.
 #
 #   bash benchmarks/gpu_check.sh [MODEL]
 #
@@ -43,6 +44,18 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   echo; echo "== engine benchmark on $DEVICE (small preset)"
   timeout 80 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
+
+  # Tensor parallel where the machine lends 2+ GPUs: TP=2 token-exact with TP=1 in fp32 (prefix hits,
+  # chunked prefill, preemption), a rank's death failing the engine, then TP=2 against TP=1 timed.
+  GPUS="$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" || echo 0)"
+  if [ "$DEVICE" = cuda ] && [ "${GPUS:-0}" -ge 2 ]; then
+    echo; echo "== tensor parallel on $DEVICE: 2 of $GPUS GPUs"
+    timeout 180 "$PY" -m pytest -q -p no:cacheprovider -x tests/engine/test_tensor_parallel.py || status=1
+    timeout 120 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype bfloat16 \
+      --tensor-parallel-size 1,2 --no-baseline --requests "$REQUESTS" --max-tokens 64 --workloads unique || status=1
+  else
+    echo; echo "== tensor parallel: not run ($GPUS GPU(s) here; TP=2 needs 2)"
+  fi
 
   if [ -n "$MODEL" ]; then
     if ! has_weights "$MODEL"; then

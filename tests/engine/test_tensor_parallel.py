@@ -18,14 +18,16 @@ import pytest
 from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.models.native_decode import NativeDecode
 from engine.parallel.group import TensorParallelError
+from tests.engine.hf_reference import TEST_DEVICE
 from tests.engine.test_llm_correctness import PROMPTS
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # Few blocks, a small token budget and no growth reserve: the run preempts and chunks its prefills,
 # and the shared prefixes of PROMPTS hit the prefix cache.
+# On CUDA (benchmarks/gpu_check.sh with 2+ GPUs: BULKINFER_TEST_DEVICE=cuda) rank r runs on GPU r.
 OPTIONS = dict(dtype="float32", num_kv_blocks=15, max_num_batched_tokens=64, kv_growth_reserve_tokens=0,
-               kv_populate_seconds=0)
+               kv_populate_seconds=0, device=TEST_DEVICE)
 
 
 def token_ids(outputs) -> list[list[int]]:  # noqa: ANN001
