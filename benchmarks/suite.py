@@ -265,7 +265,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         "up to 10%%, a ratio's two sides independently")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--with-vllm", type=Path, metavar="VENV",
-                        help="also run vLLM from this virtualenv on the same workloads (README: Benchmarks)")
+                        help="also run vLLM from this virtualenv on the same workloads (docs/benchmarks.md)")
     args = parser.parse_args(argv)
     if args.repeat < 1:
         parser.error(f"--repeat must be at least 1, got {args.repeat}")

@@ -44,7 +44,7 @@ class VllmFigures:
 def venv_python(venv: Path) -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
-        raise FileNotFoundError(f"--with-vllm {venv}: no {python} (make the venv as the README says)")
+        raise FileNotFoundError(f"--with-vllm {venv}: no {python} (make the venv as docs/benchmarks.md says)")
     return python
 
 

@@ -32,7 +32,8 @@ class EngineConfig:
     model: str
     block_size: int = 16
     # 4,096 (vLLM's CPU default too): on the 2-core AMX Xeon, SmolLM2 in one process, fewer and larger
-    # prefill steps ran unique 256 x 450 tokens 5-8% and mixed lengths 4% faster than 2,048 (README).
+    # prefill steps ran unique 256 x 450 tokens 5-8% and mixed lengths 4% faster than 2,048
+    # (docs/benchmarks.md).
     max_num_batched_tokens: int = 4096
     max_num_seqs: int = 256
     max_model_len: int | None = None

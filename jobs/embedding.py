@@ -35,6 +35,7 @@ class EmbedRequest:
     # None: the model's own (its sentence-transformers files, else its kind's default).
     pooling: Pooling | None = None
     normalize: bool | None = None
+    max_length: int | None = None  # tokens per input at most, within the model's own maximum (None: that)
 
 
 def shorten(vector: Sequence[float], dimensions: int | None, renormalize: bool = True) -> array:

@@ -80,7 +80,7 @@ ENVIRONMENT_NAMES = {
     "max_completion_window": "BULKINFER_MAX_COMPLETION_WINDOW",
     "max_requests_per_s": "BULKINFER_MAX_REQUESTS_PER_S",
     "max_auth_failures_per_min": "BULKINFER_MAX_AUTH_FAILURES_PER_MIN",
-    # Schedules and webhooks (docs/schedules_and_webhooks.md).
+    # Schedules and webhooks (docs/schedules-and-webhooks.md).
     "schedule_tick_s": "BULKINFER_SCHEDULE_TICK_S",
     "webhook_secret": "BULKINFER_WEBHOOK_SECRET",
     "webhook_max_attempts": "BULKINFER_WEBHOOK_MAX_ATTEMPTS",
@@ -163,7 +163,7 @@ class Settings(BaseModel):
     max_requests_per_s: int | None = Field(None, ge=1)  # per API key (per tenant on an open API)
     # Wrong API keys one client address may send in a minute before it waits (api/auth_failures.py).
     max_auth_failures_per_min: int = Field(30, ge=1)
-    # Schedules and webhooks (docs/schedules_and_webhooks.md); None: that module's default.
+    # Schedules and webhooks (docs/schedules-and-webhooks.md); None: that module's default.
     schedule_tick_s: float | None = Field(None, gt=0)
     webhook_secret: str | None = None  # HMAC key of X-Bulkinfer-Signature; unset: unsigned
     webhook_max_attempts: int | None = Field(None, ge=1)

@@ -77,15 +77,15 @@ WEBHOOK_URL_PATTERN = r"^https?://[^/?#]+"
 
 def _task_schema(schema: dict[str, Any]) -> None:
     """What `JobSpec._fits_the_task` enforces, in the published schema too: an embed job has no chat,
-    JSON format or sampling; a generate job (the default) no `dimensions`, `truncate`, `pooling` or
-    `normalize`."""
+    JSON format or sampling; a generate job (the default) no `dimensions`, `truncate`, `max_length`,
+    `pooling` or `normalize`."""
     nothing = {"type": "null"}
     schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
     schema["then"] = {"properties": {
         "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
         "sampling_column": nothing, "sampling": {"type": "object", "additionalProperties": nothing}}}
     schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False},
-                                     "pooling": nothing, "normalize": nothing}}
+                                     "max_length": nothing, "pooling": nothing, "normalize": nothing}}
 
 
 class JobSpec(BaseModel):
@@ -108,6 +108,11 @@ class JobSpec(BaseModel):
                                    "and renormalise (Matryoshka models); at most the model's size")
     truncate: bool = Field(False, description="embed: cut inputs longer than the model's maximum length "
                            "(default: such a row fails with prompt_too_long)")
+    max_length: int | None = Field(None, ge=1, description="embed: at most this many tokens per input "
+                                   "(special tokens included), within the model's own maximum (the "
+                                   "checkpoint's sentence-transformers max_seq_length, else its positions); "
+                                   "longer inputs fail their row, or are cut with truncate. Past the model's "
+                                   "maximum the job fails, naming both")
     pooling: Pooling | None = Field(None, description="embed: mean, cls or last (token); default: the "
                                     "checkpoint's sentence-transformers files, else last for a decoder and "
                                     "mean for an encoder. A pooling other than the one those files fix "
@@ -262,6 +267,8 @@ class JobSpec(BaseModel):
                 raise ValueError("dimensions: only an embed job (task: embed) has vectors to shorten")
             if self.truncate:
                 raise ValueError("truncate: only an embed job (task: embed) truncates its inputs")
+            if self.max_length is not None:
+                raise ValueError("max_length: only an embed job (task: embed) limits its inputs' tokens")
             if self.pooling is not None:
                 raise ValueError("pooling: only an embed job (task: embed) pools token vectors")
             if self.normalize is not None:

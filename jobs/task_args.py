@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 
 # The spec fields these flags set (each flag's dest is the field's name; None: not given).
-TASK_FIELDS = ("task", "dimensions", "truncate", "pooling", "normalize")
+TASK_FIELDS = ("task", "dimensions", "truncate", "max_length", "pooling", "normalize")
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    """--task, --dimensions, --truncate, --pooling and --normalize: what the job does with each prompt."""
+    """--task, --dimensions, --truncate, --max-length, --pooling and --normalize: what the job does with
+    each prompt."""
     parser.add_argument("--task", choices=["generate", "embed"],
                         help="generate text (default) or embed each prompt as one vector (an embedding "
                              "model)")
@@ -17,6 +18,9 @@ def add_task_arguments(parser: argparse.ArgumentParser) -> None:
                         "renormalised (Matryoshka models)")
     parser.add_argument("--truncate", action="store_true", default=None,
                         help="embed: cut inputs longer than the model's maximum (default: such a row fails)")
+    parser.add_argument("--max-length", type=int, dest="max_length",
+                        help="embed: at most N tokens per input, within the model's maximum (default: the "
+                             "model's)")
     parser.add_argument("--pooling", choices=["mean", "cls", "last"],
                         help="embed: how token vectors become one (default: the checkpoint's "
                              "sentence-transformers files, else last for a decoder, mean for an encoder)")

@@ -39,6 +39,7 @@ class EmbedInputRequest:
     pooling: Pooling | None = None  # None: the model's (Embedder.pooling_config)
     normalize: bool | None = None
     priority: int = 0  # lower runs sooner (the engine's convention, as EngineRequest's)
+    max_length: int | None = None  # tokens at most (a job's limit within the model's; None: the model's)
 
 
 @dataclass(frozen=True)
@@ -181,9 +182,12 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
                                               f"{type(error).__name__}: {str(error)[:200]}"))
             return None
         limit = embedder.config.max_length
+        whose = "the model's maximum"
+        if add.request.max_length is not None and add.request.max_length < limit:
+            limit, whose = add.request.max_length, "the job's max_length"
         if len(ids) > limit:
             if not add.request.truncate:
-                message = (f"the input has {len(ids)} tokens, more than the model's maximum of {limit} "
+                message = (f"the input has {len(ids)} tokens, more than {whose} of {limit} "
                            "(truncate: true cuts it)")
                 add.future.set_result(EmbedResult(None, len(ids), message, too_long=True))
                 return None

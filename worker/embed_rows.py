@@ -3,7 +3,7 @@
 `EmbedRun` is `EngineRun`'s counterpart (same calls: `wait`, `outputs`, `abort`, `rows`), so the
 shard runner's window loop (worker/row_window.py) and `bulkinfer run` drive either. With
 `deduplicate`, a row identical to an earlier row of the run (same inputs, truncate, dimensions,
-pooling and normalize) is not sent again and takes that row's vectors (`OutputRow.deduplicated`);
+pooling, normalize and max_length) is not sent again and takes that row's vectors (`OutputRow.deduplicated`);
 identical inputs of different rows waiting in the host together are embedded once there too.
 """
 
@@ -39,8 +39,8 @@ class _Span:
 def row_digest(row: Row) -> bytes:
     """Rows with equal digests get equal vectors."""
     embed = row.embed
-    key = (repr((embed.inputs, embed.truncate, embed.dimensions, embed.pooling, embed.normalize))
-           if embed is not None else "")
+    key = (repr((embed.inputs, embed.truncate, embed.dimensions, embed.pooling, embed.normalize,
+                 embed.max_length)) if embed is not None else "")
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()[:16]
 
 
@@ -79,8 +79,8 @@ class EmbedRun:
                     first_of[digest] = offset + position
             self._spans.append(_Span(position, item, len(requests), len(item.embed.inputs)))
             embed = item.embed
-            requests += [EmbedInputRequest(value, embed.truncate, embed.pooling, embed.normalize, priority)
-                         for value in embed.inputs]
+            requests += [EmbedInputRequest(value, embed.truncate, embed.pooling, embed.normalize, priority,
+                                           embed.max_length) for value in embed.inputs]
         self.submission: EmbedSubmission | None = hosted.host.submit(requests) if requests else None
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -171,8 +171,8 @@ class ModelHosts:
 
 def task_problem(spec: JobSpec, hosted: HostedModel) -> str | None:
     """Why the job cannot run on this model (an embed job on a model not hosted as an embedder, a
-    generate job on an embedding model, or, once it is loaded, `dimensions` past the model's size
-    or a `pooling` its checkpoint does not allow), or None."""
+    generate job on an embedding model, or, once it is loaded, `dimensions` or `max_length` past the
+    model's or a `pooling` its checkpoint does not allow), or None."""
     if spec.is_embed and not hosted.is_embedding:
         return (f"model {hosted.name!r} is hosted to generate text, not to embed: an embed job asks for "
                 "it with ModelHosts.get(name, embed=True)")
@@ -182,6 +182,10 @@ def task_problem(spec: JobSpec, hosted: HostedModel) -> str | None:
     size = hosted.host.dimension if isinstance(hosted.host, EmbedHost) else None
     if spec.dimensions is not None and size is not None and spec.dimensions > size:
         return f"dimensions {spec.dimensions} is more than model {hosted.name!r}'s {size}"
+    longest = hosted.host.max_length if isinstance(hosted.host, EmbedHost) else None
+    if spec.max_length is not None and longest is not None and spec.max_length > longest:
+        return (f"max_length {spec.max_length} is more than model {hosted.name!r}'s maximum of {longest} "
+                "tokens per input")
     fixed = hosted.host.fixed_pooling if isinstance(hosted.host, EmbedHost) else None
     if spec.pooling is not None and fixed is not None and spec.pooling != fixed:
         return (f"pooling {spec.pooling!r}: model {hosted.name!r} was trained with {fixed!r} pooling (its "

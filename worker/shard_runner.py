@@ -219,10 +219,11 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
 
 
 def _check_task(spec: JobSpec, hosted: HostedModel, timings: PhaseTimings) -> None:
-    """`JobCannotRun` when the model cannot do the job's task (an embed job's `dimensions` and `pooling`
-    are checked once the embedding model is loaded: every row would fail the same way)."""
+    """`JobCannotRun` when the model cannot do the job's task (an embed job's `dimensions`, `pooling`
+    and `max_length` are checked once the embedding model is loaded: every row would fail the same way)."""
     problem = task_problem(spec, hosted)
-    if problem is None and spec.is_embed and (spec.dimensions is not None or spec.pooling is not None):
+    loaded_checks = (spec.dimensions, spec.pooling, spec.max_length)
+    if problem is None and spec.is_embed and any(value is not None for value in loaded_checks):
         try:
             with timings.phase("model"):
                 hosted.host.wait_ready()

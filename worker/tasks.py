@@ -1,4 +1,4 @@
-"""The pipeline's Celery tasks (names fixed by docs/pipeline.md; the API sends them by name).
+"""The pipeline's Celery tasks (names fixed by docs/job-pipeline.md; the API sends them by name).
 
 Thin wrappers: the work is in `job_lifecycle` and `shard_runner`, which know nothing of Celery.
 Task ids are deterministic (`<job>.shard.<n>`, `<job>.finalize`), so a task sent twice is easy to

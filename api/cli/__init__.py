@@ -49,7 +49,7 @@ COMMANDS: dict[str, Command] = {
                          "Redis and store (see docs/configuration.md)", "worker"),
     "run": Command("worker.run_cli:run_cli", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
                    "here, no servers; resumable", "worker"),
-    # Job commands over the SDK (api/cli/jobs.py; exit codes documented there and in docs/sdk_and_cli.md).
+    # Job commands over the SDK (api/cli/jobs.py; exit codes documented there and in docs/sdk-and-cli.md).
     "submit": Command("api.cli.jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
                       "(--wait: exit code = outcome)", "client"),
     "status": Command("api.cli.jobs:status", "A job's state, rows, tokens and outputs", "client"),

@@ -6,7 +6,7 @@
     client.schedules.tick(schedule)      # submit new objects now, whatever the cron says
     client.schedules.pause(schedule); client.schedules.resume(schedule); client.schedules.delete(schedule)
 
-Each new object (key + ETag) under the prefix gets exactly one job (docs/schedules_and_webhooks.md).
+Each new object (key + ETag) under the prefix gets exactly one job (docs/schedules-and-webhooks.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The schedule routes: create, list, read, pause, resume, delete, tick now, and what was submitted.
 
 A schedule submits one job per new object under its input prefix each time its cron fires (the
-workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules_and_webhooks.md).
+workers' ticker) or `POST /schedules/{id}/tick` is called (docs/schedules-and-webhooks.md).
 """
 
 from __future__ import annotations

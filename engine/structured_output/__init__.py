@@ -2,7 +2,7 @@
 
 ``StructuredSpec`` says what a request's output must match; ``StructuredOutputManager`` compiles
 specs off the engine loop (cached by spec), fills the per-step token bitmask and follows the
-sampled tokens. See docs/structured_output.md.
+sampled tokens. See docs/structured-output.md.
 """
 
 from engine.structured_output.compile import GrammarError, check_spec

@@ -1,4 +1,4 @@
-"""Make a JSON schema safe for xgrammar 0.2.9 before compiling it (see docs/structured_output.md).
+"""Make a JSON schema safe for xgrammar 0.2.9 before compiling it (see docs/structured-output.md).
 
 Each rewrite below answers a case where xgrammar's grammar admits outputs that strict
 ``json.loads`` or a validator rejects (measured; tests/engine/test_structured_output_schemas.py):

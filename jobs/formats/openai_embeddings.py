@@ -39,7 +39,7 @@ def embedding_row(index: int, custom_id: str, body: dict[str, Any], spec: JobSpe
         raise RowProblem(RowErrorCode.INVALID_ROW,
                          f"body.dimensions must be a whole number ≥ 1, got {dimensions!r}")
     request = EmbedRequest(inputs, dimensions if dimensions is not None else spec.dimensions, encoding,
-                           spec.truncate, spec.pooling, spec.normalize)
+                           spec.truncate, spec.pooling, spec.normalize, spec.max_length)
     prompt = inputs[0] if len(inputs) == 1 and isinstance(inputs[0], str) else None
     return Row(index, custom_id, prompt, None, JobSampling(), None, {}, line, request)
 

@@ -188,7 +188,7 @@ def expired_row(item: Row | RowError) -> OutputRow:
 
 def _parse_json(text: str) -> tuple[Any, str | None]:
     # Strict, as users will parse it: the engine rewrites schemas so that xgrammar cannot emit raw
-    # control characters in strings (mlc-ai/xgrammar#800, docs/structured_output.md).
+    # control characters in strings (mlc-ai/xgrammar#800, docs/structured-output.md).
     try:
         return json.loads(text), None
     except json.JSONDecodeError as error:

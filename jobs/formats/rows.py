@@ -222,7 +222,7 @@ class RowBuilder:
             return unreadable_row(index, row_id, error, line, passthrough)
         if spec.is_embed:
             embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate, spec.pooling,
-                                 spec.normalize)
+                                 spec.normalize, spec.max_length)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
 

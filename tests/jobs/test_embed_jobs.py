@@ -69,6 +69,8 @@ def test_a_job_generates_unless_it_says_embed_and_old_hashes_stay() -> None:
     ({"task": "generate", "normalize": False}, "normalize: only an embed job (task: embed) has vectors"),
     ({"task": "generate", "normalize": True}, "normalize: only an embed job (task: embed) has vectors"),
     ({"pooling": "max"}, "pooling: Input should be 'mean', 'cls' or 'last'"),
+    ({"task": "generate", "max_length": 64}, "max_length: only an embed job (task: embed) limits its inputs"),
+    ({"max_length": 0}, "max_length: Input should be greater than or equal to 1"),
 ])
 def test_what_an_embed_job_cannot_have_is_refused_by_name(changes, expected) -> None:
     data = {**EMBED, **changes}

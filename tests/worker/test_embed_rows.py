@@ -91,6 +91,30 @@ def test_a_too_long_input_fails_its_row_unless_the_job_truncates(hosted, referen
     assert cosine(cut.embeddings[0], want.embedding) >= 0.99999
 
 
+def test_a_jobs_max_length_limits_inputs_within_the_models_maximum(hosted, reference) -> None:
+    """A job may hold inputs to fewer tokens than the model takes (cost, or a checkpoint without
+    sentence-transformers files whose positions run long): longer inputs fail or are cut there; a
+    limit past the model's maximum is the job's error, naming both."""
+    text = "the cat sat on the mat and looked at the dog for a while"
+    [whole] = run_rows(hosted, rows(spec(), [text]))
+    assert whole.error_code is None and whole.prompt_tokens > 8
+    [failed] = run_rows(hosted, rows(spec(max_length=8), [text]))
+    assert failed.error_code == "prompt_too_long"
+    assert "more than the job's max_length of 8" in failed.error_message
+    [cut] = run_rows(hosted, rows(spec(max_length=8, truncate=True), [text]))
+    assert cut.prompt_tokens == 8
+    [want] = reference.embed_token_ids([truncated(reference.tokenize(text), 8,
+                                                  set(reference.tokenizer.all_special_ids))])
+    assert cosine(cut.embeddings[0], want.embedding) >= 0.99999
+    # The same text under another limit is another result: not deduplicated against the first.
+    first, second = run_rows(hosted, rows(spec(max_length=8, truncate=True), [text])
+                             + rows(spec(max_length=12, truncate=True), [text]))
+    assert (first.prompt_tokens, second.prompt_tokens) == (8, 12) and not second.deduplicated
+    assert task_problem(spec(max_length=MAX_TOKENS), hosted) is None
+    assert task_problem(spec(max_length=MAX_TOKENS + 1), hosted) == (
+        f"max_length {MAX_TOKENS + 1} is more than model 'bert''s maximum of {MAX_TOKENS} tokens per input")
+
+
 def test_dimensions_shortens_and_renormalises_and_past_the_size_is_the_rows_error(hosted, reference) -> None:
     [short] = run_rows(hosted, rows(spec(dimensions=8), ["the cat"]))
     full = reference.embed(["the cat"])[0].embedding

@@ -15,6 +15,7 @@ import pytest
 from engine.embedder import Embedder
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 from tests.worker.test_run_file import _run, _write_jsonl
+from worker.embed_host import truncated
 
 TEXTS = ["the cat", "a dog and the cat", "of the", "the cat"]
 
@@ -79,6 +80,18 @@ def test_run_embeds_with_a_decoder_checkpoint_pooled_as_the_flags_say(
     want = np.array([output.embedding for output in reference.embed(["def f(x): return x", "import os"])])
     np.testing.assert_allclose(got, want, atol=1e-5)
     assert abs(np.linalg.norm(got[0]) - 1) > 0.01  # not normalized, as asked
+    # --max-length caps each input's tokens (a decoder's positions run long), cut with --truncate
+    capped = tmp_path / "capped.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", capped, "--model", tiny_checkpoint, "--task", "embed",
+                           "--prompt-column", "q", "--max-length", "3", "--truncate", "--dtype", "float32")
+    assert code == 0, stderr
+    rows = [json.loads(line) for line in capped.read_text().splitlines()]
+    reference = Embedder.load(tiny_checkpoint, dtype="float32")
+    specials = set(reference.tokenizer.all_special_ids)
+    cut = [truncated(reference.tokenize(text), 3, specials) for text in ("def f(x): return x", "import os")]
+    want = np.array([output.embedding for output in reference.embed_token_ids(cut)])
+    np.testing.assert_allclose(np.array([row["embedding"] for row in rows]), want, atol=1e-5)
+    assert [row["usage"]["prompt_tokens"] for row in rows] == [3, len(cut[1])] and len(cut[1]) <= 3
 
 
 def test_the_catalog_embedding_model_by_name_matches_sentence_transformers(
