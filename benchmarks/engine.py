@@ -133,7 +133,11 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunRe
         timed_generate(llm, [p[-8:] for p in workload.prompts[:2]],
                        SamplingParams(max_tokens=2, ignore_eos=True))
         llm.engine.counters = EngineCounters()
+        parallel = llm.engine.parallel
+        if parallel is not None:
+            parallel.communicator.seconds_in_collectives = 0.0
         outputs, wall = timed_generate(llm, workload.prompts, params)
+        in_collectives = parallel.communicator.seconds_in_collectives if parallel is not None else 0.0
     finally:
         llm.engine.shutdown()  # tensor parallel: its ranks stop and this process gets its threads back
     cached = sum(o.num_cached_tokens for o in outputs)
@@ -142,6 +146,7 @@ def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunRe
         "prefix_hit_rate": cached / workload.prompt_tokens,
         "prefill_tokens_computed": float(metrics["prefill_tokens_computed"]),
         "preemptions": float(metrics["num_preemptions"]),
+        "collective_share": in_collectives / wall,
     }
     output_tokens = sum(o.num_completion_tokens for o in outputs)
     requested, chosen = engine_kwargs.get("dtype", "auto"), llm.dtype_choice.dtype
@@ -182,7 +187,9 @@ def print_comparison(workload: Workload, baseline: RunResult | None, engines: li
         one = next((e for e in single if e.label.rsplit(" ", 1)[-1] == dtype), None)
         if ranks > 1 and one is not None:
             out(f"  tp={ranks} / tp=1 output tok/s ({dtype}): {engine.output_tps / one.output_tps:.2f}x "
-                f"(wall {engine.wall_s:.2f}s vs {one.wall_s:.2f}s)")
+                f"(wall {engine.wall_s:.2f}s vs {one.wall_s:.2f}s); rank 0 in collectives "
+                f"{engine.extra['collective_share']:.0%} of the wall time (all-reduces, the LM head's "
+                "gather, and waiting for the other ranks)")
     return met
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ def free_port() -> int:
 class Communicator:
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device) -> None:
         self.group, self.rank, self.world, self.device = group, rank, world, device
+        # Seconds this rank has spent in collectives (moving data, and waiting for slower ranks):
+        # what tensor parallelism costs it, read by benchmarks.
+        self.seconds_in_collectives = 0.0
 
     @staticmethod
     def connect(rank: int, world: int, port: int, device: torch.device, timeout_s: float,
@@ -79,9 +83,11 @@ class Communicator:
         if abort is not None:
             abort()
 
-    @staticmethod
-    def _wait(work: dist.Work) -> None:
+    def _wait(self, work: dist.Work) -> None:
+        started = time.perf_counter()
         try:
             work.wait()
         except RuntimeError as error:
             raise CollectiveError(str(error)) from None
+        finally:
+            self.seconds_in_collectives += time.perf_counter() - started

@@ -106,6 +106,6 @@ def test_bench_engine_times_two_ranks_against_one(tiny_checkpoint,
     out = capsys.readouterr().out
     assert code == 0
     assert "bulkinfer engine float32 " in out and "bulkinfer engine tp=2 float32 " in out
-    assert "tp=2 / tp=1 output tok/s (float32): " in out
+    assert "tp=2 / tp=1 output tok/s (float32): " in out and "rank 0 in collectives " in out
     with pytest.raises(SystemExit):
         bench_cli(["--tensor-parallel-size", "2,0"])
