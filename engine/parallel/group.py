@@ -67,6 +67,8 @@ class TensorParallelGroup:
         # Stop the ranks with the engine, however it goes (garbage collected, interpreter exit).
         self._finalizer = weakref.finalize(self, _stop_processes, self._processes, self._conns, self._stopped)
         try:
+            # Every rank alive and about to join before this one blocks in the rendezvous.
+            self._wait_for("joining", "starting", start_timeout_s)
             self.communicator = Communicator.connect(0, self.world, port, self.device, start_timeout_s)
         except BaseException:
             self.shutdown()
@@ -85,17 +87,21 @@ class TensorParallelGroup:
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Wait until every rank has loaded its part of the model; raise TensorParallelError with the
         rank's own error where one failed."""
+        self._wait_for("ready", "loading", timeout_s)
+
+    def _wait_for(self, expected: str, doing: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         for rank, conn in enumerate(self._conns, start=1):
             process = self._processes[rank - 1]
             while not conn.poll(0.1):
                 if process.poll() is not None:
-                    raise self.fail(f"rank {rank} exited (code {process.returncode}) while loading")
+                    raise self.fail(f"rank {rank} exited (code {process.returncode}) while {doing}")
                 if time.monotonic() > deadline:
-                    raise self.fail(f"rank {rank} did not load its part of the model in {timeout_s:.0f} s")
+                    raise self.fail(f"rank {rank} did not finish {doing} in {timeout_s:.0f} s")
             kind, detail = self._receive(conn)
-            if kind != "ready":
-                raise self.fail(f"rank {rank} failed while loading: {detail}")
+            if kind != expected:
+                logger.error("tensor parallel rank %d failed while %s:\n%s", rank, doing, detail)
+                raise self.fail(f"rank {rank} failed while {doing}: {_last_line(detail)}")
 
     def send(self, *message: object) -> None:
         """Have every other rank run `message` (see rank_worker.follow) alongside rank 0."""
@@ -149,7 +155,7 @@ class TensorParallelGroup:
                 except subprocess.TimeoutExpired:
                     pass
             if detail is not None:
-                reports.append(f"rank {rank} raised: {detail.strip().splitlines()[-1]}")
+                reports.append(f"rank {rank} raised: {_last_line(detail)}")
                 logger.error("tensor parallel rank %d raised:\n%s", rank, detail)
             elif process.poll() is not None:
                 reports.append(f"rank {rank} exited with code {process.returncode}")
@@ -190,3 +196,9 @@ def _stop_processes(processes: list[subprocess.Popen], conns: list[Connection],
             process.wait(STOP_TIMEOUT_S)
     for conn in conns:
         conn.close()
+
+
+def _last_line(detail: str | None) -> str:
+    """A traceback's last line (the exception); the whole text goes to the log."""
+    lines = (detail or "").strip().splitlines()
+    return lines[-1] if lines else "no detail"

@@ -44,7 +44,7 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
     """Process entry point. Exits when rank 0 says stop or goes away (its end of the pipe closes);
     an exception is sent to rank 0 (which fails the engine with it) before this process exits."""
     try:
-        runner = _build(spec)
+        runner = _build(spec, conn)
         conn.send(("ready", None))
         while True:
             message = conn.recv()
@@ -61,7 +61,7 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
         sys.exit(1)
 
 
-def _build(spec: RankSpec) -> Any:
+def _build(spec: RankSpec, conn: Connection) -> Any:
     from engine import cpu_kernels
     from engine.attention import TorchPagedAttention
     from engine.dtype_choice import DTYPES
@@ -74,6 +74,7 @@ def _build(spec: RankSpec) -> Any:
         torch.set_num_threads(spec.threads)
     else:
         torch.cuda.set_device(device)
+    conn.send(("joining", None))  # imports done: rank 0 may now wait in the group's rendezvous
     communicator = Communicator.connect(spec.rank, spec.world, spec.port, device, spec.start_timeout_s)
     kernels = cpu_kernels.load() if device.type == "cpu" else None
     model = load_rank_model(spec.config.model, TorchPagedAttention(kernels=kernels), communicator,
