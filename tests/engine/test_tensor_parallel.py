@@ -147,3 +147,18 @@ def test_two_ranks_in_bf16_agree_with_transformers_within_noise(tiny_checkpoint)
     single = LLM(model, **options)
     assert_greedy_within_noise(list(zip(PROMPTS, outputs, strict=True)), model, single.engine.model,
                                torch.bfloat16)
+
+
+def test_four_ranks_replicate_the_two_kv_heads_and_generate_the_tokens_one_rank_does(
+        tiny_checkpoint) -> None:  # noqa: ANN001
+    """tiny has 4 query heads and 2 KV heads: over 4 ranks each holds one query head and a copy of
+    the KV head its query head reads (ranks 0-1 KV head 0, ranks 2-3 KV head 1)."""
+    model = str(tiny_checkpoint)
+    prompts = PROMPTS[:6]
+    expected = token_ids(LLM(model, **OPTIONS).generate(prompts, GREEDY))
+    parallel = LLM(model, tensor_parallel_size=4, **OPTIONS)
+    try:
+        assert token_ids(parallel.generate(prompts, GREEDY)) == expected
+        assert parallel.engine.runner.kv_caches[0].shape[2] == 1
+    finally:
+        parallel.engine.shutdown()
