@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine.models.llama import LlamaFamilyConfig
 from engine.parallel.plan import Split, TensorParallelConfigError, check_splittable, local_config, shard
-from engine.parallel.plans import llama_plan
+from engine.parallel.plans import llama_plan, moe_plan, phi3_plan
 
 HEAD = 2
 
@@ -83,3 +86,32 @@ def test_the_llama_plan_names_every_split_tensor_and_its_all_reduces() -> None:
     assert plan["model.layers.0.self_attn.o_proj.bias"].first_rank_only
     assert "model.layers.0.input_layernorm.weight" not in plan  # replicated
     assert plan["lm_head.weight"].pad and "lm_head.weight" not in llama_plan(config(tie_word_embeddings=True))
+
+
+def test_the_phi3_plan_splits_the_fused_qkv_and_gate_up_section_by_section() -> None:
+    c = config(num_layers=1)  # 4 query heads and 2 KV heads of 16, MLP width 96
+    plan = phi3_plan(c)
+    qkv = plan["model.layers.0.self_attn.qkv_proj.weight"]
+    assert (qkv.sections, qkv.unit) == ((64, 32, 32), 16)
+    fused = rows(128)
+    rank1 = shard(fused, (128, 3), qkv, 1, 2, "qkv")
+    assert torch.equal(rank1, torch.cat([fused[32:64], fused[80:96], fused[112:128]]))
+    assert plan["model.layers.0.mlp.gate_up_proj.weight"].sections == (96, 96)
+    assert plan["model.layers.0.mlp.down_proj.weight"].reduce_at == "layers.0.mlp"
+
+
+def test_the_moe_plan_splits_each_expert_and_reduces_once_after_the_sparse_block() -> None:
+    """Each expert (and the shared expert) by its intermediate channels, the router replicated;
+    a dense layer among sparse ones keeps the dense MLP's plan (configs as engine/models/moe.py)."""
+    base = config(num_layers=2)
+    c = SimpleNamespace(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
+                        tensor_names=("block_sparse_moe", ("w1", "w3", "w2")), sparse_layers=(True, False),
+                        num_experts=2, shared_expert_intermediate_size=32)
+    plan = moe_plan(c)
+    block = "model.layers.0.block_sparse_moe."
+    assert plan[block + "experts.1.w1.weight"] == Split(dim=0)
+    assert plan[block + "experts.1.w2.weight"] == Split(dim=1, reduce_at="layers.0.mlp")
+    assert plan[block + "shared_expert.down_proj.weight"].reduce_at == "layers.0.mlp"
+    assert block + "gate.weight" not in plan and block + "shared_expert_gate.weight" not in plan
+    assert plan["model.layers.1.mlp.down_proj.weight"].reduce_at == "layers.1.mlp"
+    assert plan["model.layers.1.self_attn.o_proj.weight"].reduce_at == "layers.1.self_attn"
