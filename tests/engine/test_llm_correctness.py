@@ -24,7 +24,7 @@ from tests.engine.hf_reference import (
     hf_greedy,
 )
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 DTYPES = ["float32", "bfloat16"]
 MAX_NEW_TOKENS = {"float32": 8, "bfloat16": 32, "float16": 32}
 
