@@ -428,6 +428,7 @@ class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 decoder over a flattened batch with a paged KV cache."""
 
     decoder_layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3, Phi-3)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) where set (Gemma)
 
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
