@@ -6,11 +6,14 @@ What differs from Llama, and where it is handled:
 - Rotary may cover only the first ``partial_rotary_factor`` of each head (Phi-4-mini: 0.75); the
   rest of the head passes through unrotated.
 - ``longrope`` scaling: per-frequency ``short_factor`` / ``long_factor`` divisors and one attention
-  factor multiplying cos and sin. transformers picks the long factors for a whole forward pass once
-  any of its positions reaches ``original_max_position_embeddings``; we pick them per position
-  (vLLM's rule). The two agree for every prompt up to that length, however far generation goes
-  past it; on a longer prompt transformers re-rotates all of it with the long factors, which no
-  paged cache can do (a cached block's keys would depend on the length of the request reading it).
+  factor multiplying cos and sin, computed as transformers computes them. Which factors: per
+  position, the long ones from ``original_max_position_embeddings`` on (a cached block's keys then
+  depend on their positions only, as prefix caching needs). transformers' forward picks them per
+  pass (long once the pass reaches that position): the same for every sequence within the original
+  context, and token by token past it (tested). Its ``generate`` goes further: when a sequence
+  crosses the original context it drops its cache and re-encodes everything with the long
+  factors, and a prompt longer than it is encoded with the long factors throughout; tokens after
+  such a crossing can differ from ``generate``'s (not from its cached forward).
 - ``sliding_window`` (when set) applies to every layer.
 """
 
