@@ -40,7 +40,7 @@ from transformers import (
 )
 
 # Bump when the layout, init or tokenizer recipe changes: it invalidates cached checkpoints.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -56,6 +56,36 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Gemma 3's own template (google/gemma-3-*-it, less its image parts): a system message is folded into
+# the first user turn, roles must alternate, the assistant is "model". Its turn markers are plain
+# text to our tokenizer (the real one has them as special tokens); BOS comes from the template.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def chat_template(arch: str) -> str:
+    return GEMMA3_CHAT_TEMPLATE if arch == "gemma3" else CHAT_TEMPLATE
+
 
 CHECKPOINT_FILES = (
     "config.json",
@@ -408,13 +438,13 @@ def build_tokenizer(vocab_size: int, arch: str = "llama") -> PreTrainedTokenizer
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(arch),
         model_max_length=PRESETS["tiny"].max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path, arch: str = "llama") -> None:
     tokenizer.save_pretrained(str(out))
     # Some transformers versions fold special_tokens_map.json into tokenizer_config.json; write it
     # anyway, older loaders and other tools still read it.
@@ -436,7 +466,7 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     # Qwen2Tokenizer (see _SPLIT_PATTERN) would otherwise add an "<|endoftext|>" unk token past the vocab.
     config["unk_token"] = None
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = chat_template(arch)
     _write_json(config_path, config)
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
@@ -474,7 +504,7 @@ def build_checkpoint(
 def _write_checkpoint(out: Path, config: PretrainedConfig, preset: str, arch: str, seed: int) -> None:
     config.save_pretrained(str(out))
     save_file(make_weights(preset, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _save_tokenizer(build_tokenizer(config.vocab_size, arch), out)
+    _save_tokenizer(build_tokenizer(config.vocab_size, arch), out, arch)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
