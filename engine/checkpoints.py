@@ -1,12 +1,12 @@
 """Small deterministic Hugging Face-format checkpoints for tests, demos and benchmarks.
 
 No model can be downloaded on our machines, so the engine is tested against checkpoints we build
-ourselves: a random-weight Llama-family model (llama, qwen2, qwen3, mistral) plus a byte-level BPE
+ourselves: a random-weight model (llama, qwen2, qwen3, mistral, gemma3, phi3) plus a byte-level BPE
 tokenizer trained on Python's own stdlib sources. The same (preset, arch, seed) gives byte-identical
 files for the same Python / torch / tokenizers versions.
 
-Tied embeddings: qwen2 and qwen3 tie `lm_head` to `embed_tokens` (as small Qwen models do, no
-`lm_head.weight` in the file); llama and mistral keep a separate `lm_head.weight`.
+Tied embeddings: qwen2, qwen3 and gemma3 tie `lm_head` to `embed_tokens` (as small Qwen models and
+every Gemma do, no `lm_head.weight` in the file); llama, mistral and phi3 keep a separate one.
 """
 
 from __future__ import annotations
