@@ -263,7 +263,8 @@ class ModelRunner:
         logits = self.model.compute_logits_in_model_dtype(hidden[:num_sampled])
         if not batch.num_scored:
             return StepResult(logits)
-        scored = score_rows(self.model.lm_head.weight, hidden[num_sampled:], batch.score_spans)
+        scored = score_rows(self.model.lm_head.weight, hidden[num_sampled:], batch.score_spans,
+                            self.model.final_logit_softcap)
         return StepResult(logits, scored)
 
     def _decode_graphs(self) -> DecodeGraphs | None:

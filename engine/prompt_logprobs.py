@@ -47,9 +47,10 @@ def score_span(chunk: ScheduledChunk) -> ScoreSpan | None:
 
 
 def score_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor,
-               spans: list[ScoreSpan]) -> dict[str, list[RowLogprobs]]:
+               spans: list[ScoreSpan], softcap: float | None = None) -> dict[str, list[RowLogprobs]]:
     """Each span's prompt logprobs from the final hidden states of its positions (`hidden` holds
-    the spans' rows in order), by request id."""
+    the spans' rows in order), by request id. `softcap`: the model's final-logit soft-cap
+    (Gemma: logits = cap * tanh(logits / cap)), None for none."""
     targets: list[int] = []
     ks: list[int] = []
     for span in spans:
@@ -61,8 +62,10 @@ def score_rows(lm_head_weight: torch.Tensor, hidden: torch.Tensor,
     rows: list[RowLogprobs] = []
     for begin in range(0, len(targets), ROWS_PER_SLICE):
         end = begin + ROWS_PER_SLICE
-        rows.extend(_slice_logprobs(F.linear(hidden[begin:end].float(), weight), targets[begin:end],
-                                    ks[begin:end]))
+        logits = F.linear(hidden[begin:end].float(), weight)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        rows.extend(_slice_logprobs(logits, targets[begin:end], ks[begin:end]))
     result: dict[str, list[RowLogprobs]] = {}
     at = 0
     for span in spans:

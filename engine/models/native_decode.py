@@ -71,7 +71,7 @@ class NativeDecode:
     def for_model(model: LlamaForCausalLM, kernels: CpuKernels | None) -> NativeDecode | None:
         """The native path where this model fits it on this machine, else None."""
         config = model.config
-        if kernels is None or config.qk_norm:
+        if kernels is None or config.qk_norm or not model.fits_native_decode():
             return None
         if any(window is not None for window in config.sliding_windows):
             return None

@@ -24,8 +24,12 @@ from tests.engine.hf_reference import (
     hf_greedy,
 )
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 DTYPES = ["float32", "bfloat16"]
+# The newer families run every scenario in fp32 and show bf16 agreement where all of prefix
+# caching, batching and the shared-prefix paths meet (suite time: each scenario is seconds per arch).
+NEWER_FAMILIES = {"gemma3", "phi3"}
+BF16_SCENARIOS_FOR_ALL = {"test_many_requests_together"}
 MAX_NEW_TOKENS = {"float32": 8, "bfloat16": 32, "float16": 32}
 
 
@@ -47,14 +51,23 @@ def make_prompts(vocab_size: int = 2048, seed: int = 0) -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def arch_dir(request, checkpoint_factory) -> str:
-    return str(checkpoint_factory(arch=request.param))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`arch` x `dtype` for the scenarios (see NEWER_FAMILIES), `dtype` alone elsewhere."""
+    names = metafunc.fixturenames
+    if "arch" in names and "dtype" in names:
+        every_dtype = metafunc.function.__name__ in BF16_SCENARIOS_FOR_ALL
+        pairs = [(arch, dtype) for arch in ARCHS for dtype in DTYPES
+                 if every_dtype or dtype == "float32" or arch not in NEWER_FAMILIES]
+        metafunc.parametrize(("arch", "dtype"), pairs, ids=[f"{a}-{d}" for a, d in pairs], scope="module")
+    elif "arch" in names:
+        metafunc.parametrize("arch", ARCHS, scope="module")
+    elif "dtype" in names:
+        metafunc.parametrize("dtype", DTYPES)
 
 
-@pytest.fixture(params=DTYPES)
-def dtype(request) -> str:
-    return request.param
+@pytest.fixture(scope="module")
+def arch_dir(arch, checkpoint_factory) -> str:
+    return str(checkpoint_factory(arch=arch))
 
 
 def greedy(dtype: str) -> SamplingParams:

@@ -21,7 +21,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
 from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy, noise_bound
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 DTYPES = ["float32", "bfloat16", "float16"]
 
 

@@ -168,3 +168,15 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -
         done.update({o.request_id: o for o in engine.step()})
     assert done["json"].finish_reason == "stop" and done["json"].text in ("true", "false")
     assert len(done["plain"].token_ids) == 8
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_the_newer_families_complete_schemas_and_choices(checkpoint_factory, arch: str) -> None:
+    """Gemma 3 (its final-logit soft-cap under the grammar mask) and Phi-3 through the same masks."""
+    llm = LLM(model=str(checkpoint_factory(arch=arch)), dtype="float32", max_num_seqs=16)
+    schema = SamplingParams(json_schema=LENGTH_LIMITED, n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS)
+    choice = SamplingParams(choice=["red", "green", "blue"], temperature=0.0, max_tokens=8)
+    json_output, choice_output = llm.generate(["Give JSON:", "Pick a colour:"], [schema, choice])
+    assert [c.finish_reason for c in json_output.outputs] == ["stop"] * 3
+    assert_valid(LENGTH_LIMITED, [c.text for c in json_output.outputs])
+    assert choice_output.outputs[0].text in ("red", "green", "blue")
