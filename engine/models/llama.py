@@ -421,6 +421,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 decoder over a flattened batch with a paged KV cache."""
 
+    config_class = LlamaFamilyConfig  # parses config.json for this class (the loader calls from_hf_dict)
+
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
@@ -557,6 +559,8 @@ class LlamaForCausalLM(nn.Module):
             if c.qk_norm:
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
+            if not isinstance(mlp, MLP):
+                continue  # another family's MLP (a sparse MoE block) loads its own tensors
             gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
             mlp.gate_up_proj.weight.copy_(torch.cat([tensors[n + ".weight"] for n in gate_up]))
             mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])

@@ -21,12 +21,16 @@ from engine.models.llama import (
     UnsupportedModelError,
     onednn_linear_available,
 )
+from engine.models.moe import MoeForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).
@@ -58,7 +62,8 @@ def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
             f"in {Path(model_dir) / 'config.json'}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    return LlamaFamilyConfig.from_hf_dict(supported[0], cfg)
+    model_cls = SUPPORTED_ARCHITECTURES[supported[0]]
+    return model_cls.config_class.from_hf_dict(supported[0], cfg)
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Any, config_ids: tuple[int, ...] = ()) -> list[int]:
