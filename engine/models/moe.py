@@ -160,7 +160,7 @@ class SparseMoeBlock(nn.Module):
             weighted = outputs.mul_(pair_weights)
         by_pair = torch.empty_like(weighted).index_copy_(0, order, weighted)
         # The k contributions in slot order: a row's sum never depends on what else the step holds.
-        return by_pair.view(rows, top_k, -1).sum(dim=1)
+        return by_pair.view(rows, top_k, x.shape[-1]).sum(dim=1)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
