@@ -168,6 +168,9 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     config: MoeConfig
     config_class = MoeConfig
+    # Not recordable as a CUDA graph: the grouped experts read each expert's row count on the host
+    # (engine/decode_graphs.decode_graph_mode keeps MoE decode steps eager on a GPU).
+    graph_capturable = False
 
     def __init__(self, config: MoeConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
