@@ -194,8 +194,8 @@ def test_chunked_prefill_preemption_and_max_tokens_mid_proposal(tiny_checkpoint,
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_mixture_of_experts_greedy_is_identical_with_a_draft_model(checkpoint_factory, layer_skip,
                                                                    arch: str) -> None:
-    """In bf16, where only a batch-invariant expert path keeps the bits: each verified draft row
-    runs its experts through the row kernel as a lone decode does (engine/models/moe.py)."""
+    """Token for token in bf16: a verified draft row's router and experts give the bits a lone decode
+    gives (engine/models/moe.py), so no routing decision differs with speculation."""
     target = str(checkpoint_factory(arch=arch))
     prompts = MOE_PROMPTS[:6] + copy_heavy_prompts()
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
