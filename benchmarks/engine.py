@@ -196,6 +196,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (96 with --structured)")
     parser.add_argument("--baseline-batch", type=int, default=32)
     parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--moe-profile-steps", type=int, default=16,
+                        help="mixture-of-experts models: decode steps timed for the routing/expert shares")
     parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -252,7 +254,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         print_comparison(workload, baseline, engines, targets[name])
     if is_mixture_of_experts(model_dir):
         for dtype in dtypes:
-            print_moe_step_shares(model_dir, {**engine_kwargs, "dtype": dtype}, rows=min(args.requests, 64))
+            print_moe_step_shares(model_dir, {**engine_kwargs, "dtype": dtype}, rows=min(args.requests, 64),
+                                  steps=args.moe_profile_steps)
     return 0
 
 
