@@ -1,9 +1,10 @@
 """Small deterministic Hugging Face-format checkpoints for tests, demos and benchmarks.
 
 No model can be downloaded on our machines, so the engine is tested against checkpoints we build
-ourselves: a random-weight model (llama, qwen2, qwen3, mistral, gemma3, phi3) plus a byte-level BPE
-tokenizer trained on Python's own stdlib sources. The same (preset, arch, seed) gives byte-identical
-files for the same Python / torch / tokenizers versions.
+ourselves: a random-weight model (llama, qwen2, qwen3, mistral, gemma3, phi3; the mixture-of-experts
+qwen3_moe, mixtral, qwen2_moe, with per-expert tensors under the published checkpoints' names) plus a
+byte-level BPE tokenizer trained on Python's own stdlib sources. The same (preset, arch, seed) gives
+byte-identical files for the same Python / torch / tokenizers versions.
 
 Tied embeddings: qwen2, qwen3 and gemma3 tie `lm_head` to `embed_tokens` (as small Qwen models and
 every Gemma do, no `lm_head.weight` in the file); llama, mistral and phi3 keep a separate one.
@@ -32,11 +33,14 @@ from transformers import (
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Bump when the layout, init or tokenizer recipe changes: it invalidates cached checkpoints.
@@ -174,6 +178,9 @@ _ARCH_CONFIGS: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "mistral": (MistralConfig, "MistralForCausalLM", False),
     "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", True),
     "phi3": (Phi3Config, "Phi3ForCausalLM", False),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM", False),
+    "qwen2_moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM", False),
 }
 
 # Gemma 3 scaled down: local and global layers alternating (the real models: 5 local : 1 global),
@@ -209,6 +216,35 @@ def _phi3_rope(head_dim: int) -> dict[str, object]:
     }
 ARCHS = tuple(_ARCH_CONFIGS)
 
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts arch's sparse MLP, as its real configs proportion it to the hidden size
+    (each width rounded up to 32, whole AMX tiles for the bf16 row kernel)."""
+
+    num_experts: int
+    top_k: int
+    expert_ratio: float  # an expert's width / hidden size
+    shared_ratio: float = 0.0  # the shared expert's width / hidden size (Qwen2-MoE)
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def width(self, hidden: int, ratio: float) -> int:
+        return -(-int(hidden * ratio) // 32) * 32
+
+
+_MOE_SHAPES: dict[str, MoeShape] = {
+    # Qwen3-30B-A3B: 128 experts, top-8, 768 wide at hidden 2048, norm_topk_prob. Layer 1 dense here
+    # (mlp_only_layers) so every test also runs a dense MLP layer among sparse ones.
+    "qwen3_moe": MoeShape(num_experts=8, top_k=2, expert_ratio=0.375, mlp_only_layers=(1,)),
+    # Mixtral-8x7B: 8 experts, top-2, 14336 wide at hidden 4096; always renormalised.
+    "mixtral": MoeShape(num_experts=8, top_k=2, expert_ratio=3.5),
+    # Qwen1.5-MoE-A2.7B: 60 experts, top-4, 1408 wide plus a 5632-wide shared expert at hidden 2048,
+    # top-k probabilities not renormalised.
+    "qwen2_moe": MoeShape(num_experts=8, top_k=4, expert_ratio=0.6875, shared_ratio=2.75,
+                          norm_topk_prob=False),
+}
+
 # Init scales, chosen by measuring tiny and small models of every arch (see _init_tensor).
 _EMBED_GAIN = 2.0
 _LINEAR_GAIN = 1.5
@@ -240,7 +276,7 @@ def make_config(preset: str = "tiny", arch: str = "llama") -> PretrainedConfig:
         architectures=[architecture],
         dtype="float32",
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention: the engine needs no window support for it
     if arch == "gemma3":
         del kwargs["rope_theta"]
@@ -250,6 +286,17 @@ def make_config(preset: str = "tiny", arch: str = "llama") -> PretrainedConfig:
         kwargs.update(rope_parameters=_phi3_rope(p.head_dim),
                       max_position_embeddings=4 * PHI3_ORIGINAL_CONTEXT,  # attention factor ~1.13
                       original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT)
+    moe = _MOE_SHAPES.get(arch)
+    if arch == "mixtral" and moe is not None:
+        kwargs.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      intermediate_size=moe.width(p.hidden_size, moe.expert_ratio))
+    elif moe is not None:
+        kwargs.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=moe.width(p.hidden_size, moe.expert_ratio),
+                      norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=list(moe.mlp_only_layers))
+        if moe.shared_ratio:
+            kwargs["shared_expert_intermediate_size"] = moe.width(p.hidden_size, moe.shared_ratio)
     return config_cls(**kwargs)
 
 
@@ -292,19 +339,42 @@ def tensor_shapes(preset: str = "tiny", arch: str = "llama") -> dict[str, tuple[
         shapes[f"{pre}.self_attn.k_proj.weight"] = (kv_out, h)
         shapes[f"{pre}.self_attn.v_proj.weight"] = (kv_out, h)
         shapes[f"{pre}.self_attn.o_proj.weight"] = (h, q_out)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             shapes[f"{pre}.self_attn.q_proj.bias"] = (q_out,)
             shapes[f"{pre}.self_attn.k_proj.bias"] = (kv_out,)
             shapes[f"{pre}.self_attn.v_proj.bias"] = (kv_out,)
-        if arch in ("qwen3", "gemma3"):
+        if arch in ("qwen3", "gemma3", "qwen3_moe"):
             shapes[f"{pre}.self_attn.q_norm.weight"] = (d,)
             shapes[f"{pre}.self_attn.k_norm.weight"] = (d,)
+        moe = _MOE_SHAPES.get(arch)
+        if moe is not None and i not in moe.mlp_only_layers:
+            shapes.update(_moe_tensor_shapes(arch, moe, pre, h))
+            continue
         shapes[f"{pre}.mlp.gate_proj.weight"] = (p.intermediate_size, h)
         shapes[f"{pre}.mlp.up_proj.weight"] = (p.intermediate_size, h)
         shapes[f"{pre}.mlp.down_proj.weight"] = (h, p.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not tied:
         shapes["lm_head.weight"] = (p.vocab_size, h)
+    return shapes
+
+
+def _moe_tensor_shapes(arch: str, moe: MoeShape, pre: str, h: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's tensors under the names the family's published checkpoints use."""
+    width = moe.width(h, moe.expert_ratio)
+    block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch == "mixtral"
+                               else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    shapes: dict[str, tuple[int, ...]] = {f"{pre}.{block}.gate.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        shapes[f"{pre}.{block}.experts.{e}.{gate}.weight"] = (width, h)
+        shapes[f"{pre}.{block}.experts.{e}.{up}.weight"] = (width, h)
+        shapes[f"{pre}.{block}.experts.{e}.{down}.weight"] = (h, width)
+    if moe.shared_ratio:
+        shared = moe.width(h, moe.shared_ratio)
+        shapes[f"{pre}.{block}.shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[f"{pre}.{block}.shared_expert.up_proj.weight"] = (shared, h)
+        shapes[f"{pre}.{block}.shared_expert.down_proj.weight"] = (h, shared)
+        shapes[f"{pre}.{block}.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -605,7 +675,7 @@ def _cache_key() -> str:
 
 
 def make_checkpoint_cli(argv: list[str] | None = None) -> int:
-    """`make-checkpoint DIR --preset tiny|small --arch llama|qwen2|qwen3|mistral|gemma3|phi3 --seed N`."""
+    """`make-checkpoint DIR --preset tiny|small --arch llama|qwen2|...|phi3|qwen3_moe|... --seed N`."""
     parser = argparse.ArgumentParser(
         prog="make-checkpoint", description="Build a deterministic random-weight HF-format checkpoint."
     )

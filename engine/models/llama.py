@@ -429,6 +429,7 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3, Phi-3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) where set (Gemma)
+    config_class = LlamaFamilyConfig  # parses config.json for this class (the loader calls from_hf_dict)
 
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -446,10 +447,11 @@ class LlamaForCausalLM(nn.Module):
         self.native_decode: NativeDecode | None = None  # set by use_cpu_kernels where it applies
         self.requires_grad_(False)
 
-    @staticmethod
-    def parse_config(architecture: str, cfg: dict[str, Any]) -> LlamaFamilyConfig:
-        """This class's config from an HF ``config.json`` dict (a family with more fields overrides it)."""
-        return LlamaFamilyConfig.from_hf_dict(architecture, cfg)
+    @classmethod
+    def parse_config(cls, architecture: str, cfg: dict[str, Any]) -> LlamaFamilyConfig:
+        """This class's config from an HF ``config.json`` dict (a family with more fields overrides it,
+        or names its ``config_class``)."""
+        return cls.config_class.from_hf_dict(architecture, cfg)
 
     def fits_native_decode(self) -> bool:
         """Whether the layers are the plain Llama layout decode_layers.c runs (full rotary, the
@@ -577,6 +579,8 @@ class LlamaForCausalLM(nn.Module):
             if c.qk_norm:
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
+            if not isinstance(mlp, MLP):
+                continue  # another family's MLP (a sparse MoE block) loads its own tensors
             gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
             mlp.gate_up_proj.weight.copy_(torch.cat([tensors[n + ".weight"] for n in gate_up]))
             mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])

@@ -22,6 +22,7 @@ from engine.models.llama import (
     UnsupportedModelError,
     onednn_linear_available,
 )
+from engine.models.moe import MoeForCausalLM
 from engine.models.phi3 import Phi3ForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
@@ -31,6 +32,9 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).

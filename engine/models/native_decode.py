@@ -83,6 +83,10 @@ class NativeDecode:
             return None
         if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
             return None
+        from engine.models.llama import MLP
+
+        if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
+            return None  # sparse MoE layers (router + experts) run on the Python path
         for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj)

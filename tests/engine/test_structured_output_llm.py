@@ -75,6 +75,20 @@ def test_length_limited_strings_parse_strictly(llm: LLM) -> None:
     assert_valid(LENGTH_LIMITED, [o.text for o in outputs])
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_models_follow_the_schema(arch: str, checkpoint_factory) -> None:
+    """The grammar masks every step's logits, whatever the router picked: 8 samples, each a
+    strictly valid object."""
+    llm = LLM(model=str(checkpoint_factory(arch=arch)), dtype="float32", num_kv_blocks=128)
+    outputs = llm.generate(
+        [f"Person {i}:" for i in range(8)],
+        [SamplingParams(json_schema=LENGTH_LIMITED, temperature=1.0, seed=i, max_tokens=MAX_TOKENS)
+         for i in range(8)],
+    )
+    assert [o.finish_reason for o in outputs] == ["stop"] * 8
+    assert_valid(LENGTH_LIMITED, [o.text for o in outputs])
+
+
 def test_regex_choice_and_grammar(llm: LLM) -> None:
     regex = r"[A-Z]{2}-[0-9]{2,4}( [a-z]{1,5})?"
     choices = ["positive", "negative", 'a "quoted" one', "ünïcode"]
