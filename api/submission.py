@@ -38,6 +38,7 @@ from jobs.sharding import open_parquet
 from jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
 from jobs.status import JobState, JobStatus
 from jobs.webhooks import destination_problem
+from jobs.workers import live_workers, unservable_reason
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -68,6 +69,10 @@ def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]
 
 def check_model(context: ApiContext, spec: JobSpec) -> None:
     context.registry.location(spec.model)  # UnknownModel → 400 naming the served models
+    repository = context.repository
+    reason = unservable_reason(live_workers(repository.redis, repository.namespace), spec.model)
+    if reason is not None:  # the workers' load error names the architectures the engine serves
+        raise HttpError(400, f"model {spec.model!r} cannot run here: {reason}", param="model")
 
 
 def check_readable(store: ObjectStore, key: str, uri: str) -> None:

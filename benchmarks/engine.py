@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.checkpoints import cached_checkpoint
+from engine.checkpoints import ARCHS, cached_checkpoint
 from engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -213,13 +213,17 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         "one engine run per entry, compared with float32 when it is listed")
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N] (engine and baseline)")
     parser.add_argument("--preset", default="small", choices=["tiny", "small"])
-    parser.add_argument("--arch", default="llama")
+    parser.add_argument("--arch", default="llama", choices=list(ARCHS),
+                        help="the --preset checkpoint's architecture (qwen3_moe, mixtral, qwen2_moe: "
+                        "mixture-of-experts; the run then also prints a decode step's routing/expert shares)")
     parser.add_argument("--requests", type=int, default=None, help="default 256 (32 with --structured)")
     parser.add_argument("--shared-len", type=int, default=400)
     parser.add_argument("--tail-len", type=int, default=50)
     parser.add_argument("--max-tokens", type=int, default=None, help="default 64 (96 with --structured)")
     parser.add_argument("--baseline-batch", type=int, default=32)
     parser.add_argument("--no-baseline", action="store_true", help="skip the transformers baseline")
+    parser.add_argument("--moe-profile-steps", type=int, default=16,
+                        help="mixture-of-experts models: decode steps timed for the routing/expert shares")
     parser.add_argument("--workloads", default="shared,unique", help="comma list of: shared, unique")
     parser.add_argument("--max-num-seqs", type=int, default=EngineConfig.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int,
@@ -283,7 +287,33 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                               {**engine_kwargs, "dtype": dtype, "tensor_parallel_size": n})
                    for dtype in dtypes for n in ranks]
         print_comparison(workload, baseline, engines, targets[name])
+    if is_mixture_of_experts(model_dir):
+        for dtype in dtypes:
+            print_moe_step_shares(model_dir, {**engine_kwargs, "dtype": dtype}, rows=min(args.requests, 64),
+                                  steps=args.moe_profile_steps)
     return 0
+
+
+def is_mixture_of_experts(model_dir: str) -> bool:
+    from engine.models.loader import model_config_from_dir
+
+    return getattr(model_config_from_dir(model_dir), "num_experts", 0) > 0
+
+
+def print_moe_step_shares(model_dir: str, engine_kwargs: dict, rows: int, steps: int = 16,
+                          out: Callable[[str], None] = print) -> None:
+    """The share of a decode step of `rows` requests spent in expert routing and expert compute."""
+    from benchmarks.moe_profile import profile_decode_steps
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=model_dir, **engine_kwargs)
+    rng = random.Random(7)
+    vocab = llm.engine.model.config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i in range(rows):
+        llm.engine.add_request(f"moe-{i}", [rng.randrange(5, vocab) for _ in range(64)], params)
+    shares = profile_decode_steps(llm.engine, steps)
+    out(f"  bulkinfer engine {llm.dtype_choice.dtype}: {shares.describe()}")
 
 
 if __name__ == "__main__":

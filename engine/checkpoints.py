@@ -1,12 +1,13 @@
 """Small deterministic Hugging Face-format checkpoints for tests, demos and benchmarks.
 
 No model can be downloaded on our machines, so the engine is tested against checkpoints we build
-ourselves: a random-weight Llama-family model (llama, qwen2, qwen3, mistral) plus a byte-level BPE
-tokenizer trained on Python's own stdlib sources. The same (preset, arch, seed) gives byte-identical
-files for the same Python / torch / tokenizers versions.
+ourselves: a random-weight model (llama, qwen2, qwen3, mistral, gemma3, phi3; the mixture-of-experts
+qwen3_moe, mixtral, qwen2_moe, with per-expert tensors under the published checkpoints' names) plus a
+byte-level BPE tokenizer trained on Python's own stdlib sources. The same (preset, arch, seed) gives
+byte-identical files for the same Python / torch / tokenizers versions.
 
-Tied embeddings: qwen2 and qwen3 tie `lm_head` to `embed_tokens` (as small Qwen models do, no
-`lm_head.weight` in the file); llama and mistral keep a separate `lm_head.weight`.
+Tied embeddings: qwen2, qwen3 and gemma3 tie `lm_head` to `embed_tokens` (as small Qwen models and
+every Gemma do, no `lm_head.weight` in the file); llama, mistral and phi3 keep a separate one.
 """
 
 from __future__ import annotations
@@ -28,17 +29,22 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import (
+    Gemma3TextConfig,
     GenerationConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # Bump when the layout, init or tokenizer recipe changes: it invalidates cached checkpoints.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 4
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -54,6 +60,36 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# Gemma 3's own template (google/gemma-3-*-it, less its image parts): a system message is folded into
+# the first user turn, roles must alternate, the assistant is "model". Its turn markers are plain
+# text to our tokenizer (the real one has them as special tokens); BOS comes from the template.
+GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}"
+    "{%- set first_user_prefix = \"\" -%}"
+    "{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}"
+    "{{ raise_exception(\"Conversation roles must alternate user/assistant/user/assistant/...\") }}"
+    "{%- endif -%}"
+    "{%- if (message['role'] == 'assistant') -%}{%- set role = \"model\" -%}"
+    "{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else \"\") }}"
+    "{{ message['content'] | trim }}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
+def chat_template(arch: str) -> str:
+    return GEMMA3_CHAT_TEMPLATE if arch == "gemma3" else CHAT_TEMPLATE
+
 
 CHECKPOINT_FILES = (
     "config.json",
@@ -140,8 +176,74 @@ _ARCH_CONFIGS: dict[str, tuple[type[PretrainedConfig], str, bool]] = {
     "qwen2": (Qwen2Config, "Qwen2ForCausalLM", True),
     "qwen3": (Qwen3Config, "Qwen3ForCausalLM", True),
     "mistral": (MistralConfig, "MistralForCausalLM", False),
+    "gemma3": (Gemma3TextConfig, "Gemma3ForCausalLM", True),
+    "phi3": (Phi3Config, "Phi3ForCausalLM", False),
+    "qwen3_moe": (Qwen3MoeConfig, "Qwen3MoeForCausalLM", False),
+    "mixtral": (MixtralConfig, "MixtralForCausalLM", False),
+    "qwen2_moe": (Qwen2MoeConfig, "Qwen2MoeForCausalLM", False),
 }
+
+# Gemma 3 scaled down: local and global layers alternating (the real models: 5 local : 1 global),
+# a window that the tests' prompts cross, its own rotary base per layer kind (global: linear
+# scaling, as the 4B-27B models), a query scale that is not head_dim ** -0.5 (as the 27B model),
+# and the final-logit soft-cap Gemma 2 used (Gemma 3 leaves it null; set here so it is tested).
+GEMMA3_SLIDING_WINDOW = 20
+GEMMA3_EXTRA: dict[str, object] = dict(
+    sliding_window=GEMMA3_SLIDING_WINDOW,
+    sliding_window_pattern=2,
+    query_pre_attn_scalar=48,
+    final_logit_softcapping=30.0,
+    hidden_activation="gelu_pytorch_tanh",
+    rope_parameters={
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+)
+# Phi-3-mini-128k scaled down: longrope with per-frequency short/long factors; its original context
+# (256) is past every prompt of the correctness suite (transformers switches factors per forward
+# pass, we per position: the same for prompts up to that length), and generation may cross it.
+PHI3_ORIGINAL_CONTEXT = 256
+
+
+def _phi3_rope(head_dim: int) -> dict[str, object]:
+    half = head_dim // 2
+    return {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.0 + 0.6 * i for i in range(half)],
+        "original_max_position_embeddings": PHI3_ORIGINAL_CONTEXT,
+    }
 ARCHS = tuple(_ARCH_CONFIGS)
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    """A mixture-of-experts arch's sparse MLP, as its real configs proportion it to the hidden size
+    (each width rounded up to 32, whole AMX tiles for the bf16 row kernel)."""
+
+    num_experts: int
+    top_k: int
+    expert_ratio: float  # an expert's width / hidden size
+    shared_ratio: float = 0.0  # the shared expert's width / hidden size (Qwen2-MoE)
+    norm_topk_prob: bool = True
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def width(self, hidden: int, ratio: float) -> int:
+        return -(-int(hidden * ratio) // 32) * 32
+
+
+_MOE_SHAPES: dict[str, MoeShape] = {
+    # Qwen3-30B-A3B: 128 experts, top-8, 768 wide at hidden 2048, norm_topk_prob. Layer 1 dense here
+    # (mlp_only_layers) so every test also runs a dense MLP layer among sparse ones.
+    "qwen3_moe": MoeShape(num_experts=8, top_k=2, expert_ratio=0.375, mlp_only_layers=(1,)),
+    # Mixtral-8x7B: 8 experts, top-2, 14336 wide at hidden 4096; always renormalised.
+    "mixtral": MoeShape(num_experts=8, top_k=2, expert_ratio=3.5),
+    # Qwen1.5-MoE-A2.7B: 60 experts, top-4, 1408 wide plus a 5632-wide shared expert at hidden 2048,
+    # top-k probabilities not renormalised.
+    "qwen2_moe": MoeShape(num_experts=8, top_k=4, expert_ratio=0.6875, shared_ratio=2.75,
+                          norm_topk_prob=False),
+}
 
 # Init scales, chosen by measuring tiny and small models of every arch (see _init_tensor).
 _EMBED_GAIN = 2.0
@@ -174,8 +276,27 @@ def make_config(preset: str = "tiny", arch: str = "llama") -> PretrainedConfig:
         architectures=[architecture],
         dtype="float32",
     )
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None  # full attention: the engine needs no window support for it
+    if arch == "gemma3":
+        del kwargs["rope_theta"]
+        kwargs.update(GEMMA3_EXTRA)
+    if arch == "phi3":
+        del kwargs["rope_theta"]
+        kwargs.update(rope_parameters=_phi3_rope(p.head_dim),
+                      max_position_embeddings=4 * PHI3_ORIGINAL_CONTEXT,  # attention factor ~1.13
+                      original_max_position_embeddings=PHI3_ORIGINAL_CONTEXT)
+    moe = _MOE_SHAPES.get(arch)
+    if arch == "mixtral" and moe is not None:
+        kwargs.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      intermediate_size=moe.width(p.hidden_size, moe.expert_ratio))
+    elif moe is not None:
+        kwargs.update(num_experts=moe.num_experts, num_experts_per_tok=moe.top_k,
+                      moe_intermediate_size=moe.width(p.hidden_size, moe.expert_ratio),
+                      norm_topk_prob=moe.norm_topk_prob, decoder_sparse_step=1,
+                      mlp_only_layers=list(moe.mlp_only_layers))
+        if moe.shared_ratio:
+            kwargs["shared_expert_intermediate_size"] = moe.width(p.hidden_size, moe.shared_ratio)
     return config_cls(**kwargs)
 
 
@@ -205,23 +326,55 @@ def tensor_shapes(preset: str = "tiny", arch: str = "llama") -> dict[str, tuple[
         pre = f"model.layers.{i}"
         shapes[f"{pre}.input_layernorm.weight"] = (h,)
         shapes[f"{pre}.post_attention_layernorm.weight"] = (h,)
+        if arch == "phi3":  # fused in the checkpoint
+            shapes[f"{pre}.self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+            shapes[f"{pre}.self_attn.o_proj.weight"] = (h, q_out)
+            shapes[f"{pre}.mlp.gate_up_proj.weight"] = (2 * p.intermediate_size, h)
+            shapes[f"{pre}.mlp.down_proj.weight"] = (h, p.intermediate_size)
+            continue
+        if arch == "gemma3":
+            shapes[f"{pre}.pre_feedforward_layernorm.weight"] = (h,)
+            shapes[f"{pre}.post_feedforward_layernorm.weight"] = (h,)
         shapes[f"{pre}.self_attn.q_proj.weight"] = (q_out, h)
         shapes[f"{pre}.self_attn.k_proj.weight"] = (kv_out, h)
         shapes[f"{pre}.self_attn.v_proj.weight"] = (kv_out, h)
         shapes[f"{pre}.self_attn.o_proj.weight"] = (h, q_out)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             shapes[f"{pre}.self_attn.q_proj.bias"] = (q_out,)
             shapes[f"{pre}.self_attn.k_proj.bias"] = (kv_out,)
             shapes[f"{pre}.self_attn.v_proj.bias"] = (kv_out,)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3", "qwen3_moe"):
             shapes[f"{pre}.self_attn.q_norm.weight"] = (d,)
             shapes[f"{pre}.self_attn.k_norm.weight"] = (d,)
+        moe = _MOE_SHAPES.get(arch)
+        if moe is not None and i not in moe.mlp_only_layers:
+            shapes.update(_moe_tensor_shapes(arch, moe, pre, h))
+            continue
         shapes[f"{pre}.mlp.gate_proj.weight"] = (p.intermediate_size, h)
         shapes[f"{pre}.mlp.up_proj.weight"] = (p.intermediate_size, h)
         shapes[f"{pre}.mlp.down_proj.weight"] = (h, p.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not tied:
         shapes["lm_head.weight"] = (p.vocab_size, h)
+    return shapes
+
+
+def _moe_tensor_shapes(arch: str, moe: MoeShape, pre: str, h: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's tensors under the names the family's published checkpoints use."""
+    width = moe.width(h, moe.expert_ratio)
+    block, (gate, up, down) = (("block_sparse_moe", ("w1", "w3", "w2")) if arch == "mixtral"
+                               else ("mlp", ("gate_proj", "up_proj", "down_proj")))
+    shapes: dict[str, tuple[int, ...]] = {f"{pre}.{block}.gate.weight": (moe.num_experts, h)}
+    for e in range(moe.num_experts):
+        shapes[f"{pre}.{block}.experts.{e}.{gate}.weight"] = (width, h)
+        shapes[f"{pre}.{block}.experts.{e}.{up}.weight"] = (width, h)
+        shapes[f"{pre}.{block}.experts.{e}.{down}.weight"] = (h, width)
+    if moe.shared_ratio:
+        shared = moe.width(h, moe.shared_ratio)
+        shapes[f"{pre}.{block}.shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[f"{pre}.{block}.shared_expert.up_proj.weight"] = (shared, h)
+        shapes[f"{pre}.{block}.shared_expert.down_proj.weight"] = (h, shared)
+        shapes[f"{pre}.{block}.shared_expert_gate.weight"] = (1, h)
     return shapes
 
 
@@ -244,7 +397,30 @@ def make_weights(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> di
     for name, shape in tensor_shapes(preset, arch).items():
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         weights[name] = _init_tensor(name, shape, hidden, gen)
+        if arch == "gemma3":
+            weights[name] = _gemma3_init(name, weights[name])
     return weights
+
+
+def _gemma3_init(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """Gemma scales norms by (1 + weight) and embeddings by sqrt(hidden). Random tied embeddings
+    scaled so would make every token predict itself (the embedding outweighs every layer's
+    output): the embedding is 4x smaller and the final norm's gain 4x larger (the logits keep the
+    other archs' scale); the post-attention/-feedforward norms keep gains ~2 and the q/k norms
+    get ~1.5 (so each layer's output counts and attention is sharp, as _LINEAR_GAIN makes them for
+    the other archs), the input and pre-feedforward norms get gains ~1."""
+    if name == "model.embed_tokens.weight":
+        return tensor / GEMMA3_EMBED_SHRINK
+    if name == "model.norm.weight":
+        return tensor * GEMMA3_EMBED_SHRINK - 1.0
+    if name.endswith(("input_layernorm.weight", "pre_feedforward_layernorm.weight")):
+        return tensor - 1.0
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return tensor - 0.5
+    return tensor
+
+
+GEMMA3_EMBED_SHRINK = 4.0
 
 
 def _tensor_seed(seed: int, name: str) -> int:
@@ -332,13 +508,13 @@ def build_tokenizer(vocab_size: int, arch: str = "llama") -> PreTrainedTokenizer
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         additional_special_tokens=[IM_START, IM_END],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=chat_template(arch),
         model_max_length=PRESETS["tiny"].max_position_embeddings,
         clean_up_tokenization_spaces=False,
     )
 
 
-def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path, arch: str = "llama") -> None:
     tokenizer.save_pretrained(str(out))
     # Some transformers versions fold special_tokens_map.json into tokenizer_config.json; write it
     # anyway, older loaders and other tools still read it.
@@ -360,7 +536,7 @@ def _save_tokenizer(tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     # Qwen2Tokenizer (see _SPLIT_PATTERN) would otherwise add an "<|endoftext|>" unk token past the vocab.
     config["unk_token"] = None
-    config["chat_template"] = CHAT_TEMPLATE
+    config["chat_template"] = chat_template(arch)
     _write_json(config_path, config)
     (out / "chat_template.jinja").unlink(missing_ok=True)
 
@@ -398,7 +574,7 @@ def build_checkpoint(
 def _write_checkpoint(out: Path, config: PretrainedConfig, preset: str, arch: str, seed: int) -> None:
     config.save_pretrained(str(out))
     save_file(make_weights(preset, arch, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
-    _save_tokenizer(build_tokenizer(config.vocab_size, arch), out)
+    _save_tokenizer(build_tokenizer(config.vocab_size, arch), out, arch)
     GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -460,8 +636,10 @@ def cache_dir() -> Path:
 def cached_checkpoint(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
     """Build a checkpoint once and reuse it. Two processes building the same one at once is safe:
     each builds privately, the first rename wins and the other uses the winner's folder."""
-    make_config(preset, arch)  # validate early
-    target = cache_dir() / f"{arch}-{preset}-seed{seed}-{_cache_key()}"
+    config = make_config(preset, arch)  # validate early
+    # The config's own hash too: a changed arch config must not reuse a stale build.
+    config_key = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:6]
+    target = cache_dir() / f"{arch}-{preset}-seed{seed}-{_cache_key()}{config_key}"
     if _is_complete(target):
         return target
     try:
@@ -497,7 +675,7 @@ def _cache_key() -> str:
 
 
 def make_checkpoint_cli(argv: list[str] | None = None) -> int:
-    """`make-checkpoint DIR --preset tiny|small --arch llama|qwen2|qwen3|mistral --seed N`."""
+    """`make-checkpoint DIR --preset tiny|small --arch llama|qwen2|...|phi3|qwen3_moe|... --seed N`."""
     parser = argparse.ArgumentParser(
         prog="make-checkpoint", description="Build a deterministic random-weight HF-format checkpoint."
     )

@@ -51,6 +51,17 @@ def width_bucket(blocks: int, max_blocks: int) -> int:
     return min(max(MIN_WIDTH_BLOCKS, 1 << max(0, blocks - 1).bit_length()), max(max_blocks, blocks))
 
 
+def decode_graph_mode(device_type: str, wanted: bool | None, capturable: bool) -> tuple[bool, bool]:
+    """(whether pure decode steps take the fixed-shape path, whether it is captured as CUDA graphs).
+
+    `wanted`: the `decode_graphs` setting (None: on a GPU only). `capturable`: the model's forward
+    records into a graph (no host reads of device data; a MoE layer reads how many rows each expert
+    got): a model that is not keeps its GPU decode steps eager by default, and runs the fixed-shape
+    path uncaptured where the setting asks for it."""
+    use = device_type == "cuda" and capturable if wanted is None else wanted
+    return use, use and device_type == "cuda" and capturable
+
+
 class DecodeGraphs:
     """Runs a runner's pure decode steps through fixed-shape buffers; `capture`: as CUDA graphs."""
 

@@ -1,10 +1,25 @@
-"""Per-request block tables on top of the BlockPool: prefix-cache lookup, allocation, caching, free."""
+"""Per-request block tables on top of the BlockPool: prefix-cache lookup, allocation, caching, free.
+
+Sliding-window layers: where *every* layer attends within a window (Mistral-style, Phi-3 with
+``sliding_window``), a block whose tokens are all behind the window of the request's next query is
+never read again and goes back to the pool (``sliding_window``, the largest window). Its table
+entry becomes the null block, so positions keep their places; attention never reads it (masked,
+or skipped by the native decode kernel). Where some layers attend globally (Gemma 3: 5 local to
+1 global), those layers need every block and all layers share one block table, so nothing is
+freed: per-layer-group tables would save the local layers' share only, at the cost of a second
+allocator and prefix cache, and are not built.
+
+Prefix caching stays exact: a block is cached before it leaves a table, and a cached block keeps
+its K/V until it is evicted, when its hash goes too. A prefix is found only as an unbroken chain
+of cached blocks from the first one, so a request never hits a prefix one of whose blocks is gone,
+and a hit gives every layer exactly the K/V it would have computed.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.block_pool import BlockPool, KVBlock
+from engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from engine.prefix_hash import BlockHash, extend_block_hashes
 from engine.request import Request, RequestStatus
 
@@ -22,9 +37,15 @@ class KVCacheManager:
         block_size: int,
         enable_prefix_caching: bool = True,
         hash_extra_keys: Sequence[str] = (),
+        sliding_window: int | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+        # Set only where every layer slides (see `droppable_window`): blocks behind it are freed.
+        self.sliding_window = sliding_window
+        self._num_dropped: dict[str, int] = {}  # leading table entries freed behind the window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks)
@@ -94,12 +115,15 @@ class KVCacheManager:
 
         On admission pass the blocks from `get_computed_blocks` (the request holds no blocks yet);
         the caller then sets `num_computed_tokens` to include them. Returns the newly allocated
-        blocks, or None when the pool is short, in which case nothing changed.
+        blocks, or None when the pool is short, in which case nothing changed but the release of
+        blocks behind every layer's window (never read again).
         """
         computed_blocks = computed_blocks or ()
         table = self._tables.get(request.request_id)
         if computed_blocks and table:
             raise ValueError(f"request {request.request_id} holds blocks; computed blocks are for admission")
+        if table and self.sliding_window is not None:
+            self._drop_blocks_behind_window(request, table)
         num_held = len(table) if table else 0
         num_tokens_after = (
             request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
@@ -157,16 +181,39 @@ class KVCacheManager:
         self.cache_blocks(request)
         table = self._tables.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
+        dropped = self._num_dropped.pop(request.request_id, 0)
         request.block_ids = []  # a new list: a SchedulerOutput already handed out keeps its view
         if table:
             # Tail first: a request's last blocks are the least likely to be shared.
-            self.block_pool.free_blocks(reversed(table))
+            self.block_pool.free_blocks(reversed(table[dropped:]))
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Pool blocks the request holds (its table less the entries freed behind the window)."""
+        return len(self._tables.get(request.request_id, ())) - self._num_dropped.get(request.request_id, 0)
+
+    def _drop_blocks_behind_window(self, request: Request, table: list[KVBlock]) -> None:
+        """Free the leading blocks no query from here on can see: the next query is at position
+        `num_computed_tokens` (n) or later and sees keys after n - window, so a block whose last
+        position is at most n - window is never read again."""
+        assert self.sliding_window is not None
+        rid = request.request_id
+        behind = min((request.num_computed_tokens - self.sliding_window + 1) // self.block_size, len(table))
+        dropped = self._num_dropped.get(rid, 0)
+        if behind <= dropped:
+            return
+        self.cache_blocks(request)  # cached before it leaves: others may still find it until evicted
+        blocks = table[dropped:behind]
+        table[dropped:behind] = [self.block_pool.null_block] * (behind - dropped)
+        request.block_ids = [NULL_BLOCK_ID] * behind + request.block_ids[behind:]
+        self._num_dropped[rid] = behind
+        self.block_pool.free_blocks(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Drop the whole prefix cache; refused (False) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()
 
     def _admit(self, request: Request, computed_blocks: Sequence[KVBlock]) -> list[KVBlock]:
+        self._num_dropped.pop(request.request_id, None)
         if self.enable_prefix_caching and request.status is RequestStatus.WAITING:
             # First admission only: a preempted request re-reading its own blocks is not a prompt hit.
             self.prefix_cache_queries += request.num_prompt_tokens
@@ -182,3 +229,12 @@ class KVCacheManager:
         if request.cache_salt is None:
             return self._hash_extra_keys
         return (*self._hash_extra_keys, "salt:" + request.cache_salt)
+
+
+def droppable_window(*layer_windows: Sequence[int | None]) -> int | None:
+    """The window behind which KV blocks may be freed, for models (a target and its draft) whose
+    layers have these windows: the largest, where every layer of every model has one, else None."""
+    windows = [window for windows in layer_windows for window in windows]
+    if not windows or any(window is None for window in windows):
+        return None
+    return max(windows)  # type: ignore[type-var]

@@ -18,6 +18,7 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from engine.errors import ErrorKind, SamplingParamsError
 from engine.grammar_tracking import GrammarTracker
+from engine.kv_cache_manager import droppable_window
 from engine.metrics import EngineCounters
 from engine.model_runner import ModelRunner
 from engine.models.loader import eos_token_ids, load_model, model_config_from_dir
@@ -105,7 +106,11 @@ class LLMEngine:
             self._speculator = Speculator(spec_config, SpeculationGate(spec_config, curve), draft)
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
-        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids)
+        # Blocks behind the window are freed only where every layer (the draft's too: it reads the
+        # same block tables) attends within one.
+        window = droppable_window(model_config.sliding_windows,
+                                  *([draft.config.sliding_windows] if draft is not None else []))
+        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids, sliding_window=window)
         # Structured output: grammars of live samples; xgrammar is imported on the first such request.
         self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
         self.scheduler.can_admit = self._grammars.can_admit

@@ -28,7 +28,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs
+from engine.decode_graphs import DecodeGraphs, decode_graph_mode
 from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
@@ -100,8 +100,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.num_kv_blocks = 0
         # Fixed-shape decode steps (CUDA graphs on a GPU): the setting, or by default on a GPU only.
-        wanted = config.decode_graphs
-        self.use_decode_graphs = self.device.type == "cuda" if wanted is None else wanted
+        self.use_decode_graphs, self.capture_decode_graphs = decode_graph_mode(
+            self.device.type, config.decode_graphs, getattr(model, "graph_capturable", True))
         self.decode_graphs: DecodeGraphs | None = None
         # Rank 0 of a tensor-parallel engine: the other ranks, which run every forward it runs.
         self.parallel: TensorParallelGroup | None = None
@@ -305,7 +305,8 @@ class ModelRunner:
         logits = self.model.compute_logits_in_model_dtype(hidden[:num_sampled])
         if not batch.num_scored:
             return StepResult(logits)
-        scored = score_rows(self._score_head(), hidden[num_sampled:], batch.score_spans, batch.num_scored)
+        scored = score_rows(self._score_head(), hidden[num_sampled:], batch.score_spans, batch.num_scored,
+                            self.model.final_logit_softcap)
         return StepResult(logits, scored)
 
     def _score_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -344,7 +345,7 @@ class ModelRunner:
             assert self.config.max_model_len is not None
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.config.max_model_len, self.config.max_num_seqs,
-                                              capture=self.device.type == "cuda")
+                                              capture=self.capture_decode_graphs)
         return self.decode_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:

@@ -46,12 +46,13 @@ def score_span(chunk: ScheduledChunk) -> ScoreSpan | None:
     return ScoreSpan(request, first, end - first, first - chunk.start)
 
 
-def score_rows(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
-               spans: list[ScoreSpan], num_rows: int) -> dict[str, list[RowLogprobs]]:
+def score_rows(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, spans: list[ScoreSpan],
+               num_rows: int, softcap: float | None = None) -> dict[str, list[RowLogprobs]]:
     """Each span's prompt logprobs from the final hidden states of its positions (`hidden` holds
-    the spans' rows in order), by request id. `head`: fp32 logits of hidden rows. A tensor-parallel
-    rank other than 0 has no spans (it does not sample): it runs `head` over the same `num_rows` in
-    the same slices (its part of the gather), and gets nothing back."""
+    the spans' rows in order), by request id. `head`: fp32 logits of hidden rows; `softcap`: the
+    model's final-logit soft-cap (Gemma: logits = cap * tanh(logits / cap)), None for none. A
+    tensor-parallel rank other than 0 has no spans (it does not sample): it runs `head` over the
+    same `num_rows` in the same slices (its part of the gather), and gets nothing back."""
     if not spans:
         for begin in range(0, num_rows, ROWS_PER_SLICE):
             head(hidden[begin : begin + ROWS_PER_SLICE])
@@ -66,7 +67,10 @@ def score_rows(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tenso
     rows: list[RowLogprobs] = []
     for begin in range(0, len(targets), ROWS_PER_SLICE):
         end = begin + ROWS_PER_SLICE
-        rows.extend(_slice_logprobs(head(hidden[begin:end]), targets[begin:end], ks[begin:end]))
+        logits = head(hidden[begin:end])
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        rows.extend(_slice_logprobs(logits, targets[begin:end], ks[begin:end]))
     result: dict[str, list[RowLogprobs]] = {}
     at = 0
     for span in spans:

@@ -172,12 +172,14 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int,
-                 eos_token_id: int | Sequence[int] | None) -> None:
+                 eos_token_id: int | Sequence[int] | None, sliding_window: int | None = None) -> None:
         self.config = config  # validated by its owner (LLMEngine), once
         # Every id that ends a sequence (Llama 3 instruct has two: <|end_of_text|>, <|eot_id|>).
         self.eos_token_ids = eos_id_set(eos_token_id)
+        # sliding_window: where every layer slides, blocks behind it are freed (kv_cache_manager).
         self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, hash_extra_keys=(config.model,)
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, hash_extra_keys=(config.model,),
+            sliding_window=sliding_window,
         )
         pool_limit = self.kv_cache_manager.capacity_tokens + 1
         self.max_model_len = min(config.max_model_len or pool_limit, pool_limit)
@@ -448,7 +450,7 @@ class Scheduler:
         if priority is None:
             return sum(self._growth_blocks(request, len(request.block_ids)) for request in self.running)
         return sum(self._growth_blocks(request, len(request.block_ids)) if request.priority <= priority
-                   else -len(request.block_ids) for request in self.running)
+                   else -self.kv_cache_manager.num_held_blocks(request) for request in self.running)
 
     def _schedule_waiting(self, step: _StepBudget) -> None:
         set_aside: list[Request] = []  # held back or not admissible yet, in queue order

@@ -66,6 +66,22 @@ def live_workers(client: redis.Redis, namespace: str) -> list[WorkerBeat]:
     return sorted(beats, key=lambda beat: beat.hostname)
 
 
+# How the engine's load error begins for a checkpoint whose architecture it does not implement
+# (engine/models/loader.py; it goes on to name the supported ones). A failure of this kind is the
+# checkpoint's, so it holds on every worker: the API refuses jobs for the model (api/submission.py).
+UNSUPPORTED_ARCHITECTURE = "unsupported architecture"
+
+
+def unservable_reason(beats: list[WorkerBeat], model: str) -> str | None:
+    """Why `model` cannot run here, where live workers know: one reports it failed to load because
+    of its architecture and none reports it loaded. None otherwise (unknown is not unservable)."""
+    states = [hosted.state for beat in beats for hosted in beat.models if hosted.name == model]
+    if "loaded" in states:
+        return None
+    return next((state.removeprefix("failed: ") for state in states
+                 if state.startswith("failed: ") and UNSUPPORTED_ARCHITECTURE in state), None)
+
+
 MIN_MEASURED_BUSY_S = 1.0  # less engine time than this measures start-up more than throughput
 
 

@@ -357,8 +357,8 @@ class Attention(nn.Module):
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = rope
-        q = apply_rope(q, cos, sin, self.kernels)
-        k = apply_rope(k, cos, sin, self.kernels)
+        q = self.rotate(q, cos, sin)
+        k = self.rotate(k, cos, sin)
         k_cache, v_cache = kv_cache[0], kv_cache[1]
         self.backend.write_kv(k, v, k_cache, v_cache, metadata)
         out = self.backend.forward(
@@ -370,6 +370,10 @@ class Attention(nn.Module):
             # From here on the layer's rows are the kept ones, their single-token rows first.
             self.step_rows.single = keep.num_single
         return self.o_proj(out)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotary embedding of q or k ``[T, heads, head_dim]`` (a family with partial rotary overrides it)."""
+        return apply_rope(x, cos, sin, self.kernels)
 
 
 class MLP(nn.Module):
@@ -390,10 +394,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[Attention] = Attention  # a family's own attention (e.g. partial rotary)
+
     def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer_index, backend)
+        self.self_attn = self.attention_class(config, layer_index, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
@@ -423,11 +429,16 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Llama / Mistral / Qwen2 / Qwen3 decoder over a flattened batch with a paged KV cache."""
 
+    decoder_layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3, Phi-3)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) where set (Gemma)
+    config_class = LlamaFamilyConfig  # parses config.json for this class (the loader calls from_hf_dict)
+
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, backend) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            self.decoder_layer_class(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -437,6 +448,17 @@ class LlamaForCausalLM(nn.Module):
             layer.self_attn.step_rows = self.step_rows
         self.native_decode: NativeDecode | None = None  # set by use_cpu_kernels where it applies
         self.requires_grad_(False)
+
+    @classmethod
+    def parse_config(cls, architecture: str, cfg: dict[str, Any]) -> LlamaFamilyConfig:
+        """This class's config from an HF ``config.json`` dict (a family with more fields overrides it,
+        or names its ``config_class``)."""
+        return cls.config_class.from_hf_dict(architecture, cfg)
+
+    def fits_native_decode(self) -> bool:
+        """Whether the layers are the plain Llama layout decode_layers.c runs (full rotary, the
+        head_dim ** -0.5 scale, two norms, SiLU MLP); a family that differs overrides it."""
+        return True
 
     def forward(
         self,
@@ -563,6 +585,8 @@ class LlamaForCausalLM(nn.Module):
             if c.qk_norm:
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
+            if not isinstance(mlp, MLP):
+                continue  # another family's MLP (a sparse MoE block) loads its own tensors
             gate_up = [f"{p}mlp.{n}_proj" for n in ("gate", "up")]
             mlp.gate_up_proj.weight.copy_(torch.cat([tensors[n + ".weight"] for n in gate_up]))
             mlp.down_proj.weight.copy_(tensors[p + "mlp.down_proj.weight"])

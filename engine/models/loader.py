@@ -15,18 +15,26 @@ import torch
 from safetensors import safe_open
 
 from engine.attention import AttentionBackend
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import (
     LlamaFamilyConfig,
     LlamaForCausalLM,
     UnsupportedModelError,
     onednn_linear_available,
 )
+from engine.models.moe import MoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
 }
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).
@@ -58,7 +66,7 @@ def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
             f"in {Path(model_dir) / 'config.json'}; "
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
-    return LlamaFamilyConfig.from_hf_dict(supported[0], cfg)
+    return SUPPORTED_ARCHITECTURES[supported[0]].parse_config(supported[0], cfg)
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Any, config_ids: tuple[int, ...] = ()) -> list[int]:

@@ -71,7 +71,7 @@ class NativeDecode:
     def for_model(model: LlamaForCausalLM, kernels: CpuKernels | None) -> NativeDecode | None:
         """The native path where this model fits it on this machine, else None."""
         config = model.config
-        if kernels is None or config.qk_norm:
+        if kernels is None or config.qk_norm or not model.fits_native_decode():
             return None
         if getattr(model, "tensor_parallel_size", 1) > 1:
             # The layers run from C, which cannot all-reduce between them: a tensor-parallel rank
@@ -87,6 +87,10 @@ class NativeDecode:
             return None
         if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
             return None
+        from engine.models.llama import MLP
+
+        if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
+            return None  # sparse MoE layers (router + experts) run on the Python path
         for layer in model.layers:
             linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                        layer.mlp.down_proj)

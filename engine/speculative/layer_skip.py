@@ -41,6 +41,8 @@ def write_layer_skip_draft(target: str | Path, out: str | Path, num_layers: int)
         if path.is_file() and not weights:
             shutil.copy2(path, staging / path.name)
     config["num_hidden_layers"] = num_layers
+    if isinstance(config.get("layer_types"), list):  # per-layer kinds (Gemma 3's local/global)
+        config["layer_types"] = config["layer_types"][:num_layers]
     (staging / "config.json").write_text(json.dumps(config, indent=2))
     save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)

@@ -104,3 +104,34 @@ def test_a_tenant_sees_workers_models_but_not_their_hosts_or_pids(redis_url, tmp
         assert "node-a" not in json.dumps(seen) and "42" not in json.dumps([w["pid"] for w in seen])
         assert [(w["hostname"], w["pid"]) for w in listed("root-secret")] == [("gpu-7@node-a", 42),
                                                                               ("gpu-8@node-b", 43)]
+
+
+def test_a_model_whose_architecture_the_workers_cannot_load_is_refused_at_submit(local_api, tmp_path) -> None:
+    """The workers' load error (the engine's, naming the architectures it serves) comes back at POST
+    /jobs instead of failing the job later; a failure of another kind, or a worker that loaded the
+    model, does not refuse it."""
+    from api.client import ApiError
+    from engine.models import UnsupportedModelError, model_config_from_dir
+
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(UnsupportedModelError) as load_error:
+        model_config_from_dir(tmp_path)
+    now = datetime.now(UTC)
+
+    def beat(host: str, state: str) -> None:
+        models = [WorkerModel(name="tiny", state=state)]
+        write_beat(local_api.redis, local_api.repository.namespace,
+                   WorkerBeat(hostname=host, pid=1, started_at=now, updated_at=now, models=models))
+
+    beat("a", f"failed: {load_error.value}")
+    with pytest.raises(ApiError) as refused:
+        submit(local_api, "refused.jsonl")
+    assert refused.value.status_code == 400
+    message = refused.value.message
+    assert "model 'tiny' cannot run here: unsupported architecture ['GPT2LMHeadModel']" in message
+    assert "MixtralForCausalLM" in refused.value.message and "Qwen3MoeForCausalLM" in refused.value.message
+    beat("a", "failed: CUDA out of memory")  # not the checkpoint's fault: the job may still run
+    assert submit(local_api, "oom.jsonl")
+    beat("a", f"failed: {load_error.value}")
+    beat("b", "loaded")  # another worker serves it (another copy of the folder)
+    assert submit(local_api, "served.jsonl")

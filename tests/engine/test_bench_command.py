@@ -3,6 +3,8 @@ benchmarks, not tests) and reports what a user reads."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from benchmarks.engine import bench_cli
@@ -35,6 +37,22 @@ def test_bench_engine_compares_dtypes_on_a_given_model(
     assert "bulkinfer engine auto->" in out or out.count("bulkinfer engine bfloat16 ") + out.count(
         "bulkinfer engine float32 ") == 4  # auto resolved to a listed dtype: same label
     assert "bfloat16 / float32 output tok/s: " in out and "transformers" not in out
+
+
+@pytest.mark.timeout(300)
+def test_bench_engine_on_a_moe_checkpoint_prints_the_decode_steps_routing_and_expert_shares(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = bench_cli(["--preset", "tiny", "--arch", "mixtral", "--dtype", "float32", "--workloads", "unique",
+                      "--requests", "4", "--shared-len", "16", "--tail-len", "8", "--max-tokens", "4",
+                      "--no-baseline", "--moe-profile-steps", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and "mixtral-tiny" in out and "bulkinfer engine float32 " in out
+    shares = re.search(r"MoE decode step \(4 rows, mean of 4\): [0-9.]+ ms, expert routing ([0-9.]+)% .*"
+                       r"expert compute ([0-9.]+)% .*everything else ([0-9.-]+)%", out)
+    assert shares, out
+    routing, experts, rest = (float(part) for part in shares.groups())
+    assert routing > 0 and experts > 0 and routing + experts + rest == pytest.approx(100, abs=0.2)
 
 
 def test_bench_engine_refuses_an_unknown_dtype(capsys: pytest.CaptureFixture[str]) -> None:

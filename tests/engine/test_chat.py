@@ -82,3 +82,15 @@ def test_llm_chat_generates_from_the_rendered_conversation(tiny_checkpoint: Path
     assert single.token_ids == as_chat.token_ids
     with pytest.raises(ChatTemplateError, match=r"conversation 1: messages\[0\] needs a role"):
         llm.chat([MESSAGES, [{"content": "no role"}]], params)
+
+
+def test_gemma3s_template_folds_the_system_message_into_the_first_user_turn(checkpoint_factory):
+    gemma = AutoTokenizer.from_pretrained(checkpoint_factory(arch="gemma3"))
+    conversation = [*MESSAGES, {"role": "assistant", "content": "ok "}, {"role": "user", "content": "more"}]
+    assert render_chat(gemma, conversation) == (
+        "<|begin_of_text|><start_of_turn>user\nBe brief.\n\nhi<end_of_turn>\n"
+        "<start_of_turn>model\nok<end_of_turn>\n<start_of_turn>user\nmore<end_of_turn>\n<start_of_turn>model\n")
+    ids = gemma.encode(render_chat(gemma, MESSAGES), add_special_tokens=False)
+    assert ids.count(gemma.bos_token_id) == 1 and ids[0] == gemma.bos_token_id
+    with pytest.raises(ChatTemplateError, match="roles must alternate"):
+        render_chat(gemma, [{"role": "assistant", "content": "hi"}])

@@ -1,7 +1,7 @@
 import pytest
 
 import engine.prefix_hash as prefix_hash
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, droppable_window
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -165,3 +165,64 @@ def test_computed_blocks_only_on_admission():
     _compute(manager, request, 1, (blocks, 8))
     with pytest.raises(ValueError):
         manager.allocate_slots(request, 1, blocks)
+
+
+# ---- sliding windows -----------------------------------------------------------------------------
+
+
+def _decode(manager: KVCacheManager, request: Request) -> None:
+    request.append_output_token(7, 0.0)
+    _compute(manager, request, 1)
+
+
+def test_blocks_behind_every_layers_window_go_back_to_the_pool():
+    # Window 6, blocks of 4: a query at position q sees keys after q - 6 (transformers' rule), and
+    # the next query is at n = num_computed_tokens, so block i (positions 4i..4i+3) is never read
+    # again once 4i + 3 <= n - 6.
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK, sliding_window=6)
+    request = _request("a", list(range(13)))
+    _compute(manager, request, 13)
+    assert manager.num_held_blocks(request) == 4
+    free_before = manager.num_free_blocks
+    _decode(manager, request)  # allocated at n = 13: keys from 8 on, blocks 0 and 1 are behind
+    assert request.block_ids[:2] == [0, 0] and 0 not in request.block_ids[2:]
+    assert len(request.block_ids) == 4 and manager.num_held_blocks(request) == 2
+    assert manager.num_free_blocks == free_before + 2
+    for _ in range(3):  # n = 14, 15, 16: keys from 9, 10, 11 on: block 2 (8-11) still read
+        _decode(manager, request)
+        assert request.block_ids[2] != 0
+    _decode(manager, request)  # n = 17: keys from 12 on
+    assert request.block_ids[:3] == [0, 0, 0] and manager.num_held_blocks(request) == 2
+    manager.free(request)  # the dropped entries are not freed twice
+    assert manager.num_free_blocks == 15
+
+
+def test_without_a_window_on_every_layer_nothing_is_freed():
+    manager = KVCacheManager(num_blocks=16, block_size=BLOCK)  # droppable_window gave None
+    request = _request("a", list(range(30)))
+    _compute(manager, request, 30)
+    _decode(manager, request)
+    assert 0 not in request.block_ids and manager.num_held_blocks(request) == 8
+
+
+def test_a_dropped_block_stays_findable_until_evicted_and_a_broken_chain_is_not_hit():
+    manager = KVCacheManager(num_blocks=8, block_size=BLOCK, sliding_window=4)
+    first = _request("a", list(range(17)))
+    _compute(manager, first, 16)
+    _compute(manager, first, 1)  # n = 16: blocks 0-2 (positions <= 12) dropped, cached first
+    assert first.block_ids[:3] == [0, 0, 0]
+    # Their K/V is intact until reused: another request with the same prompt hits all of them.
+    twin = _request("b", list(range(17)))
+    assert manager.get_computed_blocks(twin)[1] == 16
+    # Take every free block (evicting the dropped ones), then the same prompt finds nothing.
+    hog = _request("c", [1000 + i for i in range(4 * manager.num_free_blocks)])
+    _compute(manager, hog, hog.num_tokens)
+    assert manager.get_computed_blocks(_request("d", list(range(17))))[1] == 0
+
+
+def test_droppable_window_needs_every_layer_of_every_model_to_slide():
+    assert droppable_window((8, 8, 8)) == 8
+    assert droppable_window((8, 16)) == 16
+    assert droppable_window((8, None, 8, None)) is None  # Gemma 3: global layers need every block
+    assert droppable_window((8, 8), (None,)) is None  # a full-attention draft reads the same tables
+    assert droppable_window((None,)) is None and droppable_window(()) is None

@@ -19,13 +19,18 @@ from engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from engine.dtype_choice import cpu_flags
 from tests.engine.hf_reference import (
     TEST_DEVICE,
+    assert_greedy_by_teacher_forcing,
     assert_greedy_within_noise,
     assert_same_greedy,
     hf_greedy,
 )
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 DTYPES = ["float32", "bfloat16"]
+# The newer families run every scenario in fp32 and show bf16 agreement where all of prefix
+# caching, batching and the shared-prefix paths meet (suite time: each scenario is seconds per arch).
+NEWER_FAMILIES = {"gemma3", "phi3"}
+BF16_SCENARIOS_FOR_ALL = {"test_many_requests_together"}
 MAX_NEW_TOKENS = {"float32": 8, "bfloat16": 32, "float16": 32}
 
 
@@ -47,14 +52,23 @@ def make_prompts(vocab_size: int = 2048, seed: int = 0) -> list[list[int]]:
 PROMPTS = make_prompts()
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def arch_dir(request, checkpoint_factory) -> str:
-    return str(checkpoint_factory(arch=request.param))
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """`arch` x `dtype` for the scenarios (see NEWER_FAMILIES), `dtype` alone elsewhere."""
+    names = metafunc.fixturenames
+    if "arch" in names and "dtype" in names:
+        every_dtype = metafunc.function.__name__ in BF16_SCENARIOS_FOR_ALL
+        pairs = [(arch, dtype) for arch in ARCHS for dtype in DTYPES
+                 if every_dtype or dtype == "float32" or arch not in NEWER_FAMILIES]
+        metafunc.parametrize(("arch", "dtype"), pairs, ids=[f"{a}-{d}" for a, d in pairs], scope="module")
+    elif "arch" in names:
+        metafunc.parametrize("arch", ARCHS, scope="module")
+    elif "dtype" in names:
+        metafunc.parametrize("dtype", DTYPES)
 
 
-@pytest.fixture(params=DTYPES)
-def dtype(request) -> str:
-    return request.param
+@pytest.fixture(scope="module")
+def arch_dir(arch, checkpoint_factory) -> str:
+    return str(checkpoint_factory(arch=arch))
 
 
 def greedy(dtype: str) -> SamplingParams:
@@ -277,3 +291,40 @@ def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory,
     else:
         assert set(rules) == {NO_GROUP} and not sizes
     assert_all_match(model_dir, llm, prompts, outputs)
+
+
+# Mixture-of-experts archs: every scenario above at once in one engine per arch and dtype (the
+# suite's time budget), against transformers as above.
+MOE_ARCHS = ["qwen3_moe", "mixtral"]
+# Both shared prefixes (prefix hits) and prompts of their own, 1 to 103 tokens.
+MOE_PROMPTS = PROMPTS[0:4] + PROMPTS[5:8] + PROMPTS[12:17]
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_under_prefix_hits_chunked_prefill_and_preemption(arch, dtype, checkpoint_factory):
+    """A pool of 14 usable blocks (preemption), a budget of 24 tokens a step (every 66+-token prompt
+    prefills in chunks, beside decodes), the prefix cache on (prompts share 4-block prefixes), and
+    requests arriving in two waves, the second while the first decodes."""
+    model_dir = str(checkpoint_factory(arch=arch))
+    engine = LLMEngine(EngineConfig(model=model_dir, device=TEST_DEVICE, num_kv_blocks=15,
+                                    kv_growth_reserve_tokens=0, max_num_batched_tokens=24,
+                                    enable_prefix_caching=True, dtype=dtype))
+    finished = {}
+    for wave in (range(0, 6), range(6, len(MOE_PROMPTS))):
+        for i in wave:
+            engine.add_request(str(i), MOE_PROMPTS[i], greedy(dtype))
+        for _ in range(4):
+            finished.update({o.request_id: o for o in engine.step()})
+    while engine.has_unfinished_requests():
+        finished.update({o.request_id: o for o in engine.step()})
+    metrics = engine.get_metrics()
+    assert metrics["num_preemptions"] > 0 and metrics["prefix_cache_hits"] > 0
+    assert metrics["prefill_tokens_computed"] < sum(map(len, MOE_PROMPTS)) + metrics["num_preemptions"] * 200
+    outputs = [finished[str(i)] for i in range(len(MOE_PROMPTS))]
+    for output in outputs:
+        assert output.error is None and len(output.token_ids) == MAX_NEW_TOKENS[dtype]
+    pairs = [(prompt, output.token_ids) for prompt, output in zip(MOE_PROMPTS, outputs, strict=True)]
+    if dtype == "float32":
+        assert_greedy_by_teacher_forcing(pairs, model_dir, engine.model)
+    else:
+        assert_greedy_within_noise(pairs, model_dir, engine.model, getattr(torch, dtype))

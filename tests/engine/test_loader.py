@@ -138,3 +138,19 @@ def test_untied_checkpoint_without_lm_head_is_missing_a_tensor(llama_copy):
     rewrite_tensors(llama_copy, lambda t: t.pop("lm_head.weight"))
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\): lm_head\.weight"):
         load(llama_copy)
+
+
+def test_the_unsupported_architecture_error_names_every_supported_one(llama_copy):
+    """Generated from SUPPORTED_ARCHITECTURES (MoE included); its opening words are what workers'
+    heartbeats carry and the API refuses jobs by (jobs/workers.py)."""
+    from engine.models.loader import SUPPORTED_ARCHITECTURES
+    from jobs.workers import UNSUPPORTED_ARCHITECTURE
+
+    rewrite_config(llama_copy, lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]))
+    with pytest.raises(UnsupportedModelError) as error:
+        load(llama_copy)
+    message = str(error.value)
+    assert message.startswith(f"{UNSUPPORTED_ARCHITECTURE} ['DeepseekV3ForCausalLM']")
+    moe = {"Qwen3MoeForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM"}
+    assert moe <= SUPPORTED_ARCHITECTURES.keys()
+    assert all(name in message.split("supported: ")[1] for name in SUPPORTED_ARCHITECTURES)

@@ -19,9 +19,15 @@ from engine.models.llama import rope_inverse_frequencies
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, SchedulerOutput
-from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy, noise_bound
+from tests.engine.hf_reference import (
+    TEST_DEVICE,
+    assert_same_greedy,
+    hf_greedy,
+    is_mixture_of_experts,
+    noise_bound,
+)
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral", "qwen2_moe"]
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -76,6 +82,9 @@ def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, req
         hf_logits = {
             r.request_id: hf(torch.tensor([r.all_token_ids[:-1]])).logits[0].float() for r in requests
         }
+    if torch_dtype != torch.float32 and is_mixture_of_experts(model):
+        assert_moe_logits_within_noise(model_dir, requests, sampled_rows, hf_logits, torch_dtype)
+        return runner
     for request, position, ours in sampled_rows:
         theirs = hf_logits[request.request_id][position]
         if torch_dtype == torch.float32:
@@ -88,6 +97,34 @@ def run_and_compare(model_dir, steps_plan, lengths=None, num_decode_steps=3, req
         chosen, reference = int(ours.argmax()), int(theirs.argmax())
         assert float(theirs[reference] - theirs[chosen]) <= bound, (request.request_id, position)
     return runner
+
+
+# A mixture-of-experts model's bf16/fp16 logits, measured against fp32: the engine's median error
+# over the sampled rows within this factor of transformers' own (see assert_moe_logits_within_noise).
+MOE_ERROR_FACTOR = 1.5
+
+
+def assert_moe_logits_within_noise(model_dir, requests, sampled_rows, hf_logits, dtype) -> None:
+    """The engine's reduced-precision logits are as close to the fp32 model's as transformers' in the
+    same dtype are. Per row, a routing near-tie decided differently in two correct implementations
+    moves the logits by whole units (transformers' own bf16 differs from its fp32 by up to ~7 on the
+    tiny checkpoints, where its median row differs by 0.2-1.4), so rows are not held to the dense
+    families' per-row bound; the median row is."""
+    hf32 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        exact = {r.request_id: hf32(torch.tensor([r.all_token_ids[:-1]])).logits[0] for r in requests}
+    ours_err, theirs_err, bounds = [], [], []
+    for request, position, ours in sampled_rows:
+        reference = exact[request.request_id][position]
+        theirs = hf_logits[request.request_id][position]
+        ours_err.append(float((ours - reference).abs().max()))
+        theirs_err.append(float((theirs - reference).abs().max()))
+        bounds.append(noise_bound(theirs, dtype))
+    ours_median, theirs_median = torch.tensor(ours_err).median(), torch.tensor(theirs_err).median()
+    allowed = MOE_ERROR_FACTOR * theirs_median + torch.tensor(bounds).median()
+    assert ours_median <= allowed, (
+        f"median error vs fp32: engine {ours_median:.3g}, transformers {theirs_median:.3g} "
+        f"(allowed {allowed:.3g})")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -12,7 +12,7 @@ from engine.llm_engine import LLMEngine
 from tests.engine.hf_reference import hf_model
 from tests.engine.test_llm_correctness import PROMPTS
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3"]
 # bf16: two correct implementations round differently through every layer. Measured on the tiny
 # checkpoints (70-token prompt): the engine vs transformers, both in bf16, differ by at most 0.095
 # nats per token (mean 0.026); transformers' own bf16 differs from its fp32 by up to 0.275 (mean

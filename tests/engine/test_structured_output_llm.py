@@ -75,6 +75,20 @@ def test_length_limited_strings_parse_strictly(llm: LLM) -> None:
     assert_valid(LENGTH_LIMITED, [o.text for o in outputs])
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_mixture_of_experts_models_follow_the_schema(arch: str, checkpoint_factory) -> None:
+    """The grammar masks every step's logits, whatever the router picked: 8 samples, each a
+    strictly valid object."""
+    llm = LLM(model=str(checkpoint_factory(arch=arch)), dtype="float32", num_kv_blocks=128)
+    outputs = llm.generate(
+        [f"Person {i}:" for i in range(8)],
+        [SamplingParams(json_schema=LENGTH_LIMITED, temperature=1.0, seed=i, max_tokens=MAX_TOKENS)
+         for i in range(8)],
+    )
+    assert [o.finish_reason for o in outputs] == ["stop"] * 8
+    assert_valid(LENGTH_LIMITED, [o.text for o in outputs])
+
+
 def test_regex_choice_and_grammar(llm: LLM) -> None:
     regex = r"[A-Z]{2}-[0-9]{2,4}( [a-z]{1,5})?"
     choices = ["positive", "negative", 'a "quoted" one', "ünïcode"]
@@ -168,3 +182,15 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -
         done.update({o.request_id: o for o in engine.step()})
     assert done["json"].finish_reason == "stop" and done["json"].text in ("true", "false")
     assert len(done["plain"].token_ids) == 8
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_the_newer_families_complete_schemas_and_choices(checkpoint_factory, arch: str) -> None:
+    """Gemma 3 (its final-logit soft-cap under the grammar mask) and Phi-3 through the same masks."""
+    llm = LLM(model=str(checkpoint_factory(arch=arch)), dtype="float32", max_num_seqs=16)
+    schema = SamplingParams(json_schema=LENGTH_LIMITED, n=3, temperature=1.0, seed=5, max_tokens=MAX_TOKENS)
+    choice = SamplingParams(choice=["red", "green", "blue"], temperature=0.0, max_tokens=8)
+    json_output, choice_output = llm.generate(["Give JSON:", "Pick a colour:"], [schema, choice])
+    assert [c.finish_reason for c in json_output.outputs] == ["stop"] * 3
+    assert_valid(LENGTH_LIMITED, [c.text for c in json_output.outputs])
+    assert choice_output.outputs[0].text in ("red", "green", "blue")

@@ -22,7 +22,7 @@ from engine.parallel.group import TensorParallelError
 from tests.engine.hf_reference import TEST_DEVICE, assert_greedy_within_noise
 from tests.engine.test_llm_correctness import PROMPTS
 
-ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
+ARCHS = ["llama", "qwen2", "qwen3", "mistral", "gemma3", "phi3", "qwen3_moe", "mixtral", "qwen2_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 # Few blocks, a small token budget and no growth reserve: the run preempts and chunks its prefills,
 # and the shared prefixes of PROMPTS hit the prefix cache.
