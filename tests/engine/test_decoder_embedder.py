@@ -29,7 +29,8 @@ def _reference(model_dir: Path, sequences: list[list[int]], pooling: str) -> np.
 
 
 @pytest.mark.parametrize("arch,pooling", [("llama", "last"), ("qwen3", "last"), ("qwen2", "mean"),
-                                          ("mistral", "mean"), ("gemma3", "last"), ("phi3", "mean")])
+                                          ("mistral", "mean"), ("gemma3", "last"), ("phi3", "mean"),
+                                          ("qwen3_moe", "last"), ("mixtral", "mean")])
 def test_decoder_embeddings_match_transformers(checkpoint_factory, arch: str, pooling: str) -> None:
     model_dir = checkpoint_factory(arch=arch)
     assert not is_embedding_model(model_dir)  # a generator; it embeds when asked to
