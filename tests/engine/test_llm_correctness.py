@@ -53,8 +53,13 @@ PROMPTS = make_prompts()
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """`arch` x `dtype` for the scenarios (see NEWER_FAMILIES), `dtype` alone elsewhere."""
-    names = metafunc.fixturenames
+    """`arch` x `dtype` for the scenarios (see NEWER_FAMILIES), `dtype` alone elsewhere; a test that
+    parametrizes `arch` itself (the MoE scenario) gets `dtype` only."""
+    given = set()
+    for marker in metafunc.definition.iter_markers("parametrize"):
+        argnames = marker.args[0]
+        given |= set(argnames.replace(" ", "").split(",") if isinstance(argnames, str) else argnames)
+    names = [name for name in metafunc.fixturenames if name not in given]
     if "arch" in names and "dtype" in names:
         every_dtype = metafunc.function.__name__ in BF16_SCENARIOS_FOR_ALL
         pairs = [(arch, dtype) for arch in ARCHS for dtype in DTYPES
