@@ -244,12 +244,7 @@ void packed_attention_f32(const float* q, const float* k, const float* v, const 
         }
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < item_at[S]; item++) {
-            int64_t lo = 0, hi = S - 1;  /* the sequence holding this item: item_at[lo] <= item < item_at[lo + 1] */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (item_at[mid] <= item) lo = mid; else hi = mid - 1;
-            }
-            const int64_t s = lo, first = starts[s], L = starts[s + 1] - first;
+            const int64_t s = sequence_of_item(item_at, S, item), first = starts[s], L = starts[s + 1] - first;
             const int64_t Lp = (L + KEY_STEP - 1) / KEY_STEP * KEY_STEP, tiles = (L * Q + ITEM - 1) / ITEM;
             const int64_t local = item - item_at[s], h = local / tiles, m0 = local % tiles * ITEM;
             switch (D) {

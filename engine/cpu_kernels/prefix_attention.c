@@ -100,9 +100,9 @@ static char* item_scratch(int64_t bytes) {
     return (char*)thread_scratch(&item_buffer, &item_capacity, bytes);
 }
 
-/* K of 16 keys (rows of D bf16 = D / 2 pairs, key_pairs_apart pairs apart) as the B operand of the scores product, one 16 x 16
- * tile of pairs per 32 dims: tile d, row i, column j = the pair (2i, 2i + 1) of dims 32d.. of key j
- * (a transpose of 32-bit pairs: one gather per row). */
+/* K of 16 keys (rows of D bf16 = D / 2 pairs, key_pairs_apart pairs apart) as the B operand of the
+ * scores product, one 16 x 16 tile of pairs per 32 dims: tile d, row i, column j = the pair
+ * (2i, 2i + 1) of dims 32d.. of key j (a transpose of 32-bit pairs: one gather per row). */
 static void pack_keys(const uint32_t* keys, int64_t key_pairs_apart, uint32_t* tiles, int64_t D) {
     const __m512i key_starts = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -515,12 +515,7 @@ void packed_attention_bf16(const uint16_t* q, const uint16_t* k, const uint16_t*
         /* 2. attend: items of 32 queries of one (sequence, head), longest sequences first */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < item_at[S]; item++) {
-            int64_t lo = 0, hi = S - 1;  /* the sequence holding this item: item_at[lo] <= item < item_at[lo + 1] */
-            while (lo < hi) {
-                const int64_t mid = (lo + hi + 1) / 2;
-                if (item_at[mid] <= item) lo = mid; else hi = mid - 1;
-            }
-            const int64_t s = lo, first = starts[s], L = starts[s + 1] - first;
+            const int64_t s = sequence_of_item(item_at, S, item), first = starts[s], L = starts[s + 1] - first;
             const int64_t tiles_m = (L * Q + 31) / 32, local = item - item_at[s];
             const int64_t L32 = (L + 31) / 32 * 32, per_head = ((L + 15) / 16 * 16 + L32) * D;
             attend_item(q, q_stride, rows + first, 0, local / tiles_m, local % tiles_m * 32, L, H, Q, D, L, L32,

@@ -192,6 +192,17 @@ static inline void store_f32(float* p, vf v) { memcpy(p, &v, sizeof v); }
 /* A per-thread scratch buffer of at least `bytes`, 64-byte aligned, grown (doubling) as inputs grow
  * and never freed: the kernels' threads are OpenMP's, kept for the life of the process. `buffer`
  * and `capacity` are the caller's own __thread variables. */
+/* Packed sequences' work items: the sequence s holding `item`, item_at[s] <= item < item_at[s + 1]
+ * (item_at: S + 1 prefix counts of items per sequence). */
+static inline int64_t sequence_of_item(const int64_t* item_at, int64_t S, int64_t item) {
+    int64_t lo = 0, hi = S - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (item_at[mid] <= item) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
 static inline void* thread_scratch(void** buffer, int64_t* capacity, int64_t bytes) {
     if (bytes > *capacity) {
         free(*buffer);
