@@ -8,6 +8,7 @@ missing tensor, an unexpected tensor, a tensor of the wrong shape.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,18 +98,24 @@ def _tensor_files(model_dir: Path) -> list[Path]:
     raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def read_safetensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, by HF name, converted to ``dtype``."""
-    tensors: dict[str, torch.Tensor] = {}
-    for path in _tensor_files(Path(model_dir)):
+def each_checkpoint_tensor(model_dir: Path) -> Iterator[tuple[Path, Any, str]]:
+    """(file, its open safetensors handle, name) for every tensor of the checkpoint the engine reads,
+    each name once (one in two shards is a CheckpointError); a handle is open until the next file."""
+    seen: set[str] = set()
+    for path in _tensor_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name in tensors:
+                if name in seen:
                     raise CheckpointError(f"tensor {name!r} appears in more than one shard ({path.name})")
-                tensors[name] = f.get_tensor(name).to(dtype)
-    return tensors
+                seen.add(name)
+                yield path, f, name
+
+
+def read_safetensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint, by HF name, converted to ``dtype``."""
+    return {name: f.get_tensor(name).to(dtype) for _, f, name in each_checkpoint_tensor(Path(model_dir))}
 
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor], tied: bool) -> None:

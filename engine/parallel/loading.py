@@ -15,10 +15,9 @@ from safetensors import safe_open
 from engine.attention import AttentionBackend
 from engine.models.llama import onednn_linear_available
 from engine.models.loader import (
-    _IGNORED_SUFFIXES,
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
-    _tensor_files,
+    each_checkpoint_tensor,
     model_config_from_dir,
     tensor_problems,
 )
@@ -61,15 +60,9 @@ def _read_shards(model_dir: Path, expected: dict[str, tuple[int, ...]], plan: di
     """This rank's part of every expected tensor, after checking every name and shape in the files."""
     shapes: dict[str, torch.Tensor] = {}
     where: dict[str, Path] = {}
-    for path in _tensor_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
-                    continue
-                if name in where:
-                    raise CheckpointError(f"tensor {name!r} appears in more than one shard ({path.name})")
-                where[name] = path
-                shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
+    for path, f, name in each_checkpoint_tensor(model_dir):
+        where[name] = path
+        shapes[name] = torch.empty(f.get_slice(name).get_shape(), device="meta")
     problems = tensor_problems(expected, shapes, allowed_extra={"lm_head.weight"} if tied else set())
     if problems:
         raise CheckpointError("; ".join(problems))
