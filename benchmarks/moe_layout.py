@@ -1,6 +1,7 @@
 """Expert weight layouts on CPU: one engine ``Linear`` per expert (oneDNN with a packed weight, the
 row kernel for single-token rows) against one ``[E, 2I, H]`` / ``[E, H, I]`` tensor per layer with
-``F.linear`` on each expert's slice (transformers' layout).
+``F.linear`` on each expert's slice (transformers' layout), and against the fixed-shape path's
+``torch._grouped_mm`` over those tensors (engine/models/moe_fixed_shape.py: what a CUDA graph records).
 
 `python -m benchmarks.moe_layout [--hidden 512 --width 1792 --experts 8 --top-k 2]` times one sparse
 block's grouped experts (routing excluded, the same routing for both) at decode-size batches (rows
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from engine import cpu_kernels
 from engine.models.llama import Linear, LlamaFamilyConfig, StepRows, onednn_linear_available
 from engine.models.moe import MoeConfig, SparseMoeBlock
+from engine.models.moe_fixed_shape import fixed_shape_expert_outputs
 
 
 def _block(hidden: int, width: int, experts: int, top_k: int, dtype: torch.dtype) -> SparseMoeBlock:
@@ -66,6 +68,12 @@ def _stacked_experts(block: SparseMoeBlock, x: torch.Tensor, experts: torch.Tens
     return torch.empty_like(weighted).index_copy_(0, order, weighted).view(rows, top_k, -1).sum(dim=1)
 
 
+def _grouped_mm_experts(block: SparseMoeBlock, x: torch.Tensor, experts: torch.Tensor,
+                        weights: torch.Tensor) -> torch.Tensor:
+    outputs, order = fixed_shape_expert_outputs(x, experts, block.experts_gate_up, block.experts_down)
+    return block.combine(outputs, order, weights, x)
+
+
 def _time(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float:
     fn(*args)
     started = time.perf_counter()
@@ -85,11 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(f"hidden {args.hidden}, expert width {args.width}, {args.experts} experts, top-{args.top_k}; "
           f"torch threads {torch.get_num_threads()}; ms per call of the grouped experts")
-    print(f"{'dtype':<10}{'rows':>6}{'per-expert Linear':>20}{'[E,2I,H] F.linear':>20}")
+    print(f"{'dtype':<10}{'rows':>6}{'per-expert Linear':>20}{'[E,2I,H] F.linear':>20}{'grouped_mm':>12}")
     for dtype in (torch.float32, torch.bfloat16):
         block = _block(args.hidden, args.width, args.experts, args.top_k, dtype)
-        gate_up = torch.stack([e.gate_up_proj.weight for e in block.experts])
-        down = torch.stack([e.down_proj.weight for e in block.experts])
+        gate_up, down = block.experts_gate_up, block.experts_down
         _engine_layout(block, dtype)
         for rows in (int(r) for r in args.rows.split(",")):
             x = torch.randn(rows, args.hidden, generator=torch.Generator().manual_seed(rows)).to(dtype)
@@ -101,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             with torch.inference_mode():
                 ours = _time(block.grouped_experts, (x, experts, weights), repeats)
                 stacked = _time(_stacked_experts, (block, x, experts, weights, gate_up, down), repeats)
-            print(f"{str(dtype).removeprefix('torch.'):<10}{rows:>6}{ours:>20.3f}{stacked:>20.3f}")
+                grouped = _time(_grouped_mm_experts, (block, x, experts, weights), repeats)
+            print(f"{str(dtype).removeprefix('torch.'):<10}{rows:>6}{ours:>20.3f}{stacked:>20.3f}{grouped:>12.3f}")
     return 0
 
 

@@ -15,6 +15,11 @@ each expert's slice (benchmarks/moe_layout.py, docs/engine.md): faster in bf16 a
 (1.2-1.8x) and in fp32 from 32 rows to 512 (2x at 32-64), slower only in fp32 at 1-8 rows (0.1 ms)
 and 2048 (11%).
 
+Each layer's expert weights live once, as one ``[E, 2I, H]`` (gate and up) and one ``[E, H, I]``
+(down) tensor, transformers' and vLLM's layout; each expert's ``Linear`` weight is a view into them.
+The eager path reads the views; decode steps on the fixed-shape path (CUDA graphs) read the stacked
+tensors through ``torch._grouped_mm`` (moe_fixed_shape.py), whose shapes do not depend on routing.
+
 Routing follows transformers bit for bit in the ops that decide it: router logits in the model's
 dtype, softmax in fp32, top-k, the checkpoint's renormalisation (Qwen ``norm_topk_prob``; Mixtral
 always), and each pair's weighted output rounded to the model dtype where transformers rounds it.
@@ -29,21 +34,32 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend
+from engine.attention import AttentionBackend, AttentionMetadata
 from engine.models.llama import (
     MLP,
+    FinalRows,
     Linear,
     LlamaFamilyConfig,
     LlamaForCausalLM,
     StepRows,
     UnsupportedModelError,
 )
+from engine.models.moe_fixed_shape import fixed_shape_expert_outputs, grouped_mm_fits, grouped_mm_records
 from engine.parallel.plan import Split
 from engine.parallel.plans import moe_plan
 
 # Where each family keeps its sparse block's tensors, and its experts' (gate, up, down) names.
 _QWEN_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
 _MIXTRAL_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
+
+
+@dataclass
+class StepShape:
+    """Whether the current forward is a decode step on the fixed-shape path (decode_graphs.py),
+    where every op must keep its shapes and never read the device from the host. Set by the model
+    at the start of each forward, read by its sparse blocks."""
+
+    fixed: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,7 +119,7 @@ class MoeConfig(LlamaFamilyConfig):
 class SparseMoeBlock(nn.Module):
     """Router + top-k experts (+ shared expert) over a flat batch of rows."""
 
-    def __init__(self, config: MoeConfig, step_rows: StepRows) -> None:
+    def __init__(self, config: MoeConfig, step_rows: StepRows, step_shape: StepShape | None = None) -> None:
         super().__init__()
         self.num_experts = config.num_experts
         self.top_k = config.num_experts_per_tok
@@ -113,6 +129,10 @@ class SparseMoeBlock(nn.Module):
         expert_config = dataclasses.replace(config, intermediate_size=config.moe_intermediate_size,
                                             mlp_bias=False)
         self.experts = nn.ModuleList(MLP(expert_config) for _ in range(config.num_experts))
+        # The experts' weights, stored once (the experts' Linears hold views: _view_expert_weights).
+        self.experts_gate_up = _stacked([expert.gate_up_proj for expert in self.experts])
+        self.experts_down = _stacked([expert.down_proj for expert in self.experts])
+        self._view_expert_weights()
         self.shared_expert: MLP | None = None
         self.shared_expert_gate: Linear | None = None
         if config.shared_expert_intermediate_size:
@@ -123,6 +143,30 @@ class SparseMoeBlock(nn.Module):
         self.step_rows = step_rows  # the model's: how many leading rows of `x` are single-token rows
         # The experts' own: set before each expert runs, to how many of its rows are single-token rows.
         self.expert_rows = StepRows()
+        self.step_shape = step_shape or StepShape()  # the model's: whether this step has fixed shapes
+
+    def _view_expert_weights(self) -> None:
+        """Point each expert's Linear weight at its slice of the stacked tensors (plain tensors,
+        not parameters: the stacked ones are the block's only copy, and what dtype and device moves
+        convert)."""
+        for index, expert in enumerate(self.experts):
+            for linear, stacked in ((expert.gate_up_proj, self.experts_gate_up),
+                                    (expert.down_proj, self.experts_down)):
+                linear._parameters.pop("weight", None)
+                linear.weight = stacked.detach()[index]
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's signature)
+        # .to(dtype), .to_empty(device), .cuda() replace the stacked tensors: views follow them.
+        super()._apply(fn, recurse)
+        self._view_expert_weights()
+        return self
+
+    def fixed_shape_records(self) -> bool:
+        """Whether this block's fixed-shape forward runs without host reads on its device and dtype
+        (so a CUDA graph can record it)."""
+        weights = self.experts_gate_up
+        return (grouped_mm_fits(weights.dtype, weights, self.experts_down)
+                and grouped_mm_records(weights.device, weights.dtype))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [T, k], weights [T, k]) per row, as transformers computes them."""
@@ -134,7 +178,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        out = self.grouped_experts(x, experts, weights)
+        if self.step_shape.fixed and grouped_mm_fits(x.dtype, self.experts_gate_up, self.experts_down):
+            outputs, order = fixed_shape_expert_outputs(x, experts, self.experts_gate_up, self.experts_down)
+            out = self.combine(outputs, order, weights, x)
+        else:
+            out = self.grouped_experts(x, experts, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         # The block's output is complete here (tensor parallel: the one place to all-reduce).
@@ -157,6 +205,12 @@ class SparseMoeBlock(nn.Module):
                 self.expert_rows.single = num_single
                 outputs[start:start + count] = self.experts[expert](inputs[start:start + count])
                 start += count
+        return self.combine(outputs, order, weights, x)
+
+    def combine(self, outputs: torch.Tensor, order: torch.Tensor, weights: torch.Tensor,
+                x: torch.Tensor) -> torch.Tensor:
+        """Each row's routing-weighted sum of its pairs' expert `outputs` (given in `order`)."""
+        rows, top_k = weights.shape
         pair_weights = weights.reshape(-1).index_select(0, order)[:, None]
         if self.routing_weights_in_fp32:
             weighted = (outputs.float() * pair_weights).to(x.dtype)
@@ -172,16 +226,27 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     config: MoeConfig
     config_class = MoeConfig
-    # Not recordable as a CUDA graph: the grouped experts read each expert's row count on the host
-    # (engine/decode_graphs.decode_graph_mode keeps MoE decode steps eager on a GPU).
-    graph_capturable = False
 
     def __init__(self, config: MoeConfig, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
+        self.step_shape = StepShape()
         for layer, sparse in zip(self.layers, config.sparse_layers, strict=True):
             if sparse:
-                layer.mlp = SparseMoeBlock(config, self.step_rows)
+                layer.mlp = SparseMoeBlock(config, self.step_rows, self.step_shape)
         self.requires_grad_(False)
+
+    @property
+    def graph_capturable(self) -> bool:
+        """Whether a fixed-shape decode step records as a CUDA graph: every sparse block's grouped_mm
+        keeps its offsets on the device (bf16 on a Hopper-class GPU; engine/decode_graphs.py keeps
+        the decode steps of a model where it does not eager on a GPU)."""
+        return all(block.fixed_shape_records() for block in self.sparse_blocks())
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                kv_caches: list[torch.Tensor], num_layers: int | None = None,
+                final_rows: FinalRows | None = None) -> torch.Tensor:
+        self.step_shape.fixed = metadata.static_decode
+        return super().forward(input_ids, positions, metadata, kv_caches, num_layers, final_rows)
 
     def tensor_parallel_plan(self) -> dict[str, Split]:
         """Each expert split by its intermediate channels, the router replicated, one all-reduce
@@ -245,10 +310,14 @@ class MoeForCausalLM(LlamaForCausalLM):
                 block.shared_expert_gate.weight.copy_(tensors[p + "shared_expert_gate.weight"])
 
 
+def _stacked(linears: list[Linear]) -> nn.Parameter:
+    return nn.Parameter(torch.stack([linear.weight.detach() for linear in linears]), requires_grad=False)
+
+
 def _load_mlp(mlp: MLP, tensors: dict[str, torch.Tensor], prefix: str, names: tuple[str, str, str]) -> None:
     gate, up, down = names
     mlp.gate_up_proj.weight.copy_(torch.cat([tensors[f"{prefix}{name}.weight"] for name in (gate, up)]))
     mlp.down_proj.weight.copy_(tensors[f"{prefix}{down}.weight"])
 
 
-__all__ = ["MoeConfig", "MoeForCausalLM", "SparseMoeBlock"]
+__all__ = ["MoeConfig", "MoeForCausalLM", "SparseMoeBlock", "StepShape"]

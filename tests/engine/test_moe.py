@@ -1,6 +1,6 @@
 """Mixture-of-experts layers (engine/models/moe.py): config parsing, the grouped expert computation
 against a per-token reference, routing on the test checkpoints, and which decode paths MoE models
-take (native decode: the Python path; CUDA graphs: not captured)."""
+take (native decode: the Python path). The fixed-shape (CUDA-graph) path: test_moe_fixed_shape.py."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.attention import TorchPagedAttention
 from engine.decode_graphs import decode_graph_mode
 from engine.models import UnsupportedModelError, load_model
 from engine.models.llama import StepRows
 from engine.models.moe import MoeConfig, SparseMoeBlock
-from tests.engine.hf_reference import assert_greedy_by_teacher_forcing
 from tests.engine.test_llm_correctness import MOE_PROMPTS
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
@@ -114,34 +113,12 @@ def test_routing_on_the_test_checkpoints_spreads_over_every_expert(checkpoint_fa
             assert float((weights[:, 0] > 0.95).float().mean()) < 0.2
 
 
-def test_moe_models_keep_the_python_decode_path_and_no_graph_capture(checkpoint_factory):
+def test_moe_models_keep_the_python_decode_path(checkpoint_factory):
     llm = LLM(model=str(checkpoint_factory(arch="mixtral")), dtype="float32", num_kv_blocks=64)
     assert llm.engine.model.native_decode is None  # routed experts have no native layer driver
-    assert not llm.engine.model.graph_capturable
-    # On a GPU by default: eager decode steps, not CUDA graphs; asked for explicitly: the fixed-shape
-    # path without capture. Dense models keep capture.
-    assert decode_graph_mode("cuda", None, capturable=False) == (False, False)
-    assert decode_graph_mode("cuda", True, capturable=False) == (True, False)
-    assert decode_graph_mode("cuda", None, capturable=True) == (True, True)
-    assert decode_graph_mode("cpu", None, capturable=True) == (False, False)
+    # On a CPU by default: no fixed-shape decode path either.
+    assert decode_graph_mode("cpu", None, llm.engine.model.graph_capturable) == (False, False)
     assert decode_graph_mode("cpu", True, capturable=True) == (True, False)
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_moe_decode_steps_through_fixed_shapes_match_transformers(checkpoint_factory, arch):
-    """The fixed-shape decode path (padded rows, gathered blocks) runs MoE layers eagerly."""
-    model_dir = str(checkpoint_factory(arch=arch))
-    llm = LLM(model=model_dir, dtype="float32", num_kv_blocks=128, decode_graphs=True)
-    graphs = llm.engine.runner._decode_graphs()
-    assert graphs is not None and not graphs.capture
-    steps = []
-    forward = graphs._forward
-    graphs._forward = lambda rows, width: steps.append(rows) or forward(rows, width)
-    prompts = MOE_PROMPTS[:5]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
-    assert steps and max(steps) > len(prompts)  # padded batches ran
-    assert_greedy_by_teacher_forcing([(p, o.token_ids) for p, o in zip(prompts, outputs, strict=True)],
-                                     model_dir, llm.engine.model)
 
 
 def test_the_expert_layout_is_the_published_checkpoints(checkpoint_factory):
