@@ -4,8 +4,10 @@
 # their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B),
 # the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
 # step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
-# then the suite on a 1B-class model under its tokenizer; with 2+ GPUs, tensor parallel (TP=2 exact
-# with TP=1, a dead rank failing cleanly, TP=2 vs TP=1 timed). Every figure goes to one file.
+# then the suite on a 1B-class model under its tokenizer; MoE decode steps as CUDA graphs (grouped_mm
+# over stacked experts) against eager ones on a locally built Mixtral-shaped checkpoint; with 2+ GPUs,
+# tensor parallel (TP=2 exact with TP=1, a dead rank failing cleanly, TP=2 vs TP=1 timed). Every
+# figure goes to one file.
 #
 #   bash benchmarks/gpu_check.sh [MODEL]
 #
@@ -44,6 +46,14 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   echo; echo "== engine benchmark on $DEVICE (small preset)"
   timeout 80 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
+
+  # MoE: the fixed-shape path's tests (transformers' tokens on every MoE family, captured where
+  # grouped_mm records: bf16 on sm90+), then a Mixtral-shaped checkpoint (8 experts, top-2) decoded
+  # with CUDA graphs and eagerly: tokens compared, tokens/s of each.
+  echo; echo "== MoE decode steps as CUDA graphs on $DEVICE"
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider -x tests/engine/test_moe_fixed_shape.py || status=1
+  timeout 120 "$PY" -m benchmarks.moe_graphs --device "$DEVICE" --preset small --dtype bfloat16,float32 \
+    --requests "$REQUESTS" --max-tokens 64 || status=1
 
   # Tensor parallel where the machine lends 2+ GPUs: TP=2 token-exact with TP=1 in fp32 (prefix hits,
   # chunked prefill, preemption), a rank's death failing the engine, then TP=2 against TP=1 timed.

@@ -6,6 +6,8 @@ transformers' greedy tokens on every MoE family, and no read of the device from 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import engine.models.moe as moe
+from benchmarks import moe_graphs
 from engine import LLM, SamplingParams, cpu_kernels
 from engine.attention import TorchPagedAttention
 from engine.checkpoints import num_parameters
@@ -25,7 +28,11 @@ from engine.decode_graphs import decode_graph_mode
 from engine.models import load_model
 from engine.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
 from engine.models.moe_fixed_shape import grouped_mm_records
-from tests.engine.hf_reference import assert_greedy_by_teacher_forcing, assert_greedy_within_noise
+from tests.engine.hf_reference import (
+    TEST_DEVICE,
+    assert_greedy_by_teacher_forcing,
+    assert_greedy_within_noise,
+)
 from tests.engine.test_llm_correctness import MOE_PROMPTS
 from tests.engine.test_moe import BASE, random_block
 
@@ -172,9 +179,11 @@ def test_moe_decode_steps_on_the_fixed_shape_path_match_transformers(checkpoint_
     """Padded decode steps through grouped_mm (with prefill steps eager beside them): transformers'
     greedy tokens in fp32, agreement within bf16 noise in bf16."""
     model_dir = str(checkpoint_factory(arch=family))
-    llm = LLM(model=model_dir, dtype=dtype, num_kv_blocks=128, decode_graphs=True)
+    llm = LLM(model=model_dir, device=TEST_DEVICE, dtype=dtype, num_kv_blocks=128, decode_graphs=True)
     graphs = llm.engine.runner._decode_graphs()
-    assert graphs is not None and not graphs.capture
+    # Captured on a GPU where grouped_mm records (benchmarks/gpu_check.sh); uncaptured on a CPU.
+    assert graphs is not None
+    assert graphs.capture == (TEST_DEVICE == "cuda" and llm.engine.model.graph_capturable)
     padded: list[int] = []
     forward = graphs._forward
     monkeypatch.setattr(graphs, "_forward", lambda rows, width: padded.append(rows) or forward(rows, width))
@@ -183,6 +192,7 @@ def test_moe_decode_steps_on_the_fixed_shape_path_match_transformers(checkpoint_
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     assert padded and max(padded) > len(prompts)  # padded batches ran
     assert calls and set(calls) <= set(padded)  # grouped_mm ran on the padded decode steps only
+    assert not graphs.broken and not graphs.failed
     pairs = [(prompt, output.token_ids) for prompt, output in zip(prompts, outputs, strict=True)]
     if dtype == "float32":
         assert_greedy_by_teacher_forcing(pairs, model_dir, llm.engine.model)
@@ -221,3 +231,15 @@ def test_a_block_grouped_mm_cannot_take_runs_the_eager_path_on_the_fixed_shape_p
     eager = block(x)
     block.step_shape.fixed = True
     assert torch.equal(block(x), eager) and not calls
+
+
+def test_the_gpu_checks_moe_step_runs_here_on_a_cpu(capsys):
+    """benchmarks/gpu_check.sh's MoE step: the script parses, and its benchmark runs (uncaptured on a
+    CPU), printing both speeds and the same tokens on both paths in fp32."""
+    assert subprocess.run(["bash", "-n", "benchmarks/gpu_check.sh"], check=False).returncode == 0
+    assert "benchmarks.moe_graphs" in Path("benchmarks/gpu_check.sh").read_text()
+    code = moe_graphs.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--requests", "4",
+                            "--max-tokens", "4", "--num-kv-blocks", "32"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "fixed-shape, uncaptured" in out and "tokens equal in 4/4 rows, 100.0% of each row" in out
