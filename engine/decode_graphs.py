@@ -55,9 +55,9 @@ def decode_graph_mode(device_type: str, wanted: bool | None, capturable: bool) -
     """(whether pure decode steps take the fixed-shape path, whether it is captured as CUDA graphs).
 
     `wanted`: the `decode_graphs` setting (None: on a GPU only). `capturable`: the model's forward
-    records into a graph (no host reads of device data; a MoE layer reads how many rows each expert
-    got): a model that is not keeps its GPU decode steps eager by default, and runs the fixed-shape
-    path uncaptured where the setting asks for it."""
+    records into a graph (no host reads of device data; a MoE model's grouped_mm keeps its offsets on
+    the device in bf16 on sm90+ only): a model that is not keeps its GPU decode steps eager by
+    default, and runs the fixed-shape path uncaptured where the setting asks for it."""
     use = device_type == "cuda" and capturable if wanted is None else wanted
     return use, use and device_type == "cuda" and capturable
 
