@@ -87,7 +87,7 @@ def _last_hidden(llm: LLM, prompt: list[int]) -> torch.Tensor:
     head = llm.engine.runner.model.lm_head
     seen: list[torch.Tensor] = []
     original = head.forward_fp32
-    head.forward_fp32 = lambda x: (seen.append(x[-1].clone()), original(x))[1]  # type: ignore[method-assign]
+    head.forward_fp32 = lambda x, out=None: (seen.append(x[-1].clone()), original(x, out))[1]  # type: ignore
     try:
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
     finally:
