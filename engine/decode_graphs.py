@@ -150,7 +150,7 @@ class DecodeGraphs:
             static_decode=True,
         )
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], metadata, self.kv_caches)
-        return self.model.compute_logits_in_model_dtype(hidden)
+        return self.model.compute_logits(hidden)
 
     def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
         """The graph of this shape and its logits buffer, recorded now; None where recording failed

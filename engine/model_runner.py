@@ -54,8 +54,8 @@ PROFILE_LAYERS = 2
 
 @dataclass
 class StepResult:
-    """What one forward pass gives: the sampled rows' logits (in the model's dtype; the sampler
-    takes them to fp32) and the prompt logprobs it scored, by request id."""
+    """What one forward pass gives: the sampled rows' fp32 logits (in every compute dtype) and the
+    prompt logprobs it scored, by request id."""
 
     logits: torch.Tensor
     prompt_logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
@@ -260,7 +260,7 @@ class ModelRunner:
         step = prepare_rows(rows, self.block_size, self.device)
         assert step is not None
         with self._collectives("a timing probe"):
-            self.model.compute_logits_in_model_dtype(step.sampled_hidden(self.model, self.kv_caches))
+            self.model.compute_logits(step.sampled_hidden(self.model, self.kv_caches))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -268,8 +268,7 @@ class ModelRunner:
 
     def execute(self, output: SchedulerOutput) -> torch.Tensor:
         """Forward the scheduled chunks; logits [sampled positions, vocab] in chunk order (one row
-        per sampling chunk, 1 + drafts for a chunk verifying drafts), in the model's dtype (the
-        sampler takes them to fp32)."""
+        per sampling chunk, 1 + drafts for a chunk verifying drafts), in fp32."""
         return self.run_step(output).logits
 
     @torch.inference_mode()
@@ -302,7 +301,7 @@ class ModelRunner:
                 return StepResult(logits)
         hidden = batch.sampled_hidden(self.model, self.kv_caches)
         num_sampled = len(hidden) - batch.num_scored
-        logits = self.model.compute_logits_in_model_dtype(hidden[:num_sampled])
+        logits = self.model.compute_logits(hidden[:num_sampled])
         if not batch.num_scored:
             return StepResult(logits)
         scored = score_rows(self._score_head(), hidden[num_sampled:], batch.score_spans, batch.num_scored,
@@ -310,12 +309,9 @@ class ModelRunner:
         return StepResult(logits, scored)
 
     def _score_head(self) -> Callable[[torch.Tensor], torch.Tensor]:
-        """fp32 logits of hidden rows over the whole vocabulary, for prompt logprobs."""
-        head = self.model.lm_head
-        if hasattr(head, "score_logits"):  # a tensor-parallel head: its vocabulary slices gathered
-            return head.score_logits
-        weight = head.weight.float()  # a no-op in fp32; in bf16 the scores come from an fp32 head
-        return lambda hidden: torch.nn.functional.linear(hidden.float(), weight)
+        """fp32 logits of hidden rows over the whole vocabulary, for prompt logprobs: the LM head
+        the sampled rows take, before any soft-capping (score_rows applies it)."""
+        return self.model.lm_head.forward_fp32
 
     # ---- tensor parallel (rank 0) ------------------------------------------------------------------
 

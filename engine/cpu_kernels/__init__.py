@@ -101,6 +101,9 @@ class CpuKernels:
         self._row_gemm = {dtype: _declare(getattr(library, f"row_gemm_{suffix}"),
                                           [_POINTER, _INT, _POINTER, _POINTER, _POINTER] + [_INT] * 4)
                           for dtype, suffix in suffixes.items()}
+        # bf16 rows with fp32 results: the LM head's logits (row_gemm_bf16_f32).
+        self._row_gemm_to_f32 = _declare(library.row_gemm_bf16_f32,
+                                         [_POINTER, _INT, _POINTER, _POINTER, _POINTER] + [_INT] * 4)
 
     def _scratch_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This thread's scratch `name` of at least `numel` elements, grown as inputs grow."""
@@ -338,23 +341,25 @@ class CpuKernels:
         return packed
 
     def row_gemm(self, x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, fp32_out: bool = False) -> torch.Tensor:
         """``x [rows, in] @ W.T (+ bias)`` with W packed by ``pack_row_gemm``, into ``out [rows, out]``
         (a new tensor when None; a row-contiguous view is fine). Each row's result is the same
-        whatever the other rows are."""
+        whatever the other rows are. ``fp32_out``: the fp32 sums as they are (not rounded to the
+        inputs' dtype), for bf16 inputs as for fp32."""
         rows, in_features = x.shape
         x = x.contiguous()
+        out_dtype = torch.float32 if fp32_out else x.dtype
         if out is None:
-            out = torch.empty(rows, out_features, dtype=x.dtype)
-        _require(x.dtype == packed.dtype == out.dtype and x.dtype in self.row_gemm_dtypes
+            out = torch.empty(rows, out_features, dtype=out_dtype)
+        _require(x.dtype == packed.dtype and out.dtype == out_dtype and x.dtype in self.row_gemm_dtypes
                  and out.shape == (rows, out_features) and out.stride(1) == 1
                  and (bias is None or (bias.dtype == x.dtype and bias.shape == (out_features,)
                                        and bias.is_contiguous())), "row_gemm")
         if rows:
             bias_pointer = bias.data_ptr() if bias is not None else None
-            self._row_gemm[x.dtype](x.data_ptr(), in_features, packed.data_ptr(), bias_pointer,
-                                    out.data_ptr(), out.stride(0), rows, out_features, in_features,
-                                    torch.get_num_threads())
+            kernel = self._row_gemm_to_f32 if out_dtype != x.dtype else self._row_gemm[x.dtype]
+            kernel(x.data_ptr(), in_features, packed.data_ptr(), bias_pointer, out.data_ptr(), out.stride(0),
+                   rows, out_features, in_features, torch.get_num_threads())
         return out
 
     def decode_layers(self, layers: ctypes.Array, step: ctypes.Structure) -> None:

@@ -235,9 +235,11 @@ static inline void prefetch_tiles(const uint16_t* tiles) {
     for (int line = 0; line < 1024; line += 32) __builtin_prefetch(tiles + line);
 }
 
-/* The fp32 sums of `rows` rows by 32 columns (stride 32) plus the bias, rounded once to bf16. */
-static void write_rows(const float* sums, int64_t rows, const uint16_t* bias, int64_t columns, uint16_t* c,
-                       int64_t ldc) {
+/* The fp32 sums of `rows` rows by 32 columns (stride 32) plus the bias, rounded once to bf16 into
+ * c16, or kept in fp32 into c32 where that is given (the LM head's logits: no rounding before
+ * sampling, which in bf16 makes ties out of near-ties). */
+static void write_rows(const float* sums, int64_t rows, const uint16_t* bias, int64_t columns, uint16_t* c16,
+                       float* c32, int64_t ldc) {
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
     const __mmask16 mask0 = columns >= 16 ? 0xffff : (__mmask16)((1u << columns) - 1);
     const __mmask16 mask1 = columns >= 32 ? 0xffff : columns <= 16 ? 0 : (__mmask16)((1u << (columns - 16)) - 1);
@@ -249,8 +251,13 @@ static void write_rows(const float* sums, int64_t rows, const uint16_t* bias, in
     for (int64_t r = 0; r < rows; r++) {
         const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32), b0);
         const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(sums + r * 32 + 16), b1);
-        _mm256_mask_storeu_epi16(c + r * ldc, mask0, (__m256i)_mm512_cvtneps_pbh(v0));
-        _mm256_mask_storeu_epi16(c + r * ldc + 16, mask1, (__m256i)_mm512_cvtneps_pbh(v1));
+        if (c32) {
+            _mm512_mask_storeu_ps(c32 + r * ldc, mask0, v0);
+            _mm512_mask_storeu_ps(c32 + r * ldc + 16, mask1, v1);
+        } else {
+            _mm256_mask_storeu_epi16(c16 + r * ldc, mask0, (__m256i)_mm512_cvtneps_pbh(v0));
+            _mm256_mask_storeu_epi16(c16 + r * ldc + 16, mask1, (__m256i)_mm512_cvtneps_pbh(v1));
+        }
     }
 }
 #endif
@@ -296,8 +303,8 @@ static inline __attribute__((always_inline)) void dot_panel(const uint16_t* a, i
  * (with the first block) and each block writes its rows' outputs along a run of columns rather
  * than a few columns of every row. A block is one pass over k of 2 x 2 tiles; each output is one
  * sum over k in order, whatever the other rows. */
-void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias, uint16_t* c,
-                   int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+static void row_gemm_bf16_into(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias,
+                               uint16_t* c, float* c32, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
 #if defined(HAVE_AMX_GEMM)
     const int64_t panels = (N + 31) / 32, kb = K / 32, panel_bytes = kb * 2048;
     const int64_t group = GROUP_BYTES / panel_bytes > 1 ? GROUP_BYTES / panel_bytes : 1;
@@ -358,7 +365,8 @@ void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const
                         _tile_stored(3, sums + 16 * 32 + 16, 128);
                     }
                     TILE_MEMORY_BARRIER();
-                    write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c + m0 * ldc + n0, ldc);
+                    write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c ? c + m0 * ldc + n0 : NULL,
+                               c32 ? c32 + m0 * ldc + n0 : NULL, ldc);
                 }
             }
         }
@@ -389,12 +397,24 @@ void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const
                         default: dot_panel(a0, lda, panel, kb, DOT_MR, stream, &ahead, sums); break;
 #undef DOT_ROWS
                     }
-                    write_rows(sums, rows, bias ? bias + n0 : NULL, columns, c + m0 * ldc + n0, ldc);
+                    write_rows(sums, rows, bias ? bias + n0 : NULL, columns, c ? c + m0 * ldc + n0 : NULL,
+                               c32 ? c32 + m0 * ldc + n0 : NULL, ldc);
                 }
             }
         }
     }
 #else
-    (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
+    (void)a; (void)lda; (void)packed; (void)bias; (void)c; (void)c32; (void)ldc; (void)M; (void)N; (void)K; (void)nt;
 #endif
+}
+
+void row_gemm_bf16(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias, uint16_t* c,
+                   int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    row_gemm_bf16_into(a, lda, packed, bias, c, NULL, ldc, M, N, K, nt);
+}
+
+/* The same sums kept in fp32 (c [M, N] float): the LM head's logits of bf16 rows. */
+void row_gemm_bf16_f32(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias, float* c,
+                       int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
+    row_gemm_bf16_into(a, lda, packed, bias, NULL, c, ldc, M, N, K, nt);
 }

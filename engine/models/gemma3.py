@@ -198,10 +198,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.config.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.compute_logits_in_model_dtype(hidden).float()
-
-    def compute_logits_in_model_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
-        return softcap_logits(self.lm_head(hidden), self.config.final_logit_softcapping)
+        return softcap_logits(super().compute_logits(hidden), self.config.final_logit_softcapping)
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
         shapes = super().expected_hf_tensors()

@@ -259,6 +259,8 @@ class Linear(nn.Linear):
     row_weight: torch.Tensor | None = None
     row_kernels: CpuKernels | None = None
     step_rows: StepRows | None = None  # None: every row is a single-token row (the LM head's rows)
+    # forward_fp32's fp32 copy of the weight (and the weight it copies), where no kernel gives fp32 sums
+    _fp32_weight: tuple[torch.Tensor, int, torch.Tensor] | None = None
 
     def pack_for_onednn(self, batch_hint: int = 64) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
@@ -288,6 +290,28 @@ class Linear(nn.Linear):
                 return self._onednn(x.expand(2, -1).contiguous())[:1]
             return self._onednn(x)
         return F.linear(x, self.weight, self.bias)
+
+    def forward_fp32(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``self(x)`` with each output the fp32 sum of its products, never rounded to a bf16/fp16
+        weight's dtype: the LM head's logits, so sampling, logprobs and penalties see fp32's margins
+        (rounded to bf16, a 0.1 margin between two tokens can become an exact tie). ``out``: an fp32
+        ``[rows, out_features]`` tensor the row kernel writes into (elsewhere ignored)."""
+        if self.weight.dtype == torch.float32:
+            return self(x.float())
+        if self.row_weight is not None and self.row_kernels is not None and x.dim() == 2:
+            return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias, out=out,
+                                             fp32_out=True)
+        flat = x.reshape(-1, x.shape[-1])
+        if x.is_cuda:  # cuBLAS accumulates in fp32 and hands the sums over as they are
+            out = torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
+        else:  # no kernel with fp32 results here: the same products from an fp32 copy of the weight
+            cached = self._fp32_weight  # a new or rewritten weight gets a new copy
+            if cached is None or cached[0] is not self.weight or cached[1] != self.weight._version:
+                cached = self._fp32_weight = (self.weight, self.weight._version, self.weight.detach().float())
+            out = F.linear(flat.float(), cached[2])
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.reshape(*x.shape[:-1], self.out_features)
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -431,6 +455,7 @@ class LlamaForCausalLM(nn.Module):
 
     decoder_layer_class: type[nn.Module] = DecoderLayer  # a family's own layer (Gemma 3, Phi-3)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) where set (Gemma)
+    _logits_buffer: torch.Tensor | None = None  # compute_logits' output on CPU, kept between steps
     config_class = LlamaFamilyConfig  # parses config.json for this class (the loader calls from_hf_dict)
 
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
@@ -490,13 +515,18 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits (what sampling, penalties, grammar masks and logprobs work on)."""
-        return self.lm_head(hidden).float()
-
-    def compute_logits_in_model_dtype(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits as the LM head computes them: the sampler takes them to fp32 unless all it does
-        is an argmax, which the fp32 copy cannot change (50 MB a step at 256 rows x 49k vocab)."""
-        return self.lm_head(hidden)
+        """fp32 logits (what sampling, penalties, grammar masks and logprobs work on), in every
+        compute dtype: the LM head's fp32 sums, never rounded to bf16 on the way. On CPU they are
+        written into one buffer kept for the next call (a step's logits are used up within the
+        step): 256 rows of a 49k vocabulary are 50 MB, which a fresh tensor would map and fault in
+        page by page every step (2x the head's time at 256 rows)."""
+        rows = hidden.shape[0] if hidden.dim() == 2 else 0
+        out = None
+        if rows and hidden.device.type == "cpu":
+            if self._logits_buffer is None or self._logits_buffer.shape[0] < rows:
+                self._logits_buffer = torch.empty(rows, self.config.vocab_size, dtype=torch.float32)
+            out = self._logits_buffer[:rows]
+        return self.lm_head.forward_fp32(hidden, out=out)
 
     def use_cpu_kernels(self, kernels: CpuKernels | None) -> None:
         """Run norms, rotary, the MLP activation and single-token rows' projections through the

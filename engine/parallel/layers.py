@@ -44,10 +44,10 @@ class VocabParallelLMHead(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.communicator.gather_columns(super().forward(x), self.vocab_size)
 
-    def score_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits over the whole vocabulary from an fp32 copy of the head (prompt logprobs)."""
-        local = F.linear(hidden.float(), self.weight.float())
-        return self.communicator.gather_columns(local, self.vocab_size)
+    def forward_fp32(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits over the whole vocabulary (each rank's slice, gathered into a new tensor:
+        ``out`` is not used)."""
+        return self.communicator.gather_columns(super().forward_fp32(x), self.vocab_size)
 
 
 def swap_vocab_modules(model: nn.Module, vocab_size: int, communicator: Communicator) -> None:

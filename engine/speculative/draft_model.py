@@ -111,4 +111,4 @@ class DraftModel:
         batch = prepare_rows(rows, self.block_size, self.device)
         assert batch is not None
         hidden = batch.sampled_hidden(self.model, self.kv_caches)
-        return argmax_rows(self.model.compute_logits_in_model_dtype(hidden)).tolist()
+        return argmax_rows(self.model.compute_logits(hidden)).tolist()

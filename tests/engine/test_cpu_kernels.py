@@ -645,6 +645,28 @@ def test_row_kernel_matches_a_matmul(row_kernels: CpuKernels, monkeypatch, out_f
             torch.testing.assert_close(ours.float(), expected, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.skipif(not HAS_PREFIX_KERNEL, reason="bf16 rows need AMX or AVX512-BF16")
+@pytest.mark.parametrize("name", list(PREFIX_BUILDS))
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_kernel_gives_bf16_rows_fp32_sums_for_logits(build, name: str, bias: bool) -> None:
+    """The LM head's rows in bf16: the fp32 sums as they are (within fp32 summation-order error of
+    an fp32 matmul of the same bf16 values; most of them not bf16 values), whose bf16 rounding is
+    exactly the kernel's bf16 output, for every row count through its blocks and tails."""
+    row_kernels = build(name)
+    generator = torch.Generator().manual_seed(21)
+    weight = (torch.randn(1000, 576, generator=generator) / 8).bfloat16()
+    b = torch.randn(1000, generator=generator).bfloat16() if bias else None
+    packed = row_kernels.pack_row_gemm(weight)
+    for rows in (1, 7, 16, 17, 33, 70):
+        x = torch.randn(rows, 576, generator=generator).bfloat16()
+        logits = row_kernels.row_gemm(x, packed, 1000, b, fp32_out=True)
+        expected = x.float() @ weight.float().T + (b.float() if b is not None else 0)
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-4)
+        assert (logits != logits.bfloat16().float()).float().mean() > 0.9  # not rounded on the way
+        assert torch.equal(logits.bfloat16(), row_kernels.row_gemm(x, packed, 1000, b))
+
+
 def test_row_kernel_gives_a_row_the_same_bits_whatever_else_is_in_the_batch(row_kernels: CpuKernels,
                                                                              monkeypatch) -> None:
     """Speculative verification and decoding must agree bit for bit: a row alone, first, last or in
