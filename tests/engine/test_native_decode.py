@@ -1,7 +1,8 @@
 """Pure decode steps through the native layer driver (engine/models/native_decode.py) give exactly
 the bits of the Python path: the same greedy tokens and the same logprobs, in fp32 and bf16, with
-biases (Qwen2), and with shared-prefix groups (bf16: the prefix kernel, where the CPU has one; fp32:
-the causal kernel). Models it does not fit (q/k norms, sliding windows) keep the Python path."""
+biases (Qwen2), q/k norms (Qwen3), sparse MoE layers (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert),
+and with shared-prefix groups (bf16: the prefix kernel, where the CPU has one; fp32: the causal
+kernel). Models it does not fit (sliding windows) keep the Python path."""
 
 from __future__ import annotations
 
@@ -47,11 +48,18 @@ def native_runs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# (arch, preset): the MoE families where their widths fit the bf16 row kernel (multiples of 32) at the
+# smallest size: tiny Mixtral and Qwen2-MoE (its shared expert), small Qwen3-MoE (q/k norms, a dense
+# layer among sparse ones); dense Qwen3 for the q/k norms alone.
+MODELS = [("llama", "small"), ("qwen2", "small"), ("qwen3", "small"), ("qwen3_moe", "small"),
+          ("mixtral", "tiny"), ("qwen2_moe", "tiny")]
+
+
+@pytest.mark.parametrize("arch, preset", MODELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_factory, monkeypatch, arch: str,
-                                                                  dtype: str) -> None:
-    model_dir = str(checkpoint_factory(arch=arch, preset="small"))
+                                                                  preset: str, dtype: str) -> None:
+    model_dir = str(checkpoint_factory(arch=arch, preset=preset))
     native = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
     kernels = native.engine.model.layers[0].self_attn.backend.kernels
     if kernels is None or native.engine.dtype_choice.torch_dtype not in kernels.row_gemm_dtypes:
@@ -62,7 +70,8 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
     python = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
     python.engine.model.native_decode = None
     counts = native_runs(native, monkeypatch)
-    prompts = prompts_with_a_shared_instruction()
+    config = native.engine.model.config
+    prompts = prompts_with_a_shared_instruction(vocab=config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     ours, theirs = native.generate(prompts, params), python.generate(prompts, params)
     for a, b in zip(ours, theirs, strict=True):
@@ -70,17 +79,17 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # every logprob to the last bit
     assert counts["steps"] >= 20
     torch_dtype = native.engine.dtype_choice.torch_dtype
-    groups_here = (kernels.supports_prefix_attention(torch_dtype, 64, 16)
-                   or kernels.supports_causal_attention(torch_dtype, 64))
+    groups_here = (kernels.supports_prefix_attention(torch_dtype, config.head_dim, 16)
+                   or kernels.supports_causal_attention(torch_dtype, config.head_dim))
     if groups_here:
         assert counts["with_groups"] > 0  # the rows under the instruction decoded as a group
 
 
 def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_path) -> None:
-    """Qwen3's q/k norms and a sliding window are not in the native driver."""
+    """A sliding window is not in the native driver."""
     window = MistralConfig(**SMALL, sliding_window=8, architectures=["MistralForCausalLM"])
     kernels = cpu_kernels.load()
-    for model_dir in (checkpoint_factory(arch="qwen3"), save_random_model(window, tmp_path / "window")):
+    for model_dir in (save_random_model(window, tmp_path / "window"),):
         model = load_model(model_dir, TorchPagedAttention(kernels=kernels))
         model.use_cpu_kernels(kernels)
         assert model.native_decode is None
