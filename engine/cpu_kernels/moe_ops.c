@@ -63,8 +63,11 @@ static inline __attribute__((always_inline)) void moe_combine(
         for (int64_t i = 0; i < hidden; i += VL) {
             const int64_t n = hidden - i;
             vf sum = splat(0.0f);
-            for (int64_t s = 0; s < k; s++)
-                sum += rounded(load_n(pair_out, position[t * k + s] * hidden + i, n, bf16) * weights[t * k + s], bf16);
+            for (int64_t s = 0; s < k; s++) {
+                /* in a register: the product rounded on its own, never fused into the sum (FMA) */
+                const vf product = load_n(pair_out, position[t * k + s] * hidden + i, n, bf16) * weights[t * k + s];
+                sum += in_register(rounded(product, bf16));
+            }
             store_n(out, t * hidden + i, sum, n, bf16);
         }
 }
@@ -81,7 +84,7 @@ static inline __attribute__((always_inline)) void moe_shared_add(
         if (bf16) sigmoid = bf16_to_f32(f32_to_bf16(sigmoid));
         for (int64_t i = 0; i < hidden; i += VL) {
             const int64_t n = hidden - i, at = t * hidden + i;
-            const vf scaled = rounded(load_n(shared, at, n, bf16) * sigmoid, bf16);
+            const vf scaled = in_register(rounded(load_n(shared, at, n, bf16) * sigmoid, bf16));  /* no FMA */
             store_n(out, at, load_n(out, at, n, bf16) + scaled, n, bf16);
         }
     }
