@@ -20,6 +20,7 @@
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "simd.h"
 
@@ -141,6 +142,10 @@ typedef struct {
     void* shared_gate_up;      /* [rows, 2 shared_intermediate] */
     void* shared_act;          /* [rows, shared_intermediate] */
     void* shared_out;          /* [rows, hidden] */
+    /* NULL, or seconds added up over the step's sparse layers (benchmarks/moe_profile.py): [0] routing
+     * (router projection, softmax and top-k, sorting the pairs by expert), [1] the experts' compute
+     * (their MLPs, the weighted sum, the shared expert). */
+    double* moe_seconds;
 } decode_step;
 
 static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
@@ -173,8 +178,15 @@ static void mlp_rows(const decode_step* s, int64_t rows, const void* x, const vo
     project_rows(s, rows, act, width, down, down_bias, out, s->hidden_size);
 }
 
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
 /* A sparse layer's MLP of s->normed into s->hidden (see the top of the file). */
 static void sparse_mlp(const decode_step* s, const decode_moe* m) {
+    const double started = s->moe_seconds ? seconds_now() : 0.0;
     const int nt = (int)s->threads;
     const int64_t E = s->experts, k = s->top_k, pairs = s->rows * k, H = s->hidden_size;
     const int64_t I = s->expert_intermediate, size = s->bf16 ? 2 : 4;
@@ -197,6 +209,7 @@ static void sparse_mlp(const decode_step* s, const decode_moe* m) {
         s->pair_position[p] = at;
         memcpy((char*)s->pair_in + at * H * size, (const char*)s->normed + p / k * H * size, (size_t)(H * size));
     }
+    const double routed = s->moe_seconds ? seconds_now() : 0.0;
     for (int64_t e = 0; e < E; e++) {
         const int64_t rows = start[e + 1] - start[e], at = start[e];
         if (rows == 0) continue;
@@ -206,12 +219,17 @@ static void sparse_mlp(const decode_step* s, const decode_moe* m) {
     }
     if (s->bf16) moe_combine_bf16(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
     else moe_combine_f32(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
-    if (m->shared_gate_up == NULL) return;
-    project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1);
-    mlp_rows(s, s->rows, s->normed, m->shared_gate_up, NULL, m->shared_down, NULL, s->shared_intermediate,
-             s->shared_gate_up, s->shared_act, s->shared_out);
-    if (s->bf16) moe_shared_add_bf16(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
-    else moe_shared_add_f32(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
+    if (m->shared_gate_up != NULL) {
+        project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1);
+        mlp_rows(s, s->rows, s->normed, m->shared_gate_up, NULL, m->shared_down, NULL, s->shared_intermediate,
+                 s->shared_gate_up, s->shared_act, s->shared_out);
+        if (s->bf16) moe_shared_add_bf16(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
+        else moe_shared_add_f32(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
+    }
+    if (s->moe_seconds) {
+        s->moe_seconds[0] += routed - started;
+        s->moe_seconds[1] += seconds_now() - routed;
+    }
 }
 
 static void attend(const decode_step* s, const decode_layer* w) {

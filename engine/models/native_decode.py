@@ -53,6 +53,7 @@ class _Step(ctypes.Structure):
         *[(name, ctypes.c_int64) for name in ("experts", "top_k", "expert_intermediate",
                                                "shared_intermediate", "normalize_top_k", "round_weights")],
         *[(name, _P) for name in _MOE_BUFFERS],
+        ("moe_seconds", _P),
     ]
 
 
@@ -72,6 +73,9 @@ class NativeDecode:
         # sparse layers' tables are kept here).
         self._moe_tables: list[ctypes.Structure | ctypes.Array] = []
         self.sparse = None  # a sparse layer's block, for the step's MoE shapes (None: all dense)
+        # float64 [2]: where set, each step adds its sparse layers' routing and expert seconds to it
+        # (benchmarks/moe_profile.py).
+        self.moe_seconds: torch.Tensor | None = None
         for entry, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -181,6 +185,9 @@ class NativeDecode:
                    "act": buffer(rows, config.intermediate_size)}
         if self.sparse is not None:
             buffers.update(self._moe_buffers(step, rows))
+            if self.moe_seconds is not None:
+                assert self.moe_seconds.dtype == torch.float64 and self.moe_seconds.shape == (2,)
+                step.moe_seconds = self.moe_seconds.data_ptr()
         for name, tensor in buffers.items():
             setattr(step, name, tensor.data_ptr())
         for entry, cache in zip(self.layers, kv_caches, strict=True):

@@ -784,7 +784,8 @@ def test_kernels_can_be_turned_off_and_the_engine_then_runs_pytorch(monkeypatch,
 
 @LAYER_DTYPES
 @pytest.mark.parametrize("normalize", [True, False])
-def test_moe_route_is_softmax_then_top_k_then_renormalisation(kernels: CpuKernels, dtype, normalize: bool) -> None:
+def test_moe_route_is_softmax_then_top_k_then_renormalisation(kernels: CpuKernels, dtype,
+                                                              normalize: bool) -> None:
     generator = torch.Generator().manual_seed(11)
     # distinct in every row (eighths, exact in bf16): no ties, whose order torch.topk leaves open
     logits = torch.stack([torch.randperm(60, generator=generator) - 30 for _ in range(37)]).div(8).to(dtype)
