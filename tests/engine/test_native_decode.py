@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 from transformers import MistralConfig
 
 from engine import LLM, SamplingParams, cpu_kernels
@@ -49,9 +50,9 @@ def native_runs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
 
 
 # (arch, preset): the MoE families where their widths fit the bf16 row kernel (multiples of 32) at the
-# smallest size: tiny Mixtral and Qwen2-MoE (its shared expert), small Qwen3-MoE (q/k norms, a dense
-# layer among sparse ones); dense Qwen3 for the q/k norms alone.
-MODELS = [("llama", "small"), ("qwen2", "small"), ("qwen3", "small"), ("qwen3_moe", "small"),
+# smallest size: tiny Mixtral and Qwen2-MoE (its shared expert), small Qwen3-MoE (q/k norms, as dense
+# Qwen3 has them, and a dense layer among sparse ones).
+MODELS = [("llama", "small"), ("qwen2", "small"), ("qwen3_moe", "small"),
           ("mixtral", "tiny"), ("qwen2_moe", "tiny")]
 
 
@@ -85,6 +86,30 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
         assert counts["with_groups"] > 0  # the rows under the instruction decoded as a group
 
 
+def test_moe_native_decode_on_the_dot_product_build_gives_the_python_paths_bits(
+        checkpoint_factory, monkeypatch, tmp_path) -> None:
+    """The kernels built without AMX (what AMD Zen 4/5 run: bf16 on AVX512-BF16's dot product): the
+    sparse layers' experts, router and shared expert take that build's row kernel in both paths."""
+    flags = [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+    built = cpu_kernels.build_and_open(cpu_kernels._compiler(), tmp_path / "kernels", flags)
+    assert built is not None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: built)
+    model_dir = str(checkpoint_factory(arch="qwen2_moe", preset="tiny"))
+    native = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=256)
+    if torch.bfloat16 not in built.row_gemm_dtypes:  # an AVX2-only CPU: no bf16 row kernel at all
+        assert native.engine.model.native_decode is None
+        return
+    assert built.row_gemm_bf16_kind == "avx512_bf16" and native.engine.model.native_decode is not None
+    python = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=256)
+    python.engine.model.native_decode = None
+    counts = native_runs(native, monkeypatch)
+    prompts = prompts_with_a_shared_instruction(vocab=native.engine.model.config.vocab_size)[-8:]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert counts["steps"] >= 10
+
+
 def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_path) -> None:
     """A sliding window is not in the native driver."""
     window = MistralConfig(**SMALL, sliding_window=8, architectures=["MistralForCausalLM"])
@@ -93,6 +118,15 @@ def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_pat
         model = load_model(model_dir, TorchPagedAttention(kernels=kernels))
         model.use_cpu_kernels(kernels)
         assert model.native_decode is None
+
+
+def test_dense_qwen3s_q_k_norms_take_the_native_path(checkpoint_factory) -> None:
+    """Its per-head q/k norms run in decode_layers.c (the bits: the Qwen3-MoE case above)."""
+    kernels = cpu_kernels.load()
+    model = load_model(checkpoint_factory(arch="qwen3"), TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    fits = kernels is not None and torch.float32 in kernels.row_gemm_dtypes
+    assert (model.native_decode is not None) == fits
 
 
 def test_turning_the_kernels_off_turns_the_native_path_off(tiny_checkpoint) -> None:
