@@ -73,12 +73,13 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
     counts = native_runs(native, monkeypatch)
     config = native.engine.model.config
     prompts = prompts_with_a_shared_instruction(vocab=config.vocab_size)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    tokens = 24 if preset == "small" and arch in ("llama", "qwen2") else 12  # the MoE cases: the suite's time
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=3)
     ours, theirs = native.generate(prompts, params), python.generate(prompts, params)
     for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # every logprob to the last bit
-    assert counts["steps"] >= 20
+    assert counts["steps"] >= tokens - 4
     torch_dtype = native.engine.dtype_choice.torch_dtype
     groups_here = (kernels.supports_prefix_attention(torch_dtype, config.head_dim, 16)
                    or kernels.supports_causal_attention(torch_dtype, config.head_dim))
