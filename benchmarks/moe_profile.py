@@ -4,6 +4,8 @@ Times pure decode steps of an engine already holding running requests, with wall
 around each sparse block's router (gate projection, softmax, top-k, renormalisation) and its grouped
 experts (sorting the (row, slot) pairs by expert, each expert's matmuls, the weighted combine), and
 around the whole step. The timers add two clock reads per block call, well under 1% of a step.
+Steps on the native decode path (engine/models/native_decode.py: every layer in one C call) are
+timed by that path's own clocks around the same parts (decode_layers.c's moe_seconds).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from engine.models.moe import SparseMoeBlock
 
@@ -57,6 +61,9 @@ def profile_decode_steps(engine: Any, steps: int) -> MoeStepShares:
     if not blocks:
         raise ValueError("the engine's model has no mixture-of-experts layers")
     totals = {"route": 0.0, "experts": 0.0}
+    native = engine.model.native_decode
+    if native is not None:
+        native.moe_seconds = torch.zeros(2, dtype=torch.float64)
     timed_steps, step_time, rows = 0, 0.0, 0
     while engine.has_unfinished_requests() and timed_steps < steps:
         scheduler = engine.scheduler
@@ -75,6 +82,10 @@ def profile_decode_steps(engine: Any, steps: int) -> MoeStepShares:
             for block in blocks:
                 del block.route, block.grouped_experts
         timed_steps += 1
+    if native is not None:
+        totals["route"] += float(native.moe_seconds[0])
+        totals["experts"] += float(native.moe_seconds[1])
+        native.moe_seconds = None
     if not timed_steps:
         raise ValueError("no pure decode step ran: give the engine requests with more output tokens")
     return MoeStepShares(timed_steps, rows, step_time / timed_steps, totals["route"] / timed_steps,

@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
-                        "kv_store.c", "row_gemm.c", "decode_layers.c")]
+                        "kv_store.c", "row_gemm.c", "moe_ops.c", "decode_layers.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 16
+ABI_VERSION = 17
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -68,6 +68,16 @@ class CpuKernels:
                                               [_POINTER] * 2 + [_INT] * 2)
                               for dtype, suffix in suffixes.items()}
         self._store_kv = _declare(library.store_kv, [_POINTER] * 5 + [_INT] * 4)
+        # The sparse MoE block's element ops (moe_ops.c), shared by its Python path and decode_layers.c.
+        self._moe_route = {dtype: _declare(getattr(library, f"moe_route_{suffix}"), [_POINTER] + [_INT] * 5
+                                           + [_POINTER] * 2)
+                           for dtype, suffix in suffixes.items()}
+        self._moe_combine = {dtype: _declare(getattr(library, f"moe_combine_{suffix}"),
+                                             [_POINTER] * 4 + [_INT] * 3)
+                             for dtype, suffix in suffixes.items()}
+        self._moe_shared_add = {dtype: _declare(getattr(library, f"moe_shared_add_{suffix}"),
+                                                [_POINTER] * 3 + [_INT] * 2)
+                                for dtype, suffix in suffixes.items()}
         # bf16 shared-prefix attention: built only for CPUs with AMX or AVX512-BF16, usable once Linux
         # grants AMX's tile state (where the build uses AMX).
         self._prefix = None
@@ -408,6 +418,50 @@ class CpuKernels:
         out = torch.empty(rows, width, dtype=gate_up.dtype)
         self._silu_and_mul[gate_up.dtype](gate_up.data_ptr(), out.data_ptr(), rows, width,
                                           torch.get_num_threads())
+        return out
+
+
+    # ---- the sparse MoE block's element ops (engine/cpu_kernels/moe_ops.c) ----------------------------
+
+    def moe_route(self, logits: torch.Tensor, top_k: int,
+                  normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [rows, k] int64, weights [rows, k] fp32) of router ``logits [rows, experts]`` (bf16
+        or fp32): softmax in fp32, the top k in descending order (the lower expert first among equal
+        probabilities), renormalised to sum to 1 where ``normalize``."""
+        rows, experts = logits.shape
+        _require(logits.dtype in LAYER_OP_DTYPES and logits.device.type == "cpu" and 0 < top_k <= experts,
+                 "moe_route")
+        logits = logits.contiguous()
+        chosen = torch.empty(rows, top_k, dtype=torch.int64)
+        weights = torch.empty(rows, top_k, dtype=torch.float32)
+        self._moe_route[logits.dtype](logits.data_ptr(), rows, experts, top_k, int(normalize), 0,
+                                      chosen.data_ptr(), weights.data_ptr(), torch.get_num_threads())
+        return chosen, weights
+
+    def moe_combine(self, pair_out: torch.Tensor, position: torch.Tensor,
+                    weights: torch.Tensor) -> torch.Tensor:
+        """``out[t] = sum_s round(pair_out[position[t, s]] * weights[t, s])`` (slot order, an fp32 sum
+        rounded once to pair_out's dtype): ``position``/``weights`` [rows, k], int64 / fp32."""
+        rows, top_k = position.shape
+        hidden = pair_out.shape[-1]
+        _require(pair_out.dtype in LAYER_OP_DTYPES and pair_out.dim() == 2 and position.dtype == torch.int64
+                 and weights.dtype == torch.float32 and weights.shape == position.shape
+                 and bool(((position >= 0) & (position < pair_out.shape[0])).all()), "moe_combine")
+        pair_out, position, weights = pair_out.contiguous(), position.contiguous(), weights.contiguous()
+        out = torch.empty(rows, hidden, dtype=pair_out.dtype)
+        self._moe_combine[pair_out.dtype](pair_out.data_ptr(), position.data_ptr(), weights.data_ptr(),
+                                          out.data_ptr(), rows, top_k, hidden, torch.get_num_threads())
+        return out
+
+    def moe_shared_add_(self, out: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """``out += sigmoid(gate) * shared`` in place (out, shared [rows, hidden]; gate [rows, 1]; one
+        dtype), rounding after each op as that tensor expression does."""
+        _require(out.dtype == gate.dtype == shared.dtype and out.dtype in LAYER_OP_DTYPES
+                 and out.is_contiguous() and out.dim() == 2 and shared.shape == out.shape
+                 and gate.shape == (out.shape[0], 1), "moe_shared_add_")
+        gate, shared = gate.contiguous(), shared.contiguous()
+        self._moe_shared_add[out.dtype](out.data_ptr(), gate.data_ptr(), shared.data_ptr(), out.shape[0],
+                                        out.shape[1], torch.get_num_threads())
         return out
 
 

@@ -8,14 +8,19 @@
  * from C, so the results are the bits the Python path gives; the Python side checks everything
  * once per step (engine/models/native_decode.py).
  *
- * Per layer (Llama family, no q/k norm, no sliding window): residual += hidden and norm; QKV
- * projection; rotary on q and k; K/V into the paged cache; q made contiguous; each decode group's
+ * Per layer (Llama family, no sliding window): residual += hidden and norm; QKV projection; each
+ * head's q/k norm where the model has them (Qwen3); rotary on q and k; K/V into the paged cache; q made contiguous; each decode group's
  * shared prefix through the prefix kernel, then every row's own part through the decode kernel
  * (continuing the prefix's softmax); the output projection; residual add and norm; gate/up, SiLU x
- * up, down. The projections are the row kernel's (row_gemm.c).
+ * up, down. A sparse MoE layer's MLP instead: the router's logits, routing (moe_ops.c), the step's
+ * (row, slot) pairs sorted by expert (stably: each expert's in row order, as the Python path's
+ * argsort) and each expert's rows through gate/up, SiLU x up, down as one batch (its weights stream
+ * once per step), the weighted sum of each row's k outputs in slot order, and Qwen2-MoE's shared
+ * expert with its sigmoid gate. The projections are the row kernel's (row_gemm.c).
  */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "simd.h"
 
@@ -24,6 +29,14 @@ void add_rms_norm_bf16(const uint16_t*, uint16_t*, const uint16_t*, uint16_t*, i
 void add_rms_norm_f32(const float*, float*, const float*, float*, int64_t, int64_t, float, int);
 void rope_bf16(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int);
 void rope_f32(float*, const float*, const float*, int64_t, int64_t, int64_t, int64_t, int);
+void heads_rms_norm_bf16(uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, float, int);
+void heads_rms_norm_f32(float*, const float*, int64_t, int64_t, int64_t, int64_t, float, int);
+void moe_route_bf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t*, float*, int);
+void moe_route_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t*, float*, int);
+void moe_combine_bf16(const uint16_t*, const int64_t*, const float*, uint16_t*, int64_t, int64_t, int64_t, int);
+void moe_combine_f32(const float*, const int64_t*, const float*, float*, int64_t, int64_t, int64_t, int);
+void moe_shared_add_bf16(uint16_t*, const uint16_t*, const uint16_t*, int64_t, int64_t, int);
+void moe_shared_add_f32(float*, const float*, const float*, int64_t, int64_t, int);
 void silu_and_mul_bf16(const uint16_t*, uint16_t*, int64_t, int64_t, int);
 void silu_and_mul_f32(const float*, float*, int64_t, int64_t, int);
 void store_kv(const char*, const char*, char*, char*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int);
@@ -45,8 +58,20 @@ __attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t
                                                  int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, float, uint16_t*,
                                                  uint16_t*, float*, int);
 
+/* A sparse layer's MLP: the row kernel's packed router [experts, hidden], each expert's packed
+ * gate_up and down, and (NULL: none) the shared expert's and its gate's [1, hidden]. No biases. */
+typedef struct {
+    const void* router;
+    const void* const* gate_up;  /* [experts] */
+    const void* const* down;     /* [experts] */
+    const void* shared_gate_up;
+    const void* shared_down;
+    const void* shared_gate;
+} decode_moe;
+
 /* One layer's weights: norm weights, the row kernel's packed projections and their biases (NULL:
- * none), and the layer's K and V caches ([blocks, kv_heads, block_size, head_dim] each). */
+ * none), and the layer's K and V caches ([blocks, kv_heads, block_size, head_dim] each); q/k norm
+ * weights [head_dim] (NULL: none) and the sparse MLP (NULL: a dense layer, gate_up and down). */
 typedef struct {
     const void* input_norm;
     const void* post_norm;
@@ -60,6 +85,9 @@ typedef struct {
     const void* down_bias;
     void* k_cache;
     void* v_cache;
+    const void* q_norm;
+    const void* k_norm;
+    const decode_moe* moe;
 } decode_layer;
 
 /* The step: shapes, the rows' rotary, cache slots and attention plan, and the buffers. */
@@ -98,6 +126,26 @@ typedef struct {
     void* gate_up_out;   /* [rows, 2 intermediate] */
     void* act;           /* [rows, intermediate] */
     int64_t threads;
+    /* Sparse layers (unused without): experts, top k, each expert's and the shared expert's width
+     * (0: none), whether the top k weights are renormalised, and whether they are rounded to bf16
+     * before they scale the experts' outputs (Qwen in bf16; Mixtral multiplies in fp32). */
+    int64_t experts, top_k, expert_intermediate, shared_intermediate, normalize_top_k, round_weights;
+    void* router_logits;       /* [rows, experts] */
+    int64_t* pair_expert;      /* [rows * top_k]: the expert of each (row, slot) pair */
+    float* pair_weight;        /* [rows * top_k] */
+    int64_t* pair_position;    /* [rows * top_k]: where each pair lies in the pairs sorted by expert */
+    void* pair_in;             /* [rows * top_k, hidden]: the pairs' rows, sorted by expert */
+    void* pair_gate_up;        /* [rows * top_k, 2 expert_intermediate] */
+    void* pair_act;            /* [rows * top_k, expert_intermediate] */
+    void* pair_out;            /* [rows * top_k, hidden] */
+    void* shared_gate_out;     /* [rows, 1] */
+    void* shared_gate_up;      /* [rows, 2 shared_intermediate] */
+    void* shared_act;          /* [rows, shared_intermediate] */
+    void* shared_out;          /* [rows, hidden] */
+    /* NULL, or seconds added up over the step's sparse layers (benchmarks/moe_profile.py): [0] routing
+     * (router projection, softmax and top-k, sorting the pairs by expert), [1] the experts' compute
+     * (their MLPs, the weighted sum, the shared expert). */
+    double* moe_seconds;
 } decode_step;
 
 static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
@@ -106,11 +154,82 @@ static void norm(const decode_step* s, const void* x, void* residual, const void
     else add_rms_norm_f32(x, residual, weight, out, s->rows, s->hidden_size, s->eps, nt);
 }
 
+/* out[rows, width] = x[rows, in] W^T (+ bias) through the row kernel. */
+static void project_rows(const decode_step* s, int64_t rows, const void* x, int64_t in, const void* packed,
+                         const void* bias, void* out, int64_t width) {
+    const int nt = (int)s->threads;
+    if (s->bf16) row_gemm_bf16(x, in, packed, bias, out, width, rows, width, in, nt);
+    else row_gemm_f32(x, in, packed, bias, out, width, rows, width, in, nt);
+}
+
 static void project(const decode_step* s, const void* x, int64_t in, const void* packed, const void* bias,
                     void* out, int64_t width) {
+    project_rows(s, s->rows, x, in, packed, bias, out, width);
+}
+
+/* silu(gate) * up -> down of `rows` rows: the MLP of a dense layer, an expert or the shared expert. */
+static void mlp_rows(const decode_step* s, int64_t rows, const void* x, const void* gate_up, const void* gate_up_bias,
+                     const void* down, const void* down_bias, int64_t width, void* gate_up_out, void* act,
+                     void* out) {
     const int nt = (int)s->threads;
-    if (s->bf16) row_gemm_bf16(x, in, packed, bias, out, width, s->rows, width, in, nt);
-    else row_gemm_f32(x, in, packed, bias, out, width, s->rows, width, in, nt);
+    project_rows(s, rows, x, s->hidden_size, gate_up, gate_up_bias, gate_up_out, 2 * width);
+    if (s->bf16) silu_and_mul_bf16(gate_up_out, act, rows, width, nt);
+    else silu_and_mul_f32(gate_up_out, act, rows, width, nt);
+    project_rows(s, rows, act, width, down, down_bias, out, s->hidden_size);
+}
+
+static double seconds_now(void) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* A sparse layer's MLP of s->normed into s->hidden (see the top of the file). */
+static void sparse_mlp(const decode_step* s, const decode_moe* m) {
+    const double started = s->moe_seconds ? seconds_now() : 0.0;
+    const int nt = (int)s->threads;
+    const int64_t E = s->experts, k = s->top_k, pairs = s->rows * k, H = s->hidden_size;
+    const int64_t I = s->expert_intermediate, size = s->bf16 ? 2 : 4;
+    project(s, s->normed, H, m->router, NULL, s->router_logits, E);
+    if (s->bf16)
+        moe_route_bf16(s->router_logits, s->rows, E, k, s->normalize_top_k, s->round_weights, s->pair_expert,
+                       s->pair_weight, nt);
+    else
+        moe_route_f32(s->router_logits, s->rows, E, k, s->normalize_top_k, s->round_weights, s->pair_expert,
+                      s->pair_weight, nt);
+    /* a counting sort of the pairs by expert, stable: each expert's pairs in row order */
+    int64_t start[E + 1];
+    memset(start, 0, sizeof start);
+    for (int64_t p = 0; p < pairs; p++) start[s->pair_expert[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t next[E];
+    memcpy(next, start, sizeof next);
+    for (int64_t p = 0; p < pairs; p++) {
+        const int64_t at = next[s->pair_expert[p]]++;
+        s->pair_position[p] = at;
+        memcpy((char*)s->pair_in + at * H * size, (const char*)s->normed + p / k * H * size, (size_t)(H * size));
+    }
+    const double routed = s->moe_seconds ? seconds_now() : 0.0;
+    for (int64_t e = 0; e < E; e++) {
+        const int64_t rows = start[e + 1] - start[e], at = start[e];
+        if (rows == 0) continue;
+        mlp_rows(s, rows, (const char*)s->pair_in + at * H * size, m->gate_up[e], NULL, m->down[e], NULL, I,
+                 (char*)s->pair_gate_up + at * 2 * I * size, (char*)s->pair_act + at * I * size,
+                 (char*)s->pair_out + at * H * size);
+    }
+    if (s->bf16) moe_combine_bf16(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
+    else moe_combine_f32(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
+    if (m->shared_gate_up != NULL) {
+        project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1);
+        mlp_rows(s, s->rows, s->normed, m->shared_gate_up, NULL, m->shared_down, NULL, s->shared_intermediate,
+                 s->shared_gate_up, s->shared_act, s->shared_out);
+        if (s->bf16) moe_shared_add_bf16(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
+        else moe_shared_add_f32(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
+    }
+    if (s->moe_seconds) {
+        s->moe_seconds[0] += routed - started;
+        s->moe_seconds[1] += seconds_now() - routed;
+    }
 }
 
 static void attend(const decode_step* s, const decode_layer* w) {
@@ -171,6 +290,17 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
         if (l == 0) norm(s, s->residual, NULL, w->input_norm, s->normed);
         else norm(s, s->hidden, s->residual, w->input_norm, s->normed);
         project(s, s->normed, s->hidden_size, w->qkv, w->qkv_bias, qkv, width);
+        if (w->q_norm) {  /* per head, before rotary (Qwen3) */
+            if (s->bf16) {
+                heads_rms_norm_bf16((uint16_t*)qkv, w->q_norm, s->rows, s->heads, width, D, s->eps, nt);
+                heads_rms_norm_bf16((uint16_t*)(qkv + q_size * size), w->k_norm, s->rows, s->kv_heads, width, D,
+                                    s->eps, nt);
+            } else {
+                heads_rms_norm_f32((float*)qkv, w->q_norm, s->rows, s->heads, width, D, s->eps, nt);
+                heads_rms_norm_f32((float*)(qkv + q_size * size), w->k_norm, s->rows, s->kv_heads, width, D,
+                                   s->eps, nt);
+            }
+        }
         if (s->bf16) {
             rope_bf16((uint16_t*)qkv, s->cos, s->sin, s->rows, s->heads, width, D, nt);
             rope_bf16((uint16_t*)(qkv + q_size * size), s->cos, s->sin, s->rows, s->kv_heads, width, D, nt);
@@ -185,9 +315,8 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
         attend(s, w);
         project(s, s->attn, q_size, w->o, w->o_bias, s->hidden, s->hidden_size);
         norm(s, s->hidden, s->residual, w->post_norm, s->normed);
-        project(s, s->normed, s->hidden_size, w->gate_up, w->gate_up_bias, s->gate_up_out, 2 * s->intermediate);
-        if (s->bf16) silu_and_mul_bf16(s->gate_up_out, s->act, s->rows, s->intermediate, nt);
-        else silu_and_mul_f32(s->gate_up_out, s->act, s->rows, s->intermediate, nt);
-        project(s, s->act, s->intermediate, w->down, w->down_bias, s->hidden, s->hidden_size);
+        if (w->moe) sparse_mlp(s, w->moe);
+        else mlp_rows(s, s->rows, s->normed, w->gate_up, w->gate_up_bias, w->down, w->down_bias, s->intermediate,
+                      s->gate_up_out, s->act, s->hidden);
     }
 }

@@ -11,60 +11,46 @@
  */
 #include "simd.h"
 
-/* VL values (bf16 or fp32) from base[index...], or the first n of them (the rest zero) at a row's end. */
-static inline __attribute__((always_inline)) vf load_n(const void* base, int64_t index, int64_t n, int bf16) {
-    if (n >= VL) return load_vec(base, index, bf16);
-    if (bf16) {
-        uint16_t padded[VL] = {0};
-        memcpy(padded, (const uint16_t*)base + index, (size_t)n * sizeof *padded);
-        return load_bf16(padded);
-    }
-    float padded[VL] = {0};
-    memcpy(padded, (const float*)base + index, (size_t)n * sizeof *padded);
-    return load_f32(padded);
-}
-
-static inline __attribute__((always_inline)) void store_n(void* base, int64_t index, vf v, int64_t n, int bf16) {
-    if (bf16) {
-        uint16_t* p = (uint16_t*)base + index;
-        if (n >= VL) { store_bf16(p, v); return; }
-        uint16_t padded[VL];
-        store_bf16(padded, v);
-        memcpy(p, padded, (size_t)n * sizeof *padded);
-        return;
-    }
-    float* p = (float*)base + index;
-    if (n >= VL) { store_f32(p, v); return; }
-    memcpy(p, &v, (size_t)n * sizeof *p);
-}
-
-/* What a tensor op of this dtype rounds its result to: bf16's nearest value, or fp32 itself. */
-static inline __attribute__((always_inline)) vf rounded(vf v, int bf16) { return bf16 ? round_bf16(v) : v; }
-
 /* residual += x (when residual is given), then out = weight * normalize(residual): transformers'
  * `hidden + residual`, then LlamaRMSNorm (normalize in fp32, round to the dtype, scale). */
+/* One vector of `hidden` values at x[at...]: residual[at...] += x (when residual is given), then
+ * out[at...] = weight * normalize(residual): transformers' `hidden + residual`, then LlamaRMSNorm
+ * (normalize in fp32, round to the dtype, scale). out may be x (in place). */
+static inline __attribute__((always_inline)) void rms_norm_vector(
+        const void* x, void* residual, const void* weight, void* out, int64_t at, int64_t hidden, float eps,
+        int bf16) {
+    vf squares = splat(0.0f);
+    for (int64_t i = 0; i < hidden; i += VL) {
+        vf value = load_n(x, at + i, hidden - i, bf16);
+        if (residual) {
+            value = rounded(value + load_n(residual, at + i, hidden - i, bf16), bf16);
+            store_n(residual, at + i, value, hidden - i, bf16);
+        }
+        squares += value * value;
+    }
+    const void* src = residual ? residual : x;
+    const float inverse = 1.0f / sqrtf(hsum(squares) / (float)hidden + eps);
+    for (int64_t i = 0; i < hidden; i += VL) {
+        const vf normalized = rounded(load_n(src, at + i, hidden - i, bf16) * inverse, bf16);
+        store_n(out, at + i, normalized * load_n(weight, i, hidden - i, bf16), hidden - i, bf16);
+    }
+}
+
 static inline __attribute__((always_inline)) void add_rms_norm(
         const void* x, void* residual, const void* weight, void* out, int64_t rows, int64_t hidden,
         float eps, int num_threads, int bf16) {
     #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t row = r * hidden;
-        vf squares = splat(0.0f);
-        for (int64_t i = 0; i < hidden; i += VL) {
-            vf value = load_n(x, row + i, hidden - i, bf16);
-            if (residual) {
-                value = rounded(value + load_n(residual, row + i, hidden - i, bf16), bf16);
-                store_n(residual, row + i, value, hidden - i, bf16);
-            }
-            squares += value * value;
-        }
-        const void* src = residual ? residual : x;
-        const float inverse = 1.0f / sqrtf(hsum(squares) / (float)hidden + eps);
-        for (int64_t i = 0; i < hidden; i += VL) {
-            const vf normalized = rounded(load_n(src, row + i, hidden - i, bf16) * inverse, bf16);
-            store_n(out, row + i, normalized * load_n(weight, i, hidden - i, bf16), hidden - i, bf16);
-        }
-    }
+    for (int64_t r = 0; r < rows; r++) rms_norm_vector(x, residual, weight, out, r * hidden, hidden, eps, bf16);
+}
+
+/* Qwen3's q/k norm: each head of each token normalised on its own, in place, in the rows of a fused
+ * QKV output (row_stride apart): the bits RMSNorm over [tokens, heads, dim] gives. */
+static inline __attribute__((always_inline)) void heads_rms_norm(
+        void* x, const void* weight, int64_t tokens, int64_t heads, int64_t row_stride, int64_t dim, float eps,
+        int num_threads, int bf16) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t i = 0; i < tokens * heads; i++)
+        rms_norm_vector(x, NULL, weight, x, i / heads * row_stride + i % heads * dim, dim, eps, bf16);
 }
 
 /* x[t, h, :] = x * cos + rotate_half(x) * sin for every head, in place, rounding after every
@@ -125,6 +111,14 @@ void add_rms_norm_bf16(const uint16_t* x, uint16_t* residual, const uint16_t* we
 void add_rms_norm_f32(const float* x, float* residual, const float* weight, float* out,
                       int64_t rows, int64_t hidden, float eps, int num_threads) {
     add_rms_norm(x, residual, weight, out, rows, hidden, eps, num_threads, 0);
+}
+void heads_rms_norm_bf16(uint16_t* x, const uint16_t* weight, int64_t tokens, int64_t heads, int64_t row_stride,
+                         int64_t dim, float eps, int num_threads) {
+    heads_rms_norm(x, weight, tokens, heads, row_stride, dim, eps, num_threads, 1);
+}
+void heads_rms_norm_f32(float* x, const float* weight, int64_t tokens, int64_t heads, int64_t row_stride,
+                        int64_t dim, float eps, int num_threads) {
+    heads_rms_norm(x, weight, tokens, heads, row_stride, dim, eps, num_threads, 0);
 }
 void rope_bf16(uint16_t* x, const uint16_t* cos, const uint16_t* sin, int64_t tokens, int64_t heads,
                int64_t row_stride, int64_t dim, int num_threads) {

@@ -189,6 +189,36 @@ static inline vf round_bf16(vf v) {
 #endif
 static inline void store_f32(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
+/* VL values (bf16 or fp32) from base[index...], or the first n of them (the rest zero) at a row's end. */
+static inline __attribute__((always_inline)) vf load_n(const void* base, int64_t index, int64_t n, int bf16) {
+    if (n >= VL) return load_vec(base, index, bf16);
+    if (bf16) {
+        uint16_t padded[VL] = {0};
+        memcpy(padded, (const uint16_t*)base + index, (size_t)n * sizeof *padded);
+        return load_bf16(padded);
+    }
+    float padded[VL] = {0};
+    memcpy(padded, (const float*)base + index, (size_t)n * sizeof *padded);
+    return load_f32(padded);
+}
+
+static inline __attribute__((always_inline)) void store_n(void* base, int64_t index, vf v, int64_t n, int bf16) {
+    if (bf16) {
+        uint16_t* p = (uint16_t*)base + index;
+        if (n >= VL) { store_bf16(p, v); return; }
+        uint16_t padded[VL];
+        store_bf16(padded, v);
+        memcpy(p, padded, (size_t)n * sizeof *padded);
+        return;
+    }
+    float* p = (float*)base + index;
+    if (n >= VL) { store_f32(p, v); return; }
+    memcpy(p, &v, (size_t)n * sizeof *p);
+}
+
+/* What a tensor op of this dtype rounds its result to: bf16's nearest value, or fp32 itself. */
+static inline __attribute__((always_inline)) vf rounded(vf v, int bf16) { return bf16 ? round_bf16(v) : v; }
+
 /* A per-thread scratch buffer of at least `bytes`, 64-byte aligned, grown (doubling) as inputs grow
  * and never freed: the kernels' threads are OpenMP's, kept for the life of the process. `buffer`
  * and `capacity` are the caller's own __thread variables. */

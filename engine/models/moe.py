@@ -23,13 +23,16 @@ tensors through ``torch._grouped_mm`` (moe_fixed_shape.py), whose shapes do not 
 Routing follows transformers bit for bit in the ops that decide it: router logits in the model's
 dtype, softmax in fp32, top-k, the checkpoint's renormalisation (Qwen ``norm_topk_prob``; Mixtral
 always), and each pair's weighted output rounded to the model dtype where transformers rounds it.
+On CPU with the native kernels, the softmax, top-k (the lower expert first among ties) and the shared
+expert's sigmoid gate run on moe_ops.c, the kernels the native decode path (decode_layers.c) uses, so
+both paths give the same bits; torch's own differ from them in the last bits of an exp.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -47,6 +50,9 @@ from engine.models.llama import (
 from engine.models.moe_fixed_shape import fixed_shape_expert_outputs, grouped_mm_fits, grouped_mm_records
 from engine.parallel.plan import Split
 from engine.parallel.plans import moe_plan
+
+if TYPE_CHECKING:
+    from engine.cpu_kernels import CpuKernels
 
 # Where each family keeps its sparse block's tensors, and its experts' (gate, up, down) names.
 _QWEN_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
@@ -119,6 +125,8 @@ class MoeConfig(LlamaFamilyConfig):
 class SparseMoeBlock(nn.Module):
     """Router + top-k experts (+ shared expert) over a flat batch of rows."""
 
+    kernels: CpuKernels | None = None  # set by MoeForCausalLM.use_cpu_kernels
+
     def __init__(self, config: MoeConfig, step_rows: StepRows, step_shape: StepShape | None = None) -> None:
         super().__init__()
         self.num_experts = config.num_experts
@@ -170,11 +178,27 @@ class SparseMoeBlock(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(experts [T, k], weights [T, k]) per row, as transformers computes them."""
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
+        logits = self.gate(x)
+        if self.kernels is not None and self.kernels.layer_ops_apply(logits):
+            # On CPU the kernel the native decode path routes with (moe_ops.c), so both give the same
+            # bits: torch's softmax exp and its top-k's order among ties cannot be matched from C.
+            experts, weights = self.kernels.moe_route(logits, self.top_k, self.norm_topk_prob)
+        else:
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.norm_topk_prob:
+                weights /= weights.sum(dim=-1, keepdim=True)
         return experts, weights if self.routing_weights_in_fp32 else weights.to(x.dtype)
+
+    def add_shared_expert(self, out: torch.Tensor, x: torch.Tensor) -> None:
+        """out += sigmoid(shared_expert_gate(x)) * shared_expert(x), in place (on CPU through the
+        kernel the native decode path uses: torch's sigmoid exp cannot be matched from C)."""
+        assert self.shared_expert is not None and self.shared_expert_gate is not None
+        gate, shared = self.shared_expert_gate(x), self.shared_expert(x)
+        if self.kernels is not None and self.kernels.layer_ops_apply(out) and out.is_contiguous():
+            self.kernels.moe_shared_add_(out, gate, shared)
+        else:
+            out += torch.sigmoid(gate) * shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
@@ -184,7 +208,7 @@ class SparseMoeBlock(nn.Module):
         else:
             out = self.grouped_experts(x, experts, weights)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
-            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            self.add_shared_expert(out, x)
         # The block's output is complete here (tensor parallel: the one place to all-reduce).
         return out
 
@@ -259,6 +283,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def use_cpu_kernels(self, kernels: Any) -> None:
         super().use_cpu_kernels(kernels)
         for block in self.sparse_blocks():
+            block.kernels = kernels
             for expert in block.experts:
                 for linear in (expert.gate_up_proj, expert.down_proj):
                     if linear.row_weight is not None:

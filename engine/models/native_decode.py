@@ -2,7 +2,7 @@
 
 A decode step drives a dozen kernels per layer; from Python that is 5-8 ms of interpreter and ctypes
 work per step on a 30-layer model, a fifth of a small batch's step. Where the model fits the native
-path (CPU, the Llama layout without q/k norms or sliding windows, every projection on the row
+path (CPU, the Llama layout without sliding windows, every projection on the row
 kernel, the native decode kernel, and the prefix kernel when the step has shared-prefix groups),
 the layers run from C with the same kernels in the same order, so the outputs are the bits the
 Python path gives (tested); everything else keeps the Python path.
@@ -20,14 +20,22 @@ from engine.attention import AttentionMetadata, TorchPagedAttention
 if TYPE_CHECKING:
     from engine.cpu_kernels import CpuKernels
     from engine.models.llama import LlamaForCausalLM
+    from engine.models.moe import SparseMoeBlock
 
 _P = ctypes.c_void_p
+_MOE_BUFFERS = ("router_logits", "pair_expert", "pair_weight", "pair_position", "pair_in", "pair_gate_up",
+                "pair_act", "pair_out", "shared_gate_out", "shared_gate_up", "shared_act", "shared_out")
+
+
+class _Moe(ctypes.Structure):
+    _fields_ = [(name, _P) for name in ("router", "gate_up", "down", "shared_gate_up", "shared_down",
+                                         "shared_gate")]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, _P) for name in (
+    _fields_ = [*[(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
-        "down_bias", "k_cache", "v_cache")]
+        "down_bias", "k_cache", "v_cache", "q_norm", "k_norm")], ("moe", ctypes.POINTER(_Moe))]
 
 
 class _Step(ctypes.Structure):
@@ -42,6 +50,10 @@ class _Step(ctypes.Structure):
         *[(name, _P) for name in ("residual", "hidden", "normed", "qkv_out", "q", "attn", "init_out",
                                   "init_lse", "lse", "gate_up_out", "act")],
         ("threads", ctypes.c_int64),
+        *[(name, ctypes.c_int64) for name in ("experts", "top_k", "expert_intermediate",
+                                               "shared_intermediate", "normalize_top_k", "round_weights")],
+        *[(name, _P) for name in _MOE_BUFFERS],
+        ("moe_seconds", _P),
     ]
 
 
@@ -57,21 +69,48 @@ class NativeDecode:
         config = model.config
         self.dtype = model.embed_tokens.weight.dtype
         self.layers = (_Layer * config.num_layers)()
-        # Keep what the table points to alive with the model (the packed weights already are).
+        # Keep what the table points to alive with the model (the packed weights already are; the
+        # sparse layers' tables are kept here).
+        self._moe_tables: list[ctypes.Structure | ctypes.Array] = []
+        self.sparse = None  # a sparse layer's block, for the step's MoE shapes (None: all dense)
+        # float64 [2]: where set, each step adds its sparse layers' routing and expert seconds to it
+        # (benchmarks/moe_profile.py).
+        self.moe_seconds: torch.Tensor | None = None
         for entry, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
-            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj),
-                                 ("down", mlp.down_proj)):
+            for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
                 setattr(entry, name, linear.row_weight.data_ptr())
                 setattr(entry, f"{name}_bias", _pointer(linear.bias))
+            if attn.q_norm is not None:
+                entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
+            if _is_sparse(mlp):
+                entry.moe = ctypes.pointer(self._moe_table(mlp))
+                self.sparse = mlp
+                continue
+            for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
+                setattr(entry, name, linear.row_weight.data_ptr())
+                setattr(entry, f"{name}_bias", _pointer(linear.bias))
+
+    def _moe_table(self, block: SparseMoeBlock) -> _Moe:
+        """decode_layers.c's table of a sparse block's packed weights."""
+        gate_up = (_P * len(block.experts))(*[e.gate_up_proj.row_weight.data_ptr() for e in block.experts])
+        down = (_P * len(block.experts))(*[e.down_proj.row_weight.data_ptr() for e in block.experts])
+        table = _Moe(router=block.gate.row_weight.data_ptr(), gate_up=ctypes.addressof(gate_up),
+                     down=ctypes.addressof(down))
+        if block.shared_expert is not None and block.shared_expert_gate is not None:
+            table.shared_gate_up = block.shared_expert.gate_up_proj.row_weight.data_ptr()
+            table.shared_down = block.shared_expert.down_proj.row_weight.data_ptr()
+            table.shared_gate = block.shared_expert_gate.row_weight.data_ptr()
+        self._moe_tables += [gate_up, down, table]
+        return table
 
     @staticmethod
     def for_model(model: LlamaForCausalLM, kernels: CpuKernels | None) -> NativeDecode | None:
         """The native path where this model fits it on this machine, else None."""
         config = model.config
-        if kernels is None or config.qk_norm or not model.fits_native_decode():
+        if kernels is None or not model.fits_native_decode():
             return None
         if getattr(model, "tensor_parallel_size", 1) > 1:
             # The layers run from C, which cannot all-reduce between them: a tensor-parallel rank
@@ -87,14 +126,16 @@ class NativeDecode:
             return None
         if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
             return None
-        from engine.models.llama import MLP
+        from engine.models.llama import MLP, RMSNorm
 
-        if not all(isinstance(layer.mlp, MLP) for layer in model.layers):
-            return None  # sparse MoE layers (router + experts) run on the Python path
         for layer in model.layers:
-            linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                       layer.mlp.down_proj)
-            if any(linear.row_weight is None for linear in linears) or layer.self_attn.backend is not backend:
+            attn, mlp = layer.self_attn, layer.mlp
+            if not (type(mlp) is MLP or _is_sparse(mlp)):
+                return None
+            if config.qk_norm and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm):
+                return None  # decode_layers.c applies the Llama RMSNorm per head (Qwen3's q/k norm)
+            linears = [attn.qkv_proj, attn.o_proj, *_mlp_linears(mlp)]
+            if any(linear.row_weight is None for linear in linears) or attn.backend is not backend:
                 return None
         return NativeDecode(model, kernels, backend)
 
@@ -142,6 +183,11 @@ class NativeDecode:
                    "attn": buffer(rows, q_size), "lse": buffer(rows, config.num_heads, dtype=torch.float32),
                    "gate_up_out": buffer(rows, 2 * config.intermediate_size),
                    "act": buffer(rows, config.intermediate_size)}
+        if self.sparse is not None:
+            buffers.update(self._moe_buffers(step, rows))
+            if self.moe_seconds is not None:
+                assert self.moe_seconds.dtype == torch.float64 and self.moe_seconds.shape == (2,)
+                step.moe_seconds = self.moe_seconds.data_ptr()
         for name, tensor in buffers.items():
             setattr(step, name, tensor.data_ptr())
         for entry, cache in zip(self.layers, kv_caches, strict=True):
@@ -149,6 +195,31 @@ class NativeDecode:
         self.kernels.decode_layers(self.layers, step)
         del keep
         return hidden, residual
+
+    def _moe_buffers(self, step: _Step, rows: int) -> dict[str, torch.Tensor]:
+        """Fill the step's sparse-layer shapes; returns its sparse-layer buffers by field name."""
+        block, config = self.sparse, self.model.config
+        assert block is not None
+        experts, top_k, hidden = block.num_experts, block.top_k, config.hidden_size
+        width = block.experts[0].intermediate_size
+        shared = block.shared_expert.intermediate_size if block.shared_expert is not None else 0
+        step.experts, step.top_k = experts, top_k
+        step.expert_intermediate, step.shared_intermediate = width, shared
+        step.normalize_top_k = int(block.norm_topk_prob)
+        # Qwen multiplies by weights rounded to the model dtype (a no-op in fp32); Mixtral by fp32 ones.
+        step.round_weights = int(self.dtype == torch.bfloat16 and not block.routing_weights_in_fp32)
+        pairs = rows * top_k
+
+        def buffer(*shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype or self.dtype)
+
+        return {"router_logits": buffer(rows, experts), "pair_expert": buffer(pairs, dtype=torch.int64),
+                "pair_weight": buffer(pairs, dtype=torch.float32),
+                "pair_position": buffer(pairs, dtype=torch.int64), "pair_in": buffer(pairs, hidden),
+                "pair_gate_up": buffer(pairs, 2 * width), "pair_act": buffer(pairs, width),
+                "pair_out": buffer(pairs, hidden), "shared_gate_out": buffer(rows, 1),
+                "shared_gate_up": buffer(rows, 2 * max(shared, 1)),
+                "shared_act": buffer(rows, max(shared, 1)), "shared_out": buffer(rows, hidden)}
 
     def _attends_groups(self, k_cache: torch.Tensor) -> bool:
         """Whether decode_layers.c can attend this step's shared-prefix groups: in bf16 with the
@@ -196,3 +267,20 @@ class NativeDecode:
             step.group_lse = group_lse.data_ptr()
             keep += [group_q, group_out, group_lse]
         return keep
+
+
+def _is_sparse(mlp: torch.nn.Module) -> bool:
+    from engine.models.moe import SparseMoeBlock
+
+    return type(mlp) is SparseMoeBlock
+
+
+def _mlp_linears(mlp: torch.nn.Module) -> list:
+    """Every projection a layer's MLP runs: a dense MLP's two, or a sparse block's router, experts and
+    shared expert (with its gate)."""
+    if not _is_sparse(mlp):
+        return [mlp.gate_up_proj, mlp.down_proj]
+    linears = [mlp.gate, *[p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)]]
+    if mlp.shared_expert is not None:
+        linears += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
+    return linears

@@ -799,3 +799,76 @@ def test_kernels_can_be_turned_off_and_the_engine_then_runs_pytorch(monkeypatch,
                            llm.engine.model)
     finally:
         cpu_kernels.load.cache_clear()
+
+
+# ---- the sparse MoE block's element ops (moe_ops.c) ------------------------------------------------
+
+
+@LAYER_DTYPES
+@pytest.mark.parametrize("normalize", [True, False])
+def test_moe_route_is_softmax_then_top_k_then_renormalisation(kernels: CpuKernels, dtype,
+                                                              normalize: bool) -> None:
+    generator = torch.Generator().manual_seed(11)
+    # distinct in every row (eighths, exact in bf16): no ties, whose order torch.topk leaves open
+    logits = torch.stack([torch.randperm(60, generator=generator) - 30 for _ in range(37)]).div(8).to(dtype)
+    experts, weights = kernels.moe_route(logits, 4, normalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    expected_weights, expected_experts = torch.topk(probs, 4, dim=-1)
+    if normalize:
+        expected_weights = expected_weights / expected_weights.sum(dim=-1, keepdim=True)
+    assert experts.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(experts, expected_experts)  # random logits: no ties
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-6, atol=1e-7)  # an exp's last bits
+
+
+def test_moe_route_picks_the_lower_expert_among_equal_probabilities(kernels: CpuKernels) -> None:
+    """torch.topk orders ties as its partial sort leaves them ([1, 3] here); the kernel, which both
+    MoE paths route with on CPU, always takes the lower expert first."""
+    logits = torch.tensor([[0.1, 0.3, 0.3, 0.3, 0.0, 0.0, 0.0, 0.0],
+                           [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+                           [0.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0]])
+    experts, weights = kernels.moe_route(logits, 2, True)
+    assert experts.tolist() == [[1, 2], [0, 1], [1, 5]]
+    assert weights[0, 0] == weights[0, 1] == 0.5 and weights[1].tolist() == [0.5, 0.5]
+
+
+@LAYER_DTYPES
+@pytest.mark.parametrize("fp32_weights", [True, False])
+def test_moe_combine_gives_the_bits_of_the_python_paths_weighted_sum(kernels: CpuKernels, dtype,
+                                                                     fp32_weights: bool) -> None:
+    """SparseMoeBlock.grouped_experts' weighting (Mixtral: an fp32 product rounded once; Qwen: weights
+    in the model dtype) and its sum over slots, which decode_layers.c must reproduce bit for bit."""
+    generator = torch.Generator().manual_seed(12)
+    rows, top_k, hidden = 29, 4, 200  # 200: a tail past whole vectors
+    outputs = (torch.randn(rows * top_k, hidden, generator=generator) * 5).to(dtype)
+    outputs[:8, :6] = -0.0  # a row whose every contribution is -0.0: the sum from +0 gives +0
+    order = torch.randperm(rows * top_k, generator=generator)  # outputs[i] is pair order[i]
+    weights = torch.rand(rows, top_k, generator=generator)
+    if not fp32_weights:
+        weights = weights.to(dtype)
+    pair_weights = weights.reshape(-1).index_select(0, order)[:, None]
+    if fp32_weights:
+        weighted = (outputs.float() * pair_weights).to(dtype)
+    else:
+        weighted = outputs.clone().mul_(pair_weights)
+    by_pair = torch.empty_like(weighted).index_copy_(0, order, weighted)
+    expected = by_pair.view(rows, top_k, hidden).sum(dim=1)
+    position = torch.empty_like(order).index_copy_(0, order, torch.arange(rows * top_k)).view(rows, top_k)
+    ours = kernels.moe_combine(outputs, position, weights.float())
+    assert torch.equal(ours.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                       expected.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@LAYER_DTYPES
+def test_moe_shared_add_is_the_sigmoid_gated_shared_expert(kernels: CpuKernels, dtype) -> None:
+    generator = torch.Generator().manual_seed(13)
+    out = torch.randn(21, 100, generator=generator).to(dtype)
+    gate = (torch.randn(21, 1, generator=generator) * 4).to(dtype)
+    shared = torch.randn(21, 100, generator=generator).to(dtype)
+    expected = out + torch.sigmoid(gate) * shared
+    ours = kernels.moe_shared_add_(out.clone(), gate, shared)
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-6)
+    else:  # one bf16 rounding apart where the sigmoids' last fp32 bits straddle a rounding boundary
+        torch.testing.assert_close(ours.float(), expected.float(), rtol=1e-2, atol=1e-2)
+        assert float((ours != expected).float().mean()) < 0.02

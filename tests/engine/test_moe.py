@@ -113,11 +113,15 @@ def test_routing_on_the_test_checkpoints_spreads_over_every_expert(checkpoint_fa
             assert float((weights[:, 0] > 0.95).float().mean()) < 0.2
 
 
-def test_moe_models_keep_the_python_decode_path(checkpoint_factory):
+def test_moe_models_decode_natively_on_cpu_and_capture_where_grouped_mm_allows(checkpoint_factory):
     llm = LLM(model=str(checkpoint_factory(arch="mixtral")), dtype="float32", num_kv_blocks=64)
-    assert llm.engine.model.native_decode is None  # routed experts have no native layer driver
-    # On a CPU by default: no fixed-shape decode path either.
+    # fp32 on a CPU: the native decode driver runs the sparse layers; no graph capture (CPU, fp32).
+    assert llm.engine.model.native_decode is not None
     assert decode_graph_mode("cpu", None, llm.engine.model.graph_capturable) == (False, False)
+    assert decode_graph_mode("cuda", None, capturable=False) == (False, False)
+    assert decode_graph_mode("cuda", True, capturable=False) == (True, False)
+    assert decode_graph_mode("cuda", None, capturable=True) == (True, True)
+    assert decode_graph_mode("cpu", None, capturable=True) == (False, False)
     assert decode_graph_mode("cpu", True, capturable=True) == (True, False)
 
 

@@ -1,13 +1,15 @@
 """Pure decode steps through the native layer driver (engine/models/native_decode.py) give exactly
 the bits of the Python path: the same greedy tokens and the same logprobs, in fp32 and bf16, with
-biases (Qwen2), and with shared-prefix groups (bf16: the prefix kernel, where the CPU has one; fp32:
-the causal kernel). Models it does not fit (q/k norms, sliding windows) keep the Python path."""
+biases (Qwen2), q/k norms (Qwen3), sparse MoE layers (Qwen3-MoE, Mixtral, Qwen2-MoE's shared expert),
+and with shared-prefix groups (bf16: the prefix kernel, where the CPU has one; fp32: the causal
+kernel). Models it does not fit (sliding windows) keep the Python path."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+import torch
 from transformers import MistralConfig
 
 from engine import LLM, SamplingParams, cpu_kernels
@@ -47,11 +49,18 @@ def native_runs(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     return counts
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# (arch, preset): the MoE families where their widths fit the bf16 row kernel (multiples of 32) at the
+# smallest size: tiny Mixtral and Qwen2-MoE (its shared expert), small Qwen3-MoE (q/k norms, as dense
+# Qwen3 has them, and a dense layer among sparse ones).
+MODELS = [("llama", "small"), ("qwen2", "small"), ("qwen3_moe", "small"),
+          ("mixtral", "tiny"), ("qwen2_moe", "tiny")]
+
+
+@pytest.mark.parametrize("arch, preset", MODELS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_factory, monkeypatch, arch: str,
-                                                                  dtype: str) -> None:
-    model_dir = str(checkpoint_factory(arch=arch, preset="small"))
+                                                                  preset: str, dtype: str) -> None:
+    model_dir = str(checkpoint_factory(arch=arch, preset=preset))
     native = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
     kernels = native.engine.model.layers[0].self_attn.backend.kernels
     if kernels is None or native.engine.dtype_choice.torch_dtype not in kernels.row_gemm_dtypes:
@@ -62,28 +71,63 @@ def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_fac
     python = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
     python.engine.model.native_decode = None
     counts = native_runs(native, monkeypatch)
-    prompts = prompts_with_a_shared_instruction()
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    config = native.engine.model.config
+    prompts = prompts_with_a_shared_instruction(vocab=config.vocab_size)
+    tokens = 24 if preset == "small" and arch in ("llama", "qwen2") else 12  # the MoE cases: the suite's time
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=3)
     ours, theirs = native.generate(prompts, params), python.generate(prompts, params)
     for a, b in zip(ours, theirs, strict=True):
         assert a.token_ids == b.token_ids
         assert a.outputs[0].logprobs == b.outputs[0].logprobs  # every logprob to the last bit
-    assert counts["steps"] >= 20
+    assert counts["steps"] >= tokens - 4
     torch_dtype = native.engine.dtype_choice.torch_dtype
-    groups_here = (kernels.supports_prefix_attention(torch_dtype, 64, 16)
-                   or kernels.supports_causal_attention(torch_dtype, 64))
+    groups_here = (kernels.supports_prefix_attention(torch_dtype, config.head_dim, 16)
+                   or kernels.supports_causal_attention(torch_dtype, config.head_dim))
     if groups_here:
         assert counts["with_groups"] > 0  # the rows under the instruction decoded as a group
 
 
+def test_moe_native_decode_on_the_dot_product_build_gives_the_python_paths_bits(
+        checkpoint_factory, monkeypatch, tmp_path) -> None:
+    """The kernels built without AMX (what AMD Zen 4/5 run: bf16 on AVX512-BF16's dot product): the
+    sparse layers' experts, router and shared expert take that build's row kernel in both paths."""
+    flags = [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+    built = cpu_kernels.build_and_open(cpu_kernels._compiler(), tmp_path / "kernels", flags)
+    assert built is not None
+    monkeypatch.setattr(cpu_kernels, "load", lambda: built)
+    model_dir = str(checkpoint_factory(arch="qwen2_moe", preset="tiny"))
+    native = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=256)
+    if torch.bfloat16 not in built.row_gemm_dtypes:  # an AVX2-only CPU: no bf16 row kernel at all
+        assert native.engine.model.native_decode is None
+        return
+    assert built.row_gemm_bf16_kind == "avx512_bf16" and native.engine.model.native_decode is not None
+    python = LLM(model=model_dir, dtype="bfloat16", num_kv_blocks=256)
+    python.engine.model.native_decode = None
+    counts = native_runs(native, monkeypatch)
+    prompts = prompts_with_a_shared_instruction(vocab=native.engine.model.config.vocab_size)[-8:]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for a, b in zip(native.generate(prompts, params), python.generate(prompts, params), strict=True):
+        assert a.token_ids == b.token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    assert counts["steps"] >= 10
+
+
 def test_models_it_does_not_fit_keep_the_python_path(checkpoint_factory, tmp_path) -> None:
-    """Qwen3's q/k norms and a sliding window are not in the native driver."""
+    """A sliding window is not in the native driver."""
     window = MistralConfig(**SMALL, sliding_window=8, architectures=["MistralForCausalLM"])
     kernels = cpu_kernels.load()
-    for model_dir in (checkpoint_factory(arch="qwen3"), save_random_model(window, tmp_path / "window")):
+    for model_dir in (save_random_model(window, tmp_path / "window"),):
         model = load_model(model_dir, TorchPagedAttention(kernels=kernels))
         model.use_cpu_kernels(kernels)
         assert model.native_decode is None
+
+
+def test_dense_qwen3s_q_k_norms_take_the_native_path(checkpoint_factory) -> None:
+    """Its per-head q/k norms run in decode_layers.c (the bits: the Qwen3-MoE case above)."""
+    kernels = cpu_kernels.load()
+    model = load_model(checkpoint_factory(arch="qwen3"), TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    fits = kernels is not None and torch.float32 in kernels.row_gemm_dtypes
+    assert (model.native_decode is not None) == fits
 
 
 def test_turning_the_kernels_off_turns_the_native_path_off(tiny_checkpoint) -> None:
