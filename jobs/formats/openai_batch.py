@@ -2,12 +2,13 @@
 
 The job's `model` runs every line; a line's `body.model` naming a LoRA adapter registered on it
 runs the line on that adapter (as vLLM's server does); any other name is ignored (files written for
-OpenAI name OpenAI models; the worker tells the two apart: worker/lora_requests.py). A `/v1/messages` line carries an Anthropic Messages request instead
+OpenAI name OpenAI models; the worker tells the two apart: worker/lora_requests.py). A
+`/v1/messages` line carries an Anthropic Messages request instead
 (`jobs/formats/anthropic_messages.py`: that is how an Anthropic batch runs, and its `model` must be
-the job's). A `custom_id` that appears more than once fails every line after its first, as
-that row's `duplicate_custom_id` error: within a shard as it is read, across shards from the plan
-(`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's plan lists its
-lines that repeat an earlier one).
+the job's or one of its adapters). A `custom_id` that appears more than once fails every line after
+its first, as that row's `duplicate_custom_id` error: within a shard as it is read, across shards
+from the plan (`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's
+plan lists its lines that repeat an earlier one).
 """
 
 from __future__ import annotations
