@@ -77,6 +77,9 @@ class AdapterRegistry:
     def __bool__(self) -> bool:
         return bool(self._adapters)
 
+    def names(self) -> list[str]:
+        return sorted(self._adapters)
+
     def all(self) -> list[Adapter]:
         return [self._adapters[name] for name in sorted(self._adapters)]
 

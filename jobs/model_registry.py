@@ -26,6 +26,17 @@ class UnknownModel(LookupFailed):
         self.served = served
 
 
+class AmbiguousAdapter(UnknownModel):
+    """A batch line's model names an adapter registered on several served models: which one runs it?"""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        LookupFailed.__init__(self, f"{name!r} is a LoRA adapter registered on every served model "
+                                    f"({', '.join(served)}): a batch line cannot name it alone; register "
+                                    "it on one model (lora_adapters: {name: {location, model}})")
+        self.name = name
+        self.served = served
+
+
 class ModelRegistry:
     def __init__(self, models: Mapping[str, str] | None = None,
                  aliases: Mapping[str, str] | None = None, adapters: AdapterRegistry | None = None) -> None:
@@ -106,7 +117,13 @@ class ModelRegistry:
         base = self.adapters.base_of(name, self.names())
         if base is not None:
             return base, name
+        if name in self.adapters.names() and name not in self._models and name not in self._aliases:
+            raise AmbiguousAdapter(name, self.names())
         return self.resolve(name), None
+
+    def adapter_parent(self, name: str) -> str | None:
+        """The one served model adapter `name` runs on (None: it is on several)."""
+        return self.adapters.base_of(name, self.names())
 
     def row_adapter(self, model: str, requested: str | None, required: bool = True) -> str | None:
         """The adapter a row runs on (`Row.lora`, `Row.lora_required`) on `model`: a registered name,

@@ -25,4 +25,7 @@ def healthz(request: Request, context: Context) -> Health | JSONResponse:
 
 @router.get("/models", response_model=ModelList, summary="The models this deployment serves")
 def list_models(context: Context) -> ModelList:
-    return ModelList(models=context.registry.names())
+    registry = context.registry
+    adapters = {name: registry.adapters_of(name) for name in registry.names()}
+    return ModelList(models=registry.names(),
+                     adapters={name: names for name, names in adapters.items() if names})
