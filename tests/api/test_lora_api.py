@@ -122,3 +122,17 @@ def test_an_anthropic_batch_keeps_an_adapters_name_in_its_requests(api) -> None:
     store_key = spec.input_uri.removeprefix(f"s3://{BUCKET}/")
     lines = [json.loads(line) for line in api.store.get_bytes(store_key).splitlines()]
     assert [line["body"]["model"] for line in lines] == ["fr", "tiny"]
+
+
+def test_a_schedules_job_template_is_held_to_the_same_adapter_checks(api) -> None:
+    """Its ticks create jobs without POST /jobs: the template's lora is checked when it is created."""
+    theirs = api.tenant_uri("globex", "adapters/theirs")
+    api.put_uri(f"{theirs}/adapter_config.json", b'{"peft_type": "LORA", "r": 4}')
+    with Client(api.url, api_key="acme-key") as acme:
+        schedule = {"cron": "* * * * *", "input_prefix": api.tenant_uri("acme", "incoming/")}
+        template = {"model": "tiny", "prompt_column": "q"}
+        other = refused(lambda: acme.schedules.create({**schedule, "job": {**template, "lora": theirs}}))
+        assert other.status_code == 403 and "lora" in other.message
+        unknown = refused(lambda: acme.schedules.create({**schedule, "job": {**template, "lora": "nope"}}))
+        assert unknown.status_code == 400 and "registered: fr, sql" in unknown.message
+        assert acme.schedules.create({**schedule, "job": {**template, "lora": "fr"}}).job["lora"] == "fr"
