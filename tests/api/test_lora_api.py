@@ -136,3 +136,12 @@ def test_a_schedules_job_template_is_held_to_the_same_adapter_checks(api) -> Non
         unknown = refused(lambda: acme.schedules.create({**schedule, "job": {**template, "lora": "nope"}}))
         assert unknown.status_code == 400 and "registered: fr, sql" in unknown.message
         assert acme.schedules.create({**schedule, "job": {**template, "lora": "fr"}}).job["lora"] == "fr"
+
+
+def test_an_uploads_adapter_location_is_checked_as_the_callers_tenant(api) -> None:
+    theirs = api.tenant_uri("globex", "adapters/theirs")
+    api.put_uri(f"{theirs}/adapter_config.json", b'{"peft_type": "LORA", "r": 4}')
+    spec = {"model": "tiny", "prompt_column": "q", "lora": theirs, "tenant": "globex"}  # tenant: replaced
+    response = httpx.post(f"{api.url}/jobs", headers={"Authorization": "Bearer acme-key"},
+                          files={"spec": (None, json.dumps(spec)), "file": ("rows.jsonl", ROWS)})
+    assert response.status_code == 403 and "outside the prefixes tenant 'acme' may use" in response.text
