@@ -81,7 +81,8 @@ class ModelList(BaseModel):
     models: list[str]
     adapters: dict[str, list[str]] = Field(default_factory=dict, description="each served model's LoRA "
                                            "adapters by name (a job's lora, a row's lora_column, a batch "
-                                           "line's model); models without any are left out")
+                                           "line's model); models without any are left out, and the "
+                                           "field when no model has any")
 
 
 class Health(BaseModel):

@@ -23,7 +23,9 @@ def healthz(request: Request, context: Context) -> Health | JSONResponse:
     return result
 
 
-@router.get("/models", response_model=ModelList, summary="The models this deployment serves")
+# `adapters` is left out when no model has any: a deployment without LoRA answers as it always did.
+@router.get("/models", response_model=ModelList, response_model_exclude_defaults=True,
+            summary="The models this deployment serves, and their LoRA adapters")
 def list_models(context: Context) -> ModelList:
     registry = context.registry
     adapters = {name: registry.adapters_of(name) for name in registry.names()}

@@ -145,3 +145,11 @@ def test_an_uploads_adapter_location_is_checked_as_the_callers_tenant(api) -> No
     response = httpx.post(f"{api.url}/jobs", headers={"Authorization": "Bearer acme-key"},
                           files={"spec": (None, json.dumps(spec)), "file": ("rows.jsonl", ROWS)})
     assert response.status_code == 403 and "outside the prefixes tenant 'acme' may use" in response.text
+
+
+def test_models_of_a_deployment_without_adapters_answer_as_before(s3, redis_url) -> None:
+    s3.client().create_bucket(Bucket=BUCKET)
+    settings = Settings(broker_url=redis_url, store_uri=f"s3://{BUCKET}/deploy",
+                        s3_endpoint_url=s3.endpoint_url, models=json.dumps(MODELS))
+    with serve(settings) as api:
+        assert httpx.get(f"{api.url}/models").json() == {"models": ["small", "tiny"]}
