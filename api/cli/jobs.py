@@ -206,7 +206,7 @@ def submit(argv: list[str]) -> int:
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column holding row ids (default: the row's index)")
     parser.add_argument("--lora", help="the LoRA adapter every row runs on: a name registered on the model "
-                        "(bulkinfer models lists them) or the adapter's s3:// folder")
+                        "(GET /models lists them) or the adapter's s3:// folder")
     parser.add_argument("--lora-column", help="the column naming each row's LoRA adapter (empty: --lora, "
                         "else the base model)")
     add_task_arguments(parser)

@@ -38,6 +38,8 @@ def refused(call) -> ApiError:  # noqa: ANN001
 def test_models_list_each_base_models_adapters(api) -> None:
     listed = httpx.get(f"{api.url}/models", headers={"Authorization": "Bearer acme-key"}).json()
     assert listed == {"models": ["small", "tiny"], "adapters": {"small": ["sql"], "tiny": ["fr", "sql"]}}
+    with Client(api.url, api_key="acme-key") as sdk:
+        assert sdk.lora_adapters() == listed["adapters"]
     v1 = httpx.get(f"{api.url}/v1/models", headers={"Authorization": "Bearer acme-key"}).json()["data"]
     assert [(model["id"], model.get("parent")) for model in v1] == \
         [("small", None), ("tiny", None), ("fr", "tiny"), ("sql", None)]  # sql: on both models
@@ -153,3 +155,4 @@ def test_models_of_a_deployment_without_adapters_answer_as_before(s3, redis_url)
                         s3_endpoint_url=s3.endpoint_url, models=json.dumps(MODELS))
     with serve(settings) as api:
         assert httpx.get(f"{api.url}/models").json() == {"models": ["small", "tiny"]}
+        assert api.client.lora_adapters() == {}
