@@ -417,7 +417,9 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     if not rows:
         return None
     bs = block_size
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) > 1)  # stable
+    # Single-token rows first; within each kind, rows by adapter, so each adapter's rows are one
+    # slice of the batch (engine/lora/rows.py). Stable: without LoRA rows the order is the given one.
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].token_ids) > 1, rows[i].lora_slot))
     num_decodes = sum(1 for row in rows if len(row.token_ids) == 1)
 
     starts: list[int] = []

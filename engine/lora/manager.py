@@ -63,7 +63,7 @@ class LoRAManager:
         adapter = load_adapter(request.lora_name, request.lora_int_id, config, self.targets,
                                self._out_features, self.max_lora_rank, self.dtype)
         self._host[request.lora_int_id] = adapter
-        self._evict_host()
+        self._evict_host(keep=request.lora_int_id)
         return adapter
 
     def acquire(self, request: LoRARequest) -> None:
@@ -82,17 +82,19 @@ class LoRAManager:
         """Adapters in host memory, least recently used first."""
         return list(self._host)
 
-    def _evict_host(self) -> None:
+    def _evict_host(self, keep: int | None = None) -> None:
+        """Least recently used first, adapters in no slot before slotted ones; never `keep` (the one
+        being loaded) nor one a live request uses."""
         for lora_id in list(self._host):
             if len(self._host) <= self.max_cpu_loras:
                 return
-            if lora_id not in self._live and lora_id not in self._slot_of:
+            if lora_id not in self._live and lora_id not in self._slot_of and lora_id != keep:
                 del self._host[lora_id]
         # A slotted adapter no request uses may leave too: its slot is rewritten before reuse.
         for lora_id in list(self._host):
             if len(self._host) <= self.max_cpu_loras:
                 return
-            if lora_id not in self._live:
+            if lora_id not in self._live and lora_id != keep:
                 self._free_slot(lora_id)
                 del self._host[lora_id]
 

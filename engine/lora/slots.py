@@ -3,8 +3,9 @@
 A and B of up to ``max_loras`` adapters live in fixed buffers ([max_loras, width, in] and
 [max_loras, out, width]; width = rank x the HF modules fused into this projection). The base
 matmul runs once for every row; then each adapter present in the step adds
-``(x[rows] @ A.T) @ B.T`` to its own rows ("grouped by adapter": measured faster on CPU than
-gathering A and B per row, see docs/engine.md). Rows without an adapter get nothing added.
+``(x[rows] @ A.T) @ B.T`` to its own rows, a contiguous slice ("grouped by adapter": measured
+faster on CPU than gathering A and B per row, see docs/engine.md). Rows without an adapter get
+nothing added.
 """
 
 from __future__ import annotations
@@ -37,13 +38,8 @@ class LoRASlots:
 
     def add_updates(self, x: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         """``out`` (the base output of ``x``) plus each row's adapter update, in place."""
-        for slot, index in rows.groups():
+        for slot, run in rows.groups():
             width = self.widths[slot]
-            if not width:
-                continue
-            a, b = self.a[slot, :width], self.b[slot, :, :width]
-            if isinstance(index, slice):
-                out[index] += (x[index] @ a.T) @ b.T
-            else:
-                out.index_add_(0, index, (x.index_select(0, index) @ a.T) @ b.T)
+            if width:
+                out[run].addmm_(x[run] @ self.a[slot, :width].T, self.b[slot, :, :width].T)
         return out
