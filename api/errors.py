@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from jobs.errors import InputError
+from jobs.lora_adapters import UnknownAdapter
 from jobs.merge import MergeError
 from jobs.model_registry import UnknownModel
 from jobs.repository import JobConflict, JobNotFound
@@ -80,7 +81,8 @@ def encodable(text: str) -> str:
 # Domain errors and the status each one means at the API.
 _STATUS_FOR = [
     (JobNotFound, 404), (ScheduleNotFound, 404), (JobConflict, 409), (IllegalTransition, 409),
-    (NotRetryable, 409), (NothingToRetry, 409), (MergeError, 409), (UnknownModel, 400), (InputError, 400)]
+    (NotRetryable, 409), (NothingToRetry, 409), (MergeError, 409), (UnknownModel, 400), (UnknownAdapter, 400),
+    (InputError, 400)]
 
 
 def install_error_handlers(app: FastAPI) -> None:

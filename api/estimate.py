@@ -22,7 +22,7 @@ def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: s
     plan = plan_within_bounds(context.settings, store, key, spec)
     tokenizer = load_tokenizer(repository.store, repository.prefix, spec.model)
     measured, live = _throughput(context, spec.model)
-    estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live)
+    estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live, registry=context.registry)
     settings = context.settings
     problems = plan_limit_problems(settings, plan, min(spec.shard_size, settings.max_shard_size))
     return estimate.model_copy(update={"problems": problems})

@@ -80,7 +80,7 @@ def job_results(context: ApiContext, status: JobStatus, partial: bool = False) -
         output_format=manifest.output_format, rows=manifest.rows, usage=manifest.usage,
         parts=[_result_part(context, p.shard_index, p.first_row, p.output) for p in manifest.parts],
         error_parts=[_result_part(context, p.shard_index, None, p.errors) for p in manifest.parts],
-        dtypes=manifest.dtypes)
+        dtypes=manifest.dtypes, usage_by_lora=manifest.usage_by_lora)
 
 
 def stream_rows(context: ApiContext, manifest: Manifest) -> Iterator[bytes]:

@@ -73,10 +73,16 @@ class JobResults(BaseModel):
     parts: list[ResultPart]
     error_parts: list[ResultPart] = Field(description="the failed rows of each shard, with reasons")
     dtypes: list[str] = Field([], description="the dtypes the engines computed in (float32, bfloat16, …)")
+    usage_by_lora: dict[str, TokenUsage] = Field({}, description="the part of usage each LoRA adapter ran, "
+                                                 "by name (the base model's is the rest)")
 
 
 class ModelList(BaseModel):
     models: list[str]
+    adapters: dict[str, list[str]] = Field(default_factory=dict, description="each served model's LoRA "
+                                           "adapters by name (a job's lora, a row's lora_column, a batch "
+                                           "line's model); models without any are left out, and the "
+                                           "field when no model has any")
 
 
 class Health(BaseModel):

@@ -31,6 +31,7 @@ from jobs.formats.detect import resolve_spec
 from jobs.formats.json_text import UnreadableJson, loads_untrusted
 from jobs.formats.lines import iter_lines_in_range
 from jobs.limits import in_flight_message, jobs_in_flight
+from jobs.lora_adapters import ADAPTER_CONFIG, is_adapter_location
 from jobs.object_store.base import ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
 from jobs.repository import JobNotFound, JobRepository
@@ -73,6 +74,31 @@ def check_model(context: ApiContext, spec: JobSpec) -> None:
     reason = unservable_reason(live_workers(repository.redis, repository.namespace), spec.model)
     if reason is not None:  # the workers' load error names the architectures the engine serves
         raise HttpError(400, f"model {spec.model!r} cannot run here: {reason}", param="model")
+    check_lora(context, spec)
+
+
+def check_lora(context: ApiContext, spec: JobSpec) -> None:
+    """The job's own adapter: a name registered on its model (UnknownAdapter → 400 naming those that
+    are), or a location this deployment runs adapters from and the caller may read, holding an
+    adapter_config.json. (A row's adapter name is checked by the worker: that row's error.)"""
+    if spec.lora is None:
+        return
+    if not is_adapter_location(spec.lora):
+        context.registry.adapters.get(spec.model, spec.lora)
+        return
+    if not context.settings.lora_enabled:
+        raise HttpError(400, f"lora {spec.lora!r}: this deployment runs no LoRA adapters (its enable_lora "
+                             "setting is off and none is registered)", param="lora")
+    store, key = locate(context, spec.lora, "lora")
+    check_where(context, spec.tenant, spec.lora, "lora", store, key, "folder")
+    config_key = f"{key.rstrip('/')}/{ADAPTER_CONFIG}"
+    try:
+        found = store.exists(config_key)
+    except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
+        raise HttpError(400, f"lora {spec.lora!r}: cannot read it ({error})", param="lora") from None
+    if not found:
+        raise HttpError(400, f"lora {spec.lora!r}: no LoRA adapter there ({ADAPTER_CONFIG} is missing)",
+                        param="lora")
 
 
 def check_readable(store: ObjectStore, key: str, uri: str) -> None:

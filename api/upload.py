@@ -166,8 +166,9 @@ def _stored_sha256(store: ObjectStore, key: str) -> str:
     return digest.hexdigest()
 
 
-def _spec_for_upload(context: ApiContext, raw: bytes) -> dict[str, object]:
-    """The spec field, checked (fields, model) before any of the file is read."""
+def _spec_for_upload(context: ApiContext, raw: bytes, tenant: str | None) -> dict[str, object]:
+    """The spec field, checked (fields, model, adapter) before any of the file is read, as the
+    caller's tenant's (whose folders a lora location must lie in)."""
     problem = json_problem(raw, f"the {SPEC_FIELD!r} field")
     if problem is not None:
         raise HttpError(422, problem)
@@ -179,7 +180,7 @@ def _spec_for_upload(context: ApiContext, raw: bytes) -> dict[str, object]:
         raise HttpError(422, f"the {SPEC_FIELD!r} field must be a JSON object")
     if "input_uri" in data:
         raise HttpError(422, "input_uri: leave it out when uploading a file; the upload is the input")
-    check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI}))
+    check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI, "tenant": tenant}))
     return data
 
 
@@ -259,7 +260,7 @@ class _Receiver:
                                             f"max_upload_bytes ({limit:,} bytes); nothing of it was kept")
                     await self.upload.write(event.data)
             elif current == SPEC_FIELD:
-                spec_data = _spec_for_upload(self.context, bytes(spec_bytes))
+                spec_data = _spec_for_upload(self.context, bytes(spec_bytes), self.tenant)
             elif current == FILE_FIELD and self.upload is not None:
                 await self._finish_file(spec_data or {})
         if spec is None or self.upload is None:

@@ -1,5 +1,5 @@
-"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed`: which benchmark a `bench` command
-line runs."""
+"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed|lora`: which benchmark a
+`bench` command line runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 
 TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "step": "benchmarks.step_profile",
            "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative",
-           "batch-apis": "benchmarks.batch_apis", "embed": "benchmarks.embed"}
+           "batch-apis": "benchmarks.batch_apis", "embed": "benchmarks.embed", "lora": "benchmarks.lora"}
 
 
 def main(argv: list[str]) -> int:
@@ -16,7 +16,7 @@ def main(argv: list[str]) -> int:
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     module = importlib.import_module(TARGETS[argv[0]])
     # --model: also a catalog model or a .gguf file
-    if argv[0] in {"engine", "suite", "step", "spec", "embed"}:
+    if argv[0] in {"engine", "suite", "step", "spec", "embed", "lora"}:
         from worker.model_files import local_model_dir
 
         return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))

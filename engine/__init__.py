@@ -5,9 +5,10 @@ outputs = LLM(model="path/to/hf-folder").generate(["Hello"], SamplingParams(max_
 """
 
 from engine.config import EngineConfig
-from engine.errors import ErrorKind, SamplingParamsError
+from engine.errors import ErrorKind, LoRAAdapterError, SamplingParamsError
 from engine.llm import LLM
 from engine.llm_engine import LLMEngine
+from engine.lora import LoRARequest
 from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
 
@@ -17,6 +18,8 @@ __all__ = [
     "EngineConfig",
     "ErrorKind",
     "LLMEngine",
+    "LoRAAdapterError",
+    "LoRARequest",
     "PositionLogprobs",
     "RequestOutput",
     "SamplingParams",

@@ -56,6 +56,13 @@ class EngineConfig:
     # Tensor parallel (vLLM's name): the model split over this many ranks, one process each (rank 0
     # is the engine's own; engine/parallel/). On CUDA rank r uses device index r (after `device`'s).
     tensor_parallel_size: int = 1
+    # LoRA adapters chosen per request (vLLM's names and defaults; engine/lora/): at most `max_loras`
+    # adapters in one step, ranks up to `max_lora_rank`, and `max_cpu_loras` kept in host memory
+    # (None: max_loras), least recently used evicted.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -92,6 +99,20 @@ class EngineConfig:
             # A replayed graph cannot pair its collectives with the other ranks' steps.
             raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
         SpeculativeConfig.from_value(self.speculative_config)
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool, got {self.enable_lora!r}")
+        _require_int(self.max_loras, "max_loras", minimum=1)
+        _require_int(self.max_lora_rank, "max_lora_rank", minimum=1)
+        if self.max_cpu_loras is not None:
+            _require_int(self.max_cpu_loras, "max_cpu_loras", minimum=1)
+            if self.max_cpu_loras < self.max_loras:
+                raise ValueError(
+                    f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora cannot be used with tensor_parallel_size > 1 (not implemented)")
 
     def _validate_kv_cache_memory(self) -> None:
         value = self.kv_cache_memory

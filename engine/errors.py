@@ -28,3 +28,9 @@ class SamplingParamsError(ValueError):
     def __init__(self, kind: ErrorKind, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class LoRAAdapterError(ValueError):
+    """A LoRA adapter that cannot be served: files missing or unreadable, a PEFT setting the engine
+    does not run (DoRA, bias, modules_to_save, another PEFT type), a rank above ``max_lora_rank``, a
+    target module or tensor shape the base model lacks. The message names the adapter and the problem."""

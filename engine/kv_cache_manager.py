@@ -226,9 +226,14 @@ class KVCacheManager:
         return table
 
     def _extra_keys(self, request: Request) -> tuple[str, ...]:
-        if request.cache_salt is None:
-            return self._hash_extra_keys
-        return (*self._hash_extra_keys, "salt:" + request.cache_salt)
+        keys = self._hash_extra_keys
+        if request.cache_salt is not None:
+            keys = (*keys, "salt:" + request.cache_salt)
+        if request.lora_request is not None:
+            # KV computed with an adapter differs from the base model's and another adapter's.
+            lora = request.lora_request
+            keys = (*keys, f"lora:{lora.lora_int_id}:{lora.lora_name}")
+        return keys
 
 
 def droppable_window(*layer_windows: Sequence[int | None]) -> int | None:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.dtype_choice import DtypeChoice
 from engine.embedder import Embedder, EmbeddingOutput, is_embedding_model
 from engine.llm_engine import LLMEngine, RequestOutput
+from engine.lora.request import LoRARequest
 from engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -84,10 +85,13 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. Prompts are strings or token-id lists; ``params``
         is one SamplingParams for all, or one per prompt. Bad prompts come back with
-        ``finish_reason="error"``; the others are generated normally."""
+        ``finish_reason="error"``; the others are generated normally. ``lora_request``: one adapter
+        for all prompts, or one (or None: the base model) per prompt; every adapter is validated
+        before any prompt is queued (LoRAAdapterError names a bad one)."""
         prompt_list = _as_prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params_list = [params or SamplingParams()] * len(prompt_list)
@@ -96,9 +100,18 @@ class LLM:
             if len(params_list) != len(prompt_list):
                 raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts")
 
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list: list[LoRARequest | None] = [lora_request] * len(prompt_list)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompt_list):
+                raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
+        for lora in dict.fromkeys(lora for lora in lora_list if lora is not None):
+            self.engine.load_lora(lora)
+
         ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
-        for request_id, prompt, sampling in zip(ids, prompt_list, params_list, strict=True):
-            self.engine.add_request(request_id, prompt, sampling)
+        for request_id, prompt, sampling, lora in zip(ids, prompt_list, params_list, lora_list, strict=True):
+            self.engine.add_request(request_id, prompt, sampling, lora_request=lora)
 
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(ids)) if use_tqdm else None

@@ -19,6 +19,8 @@ from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from engine.errors import ErrorKind, SamplingParamsError
 from engine.grammar_tracking import GrammarTracker
 from engine.kv_cache_manager import droppable_window
+from engine.lora.manager import LoRAManager
+from engine.lora.request import LoRARequest
 from engine.metrics import EngineCounters
 from engine.model_runner import ModelRunner
 from engine.models.loader import eos_token_ids, load_model, model_config_from_dir
@@ -104,6 +106,12 @@ class LLMEngine:
             curve = cost_curve_or_none(spec_config, self.runner.probe_forward, config.max_num_seqs,
                                        self.runner.can_probe(spec_config.num_speculative_tokens))
             self._speculator = Speculator(spec_config, SpeculationGate(spec_config, curve), draft)
+        self.lora: LoRAManager | None = None
+        if config.enable_lora:
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras or config.max_loras, self.dtype_choice.torch_dtype,
+                                    torch.device(config.device))
+            self.runner.lora = self.lora
         self.eos_token_ids = eos_token_ids(config.model, self.tokenizer, model_config.eos_token_ids)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None  # the primary one
         # Blocks behind the window are freed only where every layer (the draft's too: it reads the
@@ -172,12 +180,18 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request. ``arrival_time`` is ``time.monotonic()`` seconds (default: now).
         ``cache_salt``: the request reuses (and leaves) prefix-cache blocks only for requests with
-        the same salt, so one user's prompts neither hit nor reveal another's (None: unsalted)."""
+        the same salt, so one user's prompts neither hit nor reveal another's (None: unsalted).
+        ``lora_request``: the adapter it runs with (None: the base model); an adapter that cannot
+        be served raises LoRAAdapterError, and any adapter on an engine without ``enable_lora``
+        ValueError."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if lora_request is not None:
+            self.load_lora(lora_request)
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids, error = self._tokenize(prompt)
@@ -202,11 +216,13 @@ class LLMEngine:
                 cache_salt=cache_salt,
                 sample_seed=seed & SEED_MASK,
                 sample_index=i,
+                lora_request=lora_request,
             )
             for i in range(n if error is None else 1)
         ]
         parent = Parent(request_id, prompt_text, list(token_ids), children,
-                        prompt_logprobs=[] if params.prompt_logprobs is not None and error is None else None)
+                        prompt_logprobs=[] if params.prompt_logprobs is not None and error is None else None,
+                        lora_name=lora_request.lora_name if lora_request is not None else None)
         if error is not None:
             children[0].finish(FinishReason.ERROR, time.monotonic(), error=error, kind=kind)
             self._reject(parent, n)
@@ -229,10 +245,20 @@ class LLMEngine:
                 structured=spec is not None,
             )
             self._samples[child.request_id] = sample
+            if lora_request is not None and self.lora is not None:
+                self.lora.acquire(lora_request)  # kept in host memory until the sample ends
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
+
+    def load_lora(self, lora_request: LoRARequest) -> None:
+        """Read and validate an adapter now (kept in host memory, least recently used evicted);
+        raises LoRAAdapterError naming the problem, ValueError without ``enable_lora``."""
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine was "
+                             "started without enable_lora")
+        self.lora.load(lora_request)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (all its samples); its output (``finish_reason="abort"``) comes from the
@@ -427,6 +453,8 @@ class LLMEngine:
         if sample is None:
             return None
         self._post_ids.discard(request.request_id)
+        if request.lora_request is not None and self.lora is not None:
+            self.lora.release(request.lora_request)
         if self._speculator is not None:
             self._speculator.release(request.request_id)
         if sample.structured:

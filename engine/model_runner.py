@@ -32,12 +32,14 @@ from engine.decode_graphs import DecodeGraphs, decode_graph_mode
 from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
+from engine.lora.rows import NO_ADAPTER, LoRARows
 from engine.models.llama import FinalRows, LlamaForCausalLM
 from engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from engine.sampler import RowLogprobs
 from engine.scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
+    from engine.lora.manager import LoRAManager
     from engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
@@ -75,10 +77,17 @@ class StepBatch:
     final_rows: FinalRows | None = None
     score_spans: list[ScoreSpan] = field(default_factory=list)
     num_scored: int = 0  # the last rows of sample_rows that are scored, not sampled
+    # [T] each token's adapter slot (NO_ADAPTER: the base model); None when no row has an adapter.
+    lora_slots: torch.Tensor | None = None
 
     def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Forward the batch: the final hidden states of its sampled positions, in their order."""
-        hidden = model(self.input_ids, self.positions, self.metadata, kv_caches, final_rows=self.final_rows)
+        model.step_rows.lora = LoRARows(self.lora_slots) if self.lora_slots is not None else None
+        try:
+            hidden = model(self.input_ids, self.positions, self.metadata, kv_caches,
+                           final_rows=self.final_rows)
+        finally:
+            model.step_rows.lora = None  # other forwards (profiling, probes) run the base model
         if self.final_rows is None:
             return hidden[self.sample_rows]
         return hidden[self.final_rows.order]
@@ -105,6 +114,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # Rank 0 of a tensor-parallel engine: the other ranks, which run every forward it runs.
         self.parallel: TensorParallelGroup | None = None
+        # Set by the engine with enable_lora: the adapters' slots each row's LoRA slot comes from.
+        self.lora: LoRAManager | None = None
         self.tensor_parallel_size = config.tensor_parallel_size
         if self.tensor_parallel_size > 1:
             # A graph's step cannot pair its collectives with the other ranks (engine/config.py).
@@ -294,7 +305,8 @@ class ModelRunner:
 
     def forward_batch(self, batch: StepBatch) -> StepResult:
         """The sampled rows' logits of a prepared batch, and its scored prompt positions'."""
-        graphs = self._decode_graphs() if not batch.num_scored else None
+        # Graphs hold no LoRA update: a step with adapter rows runs eagerly.
+        graphs = self._decode_graphs() if not batch.num_scored and batch.lora_slots is None else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             if logits is not None:
@@ -362,10 +374,13 @@ class ModelRunner:
         """
         rows: list[BatchRow] = []
         spans: list[ScoreSpan] = []
+        if self.lora is not None:
+            self.lora.begin_step()
         for chunk in output.chunks:
+            lora = self.lora.slot_of(chunk.request.lora_request) if self.lora is not None else NO_ADAPTER
             if chunk.spec_token_ids:
                 tokens = [chunk.request.all_token_ids[chunk.start], *chunk.spec_token_ids]
-                rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True)
+                rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True, lora_slot=lora)
                             for j, token in enumerate(tokens))
                 continue
             end = chunk.start + chunk.num_new_tokens
@@ -373,7 +388,8 @@ class ModelRunner:
             if span is not None:
                 spans.append(span)
             rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
-                                 chunk.num_sample_rows, score=(span.offset, span.count) if span else None))
+                                 chunk.num_sample_rows, score=(span.offset, span.count) if span else None,
+                                 lora_slot=lora))
         return rows, spans
 
 
@@ -388,6 +404,7 @@ class BatchRow:
     solo: bool = False  # a decode row computed as if alone (no shared-prefix grouping)
     # (offset, count): positions of this row, from `offset` in its tokens, scored for prompt_logprobs.
     score: tuple[int, int] | None = None
+    lora_slot: int = NO_ADAPTER  # the adapter slot its tokens run with
 
 
 def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
@@ -396,7 +413,9 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     if not rows:
         return None
     bs = block_size
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) > 1)  # stable
+    # Single-token rows first; within each kind, rows by adapter, so each adapter's rows are one
+    # slice of the batch (engine/lora/rows.py). Stable: without LoRA rows the order is the given one.
+    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].token_ids) > 1, rows[i].lora_slot))
     num_decodes = sum(1 for row in rows if len(row.token_ids) == 1)
 
     starts: list[int] = []
@@ -466,7 +485,17 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
         num_scored=num_scored,
+        lora_slots=_lora_slots(rows, order, query_lens_t, dev),
     )
+
+
+def _lora_slots(rows: Sequence[BatchRow], order: Sequence[int], query_lens: torch.Tensor,
+                device: torch.device) -> torch.Tensor | None:
+    """Each token's adapter slot in batch order; None when every row runs the base model."""
+    slots = [rows[i].lora_slot for i in order]
+    if all(slot == NO_ADAPTER for slot in slots):
+        return None
+    return torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), query_lens).to(device)
 
 
 def final_rows_of(sample_rows: Sequence[int], num_tokens: int, num_single: int,

@@ -29,6 +29,7 @@ class Parent:
     outputs: dict[int, CompletionOutput] = dataclasses.field(default_factory=dict)
     # prompt_logprobs: the scored positions so far (prompt tokens 1..), from the first sample.
     prompt_logprobs: list[RowLogprobs] | None = None
+    lora_name: str | None = None  # the adapter it ran with
 
 
 @dataclass(eq=False)
@@ -127,6 +128,7 @@ def parent_output(parent: Parent, prompt_logprobs: list[PositionLogprobs | None]
         finished=all(c.is_finished for c in parent.children),
         outputs=outputs,
         prompt_logprobs=prompt_logprobs,
+        lora_name=parent.lora_name,
     )
 
 
@@ -149,4 +151,5 @@ def rejection_output(parent: Parent, n: int) -> RequestOutput:
         metrics=RequestMetrics.from_request(request),
         finished=True,
         outputs=[dataclasses.replace(completion, index=i) for i in range(n)],
+        lora_name=parent.lora_name,
     )

@@ -59,3 +59,4 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), then its logprob given the tokens before it and the top-k alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    lora_name: str | None = None  # the LoRA adapter it ran with (None: the base model)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.errors import ErrorKind
+from engine.lora.request import LoRARequest
 from engine.prefix_hash import BlockHash
 from engine.sampling_params import SamplingParams
 
@@ -59,6 +60,7 @@ class Request:
     # child's index when a prompt asks for n > 1 samples.
     sample_seed: int = 0
     sample_index: int = 0
+    lora_request: LoRARequest | None = None  # the adapter its rows run with; None: the base model
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync

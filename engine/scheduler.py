@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
+from engine.lora.admission import LoRAAdmission
 from engine.prefix_hash import BlockHash
 from engine.request import FinishReason, Request, RequestStatus
 
@@ -193,6 +194,8 @@ class Scheduler:
         # Set by the engine: False for a waiting request that may not start yet (its grammar is
         # still compiling). It is skipped, keeping its place, and the requests behind it run.
         self.can_admit: Callable[[Request], bool] | None = None
+        # At most max_loras adapters among running requests (engine/lora/admission.py).
+        self.lora_admission = LoRAAdmission(config.max_loras) if config.enable_lora else None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -462,9 +465,18 @@ class Scheduler:
         # Bound the lookups per step when many waiting requests share one prefix or wait on a grammar.
         max_held_back = self.config.max_num_seqs
         max_skipped = 4 * self.config.max_num_seqs
+        lora = self.lora_admission
+        if lora is not None:
+            lora.begin(self.running)
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if self.can_admit is not None and not self.can_admit(request):
+                set_aside.append(self.waiting.pop())
+                num_skipped += 1
+                if num_skipped >= max_skipped:
+                    break
+                continue
+            if lora is not None and not lora.admits(request):
                 set_aside.append(self.waiting.pop())
                 num_skipped += 1
                 if num_skipped >= max_skipped:
@@ -486,6 +498,8 @@ class Scheduler:
                 break  # out of blocks: wait for running requests to finish
             self.waiting.pop()
             self._admit(request, num_computed)
+            if lora is not None:
+                lora.admitted(request)
             if not by_priority:
                 reserve += self._growth_blocks(request, len(request.block_ids))
             self._note_blocks_in_flight(request, num_new, step)

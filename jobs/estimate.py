@@ -12,6 +12,7 @@ jobs/workers.py), shared by the live workers serving it; "unknown" when none has
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from itertools import islice
 
@@ -19,6 +20,8 @@ from jobs.estimate_report import JobEstimate
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
 from jobs.job_dedup import row_key
+from jobs.lora_adapters import UnknownAdapter
+from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.shard_cost import completion_tokens_per_row
 from jobs.sharding import ShardPlan
@@ -32,8 +35,10 @@ DEFAULT_MAX_ROWS = 100_000
 
 def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan],
                  tokenizer: PublishedTokenizer | None, measured: list[Throughput], live_workers: int,
-                 max_rows: int = DEFAULT_MAX_ROWS) -> JobEstimate:
-    counts = _Counts(tokenizer)
+                 max_rows: int = DEFAULT_MAX_ROWS, registry: ModelRegistry | None = None) -> JobEstimate:
+    """`registry`: the adapters rows may name (a row naming another one is counted failing, as the
+    worker fails it); without it every row's adapter is taken as registered."""
+    counts = _Counts(tokenizer, spec.model, registry)
     for shard in plan:
         if counts.read >= max_rows:
             break
@@ -50,30 +55,46 @@ def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[Sha
         model=spec.model, shards=len(plan), rows=total, rows_read=counts.read,
         rows_failing=round(counts.failing * scale), rows_deduplicated=round(counts.duplicates * scale),
         prompt_tokens=prompt, shared_prefix_tokens=shared, max_output_tokens=output,
+        rows_by_lora={name: round(rows * scale) for name, rows in sorted(counts.by_lora.items())},
         estimated_seconds=seconds, estimate_basis=basis, tokenizer=None if tokenizer is None else
         f"{spec.model}'s own, published by worker {tokenizer.published_by} at {tokenizer.published_at}")
 
 
 class _Counts:
-    def __init__(self, tokenizer: PublishedTokenizer | None) -> None:
+    def __init__(self, tokenizer: PublishedTokenizer | None, model: str = "",
+                 registry: ModelRegistry | None = None) -> None:
         self.tokenizer = tokenizer
+        self.model = model
+        self.registry = registry
         self.read = self.failing = self.duplicates = self.output = 0
         self.prompt = self.shared = 0
         self.seen: set[str] = set()
+        self.by_lora: dict[str, int] = {}  # running rows per LoRA adapter
+
+    def _adapter(self, row: Row) -> tuple[bool, str | None]:
+        """(whether the row's adapter is one it may run on, that adapter; None: the base)."""
+        if self.registry is None:  # an OpenAI line's model of OpenAI's runs on the base
+            return True, row.lora if row.lora_required else None
+        try:
+            return True, self.registry.row_adapter(self.model, row.lora, row.lora_required)
+        except UnknownAdapter:
+            return False, None
 
     def add_shard(self, items: list[Row | RowError]) -> None:
         self.read += len(items)
         seen = self.seen  # job-wide, as the planner marks copies across shards (jobs/job_dedup.py)
-        prompts: list[list[int]] = []
+        # The prefix cache never hits across adapters: prompts share prefixes within one adapter's rows.
+        prompts: dict[str | None, list[list[int]]] = {}
         for item in items:
             if isinstance(item, RowError):
                 self.failing += 1
                 continue
+            runnable, adapter = self._adapter(item)
             tokens = self._tokens(item)
-            if tokens is None and self.tokenizer is not None:
+            if not runnable or (tokens is None and self.tokenizer is not None):
                 self.failing += 1
                 continue
-            key = row_key(item)  # as the worker merges rows (jobs/job_dedup.py)
+            key = row_key(dataclasses.replace(item, lora=adapter))  # as the worker merges rows (job_dedup)
             if key is not None:
                 if key in seen:
                     self.duplicates += 1
@@ -83,10 +104,13 @@ class _Counts:
                 self.prompt += len(tokens or ())
                 continue
             self.output += completion_tokens_per_row(item.sampling)
+            if adapter is not None:
+                self.by_lora[adapter] = self.by_lora.get(adapter, 0) + 1
             if tokens is not None:
-                prompts.append(tokens)
-        self.prompt += sum(map(len, prompts))
-        self.shared += _shared_prefix_tokens(prompts)
+                prompts.setdefault(adapter, []).append(tokens)
+        for group in prompts.values():
+            self.prompt += sum(map(len, group))
+            self.shared += _shared_prefix_tokens(group)
 
     def _tokens(self, row: Row) -> list[int] | None:
         if self.tokenizer is None:

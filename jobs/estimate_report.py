@@ -14,6 +14,9 @@ class JobEstimate(BaseModel):
     rows_read: int = Field(description="rows actually read and counted; the figures below scale from them")
     rows_failing: int = Field(description="rows that would fail before running (unreadable, no prompt, ...)")
     rows_deduplicated: int = Field(description="rows that would take an identical row's output, not run")
+    rows_by_lora: dict[str, int] = Field(default_factory=dict, description="running rows per LoRA adapter "
+                                         "(the rest run on the base model); rows naming an adapter not "
+                                         "registered count in rows_failing")
     prompt_tokens: int | None = Field(description="counted with the model's tokenizer; None without it")
     shared_prefix_tokens: int | None = Field(description="prompt tokens the prefix cache would reuse")
     max_output_tokens: int = Field(description="each running row's max_tokens × n, summed: an upper bound")

@@ -24,6 +24,8 @@ from jobs.embedding import base64_vector, vector_from_base64
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row
+from jobs.lora_adapters import UnknownAdapter
+from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.sharding import ShardPlan
 from jobs.spec import JobSpec
@@ -48,11 +50,27 @@ def row_digest(row: Row) -> bytes | None:
     if not (row.sampling.temperature == 0 or row.sampling.seed is not None):
         return None
     content = [row.prompt, row.messages, row.sampling.model_dump(mode="json"), row.response_format]
+    # Rows equal but for their adapter are not copies. Left out for the base, so keys stay as before.
+    if row.lora is not None:
+        content.append(["lora", row.lora])
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).digest()[:16]
 
 
+def with_resolved_adapter(row: Row, registry: ModelRegistry | None, model: str) -> Row | None:
+    """The row naming the adapter it will run on (an OpenAI line's `model` of OpenAI's: the base), so
+    rows that run alike get one key; None for a row whose adapter is not registered (it fails).
+    Without a registry the row as it is: names that differ only never merge rows that should not."""
+    if registry is None or row.lora is None:
+        return row
+    try:
+        adapter = registry.row_adapter(model, row.lora, row.lora_required)
+    except UnknownAdapter:
+        return None
+    return dataclasses.replace(row, lora=adapter, lora_required=True)
+
+
 def mark_copies(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan],
-                max_keys: int = DEFAULT_MAX_KEYS) -> list[ShardPlan]:
+                max_keys: int = DEFAULT_MAX_KEYS, registry: ModelRegistry | None = None) -> list[ShardPlan]:
     """The plan with cross-shard copies and exports marked (unchanged when the spec turns
     deduplication off or the input has more than MAX_SCAN_ROWS rows).
 
@@ -68,7 +86,8 @@ def mark_copies(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[Shar
     exports: dict[int, set[int]] = {}
     for shard in plan:
         for position, item in enumerate(read_shard_rows(store, key, spec, shard)):
-            digest = row_digest(item) if isinstance(item, Row) else None
+            row = with_resolved_adapter(item, registry, spec.model) if isinstance(item, Row) else None
+            digest = row_digest(row) if row is not None else None
             if digest is None:
                 continue
             source = first.get(digest)

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from jobs.layout import JobLayout
 from jobs.object_store.base import ObjectStore
-from jobs.results import PartFile, ShardResult, SpeculationUsage, TokenUsage
+from jobs.results import PartFile, ShardResult, SpeculationUsage, TokenUsage, add_usage_by_name
 from jobs.status import RowCounts
 
 
@@ -57,10 +57,14 @@ class Manifest(BaseModel):
     dtypes: list[str] = []
     # Speculative decoding over the job (None when no shard verified drafts).
     speculation: SpeculationUsage | None = None
+    # The part of `usage` each LoRA adapter ran, by name (empty: every row ran on the base model).
+    usage_by_lora: dict[str, TokenUsage] = {}
 
     def to_bytes(self) -> bytes:
         """Canonical JSON: sorted keys, so equal manifests are equal bytes."""
         data = self.model_dump(mode="json")
+        if not data["usage_by_lora"]:  # a job without adapters: the same bytes as before they existed
+            del data["usage_by_lora"]
         return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
 
 
@@ -102,6 +106,7 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
                        failed=sum(r.rows_failed for r in ordered),
                        deduplicated=sum(r.rows_deduplicated for r in ordered)),
         usage=sum((result.usage for result in ordered), TokenUsage()),
+        usage_by_lora=add_usage_by_name([result.usage_by_lora for result in ordered]),
         parts=parts,
         dtypes=sorted({result.dtype for result in ordered if result.dtype}),
         speculation=SpeculationUsage.of(

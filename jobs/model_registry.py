@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from jobs.errors import LookupFailed
+from jobs.lora_adapters import AdapterRegistry, UnknownAdapter, is_adapter_location
 from jobs.names import model_queue
 
 MODELS_ENV = "BULKINFER_MODELS"
@@ -25,11 +26,23 @@ class UnknownModel(LookupFailed):
         self.served = served
 
 
+class AmbiguousAdapter(UnknownModel):
+    """A batch line's model names an adapter registered on several served models: which one runs it?"""
+
+    def __init__(self, name: str, served: list[str]) -> None:
+        LookupFailed.__init__(self, f"{name!r} is a LoRA adapter registered on every served model "
+                                    f"({', '.join(served)}): a batch line cannot name it alone; register "
+                                    "it on one model (lora_adapters: {name: {location, model}})")
+        self.name = name
+        self.served = served
+
+
 class ModelRegistry:
     def __init__(self, models: Mapping[str, str] | None = None,
-                 aliases: Mapping[str, str] | None = None) -> None:
+                 aliases: Mapping[str, str] | None = None, adapters: AdapterRegistry | None = None) -> None:
         self._models = dict(models or {})
         self._aliases = dict(aliases or {})
+        self.adapters = adapters or AdapterRegistry()
         for alias, name in self._aliases.items():
             if not isinstance(name, str) or name not in self._models:
                 raise ValueError(f"model alias {alias!r} names {name!r}, which is not a served model "
@@ -39,15 +52,19 @@ class ModelRegistry:
                 raise ValueError(f"model name {name!r} must be non-empty text without spaces")
             if not isinstance(location, str) or not location:
                 raise ValueError(f"model {name!r}: its location must be a directory or s3:// URI")
+        self.adapters.check_models(self._models, self._aliases)
 
     @classmethod
-    def parse(cls, value: str | None, aliases: str | None = None) -> ModelRegistry:
+    def parse(cls, value: str | None, aliases: str | None = None,
+              adapters: str | None = None) -> ModelRegistry:
         """From JSON text `{"name": "dir or s3://…"}` or the path of a file holding it; None → empty.
-        `aliases`: JSON text `{"alias": "served name"}`."""
+        `aliases`: JSON text `{"alias": "served name"}`; `adapters`: the `lora_adapters` setting
+        (jobs/lora_adapters.py)."""
         alias_map = (_json_object(aliases, "BULKINFER_MODEL_ALIASES", "alias → served model name")
                      if aliases and aliases.strip() else {})
+        adapter_registry = AdapterRegistry.parse(adapters)
         if not value or not value.strip():
-            return cls(aliases=alias_map)
+            return cls(aliases=alias_map, adapters=adapter_registry)
         text = value
         source = "BULKINFER_MODELS"
         if not value.lstrip().startswith(("{", "[")):
@@ -57,7 +74,7 @@ class ModelRegistry:
             except OSError as error:
                 raise ValueError(f"{MODELS_ENV}: cannot read {path}: {error.strerror}") from None
             source = str(path)
-        return cls(_json_object(text, source, "model name → location"), alias_map)
+        return cls(_json_object(text, source, "model name → location"), alias_map, adapter_registry)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> ModelRegistry:
@@ -89,6 +106,39 @@ class ModelRegistry:
     def queue_for(self, name: str) -> str:
         self.location(name)
         return model_queue(name)
+
+    def adapters_of(self, name: str) -> list[str]:
+        """The LoRA adapters registered on served model `name`, sorted."""
+        return self.adapters.for_model(name)
+
+    def resolve_requested(self, name: str) -> tuple[str, str | None]:
+        """What a batch line's `model` asks for: (served model, None) for a model or alias, (its base,
+        adapter) for a registered adapter (as vLLM's server reads it); `UnknownModel` otherwise."""
+        base = self.adapters.base_of(name, self.names())
+        if base is not None:
+            return base, name
+        if name in self.adapters.names() and name not in self._models and name not in self._aliases:
+            raise AmbiguousAdapter(name, self.names())
+        return self.resolve(name), None
+
+    def adapter_parent(self, name: str) -> str | None:
+        """The one served model adapter `name` runs on (None: it is on several)."""
+        return self.adapters.base_of(name, self.names())
+
+    def row_adapter(self, model: str, requested: str | None, required: bool = True) -> str | None:
+        """The adapter a row runs on (`Row.lora`, `Row.lora_required`) on `model`: a registered name,
+        or the job's own location as it is; None: the base (named by itself or an alias, or an
+        unknown name that is not `required`). `UnknownAdapter` naming the registered ones otherwise."""
+        if requested is None or requested == model or self._aliases.get(requested) == model:
+            return None
+        if is_adapter_location(requested):
+            return requested
+        try:
+            return self.adapters.get(model, requested).name
+        except UnknownAdapter:
+            if required:
+                raise
+            return None
 
 
 

@@ -124,6 +124,8 @@ class ShardResult(BaseModel):
                                         description="the failed rows by error code (row_too_long: 3, ...)")
     speculation: SpeculationUsage | None = Field(None, description="speculative decoding's drafts and "
                                                  "acceptance over the shard's rows (None: no drafts)")
+    usage_by_lora: dict[str, TokenUsage] = Field(default_factory=dict, description="the part of `usage` "
+                                                 "each LoRA adapter ran (by name; the base's is the rest)")
     fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
                               "under it and are published from there (jobs/part_publication.py); "
                               "None: written in place")
@@ -141,17 +143,33 @@ class ShardResult(BaseModel):
         codes = Counter(row.error_code for row in outputs if row.error_code is not None)
         # What the engine computed: a deduplicated copy's tokens were computed once, for its source.
         computed = [row for row in outputs if not row.deduplicated]
-        usage = TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in computed),
-                           cached=sum(row.cached_tokens or 0 for row in computed),
-                           completion=sum(row.completion_tokens or 0 for row in computed),
-                           engine_seconds=round(sum(row.engine_seconds for row in computed), 3))
+        usage = rows_usage(computed)
+        adapters = sorted({row.lora for row in computed if row.lora is not None})
+        by_lora = {name: rows_usage([row for row in computed if row.lora == name]) for name in adapters}
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
                    rows_deduplicated=sum(row.deduplicated for row in outputs),
-                   error_codes=dict(sorted(codes.items())), fence=fence,
+                   error_codes=dict(sorted(codes.items())), fence=fence, usage_by_lora=by_lora,
                    speculation=SpeculationUsage.of([row.drafted_per_position for row in computed],
                                                    [row.accepted_per_position for row in computed]))
+
+
+def rows_usage(rows: Sequence[OutputRow]) -> TokenUsage:
+    """The tokens and engine time of rows the engine computed."""
+    return TokenUsage(prompt=sum(row.prompt_tokens or 0 for row in rows),
+                      cached=sum(row.cached_tokens or 0 for row in rows),
+                      completion=sum(row.completion_tokens or 0 for row in rows),
+                      engine_seconds=round(sum(row.engine_seconds for row in rows), 3))
+
+
+def add_usage_by_name(parts: Sequence[dict[str, TokenUsage]]) -> dict[str, TokenUsage]:
+    """Per-name usages summed over parts (shards), names sorted."""
+    total: dict[str, TokenUsage] = {}
+    for part in parts:
+        for name, usage in part.items():
+            total[name] = total.get(name, TokenUsage()) + usage
+    return dict(sorted(total.items()))
 
 
 def save_shard_result(store: ObjectStore, layout: JobLayout, result: ShardResult) -> ShardResult:

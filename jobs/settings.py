@@ -93,6 +93,12 @@ ENVIRONMENT_NAMES = {
     "default_tenant_max_priority": "BULKINFER_DEFAULT_TENANT_MAX_PRIORITY",
     "max_shard_size": "BULKINFER_MAX_SHARD_SIZE",
     "max_shard_tokens": "BULKINFER_MAX_SHARD_TOKENS",
+    # LoRA adapters (jobs/lora_adapters.py) and the engines' LoRA limits (vLLM's names).
+    "lora_adapters": "BULKINFER_LORA_ADAPTERS",
+    "enable_lora": "BULKINFER_ENABLE_LORA",
+    "max_loras": "BULKINFER_MAX_LORAS",
+    "max_lora_rank": "BULKINFER_MAX_LORA_RANK",
+    "max_cpu_loras": "BULKINFER_MAX_CPU_LORAS",
 }
 
 
@@ -181,6 +187,14 @@ class Settings(BaseModel):
     default_tenant_max_priority: int = Field(DEFAULT_TENANT_MAX_PRIORITY, ge=0, le=9)
     max_shard_size: int = Field(DEFAULT_MAX_SHARD_SIZE, ge=1)
     max_shard_tokens: int = Field(DEFAULT_MAX_SHARD_TOKENS, ge=1)
+    # LoRA adapters by name (JSON {name: location}, or name=location,...: jobs/lora_adapters.py), and
+    # the engines' LoRA settings over engine_options' own. enable_lora None: on when adapters are
+    # registered (a job may then also give an adapter by location).
+    lora_adapters: str | None = None
+    enable_lora: bool | None = None
+    max_loras: int | None = Field(None, ge=1)  # adapters in one engine step
+    max_lora_rank: int | None = Field(None, ge=1)
+    max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (least recently used out)
 
     @field_validator("max_completion_window")
     @classmethod
@@ -204,8 +218,16 @@ class Settings(BaseModel):
         parse_tenant_max_priority(value)
         return value
 
+    @field_validator("lora_adapters")
+    @classmethod
+    def _adapters_parse(cls, value: str | None) -> str | None:
+        from jobs.lora_adapters import AdapterRegistry
+
+        AdapterRegistry.parse(value)
+        return value
+
     @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes",
-                     "tenant_max_priority", "model_aliases", mode="before")
+                     "tenant_max_priority", "model_aliases", "lora_adapters", mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
@@ -291,14 +313,28 @@ class Settings(BaseModel):
 
         return secret_values([self.api_keys, self.admin_api_keys, self.webhook_secret])
 
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engines serve LoRA adapters: `enable_lora`, else whether any is registered."""
+        from jobs.lora_adapters import AdapterRegistry
+
+        if self.enable_lora is not None:
+            return self.enable_lora
+        return bool(AdapterRegistry.parse(self.lora_adapters))
+
     def engine_options_dict(self) -> dict[str, Any]:
-        """`engine_options` with the `dtype`, `speculative_config` and `tensor_parallel_size` settings
-        over its own, when set."""
+        """`engine_options` with the `dtype`, `speculative_config`, `tensor_parallel_size` and LoRA
+        settings over its own, when set."""
         options = json.loads(self.engine_options) if self.engine_options else {}
         if self.speculative_config:
             options["speculative_config"] = json.loads(self.speculative_config)
         if self.tensor_parallel_size is not None:
             options["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.enable_lora is not None or self.lora_enabled:
+            options["enable_lora"] = self.lora_enabled
+        for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+            if getattr(self, name) is not None:
+                options[name] = getattr(self, name)
         return {**options, "dtype": self.dtype} if self.dtype else options
 
     def priority_caps(self) -> dict[str, int]:
@@ -346,7 +382,7 @@ class Settings(BaseModel):
     def model_registry(self) -> ModelRegistry:
         from jobs.model_registry import ModelRegistry
 
-        return ModelRegistry.parse(self.models, self.model_aliases)
+        return ModelRegistry.parse(self.models, self.model_aliases, self.lora_adapters)
 
     def repository(self) -> JobRepository:
         from jobs.repository import JobRepository

@@ -5,10 +5,12 @@ flags of the settings it uses, named after the field (`broker_url` → `--broker
 from __future__ import annotations
 
 import argparse
+import json
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args, get_origin
 
-from jobs.settings import ENVIRONMENT_NAMES, Settings
+from jobs.lora_adapters import Adapter, AdapterRegistry, lora_flags_text
+from jobs.settings import ENVIRONMENT_NAMES, ConfigError, Settings
 
 HELP = {
     "broker_url": "Redis URL of the broker and job state",
@@ -61,7 +63,16 @@ HELP = {
     "max_shard_tokens": "most estimated tokens (prompt + max_tokens x n a row) in a shard (default 1000000)",
     "share_prefix_cache_across_tenants": "true: one prefix cache for every tenant (default: one per tenant, "
                                          "so cached_tokens tells no tenant what another sent)",
+    "lora_adapters": "LoRA adapters by name: JSON {name: folder or s3://…} (or {name: {location, model}}) "
+                     "or name=location,… (--lora adds one)",
+    "enable_lora": "true: engines serve LoRA adapters, also ones a job gives by location (default: "
+                   "true when any is registered)",
+    "max_loras": "LoRA adapters one engine step mixes (the engine's default: 1)",
+    "max_lora_rank": "the highest LoRA rank served (the engine's default: 16)",
+    "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted",
 }
+# The engines' LoRA settings, taken by every command that runs engines (serve worker, up, run).
+LORA_SETTINGS = ("lora_adapters", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "speculative_config", "tensor_parallel_size",
@@ -72,7 +83,7 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
-                   "max_shard_size", "max_shard_tokens")
+                   "max_shard_size", "max_shard_tokens", *LORA_SETTINGS)
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 
@@ -102,9 +113,40 @@ def add_settings_arguments(parser: argparse.ArgumentParser, fields: Iterable[str
         flags = [f"--{field.replace('_', '-')}", *ALIASES.get(field, [])]
         group.add_argument(*flags, dest=field, type=_flag_type(field), default=None, choices=_choices(field),
                            help=f"{HELP.get(field, field)} (${ENVIRONMENT_NAMES[field]})")
+        if field == "lora_adapters":
+            add_lora_flag(group)
+
+
+def add_lora_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """`--lora NAME=LOCATION` (repeatable): registers one LoRA adapter, besides `lora_adapters`'."""
+    parser.add_argument("--lora", action="append", dest="lora_flags", metavar="NAME=LOCATION", default=None,
+                        help="register a LoRA adapter (repeatable): a PEFT folder or s3://… prefix")
+
+
+def lora_adapters_override(args: argparse.Namespace, settings: Settings | None = None) -> str | None:
+    """The `lora_adapters` a command line gives: `--lora-adapters`, else `settings`' (the environment
+    or config file), with each `--lora NAME=LOCATION` added over them; None when it gives none."""
+    flags = getattr(args, "lora_flags", None)
+    base = getattr(args, "lora_adapters", None) or (settings.lora_adapters if settings is not None else None)
+    if not flags:
+        return getattr(args, "lora_adapters", None)
+    added = json.loads(lora_flags_text(flags) or "{}")
+    registered = {adapter.name: _adapter_entry(adapter) for adapter in AdapterRegistry.parse(base).all()}
+    return json.dumps({**registered, **added})
+
+
+def _adapter_entry(adapter: Adapter) -> str | dict[str, str]:
+    if adapter.model is None:
+        return adapter.location
+    return {"location": adapter.location, "model": adapter.model}
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
     """Settings for a parsed command line; raises `ConfigError` naming a bad key or value."""
     overrides = {field: getattr(args, field) for field in ENVIRONMENT_NAMES if hasattr(args, field)}
+    if getattr(args, "lora_flags", None):  # --lora flags add to the adapters the environment or file gives
+        try:
+            overrides["lora_adapters"] = lora_adapters_override(args, Settings.from_env(config=args.config))
+        except ValueError as error:  # a malformed --lora
+            raise ConfigError(str(error)) from None
     return Settings.from_env(config=args.config, **overrides)

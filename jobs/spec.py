@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
 from jobs.embedding import Pooling
+from jobs.lora_adapters import is_adapter_location
 from jobs.object_store.factory import split_uri
 from jobs.response_format import ResponseFormat
 from jobs.sampling import JobSampling
@@ -83,7 +84,8 @@ def _task_schema(schema: dict[str, Any]) -> None:
     schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
     schema["then"] = {"properties": {
         "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
-        "sampling_column": nothing, "sampling": {"type": "object", "additionalProperties": nothing}}}
+        "sampling_column": nothing, "lora": nothing, "lora_column": nothing,
+        "sampling": {"type": "object", "additionalProperties": nothing}}}
     schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False},
                                      "max_length": nothing, "pooling": nothing, "normalize": nothing}}
 
@@ -132,6 +134,12 @@ class JobSpec(BaseModel):
     sampling_column: str | None = Field(None, description="per-row sampling overrides (an object)")
     response_format: ResponseFormat | None = None
     response_format_column: str | None = Field(None, description="per-row response_format (an object)")
+    lora: str | None = Field(None, min_length=1, max_length=2048, description="the LoRA adapter every row "
+                             "runs on: a name registered on the model (GET /models lists them), or the "
+                             "adapter's folder as s3://bucket/prefix (a local path: in a local job store)")
+    lora_column: str | None = Field(None, description="per-row LoRA adapter: a registered name; null or "
+                                    "empty: the job's lora, else the base model. An unknown name is that "
+                                    "row's unknown_lora error")
 
     output_uri: str | None = Field(None, description="where output parts go; default: the job's folder",
                                    json_schema_extra={"pattern": URI_PATTERN})
@@ -210,6 +218,13 @@ class JobSpec(BaseModel):
     def _webhook_is_http(cls, value: str | None) -> str | None:
         return check_webhook_url(value) if value is not None else None
 
+    @field_validator("lora")
+    @classmethod
+    def _lora_location_is_openable(cls, value: str | None) -> str | None:
+        if value is not None and is_adapter_location(value):
+            split_uri(value)  # raises ValueError saying what is wrong
+        return value
+
     @field_validator("template")
     @classmethod
     def _template_parses(cls, value: str | None) -> str | None:
@@ -248,6 +263,10 @@ class JobSpec(BaseModel):
                                  "omit prompt_column, messages_column and template")
             if self.id_column:
                 raise ValueError("id_column: OpenAI batch rows are identified by custom_id; omit id_column")
+            for name in ("lora", "lora_column"):
+                if getattr(self, name):
+                    raise ValueError(f"{name}: OpenAI batch lines choose their adapter by body.model "
+                                     "(a registered adapter's name); omit it")
         elif len(mapping) > 1:
             raise ValueError(f"give exactly one of prompt_column, messages_column or template, not "
                              f"{' and '.join(mapping)}")
@@ -255,6 +274,9 @@ class JobSpec(BaseModel):
             raise ValueError(f"{self.input_format.value} input needs exactly one of prompt_column, "
                              "messages_column or template")
         self._fits_the_task()
+        if (self.lora or self.lora_column) and "lora" in self.passthrough_columns:
+            raise ValueError("passthrough_columns: 'lora' would collide with the output column naming each "
+                             "row's LoRA adapter")
         if self.effective_output_format == InputFormat.OPENAI_BATCH and self.passthrough_columns:
             raise ValueError("passthrough_columns: OpenAI batch output lines have no room for extra columns")
         return self
@@ -279,6 +301,8 @@ class JobSpec(BaseModel):
             "response_format": "an embed job writes vectors, not JSON text",
             "response_format_column": "an embed job writes vectors, not JSON text",
             "sampling_column": "an embed job samples nothing",
+            "lora": "an embed job runs no LoRA adapter",
+            "lora_column": "an embed job runs no LoRA adapter",
         }
         for name, why in refused.items():
             if getattr(self, name) is not None:
@@ -302,7 +326,7 @@ class JobSpec(BaseModel):
     def input_columns(self) -> list[str]:
         """Every column a row is read from (for reading only those columns of a Parquet file)."""
         columns = [self.id_column, self.prompt_column, self.messages_column, self.sampling_column,
-                   self.response_format_column]
+                   self.response_format_column, self.lora_column]
         template = self.prompt_template
         named = [c for c in columns if c] + (template.columns if template else []) + self.passthrough_columns
         return list(dict.fromkeys(named))

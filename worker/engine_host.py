@@ -20,7 +20,7 @@ from functools import partial
 
 import torch
 
-from engine import ErrorKind, LLMEngine, RequestOutput, SamplingParams
+from engine import ErrorKind, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from engine.dtype_choice import DtypeChoice
 from engine.outputs import CompletionOutput
 from worker.crash_isolation import CrashIsolation
@@ -39,6 +39,12 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0  # lower runs sooner (the engine's convention), with scheduling_policy="priority"
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs on; None: the base model
+
+
+# `error_kind` of a request whose LoRA adapter the engine refused (rank, shapes, LoRA off): the
+# engine raises for it at add_request, and it becomes the row's `invalid_lora` error, not a crash.
+LORA_REFUSED = "lora_refused"
 
 
 class Submission(HostSubmission[RequestOutput]):
@@ -176,12 +182,17 @@ class _Requests:
 
     def _add(self, engine: LLMEngine, request_id: str) -> None:
         add = self.accepted[request_id]
+        lora = {"lora_request": add.request.lora_request} if add.request.lora_request is not None else {}
         try:
             engine.add_request(request_id, add.request.prompt, add.request.params,
-                               priority=add.request.priority, cache_salt=add.request.cache_salt)
+                               priority=add.request.priority, cache_salt=add.request.cache_salt, **lora)
         except Exception as error:  # noqa: BLE001 - a caller bug for this request only
             del self.accepted[request_id]
-            add.future.set_exception(error)
+            if lora and isinstance(error, ValueError):  # LoRAAdapterError, or LoRA off: the row's error
+                add.future.set_result(_unrun_output(request_id, add.request, "error", str(error),
+                                                    LORA_REFUSED))
+            else:
+                add.future.set_exception(error)
         else:
             self.in_engine.add(request_id)
 
@@ -218,12 +229,14 @@ class _Requests:
             self._add(engine, request_id)
 
 
-def _unrun_output(request_id: str, request: EngineRequest, reason: str, error: str | None) -> RequestOutput:
-    """The output of a request that ended outside the engine: failed (`error`) or aborted."""
+def _unrun_output(request_id: str, request: EngineRequest, reason: str, error: str | None,
+                  kind: ErrorKind | str | None = None) -> RequestOutput:
+    """The output of a request that ended outside the engine: failed (`error`, of `kind`) or aborted."""
     prompt_ids = [] if isinstance(request.prompt, str) else list(request.prompt)
     samples = [CompletionOutput(index, "", [], reason) for index in range(request.params.n)]
     text = request.prompt if isinstance(request.prompt, str) else None
-    kind = ErrorKind.ENGINE_FAILURE if error is not None else None  # it crashed the engine, or it died
+    if kind is None and error is not None:  # it crashed the engine, or it died
+        kind = ErrorKind.ENGINE_FAILURE
     return RequestOutput(request_id=request_id, prompt=text, prompt_token_ids=prompt_ids, text="",
                          token_ids=[], finish_reason=reason, error=error, num_prompt_tokens=len(prompt_ids),
                          num_cached_tokens=0, num_completion_tokens=0, metrics=None, outputs=samples,

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from engine import ErrorKind, RequestOutput, SamplingParams, SamplingParamsError
+from engine import ErrorKind, LoRARequest, RequestOutput, SamplingParams, SamplingParamsError
 from engine.chat import ChatTemplateError, chat_token_ids
 from engine.token_bytes import TokenBytes
 from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob, expired_row
@@ -32,9 +32,11 @@ from jobs.response_format import engine_response_format
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
 from worker import metrics
-from worker.engine_host import EngineRequest, Submission
+from worker.engine_host import LORA_REFUSED, EngineRequest, Submission
+from worker.lora_requests import AdapterRefused
 
 if TYPE_CHECKING:
+    from worker.lora_requests import AdapterRequests
     from worker.model_hosts import HostedModel
 
 ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
@@ -143,6 +145,8 @@ class PromptRenderer:
 
 def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
     """The row error code for an engine rejection or failure, from its `error_kind`."""
+    if kind == LORA_REFUSED:
+        return RowErrorCode.INVALID_LORA
     try:
         return ROW_CODES[ErrorKind(kind)] if kind is not None else RowErrorCode.ENGINE_ERROR
     except (ValueError, KeyError):  # a kind this worker does not know yet
@@ -170,12 +174,22 @@ def deterministic(params: SamplingParams) -> bool:
 def request_key(request: EngineRequest) -> str:
     """Two requests with the same key compute the same output (when `deterministic`)."""
     params = json.dumps(dataclasses.asdict(request.params), sort_keys=True, default=repr)
-    return f"{list(request.prompt)!r}|{params}"
+    lora = request.lora_request
+    return f"{list(request.prompt)!r}|{params}" + (f"|lora:{lora.lora_name}" if lora is not None else "")
 
 
 def request_digest(request: EngineRequest) -> bytes:
     """`request_key` in 16 bytes: what a run remembers per distinct row."""
     return hashlib.sha256(request_key(request).encode("utf-8", "surrogatepass")).digest()[:16]
+
+
+def row_adapter(row: Row, adapters: AdapterRequests | None) -> LoRARequest | None:
+    """The row's LoRA adapter for the engine (None: the base); raises `AdapterRefused`."""
+    if row.lora is None:
+        return None
+    if adapters is None:
+        raise AdapterRefused(RowErrorCode.INVALID_LORA, "this model is hosted without LoRA adapters")
+    return adapters.for_row(row)
 
 
 class PreparedBatch:
@@ -190,7 +204,7 @@ class PreparedBatch:
 
     def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, adapters: AdapterRequests | None = None) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         self._renderer = renderer
         prepared: list[PreparedRow] = []
@@ -206,8 +220,9 @@ class PreparedBatch:
                 continue
             try:
                 params = engine_sampling(item.sampling, item.response_format)
-                request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt)
-            except RowRejected as rejected:
+                lora = row_adapter(item, adapters)
+                request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt, lora)
+            except (RowRejected, AdapterRefused) as rejected:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
             if deduplicate and deterministic(params):
@@ -238,11 +253,13 @@ class PreparedBatch:
         outcomes of the run's earlier batches, by run position, for rows that copy one of them)."""
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
+        lora_at: dict[int, str | None] = {}
         for entry, result in zip(self._prepared, results, strict=True):
-            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer)
-            result_at[entry.position] = result
+            lora = entry.request.lora_request.lora_name if entry.request.lora_request is not None else None
+            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer, lora)
+            result_at[entry.position], lora_at[entry.position] = result, lora
         for position, row, source in self._copies:
-            copy = output_row(row, result_at[source], expired, self._renderer)
+            copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source])
             outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         for position, row, source in self._earlier_copies:
@@ -255,11 +272,11 @@ class PreparedBatch:
 
 
 def output_row(row: Row, result: RequestOutput, expired: bool = False,
-               renderer: PromptRenderer | None = None) -> OutputRow:
+               renderer: PromptRenderer | None = None, lora: str | None = None) -> OutputRow:
     """The row's outcome: every sample as a choice, or the engine's error when any sample failed
     (a grammar that does not compile fails them all; an aborted request aborts them all, and is
     `expired` when the job's deadline aborted it). `renderer` names the first prompt token of a
-    row that scored its prompt."""
+    row that scored its prompt; `lora`: the adapter it ran on, for its usage."""
     outputs = list(getattr(result, "outputs", None) or [])
     reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
     failed = next((reason for reason in reasons if reason in FAILED), None)
@@ -277,12 +294,13 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False,
     metrics_ = getattr(result, "metrics", None)
     drafted = tuple(getattr(metrics_, "spec_drafted_per_position", ()))
     accepted = tuple(getattr(metrics_, "spec_accepted_per_position", ()))
-    return OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
-                                  cached_tokens=result.num_cached_tokens,
-                                  completion_tokens=result.num_completion_tokens,
-                                  engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
-                                  drafted_per_position=drafted, accepted_per_position=accepted,
-                                  prompt_logprobs=_prompt_logprobs(result, renderer))
+    completed = OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
+                                       cached_tokens=result.num_cached_tokens,
+                                       completion_tokens=result.num_completion_tokens,
+                                       engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
+                                       drafted_per_position=drafted, accepted_per_position=accepted,
+                                       prompt_logprobs=_prompt_logprobs(result, renderer))
+    return dataclasses.replace(completed, lora=lora) if lora is not None else completed
 
 
 def _prompt_logprobs(result: RequestOutput, renderer: PromptRenderer | None) -> PromptLogprobs | None:
@@ -313,7 +331,7 @@ class EngineRun:
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
                  cache_salt: str | None = None) -> None:
         self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, known, offset,
-                                       cache_salt=cache_salt)
+                                       cache_salt=cache_salt, adapters=hosted.adapters)
         self.rows = len(items)
         self._model = hosted.name
         requests = self._prepared.requests

@@ -180,7 +180,7 @@ def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
     with _input_errors_fail_the_job(spec.input_uri):
         return mark_copies(store, key, spec, plan_within_bounds(context.settings, store, key, spec),
-                           max_keys=context.settings.dedup_max_keys)
+                           max_keys=context.settings.dedup_max_keys, registry=context.registry)
 
 
 def finalize_job(context: WorkerContext, job_id: str) -> dict[str, Any]:

@@ -98,6 +98,14 @@ def _downloaded_file(location: str, cache_dir: Path, endpoint_url: str | None) -
 
 
 def _downloaded(location: str, cache_dir: Path, endpoint_url: str | None) -> Path:
+    return downloaded_folder(location, cache_dir, endpoint_url, "config.json", "model")
+
+
+def downloaded_folder(location: str, cache_dir: Path, endpoint_url: str | None, required: str,
+                      what: str) -> Path:
+    """The folder of objects under the `s3://…` prefix `location`, downloaded once into `cache_dir`
+    and reused after that; `ModelUnavailable` when it cannot be fetched or lacks the file `required`
+    (`what`: the model, or a LoRA adapter, for the message)."""
     prefix_uri = location.rstrip("/") + "/"
     digest = hashlib.sha256(prefix_uri.encode()).hexdigest()[:16]
     target = cache_dir / f"{prefix_uri.rstrip('/').rsplit('/', 1)[-1]}-{digest}"
@@ -119,8 +127,8 @@ def _downloaded(location: str, cache_dir: Path, endpoint_url: str | None) -> Pat
             with store.open_read(info.key) as source, open(destination, "wb") as sink:
                 shutil.copyfileobj(source, sink, COPY_CHUNK)
             count += 1
-        if not (staging / "config.json").is_file():
-            raise ModelUnavailable(f"no model at {location}: {count} object(s) there, none is config.json")
+        if not (staging / required).is_file():
+            raise ModelUnavailable(f"no {what} at {location}: {count} object(s) there, none is {required}")
         (staging / COMPLETE_MARKER).write_text(location)
         if target.exists():  # an unfinished earlier download, or another process won the race
             if (target / COMPLETE_MARKER).is_file():
@@ -137,6 +145,6 @@ def _downloaded(location: str, cache_dir: Path, endpoint_url: str | None) -> Pat
     except Exception as error:
         if is_transient(error):  # the store is down for a moment: the task retries
             raise
-        raise ModelUnavailable(f"cannot download the model at {location}: {error}") from error
+        raise ModelUnavailable(f"cannot download the {what} at {location}: {error}") from error
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -25,6 +25,7 @@ from worker.embed_host import EmbedHost
 from worker.embedding_size import checkpoint_dimension
 from worker.engine_host import EngineHost
 from worker.engine_rows import PromptRenderer
+from worker.lora_requests import AdapterRequests
 from worker.model_cache import model_cache_dir
 from worker.model_files import local_model_dir
 from worker.tuning import machine_signature, tuned_engine_options
@@ -54,6 +55,7 @@ class HostedModel:
     directory: Path
     host: EngineHost | EmbedHost
     renderer: PromptRenderer
+    adapters: AdapterRequests | None = None  # its rows' LoRA adapters (a generating model's)
 
     @property
     def is_embedding(self) -> bool:
@@ -117,7 +119,11 @@ class ModelHosts:
             host = EngineHost(lambda: LLMEngine(config), name=name)
         host.start()
         logger.info("loading model %s from %s", name, directory)
-        return HostedModel(name, directory, host, renderer)
+        adapters = None
+        if isinstance(host, EngineHost):
+            adapters = AdapterRequests(name, self.registry, self.cache_dir or model_cache_dir(),
+                                       endpoint_url=self.s3_endpoint_url)
+        return HostedModel(name, directory, host, renderer, adapters)
 
     def engine_config(self, directory: Path) -> EngineConfig:
         """The model's engine settings: the explicit `engine_options` over `bulkinfer tune`'s for this

@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from jobs.errors import InputError
 from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
-from jobs.settings_args import add_settings_arguments, settings_from_args
+from jobs.settings_args import LORA_SETTINGS, add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
 from jobs.task_args import TASK_FIELDS, add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "tensor_parallel_size",
-                "model_cache", "s3_endpoint_url")
+                "model_cache", "s3_endpoint_url", *LORA_SETTINGS)
 FORMATS = [value.value for value in InputFormat]
 
 
@@ -75,6 +75,10 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passthrough", action="append", dest="passthrough_columns", metavar="COLUMN",
                         help="copy this input column to the output (repeatable)")
     parser.add_argument("--input-format", choices=FORMATS, help="default: detected from the file")
+    parser.add_argument("--adapter", dest="lora", metavar="NAME", help="the LoRA adapter every row runs on "
+                        "(the job's lora): a name --lora registers, or the adapter's folder")
+    parser.add_argument("--lora-column", help="the column naming each row's LoRA adapter (empty: --adapter, "
+                        "else the base model)")
     add_task_arguments(parser)
     sampling = parser.add_argument_group("sampling (the job's defaults; rows may override them)")
     for name, field in JobSampling.model_fields.items():
@@ -99,7 +103,7 @@ def spec_from_args(args: argparse.Namespace, model_name: str) -> JobSpec:
     data["input_uri"] = args.input if "://" in args.input else str(Path(args.input).expanduser().resolve())
     data["model"] = model_name
     for name in ("prompt_column", "messages_column", "template", "instructions", "id_column",
-                 "passthrough_columns", "input_format", *TASK_FIELDS):
+                 "passthrough_columns", "input_format", "lora", "lora_column", *TASK_FIELDS):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)
     sampling = {name: getattr(args, f"sampling_{name}") for name in JobSampling.model_fields

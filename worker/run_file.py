@@ -19,6 +19,7 @@ from pathlib import Path
 from jobs.formats.detect import resolve_spec
 from jobs.formats.readers import read_shard_rows
 from jobs.formats.rows import Row, RowError
+from jobs.lora_adapters import Adapter, AdapterRegistry
 from jobs.model_registry import ModelRegistry
 from jobs.object_store.base import ObjectStore
 from jobs.object_store.factory import store_for_uri
@@ -143,7 +144,11 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     skipped = output.progress.rows_done
     if skipped:
         say(f"resuming {output_path}: {skipped} rows already done, skipping them")
-    hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}), settings.engine_options_dict(),
+    # Every registered adapter runs on the one model of a run, whatever model it is registered on.
+    adapters = AdapterRegistry(Adapter(adapter.name, adapter.location)
+                               for adapter in AdapterRegistry.parse(settings.lora_adapters).all())
+    hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}, adapters=adapters),
+                       settings.engine_options_dict(),
                        s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
     try:
         hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)

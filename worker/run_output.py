@@ -211,12 +211,13 @@ def combine_parquet(parts: Sequence[Path], output: Path, spec: JobSpec) -> None:
     import pyarrow.parquet as pq
 
     from jobs.formats.embedding_writer import embedding_table
-    from jobs.formats.parquet_writer import output_table
+    from jobs.formats.parquet_writer import may_have_lora, output_table
     from jobs.formats.parts import includes_json_column
 
     schemas = [pq.read_schema(part) for part in parts]
     empty = (embedding_table([], spec) if spec.is_embed else
-             output_table([], includes_json_column(spec), spec.passthrough_columns))
+             output_table([], includes_json_column(spec), spec.passthrough_columns,
+                          include_lora=may_have_lora(spec)))
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else empty.schema
     descriptor, temp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.close(descriptor)

@@ -39,7 +39,7 @@ COMMANDS: dict[str, Command] = {
                     "write the fastest for its workers", "worker"),
     "bench": Command("benchmarks.cli:main",
                      "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults` | `spec` | "
-                     "`batch-apis`",
+                     "`batch-apis` | `embed` | `lora`",
                      "worker"),
     "serve api": Command("api.cli.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)",
                          "server"),

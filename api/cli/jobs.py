@@ -205,6 +205,10 @@ def submit(argv: list[str]) -> int:
     mapping.add_argument("--messages-column", help="the column holding each row's chat messages")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column holding row ids (default: the row's index)")
+    parser.add_argument("--lora", help="the LoRA adapter every row runs on: a name registered on the model "
+                        "(GET /models lists them) or the adapter's s3:// folder")
+    parser.add_argument("--lora-column", help="the column naming each row's LoRA adapter (empty: --lora, "
+                        "else the base model)")
     add_task_arguments(parser)
     parser.add_argument("--max-tokens", type=int, help="sampling.max_tokens")
     parser.add_argument("--temperature", type=float, help="sampling.temperature")
@@ -317,8 +321,8 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
     elif args.json_object:
         spec["response_format"] = {"type": "json_object"}
     for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
-                  "output_uri", "output_format", "shard_size", "priority", "idempotency_key", "webhook_url",
-                  "completion_window", *TASK_FIELDS):
+                  "lora", "lora_column", "output_uri", "output_format", "shard_size", "priority",
+                  "idempotency_key", "webhook_url", "completion_window", *TASK_FIELDS):
         value = getattr(args, field)
         if value is not None:
             spec[field] = value

@@ -61,6 +61,7 @@ class StackOptions:
     api_keys: str | None = None  # the API's keys per tenant (api/auth.py); None: an open API
     admin_api_keys: str | None = None
     model_aliases: str | None = None  # JSON {alias: served model}, for batch files naming other models
+    lora_adapters: str | None = None  # the LoRA adapters served (the lora_adapters setting's text)
     # The user's settings as variables (`Settings.to_env()`), under the stack's own, for the worker
     # child: lease TTL, model cache, limits, … from the config file or the flags.
     environment: dict[str, str] = field(default_factory=dict)
@@ -180,7 +181,8 @@ class Stack:
             self.settings = Settings(broker_url=broker_url, store_uri=str(self.home / "store"),
                                      models=json.dumps(models), api_keys=options.api_keys,
                                      admin_api_keys=options.admin_api_keys,
-                                     model_aliases=options.model_aliases)
+                                     model_aliases=options.model_aliases,
+                                     lora_adapters=options.lora_adapters)
             self._start_worker(self.settings)
             self._server = ServerThread(create_app(self.settings), host=options.host, port=port).start()
             self.url = self._server.url

@@ -23,6 +23,7 @@ from jobs.demo_data import (
     sample_jsonl,
 )
 from jobs.settings import ConfigError, Settings
+from jobs.settings_args import add_lora_flag, lora_adapters_override
 from jobs.status import JobState, JobStatus
 
 PRESETS = ["tiny", "small"]
@@ -71,13 +72,17 @@ def up(argv: list[str]) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, metavar="N",
                         help="devices the worker's engine spans, the model split across them (default: "
                         "the tensor_parallel_size setting, else 1)")
+    add_lora_flag(parser)
     args = parser.parse_args(argv)
     try:
         settings = Settings.from_env(config=args.config, api_host=args.host, api_port=args.port,
                                      dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
                                      api_keys=args.api_keys,
                                      admin_api_keys=args.admin_api_keys)
-    except ConfigError as error:
+        if args.lora_flags:
+            settings = settings.model_copy(update={"lora_adapters": lora_adapters_override(args, settings)})
+            settings = Settings.model_validate(settings.model_dump())  # the adapters checked as any setting
+    except (ConfigError, ValueError) as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
         return 2
     try:
@@ -86,7 +91,7 @@ def up(argv: list[str]) -> int:
                                engine_options=settings.engine_options_dict(),
                                models=_served_models(args, settings), api_keys=settings.api_keys,
                                admin_api_keys=settings.admin_api_keys, model_aliases=settings.model_aliases,
-                               environment=settings.to_env())
+                               lora_adapters=settings.lora_adapters, environment=settings.to_env())
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)

@@ -68,6 +68,10 @@ class Client:
         """The model names this deployment serves."""
         return list(self._transport.request("GET", "/models", idempotent=True).json()["models"])
 
+    def lora_adapters(self) -> dict[str, list[str]]:
+        """Each served model's LoRA adapters by name (models without any are left out)."""
+        return dict(self._transport.request("GET", "/models", idempotent=True).json().get("adapters", {}))
+
     def health(self) -> dict[str, Any]:
         """The health report; `ApiError` (503) when a backing service is down."""
         return dict(self._transport.request("GET", "/healthz", idempotent=False).json())
@@ -115,6 +119,10 @@ class AsyncClient:
     async def models(self) -> list[str]:
         response = await self._transport.request("GET", "/models", idempotent=True)
         return list(response.json()["models"])
+
+    async def lora_adapters(self) -> dict[str, list[str]]:
+        response = await self._transport.request("GET", "/models", idempotent=True)
+        return dict(response.json().get("adapters", {}))
 
     async def usage(self, *, since: datetime | None = None, until: datetime | None = None,
                     tenant: str | None = None, model: str | None = None) -> UsageReport:

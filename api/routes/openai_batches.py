@@ -62,12 +62,19 @@ def cancel(batch_id: str, context: Context, caller: CallerDep) -> dict[str, Any]
 
 @router.get("/models", summary="The served models (OpenAI's or, with anthropic-version, Anthropic's shape)")
 def list_models(request: Request, context: Context) -> dict[str, Any]:
-    """Every served model and alias. Anthropic's SDK sends `anthropic-version`: its shape then."""
-    names = sorted({*context.registry.names(), *context.registry.aliases()})
+    """Every served model and alias, then each LoRA adapter (OpenAI's shape: with its base model as
+    `parent`, as vLLM's server lists them). Anthropic's SDK sends `anthropic-version`: its shape then."""
+    registry = context.registry
+    names = sorted({*registry.names(), *registry.aliases()})
+    adapters = sorted({adapter for base in registry.names() for adapter in registry.adapters_of(base)})
     if request.headers.get("anthropic-version"):
+        names += adapters
         epoch = datetime.fromtimestamp(0, UTC).isoformat().replace("+00:00", "Z")
         data = [{"type": "model", "id": name, "display_name": name, "created_at": epoch} for name in names]
         return {"data": data, "has_more": False, "first_id": names[0] if names else None,
                 "last_id": names[-1] if names else None}
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "bulkinfer"}
-                                       for name in names]}
+    models = [{"id": name, "object": "model", "created": 0, "owned_by": "bulkinfer"} for name in names]
+    # An adapter on one served model names it as parent; one on several has none (name it per job).
+    models += [{"id": adapter, "object": "model", "created": 0, "owned_by": "bulkinfer",
+                "parent": registry.adapter_parent(adapter)} for adapter in adapters]
+    return {"object": "list", "data": models}

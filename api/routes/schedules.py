@@ -18,6 +18,7 @@ from api.errors import HttpError
 from api.schemas import ERROR_RESPONSES
 from api.submission import (
     check_completion_window,
+    check_lora,
     check_priority,
     check_webhook,
     check_where,
@@ -97,6 +98,7 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     probe = JobSpec.model_validate({**spec.job, "input_uri": TEMPLATE_PROBE_URI})
     check_priority(context, spec.tenant, probe.priority)
     check_completion_window(context, probe)
+    check_lora(context, probe.model_copy(update={"tenant": spec.tenant}))  # its ticks' jobs skip POST /jobs
     _check_input(context, spec)
     schedules = _repository(context)
     return schedules.view(schedules.create(spec))

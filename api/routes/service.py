@@ -23,6 +23,11 @@ def healthz(request: Request, context: Context) -> Health | JSONResponse:
     return result
 
 
-@router.get("/models", response_model=ModelList, summary="The models this deployment serves")
+# `adapters` is left out when no model has any: a deployment without LoRA answers as it always did.
+@router.get("/models", response_model=ModelList, response_model_exclude_defaults=True,
+            summary="The models this deployment serves, and their LoRA adapters")
 def list_models(context: Context) -> ModelList:
-    return ModelList(models=context.registry.names())
+    registry = context.registry
+    adapters = {name: registry.adapters_of(name) for name in registry.names()}
+    return ModelList(models=registry.names(),
+                     adapters={name: names for name, names in adapters.items() if names})

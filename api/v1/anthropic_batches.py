@@ -4,7 +4,8 @@ A batch's requests arrive inline; each becomes a line `{custom_id, method, url: 
 body: params}` of the job's input (OpenAI-batch JSONL, the format whose row builder reads Messages
 bodies: jobs/formats/anthropic_messages.py), so a request we cannot serve (tools, images, another
 model) is that request's `errored` result and never fails the batch. The job runs one model: the
-first request's (a name in `model_aliases` counts as the model it names).
+first request's (a name in `model_aliases` counts as the model it names, a LoRA adapter's as the
+model it is registered on); a request naming an adapter of it runs on that adapter.
 
 Results are the job's output lines in Anthropic's shape (jobs/formats/anthropic_results.py), plus
 `canceled` for each request a cancelled batch never ran. Anthropic keeps a batch 24 hours: that is
@@ -96,10 +97,11 @@ def _requests(body: object) -> list[dict[str, Any]]:
 
 
 def _batch_model(context: ApiContext, requests: list[dict[str, Any]]) -> str:
-    """The served model of the first request whose model is served (or an alias of one)."""
+    """The served model of the first request whose model is served (or an alias of one, or a LoRA
+    adapter registered on one)."""
     for request in requests:
         try:
-            return context.registry.resolve(request["params"]["model"])
+            return context.registry.resolve_requested(request["params"]["model"])[0]
         except UnknownModel:
             continue
     name = requests[0]["params"]["model"]
@@ -109,10 +111,12 @@ def _batch_model(context: ApiContext, requests: list[dict[str, Any]]) -> str:
 
 def _input_line(context: ApiContext, request: dict[str, Any]) -> bytes:
     params = dict(request["params"])
-    try:  # the served name, so the row builder sees an alias as the model it is
-        params["model"] = context.registry.resolve(params["model"])
+    try:  # the served name, so the row builder sees an alias as the model it is; an adapter's name
+        base, adapter = context.registry.resolve_requested(params["model"])  # stays: it runs on it
+        if adapter is None:
+            params["model"] = base
     except UnknownModel:
-        pass  # the row builder makes it this request's error, naming the batch's model
+        pass  # the worker makes it this request's error, naming the batch's model and its adapters
     line = {"custom_id": request["custom_id"], "method": "POST", "url": MESSAGES_URL, "body": params}
     return (json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 

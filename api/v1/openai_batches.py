@@ -116,20 +116,23 @@ def _file_problems(context: ApiContext, file: FileRecord,
             problems.append(LineProblem(code="mismatched_endpoint", line=line, param="url",
                                         message=f"the request's url {url!r} is not the batch's endpoint "
                                                 f"{endpoint!r}"))
-    models = sorted(summary.models.items(), key=lambda item: item[1])
+    # Each line's model names a served model, an alias, or a LoRA adapter registered on one: a batch
+    # runs one base model, its lines each on the base or one of its adapters.
     model = None
-    if len(models) > 1:
-        (first, first_line), (other, line) = models[0], models[1]
-        problems.append(LineProblem(code="mismatched_model", line=line, param="body.model",
-                                    message=f"every request of a batch must use the same model: line "
-                                            f"{first_line} uses {first!r}, line {line} uses {other!r}"))
-    if models:
-        name, line = models[0]
+    for name, line in sorted(summary.models.items(), key=lambda item: item[1]):
         try:
-            model = context.registry.resolve(name)
+            base, _adapter = context.registry.resolve_requested(name)
         except UnknownModel as error:
             problems.append(LineProblem(code="model_not_found", line=line, param="body.model",
                                         message=str(error)))
+            continue
+        if model is None:
+            model, first, first_line = base, name, line
+        elif base != model:
+            problems.append(LineProblem(code="mismatched_model", line=line, param="body.model",
+                                        message=f"every request of a batch must use the same model (or its "
+                                                f"LoRA adapters): line {first_line} uses {first!r} (model "
+                                                f"{model!r}), line {line} uses {name!r} (model {base!r})"))
     return model, sorted(problems, key=lambda problem: problem.line or 0)
 
 

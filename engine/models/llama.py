@@ -27,6 +27,8 @@ from engine.parallel.plans import llama_plan
 
 if TYPE_CHECKING:
     from engine.cpu_kernels import CpuKernels
+    from engine.lora.rows import LoRARows
+    from engine.lora.slots import LoRASlots
 
 
 class UnsupportedModelError(ValueError):
@@ -224,6 +226,8 @@ class StepRows:
     the row kernel, the rest through torch.mm. Set by the model at the start of each forward."""
 
     single: int = 0
+    # The step's LoRA rows (engine/lora/rows.py), set by the model runner; None: no row has an adapter.
+    lora: LoRARows | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +265,7 @@ class Linear(nn.Linear):
     step_rows: StepRows | None = None  # None: every row is a single-token row (the LM head's rows)
     # forward_fp32's fp32 copy of the weight (and the weight it copies), where no kernel gives fp32 sums
     _fp32_weight: tuple[torch.Tensor, int, torch.Tensor] | None = None
+    lora_slots: LoRASlots | None = None  # adapters' A and B for this projection (engine/lora/slots.py)
 
     def pack_for_onednn(self, batch_hint: int = 64) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
@@ -280,6 +285,14 @@ class Linear(nn.Linear):
         return True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self._base_forward(x)
+        if self.lora_slots is not None:
+            rows = self.lora_slots.step_rows.lora
+            if rows is not None:
+                return self.lora_slots.add_updates(x, out, rows)
+        return out
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_weight is not None and x.dim() == 2:
             return self._by_rows(x)
         if self.packed_weight is not None and x.dim() == 2:
@@ -393,6 +406,8 @@ class Attention(nn.Module):
             out = out.index_select(0, keep.rows)
             # From here on the layer's rows are the kept ones, their single-token rows first.
             self.step_rows.single = keep.num_single
+            if self.step_rows.lora is not None:
+                self.step_rows.lora = self.step_rows.lora.select(keep.rows)
         return self.o_proj(out)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -499,7 +514,9 @@ class LlamaForCausalLM(nn.Module):
         those rows' hidden states only ([len(rows), hidden], ascending), computing the last layer's
         output for them alone."""
         self.step_rows.single = metadata.num_decodes
-        if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.static_decode:
+        # decode_layers.c has no LoRA update: a step with adapter rows takes the PyTorch layers.
+        if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.static_decode \
+                and self.step_rows.lora is None:
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches)
             if layers_out is not None:
                 hidden = self.norm(*layers_out)[0]

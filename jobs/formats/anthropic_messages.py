@@ -4,7 +4,8 @@ Their `body` is a Messages request (`params` of an Anthropic batch request), tur
 `Row`: `system` (a string or text blocks) becomes a leading system message, each message's content
 (a string or text blocks, joined as the chat renderer joins text parts), `max_tokens` (required),
 `temperature`, `top_p`, `top_k` and `stop_sequences` (→ `stop`) map onto the sampling knobs, and
-`metadata` / `service_tier` change nothing. A batch runs one model: `model` must name the job's.
+`metadata` / `service_tier` change nothing. A batch runs one base model: `model` names the job's, or a
+LoRA adapter registered on it (that request then runs on the adapter).
 What we cannot serve (tools, images and documents, thinking, streaming, a prefilled assistant turn,
 any field we do not know) is that request's error naming it, never the job's.
 """
@@ -22,6 +23,7 @@ from jobs.formats.rows import (
     RowProblem,
     first_error_message,
     parse_sampling_overrides,
+    requested_adapter,
     with_instructions_messages,
 )
 from jobs.spec import JobSpec
@@ -56,7 +58,7 @@ class AnthropicMessagesRowBuilder:
 
     def row(self, index: int, custom_id: str, params: dict[str, Any], line: int | None) -> Row:
         _refuse_unserved(params)
-        _check_model(params.get("model"), self.spec.model)
+        lora = _requested_adapter(params.get("model"), self.spec.model)
         messages = _messages(params.get("messages"))
         if params.get("system") is not None:
             messages = [{"role": "system", "content": _text(params["system"], f"{WHERE}.system")}, *messages]
@@ -66,7 +68,8 @@ class AnthropicMessagesRowBuilder:
         except ValidationError as error:
             message = f"{WHERE}: {first_error_message(error)}"
             raise RowProblem(RowErrorCode.INVALID_SAMPLING, message) from None
-        return Row(index, custom_id, None, messages, sampling, self.default_response_format, {}, line)
+        return Row(index, custom_id, None, messages, sampling, self.default_response_format, {}, line,
+                   lora=lora)
 
 
 def _refuse_unserved(params: dict[str, Any]) -> None:
@@ -79,12 +82,14 @@ def _refuse_unserved(params: dict[str, Any]) -> None:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{WHERE}.stream: a batch request cannot stream")
 
 
-def _check_model(model: Any, job_model: str) -> None:
+def _requested_adapter(model: Any, job_model: str) -> str | None:
+    """None for the batch's model; another name must be a LoRA adapter registered on it (the worker
+    checks, and makes any other name this request's `unknown_lora` error)."""
     if model is None:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{WHERE}.model is required")
-    if model != job_model:
-        raise RowProblem(RowErrorCode.INVALID_ROW, f"{WHERE}.model {model!r} is not the batch's model "
-                         f"{job_model!r}: a batch runs one model")
+    if model == job_model:
+        return None
+    return requested_adapter(model, f"{WHERE}.model")
 
 
 def _messages(value: Any) -> list[dict[str, Any]]:

@@ -71,7 +71,7 @@ def _message(record_id: str, body: dict[str, Any], model: str) -> dict[str, Any]
     prompt_tokens = usage.get("prompt_tokens") or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"id": f"msg_{record_id.removeprefix(RECORD_ID_PREFIX)}", "type": "message", "role": "assistant",
-            "model": model, "content": [{"type": "text", "text": text or ""}],
+            "model": body.get("model") or model, "content": [{"type": "text", "text": text or ""}],
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": prompt_tokens - cached,
                       "output_tokens": usage.get("completion_tokens") or 0,

@@ -26,6 +26,8 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
     record["usage"] = None if row.prompt_tokens is None else {
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens}
+    if record["usage"] is not None and row.lora is not None:  # the adapter these tokens ran on
+        record["usage"]["lora"] = row.lora
     record["error"] = None if not row.failed else {"code": row.error_code, "message": row.error_message}
     record.update(row.passthrough)
     return record

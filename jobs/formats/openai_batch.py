@@ -1,12 +1,14 @@
 """OpenAI Batch API input lines: `{"custom_id", "method", "url", "body"}`, accepted unchanged.
 
-The job's `model` runs every line; a line's `body.model` is ignored (files written for OpenAI name
-OpenAI models). A `/v1/messages` line carries an Anthropic Messages request instead
+The job's `model` runs every line; a line's `body.model` naming a LoRA adapter registered on it
+runs the line on that adapter (as vLLM's server does); any other name is ignored (files written for
+OpenAI name OpenAI models; the worker tells the two apart: worker/lora_requests.py). A
+`/v1/messages` line carries an Anthropic Messages request instead
 (`jobs/formats/anthropic_messages.py`: that is how an Anthropic batch runs, and its `model` must be
-the job's). A `custom_id` that appears more than once fails every line after its first, as
-that row's `duplicate_custom_id` error: within a shard as it is read, across shards from the plan
-(`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's plan lists its
-lines that repeat an earlier one).
+the job's or one of its adapters). A `custom_id` that appears more than once fails every line after
+its first, as that row's `duplicate_custom_id` error: within a shard as it is read, across shards
+from the plan (`find_duplicate_custom_ids` scans the whole file once at planning, and each shard's
+plan lists its lines that repeat an earlier one).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jobs.formats.rows import (
     first_error_message,
     parse_response_format,
     parse_sampling_overrides,
+    requested_adapter,
     unreadable_row,
     validate_messages,
     with_instructions_messages,
@@ -128,7 +131,14 @@ class OpenAIBatchRowBuilder:
             parsed = parse_response_format(body["response_format"], "body.response_format")
             response_format = engine_response_format(parsed)
         return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number,
-                   echo=echo)
+                   echo=echo, lora=_line_adapter(body.get("model"), self.spec.model), lora_required=False)
+
+
+def _line_adapter(model: Any, job_model: str) -> str | None:
+    """The adapter a line's `body.model` may name (None: the job's model, or no name at all)."""
+    if not isinstance(model, str) or not model or model == job_model:
+        return None
+    return requested_adapter(model, "body.model")
 
 
 def _check_task(spec: JobSpec, url: str) -> None:

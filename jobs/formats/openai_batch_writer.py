@@ -34,8 +34,8 @@ def openai_batch_record(row: OutputRow, *, job_id: str, model: str, created: int
         return record
     if row.embeddings is not None:
         body = embeddings_body(row, model)
-    else:
-        body = completion_body(row, request_id, model, created)
+    else:  # a row run on a LoRA adapter names it as its model, as vLLM's server does
+        body = completion_body(row, request_id, row.lora or model, created)
     record["response"] = {"status_code": 200, "request_id": f"req_{request_id}", "body": body}
     record["error"] = None
     return record

@@ -100,6 +100,7 @@ class OutputRow:
     encoding_format: str = "float"  # how an OpenAI body carries them: "float" or "base64"
     prompt_logprobs: PromptLogprobs | None = None  # when the row asked (prompt_logprobs)
     echo_prompt: str | None = None  # the prompt, where the row asked to have it echoed (OpenAI `echo`)
+    lora: str | None = None  # the LoRA adapter the row ran on (its usage is that adapter's); None: the base
 
     @property
     def failed(self) -> bool:

@@ -36,12 +36,17 @@ def may_have_prompt_logprobs(spec: JobSpec) -> bool:
                 or spec.input_format == InputFormat.OPENAI_BATCH)
 
 
+def may_have_lora(spec: JobSpec) -> bool:
+    """Whether a row of this job can run on a LoRA adapter (and so has a `lora` column)."""
+    return bool(spec.lora or spec.lora_column)
+
+
 def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns: list[str], *,
                  include_logprobs: bool = False, include_choices: bool = False,
-                 include_prompt_logprobs: bool = False) -> pa.Table:
+                 include_prompt_logprobs: bool = False, include_lora: bool = False) -> pa.Table:
     """Columns: id, text, [json (JSON text),] finish_reason, [logprobs,] [choices,] [prompt_logprobs,]
-    prompt/cached/completion_tokens, error_code, error, then the passthrough columns with the types
-    pyarrow infers.
+    prompt/cached/completion_tokens, [lora (the adapter the row ran on, null: the base),] error_code,
+    error, then the passthrough columns with the types pyarrow infers.
 
     `text`, `json`, `finish_reason` and `logprobs` are the first sample's. `logprobs`: a list per row
     (null when the row did not ask) of structs `{token, token_id, logprob, bytes (binary),
@@ -68,6 +73,8 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
         columns["prompt_logprobs"] = pa.array([_prompt_logprobs_value(row) for row in rows], _logprobs_type())
     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
         columns[name] = pa.array([getattr(row, name) for row in rows], pa.int64())
+    if include_lora:
+        columns["lora"] = pa.array([row.lora for row in rows], pa.string())
     columns["error_code"] = pa.array([row.error_code for row in rows], pa.string())
     columns["error"] = pa.array([row.error_message for row in rows], pa.string())
     for name in passthrough_columns:

@@ -15,6 +15,7 @@ from jobs.formats.output import OutputRow
 from jobs.formats.parquet_writer import (
     may_have_choices,
     may_have_logprobs,
+    may_have_lora,
     may_have_prompt_logprobs,
     output_table,
 )
@@ -75,7 +76,8 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
                 table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns,
                                      include_logprobs=may_have_logprobs(spec),
                                      include_choices=may_have_choices(spec),
-                                     include_prompt_logprobs=may_have_prompt_logprobs(spec))
+                                     include_prompt_logprobs=may_have_prompt_logprobs(spec),
+                                     include_lora=may_have_lora(spec))
             pq.write_table(table, sink)
         elif output_format == InputFormat.OPENAI_BATCH:
             stamp = int(time.time()) if created is None else created

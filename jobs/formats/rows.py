@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from jobs.embedding import EmbedRequest
 from jobs.formats.json_text import UnreadableJson, loads_untrusted
+from jobs.lora_adapters import is_adapter_location
 from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
 from jobs.sampling import JobSampling
 from jobs.spec import JobSpec
@@ -31,6 +32,8 @@ class RowErrorCode(StrEnum):
     TOO_MANY_SCHEMAS = "too_many_schemas"  # past the deployment's max_schemas_per_job
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
     UNSUPPORTED_URL = "unsupported_url"
+    UNKNOWN_LORA = "unknown_lora"  # the row names a LoRA adapter the model does not have registered
+    INVALID_LORA = "invalid_lora"  # its adapter cannot be fetched, or the engine refuses it (rank, shapes)
     # Set by the worker, not the readers: the engine refused or failed the row.
     PROMPT_TOO_LONG = "prompt_too_long"
     TOKENIZE_ERROR = "tokenize_error"  # the model's tokenizer raised on this row's text
@@ -59,6 +62,12 @@ class Row:
     line: int | None = None  # JSONL: the line number within the shard
     embed: EmbedRequest | None = None  # an embed job's row: what to embed
     echo: bool = False  # OpenAI completions' `echo`: the output text and logprobs start with the prompt
+    # The LoRA adapter it runs on: a name as the row or job gave it (the worker checks it is
+    # registered), or the job's own adapter location; None: the base model.
+    lora: str | None = None
+    # Whether a `lora` name the model does not have is the row's error; False for an OpenAI line's
+    # `body.model`, which may name one of OpenAI's models (the base runs it, as before adapters).
+    lora_required: bool = True
 
     @property
     def is_chat(self) -> bool:
@@ -161,6 +170,18 @@ def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
     return [{key: item for key, item in message.items() if item is not None} for message in value]
 
 
+def requested_adapter(value: Any, where: str) -> str:
+    """A row's adapter name as the worker resolves it; a location is only ever the job's own `lora`
+    (the API checked the tenant may read it), never a row's."""
+    if not isinstance(value, str):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a LoRA adapter's name (text), got "
+                         f"{type(value).__name__}")
+    if is_adapter_location(value):
+        raise RowProblem(RowErrorCode.UNKNOWN_LORA, f"{where} {value[:200]!r} is a location: a row names an "
+                         "adapter registered on the model; give a location as the job's lora")
+    return value
+
+
 def with_instructions_prompt(instructions: str | None, text: str) -> str:
     return f"{instructions}{INSTRUCTIONS_SEPARATOR}{text}" if instructions else text
 
@@ -213,6 +234,7 @@ class RowBuilder:
                 parsed = parse_response_format(record[spec.response_format_column],
                                                f"response_format_column {spec.response_format_column!r}")
                 response_format = engine_response_format(parsed)
+            lora = self._lora(record)
         except RowProblem as problem:
             return RowError(index, row_id, problem.code, str(problem), line, passthrough)
         except ValidationError as error:  # a row override that is valid alone but not merged
@@ -224,7 +246,15 @@ class RowBuilder:
             embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate, spec.pooling,
                                  spec.normalize, spec.max_length)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
-        return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line)
+        return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line, lora=lora)
+
+    def _lora(self, record: Mapping[str, Any]) -> str | None:
+        """The row's adapter: its `lora_column` name, else the job's `lora`, else None (the base)."""
+        column = self.spec.lora_column
+        value = record.get(column) if column else None
+        if value is None or value == "":
+            return self.spec.lora
+        return requested_adapter(value, f"lora_column {column!r}")
 
     def _row_id(self, index: int, record: Mapping[str, Any]) -> str:
         column = self.spec.id_column

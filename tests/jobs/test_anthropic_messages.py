@@ -60,8 +60,6 @@ def test_the_jobs_sampling_and_instructions_apply_as_to_every_other_row(local_st
 
 
 @pytest.mark.parametrize(("params", "code", "message"), [
-    ({"model": "claude-sonnet-4-5"}, RowErrorCode.INVALID_ROW,
-     "params.model 'claude-sonnet-4-5' is not the batch's model 'tiny': a batch runs one model"),
     ({"model": None}, RowErrorCode.INVALID_ROW, "params.model is required"),
     ({"max_tokens": None}, RowErrorCode.INVALID_SAMPLING, "params.max_tokens is required"),
     ({"max_tokens": 0}, RowErrorCode.INVALID_SAMPLING, "params.max_tokens must be an integer of at least 1"),

@@ -1,0 +1,112 @@
+"""Reading an adapter's tensors and laying them out per projection of our model.
+
+Per projection the adapter's A matrices are stacked ([width, in]: the q, k, v ranks one after
+another) and its B matrices placed on their output slices ([out, width], zeros elsewhere), already
+multiplied by the adapter's scale, so applying it is two matmuls: ``(x @ A.T) @ B.T``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from engine.errors import LoRAAdapterError
+from engine.lora.adapter_config import WEIGHTS_FILE, AdapterConfig
+from engine.lora.targets import Target
+
+# PEFT's saved names: base_model.model.<the base model's module path>.lora_A.weight
+_TENSOR_NAME = re.compile(
+    r"^base_model\.model\.model\.(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")
+
+
+@dataclass
+class LoadedAdapter:
+    """An adapter in host memory: per projection path, (A [width, in], scaled B [out, width])."""
+
+    name: str
+    lora_int_id: int
+    path: str
+    rank: int
+    projections: dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.projections.values())
+
+
+def load_adapter(name: str, lora_int_id: int, config: AdapterConfig, targets: dict[str, Target],
+                 out_features: dict[str, int], max_rank: int, dtype: torch.dtype) -> LoadedAdapter:
+    """Read and check the adapter's tensors against the model's targets; raises LoRAAdapterError."""
+    where = f"LoRA adapter {name!r} ({config.path})"
+    if config.rank > max_rank:
+        raise LoRAAdapterError(f"{where}: rank {config.rank} exceeds max_lora_rank={max_rank}")
+    pairs = _read_pairs(config, where)
+    if config.target_modules is not None:
+        available = {module.rsplit(".", 1)[-1] for module in targets}
+        missing = [m for m in config.target_modules if m not in available]
+        if missing:
+            raise LoRAAdapterError(f"{where}: target module(s) {missing} are not in this model "
+                                   f"(it has {sorted(available)})")
+    by_projection: dict[str, list[tuple[Target, torch.Tensor, torch.Tensor]]] = {}
+    for module, (a, b) in sorted(pairs.items()):
+        target = targets.get(module)
+        if target is None:
+            raise LoRAAdapterError(f"{where}: module {module!r} is not a LoRA target of this model")
+        rank = a.shape[0]
+        if rank > max_rank:
+            raise LoRAAdapterError(f"{where}: {module} has rank {rank}, above max_lora_rank={max_rank}")
+        if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (target.size, rank):
+            raise LoRAAdapterError(
+                f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model "
+                f"needs ({rank}, {target.in_features}) and ({target.size}, {rank}) (another base model?)")
+        by_projection.setdefault(target.projection, []).append((target, a, b))
+    scale = config.scale
+    projections = {}
+    for projection, parts in by_projection.items():
+        a_cat = torch.cat([a.float() for _, a, _ in parts])
+        b_cat = torch.zeros(out_features[projection], a_cat.shape[0])
+        column = 0
+        for target, a, b in parts:
+            rows = slice(target.offset, target.offset + target.size)
+            b_cat[rows, column : column + a.shape[0]] = b.float() * scale
+            column += a.shape[0]
+        projections[projection] = (a_cat.to(dtype).contiguous(), b_cat.to(dtype).contiguous())
+    return LoadedAdapter(name, lora_int_id, str(config.path), config.rank, projections)
+
+
+def _read_pairs(config: AdapterConfig, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(str(config.path / WEIGHTS_FILE))
+    except (OSError, SafetensorError) as error:
+        raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} is not readable ({error})") from None
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for tensor_name, tensor in tensors.items():
+        match = _TENSOR_NAME.match(tensor_name)
+        if match is None:
+            raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} is not supported ({_why(tensor_name)})")
+        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
+            raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} holds non-finite or non-float values")
+        halves.setdefault(match.group(1), {})[match.group(2)] = tensor
+    if not halves:
+        raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
+    pairs = {}
+    for module, half in halves.items():
+        if set(half) != {"A", "B"}:
+            raise LoRAAdapterError(f"{where}: {module} has lora_{'B' if 'A' in half else 'A'} missing")
+        pairs[module] = (half["A"], half["B"])
+    return pairs
+
+
+def _why(tensor_name: str) -> str:
+    if "lora_magnitude_vector" in tensor_name:
+        return "DoRA"
+    if "lora_embedding" in tensor_name:
+        return "LoRA on embeddings"
+    if tensor_name.endswith(".bias"):
+        return "a trained bias"
+    return "only lora_A/lora_B weights of decoder-layer projections are read"

@@ -1,0 +1,142 @@
+"""LoRA rows through the engine's other paths: the prefix cache (hits within an adapter only),
+native decode and the fixed-shape decode path (LoRA steps take the PyTorch layers, the other steps
+keep the fast paths), speculative decoding (the target verifies with the row's adapter) and
+structured output."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from engine import LLM, LoRARequest, SamplingParams
+from engine.decode_graphs import DecodeGraphs
+from tests.engine.hf_reference import hf_greedy
+from tests.engine.lora_adapters import make_adapter
+from tests.engine.test_speculative import ALWAYS, NGRAM, copy_heavy_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def base_dir(checkpoint_factory) -> str:
+    return str(checkpoint_factory(arch="llama"))
+
+
+@pytest.fixture(scope="module")
+def adapters(base_dir) -> list[tuple[LoRARequest, str]]:
+    """Two adapters (LoRARequest, merged reference folder)."""
+    made = [make_adapter(base_dir, seed) for seed in (21, 22)]
+    return [(LoRARequest(f"a{i}", i + 1, str(adapter)), str(merged))
+            for i, (adapter, merged) in enumerate(made)]
+
+
+def lora_llm(base_dir: str, **options) -> LLM:
+    return LLM(model=base_dir, dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2, **options)
+
+
+def prompt(seed: int, n: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 2048) for _ in range(n)]
+
+
+def test_prefix_cache_hits_within_an_adapter_and_never_across_adapters_or_with_the_base(base_dir, adapters):
+    llm = lora_llm(base_dir)
+    (a, merged_a), (b, merged_b) = adapters
+    shared = prompt(1, 48)  # three full blocks
+
+    def run(lora):
+        [output] = llm.generate([shared], GREEDY, lora_request=lora)
+        return output
+
+    first_a = run(a)
+    assert first_a.num_cached_tokens == 0
+    again_a = run(a)
+    assert again_a.num_cached_tokens >= 32 and again_a.token_ids == first_a.token_ids
+    assert run(None).num_cached_tokens == 0  # the base never reads adapter a's KV
+    first_b = run(b)
+    assert first_b.num_cached_tokens == 0  # nor does another adapter
+    assert run(None).num_cached_tokens >= 32  # the base hits its own
+    assert run(b).num_cached_tokens >= 32
+    assert first_a.token_ids == hf_greedy(merged_a, shared, GREEDY.max_tokens)
+    assert first_b.token_ids == hf_greedy(merged_b, shared, GREEDY.max_tokens)
+
+
+def test_native_decode_runs_the_base_steps_and_lora_steps_take_the_pytorch_layers(base_dir, adapters,
+                                                                                  monkeypatch):
+    llm = lora_llm(base_dir)
+    native = llm.engine.model.native_decode
+    assert native is not None, "the CPU kernels are built on every test machine"
+    runs = []
+    run = native.run
+
+    def counting(*args, **kwargs):
+        result = run(*args, **kwargs)
+        runs.append(result is not None)
+        return result
+
+    monkeypatch.setattr(native, "run", counting)
+    prompts = [prompt(2), prompt(3)]
+    base = llm.generate(prompts, GREEDY)
+    assert sum(runs) >= GREEDY.max_tokens - 2  # base decode steps stay native
+    runs.clear()
+    (a, merged_a), _ = adapters
+    with_lora = llm.generate(prompts, GREEDY, lora_request=[a, None])
+    assert not runs  # every decode step held a LoRA row
+    assert with_lora[1].token_ids == base[1].token_ids
+    assert with_lora[0].token_ids == hf_greedy(merged_a, prompts[0], GREEDY.max_tokens)
+
+
+def test_the_fixed_shape_decode_path_runs_base_steps_and_not_lora_steps(base_dir, adapters, monkeypatch):
+    llm = lora_llm(base_dir, decode_graphs=True)
+    runs = []
+    run = DecodeGraphs.run
+
+    def counting(self, *args, **kwargs):
+        result = run(self, *args, **kwargs)
+        runs.append(result is not None)
+        return result
+
+    monkeypatch.setattr(DecodeGraphs, "run", counting)
+    prompts = [prompt(4), prompt(5)]
+    llm.generate(prompts, GREEDY)
+    assert sum(runs) >= GREEDY.max_tokens - 2
+    runs.clear()
+    (a, merged_a), (b, merged_b) = adapters
+    outputs = llm.generate(prompts, GREEDY, lora_request=[a, b])
+    assert not runs
+    assert outputs[0].token_ids == hf_greedy(merged_a, prompts[0], GREEDY.max_tokens)
+    assert outputs[1].token_ids == hf_greedy(merged_b, prompts[1], GREEDY.max_tokens)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_gives_the_adapters_tokens(base_dir, adapters, method):
+    prompts = copy_heavy_prompts()
+    (a, _), (b, _) = adapters
+    loras = [a, b, None, a]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    plain = lora_llm(base_dir).generate(prompts, params, lora_request=loras)
+    # The draft is the base model without adapters: rows of an adapter reject some of its drafts.
+    spec = NGRAM if method == "ngram" else {"method": "draft_model", "model": base_dir,
+                                            "num_speculative_tokens": 3, **ALWAYS}
+    llm = lora_llm(base_dir, speculative_config=spec)
+    outputs = llm.generate(prompts, params, lora_request=loras)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    stats = llm.get_metrics()["speculative_decoding"]
+    assert stats["num_draft_tokens"] > 0
+    if method == "draft_model":
+        assert 0 < stats["acceptance_rate"] < 1.0
+
+
+def test_structured_output_holds_on_lora_rows(base_dir, adapters):
+    llm = lora_llm(base_dir)
+    (a, _), (b, _) = adapters
+    choices = ["alpha", "beta", "gamma delta"]
+    regex = r"[a-c]{3}-[0-9]{2}"
+    params = [SamplingParams(choice=choices, max_tokens=16), SamplingParams(regex=regex, max_tokens=16)]
+    outputs = llm.generate([prompt(6), prompt(7), prompt(8)], [params[0], params[1], params[0]],
+                           lora_request=[a, b, None])
+    assert outputs[0].text in choices and outputs[2].text in choices
+    assert re.fullmatch(regex, outputs[1].text)
+    assert [o.lora_name for o in outputs] == ["a0", "a1", None]
