@@ -6,7 +6,8 @@ model (default SmolLM2-135M-Instruct). One engine (``max_loras`` = the number of
 adapters read into host memory before timing) runs, in this order and on the same rows:
 - base: every row without an adapter;
 - mixed: row i with adapter i mod N, all in one ``generate`` (every step mixes the adapters);
-- one after another: N ``generate`` calls, each with one adapter's rows.
+- one after another: N ``generate`` calls, each with one adapter's rows;
+each ``--rounds`` times, in alternating order (so a neighbour's load weighs on all three alike).
 Prints output tok/s of each, mixed / base (target >= 0.7) and the one-after-another time / the
 mixed time (target >= 2x), with the dtype and the CPU. ``--compare-apply`` also times the two ways
 to apply the low-rank updates on the model's projection shapes (grouped by adapter, which the
@@ -67,7 +68,7 @@ def timed(run: Callable[[], list]) -> tuple[float, int]:
 
 
 def run(model_dir: str, adapter_paths: Sequence[Path], rows: int, prompt_len: int, max_tokens: int,
-        dtype: str, seed: int, out: Callable[[str], None] = print) -> dict[str, float]:
+        dtype: str, seed: int, rounds: int = 2, out: Callable[[str], None] = print) -> dict[str, float]:
     from engine import LLM, LoRARequest, SamplingParams
 
     loras = [LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(adapter_paths)]
@@ -82,8 +83,6 @@ def run(model_dir: str, adapter_paths: Sequence[Path], rows: int, prompt_len: in
     per_row = [loras[i % len(loras)] for i in range(rows)]
     llm.generate([p[:8] for p in prompts[:len(loras)]], SamplingParams(max_tokens=2, ignore_eos=True),
                  lora_request=loras)  # warm-up: kernel selection, every adapter into a slot once
-    base_s, base_tokens = timed(lambda: llm.generate(prompts, params))
-    mixed_s, mixed_tokens = timed(lambda: llm.generate(prompts, params, lora_request=per_row))
 
     def one_after_another() -> list:
         outputs = []
@@ -92,12 +91,24 @@ def run(model_dir: str, adapter_paths: Sequence[Path], rows: int, prompt_len: in
             outputs += llm.generate(mine, params, lora_request=lora)
         return outputs
 
-    sequential_s, sequential_tokens = timed(one_after_another)
+    runs = {"base": lambda: llm.generate(prompts, params),
+            "mixed": lambda: llm.generate(prompts, params, lora_request=per_row),
+            "sequential": one_after_another}
+    totals = {name: [0.0, 0] for name in runs}
+    # Rounds in alternating order (base, mixed, sequential, then back): a neighbour's load that
+    # rises or falls during the run weighs on the three alike.
+    for round_index in range(rounds):
+        for name in (list(runs) if round_index % 2 == 0 else list(reversed(runs))):
+            seconds, tokens = timed(runs[name])
+            totals[name][0] += seconds
+            totals[name][1] += tokens
+    (base_s, base_tokens), (mixed_s, mixed_tokens), (sequential_s, sequential_tokens) = (
+        totals["base"], totals["mixed"], totals["sequential"])
     figures = {"base_tps": base_tokens / base_s, "mixed_tps": mixed_tokens / mixed_s,
                "sequential_tps": sequential_tokens / sequential_s,
                "mixed_vs_base": (mixed_tokens / mixed_s) / (base_tokens / base_s),
                "mixed_vs_sequential": sequential_s / mixed_s}
-    out(f"rows: {rows} ({prompt_len} prompt tokens, {max_tokens} output tokens each), "
+    out(f"rows: {rows} ({prompt_len} prompt tokens, {max_tokens} output tokens each) x {rounds} rounds, "
         f"{len(loras)} adapters of rank 16 on {', '.join(PROJECTIONS)}; dtype {llm.dtype_choice.dtype}")
     out(f"base (no adapter)            {base_s:7.2f} s  {figures['base_tps']:8.1f} output tok/s")
     out(f"mixed ({len(loras)} adapters, one run)  {mixed_s:7.2f} s  {figures['mixed_tps']:8.1f} output tok/s")
@@ -171,6 +182,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="times each run is repeated, in alternating order (times summed)")
     parser.add_argument("--adapters-dir", default=None,
                         help="where the random adapters are written (and reused); default: a temporary "
                              "folder")
@@ -193,5 +206,5 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
 
             dtype = resolve_dtype(args.dtype, "cpu", None).dtype
             compare_apply(model_dir, dtype, args.adapters, args.rank)
-        run(model_dir, paths, args.rows, args.prompt_len, args.max_tokens, args.dtype, args.seed)
+        run(model_dir, paths, args.rows, args.prompt_len, args.max_tokens, args.dtype, args.seed, args.rounds)
     return 0

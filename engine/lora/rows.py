@@ -17,6 +17,7 @@ class LoRARows:
     def __init__(self, slots: torch.Tensor) -> None:
         self.slots = slots  # [rows] int64: an adapter slot, or NO_ADAPTER
         self._runs: list[tuple[int, slice]] | None = None
+        self._batched: tuple[slice, int, int, int] | None | bool = False  # False: not worked out yet
 
     @property
     def num_rows(self) -> int:
@@ -35,6 +36,21 @@ class LoRARows:
                           for slot, start, end in zip(values, starts, ends, strict=True)
                           if slot != NO_ADAPTER]
         return self._runs
+
+    def batched(self) -> tuple[slice, int, int, int] | None:
+        """(rows, number of runs, rows per run, first slot) where the runs are adjacent, of one
+        length, and of consecutive slots (a decode step of adapters mixed evenly): the updates are
+        then two batched matmuls over views, instead of two matmuls per run. None otherwise."""
+        if self._batched is False:
+            runs = self.groups()
+            self._batched = None
+            if len(runs) > 1:
+                length = runs[0][1].stop - runs[0][1].start
+                first_slot, start = runs[0][0], runs[0][1].start
+                if all(slot == first_slot + i and run.start == start + i * length
+                       and run.stop - run.start == length for i, (slot, run) in enumerate(runs)):
+                    self._batched = (slice(start, start + len(runs) * length), len(runs), length, first_slot)
+        return self._batched  # type: ignore[return-value]
 
     def select(self, rows: torch.Tensor) -> LoRARows:
         """The same for a subset of the rows in their order (the last layer's kept rows)."""

@@ -34,10 +34,22 @@ class LoRASlots:
         width = a.shape[0]
         self.a[slot, :width].copy_(a)
         self.b[slot, :, :width].copy_(b)
+        # Zeros past its width: the batched path multiplies every slot at the widest width.
+        self.a[slot, width:].zero_()
+        self.b[slot, :, width:].zero_()
         self.widths[slot] = width
 
     def add_updates(self, x: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         """``out`` (the base output of ``x``) plus each row's adapter update, in place."""
+        batched = rows.batched() if out.is_contiguous() else None
+        if batched is not None:
+            span, count, length, first = batched
+            width = max(self.widths[first : first + count])
+            if width:
+                a, b = self.a[first : first + count, :width], self.b[first : first + count, :, :width]
+                shrunk = torch.bmm(x[span].reshape(count, length, -1), a.transpose(1, 2))
+                out[span].view(count, length, -1).baddbmm_(shrunk, b.transpose(1, 2))
+            return out
         for slot, run in rows.groups():
             width = self.widths[slot]
             if width:

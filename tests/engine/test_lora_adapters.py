@@ -133,6 +133,7 @@ def test_an_engine_without_enable_lora_refuses_lora_requests(base_dir, adapter):
     ("max_loras", 0, "max_loras must be >= 1"),
     ("max_lora_rank", 0, "max_lora_rank must be >= 1"),
     ("max_cpu_loras", 1, r"max_cpu_loras \(1\) must be >= max_loras \(2\)"),
+    ("tensor_parallel_size", 2, "enable_lora cannot be used with tensor_parallel_size > 1"),
 ])
 def test_lora_settings_are_validated(field, value, message):
     config = EngineConfig(model="m", enable_lora=True, max_loras=2)
