@@ -199,12 +199,15 @@ def assert_moe_greedy_within_noise(outputs: Sequence[tuple[list[int], list[int]]
 
 def assert_greedy_within_noise(
     outputs: Sequence[tuple[list[int], list[int]]], model_dir: str | Path, model: LlamaForCausalLM,
-    dtype: torch.dtype,
+    dtype: torch.dtype, reference: torch.nn.Module | None = None,
 ) -> float:
-    """``outputs``: (prompt, engine greedy tokens) pairs. Returns the agreement (see module doc)."""
-    if is_mixture_of_experts(model):
-        return assert_moe_greedy_within_noise(outputs, model_dir, dtype)
-    reference = hf_model(str(model_dir), dtype)
+    """``outputs``: (prompt, engine greedy tokens) pairs. Returns the agreement (see module doc).
+    ``reference``: the model to judge against (teacher forcing) instead of transformers' own load
+    of ``model_dir`` (e.g. a peft model with its adapter)."""
+    if reference is None:
+        if is_mixture_of_experts(model):
+            return assert_moe_greedy_within_noise(outputs, model_dir, dtype)
+        reference = hf_model(str(model_dir), dtype)
     agree = total = 0
     flips = []
     for prompt, tokens in outputs:

@@ -21,12 +21,10 @@ import torch
 from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
 from engine.lora.rows import LoRARows
 from tests.engine.hf_reference import (
-    MIN_AGREEMENT,
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,
-    engine_last_logits,
+    assert_greedy_within_noise,
     hf_model,
-    noise_bound,
 )
 from tests.engine.lora_adapters import ALL_PROJECTIONS, ATTENTION_ONLY, PHI3_PROJECTIONS, make_adapter
 
@@ -127,7 +125,7 @@ def test_mixed_adapters_match_merged_models(arch, dtype, checkpoint_factory, mon
         else:
             reference = hf_model(base_dir, torch.bfloat16) if lora is None else \
                 peft_model(base_dir, str(adapters[index - 1][0]))
-            assert_bf16_within_noise(pairs, reference, model)
+            assert_greedy_within_noise(pairs, base_dir, model, torch.bfloat16, reference=reference)
 
 
 def peft_model(base_dir: str, adapter_dir: str) -> torch.nn.Module:
@@ -137,24 +135,3 @@ def peft_model(base_dir: str, adapter_dir: str) -> torch.nn.Module:
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.bfloat16)
     # The adapter in bf16 too, as the engine holds it (peft otherwise computes the update in fp32).
     return PeftModel.from_pretrained(base, adapter_dir, autocast_adapter_dtype=False).eval()
-
-
-def assert_bf16_within_noise(pairs, reference: torch.nn.Module, model) -> None:
-    """hf_reference.assert_greedy_within_noise with a given reference model (teacher forcing)."""
-    agree = total = 0
-    for prompt, tokens in pairs:
-        with torch.inference_mode():
-            logits = reference(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1].float()
-        for step, (ours, row) in enumerate(zip(tokens, logits, strict=True)):
-            total += 1
-            theirs = int(row.argmax())
-            if theirs == ours or row[ours] == row[theirs]:
-                agree += 1
-                continue
-            our_row = engine_last_logits(model, prompt + tokens[:step])
-            bound = noise_bound(row, torch.bfloat16)
-            hf_gap, our_gap = float(row[theirs] - row[ours]), float(our_row[ours] - our_row[theirs])
-            assert hf_gap <= bound and our_gap <= bound, (
-                f"after {len(prompt) + step} tokens the engine chose {ours}, the reference {theirs}: gaps "
-                f"{our_gap:.3g} (engine) / {hf_gap:.3g} (reference) exceed bf16 noise {bound:.3g}")
-    assert agree / total >= MIN_AGREEMENT, f"bf16: the reference's argmax on {agree}/{total} positions"
