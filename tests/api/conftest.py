@@ -13,7 +13,7 @@ import redis
 
 from api.app import create_app
 from api.cli.server import ServerThread
-from api.client import Client
+from api.client import ApiError, Client
 from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings
@@ -107,3 +107,10 @@ def local_api(redis_url, tmp_path) -> Iterator[RunningApi]:
 @pytest.fixture(params=["s3", "local"])
 def api(request) -> RunningApi:
     return request.getfixturevalue(f"{request.param}_api")
+
+
+def refused(call) -> ApiError:  # noqa: ANN001
+    """The ApiError a client call raises (the test fails if it does not)."""
+    with pytest.raises(ApiError) as error:
+        call()
+    return error.value

@@ -10,10 +10,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import ApiError, Client
+from api.client import Client
 from jobs.settings import Settings
 from jobs.status import JobState
 from tests.api import helpers
+from tests.api.conftest import refused
 from tests.fixtures.services import free_port
 
 ROWS = 10
@@ -28,12 +29,6 @@ def submit(api, **changes):
     return api.client.jobs.create({"input_uri": uri, "model": "tiny", "prompt_column": "q", "id_column": "id",
                                    "shard_size": 4,
                                    **changes})
-
-
-def refused(call) -> ApiError:
-    with pytest.raises(ApiError) as error:
-        call()
-    return error.value
 
 
 def test_status_shows_counts_moving_as_shards_finish(api) -> None:

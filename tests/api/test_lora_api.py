@@ -10,9 +10,9 @@ import json
 import httpx
 import pytest
 
-from api.client import ApiError, Client
+from api.client import Client
 from jobs.settings import Settings
-from tests.api.conftest import BUCKET, MODELS, serve
+from tests.api.conftest import BUCKET, MODELS, refused, serve
 
 ROWS = b'{"q": "def f(x):", "adapter": "sql"}\n{"q": "class A:", "adapter": "nope"}\n{"q": "x = 1"}\n'
 ADAPTERS = {"sql": "s3://adapters/sql", "fr": {"location": "/srv/fr", "model": "tiny"}}
@@ -27,12 +27,6 @@ def api(s3, redis_url):
                         lora_adapters=json.dumps(ADAPTERS), api_keys=KEYS)
     with serve(settings) as running:
         yield running
-
-
-def refused(call) -> ApiError:  # noqa: ANN001
-    with pytest.raises(ApiError) as error:
-        call()
-    return error.value
 
 
 def test_models_list_each_base_models_adapters(api) -> None:

@@ -9,10 +9,9 @@ import json
 import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
-from api.client import ApiError
 from jobs.status import JobState
+from tests.api.conftest import refused
 
 ROWS = b"".join(json.dumps({"id": n, "q": f"question {n}"}).encode() + b"\n" for n in range(6))
 
@@ -29,12 +28,6 @@ def queued_job_ids(api) -> list[str]:
         args, _kwargs, _embed = json.loads(base64.b64decode(message["body"]))
         ids.append(args[0])
     return ids
-
-
-def refused(call) -> ApiError:
-    with pytest.raises(ApiError) as error:
-        call()
-    return error.value
 
 
 def test_a_valid_spec_creates_a_queued_job_and_sends_plan_job(api) -> None:

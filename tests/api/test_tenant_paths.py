@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiError, Client
+from api.client import Client
 from jobs.settings import Settings
-from tests.api.conftest import MODELS, RunningApi, serve
+from tests.api.conftest import MODELS, RunningApi, refused, serve
 
 ROWS = b'{"q": "def f(x):"}\n{"q": "class A:"}\n'
 ACME, GLOBEX = {"api_key": "acme-secret"}, {"api_key": "globex-secret"}
@@ -39,12 +39,6 @@ def ruled_api(redis_url, tmp_path):
                         api_keys="acme=acme-secret,globex=globex-secret", tenant_prefixes=json.dumps(rules))
     with serve(settings) as running:
         yield running
-
-
-def refused(call) -> ApiError:  # noqa: ANN001
-    with pytest.raises(ApiError) as error:
-        call()
-    return error.value
 
 
 def job(input_uri: str, **fields) -> dict:  # noqa: ANN003
