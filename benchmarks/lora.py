@@ -148,7 +148,7 @@ def compare_apply(model_dir: str, dtype: str, num_adapters: int, rank: int,
         slots = LoRASlots(num_adapters, width, in_features, out_features, torch_dtype, torch.device("cpu"),
                           step_rows=None)
         slots.a.normal_()
-        slots.b.normal_()
+        slots.bt.normal_()
         slots.widths = [width] * num_adapters
         for num_rows, label in ((256, "decode step, 256 rows"), (4096, "prefill step, 4096 rows")):
             x = torch.randn(num_rows, in_features, dtype=torch_dtype)
@@ -158,7 +158,8 @@ def compare_apply(model_dir: str, dtype: str, num_adapters: int, rank: int,
 
             rows = LoRARows(row_slots)
             grouped = min(_seconds(partial(slots.add_updates, x, base.clone(), rows)) for _ in range(repeats))
-            gathered = min(_seconds(partial(apply_gathered, x, base.clone(), row_slots, slots.a, slots.b))
+            gathered = min(_seconds(partial(apply_gathered, x, base.clone(), row_slots, slots.a,
+                                                    slots.bt.transpose(1, 2)))
                            for _ in range(repeats))
             out(f"apply {name} ({label}, {num_adapters} adapters): grouped {grouped * 1e3:.2f} ms, "
                 f"gathered per row {gathered * 1e3:.2f} ms ({gathered / grouped:.1f}x)")

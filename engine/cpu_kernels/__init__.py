@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
-                        "kv_store.c", "row_gemm.c", "moe_ops.c", "decode_layers.c")]
+                        "kv_store.c", "row_gemm.c", "moe_ops.c", "lora_ops.c", "decode_layers.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 17
+ABI_VERSION = 18
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -78,6 +78,12 @@ class CpuKernels:
         self._moe_shared_add = {dtype: _declare(getattr(library, f"moe_shared_add_{suffix}"),
                                                 [_POINTER] * 3 + [_INT] * 2)
                                 for dtype, suffix in suffixes.items()}
+        # Each row's LoRA update from its adapter's slot (lora_ops.c), shared by the Python path
+        # (engine/lora/slots.py) and decode_layers.c.
+        self._lora_update = {dtype: _declare(getattr(library, f"lora_update_{suffix}"),
+                                             [_POINTER, _INT, _POINTER, _INT, _POINTER, _INT] + [_POINTER] * 3
+                                             + [_INT] * 2)
+                             for dtype, suffix in suffixes.items()}
         # bf16 shared-prefix attention: built only for CPUs with AMX or AVX512-BF16, usable once Linux
         # grants AMX's tile state (where the build uses AMX).
         self._prefix = None
@@ -420,6 +426,30 @@ class CpuKernels:
                                           torch.get_num_threads())
         return out
 
+    # ---- LoRA (engine/cpu_kernels/lora_ops.c) --------------------------------------------------------
+
+    def lora_update_(self, x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, packed_a: torch.Tensor,
+                     packed_b: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+        """``out[r] += (x[r] @ A_s.T) @ B_s.T`` in place for every row r whose slot ``s = slots[r]`` is
+        not -1, through the row kernel: x [rows, in], out [rows, out_features] (rows contiguous in
+        each); ``packed_a`` / ``packed_b`` the addresses of each slot's A [k, in] and B [out, k]
+        packed by ``pack_row_gemm``, ``widths`` their k (0: none), all int64 [slots], as
+        engine/lora/slots.py keeps them alive. Each row's result is the same whatever the other
+        rows are."""
+        rows, in_features = x.shape
+        count = packed_a.shape[0]
+        _require(x.dtype == out.dtype and x.dtype in self.row_gemm_dtypes and x.device.type == "cpu"
+                 and x.stride(1) == 1 and out.stride(1) == 1 and out.shape[0] == rows and out.dim() == 2
+                 and slots.shape == (rows,) and packed_b.shape == widths.shape == (count,)
+                 and slots.dtype == packed_a.dtype == packed_b.dtype == widths.dtype == torch.int64
+                 and slots.is_contiguous(), "lora_update_")
+        # slots in [-1, count), and the packed weights' shapes, hold by construction (engine/lora/);
+        # checking values here would cost more than the update at a few rows.
+        if rows:
+            self._lora_update[x.dtype](x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0),
+                                       slots.data_ptr(), rows, packed_a.data_ptr(), packed_b.data_ptr(),
+                                       widths.data_ptr(), in_features, out.shape[1], torch.get_num_threads())
+        return out
 
     # ---- the sparse MoE block's element ops (engine/cpu_kernels/moe_ops.c) ----------------------------
 

@@ -16,7 +16,9 @@
  * (row, slot) pairs sorted by expert (stably: each expert's in row order, as the Python path's
  * argsort) and each expert's rows through gate/up, SiLU x up, down as one batch (its weights stream
  * once per step), the weighted sum of each row's k outputs in slot order, and Qwen2-MoE's shared
- * expert with its sigmoid gate. The projections are the row kernel's (row_gemm.c).
+ * expert with its sigmoid gate. The projections are the row kernel's (row_gemm.c). Where the step
+ * has LoRA rows, each dense projection's output gets its rows' adapter updates (lora_ops.c) right
+ * after the projection, as the Python path's Linear adds them.
  */
 #include <stdint.h>
 #include <string.h>
@@ -50,6 +52,10 @@ void row_gemm_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, u
                    int64_t, int64_t, int);
 void row_gemm_f32(const float*, int64_t, const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t,
                   int);
+void lora_update_bf16(const uint16_t*, int64_t, uint16_t*, int64_t, const int64_t*, int64_t, const int64_t*,
+                      const int64_t*, const int64_t*, int64_t, int64_t, int);
+void lora_update_f32(const float*, int64_t, float*, int64_t, const int64_t*, int64_t, const int64_t*, const int64_t*,
+                     const int64_t*, int64_t, int64_t, int);
 void causal_attention_f32(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
@@ -68,6 +74,14 @@ typedef struct {
     const void* shared_down;
     const void* shared_gate;
 } decode_moe;
+
+/* One projection's LoRA slots (engine/lora/slots.py, lora_ops.c): each slot's A and B packed for the
+ * row kernel (addresses), and its width (0: none). */
+typedef struct {
+    const int64_t* a;
+    const int64_t* b;
+    const int64_t* widths;
+} decode_lora;
 
 /* One layer's weights: norm weights, the row kernel's packed projections and their biases (NULL:
  * none), and the layer's K and V caches ([blocks, kv_heads, block_size, head_dim] each); q/k norm
@@ -88,6 +102,11 @@ typedef struct {
     const void* q_norm;
     const void* k_norm;
     const decode_moe* moe;
+    /* each projection's LoRA slots (NULL: no adapter targets it) */
+    const decode_lora* qkv_lora;
+    const decode_lora* o_lora;
+    const decode_lora* gate_up_lora;
+    const decode_lora* down_lora;
 } decode_layer;
 
 /* The step: shapes, the rows' rotary, cache slots and attention plan, and the buffers. */
@@ -146,6 +165,7 @@ typedef struct {
      * (router projection, softmax and top-k, sorting the pairs by expert), [1] the experts' compute
      * (their MLPs, the weighted sum, the shared expert). */
     double* moe_seconds;
+    const int64_t* lora_slots; /* [rows]: each row's adapter slot (-1: the base); NULL: no LoRA rows */
 } decode_step;
 
 static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
@@ -167,15 +187,27 @@ static void project(const decode_step* s, const void* x, int64_t in, const void*
     project_rows(s, s->rows, x, in, packed, bias, out, width);
 }
 
-/* silu(gate) * up -> down of `rows` rows: the MLP of a dense layer, an expert or the shared expert. */
+/* out[rows, width] += each row's adapter update of x[rows, in], where the step has LoRA rows. */
+static void add_lora(const decode_step* s, const decode_lora* l, const void* x, int64_t in, void* out,
+                     int64_t width) {
+    if (l == NULL || s->lora_slots == NULL) return;
+    const int nt = (int)s->threads;
+    if (s->bf16) lora_update_bf16(x, in, out, width, s->lora_slots, s->rows, l->a, l->b, l->widths, in, width, nt);
+    else lora_update_f32(x, in, out, width, s->lora_slots, s->rows, l->a, l->b, l->widths, in, width, nt);
+}
+
+/* silu(gate) * up -> down of `rows` rows: the MLP of a dense layer, an expert or the shared expert
+ * (LoRA slots only for a dense layer's, with rows the step's rows; NULL elsewhere). */
 static void mlp_rows(const decode_step* s, int64_t rows, const void* x, const void* gate_up, const void* gate_up_bias,
                      const void* down, const void* down_bias, int64_t width, void* gate_up_out, void* act,
-                     void* out) {
+                     void* out, const decode_lora* gate_up_lora, const decode_lora* down_lora) {
     const int nt = (int)s->threads;
     project_rows(s, rows, x, s->hidden_size, gate_up, gate_up_bias, gate_up_out, 2 * width);
+    add_lora(s, gate_up_lora, x, s->hidden_size, gate_up_out, 2 * width);
     if (s->bf16) silu_and_mul_bf16(gate_up_out, act, rows, width, nt);
     else silu_and_mul_f32(gate_up_out, act, rows, width, nt);
     project_rows(s, rows, act, width, down, down_bias, out, s->hidden_size);
+    add_lora(s, down_lora, act, width, out, s->hidden_size);
 }
 
 static double seconds_now(void) {
@@ -215,14 +247,14 @@ static void sparse_mlp(const decode_step* s, const decode_moe* m) {
         if (rows == 0) continue;
         mlp_rows(s, rows, (const char*)s->pair_in + at * H * size, m->gate_up[e], NULL, m->down[e], NULL, I,
                  (char*)s->pair_gate_up + at * 2 * I * size, (char*)s->pair_act + at * I * size,
-                 (char*)s->pair_out + at * H * size);
+                 (char*)s->pair_out + at * H * size, NULL, NULL);
     }
     if (s->bf16) moe_combine_bf16(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
     else moe_combine_f32(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
     if (m->shared_gate_up != NULL) {
         project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1);
         mlp_rows(s, s->rows, s->normed, m->shared_gate_up, NULL, m->shared_down, NULL, s->shared_intermediate,
-                 s->shared_gate_up, s->shared_act, s->shared_out);
+                 s->shared_gate_up, s->shared_act, s->shared_out, NULL, NULL);
         if (s->bf16) moe_shared_add_bf16(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
         else moe_shared_add_f32(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
     }
@@ -290,6 +322,7 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
         if (l == 0) norm(s, s->residual, NULL, w->input_norm, s->normed);
         else norm(s, s->hidden, s->residual, w->input_norm, s->normed);
         project(s, s->normed, s->hidden_size, w->qkv, w->qkv_bias, qkv, width);
+        add_lora(s, w->qkv_lora, s->normed, s->hidden_size, qkv, width);
         if (w->q_norm) {  /* per head, before rotary (Qwen3) */
             if (s->bf16) {
                 heads_rms_norm_bf16((uint16_t*)qkv, w->q_norm, s->rows, s->heads, width, D, s->eps, nt);
@@ -314,9 +347,10 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
             memcpy((char*)s->q + r * q_size * size, qkv + r * width * size, (size_t)(q_size * size));
         attend(s, w);
         project(s, s->attn, q_size, w->o, w->o_bias, s->hidden, s->hidden_size);
+        add_lora(s, w->o_lora, s->attn, q_size, s->hidden, s->hidden_size);
         norm(s, s->hidden, s->residual, w->post_norm, s->normed);
         if (w->moe) sparse_mlp(s, w->moe);
         else mlp_rows(s, s->rows, s->normed, w->gate_up, w->gate_up_bias, w->down, w->down_bias, s->intermediate,
-                      s->gate_up_out, s->act, s->hidden);
+                      s->gate_up_out, s->act, s->hidden, w->gate_up_lora, w->down_lora);
     }
 }

@@ -37,7 +37,11 @@ class LoRAManager:
             slots = LoRASlots(max_loras, fused[path] * max_lora_rank, linear.in_features, linear.out_features,
                               dtype, device, model.step_rows)
             linear.lora_slots = slots
+            slots.use_kernels(model.cpu_kernels)
             self.slots[path] = slots
+        # Steps with adapter rows take the native decode path where it can apply the updates.
+        if model.native_decode is not None:
+            model.native_decode.attach_lora(self.slots)
         self._out_features = {path: linear.out_features for path, linear in modules.items()}
         self._host: OrderedDict[int, LoadedAdapter] = OrderedDict()  # least recently used first
         self._live = Counter[int]()  # unfinished requests per adapter id

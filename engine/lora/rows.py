@@ -18,6 +18,7 @@ class LoRARows:
         self.slots = slots  # [rows] int64: an adapter slot, or NO_ADAPTER
         self._runs: list[tuple[int, slice]] | None = None
         self._batched: tuple[slice, int, int, int] | None | bool = False  # False: not worked out yet
+        self._tails: dict[int, LoRARows] = {}
 
     @property
     def num_rows(self) -> int:
@@ -51,6 +52,14 @@ class LoRARows:
                        and run.stop - run.start == length for i, (slot, run) in enumerate(runs)):
                     self._batched = (slice(start, start + len(runs) * length), len(runs), length, first_slot)
         return self._batched  # type: ignore[return-value]
+
+    def after(self, start: int) -> LoRARows:
+        """The rows from ``start`` on (a step's prefill rows, after its single-token ones), kept for
+        the step's other projections."""
+        tail = self._tails.get(start)
+        if tail is None:
+            tail = self._tails[start] = LoRARows(self.slots[start:])
+        return tail
 
     def select(self, rows: torch.Tensor) -> LoRARows:
         """The same for a subset of the rows in their order (the last layer's kept rows)."""

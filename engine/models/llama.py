@@ -487,6 +487,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.step_rows = self.step_rows
         self.native_decode: NativeDecode | None = None  # set by use_cpu_kernels where it applies
+        self.cpu_kernels: CpuKernels | None = None  # likewise (None: PyTorch everywhere)
         self.requires_grad_(False)
 
     @classmethod
@@ -514,10 +515,12 @@ class LlamaForCausalLM(nn.Module):
         those rows' hidden states only ([len(rows), hidden], ascending), computing the last layer's
         output for them alone."""
         self.step_rows.single = metadata.num_decodes
-        # decode_layers.c has no LoRA update: a step with adapter rows takes the PyTorch layers.
+        lora = self.step_rows.lora
+        # A step with adapter rows runs here where decode_layers.c has the adapters' slots.
         if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.static_decode \
-                and self.step_rows.lora is None:
-            layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches)
+                and (lora is None or self.native_decode.has_lora):
+            layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches,
+                                                lora.slots if lora is not None else None)
             if layers_out is not None:
                 hidden = self.norm(*layers_out)[0]
                 return hidden if final_rows is None else hidden.index_select(0, final_rows.rows)
@@ -555,6 +558,7 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 # The LM head's rows are the sampled positions: every one a row of its own.
                 module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
+        self.cpu_kernels = kernels
         self.native_decode = NativeDecode.for_model(self, kernels)
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:

@@ -19,6 +19,7 @@ from engine.attention import AttentionMetadata, TorchPagedAttention
 
 if TYPE_CHECKING:
     from engine.cpu_kernels import CpuKernels
+    from engine.lora.slots import LoRASlots
     from engine.models.llama import LlamaForCausalLM
     from engine.models.moe import SparseMoeBlock
 
@@ -32,10 +33,18 @@ class _Moe(ctypes.Structure):
                                          "shared_gate")]
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", _P), ("b", _P), ("widths", _P)]
+
+
+_LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [*[(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
-        "down_bias", "k_cache", "v_cache", "q_norm", "k_norm")], ("moe", ctypes.POINTER(_Moe))]
+        "down_bias", "k_cache", "v_cache", "q_norm", "k_norm")], ("moe", ctypes.POINTER(_Moe)),
+        *[(f"{name}_lora", ctypes.POINTER(_Lora)) for name in _LORA_PROJECTIONS]]
 
 
 class _Step(ctypes.Structure):
@@ -54,6 +63,7 @@ class _Step(ctypes.Structure):
                                                "shared_intermediate", "normalize_top_k", "round_weights")],
         *[(name, _P) for name in _MOE_BUFFERS],
         ("moe_seconds", _P),
+        ("lora_slots", _P),
     ]
 
 
@@ -76,6 +86,7 @@ class NativeDecode:
         # float64 [2]: where set, each step adds its sparse layers' routing and expert seconds to it
         # (benchmarks/moe_profile.py).
         self.moe_seconds: torch.Tensor | None = None
+        self.has_lora = False  # attach_lora: steps with adapter rows take this path too
         for entry, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
@@ -92,6 +103,26 @@ class NativeDecode:
             for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
                 setattr(entry, name, linear.row_weight.data_ptr())
                 setattr(entry, f"{name}_bias", _pointer(linear.bias))
+
+    def attach_lora(self, slots: dict[str, LoRASlots]) -> bool:
+        """Point each projection at its LoRA slots (engine/lora/slots.py; by module path, e.g.
+        "layers.3.self_attn.qkv_proj"), so steps with adapter rows run here too; False (and steps
+        with adapter rows keep the Python path) where the slots do not run on the native kernel."""
+        if any(s.kernels is not self.kernels for s in slots.values()):
+            return False
+        paths = {"qkv": "self_attn.qkv_proj", "o": "self_attn.o_proj", "gate_up": "mlp.gate_up_proj",
+                 "down": "mlp.down_proj"}
+        for index, entry in enumerate(self.layers):
+            for name in _LORA_PROJECTIONS:
+                found = slots.get(f"layers.{index}.{paths[name]}")
+                if found is None:
+                    continue
+                table = _Lora(a=found.packed_a.data_ptr(), b=found.packed_b.data_ptr(),
+                              widths=found.packed_widths.data_ptr())
+                self._moe_tables.append(table)  # kept alive with the model, like the MoE tables
+                setattr(entry, f"{name}_lora", ctypes.pointer(table))
+        self.has_lora = True
+        return True
 
     def _moe_table(self, block: SparseMoeBlock) -> _Moe:
         """decode_layers.c's table of a sparse block's packed weights."""
@@ -140,7 +171,8 @@ class NativeDecode:
         return NativeDecode(model, kernels, backend)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-            kv_caches: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+            kv_caches: list[torch.Tensor],
+            lora_slots: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the last layer's output, the residual stream) of a pure decode step, or None where this
         step needs the Python path (another cache layout, or shared-prefix groups without the
         prefix kernel)."""
@@ -174,6 +206,11 @@ class NativeDecode:
                      table_stride=tables.stride(0),
                      tokens=tokens.data_ptr(), first=first.data_ptr(), threads=torch.get_num_threads())
         keep = [cos, sin, tables, tokens, first]  # alive until the call returns
+        if lora_slots is not None:
+            assert self.has_lora and lora_slots.dtype == torch.int64 and lora_slots.shape == (rows,)
+            lora_slots = lora_slots.contiguous()
+            step.lora_slots = lora_slots.data_ptr()
+            keep.append(lora_slots)
         if plan.prefix_batches:
             keep += self._prefix_batches(step, plan.prefix_batches, config.num_kv_heads, head_dim, block_size,
                                          rows)

@@ -1,7 +1,7 @@
 """LoRA rows through the engine's other paths: the prefix cache (hits within an adapter only),
-native decode and the fixed-shape decode path (LoRA steps take the PyTorch layers, the other steps
-keep the fast paths), speculative decoding (the target verifies with the row's adapter) and
-structured output."""
+native decode (LoRA steps run there too, with the PyTorch layers' bits), the fixed-shape decode path
+(LoRA steps take the PyTorch layers, the other steps keep it), speculative decoding (the target
+verifies with the row's adapter) and structured output."""
 
 from __future__ import annotations
 
@@ -32,8 +32,17 @@ def adapters(base_dir) -> list[tuple[LoRARequest, str]]:
             for i, (adapter, merged) in enumerate(made)]
 
 
-def lora_llm(base_dir: str, **options) -> LLM:
-    return LLM(model=base_dir, dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2, **options)
+@pytest.fixture(scope="module")
+def small_base(checkpoint_factory) -> tuple[str, list[tuple[LoRARequest, str]]]:
+    """A base whose widths fit the bf16 row kernel (whole 32-wide tiles), and two adapters of it."""
+    base = str(checkpoint_factory(arch="llama", preset="small"))
+    made = [make_adapter(base, seed) for seed in (23, 24)]
+    return base, [(LoRARequest(f"s{i}", i + 1, str(adapter)), str(merged))
+                  for i, (adapter, merged) in enumerate(made)]
+
+
+def lora_llm(base_dir: str, dtype: str = "float32", **options) -> LLM:
+    return LLM(model=base_dir, dtype=dtype, num_kv_blocks=128, enable_lora=True, max_loras=2, **options)
 
 
 def prompt(seed: int, n: int = 40) -> list[int]:
@@ -63,29 +72,38 @@ def test_prefix_cache_hits_within_an_adapter_and_never_across_adapters_or_with_t
     assert first_b.token_ids == hf_greedy(merged_b, shared, GREEDY.max_tokens)
 
 
-def test_native_decode_runs_the_base_steps_and_lora_steps_take_the_pytorch_layers(base_dir, adapters,
-                                                                                  monkeypatch):
-    llm = lora_llm(base_dir)
-    native = llm.engine.model.native_decode
-    assert native is not None, "the CPU kernels are built on every test machine"
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_native_decode_runs_lora_steps_with_the_python_paths_bits(small_base, monkeypatch, dtype):
+    """Steps with rows of two adapters and the base take the native decode path (the updates in
+    decode_layers.c), and give the tokens and every logprob the PyTorch layers give."""
+    base_dir, adapters = small_base
+    native_llm = lora_llm(base_dir, dtype=dtype)
+    native = native_llm.engine.model.native_decode
+    assert native is not None and native.has_lora, "the CPU kernels are built on every test machine"
+    python_llm = lora_llm(base_dir, dtype=dtype)
+    python_llm.engine.model.native_decode = None
     runs = []
     run = native.run
 
     def counting(*args, **kwargs):
         result = run(*args, **kwargs)
-        runs.append(result is not None)
+        runs.append(result is not None and args[4] is not None)  # a step with LoRA rows, run natively
         return result
 
     monkeypatch.setattr(native, "run", counting)
-    prompts = [prompt(2), prompt(3)]
-    base = llm.generate(prompts, GREEDY)
-    assert sum(runs) >= GREEDY.max_tokens - 2  # base decode steps stay native
-    runs.clear()
-    (a, merged_a), _ = adapters
-    with_lora = llm.generate(prompts, GREEDY, lora_request=[a, None])
-    assert not runs  # every decode step held a LoRA row
-    assert with_lora[1].token_ids == base[1].token_ids
-    assert with_lora[0].token_ids == hf_greedy(merged_a, prompts[0], GREEDY.max_tokens)
+    (a, merged_a), (b, merged_b) = adapters
+    prompts = [prompt(2), prompt(3), prompt(6, 25), prompt(7, 9), prompt(8, 31)]
+    loras = [a, None, b, a, b]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    ours = native_llm.generate(prompts, params, lora_request=loras)
+    theirs = python_llm.generate(prompts, params, lora_request=loras)
+    assert sum(runs) >= params.max_tokens - 2
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert mine.token_ids == reference.token_ids
+        assert mine.outputs[0].logprobs == reference.outputs[0].logprobs  # to the last bit
+    if dtype == "float32":
+        assert ours[0].token_ids == hf_greedy(merged_a, prompts[0], params.max_tokens)
+        assert ours[2].token_ids == hf_greedy(merged_b, prompts[2], params.max_tokens)
 
 
 def test_the_fixed_shape_decode_path_runs_base_steps_and_not_lora_steps(base_dir, adapters, monkeypatch):

@@ -55,3 +55,68 @@ def test_an_adapter_that_leaves_the_projection_alone_adds_nothing():
     x, base = torch.randn(4, IN, dtype=torch.float64), torch.randn(4, OUT, dtype=torch.float64)
     result = slots.add_updates(x, base.clone(), LoRARows(torch.tensor([1, 1, 1, 1])))
     torch.testing.assert_close(result, base)
+
+
+def native_kernels():
+    from engine import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the CPU kernels are built on every test machine"
+    return kernels
+
+
+def kernel_slots(dtype: torch.dtype, in_features: int, out_features: int,
+                 widths: list[int]) -> tuple[LoRASlots, list[tuple[torch.Tensor, torch.Tensor]]]:
+    slots = LoRASlots(len(widths), max(widths), in_features, out_features, dtype, torch.device("cpu"),
+                      step_rows=None)
+    kernels = native_kernels()
+    slots.use_kernels(kernels)
+    # The row kernel takes fp32 with AVX-512 and bf16 with AMX or AVX512-BF16; elsewhere the
+    # PyTorch matmuls apply every update (and these tests check those).
+    assert (slots.kernels is not None) == (dtype in kernels.row_gemm_dtypes)
+    generator = torch.Generator().manual_seed(1)
+    weights = []
+    for slot, width in enumerate(widths):
+        pair = (torch.randn(width, in_features, generator=generator).to(dtype),
+                torch.randn(out_features, width, generator=generator).to(dtype) * 0.1)
+        slots.load(slot, pair)
+        weights.append(pair)
+    return slots, weights
+
+
+# Output widths that are and are not whole panels of the row kernel; an input width that is not whole
+# 32-wide tiles (fp32 only: bf16 needs them).
+@pytest.mark.parametrize(("dtype", "in_features", "out_features"), [
+    (torch.float32, 64, 96), (torch.float32, 40, 70), (torch.bfloat16, 64, 96), (torch.bfloat16, 96, 70)])
+def test_the_native_kernel_adds_each_rows_update(in_features, out_features, dtype):
+    slots, weights = kernel_slots(dtype, in_features, out_features, [16, 8, 5])
+    row_slots = [NO_ADAPTER, 0, 0, 0, 0, 0, 1, 2, 2, NO_ADAPTER, 1]  # runs longer than a tile of 4
+    x = torch.randn(len(row_slots), in_features).to(dtype)
+    base = torch.randn(len(row_slots), out_features).to(dtype)
+    result = slots.add_updates(x, base.clone(), LoRARows(torch.tensor(row_slots)))
+    # fp32: only the summation order differs from float64's; bf16: the inputs' and the result's rounding
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    for i, slot in enumerate(row_slots):
+        expected = base[i].double()
+        if slot != NO_ADAPTER:
+            a, b = (w.double() for w in weights[slot])
+            expected = expected + (x[i].double() @ a.T) @ b.T
+        if slot == NO_ADAPTER:
+            assert torch.equal(result[i], base[i])  # base rows untouched
+        else:
+            torch.testing.assert_close(result[i].double(), expected, **tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_update_from_the_native_kernel_does_not_depend_on_the_other_rows(dtype):
+    """Batch invariance: the same row alone, at another place among other rows, or in a run of one
+    adapter of another length, gets the same bits."""
+    slots, _ = kernel_slots(dtype, 96, 160, [16, 12])
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(9, 96, generator=generator).to(dtype)
+    base = torch.randn(9, 160, generator=generator).to(dtype)
+    mixed = slots.add_updates(x, base.clone(), LoRARows(torch.tensor([0, 0, 0, 1, 1, 0, 0, 0, 0])))
+    for row, slot in ((0, 0), (3, 1), (8, 0)):
+        alone = slots.add_updates(x[row : row + 1], base[row : row + 1].clone(),
+                                  LoRARows(torch.tensor([slot])))
+        assert torch.equal(alone[0], mixed[row])
