@@ -19,6 +19,7 @@ from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from engine.errors import ErrorKind, SamplingParamsError
 from engine.grammar_tracking import GrammarTracker
 from engine.kv_cache_manager import droppable_window
+from engine.kv_connector.stats import empty_stats
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineCounters
@@ -496,6 +497,11 @@ class LLMEngine:
         return token_ids, None
 
     # ---- metrics -------------------------------------------------------------------------------
+
+    def kv_store_stats(self) -> dict[str, float]:
+        """The prefix KV store's counters (engine/kv_connector/stats.py); all 0 without a store."""
+        connector = getattr(self, "kv_connector", None)
+        return connector.stats.snapshot() if connector is not None else empty_stats()
 
     def get_metrics(self) -> dict[str, Any]:
         kv = self.scheduler.kv_cache_manager
