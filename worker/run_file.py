@@ -28,6 +28,7 @@ from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
 from worker.embed_rows import EmbedRun
 from worker.engine_rows import EngineRun, job_response_format_problem
+from worker.kv_store import kv_store_options
 from worker.model_files import ModelUnavailable, local_model_dir
 from worker.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
 from worker.row_window import start_run
@@ -149,7 +150,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                                for adapter in AdapterRegistry.parse(settings.lora_adapters).all())
     hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}, adapters=adapters),
                        settings.engine_options_dict(),
-                       s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
+                       s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
+                       kv_store_options=kv_store_options(settings, deployment=False))
     try:
         hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)
         for _ in ("before", "after"):  # the task at once; the model's size once it is loaded
