@@ -133,6 +133,11 @@ class EngineConfig:
             raise ValueError("kv_store needs enable_prefix_caching (its keys are the prefix cache's hashes)")
         if self.tensor_parallel_size > 1:
             raise ValueError("kv_store cannot be used with tensor_parallel_size > 1 (not implemented)")
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            # The draft's KV shares the blocks but is not stored: loaded blocks would lack it.
+            raise ValueError("kv_store cannot be used with a draft_model speculative config "
+                             "(not implemented)")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

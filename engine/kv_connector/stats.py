@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 COUNTERS = ("hits_blocks", "misses_blocks", "loaded_bytes", "saved_bytes", "saved_blocks", "load_seconds",
-            "failed_loads", "corrupt_blocks", "stored_bytes")
+            "failed_loads", "corrupt_blocks", "stored_bytes", "failed_saves")
 
 
 class KVStoreStats:
