@@ -33,6 +33,8 @@ KV_COUNTERS = (
      "failed_loads"),
     ("bulkinfer_kv_store_corrupt_blocks", "Stored KV blocks whose checksum failed (deleted, computed)",
      "corrupt_blocks"),
+    ("bulkinfer_kv_store_failed_saves", "KV blocks whose save failed (the store down: not stored)",
+     "failed_saves"),
 )
 STORED_BYTES = ("bulkinfer_kv_store_stored_bytes", "KV bytes stored in this engine's namespace",
                 "stored_bytes")

@@ -62,4 +62,7 @@ def _unsupported_by_engines(engine_options: dict[str, Any]) -> str | None:
         return "engine_options turn enable_prefix_caching off"
     if int(engine_options.get("tensor_parallel_size") or 1) > 1:
         return "tensor-parallel engines do not save or load prefix KV yet"
+    speculative = engine_options.get("speculative_config")
+    if isinstance(speculative, dict) and speculative.get("method") == "draft_model":
+        return "a draft model's KV is not stored, so engines speculating with one cannot load blocks"
     return None

@@ -78,5 +78,7 @@ def test_the_settings_give_the_engines_the_tier_only_where_it_is_on(tmp_path, s3
     assert (tmp_path / "store" / BLOCK).read_bytes() == b"z"
     tensor_parallel = bucket.model_copy(update={"tensor_parallel_size": 2})
     assert kv_store_options(tensor_parallel, deployment=True) == {}  # auto: TP engines have no tier yet
+    drafting = bucket.model_copy(update={"speculative_config": '{"method": "draft_model", "model": "d"}'})
+    assert kv_store_options(drafting, deployment=True) == {}  # a draft model's KV is not stored
     no_cache = bucket.model_copy(update={"kv_store_cache_bytes": 0})
     assert isinstance(kv_store_options(no_cache, deployment=True)["kv_store"], ObjectStoreBlobStore)
