@@ -26,6 +26,7 @@ QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
 # Two instructions of several full 16-token blocks each, each shared by a job's rows.
 SUMMARY = "You are a careful analyst. Summarise the quarterly revenue report for the board, region by: " * 2
 TRIAGE = "Classify each support ticket by urgency and product area, then name the team that owns it: " * 2
+AUDIT = "List every invoice paid twice last month, with the vendor, both dates and the amount due: " * 2
 QUESTIONS = ["north", "south", "east"]
 # The tiny model's prefixes are short: load any matched prefix (the engine's break-even is for real ones).
 KV_ENGINE_OPTIONS = {**ENGINE_OPTIONS, "kv_store_min_tokens": 16}
@@ -49,11 +50,19 @@ def run_job(pipeline: Pipeline, name: str, instruction: str, tenant: str) -> dic
     return {record["id"]: record["text"] for record in pipeline.output_records(job_id)}
 
 
+def stored_blocks(pipeline: Pipeline) -> dict[str, int]:
+    """The KV blocks in the store's kv/ folder: key -> size."""
+    pages = pipeline.s3.client().get_paginator("list_objects_v2").paginate(
+        Bucket=JOBS_BUCKET, Prefix=f"{STORE_PREFIX}/kv/")
+    return {item["Key"]: item["Size"] for page in pages for item in page.get("Contents", [])}
+
+
 @dataclass
 class Cluster:
     pipeline: Pipeline
     computed: dict[str, dict[str, str]]  # instruction -> outputs, as the first worker computed them
     saved_blocks: float  # what the first worker saved
+    audit_blocks: list[str]  # the keys of the blocks it saved for AUDIT
     loader_port: int  # the second worker's /metrics
     faults: FaultPlan  # between the second worker and S3 (off until a test turns it on)
 
@@ -91,6 +100,9 @@ def _cluster(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Pa
             wait_ready(first_port)
             computed = {instruction: run_job(pipeline, f"computed-{n}", instruction, "acme")
                         for n, instruction in enumerate((SUMMARY, TRIAGE))}
+            earlier = set(stored_blocks(pipeline))
+            computed[AUDIT] = run_job(pipeline, "computed-audit", AUDIT, "acme")
+            audit_blocks = sorted(set(stored_blocks(pipeline)) - earlier)
             saved_blocks = metric(first_port, "bulkinfer_kv_store_saved_blocks_total")
             assert metric(first_port, "bulkinfer_kv_store_hit_blocks_total") == 0  # nothing to load yet
         faults = FaultPlan(["internal"], every=1)
@@ -101,13 +113,12 @@ def _cluster(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Pa
             with celery_worker("worker.celery_app", redis_server.url, env=second, queues=QUEUES,
                                pool="threads", concurrency=2, ready_timeout=120):
                 wait_ready(loader_port)
-                yield Cluster(pipeline, computed, saved_blocks, loader_port, faults)
+                yield Cluster(pipeline, computed, saved_blocks, audit_blocks, loader_port, faults)
 
 
 def test_the_first_worker_saves_the_shared_instruction_to_the_stores_kv_folder(cluster: Cluster) -> None:
-    assert cluster.saved_blocks >= 2 * 3  # both instructions, several full blocks each
-    listed = cluster.pipeline.s3.client().list_objects_v2(Bucket=JOBS_BUCKET, Prefix=f"{STORE_PREFIX}/kv/")
-    assert listed.get("KeyCount", 0) >= cluster.saved_blocks
+    assert cluster.saved_blocks >= 3 * 3  # each instruction, several full blocks each
+    assert len(stored_blocks(cluster.pipeline)) >= cluster.saved_blocks
 
 
 def test_a_fresh_worker_process_loads_the_blocks_instead_of_computing_with_identical_greedy_outputs(
@@ -140,3 +151,23 @@ def test_a_store_outage_mid_load_is_computed_instead_and_the_job_completes(clust
     assert outputs == cluster.computed[TRIAGE]
     assert cluster.faults.injected["internal"] > 0
     assert metric(cluster.loader_port, "bulkinfer_kv_store_failed_loads_total") > failed
+
+
+def test_truncated_stored_blocks_are_detected_deleted_and_computed_with_the_same_outputs(
+        cluster: Cluster) -> None:
+    client = cluster.pipeline.s3.client()
+    assert len(cluster.audit_blocks) >= 3
+    truncated = {}
+    for key in cluster.audit_blocks:  # the loader has none of them on its disk
+        body = client.get_object(Bucket=JOBS_BUCKET, Key=key)["Body"].read()
+        truncated[key] = len(body) // 2
+        client.put_object(Bucket=JOBS_BUCKET, Key=key, Body=body[: truncated[key]])
+    corrupt = metric(cluster.loader_port, "bulkinfer_kv_store_corrupt_blocks_total")
+    outputs = run_job(cluster.pipeline, "truncated", AUDIT, "acme")
+    assert outputs == cluster.computed[AUDIT]
+    found = metric(cluster.loader_port, "bulkinfer_kv_store_corrupt_blocks_total") - corrupt
+    assert found >= 1
+    after = stored_blocks(cluster.pipeline)
+    # Each corrupt block found was deleted (and maybe saved whole again).
+    healed = [key for key in cluster.audit_blocks if after.get(key) != truncated[key]]
+    assert len(healed) >= found
