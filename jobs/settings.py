@@ -207,7 +207,7 @@ class Settings(BaseModel):
     max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (least recently used out)
     # Prefix KV in the object store (worker/kv_store.py): "auto" is on for a deployment whose store is
     # S3 (`up`, `serve worker`), off for `bulkinfer run`. Blocks go under `<kv_store_uri>/kv/`
-    # (default: the job store's), a disk cache in front of it (default: `kv` beside the model cache).
+    # (default: the job store's), a disk cache in front of it (default: `kv/` in the model cache).
     kv_store: Literal["auto", "on", "off"] = "auto"
     kv_store_uri: str | None = None
     kv_store_min_hits: int | None = Field(None, ge=1)  # rows sharing a prefix before it is saved
@@ -414,10 +414,11 @@ class Settings(BaseModel):
 
     @property
     def kv_cache_dir(self) -> Path:
-        """The local disk cache of KV blocks: `kv_store_cache_dir`, else `kv` beside the model cache."""
+        """The local disk cache of KV blocks: `kv_store_cache_dir`, else `kv/` in the model cache (a
+        worker's writable, kept volume, as its `loras/`)."""
         if self.kv_store_cache_dir:
             return Path(self.kv_store_cache_dir).expanduser()
-        return self.model_cache_dir.parent / KV_STORE_AREA
+        return self.model_cache_dir / KV_STORE_AREA
 
     @property
     def kv_cache_bytes(self) -> int:

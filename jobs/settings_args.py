@@ -77,7 +77,7 @@ HELP = {
     "kv_store_min_hits": "rows sharing a prefix before its KV blocks are saved (default 2)",
     "kv_store_budget_bytes": "stored KV bytes per model, least recently used deleted past it (default: "
                              "no limit)",
-    "kv_store_cache_dir": "local disk cache of KV blocks (default: kv beside the model cache)",
+    "kv_store_cache_dir": "local disk cache of KV blocks (default: kv/ in the model cache)",
     "kv_store_cache_bytes": "size of that disk cache (default 10 GiB; 0: none)",
 }
 # The engines' LoRA settings, taken by every command that runs engines (serve worker, up, run).

@@ -1,5 +1,6 @@
 """The prefix KV tier a worker's engines get, from the settings: blocks in the object store (the job
-store's `kv/` area unless `kv_store_uri` says elsewhere), behind a disk cache on this machine.
+store's `kv/` area unless `kv_store_uri` says elsewhere), behind a disk cache on this machine
+(`<model_cache>/kv/` unless `kv_store_cache_dir` says elsewhere).
 
 On for deployments whose store is a bucket (`kv_store = "auto"`), off for `bulkinfer run` unless
 asked. The S3 client here gives up fast (two attempts, short timeouts): a block that does not come
@@ -49,7 +50,12 @@ def kv_store_options(settings: Settings, *, deployment: bool) -> dict[str, Any]:
     blobs: Any = open_kv_blobs(settings)
     # A disk cache in front of a bucket; a local store already is a folder on this machine.
     if settings.kv_cache_bytes > 0 and settings.kv_store_location.startswith("s3://"):
-        blobs = CachedBlobStore(LocalFolderBlobStore(settings.kv_cache_dir), blobs, settings.kv_cache_bytes)
+        try:
+            front = LocalFolderBlobStore(settings.kv_cache_dir)
+        except OSError as error:  # a read-only or full disk: the bucket alone still serves
+            logger.warning("prefix KV disk cache off: cannot use %s (%s)", settings.kv_cache_dir, error)
+        else:
+            blobs = CachedBlobStore(front, blobs, settings.kv_cache_bytes)
     options: dict[str, Any] = {"kv_store": blobs, "kv_store_min_hits": settings.kv_min_hits}
     if settings.kv_store_budget_bytes is not None:
         options["kv_store_budget_bytes"] = settings.kv_store_budget_bytes

@@ -196,11 +196,11 @@ def test_the_kv_store_is_on_for_a_deployment_with_a_bucket_and_off_for_bulkinfer
         Settings.from_env({"BULKINFER_KV_STORE": "yes"})
 
 
-def test_kv_blocks_live_in_the_job_store_unless_kv_store_uri_says_elsewhere_with_a_disk_cache_beside_models(
+def test_kv_blocks_live_in_the_job_store_unless_kv_store_uri_says_elsewhere_with_a_disk_cache_by_models(
         tmp_path) -> None:
     settings = Settings(store_uri="s3://jobs/prod", model_cache=str(tmp_path / "models"))
     assert settings.kv_store_location == "s3://jobs/prod"
-    assert settings.kv_cache_dir == tmp_path / "kv"
+    assert settings.kv_cache_dir == tmp_path / "models" / "kv"  # in the worker's model volume
     assert (settings.kv_min_hits, settings.kv_cache_bytes) == (2, 10 << 30)
     assert settings.kv_store_budget_bytes is None
     store, prefix = settings.open_kv_store()

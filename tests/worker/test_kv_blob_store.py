@@ -82,3 +82,6 @@ def test_the_settings_give_the_engines_the_tier_only_where_it_is_on(tmp_path, s3
     assert kv_store_options(drafting, deployment=True) == {}  # a draft model's KV is not stored
     no_cache = bucket.model_copy(update={"kv_store_cache_bytes": 0})
     assert isinstance(kv_store_options(no_cache, deployment=True)["kv_store"], ObjectStoreBlobStore)
+    (tmp_path / "read-only").write_text("")  # a file where the cache folder would go: no cache, no crash
+    unwritable = bucket.model_copy(update={"kv_store_cache_dir": str(tmp_path / "read-only" / "kv")})
+    assert isinstance(kv_store_options(unwritable, deployment=True)["kv_store"], ObjectStoreBlobStore)
