@@ -2,6 +2,7 @@
 
 Reads the store the settings name (`kv_store_uri`, else the job store; `s3_endpoint_url`), as the
 workers write it, so it works from any machine with the store's credentials: no worker, no engine.
+`ls` names the model of each namespace where the served model's folder (`models`) is on this machine.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ import argparse
 import sys
 import time
 
-from jobs.settings import KV_STORE_AREA, ConfigError
+from jobs.settings import KV_STORE_AREA, ConfigError, Settings
 from jobs.settings_args import add_settings_arguments, settings_from_args
 from worker.kv_store import open_kv_blobs
 
 ROOT = f"{KV_STORE_AREA}/"
-STORE_SETTINGS = ("store_uri", "kv_store_uri", "s3_endpoint_url")
+STORE_SETTINGS = ("store_uri", "kv_store_uri", "s3_endpoint_url", "models")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,7 +43,8 @@ def kv_cli(argv: list[str]) -> int:
               "(see `bulkinfer kv ls`)", file=sys.stderr)
         return 2
     try:
-        blobs = open_kv_blobs(settings_from_args(args), fail_fast=False)
+        settings = settings_from_args(args)
+        blobs = open_kv_blobs(settings, fail_fast=False)
     except (ConfigError, ValueError) as error:
         print(f"bulkinfer kv {args.command}: {error}", file=sys.stderr)
         return 2
@@ -57,12 +59,31 @@ def kv_cli(argv: list[str]) -> int:
     if not entries:
         print("no blocks stored")
         return 0
-    print(f"{'namespace':<60} {'blocks':>8} {'bytes':>12}  last write (UTC)")
+    names = _served_model_digests(settings)
+    print(f"{'namespace':<60} {'model':<16} {'blocks':>8} {'bytes':>12}  last write (UTC)")
     for entry in entries:
-        print(f"{entry.namespace:<60} {entry.blocks:>8} {_size(entry.bytes):>12}  {_when(entry.last_used)}")
+        model = names.get(entry.namespace.split("/")[1], "-")
+        print(f"{entry.namespace:<60} {model:<16} {entry.blocks:>8} {_size(entry.bytes):>12}  "
+              f"{_when(entry.last_used)}")
     total_bytes = sum(entry.bytes for entry in entries)
     print(f"total: {sum(entry.blocks for entry in entries)} blocks, {_size(total_bytes)}")
     return 0
+
+
+def _served_model_digests(settings: Settings) -> dict[str, str]:
+    """{namespace model digest: served model name} for the served models whose folders are on this
+    machine (a namespace names its model by a digest of its weights: engine/kv_connector/keys.py)."""
+    from engine.kv_connector.keys import namespace
+    from engine.kv_connector.model_identity import model_identity
+    from worker.model_commands import local_model_folder
+
+    registry = settings.model_registry()
+    names = {}
+    for name in registry.names():
+        folder = local_model_folder(registry.location(name))
+        if folder is not None:
+            names[namespace(model_identity(folder), "float32", 0, 1, 16).split("/")[1]] = name
+    return names
 
 
 def _size(count: float) -> str:
