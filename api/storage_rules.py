@@ -35,7 +35,7 @@ from api.errors import HttpError
 from jobs.layout import STORE_AREAS, TENANTS_FOLDER
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 from jobs.object_store.factory import split_uri
-from jobs.settings import Settings
+from jobs.settings import KV_STORE_AREA, Settings
 
 OWNER_MARKER = ".bulkinfer-job"
 # A claim whose job does not exist yet may be a submit between its claim and its create: void only
@@ -84,9 +84,13 @@ def where(store: ObjectStore, key: str) -> str:
 
 def store_base(settings: Settings) -> str:
     """The job store, in the form `where` gives, ending in '/'."""
-    if settings.is_local_store:
-        return settings.local_store_root().as_posix().rstrip("/") + "/"
-    bucket, _, prefix = settings.store_uri[len("s3://"):].partition("/")
+    return _store_root(settings.store_uri)
+
+
+def _store_root(uri: str) -> str:
+    if not uri.startswith("s3://"):
+        return Path(uri.removeprefix("file://")).expanduser().resolve().as_posix().rstrip("/") + "/"
+    bucket, _, prefix = uri[len("s3://"):].partition("/")
     prefix = prefix.strip("/")
     return f"s3://{bucket}/{prefix}/" if prefix else f"s3://{bucket}/"
 
@@ -95,15 +99,19 @@ def store_base(settings: Settings) -> str:
 class StorageRules:
     base: str  # the job store, ending in '/'
     prefixes: dict[str, list[str]] | None  # tenant_prefixes, parsed
+    kv_base: str | None = None  # the prefix KV store (kv_store_uri) when it is not the job store
 
     @classmethod
     def of(cls, settings: Settings) -> StorageRules:
-        return cls(store_base(settings), tenant_prefixes(settings.tenant_prefixes))
+        kv_base = _store_root(settings.kv_store_uri) if settings.kv_store_uri else None
+        return cls(store_base(settings), tenant_prefixes(settings.tenant_prefixes), kv_base)
 
     def area(self, location: str, kind: Kind) -> str | None:
         """The store area `location` lies in, or (a folder or prefix) holds; None when neither."""
-        for name in STORE_AREAS:
-            area = f"{self.base}{name}/"
+        areas = [(name, f"{self.base}{name}/") for name in STORE_AREAS]
+        if self.kv_base is not None:  # every tenant's prefix KV blocks, wherever they are kept
+            areas.append((KV_STORE_AREA, f"{self.kv_base}{KV_STORE_AREA}/"))
+        for name, area in areas:
             if (location.rstrip("/") + "/").startswith(area):
                 return name
             holder = location if kind == "prefix" else location.rstrip("/") + "/"
@@ -147,7 +155,8 @@ def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str
     if area is not None:
         raise HttpError(403, f"{field} {uri!r} is inside or holds the job store's {area}/ folder, where "
                              "the service keeps its own files (jobs' outputs and state, schedules, model "
-                             "files, /v1 files and batches): it is no job's input or output")
+                             "files, /v1 files and batches, prefix KV blocks): it is no job's input or "
+                             "output")
     if tenant is None:
         return
     allowed = rules.allowed(tenant)

@@ -63,6 +63,16 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Prefix KV in object storage (engine/kv_connector/): None = off. Blocks of prefixes that at
+    # least `kv_store_min_hits` requests share are saved; the namespace (model, dtype, rank) is kept
+    # under `kv_store_budget_bytes` (None: no cap), least recently used deleted; matched prefixes
+    # shorter than `kv_store_min_tokens` are computed (None: the measured break-even,
+    # engine/kv_connector/policy.py); a load not done in `kv_store_load_timeout_s` is computed instead.
+    kv_store: Any = None  # a KVBlobStore
+    kv_store_min_hits: int = 2
+    kv_store_budget_bytes: int | None = None
+    kv_store_min_tokens: int | None = None
+    kv_store_load_timeout_s: float = 10.0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -100,6 +110,34 @@ class EngineConfig:
             raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
         SpeculativeConfig.from_value(self.speculative_config)
         self._validate_lora()
+        self._validate_kv_store()
+
+    def _validate_kv_store(self) -> None:
+        from engine.kv_connector.blob_store import KVBlobStore
+
+        _require_int(self.kv_store_min_hits, "kv_store_min_hits", minimum=1)
+        if self.kv_store_budget_bytes is not None:
+            _require_int(self.kv_store_budget_bytes, "kv_store_budget_bytes", minimum=1)
+        if self.kv_store_min_tokens is not None:
+            _require_int(self.kv_store_min_tokens, "kv_store_min_tokens", minimum=0)
+        timeout = self.kv_store_load_timeout_s
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+            raise ValueError(f"kv_store_load_timeout_s must be a finite number of seconds > 0, "
+                             f"got {timeout!r}")
+        if self.kv_store is None:
+            return
+        if not isinstance(self.kv_store, KVBlobStore):
+            raise ValueError(f"kv_store must be a KVBlobStore (get, put_if_absent, delete, list), "
+                             f"got {type(self.kv_store).__name__}")
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_store needs enable_prefix_caching (its keys are the prefix cache's hashes)")
+        if self.tensor_parallel_size > 1:
+            raise ValueError("kv_store cannot be used with tensor_parallel_size > 1 (not implemented)")
+        speculative = SpeculativeConfig.from_value(self.speculative_config)
+        if speculative is not None and speculative.method == "draft_model":
+            # The draft's KV shares the blocks but is not stored: loaded blocks would lack it.
+            raise ValueError("kv_store cannot be used with a draft_model speculative config "
+                             "(not implemented)")
 
     def _validate_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):

@@ -17,7 +17,7 @@ and a hit gives every layer exactly the K/V it would have computed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
 from engine.prefix_hash import BlockHash, extend_block_hashes
@@ -54,6 +54,9 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # leading table blocks already in the cache
         self.prefix_cache_queries = 0  # prompt tokens looked up on first admission
         self.prefix_cache_hits = 0  # of those, tokens served from the cache
+        # Told of each block that becomes cached and of each prefix hit on first admission (the
+        # KV connector saves the shared ones); the block still holds its hash when called.
+        self.block_observer: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,11 +89,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         hashes = self.block_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        if request.needs_prompt_logprobs:
-            # A cached block has KV but no logits: positions still to be scored are recomputed
-            # (their blocks are cached for others as usual once computed).
-            max_blocks = min(max_blocks, request.num_prompt_logprobs // self.block_size)
+        max_blocks = self.max_hit_blocks(request)
         tokens = request.all_token_ids
         computed: list[KVBlock] = []
         parent: BlockHash | None = None
@@ -104,6 +103,17 @@ class KVCacheManager:
             computed.append(block)
             parent = hashes[index]
         return computed, len(computed) * self.block_size
+
+    def max_hit_blocks(self, request: Request) -> int:
+        """How many leading blocks may come from a cache (local or the KV store): at least one token
+        is computed, for the last token's logits; and for a request asking for prompt_logprobs,
+        every position it has not scored yet."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        if request.needs_prompt_logprobs:
+            # A cached block has KV but no logits: positions still to be scored are recomputed
+            # (their blocks are cached for others as usual once computed).
+            max_blocks = min(max_blocks, request.num_prompt_logprobs // self.block_size)
+        return max_blocks
 
     def allocate_slots(
         self,
@@ -157,9 +167,11 @@ class KVCacheManager:
         for index in range(first_uncached, num_full):
             start = index * self.block_size
             parent = hashes[index - 1] if index > 0 else None
-            self.block_pool.cache_full_block(
+            added = self.block_pool.cache_full_block(
                 table[index], hashes[index], tokens[start : start + self.block_size], parent
             )
+            if added and self.block_observer is not None:
+                self.block_observer(table[index])
         self._num_cached_blocks[request.request_id] = num_full
 
     def trim(self, request: Request) -> None:
@@ -218,6 +230,9 @@ class KVCacheManager:
             # First admission only: a preempted request re-reading its own blocks is not a prompt hit.
             self.prefix_cache_queries += request.num_prompt_tokens
             self.prefix_cache_hits += len(computed_blocks) * self.block_size
+            if self.block_observer is not None:
+                for block in computed_blocks:
+                    self.block_observer(block)
         self.block_pool.touch(computed_blocks)
         table = list(computed_blocks)
         self._tables[request.request_id] = table

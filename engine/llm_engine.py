@@ -19,6 +19,10 @@ from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from engine.errors import ErrorKind, SamplingParamsError
 from engine.grammar_tracking import GrammarTracker
 from engine.kv_cache_manager import droppable_window
+from engine.kv_connector.connector import KVConnector
+from engine.kv_connector.model_identity import model_identity
+from engine.kv_connector.setup import build_connector
+from engine.kv_connector.stats import empty_stats
 from engine.lora.manager import LoRAManager
 from engine.lora.request import LoRARequest
 from engine.metrics import EngineCounters
@@ -118,7 +122,16 @@ class LLMEngine:
         # same block tables) attends within one.
         window = droppable_window(model_config.sliding_windows,
                                   *([draft.config.sliding_windows] if draft is not None else []))
-        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids, sliding_window=window)
+        # Prefix KV in a store: block hashes name the weights, not the folder, so workers share.
+        model_key = model_identity(config.model) if config.kv_store is not None else None
+        self.scheduler = Scheduler(config, num_blocks, self.eos_token_ids, sliding_window=window,
+                                   model_key=model_key)
+        self.kv_connector: KVConnector | None = None
+        if model_key is not None:
+            self.kv_connector = build_connector(config, model_key, self.model.config,
+                                                self.dtype_choice.torch_dtype, self.runner.kv_caches)
+            self.scheduler.kv_connector = self.kv_connector
+            self.scheduler.kv_cache_manager.block_observer = self.kv_connector.offer
         # Structured output: grammars of live samples; xgrammar is imported on the first such request.
         self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
         self.scheduler.can_admit = self._grammars.can_admit
@@ -279,6 +292,8 @@ class LLMEngine:
         is garbage collected otherwise); no-op with one rank."""
         if self.parallel is not None:
             self.parallel.shutdown()
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()  # its queued saves are written first
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._pending) or self.scheduler.has_unfinished_requests()
@@ -292,6 +307,8 @@ class LLMEngine:
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         if self._speculator is not None:
             self._speculator.before_schedule(self.scheduler.running)
+        if self.kv_connector is not None:
+            self.kv_connector.flush_saves()  # blocks cached between steps (aborts), before reuse
         scheduled = self.scheduler.schedule()
         if self._speculator is not None:
             self._speculator.after_schedule(scheduled)
@@ -318,11 +335,13 @@ class LLMEngine:
                 c.request.num_output_tokens - outputs_before[c.request.request_id] for c in sampling
             )
             self.counters.prompt_tokens += first_tokens
+            if self.kv_connector is not None:
+                self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
             duration = time.monotonic() - started
             self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
             _attribute_step(scheduled.chunks, duration, scheduled.num_scheduled_tokens)
-        elif self._grammars.compiling and not outputs and not finished:
-            # Only requests waiting for their grammars: yield the CPU to the compile threads
+        elif (self._grammars.compiling or self._kv_loads_pending()) and not outputs and not finished:
+            # Only requests waiting for their grammars or prefix KV loads: yield the CPU to those threads
             # instead of spinning (the LLM loop and the worker's engine thread call step() back to back).
             time.sleep(GRAMMAR_WAIT_S)
         for request in finished:
@@ -334,6 +353,9 @@ class LLMEngine:
                 else:
                     self.counters.num_finished += 1
         return outputs
+
+    def _kv_loads_pending(self) -> bool:
+        return self.kv_connector is not None and self.kv_connector.has_pending_loads()
 
     def _keep_prompt_logprobs(self, scored: dict[str, list[RowLogprobs]]) -> None:
         """Append a step's scored prompt positions to their requests' (in position order: chunks
@@ -496,6 +518,10 @@ class LLMEngine:
         return token_ids, None
 
     # ---- metrics -------------------------------------------------------------------------------
+
+    def kv_store_stats(self) -> dict[str, float]:
+        """The prefix KV store's counters (engine/kv_connector/stats.py); all 0 without a store."""
+        return self.kv_connector.stats.snapshot() if self.kv_connector is not None else empty_stats()
 
     def get_metrics(self) -> dict[str, Any]:
         kv = self.scheduler.kv_cache_manager

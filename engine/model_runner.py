@@ -31,6 +31,7 @@ from engine.config import EngineConfig
 from engine.decode_graphs import DecodeGraphs, decode_graph_mode
 from engine.dtype_choice import DTYPES
 from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
+from engine.kv_connector.connector import load_blocks
 from engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from engine.lora.rows import NO_ADAPTER, LoRARows
 from engine.models.llama import FinalRows, LlamaForCausalLM
@@ -285,6 +286,8 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, output: SchedulerOutput) -> StepResult:
         """`execute`, plus the prompt logprobs of the chunks that ask for them, from the same pass."""
+        if output.kv_loads:
+            load_blocks(self.kv_caches, output.kv_loads)
         rows, spans = self.batch_rows(output)
         if not rows:
             return StepResult(torch.empty(0, self.model.config.vocab_size, dtype=torch.float32,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from engine.config import EngineConfig
 from engine.errors import ErrorKind
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_connector.connector import NOTHING, KVConnector, KVLoad, LoadDecision
 from engine.lora.admission import LoRAAdmission
 from engine.prefix_hash import BlockHash
 from engine.request import FinishReason, Request, RequestStatus
@@ -61,6 +62,8 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)  # running first, then newly admitted
     num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
+    # Prefix blocks fetched from the KV store, copied into their blocks before the forward pass.
+    kv_loads: list[KVLoad] = field(default_factory=list)
 
 
 class _FcfsQueue:
@@ -173,13 +176,17 @@ class Scheduler:
     """
 
     def __init__(self, config: EngineConfig, num_kv_blocks: int,
-                 eos_token_id: int | Sequence[int] | None, sliding_window: int | None = None) -> None:
+                 eos_token_id: int | Sequence[int] | None, sliding_window: int | None = None,
+                 model_key: str | None = None) -> None:
+        """`model_key`: what block hashes say of the model (default: `config.model`, its folder);
+        with a KV store, the weights' identity, so workers with other folders share blocks."""
         self.config = config  # validated by its owner (LLMEngine), once
         # Every id that ends a sequence (Llama 3 instruct has two: <|end_of_text|>, <|eot_id|>).
         self.eos_token_ids = eos_id_set(eos_token_id)
         # sliding_window: where every layer slides, blocks behind it are freed (kv_cache_manager).
         self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, hash_extra_keys=(config.model,),
+            num_kv_blocks, config.block_size, config.enable_prefix_caching,
+            hash_extra_keys=(model_key or config.model,),
             sliding_window=sliding_window,
         )
         pool_limit = self.kv_cache_manager.capacity_tokens + 1
@@ -196,6 +203,8 @@ class Scheduler:
         self.can_admit: Callable[[Request], bool] | None = None
         # At most max_loras adapters among running requests (engine/lora/admission.py).
         self.lora_admission = LoRAAdmission(config.max_loras) if config.enable_lora else None
+        # Set by the engine with a KV store: prefix blocks fetched from it (engine/kv_connector/).
+        self.kv_connector: KVConnector | None = None
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -221,6 +230,8 @@ class Scheduler:
             return False
         self._requests[request.request_id] = request
         self.waiting.push(request)
+        if self.kv_connector is not None:
+            self.kv_connector.add_request(self.kv_cache_manager.block_hashes(request))
         return True
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -489,15 +500,26 @@ class Scheduler:
                 if num_held_back >= max_held_back:
                     break
                 continue
-            num_new = min(request.num_tokens - num_computed, step.token_budget)  # chunked prefill
-            growth = self._growth_blocks(request, len(computed_blocks))
+            loads = self._kv_store_lookup(request, len(computed_blocks))
+            if loads.wait:  # its prefix is being fetched: the requests behind it go on
+                set_aside.append(self.waiting.pop())
+                num_skipped += 1
+                if num_skipped >= max_skipped:
+                    break
+                continue
+            num_loaded = len(loads.blocks) * self.config.block_size
+            # chunked prefill
+            num_new = min(request.num_tokens - num_computed - num_loaded, step.token_budget)
+            growth = self._growth_blocks(request, len(computed_blocks) + len(loads.blocks))
             spoken_for = self._growth_reserve(request.priority) if by_priority else reserve
             if self.running and growth + spoken_for > self.kv_cache_manager.num_free_blocks:
                 break  # the running requests will need the room: wait for some to finish
-            if self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks) is None:
+            if self.kv_cache_manager.allocate_slots(request, num_loaded + num_new, computed_blocks) is None:
                 break  # out of blocks: wait for running requests to finish
             self.waiting.pop()
-            self._admit(request, num_computed)
+            self._admit(request, num_computed + num_loaded)
+            if loads.blocks:
+                self._take_loads(request, len(computed_blocks), loads, step)
             if lora is not None:
                 lora.admitted(request)
             if not by_priority:
@@ -505,6 +527,21 @@ class Scheduler:
             self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new)
         self.waiting.push_front(set_aside)
+
+    def _kv_store_lookup(self, request: Request, num_local_blocks: int) -> LoadDecision:
+        if self.kv_connector is None:
+            return NOTHING
+        return self.kv_connector.lookup(request.request_id, self.kv_cache_manager.block_hashes(request),
+                                        num_local_blocks, self.kv_cache_manager.max_hit_blocks(request))
+
+    def _take_loads(self, request: Request, first: int, loads: LoadDecision, step: _StepBudget) -> None:
+        """The admitted request's fetched blocks go into its blocks from `first` on, before this
+        step's forward pass; requests waiting on the same prefix hold back a step, then hit it."""
+        assert self.kv_connector is not None
+        block_ids = tuple(request.block_ids[first: first + len(loads.blocks)])
+        step.output.kv_loads.append(KVLoad(block_ids, loads.blocks))
+        step.blocks_in_flight.update(loads.hashes)
+        self.kv_connector.loaded(request.request_id)
 
     def _admit(self, request: Request, num_computed: int) -> None:
         if request.status is RequestStatus.WAITING:  # first admission, not a recompute
@@ -565,6 +602,8 @@ class Scheduler:
         """Mark finished and free its blocks; the caller removes it from `running`."""
         request.finish(reason, now, error, kind)
         self.kv_cache_manager.free(request)
+        if self.kv_connector is not None:
+            self.kv_connector.request_finished(request.request_id)
         del self._requests[request.request_id]
 
     def _validation_error(self, request: Request) -> tuple[ErrorKind, str] | None:

@@ -32,7 +32,9 @@ PART_EXTENSIONS = {
 # output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
 # `files/` holds the /v1/files uploads and batch outputs, `batches/` the /v1 batch records: what a
 # tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
-STORE_AREAS = ("jobs", "schedules", "models", "files", "batches")
+# `kv/` holds every tenant's prefix KV blocks (worker/kv_store.py): a job reading it would read
+# another tenant's prompts' KV.
+STORE_AREAS = ("jobs", "schedules", "models", "files", "batches", "kv")
 TENANTS_FOLDER = "tenants"
 # A /v1 file: `files/<owner>/<file_id>/` holds its content, then (written last) its record.
 FILE_CONTENT_NAME = "content"

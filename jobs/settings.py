@@ -42,6 +42,9 @@ DEFAULT_CRASH_SPLIT_AFTER = 2
 DEFAULT_MAX_SHARD_SIZE = 10_000
 DEFAULT_MAX_SHARD_TOKENS = 1_000_000
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "bulkinfer" / "models"
+DEFAULT_KV_STORE_MIN_HITS = 2
+DEFAULT_KV_STORE_CACHE_BYTES = 10 << 30
+KV_STORE_AREA = "kv"  # the engine's block keys start with it (engine/kv_connector/keys.py)
 CONFIG_ENV = "BULKINFER_CONFIG"
 DEFAULT_CONFIG_FILE = "bulkinfer.toml"
 # field name → environment variable (the file key is the field name)
@@ -99,6 +102,13 @@ ENVIRONMENT_NAMES = {
     "max_loras": "BULKINFER_MAX_LORAS",
     "max_lora_rank": "BULKINFER_MAX_LORA_RANK",
     "max_cpu_loras": "BULKINFER_MAX_CPU_LORAS",
+    # Prefix KV saved to the object store and loaded back by other workers (worker/kv_store.py).
+    "kv_store": "BULKINFER_KV_STORE",
+    "kv_store_uri": "BULKINFER_KV_STORE_URI",
+    "kv_store_min_hits": "BULKINFER_KV_STORE_MIN_HITS",
+    "kv_store_budget_bytes": "BULKINFER_KV_STORE_BUDGET_BYTES",
+    "kv_store_cache_dir": "BULKINFER_KV_STORE_CACHE_DIR",
+    "kv_store_cache_bytes": "BULKINFER_KV_STORE_CACHE_BYTES",
 }
 
 
@@ -195,6 +205,15 @@ class Settings(BaseModel):
     max_loras: int | None = Field(None, ge=1)  # adapters in one engine step
     max_lora_rank: int | None = Field(None, ge=1)
     max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (least recently used out)
+    # Prefix KV in the object store (worker/kv_store.py): "auto" is on for a deployment whose store is
+    # S3 (`up`, `serve worker`), off for `bulkinfer run`. Blocks go under `<kv_store_uri>/kv/`
+    # (default: the job store's), a disk cache in front of it (default: `kv/` in the model cache).
+    kv_store: Literal["auto", "on", "off"] = "auto"
+    kv_store_uri: str | None = None
+    kv_store_min_hits: int | None = Field(None, ge=1)  # rows sharing a prefix before it is saved
+    kv_store_budget_bytes: int | None = Field(None, ge=1)  # per model namespace; None: unbounded
+    kv_store_cache_dir: str | None = None
+    kv_store_cache_bytes: int | None = Field(None, ge=0)  # 0: no disk cache
 
     @field_validator("max_completion_window")
     @classmethod
@@ -202,9 +221,11 @@ class Settings(BaseModel):
         window_seconds(value)
         return value
 
-    @field_validator("store_uri")
+    @field_validator("store_uri", "kv_store_uri")
     @classmethod
-    def _store_uri_is_usable(cls, value: str) -> str:
+    def _store_uri_is_usable(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
         if value.startswith("s3://"):
             if not value[len("s3://"):].split("/", 1)[0]:
                 raise ValueError(f"s3 store URI has no bucket: {value!r} (expected s3://bucket/prefix)")
@@ -361,14 +382,54 @@ class Settings(BaseModel):
 
     def open_store(self) -> tuple[ObjectStore, str]:
         """The job store and the key prefix jobs live under in it."""
-        if self.is_local_store:
+        return self._open_store_uri(self.store_uri)
+
+    def open_kv_store(self, client: Any = None) -> tuple[ObjectStore, str]:
+        """The store the KV blocks live in and its key prefix (`kv_store_location`); `client`: the
+        boto3 client an S3 one uses (the KV tier's has short timeouts: worker/kv_store.py)."""
+        return self._open_store_uri(self.kv_store_location, client)
+
+    def _open_store_uri(self, uri: str, client: Any = None) -> tuple[ObjectStore, str]:
+        if not uri.startswith("s3://"):
             from jobs.object_store.local import LocalObjectStore
 
-            return LocalObjectStore(self.local_store_root()), ""
+            return LocalObjectStore(Path(uri.removeprefix("file://")).expanduser().resolve()), ""
         from jobs.object_store.s3 import S3ObjectStore
 
-        bucket, _, prefix = self.store_uri[len("s3://"):].partition("/")
-        return S3ObjectStore(bucket, endpoint_url=self.s3_endpoint_url), prefix.strip("/")
+        bucket, _, prefix = uri[len("s3://"):].partition("/")
+        return S3ObjectStore(bucket, endpoint_url=self.s3_endpoint_url, client=client), prefix.strip("/")
+
+    def kv_store_enabled(self, *, deployment: bool) -> bool:
+        """Whether engines save and load prefix KV in the store: `kv_store`, and for "auto" whether
+        this is a deployment (`up`, `serve worker`; not `bulkinfer run`) whose store is a bucket."""
+        if self.kv_store != "auto":
+            return self.kv_store == "on"
+        return deployment and not self.is_local_store
+
+    @property
+    def kv_store_location(self) -> str:
+        """The store URI the KV blocks live under (in its `kv/` area): `kv_store_uri`, else the job
+        store's."""
+        return self.kv_store_uri or self.store_uri
+
+    @property
+    def kv_cache_dir(self) -> Path:
+        """The local disk cache of KV blocks: `kv_store_cache_dir`, else `kv/` in the model cache (a
+        worker's writable, kept volume, as its `loras/`)."""
+        if self.kv_store_cache_dir:
+            return Path(self.kv_store_cache_dir).expanduser()
+        return self.model_cache_dir / KV_STORE_AREA
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The disk cache's size in bytes (0: no disk cache)."""
+        if self.kv_store_cache_bytes is None:
+            return DEFAULT_KV_STORE_CACHE_BYTES
+        return self.kv_store_cache_bytes
+
+    @property
+    def kv_min_hits(self) -> int:
+        return self.kv_store_min_hits or DEFAULT_KV_STORE_MIN_HITS
 
     def redis_client(self) -> redis.Redis:
         import redis

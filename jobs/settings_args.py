@@ -70,9 +70,21 @@ HELP = {
     "max_loras": "LoRA adapters one engine step mixes (the engine's default: 1)",
     "max_lora_rank": "the highest LoRA rank served (the engine's default: 16)",
     "max_cpu_loras": "LoRA adapters kept in host memory, least recently used evicted",
+    "kv_store": "prefix KV saved to the store and loaded by other workers: auto (on for a deployment "
+                "whose store is S3, off for bulkinfer run) | on | off",
+    "kv_store_uri": "where KV blocks live (under its kv/): s3://bucket/prefix or a directory (default: "
+                    "the job store)",
+    "kv_store_min_hits": "rows sharing a prefix before its KV blocks are saved (default 2)",
+    "kv_store_budget_bytes": "stored KV bytes per model, least recently used deleted past it (default: "
+                             "no limit)",
+    "kv_store_cache_dir": "local disk cache of KV blocks (default: kv/ in the model cache)",
+    "kv_store_cache_bytes": "size of that disk cache (default 10 GiB; 0: none)",
 }
 # The engines' LoRA settings, taken by every command that runs engines (serve worker, up, run).
 LORA_SETTINGS = ("lora_adapters", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
+# The prefix KV tier (worker/kv_store.py), taken by every command that runs engines.
+KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_budget_bytes",
+                     "kv_store_cache_dir", "kv_store_cache_bytes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "speculative_config", "tensor_parallel_size",
@@ -83,7 +95,7 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
-                   "max_shard_size", "max_shard_tokens", *LORA_SETTINGS)
+                   "max_shard_size", "max_shard_tokens", *LORA_SETTINGS, *KV_STORE_SETTINGS)
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -17,6 +17,7 @@ from jobs.object_store.base import ObjectStore
 from jobs.repository import JobRepository
 from jobs.settings import Settings, process_settings
 from jobs.tokenizer_files import publish_tokenizer
+from worker.kv_store import kv_store_options
 from worker.model_hosts import ModelHosts
 
 logger = logging.getLogger(__name__)
@@ -42,7 +43,8 @@ class WorkerContext:
         settings = self.settings
         return ModelHosts(self.registry, settings.engine_options_dict(),
                           s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
-                          on_tokenizer=self._publish_tokenizer)
+                          on_tokenizer=self._publish_tokenizer,
+                          kv_store_options=kv_store_options(settings, deployment=True))
 
     def _publish_tokenizer(self, name: str, tokenizer: Any) -> None:
         """Put a loaded model's tokenizer where the API's dry runs read it (jobs/tokenizer_files.py)."""

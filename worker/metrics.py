@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from worker.embed_host import EmbedHost
+from worker.kv_metrics import KVStoreCollector
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -164,5 +165,6 @@ def engine_figures(hosted: HostedModel) -> dict[str, Any] | None:
 
 
 def register_engines(models: Callable[[], Sequence[HostedModel]]) -> None:
-    """Add the engines' figures to the registry (once per process)."""
+    """Add the engines' figures, and their prefix KV tier's, to the registry (once per process)."""
     REGISTRY.register(EngineCollector(models))
+    REGISTRY.register(KVStoreCollector(models))

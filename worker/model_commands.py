@@ -82,7 +82,7 @@ def _list_models(folders: list[Path], tp_sizes: tuple[int, ...]) -> None:
     print("served (BULKINFER_MODELS):" if served else "served: none (set BULKINFER_MODELS)")
     for name, location in served.items():
         print(f"{name}  {location}")
-        folder = _local_folder(location)
+        folder = local_model_folder(location)
         if folder is None:
             print("  not on this machine (an s3:// model or catalog model not fetched yet): sized once here")
         else:
@@ -99,7 +99,7 @@ def _served_models() -> dict[str, str]:
     return {name: registry.location(name) for name in registry.names()}
 
 
-def _local_folder(location: str) -> Path | None:
+def local_model_folder(location: str) -> Path | None:
     """The model's folder on this machine without fetching anything: a folder, or a fetched catalog model."""
     path = Path(location.removeprefix("file://")).expanduser()
     if (path / "config.json").is_file():

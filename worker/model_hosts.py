@@ -66,13 +66,16 @@ class HostedModel:
 class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None,
-                 on_tokenizer: Callable[[str, Any], None] | None = None) -> None:
+                 on_tokenizer: Callable[[str, Any], None] | None = None,
+                 kv_store_options: Mapping[str, Any] | None = None) -> None:
         """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
         that model's jobs with the reason instead of every task before it can say why.
-        `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded."""
+        `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded. `kv_store_options`:
+        the prefix KV tier's engine fields (worker/kv_store.py), shared by every model's engine."""
         self.on_tokenizer = on_tokenizer
         self.registry = registry
         self.engine_options = engine_options
+        self.kv_store_options = dict(kv_store_options or {})
         self.s3_endpoint_url = s3_endpoint_url
         self.cache_dir = cache_dir
         self._models: dict[tuple[str, bool], HostedModel] = {}  # (name, hosted as an embedder)
@@ -131,7 +134,7 @@ class ModelHosts:
         explicit = engine_options(self.engine_options)
         signature = machine_signature(str(explicit.get("device", "cpu")), str(explicit.get("dtype", "auto")))
         tuned = tuned_engine_options(self.cache_dir or model_cache_dir(), directory, signature)
-        return EngineConfig(model=str(directory), **{**tuned, **explicit})
+        return EngineConfig(model=str(directory), **{**tuned, **explicit, **self.kv_store_options})
 
     def hosted(self) -> list[HostedModel]:
         """The models this process hosts now (loaded, loading or failed), one per name, as heartbeats

@@ -14,12 +14,12 @@ from pydantic import ValidationError
 from jobs.errors import InputError
 from jobs.sampling import JobSampling
 from jobs.settings import ConfigError, Settings
-from jobs.settings_args import LORA_SETTINGS, add_settings_arguments, settings_from_args
+from jobs.settings_args import KV_STORE_SETTINGS, LORA_SETTINGS, add_settings_arguments, settings_from_args
 from jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
 from jobs.task_args import TASK_FIELDS, add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "tensor_parallel_size",
-                "model_cache", "s3_endpoint_url", *LORA_SETTINGS)
+                "model_cache", "s3_endpoint_url", *LORA_SETTINGS, *KV_STORE_SETTINGS)
 FORMATS = [value.value for value in InputFormat]
 
 

@@ -28,6 +28,7 @@ from jobs.sharding import ShardPlan, plan_shards
 from jobs.spec import InputFormat, JobSpec
 from worker.embed_rows import EmbedRun
 from worker.engine_rows import EngineRun, job_response_format_problem
+from worker.kv_store import kv_store_options
 from worker.model_files import ModelUnavailable, local_model_dir
 from worker.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
 from worker.row_window import start_run
@@ -56,6 +57,7 @@ class RunSummary:
     run_completion_tokens: int  # this run's (the token counts above add up every run)
     dtype: str = ""  # the engine's compute dtype, and why
     speculation: dict | None = None  # the engine's speculative decoding figures (None: off)
+    kv_store: dict | None = None  # the prefix KV tier's counters (None: off)
 
 
 def resolve_model(model: str, registry: ModelRegistry, cache_dir: Path | None = None) -> str:
@@ -149,7 +151,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                                for adapter in AdapterRegistry.parse(settings.lora_adapters).all())
     hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}, adapters=adapters),
                        settings.engine_options_dict(),
-                       s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir)
+                       s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
+                       kv_store_options=kv_store_options(settings, deployment=False))
     try:
         hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)
         for _ in ("before", "after"):  # the task at once; the model's size once it is loaded
@@ -164,6 +167,9 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
                         output, progress)
         metrics = {} if hosted.is_embedding else hosted.host.call(lambda engine: engine.get_metrics())
+        kv_stats = None
+        if not hosted.is_embedding and hosts.kv_store_options:
+            kv_stats = hosted.host.call(lambda engine: engine.kv_store_stats())
     finally:
         hosts.stop()
     output.finish()
@@ -173,7 +179,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                       cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
                       seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens,
                       dtype=f"{choice.dtype} ({choice.reason})" if choice else "",
-                      speculation=metrics.get("speculative_decoding"))
+                      speculation=metrics.get("speculative_decoding"), kv_store=kv_stats)
 
 
 def _job_id(spec: JobSpec) -> str:
@@ -215,4 +221,11 @@ def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], N
         say(f"speculative decoding ({spec['method']}): {spec['num_draft_tokens']} drafts, "
             f"{spec['acceptance_rate']:.0%} accepted, {spec['mean_accepted_length']:.2f} tokens per "
             f"verification, on in {spec['steps_on']} of {spec['steps_on'] + spec['steps_off']} steps")
+    kv = summary.kv_store
+    if kv is not None:
+        say(f"prefix KV store: loaded {kv['hits_blocks']:.0f} blocks "
+            f"({kv['loaded_bytes'] / 2**20:.1f} MiB in {kv['load_seconds']:.2f}s), "
+            f"saved {kv['saved_blocks']:.0f} blocks "
+            f"({kv['saved_bytes'] / 2**20:.1f} MiB), {kv['failed_loads']:.0f} failed loads, "
+            f"{kv['corrupt_blocks']:.0f} corrupt blocks")
 

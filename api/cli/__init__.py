@@ -35,6 +35,8 @@ COMMANDS: dict[str, Command] = {
                                "worker"),
     "models": Command("worker.model_commands:models_cli", "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
+    "kv": Command("worker.kv_commands:kv_cli", "Prefix KV blocks workers saved to the store: `kv ls`, "
+                  "`kv rm NAMESPACE|--all`", "worker"),
     "tune": Command("worker.tune_cli:tune_cli", "Measure engine settings for a model on this machine and "
                     "write the fastest for its workers", "worker"),
     "bench": Command("benchmarks.cli:main",

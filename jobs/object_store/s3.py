@@ -35,13 +35,17 @@ CONNECT_TIMEOUT_S = 5
 READ_TIMEOUT_S = 60
 
 
-def make_s3_client(endpoint_url: str | None = None) -> Any:  # boto3 clients are untyped
-    """A boto3 S3 client; the endpoint comes from the argument, else `BULKINFER_S3_ENDPOINT_URL`."""
+def make_s3_client(endpoint_url: str | None = None, *, max_attempts: int = MAX_ATTEMPTS,
+                   connect_timeout_s: float = CONNECT_TIMEOUT_S,
+                   read_timeout_s: float = READ_TIMEOUT_S) -> Any:  # boto3 clients are untyped
+    """A boto3 S3 client; the endpoint comes from the argument, else `BULKINFER_S3_ENDPOINT_URL`.
+    The defaults suit the job store (a call may wait out a long outage); a cache that can do
+    without the store (the KV tier) asks for fewer attempts and shorter timeouts."""
     import boto3
     from botocore.config import Config
 
-    config = Config(retries={"mode": "standard", "max_attempts": MAX_ATTEMPTS},
-                    connect_timeout=CONNECT_TIMEOUT_S, read_timeout=READ_TIMEOUT_S)
+    config = Config(retries={"mode": "standard", "max_attempts": max_attempts},
+                    connect_timeout=connect_timeout_s, read_timeout=read_timeout_s)
     return boto3.client("s3", endpoint_url=endpoint_url or os.environ.get(ENDPOINT_ENV) or None,
                         config=config)
 

@@ -14,10 +14,13 @@ from api.errors import HttpError
 from api.storage_rules import (
     OWNER_MARKER,
     UNCREATED_CLAIM_GRACE_S,
+    StorageRules,
+    check_location,
     claim_output_folder,
     release_output_folder,
 )
 from jobs.object_store import LocalObjectStore
+from jobs.settings import Settings
 
 
 def test_a_retrys_folder_may_lie_inside_the_folder_of_the_job_it_retries(tmp_path) -> None:
@@ -109,3 +112,18 @@ def test_a_takeover_that_died_before_rewriting_the_marker_still_owns_the_folder(
         claim_output_folder(store, "out", "/out", "job-next", backs=lambda _owner, _folder: None)
     assert refused.value.status_code == 409 and "job-taker" in refused.value.message
     claim_output_folder(store, "out", "/out", "job-taker")  # the taker's own submit, again: its folder
+
+
+def test_a_kv_store_kept_outside_the_job_store_is_no_jobs_input_or_output(tmp_path) -> None:
+    """Its kv/ folder holds every tenant's prefix KV blocks (worker/kv_store.py): no job reads or
+    writes there, an admin's included, wherever kv_store_uri puts it."""
+    rules = StorageRules.of(Settings(store_uri=str(tmp_path / "store"), kv_store_uri="s3://kv-cache/team"))
+    block = "s3://kv-cache/team/kv/0f1e/fp32/tp0of1/b16/9a8b"
+    refused_places = ((block, "object"), ("s3://kv-cache/team/", "folder"),
+                      ("s3://kv-cache/team/k", "prefix"))
+    for location, kind in refused_places:
+        with pytest.raises(HttpError) as refused:
+            check_location(rules, None, location, "input_uri", location, kind)
+        assert refused.value.status_code == 403 and "kv/ folder" in refused.value.message
+    check_location(rules, None, "s3://kv-cache/team/rows.jsonl", "input_uri", "s3://kv-cache/team/rows.jsonl",
+                   "object")  # beside it: the deployment's business

@@ -202,8 +202,11 @@ def test_no_key_reads_the_job_stores_own_files_but_a_tenant_reads_its_own_upload
         output = put_in_store(api, f"jobs/{theirs.job_id}/output/part-00000.jsonl", ROWS)
         schedule = put_in_store(api, "schedules/rows.jsonl", ROWS)
         model = put_in_store(api, "models/tiny/rows.jsonl", ROWS)
+        # A prefix KV block (worker/kv_store.py) holds another tenant's prompt, in KV form.
+        kv_block = put_in_store(api, "kv/0f1e/float32/tp0of1/b16/9a8b", ROWS)
         for client in (acme, globex, admin):
-            for uri, area in ((output, "jobs/"), (schedule, "schedules/"), (model, "models/")):
+            for uri, area in ((output, "jobs/"), (schedule, "schedules/"), (model, "models/"),
+                              (kv_block, "kv/")):
                 message = refused(lambda: client.jobs.create({**JOB, "input_uri": uri}))  # noqa: B023
                 assert message.startswith("input_uri") and f"job store's {area} folder" in message
         message = refused(lambda: acme.jobs.create({**JOB, "input_uri": upload}))

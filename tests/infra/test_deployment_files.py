@@ -54,6 +54,11 @@ WORKER_METRICS = {
     "bulkinfer_engine_load_seconds",
     "bulkinfer_task_retries_total", "bulkinfer_reaper_resends_total", "bulkinfer_store_errors_total",
     "bulkinfer_redis_errors_total",
+    # The prefix KV tier across workers (worker/kv_metrics.py).
+    "bulkinfer_kv_store_hit_blocks_total", "bulkinfer_kv_store_miss_blocks_total",
+    "bulkinfer_kv_store_loaded_bytes_total", "bulkinfer_kv_store_saved_bytes_total",
+    "bulkinfer_kv_store_load_seconds_total", "bulkinfer_kv_store_failed_loads_total",
+    "bulkinfer_kv_store_failed_saves_total", "bulkinfer_kv_store_corrupt_blocks_total",
 }
 API_METRICS = {"bulkinfer_jobs", "bulkinfer_queue_length", "bulkinfer_workers"}
 HISTOGRAMS = {"bulkinfer_time_to_first_token_seconds", "bulkinfer_time_per_output_token_seconds"}

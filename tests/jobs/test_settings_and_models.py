@@ -179,3 +179,51 @@ def test_the_tensor_parallel_size_setting_reaches_the_engine_options_from_flag_o
         add_settings_arguments(parser, fields)
         parsed = settings_from_args(parser.parse_args(["--tensor-parallel-size", "2"]))
         assert parsed.engine_options_dict()["tensor_parallel_size"] == 2
+
+
+def test_the_kv_store_is_on_for_a_deployment_with_a_bucket_and_off_for_bulkinfer_run_unless_asked(
+        tmp_path) -> None:
+    bucket = Settings(store_uri="s3://jobs/prod")
+    assert bucket.kv_store == "auto"
+    assert bucket.kv_store_enabled(deployment=True)  # serve worker, up with S3
+    assert not bucket.kv_store_enabled(deployment=False)  # bulkinfer run
+    assert not Settings(store_uri=str(tmp_path)).kv_store_enabled(deployment=True)  # no bucket
+    asked = Settings.from_env({"BULKINFER_KV_STORE": "on"}, store_uri=str(tmp_path))
+    assert asked.kv_store_enabled(deployment=False) and asked.kv_store_enabled(deployment=True)
+    refused = Settings.from_env({}, store_uri="s3://jobs/prod", kv_store="off")
+    assert not refused.kv_store_enabled(deployment=True)
+    with pytest.raises(ConfigError, match="BULKINFER_KV_STORE: Input should be 'auto', 'on' or 'off'"):
+        Settings.from_env({"BULKINFER_KV_STORE": "yes"})
+
+
+def test_kv_blocks_live_in_the_job_store_unless_kv_store_uri_says_elsewhere_with_a_disk_cache_by_models(
+        tmp_path) -> None:
+    settings = Settings(store_uri="s3://jobs/prod", model_cache=str(tmp_path / "models"))
+    assert settings.kv_store_location == "s3://jobs/prod"
+    assert settings.kv_cache_dir == tmp_path / "models" / "kv"  # in the worker's model volume
+    assert (settings.kv_min_hits, settings.kv_cache_bytes) == (2, 10 << 30)
+    assert settings.kv_store_budget_bytes is None
+    store, prefix = settings.open_kv_store()
+    assert isinstance(store, S3ObjectStore) and (store.bucket, prefix) == ("jobs", "prod")
+    elsewhere = Settings.from_env({"BULKINFER_KV_STORE_URI": str(tmp_path / "kv-store"),
+                                   "BULKINFER_KV_STORE_MIN_HITS": "3", "BULKINFER_KV_STORE_CACHE_BYTES": "0",
+                                   "BULKINFER_KV_STORE_CACHE_DIR": str(tmp_path / "disk"),
+                                   "BULKINFER_KV_STORE_BUDGET_BYTES": "1000000"}, store_uri="s3://jobs/prod")
+    store, prefix = elsewhere.open_kv_store()
+    assert isinstance(store, LocalObjectStore) and store.root == tmp_path / "kv-store" and prefix == ""
+    assert (elsewhere.kv_min_hits, elsewhere.kv_cache_bytes) == (3, 0)
+    assert elsewhere.kv_store_budget_bytes == 1_000_000
+    assert elsewhere.kv_cache_dir == tmp_path / "disk"
+    assert Settings.from_env(elsewhere.to_env()) == elsewhere  # a worker child gets the same
+    with pytest.raises(ConfigError, match="BULKINFER_KV_STORE_URI: store URI must be s3://bucket/prefix"):
+        Settings.from_env({"BULKINFER_KV_STORE_URI": "gs://kv"})
+    with pytest.raises(ConfigError, match="--kv-store-min-hits: Input should be greater than or equal to 1"):
+        Settings.from_env({}, kv_store_min_hits=0)
+    from jobs.settings_args import WORKER_SETTINGS
+    from worker.run_cli import RUN_SETTINGS
+
+    for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run` take the flags
+        parser = argparse.ArgumentParser()
+        add_settings_arguments(parser, fields)
+        parsed = settings_from_args(parser.parse_args(["--kv-store", "on", "--kv-store-uri", str(tmp_path)]))
+        assert parsed.kv_store_enabled(deployment=False) and parsed.kv_store_location == str(tmp_path)

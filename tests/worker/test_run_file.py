@@ -272,3 +272,32 @@ def test_speculative_decoding_changes_no_output_and_reports_its_acceptance(
     code, _, stderr = _run(capsys, *argv, "-o", tmp_path / "bad.jsonl", "--speculative-config",
                            '{"method": "medusa"}')
     assert code != 0 and "speculative_config.method must be one of" in stderr
+
+
+def test_a_run_with_the_kv_store_on_saves_the_shared_prefix_and_the_next_run_loads_it(
+        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Off by default for `bulkinfer run`; `--kv-store on` saves blocks under `<kv_store_uri>/kv/`,
+    and a later run (a fresh engine) loads them, with the same rows."""
+    instruction = "Summarise the quarterly revenue report for the board, region by region, in order: " * 2
+    rows = [{"id": f"r{i}", "q": f"{instruction}{i}"} for i in range(3)]
+    source = _write_jsonl(tmp_path / "in.jsonl", rows)
+    argv = [source, "--model", tiny_checkpoint, "--prompt-column", "q", "--id-column", "id",
+            "--max-tokens", "6", "--temperature", "0", "--dtype", "float32",
+            "--engine-options", '{"kv_store_min_tokens": 16}']
+    code, stdout, stderr = _run(capsys, *argv, "-o", tmp_path / "plain.jsonl")
+    assert code == 0, stderr
+    assert "prefix KV store" not in stdout  # off unless asked
+    store = tmp_path / "kv-store"
+    tier = ["--kv-store", "on", "--kv-store-uri", store]
+    code, stdout, stderr = _run(capsys, *argv, *tier, "-o", tmp_path / "first.jsonl")
+    assert code == 0, stderr
+    saved = int(re.search(r"prefix KV store: loaded 0 blocks .*saved (\d+) blocks", stdout).group(1))
+    assert saved >= 3 and len(list((store / "kv").rglob("*"))) > saved  # blocks in their namespace folders
+    code, stdout, stderr = _run(capsys, *argv, *tier, "-o", tmp_path / "second.jsonl")
+    assert code == 0, stderr
+    assert int(re.search(r"prefix KV store: loaded (\d+) blocks", stdout).group(1)) >= 3
+
+    def texts(name: str) -> list[str]:
+        return [json.loads(line)["text"] for line in (tmp_path / name).read_text().splitlines()]
+
+    assert texts("second.jsonl") == texts("first.jsonl") == texts("plain.jsonl")
