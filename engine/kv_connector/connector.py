@@ -29,7 +29,13 @@ import torch
 
 from engine.block_pool import KVBlock
 from engine.kv_connector.blob_store import KVBlobStore
-from engine.kv_connector.block_format import CorruptBlockError, decode_block, encode_block
+from engine.kv_connector.block_format import (
+    DTYPE_NAMES,
+    CorruptBlockError,
+    checked_payload,
+    encode_payload,
+    payload_tensor,
+)
 from engine.kv_connector.keys import block_key
 from engine.kv_connector.policy import ShareCounter, delete_past_budget
 from engine.kv_connector.stats import KVStoreStats
@@ -110,6 +116,7 @@ class KVConnector:
         self.block_size = block_size
         self.block_shape = block_shape
         self.dtype = dtype
+        self._dtype_name = DTYPE_NAMES[dtype]
         self.min_hits = min_hits
         self.min_tokens = min_tokens
         self.budget_bytes = budget_bytes
@@ -201,8 +208,9 @@ class KVConnector:
         if self._fetching_first.get(fetch.hashes[0]) == request_id:
             del self._fetching_first[fetch.hashes[0]]
 
-    def _get_block(self, key: str, index: int, stop: list[int]) -> tuple[str, torch.Tensor | None]:
-        """One block's outcome: ("ok", tensor), ("absent" | "corrupt" | "failed" | "skipped", None)."""
+    def _get_block(self, key: str, index: int, stop: list[int]) -> tuple[str, bytearray | None]:
+        """One block's outcome: ("ok", its K/V bytes), ("absent" | "corrupt" | "failed" | "skipped",
+        None). Runs on an I/O thread: no torch here (see block_format.py)."""
         if index > stop[0]:
             return "skipped", None
         try:
@@ -215,7 +223,7 @@ class KVConnector:
             stop[0] = min(stop[0], index)
             return "absent", None
         try:
-            block = decode_block(data, self.dtype, self.block_shape)
+            payload = checked_payload(data, self._dtype_name, self.block_shape, self.dtype.itemsize)
         except CorruptBlockError as exc:
             logger.warning("prefix KV block %s is corrupt (%s): deleted, recomputed", key, exc)
             self.stats.add("corrupt_blocks")
@@ -226,14 +234,14 @@ class KVConnector:
                 logger.warning("could not delete corrupt KV block %s: %s", key, delete_error)
             return "corrupt", None
         self.stats.add("loaded_bytes", len(data))
-        return "ok", block
+        return "ok", payload
 
     def _collect(self, fetch: _Fetch) -> list[torch.Tensor]:
         """The fetch's usable leading blocks, counted in the stats (once)."""
         blocks: list[torch.Tensor] = []
         now = time.monotonic()
         for index, (block_hash, future) in enumerate(zip(fetch.hashes, fetch.futures, strict=True)):
-            outcome, block = future.result()
+            outcome, payload = future.result()
             if outcome != "ok":
                 if outcome == "absent":
                     self.stats.add("misses_blocks")
@@ -241,8 +249,8 @@ class KVConnector:
                 elif outcome == "failed":
                     self.stats.add("failed_loads")
                 break
-            assert block is not None
-            blocks.append(block)
+            assert payload is not None
+            blocks.append(payload_tensor(payload, self.dtype, self.block_shape))
             self._stored.add(block_hash)
             self._note_use(block_key(self.namespace, block_hash), len(fetch.hashes) - index)
         self.stats.add("hits_blocks", len(blocks))
@@ -273,11 +281,14 @@ class KVConnector:
             return
         ids = torch.tensor([block.block_id for _, block in offers], device=self.kv_caches[0].device)
         with torch.inference_mode():
-            # [layers, 2, n, heads, block_size, head_dim], a copy the step loop no longer touches.
-            copied = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches]).to("cpu")
+            # [n, layers, 2, heads, block_size, head_dim]: a copy the step loop no longer touches,
+            # each block's bytes contiguous, so the I/O threads need no torch op.
+            copied = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches])  # [L, 2, n, ...]
+            per_block = copied.permute(2, 0, 1, 3, 4, 5).to("cpu").contiguous().view(torch.uint8).numpy()
         for index, (block_hash, _) in enumerate(offers):
             # Offers come in chain order: the earlier a block, the more recently used it counts.
-            future = self._pool.submit(self._save_block, block_hash, copied[:, :, index], len(offers) - index)
+            future = self._pool.submit(self._save_block, block_hash, memoryview(per_block[index]).cast("B"),
+                                       len(offers) - index)
             with self._lock:
                 self._saves.add(future)
             future.add_done_callback(self._forget_save)
@@ -286,10 +297,10 @@ class KVConnector:
         with self._lock:
             self._saves.discard(future)
 
-    def _save_block(self, block_hash: BlockHash, block: torch.Tensor, depth_rank: int) -> None:
+    def _save_block(self, block_hash: BlockHash, payload: memoryview, depth_rank: int) -> None:
         key = block_key(self.namespace, block_hash)
         try:
-            data = encode_block(block)
+            data = encode_payload(payload, self._dtype_name, self.block_shape)
             written = self.store.put_if_absent(key, data)
         except Exception as exc:
             logger.warning("prefix KV store write of %s failed: %s", key, exc)
@@ -354,9 +365,11 @@ class KVConnector:
 
 def load_blocks(kv_caches: list[torch.Tensor], loads: Sequence[KVLoad]) -> None:
     """Copy fetched blocks into their slots of every layer's ``[2, blocks, heads, size, dim]`` cache."""
+    # Block by block: stacking the fetched blocks first cost 2.3 s for 250 SmolLM2 bf16 blocks
+    # (88 MiB) against 0.07 s for these 7,500 small copies.
+    device = kv_caches[0].device if kv_caches else None
     for load in loads:
-        device = kv_caches[0].device
-        ids = torch.tensor(load.block_ids, device=device)
-        stacked = torch.stack(load.blocks).to(device)  # [n, layers, 2, heads, size, dim]
-        for layer, cache in enumerate(kv_caches):
-            cache.index_copy_(1, ids, stacked[:, layer].transpose(0, 1))
+        for block_id, block in zip(load.block_ids, load.blocks, strict=True):
+            block = block.to(device, non_blocking=True)
+            for layer, cache in enumerate(kv_caches):
+                cache[:, block_id].copy_(block[layer])

@@ -22,7 +22,11 @@ def model_identity(model_dir: str | Path) -> str:
     config = folder / "config.json"
     if config.is_file():
         digest.update(config.read_bytes())
-    for path in sorted(folder.glob("*.safetensors")):
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        # config.json alone would give two checkpoints of one shape the same id, and so each other's KV.
+        raise ValueError(f"no safetensors weights in {folder}: cannot name the model's KV in a store")
+    for path in weights:
         size = path.stat().st_size
         digest.update(path.name.encode() + struct.pack("<Q", size))
         with path.open("rb") as handle:

@@ -147,6 +147,10 @@ def test_model_identity_follows_the_weights_not_the_folder(tiny_checkpoint, chec
     shutil.copytree(tiny_checkpoint, copy)
     assert model_identity(copy) == model_identity(tiny_checkpoint)
     assert model_identity(checkpoint_factory(seed=1)) != model_identity(tiny_checkpoint)
+    for weights in copy.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match="no safetensors weights"):
+        model_identity(copy)
 
 
 def test_catalog_lists_per_namespace_and_removes_by_prefix(tmp_path) -> None:

@@ -5,7 +5,11 @@ falling back to computing without holding other rows, tenants never sharing, and
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -248,3 +252,31 @@ def test_budget_pass_deletes_by_last_use_including_uses_the_store_did_not_record
     assert (deleted, left) == (2, 200)
     assert sorted(info.key for info in store.list("kv/")) == ["kv/ns/a", "kv/ns/d"]
     assert delete_past_budget(store, "kv/ns/", 250, {}) == (0, 200)
+
+
+WRITER_SCRIPT = """
+import json, sys
+from engine import LLM, SamplingParams
+from engine.kv_connector import LocalFolderBlobStore
+store_dir, copy_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+llm = LLM(copy_dir, dtype="float32", num_kv_blocks=64, kv_populate_seconds=0,
+          kv_store=LocalFolderBlobStore(store_dir), kv_store_min_tokens=0)
+outputs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0))
+llm.engine.shutdown()  # its saves are written first
+print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+"""
+
+
+def test_a_second_process_loads_what_the_first_computed_from_another_folder(tiny_checkpoint, tmp_path,
+                                                                             computed) -> None:
+    """Two workers: one computes and saves (from its own copy of the model), the other loads."""
+    copy = tmp_path / "model-copy"
+    shutil.copytree(tiny_checkpoint, copy)
+    store_dir = tmp_path / "store"
+    command = [sys.executable, "-c", WRITER_SCRIPT, str(store_dir), str(copy), json.dumps(PROMPTS)]
+    result = subprocess.run(command, capture_output=True, text=True, check=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == computed["float32"]
+    reader = engine(tiny_checkpoint, LocalFolderBlobStore(store_dir))
+    assert generate(reader) == computed["float32"]
+    assert reader.engine.kv_store_stats()["hits_blocks"] == len(PREFIX) // BLOCK
