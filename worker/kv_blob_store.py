@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from engine.kv_connector.blob_store import KVBlobInfo
-
 from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
 
 
