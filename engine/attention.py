@@ -360,8 +360,12 @@ class TorchPagedAttention(AttentionBackend):
     """
 
     def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, batch_invariant: bool = False) -> None:
         self.min_shared_tokens = min_shared_tokens
+        # No cascade attention (prefill groups, decode groups over shared prefixes): merging partial
+        # softmaxes rounds differently from one pass over the whole context, so a row's bits would
+        # depend on which rows shared its step. Each row then reads its whole context itself.
+        self.batch_invariant = batch_invariant
         # Native decode attention for CPU caches it supports (engine/cpu_kernels); None: PyTorch only.
         self.kernels = kernels
         # Decode rows gathered per kernel call: their K+V (about this many bytes) stays in the CPU's
@@ -417,7 +421,7 @@ class TorchPagedAttention(AttentionBackend):
                 query[: metadata.num_decodes], k_cache, v_cache, metadata, sliding_window
             )
         grouped: set[int] = set()
-        if sliding_window is None and metadata.num_prefills > 1:
+        if sliding_window is None and metadata.num_prefills > 1 and not self.batch_invariant:
             for group in self.prefill_groups(metadata):
                 out[group.token_rows] = self._prefill_group(query, k_cache, v_cache, metadata, group)
                 grouped.update(group.chunks)
@@ -598,7 +602,10 @@ class TorchPagedAttention(AttentionBackend):
         (CAUSAL_CASCADE_MIN_ROWS; SDPA's flash call per group plus the continuation had been
         slower than no groups at all: 6-20% at 8-256 rows). Without either, the decode kernel reads
         every row's shared blocks straight from the cache, so there are no groups. The PyTorch
-        path (no decode kernel) groups rows to gather the shared blocks once."""
+        path (no decode kernel) groups rows to gather the shared blocks once. Batch invariant: no
+        groups at all."""
+        if self.batch_invariant:
+            return NO_GROUP, None
         if not use_kernel:
             return 2, None
         if self._uses_prefix_kernel(dtype, k_cache):
