@@ -170,3 +170,12 @@ def test_a_rows_tokens_and_logprobs_are_those_it_gets_alone_in_any_schedule(
     holds()
     # The draws really covered the schedules the property is about.
     assert seen["preempted"] > 0 and seen["cache hits"] > 0 and seen["drafts"] > 0, seen
+
+
+def test_batch_invariance_is_on_by_default_on_cpu_only_and_takes_a_bool() -> None:
+    assert EngineConfig(model="m").batch_invariant_on
+    assert not EngineConfig(model="m", device="cuda:0").batch_invariant_on
+    assert EngineConfig(model="m", device="cuda", batch_invariant=True).batch_invariant_on
+    assert not EngineConfig(model="m", batch_invariant=False).batch_invariant_on
+    with pytest.raises(ValueError, match="batch_invariant must be true, false or null, got 'yes'"):
+        EngineConfig(model="m", batch_invariant="yes").validate()
