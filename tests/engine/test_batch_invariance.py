@@ -22,7 +22,9 @@ from engine import EngineConfig, LLMEngine, SamplingParams, attention
 # fp32 where the kernels differ (the causal kernel instead of the prefix kernel).
 CASES = [("llama", "float32"), ("llama", "bfloat16"), ("qwen3", "bfloat16"), ("qwen3_moe", "bfloat16"),
          ("gemma3", "bfloat16"), ("phi3", "bfloat16")]
-EXAMPLES = 2  # drawn per case, besides EVERYTHING_AT_ONCE: the suite's time (about 10-25 s CPU a case)
+# Drawn schedules per case, besides EVERYTHING_AT_ONCE: the suite's time (~1.5 min of CPU in all);
+# more for llama bf16, the case every other one builds on.
+EXAMPLES = {("llama", "bfloat16"): 3}
 
 RNG = random.Random(45)
 VOCAB = 2000
@@ -155,7 +157,7 @@ def test_a_rows_tokens_and_logprobs_are_those_it_gets_alone_in_any_schedule(
     assert len(set(alone[1][0])) > 1  # the seeded row really samples
     seen = {"preempted": 0, "cache hits": 0, "drafts": 0}
 
-    @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
+    @settings(max_examples=EXAMPLES.get((arch, dtype), 1), deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(schedule=schedules())
     @example(schedule=EVERYTHING_AT_ONCE)
