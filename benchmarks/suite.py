@@ -263,6 +263,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         help="run each workload N times (each followed by vLLM's run with --with-vllm) "
                         "and report each side's run of median wall: this machine's hour moves a wall by "
                         "up to 10%%, a ratio's two sides independently")
+    parser.add_argument("--batch-invariant", choices=["auto", "on", "off"], default="auto",
+                        help="the engine's batch_invariant (auto: on for CPU); off measures its cost")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     parser.add_argument("--with-vllm", type=Path, metavar="VENV",
                         help="also run vLLM from this virtualenv on the same workloads (docs/benchmarks.md)")
@@ -287,7 +289,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     except ValueError as error:
         parser.error(str(error))
     engine_kwargs = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                     "device": args.device, "kv_populate_seconds": args.kv_populate_seconds}
+                     "device": args.device, "kv_populate_seconds": args.kv_populate_seconds,
+                     "batch_invariant": {"auto": None, "on": True, "off": False}[args.batch_invariant]}
     results: list[SuiteResult] = []
     pairs: list[tuple[SuiteResult, Any]] = []
     for dtype in [d.strip() for d in args.dtype.split(",") if d.strip()]:

@@ -360,8 +360,12 @@ class TorchPagedAttention(AttentionBackend):
     """
 
     def __init__(self, min_shared_tokens: int = 256, decode_chunk_bytes: int = 16 << 20,
-                 kernels: CpuKernels | None = None) -> None:
+                 kernels: CpuKernels | None = None, batch_invariant: bool = False) -> None:
         self.min_shared_tokens = min_shared_tokens
+        # No cascade attention (prefill groups, decode groups over shared prefixes): merging partial
+        # softmaxes rounds differently from one pass over the whole context, so a row's bits would
+        # depend on which rows shared its step. Each row then reads its whole context itself.
+        self.batch_invariant = batch_invariant
         # Native decode attention for CPU caches it supports (engine/cpu_kernels); None: PyTorch only.
         self.kernels = kernels
         # Decode rows gathered per kernel call: their K+V (about this many bytes) stays in the CPU's
@@ -417,7 +421,7 @@ class TorchPagedAttention(AttentionBackend):
                 query[: metadata.num_decodes], k_cache, v_cache, metadata, sliding_window
             )
         grouped: set[int] = set()
-        if sliding_window is None and metadata.num_prefills > 1:
+        if sliding_window is None and metadata.num_prefills > 1 and not self.batch_invariant:
             for group in self.prefill_groups(metadata):
                 out[group.token_rows] = self._prefill_group(query, k_cache, v_cache, metadata, group)
                 grouped.update(group.chunks)
@@ -598,7 +602,10 @@ class TorchPagedAttention(AttentionBackend):
         (CAUSAL_CASCADE_MIN_ROWS; SDPA's flash call per group plus the continuation had been
         slower than no groups at all: 6-20% at 8-256 rows). Without either, the decode kernel reads
         every row's shared blocks straight from the cache, so there are no groups. The PyTorch
-        path (no decode kernel) groups rows to gather the shared blocks once."""
+        path (no decode kernel) groups rows to gather the shared blocks once. Batch invariant: no
+        groups at all."""
+        if self.batch_invariant:
+            return NO_GROUP, None
         if not use_kernel:
             return 2, None
         if self._uses_prefix_kernel(dtype, k_cache):
@@ -742,7 +749,9 @@ class TorchPagedAttention(AttentionBackend):
         own new K/V when it has no earlier context, context + own part merged by LSE on CPU, else
         its gathered context with a mask (a sliding window, other devices)."""
         length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
-        if sliding_window is None and (self._uses_prefix_kernel(query.dtype, k_cache)
+        if sliding_window is not None and self.batch_invariant and self._uses_kernel(k_cache):
+            self._prefill_window_rows(query, k_cache, v_cache, metadata, index, sliding_window, out)
+        elif sliding_window is None and (self._uses_prefix_kernel(query.dtype, k_cache)
                                        or self._uses_causal_kernel(query.dtype, k_cache)):
             self._prefill_native(query, k_cache, v_cache, metadata, index, out)
         elif key is not None and value is not None and seq_len == length:
@@ -752,6 +761,25 @@ class TorchPagedAttention(AttentionBackend):
         else:
             keys, values = self._context(k_cache, v_cache, metadata, index)
             out.copy_(self._prefill(query, keys, values, metadata.prefill_mask(index, sliding_window)))
+
+    def _prefill_window_rows(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             metadata: AttentionMetadata, index: int, sliding_window: int,
+                             out: torch.Tensor) -> None:
+        """A sliding-window layer's prefill chunk, each query token a row of the decode kernel over
+        the keys its window sees: SDPA's CPU kernel blocks keys and queries by the call's lengths, so
+        a token's bits there depend on how the prompt was chunked; a decode-kernel row reads the same
+        keys in the same order however it was scheduled (and as the decode steps after it do)."""
+        assert self.kernels is not None
+        length, seq_len = metadata.prefill_query_lens[index], metadata.prefill_seq_lens[index]
+        num_heads, head_dim = query.shape[1:]
+        num_kv_heads = k_cache.shape[-3]
+        blocks = metadata.prefill_block_tables[index][: -(-seq_len // metadata.block_size)]
+        counts = torch.arange(seq_len - length + 1, seq_len + 1)
+        first = (counts - sliding_window).clamp(min=0)
+        rows_q = query.reshape(length, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        result, _ = self.kernels.decode_attention(rows_q, k_cache, v_cache, blocks.expand(length, -1), counts,
+                                                  first)
+        out.copy_(result.view(length, num_heads, head_dim))
 
     def _uses_prefix_kernel(self, dtype: torch.dtype, k_cache: torch.Tensor) -> bool:
         return (self.kernels is not None and k_cache.device.type == "cpu"

@@ -56,6 +56,12 @@ class EngineConfig:
     # Tensor parallel (vLLM's name): the model split over this many ranks, one process each (rank 0
     # is the engine's own; engine/parallel/). On CUDA rank r uses device index r (after `device`'s).
     tensor_parallel_size: int = 1
+    # Batch invariance: a row's tokens and logprobs do not depend on which rows share its steps,
+    # whether its prefix came from the cache, how its prefill was chunked or whether it was preempted
+    # and recomputed. It turns off shared-prefix (cascade) attention and recomputes a preempted row's
+    # output positions as the decode rows they were. None: on for CPU (where every kernel then reduces
+    # in an order fixed by the row alone), off elsewhere (a GPU's GEMMs are not made invariant).
+    batch_invariant: bool | None = None
     # LoRA adapters chosen per request (vLLM's names and defaults; engine/lora/): at most `max_loras`
     # adapters in one step, ranks up to `max_lora_rank`, and `max_cpu_loras` kept in host memory
     # (None: max_loras), least recently used evicted.
@@ -73,6 +79,11 @@ class EngineConfig:
     kv_store_budget_bytes: int | None = None
     kv_store_min_tokens: int | None = None
     kv_store_load_timeout_s: float = 10.0
+
+    @property
+    def batch_invariant_on(self) -> bool:
+        """The batch_invariant setting, or by default: on for CPU only."""
+        return self.device.split(":")[0] == "cpu" if self.batch_invariant is None else self.batch_invariant
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field and its value."""
@@ -93,6 +104,8 @@ class EngineConfig:
         _require_int(self.kv_growth_reserve_tokens, "kv_growth_reserve_tokens", minimum=0)
         if self.decode_graphs is not None and not isinstance(self.decode_graphs, bool):
             raise ValueError(f"decode_graphs must be true, false or null, got {self.decode_graphs!r}")
+        if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be true, false or null, got {self.batch_invariant!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:

@@ -152,21 +152,24 @@ class LLMEngine:
         """Load the model (this rank's part of it, with tensor parallel), a draft model where
         speculative decoding asks for one, and size the KV cache; returns (speculative config,
         draft, number of KV blocks)."""
+        attention = TorchPagedAttention(kernels=kernels, batch_invariant=config.batch_invariant_on)
         if self.parallel is None:
             self.model = load_model(
                 config.model,
-                TorchPagedAttention(kernels=kernels),
+                attention,
                 dtype=self.dtype_choice.torch_dtype,
                 device=config.device,
                 # Most FLOPs run in full steps (prefill chunks), so pack the weights for that size.
                 batch_hint=config.max_num_batched_tokens,
             )
         else:
-            self.model = load_rank_model(config.model, TorchPagedAttention(kernels=kernels),
+            self.model = load_rank_model(config.model, attention,
                                          self.parallel.communicator, dtype=self.dtype_choice.torch_dtype,
                                          device=self.parallel.device,
                                          batch_hint=config.max_num_batched_tokens)
         self.model.use_cpu_kernels(kernels)
+        if hasattr(self.model, "step_rows"):
+            self.model.step_rows.every_row = config.batch_invariant_on
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":

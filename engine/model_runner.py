@@ -37,7 +37,7 @@ from engine.lora.rows import NO_ADAPTER, LoRARows
 from engine.models.llama import FinalRows, LlamaForCausalLM
 from engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from engine.sampler import RowLogprobs
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
     from engine.lora.manager import LoRAManager
@@ -390,10 +390,34 @@ class ModelRunner:
             span = score_span(chunk)
             if span is not None:
                 spans.append(span)
+            if self.config.batch_invariant_on:
+                rows.extend(invariant_rows(chunk, lora, (span.offset, span.count) if span else None))
+                continue
             rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
                                  chunk.num_sample_rows, score=(span.offset, span.count) if span else None,
                                  lora_slot=lora))
         return rows, spans
+
+
+def invariant_rows(chunk: ScheduledChunk, lora_slot: int, score: tuple[int, int] | None) -> list[BatchRow]:
+    """A chunk's rows computed as the row alone computes them, whatever the schedule: prompt positions
+    as a prefill row (even a chunk's single last prompt token, which would otherwise be a decode
+    row), generated positions as solo decode rows (a preempted request's recompute repeats the
+    decode kernel its tokens first came from, not the prefill kernel). The kernels round
+    differently, so which one a position runs through must depend on the position alone."""
+    request, start, end = chunk.request, chunk.start, chunk.start + chunk.num_new_tokens
+    prompt_end = min(max(request.num_prompt_tokens, start), end)
+    tokens = request.all_token_ids
+    rows = []
+    if prompt_end > start:
+        rows.append(BatchRow(tokens[start:prompt_end], start, chunk.block_ids,
+                             chunk.num_sample_rows if prompt_end == end else 0, score=score,
+                             lora_slot=lora_slot, decode=False))
+    rows.extend(BatchRow([tokens[position]], position, chunk.block_ids,
+                         chunk.num_sample_rows if position == end - 1 else 0, solo=end - prompt_end > 1,
+                         lora_slot=lora_slot, decode=True)
+                for position in range(prompt_end, end))
+    return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +432,12 @@ class BatchRow:
     # (offset, count): positions of this row, from `offset` in its tokens, scored for prompt_logprobs.
     score: tuple[int, int] | None = None
     lora_slot: int = NO_ADAPTER  # the adapter slot its tokens run with
+    # Through the decode path (True) or the prefill path (False); None: by its number of tokens.
+    decode: bool | None = None
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 if self.decode is None else self.decode
 
 
 def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
@@ -416,10 +446,10 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     if not rows:
         return None
     bs = block_size
-    # Single-token rows first; within each kind, rows by adapter, so each adapter's rows are one
+    # Decode (single-token) rows first; within each kind, rows by adapter, so each adapter's rows are one
     # slice of the batch (engine/lora/rows.py). Stable: without LoRA rows the order is the given one.
-    order = sorted(range(len(rows)), key=lambda i: (len(rows[i].token_ids) > 1, rows[i].lora_slot))
-    num_decodes = sum(1 for row in rows if len(row.token_ids) == 1)
+    order = sorted(range(len(rows)), key=lambda i: (not rows[i].is_decode, rows[i].lora_slot))
+    num_decodes = sum(1 for row in rows if row.is_decode)
 
     starts: list[int] = []
     query_lens: list[int] = []

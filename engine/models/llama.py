@@ -226,6 +226,10 @@ class StepRows:
     the row kernel, the rest through torch.mm. Set by the model at the start of each forward."""
 
     single: int = 0
+    # Batch invariance: every row through the row kernel (each row alone), prefill rows too: oneDNN's
+    # bf16 GEMM picks its kernel by the call's row count (AMX up to 32 rows, another one at 33-600)
+    # and those round differently, so a prompt token's bits would follow the step's size.
+    every_row: bool = False
     # The step's LoRA rows (engine/lora/rows.py), set by the model runner; None: no row has an adapter.
     lora: LoRARows | None = None
 
@@ -332,7 +336,8 @@ class Linear(nn.Linear):
     def _by_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self.row_kernels is not None and self.row_weight is not None
         rows = x.shape[0]
-        single = rows if self.step_rows is None else min(self.step_rows.single, rows)
+        every_row = self.step_rows is None or self.step_rows.every_row
+        single = rows if every_row else min(self.step_rows.single, rows)
         if single == rows:
             return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias)
         # oneDNN has no output argument: it computes the single-token rows too (few, beside a chunk),

@@ -77,10 +77,13 @@ def _build(spec: RankSpec, conn: Connection) -> Any:
     conn.send(("joining", None))  # imports done: rank 0 may now wait in the group's rendezvous
     communicator = Communicator.connect(spec.rank, spec.world, spec.port, device, spec.start_timeout_s)
     kernels = cpu_kernels.load() if device.type == "cpu" else None
-    model = load_rank_model(spec.config.model, TorchPagedAttention(kernels=kernels), communicator,
+    attention = TorchPagedAttention(kernels=kernels, batch_invariant=spec.config.batch_invariant_on)
+    model = load_rank_model(spec.config.model, attention, communicator,
                             dtype=DTYPES[spec.config.dtype], device=device,
                             batch_hint=spec.config.max_num_batched_tokens)
     model.use_cpu_kernels(kernels)
+    if hasattr(model, "step_rows"):
+        model.step_rows.every_row = spec.config.batch_invariant_on
     return ModelRunner(dataclasses.replace(spec.config, device=str(device)), model)
 
 

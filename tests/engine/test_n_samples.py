@@ -58,8 +58,9 @@ def test_children_share_the_full_prompt_blocks_and_own_their_tails(engine):
     assert kv.num_free_blocks == free_before
 
 
-def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint, dtype):
+    llm = LLM(model=str(tiny_checkpoint), dtype=dtype, num_kv_blocks=64)
     tokens = prompt(20, seed=1)
     params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
     [three] = llm.generate([tokens], params)
@@ -72,10 +73,13 @@ def test_child_i_depends_only_on_seed_and_index(tiny_checkpoint):
     assert one.token_ids == three.outputs[0].token_ids and len(one.outputs) == 1
 
 
-def test_greedy_children_are_identical(tiny_checkpoint):
-    llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
-    [output] = llm.generate([prompt(10, seed=2)], SamplingParams(n=3, temperature=0.0, max_tokens=5))
-    assert len({tuple(o.token_ids) for o in output.outputs}) == 1
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_greedy_children_are_identical(tiny_checkpoint, dtype):
+    """Identical rows (a job's duplicates) decode side by side to the same tokens and logprobs."""
+    llm = LLM(model=str(tiny_checkpoint), dtype=dtype, num_kv_blocks=64)
+    params = SamplingParams(n=3, temperature=0.0, max_tokens=5, logprobs=2)
+    [output] = llm.generate([prompt(10, seed=2)], params)
+    assert len({(tuple(o.token_ids), repr(o.logprobs)) for o in output.outputs}) == 1
 
 
 def test_aborting_the_parent_aborts_every_child(engine):

@@ -61,14 +61,15 @@ MODELS = [("llama", "small"), ("qwen2", "small"), ("qwen3_moe", "small"),
 def test_native_decode_gives_the_python_paths_tokens_and_logprobs(checkpoint_factory, monkeypatch, arch: str,
                                                                   preset: str, dtype: str) -> None:
     model_dir = str(checkpoint_factory(arch=arch, preset=preset))
-    native = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
+    # Cascade groups (off by default on CPU: batch_invariant) through both paths too.
+    native = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512, batch_invariant=False)
     kernels = native.engine.model.layers[0].self_attn.backend.kernels
     if kernels is None or native.engine.dtype_choice.torch_dtype not in kernels.row_gemm_dtypes:
         # Without the row kernel for this dtype on this CPU the native path does not apply.
         assert native.engine.model.native_decode is None
         return
     assert native.engine.model.native_decode is not None
-    python = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512)
+    python = LLM(model=model_dir, dtype=dtype, num_kv_blocks=512, batch_invariant=False)
     python.engine.model.native_decode = None
     counts = native_runs(native, monkeypatch)
     config = native.engine.model.config

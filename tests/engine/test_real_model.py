@@ -125,3 +125,24 @@ def test_greedy_tokens_match_transformers_on_the_real_model(llm: LLM, real_model
     else:
         pairs = [(prompt, output.token_ids) for prompt, output in zip(prompts, outputs, strict=True)]
         assert_greedy_within_noise(pairs, real_model, llm.engine.model, getattr(torch, dtype))
+
+
+# The question without "Answer in one sentence.": in bf16 "The" leads "L" by less than a bf16 logit
+# step, so it answers Paris only with fp32 logits, and the same way in any batch only if the row's
+# bits do not depend on its neighbours (issue 45).
+PLAIN_FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_the_plain_france_question_in_bf16_answers_paris_the_same_to_the_bit_among_63_rows(
+        engines: dict[str, LLM]) -> None:
+    llm = engines["bfloat16"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2)
+    [alone] = llm.chat(PLAIN_FRANCE, params)
+    assert "Paris" in alone.outputs[0].text
+    # 63 other questions under the same chat template (a shared prefix), of other lengths.
+    others = [[{"role": "user", "content": f"What is {a} plus {a * 7 % 50}?" + " Explain." * (a % 5)}]
+              for a in range(63)]
+    crowd = llm.chat(others[:40] + [PLAIN_FRANCE] + others[40:], params)
+    ours = crowd[40].outputs[0]
+    assert ours.token_ids == alone.outputs[0].token_ids
+    assert ours.logprobs == alone.outputs[0].logprobs  # every logprob to the last bit

@@ -17,24 +17,25 @@ SEEDED = [
 ]
 
 
-def seeded_alone(model: str, **config) -> list[list[int]]:
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256, **config)
+def seeded_alone(model: str, dtype: str = "float32", **config) -> list[list[int]]:
+    llm = LLM(model=model, dtype=dtype, num_kv_blocks=256, **config)
     return [llm.generate([PROMPTS[2]], p)[0].token_ids for p in SEEDED]
 
 
-def test_seeded_requests_reproduce_alone_in_a_crowd_and_with_another_token_budget(tiny_checkpoint):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: batch invariance (issue 45)
+def test_seeded_requests_reproduce_alone_in_a_crowd_and_with_another_token_budget(tiny_checkpoint, dtype):
     model = str(tiny_checkpoint)
-    alone = seeded_alone(model)
+    alone = seeded_alone(model, dtype)
     assert all(len(set(tokens)) > 1 for tokens in alone)
 
-    llm = LLM(model=model, dtype="float32", num_kv_blocks=256)
+    llm = LLM(model=model, dtype=dtype, num_kv_blocks=256)
     crowd = [PROMPTS[i] for i in range(10)]
     others = [SamplingParams(temperature=0.9, max_tokens=10 + i, ignore_eos=True) for i in range(10)]
     outputs = llm.generate(crowd[:4] + [PROMPTS[2]] * 3 + crowd[4:], others[:4] + SEEDED + others[4:])
     assert [o.token_ids for o in outputs[4:7]] == alone
 
     # Chunked prefill in small pieces: other step boundaries, same tokens.
-    assert seeded_alone(model, max_num_batched_tokens=9) == alone
+    assert seeded_alone(model, dtype, max_num_batched_tokens=9) == alone
 
 
 def test_unseeded_requests_are_reproducible_per_engine_seed(tiny_checkpoint):
