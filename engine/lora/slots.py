@@ -3,12 +3,12 @@
 A and B of up to ``max_loras`` adapters live in fixed buffers (A [max_loras, width, in] and B
 transposed, [max_loras, width, out]; width = rank x the HF modules fused into this projection). The
 base matmul runs once for every row; then each row with an adapter gets ``(x[row] @ A.T) @ B.T``
-added. On CPU with the native kernels, single-token rows (decodes) get it through the row kernel,
-one call for the projection's rows (lora_ops.c, also what the native decode path runs, so both give
-the same bits, and each row's result is the same whatever else its step holds); the rows of a
-prefill chunk, and every row elsewhere, through two PyTorch matmuls per adapter over its rows, a
-contiguous slice ("grouped by adapter": measured faster than gathering A and B per row, see
-docs/engine.md). Rows without an adapter get nothing added.
+added. On CPU with the native kernels, single-token rows (decodes; every row with batch invariance)
+get it through the row kernel, one call for the projection's rows (lora_ops.c, also what the native
+decode path runs, so both give the same bits, and each row's result is the same whatever else its
+step holds); the rows of a prefill chunk otherwise, and every row elsewhere, through two PyTorch
+matmuls per adapter over its rows, a contiguous slice ("grouped by adapter": measured faster than
+gathering A and B per row, see docs/engine.md). Rows without an adapter get nothing added.
 """
 
 from __future__ import annotations
@@ -87,8 +87,10 @@ class LoRASlots:
         if self.kernels is not None and x.dim() == 2:
             # Single-token rows (they lead the step) through the row kernel, as decode_layers.c
             # applies them; a prefill chunk's rows through oneDNN's matmuls, faster at hundreds of
-            # rows an adapter.
-            single = rows.num_rows if self.step_rows is None else min(self.step_rows.single, rows.num_rows)
+            # rows an adapter, except with batch invariance (every row through the row kernel, as
+            # the base projections: oneDNN rounds by the call's row count).
+            every_row = self.step_rows is None or self.step_rows.every_row
+            single = rows.num_rows if every_row else min(self.step_rows.single, rows.num_rows)
             if single:
                 self.kernels.lora_update_(x[:single], out[:single], rows.slots[:single], self.packed_a,
                                           self.packed_b, self.packed_widths)
