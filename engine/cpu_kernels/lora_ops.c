@@ -15,6 +15,8 @@
  * widths[slot] is that k (0: the adapter leaves this projection alone). In bf16 the rank-sized
  * intermediate is rounded to bf16, as PEFT's bf16 lora_A output is.
  */
+#include <omp.h>
+
 #include "simd.h"
 
 void row_gemm_bf16(const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t, int64_t, int64_t,
@@ -31,8 +33,7 @@ static __thread int64_t delta_bytes;
 
 /* out[rows, out_f] (row stride out_stride) = round(out + delta) */
 static inline __attribute__((always_inline)) void add_rows(void* out, int64_t out_stride, const float* delta,
-                                                           int64_t rows, int64_t out_f, int num_threads, int bf16) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
+                                                           int64_t rows, int64_t out_f, int bf16) {
     for (int64_t r = 0; r < rows; r++)
         for (int64_t o = 0; o < out_f; o += VL)
             store_n(out, r * out_stride + o,
@@ -41,37 +42,56 @@ static inline __attribute__((always_inline)) void add_rows(void* out, int64_t ou
                     out_f - o, bf16);
 }
 
+/* rows [start, start + n) of one slot: x A^T, then times B^T (fp32), added to out; on this thread */
+static inline __attribute__((always_inline)) void update_run(
+        const void* x, int64_t x_stride, void* out, int64_t out_stride, int64_t start, int64_t n, const void* a,
+        const void* b, int64_t k, int64_t in, int64_t out_f, int bf16) {
+    const int64_t size = bf16 ? 2 : 4;
+    void* shrunk = thread_scratch(&shrunk_scratch, &shrunk_bytes, n * k * size);
+    float* delta = thread_scratch(&delta_scratch, &delta_bytes, n * out_f * 4);
+    const char* xs = (const char*)x + start * x_stride * size;
+    if (bf16) {
+        row_gemm_bf16((const uint16_t*)xs, x_stride, a, NULL, shrunk, k, n, k, in, 1);
+        row_gemm_bf16_f32(shrunk, k, b, NULL, delta, out_f, n, out_f, k, 1);
+    } else {
+        row_gemm_f32((const float*)xs, x_stride, a, NULL, shrunk, k, n, k, in, 1);
+        row_gemm_f32(shrunk, k, b, NULL, delta, out_f, n, out_f, k, 1);
+    }
+    add_rows((char*)out + start * out_stride * size, out_stride, delta, n, out_f, bf16);
+}
+
+/* The rows with an adapter are shared out evenly among the threads, each taking a contiguous part
+ * and its runs (or pieces of runs) through the row kernel on one thread: one parallel region a call
+ * instead of three a run (the row kernel's own, which at 8 adapters x 4 projections x 30 layers a
+ * step cost more in synchronisation than in arithmetic on 2 threads). Where a run is cut makes no
+ * difference to its rows' bits: the row kernel computes each row alone. */
 static inline __attribute__((always_inline)) void lora_update(
         const void* x, int64_t x_stride, void* out, int64_t out_stride, const int64_t* slots, int64_t rows,
         const int64_t* a_packed, const int64_t* b_packed, const int64_t* widths, int64_t in, int64_t out_f,
         int num_threads, int bf16) {
-    const int64_t size = bf16 ? 2 : 4;
-    int64_t widest = 0;
-    for (int64_t r = 0; r < rows; r++)
-        if (slots[r] >= 0 && widths[slots[r]] > widest) widest = widths[slots[r]];
-    if (widest == 0) return;
-    void* shrunk = thread_scratch(&shrunk_scratch, &shrunk_bytes, rows * widest * size);
-    float* delta = thread_scratch(&delta_scratch, &delta_bytes, rows * out_f * 4);
-    for (int64_t start = 0; start < rows;) {
-        const int64_t slot = slots[start];
-        int64_t end = start + 1;
-        while (end < rows && slots[end] == slot) end++;
-        const int64_t n = end - start, k = slot >= 0 ? widths[slot] : 0;
-        if (k > 0) {
-            const char* xs = (const char*)x + start * x_stride * size;
-            char* outs = (char*)out + start * out_stride * size;
-            if (bf16) {
-                row_gemm_bf16(xs, x_stride, (const uint16_t*)a_packed[slot], NULL, shrunk, k, n, k, in, num_threads);
-                row_gemm_bf16_f32(shrunk, k, (const uint16_t*)b_packed[slot], NULL, delta, out_f, n, out_f, k,
-                                  num_threads);
-            } else {
-                row_gemm_f32((const float*)xs, x_stride, (const float*)a_packed[slot], NULL, shrunk, k, n, k, in,
-                             num_threads);
-                row_gemm_f32(shrunk, k, (const float*)b_packed[slot], NULL, delta, out_f, n, out_f, k, num_threads);
+    int64_t adapted = 0;
+    for (int64_t r = 0; r < rows; r++) adapted += slots[r] >= 0 && widths[slots[r]] > 0;
+    if (adapted == 0) return;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
+        const int64_t first = adapted * thread / threads, last = adapted * (thread + 1) / threads;
+        int64_t seen = 0;  /* rows with an adapter before r */
+        for (int64_t r = 0; r < rows && seen < last;) {
+            const int64_t slot = slots[r];
+            int64_t end = r + 1;
+            while (end < rows && slots[end] == slot) end++;
+            if (slot >= 0 && widths[slot] > 0) {
+                /* this run holds adapted rows [seen, seen + end - r): take its part in [first, last) */
+                const int64_t from = first > seen ? first - seen : 0;
+                const int64_t to = (last < seen + end - r ? last : seen + end - r) - seen;
+                if (to > from)
+                    update_run(x, x_stride, out, out_stride, r + from, to - from, (const void*)a_packed[slot],
+                               (const void*)b_packed[slot], widths[slot], in, out_f, bf16);
+                seen += end - r;
             }
-            add_rows(outs, out_stride, delta, n, out_f, num_threads, bf16);
+            r = end;
         }
-        start = end;
     }
 }
 

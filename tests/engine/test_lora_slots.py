@@ -94,13 +94,16 @@ def test_the_native_kernel_adds_each_rows_update(in_features, out_features, dtyp
     x = torch.randn(len(row_slots), in_features).to(dtype)
     base = torch.randn(len(row_slots), out_features).to(dtype)
     result = slots.add_updates(x, base.clone(), LoRARows(torch.tensor(row_slots)))
-    # fp32: only the summation order differs from float64's; bf16: the inputs' and the result's rounding
-    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 2e-2}
+    # fp32: only the summation order differs from float64's; bf16: the result's rounding
+    tolerance = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-2}
     for i, slot in enumerate(row_slots):
         expected = base[i].double()
         if slot != NO_ADAPTER:
             a, b = (w.double() for w in weights[slot])
-            expected = expected + (x[i].double() @ a.T) @ b.T
+            shrunk = x[i].double() @ a.T
+            if dtype == torch.bfloat16 and slots.kernels is not None:
+                shrunk = shrunk.to(dtype).double()  # the row kernel rounds the rank-sized product to bf16
+            expected = expected + shrunk @ b.T
         if slot == NO_ADAPTER:
             assert torch.equal(result[i], base[i])  # base rows untouched
         else:
