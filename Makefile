@@ -11,11 +11,11 @@ $(BIN)/python:
 
 # torch==2.13.0 is pinned inside pyproject's `worker` extra, so it is part of this same install
 # and nothing can pull a CUDA build of torch instead.
-$(VENV)/.installed-worker: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-worker: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[worker]'
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml | $(BIN)/python
+$(VENV)/.installed-dev: pyproject.toml setup.py | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@ $(VENV)/.installed-worker
 

@@ -1,4 +1,4 @@
-"""The HTTP API: `create_app(settings)`; run it with `uvicorn --factory api.app:create_app`."""
+"""The HTTP API: `create_app(settings)`; run it with `uvicorn --factory bulkinfer.api.app:create_app`."""
 
 from __future__ import annotations
 
@@ -12,24 +12,24 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic.json_schema import models_json_schema
 
-from api.auth import ApiKeyCheck, parse_keys
-from api.auth_failures import AuthFailureLimit
-from api.body_limit import BodyCheck
-from api.dependencies import ApiContext
-from api.dispatch import CeleryTaskSender
-from api.errors import install_error_handlers
-from api.methods import install_method_handlers
-from api.metrics import service_registry
-from api.rate_limit import RateLimit
-from api.routes import anthropic_batches as anthropic_batch_routes
-from api.routes import jobs as job_routes
-from api.routes import observe as observe_routes
-from api.routes import openai_batches as openai_batch_routes
-from api.routes import openai_files as openai_file_routes
-from api.routes import schedules as schedule_routes
-from api.routes import service as service_routes
-from jobs.settings import Settings
-from jobs.spec import JobSpec
+from bulkinfer.api.auth import ApiKeyCheck, parse_keys
+from bulkinfer.api.auth_failures import AuthFailureLimit
+from bulkinfer.api.body_limit import BodyCheck
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.dispatch import CeleryTaskSender
+from bulkinfer.api.errors import install_error_handlers
+from bulkinfer.api.methods import install_method_handlers
+from bulkinfer.api.metrics import service_registry
+from bulkinfer.api.rate_limit import RateLimit
+from bulkinfer.api.routes import anthropic_batches as anthropic_batch_routes
+from bulkinfer.api.routes import jobs as job_routes
+from bulkinfer.api.routes import observe as observe_routes
+from bulkinfer.api.routes import openai_batches as openai_batch_routes
+from bulkinfer.api.routes import openai_files as openai_file_routes
+from bulkinfer.api.routes import schedules as schedule_routes
+from bulkinfer.api.routes import service as service_routes
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
 
 API_VERSION = "0.1.0"
 DESCRIPTION = """Batch LLM inference over object storage. Submit a job (a JobSpec naming rows in S3 or

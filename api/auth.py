@@ -24,9 +24,9 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.auth_failures import AuthFailureLimit
-from api.errors import HttpError
-from jobs.settings import ConfigError
+from bulkinfer.api.auth_failures import AuthFailureLimit
+from bulkinfer.api.errors import HttpError
+from bulkinfer.jobs.settings import ConfigError
 
 OPEN_PATHS = frozenset({"/healthz", "/ui"})  # /ui: a static shell; its data comes through keyed calls
 DEFAULT_TENANT = "default"

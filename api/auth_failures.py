@@ -17,8 +17,8 @@ import time
 
 import redis
 
-from api.errors import HttpError
-from jobs.names import auth_failures_key, auth_known_key
+from bulkinfer.api.errors import HttpError
+from bulkinfer.jobs.names import auth_failures_key, auth_known_key
 
 logger = logging.getLogger(__name__)
 WINDOW_S = 60

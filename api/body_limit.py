@@ -14,8 +14,8 @@ from collections.abc import Awaitable, Callable
 
 from starlette.types import Message, Receive, Scope, Send
 
-from api.errors import HttpError, error_response
-from api.json_body import json_problem
+from bulkinfer.api.errors import HttpError, error_response
+from bulkinfer.api.json_body import json_problem
 
 MAX_BODY_BYTES = 1 << 20  # a job spec, a schedule or a retry request is a few KiB
 

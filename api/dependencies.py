@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.dispatch import TaskSender
-from jobs.model_registry import ModelRegistry
-from jobs.object_store.base import ObjectStore
-from jobs.repository import JobRepository
-from jobs.settings import Settings
+from bulkinfer.api.dispatch import TaskSender
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.repository import JobRepository
 
 
 @dataclass
@@ -32,7 +32,7 @@ class ApiContext:
         """One store (one boto3 client) per bucket, reused across requests."""
         with self._lock:
             if bucket not in self._s3_stores:
-                from jobs.object_store.s3 import S3ObjectStore
+                from bulkinfer.jobs.object_store.s3 import S3ObjectStore
 
                 job_store = self.repository.store
                 same = isinstance(job_store, S3ObjectStore) and job_store.bucket == bucket

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from jobs.names import CONTROL_QUEUE, PLAN_JOB
+from bulkinfer.jobs.names import CONTROL_QUEUE, PLAN_JOB
 
 
 class TaskSender(Protocol):

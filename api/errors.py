@@ -11,15 +11,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-from jobs.errors import InputError
-from jobs.lora_adapters import UnknownAdapter
-from jobs.merge import MergeError
-from jobs.model_registry import UnknownModel
-from jobs.repository import JobConflict, JobNotFound
-from jobs.retry import NothingToRetry, NotRetryable
-from jobs.schedules import ScheduleNotFound
-from jobs.spec import validation_messages
-from jobs.status import IllegalTransition
+from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.lora_adapters import UnknownAdapter
+from bulkinfer.jobs.model_registry import UnknownModel
+from bulkinfer.jobs.planning.retry import NothingToRetry, NotRetryable
+from bulkinfer.jobs.scheduling.schedules import ScheduleNotFound
+from bulkinfer.jobs.spec import validation_messages
+from bulkinfer.jobs.state.merge import MergeError
+from bulkinfer.jobs.state.repository import JobConflict, JobNotFound
+from bulkinfer.jobs.state.status import IllegalTransition
 
 
 class HttpError(Exception):

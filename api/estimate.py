@@ -1,19 +1,19 @@
 """`POST /jobs` with `"dry_run": true`: everything a submit checks, then an estimate instead of a job
-(jobs/estimate.py): rows, prompt tokens by the model's own tokenizer, shared-prefix tokens, maximum
+(jobs/planning/estimate.py): rows, prompt tokens by the model's own tokenizer, shared-prefix tokens, maximum
 output tokens, rows that would be deduplicated, and a run time from this deployment's measured
 throughput for the model."""
 
 from __future__ import annotations
 
-from api.dependencies import ApiContext
-from jobs.estimate import estimate_job
-from jobs.estimate_report import JobEstimate
-from jobs.limits import plan_limit_problems
-from jobs.object_store.base import ObjectStore
-from jobs.shard_cost import plan_within_bounds
-from jobs.spec import JobSpec
-from jobs.tokenizer_files import load_tokenizer
-from jobs.workers import Throughput, last_throughput, live_workers, measured_throughput
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.jobs.limits import plan_limit_problems
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.planning.estimate import estimate_job
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
+from bulkinfer.jobs.planning.shard_cost import plan_within_bounds
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.tokenizer_files import load_tokenizer
+from bulkinfer.jobs.workers import Throughput, last_throughput, live_workers, measured_throughput
 
 
 def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobEstimate:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 import os
 
-from api.dependencies import ApiContext
-from api.schemas import Health
-from jobs.layout import jobs_root
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.schemas import Health
+from bulkinfer.jobs.layout import jobs_root
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 
-from api.errors import encodable
+from bulkinfer.api.errors import encodable
 
 MAX_JSON_DEPTH = 200  # well past a spec with a deep response_format, whose own limit (32) then speaks
 

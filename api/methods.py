@@ -12,7 +12,7 @@ from fastapi.exception_handlers import http_exception_handler
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from api.errors import OPENAI_PREFIX, HttpError, error_response
+from bulkinfer.api.errors import OPENAI_PREFIX, HttpError, error_response
 
 CANDIDATES = ("DELETE", "GET", "HEAD", "PATCH", "POST", "PUT")
 

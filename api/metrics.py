@@ -13,10 +13,10 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 
-from jobs.model_registry import ModelRegistry
-from jobs.names import CONTROL_QUEUE
-from jobs.repository import JobRepository
-from jobs.workers import live_workers
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.names import CONTROL_QUEUE
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.workers import live_workers
 
 # kombu's Redis transport keeps a queue's messages of priority p > 0 in "<queue>\x06\x16<p>".
 PRIORITY_SEPARATOR = "\x06\x16"

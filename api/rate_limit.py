@@ -12,9 +12,9 @@ import time
 import redis
 from fastapi import Request
 
-from api.auth import OPEN_PATHS, caller_of
-from api.errors import HttpError
-from jobs.names import rate_key
+from bulkinfer.api.auth import OPEN_PATHS, caller_of
+from bulkinfer.api.errors import HttpError
+from bulkinfer.jobs.names import rate_key
 
 
 class RateLimit:

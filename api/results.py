@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.schemas import JobResults, ResultPart
-from jobs.formats.jsonl_writer import dumps_line
-from jobs.manifest import Manifest, partial_manifest, read_manifest
-from jobs.object_store.base import ObjectNotFound, ObjectStore
-from jobs.object_store.factory import split_uri
-from jobs.results import PartFile, ShardResult, load_shard_results
-from jobs.spec import InputFormat
-from jobs.status import COMPLETED_STATES, JobStatus
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.schemas import JobResults, ResultPart
+from bulkinfer.jobs.formats.jsonl_writer import dumps_line
+from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
+from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.spec import InputFormat
+from bulkinfer.jobs.state.manifest import Manifest, partial_manifest, read_manifest
+from bulkinfer.jobs.state.results import PartFile, ShardResult, load_shard_results
+from bulkinfer.jobs.state.status import COMPLETED_STATES, JobStatus
 
 STREAM_CHUNK_BYTES = 1 << 20
 PARQUET_BATCH_ROWS = 1024
@@ -61,7 +61,7 @@ def part_store(context: ApiContext, uri: str) -> tuple[ObjectStore, str]:
     scheme, bucket, key = split_uri(uri)
     if scheme == "s3":
         return context.s3_store(bucket), key
-    from jobs.object_store.local import LocalObjectStore
+    from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     return LocalObjectStore("/"), key
 

@@ -7,15 +7,15 @@ from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from api.auth import Caller
-from api.dependencies import ApiContext
-from api.results import part_store, parts_published
-from api.submission import check_in_flight, check_model, claimed_output, enqueue_created
-from jobs.formats.jsonl_writer import dumps_line
-from jobs.merge import MergedChain, chain_of, load_chain, merged_records
-from jobs.repository import JobNotFound
-from jobs.retry import check_retryable, retry_plan
-from jobs.status import JobState, JobStatus
+from bulkinfer.api.auth import Caller
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.results import part_store, parts_published
+from bulkinfer.api.submission import check_in_flight, check_model, claimed_output, enqueue_created
+from bulkinfer.jobs.formats.jsonl_writer import dumps_line
+from bulkinfer.jobs.planning.retry import check_retryable, retry_plan
+from bulkinfer.jobs.state.merge import MergedChain, chain_of, load_chain, merged_records
+from bulkinfer.jobs.state.repository import JobNotFound
+from bulkinfer.jobs.state.status import JobState, JobStatus
 
 MERGED_BATCH_ROWS = 256
 
@@ -34,7 +34,7 @@ class RetryRequest(BaseModel):
 def retry_job(context: ApiContext, parent: JobStatus, request: RetryRequest) -> JobStatus:
     """Create the retry job, then save its plan, then queue it (so the planner keeps the plan).
 
-    Its id comes from the retry's own idempotency key space (jobs/repository.py), and job.json is
+    Its id comes from the retry's own idempotency key space (jobs/state/repository.py), and job.json is
     written (once) before the plan: a key that names some other job is a 409 before anything of that
     job is touched, and the same retry asked again finds its job and plan as they are."""
     repository = context.repository

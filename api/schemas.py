@@ -1,12 +1,13 @@
-"""Response bodies that are not domain models (a job's status is `jobs.status.JobStatus` itself)."""
+"""Response bodies that are not domain models (a job's status is `bulkinfer.jobs.state.status.JobStatus`
+itself)."""
 
 from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from jobs.results import TokenUsage
-from jobs.status import JobStatus, RowCounts
-from jobs.workers import BEAT_TTL_S, WorkerBeat
+from bulkinfer.jobs.state.results import TokenUsage
+from bulkinfer.jobs.state.status import JobStatus, RowCounts
+from bulkinfer.jobs.workers import BEAT_TTL_S, WorkerBeat
 
 
 class ErrorBody(BaseModel):

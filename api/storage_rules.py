@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from api.errors import HttpError
-from jobs.layout import STORE_AREAS, TENANTS_FOLDER
-from jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
-from jobs.object_store.factory import split_uri
-from jobs.settings import KV_STORE_AREA, Settings
+from bulkinfer.api.errors import HttpError
+from bulkinfer.jobs.layout import STORE_AREAS, TENANTS_FOLDER
+from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
+from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.settings import KV_STORE_AREA, Settings
 
 OWNER_MARKER = ".bulkinfer-job"
 # A claim whose job does not exist yet may be a submit between its claim and its create: void only
@@ -75,7 +75,7 @@ def _canonical_prefix(prefix: str) -> str:
 def where(store: ObjectStore, key: str) -> str:
     """One comparable string for (store, key): `s3://bucket/key`, or a local key's absolute path
     (a local key from `submission.locate` is already resolved)."""
-    from jobs.object_store.local import LocalObjectStore
+    from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     if isinstance(store, LocalObjectStore):
         return (store.root / key).as_posix() if key else store.root.as_posix()

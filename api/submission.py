@@ -12,11 +12,11 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from api.dependencies import ApiContext
-from api.dispatch import enqueue_plan
-from api.errors import HttpError, invalid_model
-from api.estimate import estimate_spec
-from api.storage_rules import (
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.dispatch import enqueue_plan
+from bulkinfer.api.errors import HttpError, invalid_model
+from bulkinfer.api.estimate import estimate_spec
+from bulkinfer.api.storage_rules import (
     Kind,
     StorageRules,
     check_location,
@@ -24,22 +24,22 @@ from api.storage_rules import (
     release_output_folder,
     where,
 )
-from jobs.deadlines import window_seconds
-from jobs.errors import InputError
-from jobs.estimate_report import JobEstimate
-from jobs.formats.detect import resolve_spec
-from jobs.formats.json_text import UnreadableJson, loads_untrusted
-from jobs.formats.lines import iter_lines_in_range
-from jobs.limits import in_flight_message, jobs_in_flight
-from jobs.lora_adapters import ADAPTER_CONFIG, is_adapter_location
-from jobs.object_store.base import ObjectNotFound, ObjectStore
-from jobs.object_store.factory import split_uri
-from jobs.repository import JobNotFound, JobRepository
-from jobs.sharding import open_parquet
-from jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
-from jobs.status import JobState, JobStatus
-from jobs.webhooks import destination_problem
-from jobs.workers import live_workers, unservable_reason
+from bulkinfer.jobs.deadlines import window_seconds
+from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.detect import resolve_spec
+from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.formats.lines import iter_lines_in_range
+from bulkinfer.jobs.limits import in_flight_message, jobs_in_flight
+from bulkinfer.jobs.lora_adapters import ADAPTER_CONFIG, is_adapter_location
+from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
+from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
+from bulkinfer.jobs.planning.sharding import open_parquet
+from bulkinfer.jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
+from bulkinfer.jobs.state.repository import JobNotFound, JobRepository
+from bulkinfer.jobs.state.status import JobState, JobStatus
+from bulkinfer.jobs.webhooks import destination_problem
+from bulkinfer.jobs.workers import live_workers, unservable_reason
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -63,7 +63,7 @@ def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]
     if path != root and root not in path.parents:
         raise HttpError(400, f"{field} {uri!r} is outside the store directory {root}; "
                             "put the file there, or upload it")
-    from jobs.object_store.local import LocalObjectStore
+    from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     return LocalObjectStore("/"), path.as_posix().lstrip("/")
 

@@ -18,11 +18,11 @@ from fastapi import Request
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.concurrency import run_in_threadpool
 
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.estimate import estimate_spec
-from api.json_body import json_problem
-from api.submission import (
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.estimate import estimate_spec
+from bulkinfer.api.json_body import json_problem
+from bulkinfer.api.submission import (
     check_in_flight,
     check_model,
     claimed_output,
@@ -30,11 +30,11 @@ from api.submission import (
     parse_spec,
     validate_input,
 )
-from jobs.estimate_report import JobEstimate
-from jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
-from jobs.repository import JobRepository
-from jobs.spec import JobSpec
-from jobs.status import JobStatus
+from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectStore, ObjectWriter
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobStatus
 
 SPEC_FIELD = "spec"
 FILE_FIELD = "file"

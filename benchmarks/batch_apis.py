@@ -24,8 +24,8 @@ import anthropic
 import httpx
 import openai
 
-from api.client import Client
-from benchmarks.engine import describe_cpu
+from bulkinfer.api.client import Client
+from bulkinfer.benchmarks.engine import describe_cpu
 
 MODEL = "smollm2-135m-instruct"
 ALIASES = {"gpt-4o-mini": MODEL, "claude-haiku-4-5": MODEL}
@@ -56,7 +56,7 @@ def cpu_model() -> str:
 
 def start(home: Path, port: int) -> subprocess.Popen[bytes]:
     env = {**os.environ, "BULKINFER_MODEL_ALIASES": json.dumps(ALIASES)}
-    command = [sys.executable, "-m", "api.cli", "up", "--home", str(home), "--port", str(port),
+    command = [sys.executable, "-m", "bulkinfer.api.cli", "up", "--home", str(home), "--port", str(port),
                "--model", MODEL]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600

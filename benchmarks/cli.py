@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import importlib
 
-TARGETS = {"engine": "benchmarks.engine", "suite": "benchmarks.suite", "step": "benchmarks.step_profile",
-           "service": "benchmarks.service", "faults": "benchmarks.faults", "spec": "benchmarks.speculative",
-           "batch-apis": "benchmarks.batch_apis", "embed": "benchmarks.embed", "lora": "benchmarks.lora",
-           "kvstore": "benchmarks.kvstore"}
+TARGETS = {"engine": "bulkinfer.benchmarks.engine", "suite": "bulkinfer.benchmarks.suite",
+           "step": "bulkinfer.benchmarks.step_profile",
+           "service": "bulkinfer.benchmarks.service", "faults": "bulkinfer.benchmarks.faults",
+           "spec": "bulkinfer.benchmarks.speculative",
+           "batch-apis": "bulkinfer.benchmarks.batch_apis", "embed": "bulkinfer.benchmarks.embed",
+           "lora": "bulkinfer.benchmarks.lora",
+           "kvstore": "bulkinfer.benchmarks.kvstore"}
 
 
 def main(argv: list[str]) -> int:
@@ -18,7 +21,7 @@ def main(argv: list[str]) -> int:
     module = importlib.import_module(TARGETS[argv[0]])
     # --model: also a catalog model or a .gguf file
     if argv[0] in {"engine", "suite", "step", "spec", "embed", "lora", "kvstore"}:
-        from worker.model_files import local_model_dir
+        from bulkinfer.worker.models.model_files import local_model_dir
 
         return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))
     return module.bench_cli(argv[1:])

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from benchmarks.embed_corpus import mixed_length_texts
-from benchmarks.engine import describe_cpu
+from bulkinfer.benchmarks.embed_corpus import mixed_length_texts
+from bulkinfer.benchmarks.engine import describe_cpu
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999}
@@ -44,7 +44,7 @@ class Row:
 
 
 def machine() -> str:
-    from engine.dtype_choice import cpu_model_name
+    from bulkinfer.engine.dtype_choice import cpu_model_name
 
     return (f"{cpu_model_name()}, {os.cpu_count()} cores, torch {torch.__version__} "
             f"with {torch.get_num_threads()} threads")
@@ -73,7 +73,7 @@ def compare(folder: str, dtype: str, texts: Sequence[str], batch_sizes: Sequence
     a neighbour's load on a shared machine falls on both sides alike."""
     from sentence_transformers import SentenceTransformer
 
-    from engine.embedder import Embedder
+    from bulkinfer.engine.embedder import Embedder
 
     ours = Embedder.load(folder, dtype=dtype)
     reference = SentenceTransformer(folder, device="cpu", model_kwargs={"dtype": TORCH_DTYPES[dtype]})
@@ -147,7 +147,7 @@ def judged_cosine(row: Row) -> float:
 def default_dtypes() -> list[str]:
     """fp32, and bf16 where the CPU's flags say it multiplies bf16 natively: by the flags, not the
     timed probe, which a busy machine can talk out of bf16 (and the benchmark is timed anyway)."""
-    from engine.dtype_choice import probe_cpu_bf16
+    from bulkinfer.engine.dtype_choice import probe_cpu_bf16
 
     return ["float32", "bfloat16"] if probe_cpu_bf16().flags else ["float32"]
 

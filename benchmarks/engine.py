@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.checkpoints import ARCHS, cached_checkpoint
-from engine.config import EngineConfig
+from bulkinfer.engine.checkpoints import ARCHS, cached_checkpoint
+from bulkinfer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from engine import LLM, RequestOutput, SamplingParams
+    from bulkinfer.engine import LLM, RequestOutput, SamplingParams
 
 
 @dataclass
@@ -123,8 +123,8 @@ def timed_generate(
 
 
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunResult:
-    from engine import LLM, SamplingParams
-    from engine.metrics import EngineCounters
+    from bulkinfer.engine import LLM, SamplingParams
+    from bulkinfer.engine.metrics import EngineCounters
 
     llm = LLM(model=model_dir, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=workload.max_tokens, ignore_eos=True)
@@ -195,7 +195,7 @@ def print_comparison(workload: Workload, baseline: RunResult | None, engines: li
 
 def describe_cpu(out: Callable[[str], None] = print) -> None:
     """Whether this CPU multiplies bf16 natively, and what ``dtype="auto"`` picks here."""
-    from engine.dtype_choice import probe_cpu_bf16, resolve_dtype
+    from bulkinfer.engine.dtype_choice import probe_cpu_bf16, resolve_dtype
 
     probe = probe_cpu_bf16()
     choice = resolve_dtype("auto", "cpu", None, probe=lambda: probe)
@@ -236,7 +236,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--rounds", type=int, default=2, help="runs per side, best counts (--structured)")
     args = parser.parse_args(argv)
     dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
-    from engine.dtype_choice import DTYPE_CHOICES
+    from bulkinfer.engine.dtype_choice import DTYPE_CHOICES
 
     bad = [d for d in dtypes if d not in DTYPE_CHOICES]
     if bad or not dtypes:
@@ -247,7 +247,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                      "counts >= 1")
     ranks = [int(s) for s in sizes]
     if args.structured:
-        from benchmarks.structured import run_structured_bench
+        from bulkinfer.benchmarks.structured import run_structured_bench
 
         run_structured_bench(
             preset=args.preset, arch=args.arch, requests=args.requests or 32, prompt_len=args.prompt_len,
@@ -295,7 +295,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
 
 
 def is_mixture_of_experts(model_dir: str) -> bool:
-    from engine.models.loader import model_config_from_dir
+    from bulkinfer.engine.models.loader import model_config_from_dir
 
     return getattr(model_config_from_dir(model_dir), "num_experts", 0) > 0
 
@@ -303,8 +303,8 @@ def is_mixture_of_experts(model_dir: str) -> bool:
 def print_moe_step_shares(model_dir: str, engine_kwargs: dict, rows: int, steps: int = 16,
                           out: Callable[[str], None] = print) -> None:
     """The share of a decode step of `rows` requests spent in expert routing and expert compute."""
-    from benchmarks.moe_profile import profile_decode_steps
-    from engine import LLM, SamplingParams
+    from bulkinfer.benchmarks.moe_profile import profile_decode_steps
+    from bulkinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=model_dir, **engine_kwargs)
     rng = random.Random(7)

@@ -1,14 +1,14 @@
-"""The engine side of `bulkinfer bench service` (run by it as `python -m benchmarks.engine_only`).
+"""The engine side of `bulkinfer bench service` (run by it as `python -m bulkinfer.benchmarks.engine_only`).
 
 `rows`: writes the engine benchmark's shared-prefix workload as a JSONL job input, one
-`{"id", "prompt"}` per request. `benchmarks.engine.make_workload` picks the token ids, but only among
-" word" tokens that encode back to themselves, so the text a user would upload gives exactly those
+`{"id", "prompt"}` per request. `bulkinfer.benchmarks.engine.make_workload` picks the token ids, but only
+among " word" tokens that encode back to themselves, so the text a user would upload gives exactly those
 ids again (checked here) and the shared instructions stay one cacheable prefix.
 
 `run`: the same rows through `engine.LLM.generate`, with the options and sampling a worker would
 use (`BULKINFER_ENGINE_OPTIONS` over the worker's defaults; the job's sampling through
-`worker.engine_rows.engine_sampling`), after one short warm-up request, as the stack is measured warm.
-Prints one JSON object.
+`bulkinfer.worker.hosts.engine_rows.engine_sampling`), after one short warm-up request, as the stack is
+measured warm. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def write_rows(model_dir: str, path: Path, *, requests: int, shared_len: int, ta
     """Write the rows; returns their token counts (prompt ids as the engine will encode the text)."""
     from transformers import AutoTokenizer
 
-    from benchmarks.engine import make_workload
+    from bulkinfer.benchmarks.engine import make_workload
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     words = word_token_ids(tokenizer)
@@ -64,10 +64,10 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
                     engine_options: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    from engine import LLM
-    from jobs.sampling import JobSampling
-    from worker.engine_rows import engine_sampling
-    from worker.model_hosts import engine_options as with_worker_defaults
+    from bulkinfer.engine import LLM
+    from bulkinfer.jobs.sampling import JobSampling
+    from bulkinfer.worker.hosts.engine_rows import engine_sampling
+    from bulkinfer.worker.hosts.model_hosts import engine_options as with_worker_defaults
 
     options = with_worker_defaults(engine_options)
     params = engine_sampling(JobSampling.model_validate(sampling))
@@ -95,7 +95,7 @@ def run_engine_only(model_dir: str, rows_path: Path, sampling: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.engine_only", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bulkinfer.benchmarks.engine_only", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", choices=["rows", "run"])
     parser.add_argument("--model-dir", required=True)

@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from api.cli.stack import (
+from bulkinfer.api.cli.stack import (
     SOURCE_ROOT,
     StackError,
     ensure_checkpoint,
@@ -44,12 +44,12 @@ from api.cli.stack import (
     tail,
     wait_for,
 )
-from benchmarks import infra_faults
-from benchmarks.poison_rows import POISON_MARKER, check_poison, poison_job_lines
-from jobs.names import CONTROL_QUEUE, PLAN_JOB, model_queue
-from jobs.settings import Settings
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.benchmarks import infra_faults
+from bulkinfer.benchmarks.poison_rows import POISON_MARKER, check_poison, poison_job_lines
+from bulkinfer.jobs.names import CONTROL_QUEUE, PLAN_JOB, model_queue
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
 
 LEASE_TTL_S = 4
 PAUSE_S = 3 * LEASE_TTL_S  # a stall or an outage long enough for every lease to lapse
@@ -128,11 +128,12 @@ class FaultBench:
                "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1",
                "PYTHONPATH": str(SOURCE_ROOT)}
         if self.kill_marker:
-            from worker.fault_injection import KILL_MARKER_ENV
+            from bulkinfer.worker.shards.fault_injection import KILL_MARKER_ENV
 
             env[KILL_MARKER_ENV] = self.kill_marker
         worker = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
+            [sys.executable, "-m", "celery", "-A", "bulkinfer.worker.process.celery_app", "worker",
+             "--pool=threads",
              "--concurrency=2", "-Q", f"{CONTROL_QUEUE},{model_queue(MODEL)}", "-n", node,
              "--loglevel=INFO", "--without-gossip", "--without-mingle"],
             stdout=open(log, "ab"), stderr=subprocess.STDOUT, env={**os.environ, **env})  # noqa: SIM115

@@ -44,7 +44,7 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
     tests/engine/test_decode_graphs.py || status=1
 
   echo; echo "== engine benchmark on $DEVICE (small preset)"
-  timeout 80 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
+  timeout 80 "$PY" -m bulkinfer.benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
 
   # MoE: the fixed-shape path's tests (transformers' tokens on every MoE family, captured where
@@ -52,7 +52,7 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   # with CUDA graphs and eagerly: tokens compared, tokens/s of each.
   echo; echo "== MoE decode steps as CUDA graphs on $DEVICE"
   timeout 120 "$PY" -m pytest -q -p no:cacheprovider -x tests/engine/test_moe_fixed_shape.py || status=1
-  timeout 120 "$PY" -m benchmarks.moe_graphs --device "$DEVICE" --preset small --dtype bfloat16,float32 \
+  timeout 120 "$PY" -m bulkinfer.benchmarks.moe_graphs --device "$DEVICE" --preset small --dtype bfloat16,float32 \
     --requests "$REQUESTS" --max-tokens 64 || status=1
 
   # Tensor parallel where the machine lends 2+ GPUs: TP=2 token-exact with TP=1 in fp32 (prefix hits,
@@ -63,7 +63,7 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
     # The 4-rank test (KV heads replicated) needs 4 GPUs.
     only=(); [ "$GPUS" -ge 4 ] || only=(-k "not four_ranks")
     timeout 180 "$PY" -m pytest -q -p no:cacheprovider -x tests/engine/test_tensor_parallel.py "${only[@]}" || status=1
-    timeout 120 "$PY" -m benchmarks.engine --preset small --device "$DEVICE" --dtype bfloat16 \
+    timeout 120 "$PY" -m bulkinfer.benchmarks.engine --preset small --device "$DEVICE" --dtype bfloat16 \
       --tensor-parallel-size 1,2 --no-baseline --requests "$REQUESTS" --max-tokens 64 --workloads unique || status=1
   else
     echo; echo "== tensor parallel: not run ($GPUS GPU(s) here; TP=2 needs 2)"
@@ -72,24 +72,24 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   if [ -n "$MODEL" ]; then
     if ! has_weights "$MODEL"; then
       echo; echo "== random weights in the shape of $MODEL"
-      timeout 60 "$PY" -m benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/model" --device "$DEVICE" || status=1
+      timeout 60 "$PY" -m bulkinfer.benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/model" --device "$DEVICE" || status=1
       bench_model="$SCRATCH/model"
     else
       bench_model="$MODEL"
     fi
     echo; echo "== decode step on $DEVICE: $MODEL"
     # At 128 rows under torch.profiler too: the ops by host time and the syncs a step makes.
-    timeout 40 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
+    timeout 40 "$PY" -m bulkinfer.benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
       --rows 128 --steps 20 --trace || status=1
-    timeout 30 "$PY" -m benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
+    timeout 30 "$PY" -m bulkinfer.benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
       --rows 512 --steps 20 || status=1
     echo; echo "== suite on $DEVICE: $MODEL (scale $SCALE)"
-    timeout 130 "$PY" -m benchmarks.suite --model "$bench_model" --device "$DEVICE" --dtype bfloat16,float32 \
+    timeout 130 "$PY" -m bulkinfer.benchmarks.suite --model "$bench_model" --device "$DEVICE" --dtype bfloat16,float32 \
       --scale "$SCALE" --json "$REPORT_DIR/gpu_suite.json" || status=1
     echo; echo "== suite on $DEVICE, bfloat16: $BIG_SHAPE under $MODEL's tokenizer"
     # shellcheck disable=SC2086  # BIG_SHAPE is a list of NAME=VALUE words
-    timeout 60 "$PY" -m benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE \
-      && timeout 100 "$PY" -m benchmarks.suite --model "$SCRATCH/big" --device "$DEVICE" --dtype bfloat16 \
+    timeout 60 "$PY" -m bulkinfer.benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE \
+      && timeout 100 "$PY" -m bulkinfer.benchmarks.suite --model "$SCRATCH/big" --device "$DEVICE" --dtype bfloat16 \
         --scale "$SCALE" --json "$REPORT_DIR/gpu_suite_big.json" || status=1
   fi
   rm -rf "$SCRATCH"

@@ -17,9 +17,9 @@ from typing import Any
 
 import redis
 
-from jobs.names import shard_lease_key
-from jobs.repository import JobRepository
-from jobs.results import committed_shard_result
+from bulkinfer.jobs.names import shard_lease_key
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.results import committed_shard_result
 
 KINDS = ("disk-full", "redis-oom", "redis-outage-long", "worker-term")
 STORE_DISK_SIZE = "256m"

@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from benchmarks.engine import describe_cpu
+from bulkinfer.benchmarks.engine import describe_cpu
 
 if TYPE_CHECKING:
-    from engine import LLM
+    from bulkinfer.engine import LLM
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TARGET_FIRST_ROW_SPEEDUP = 5.0
@@ -46,7 +46,7 @@ def shard_rows(vocab_size: int, special_ids: set[int], prefix_tokens: int, rows:
 def time_shard(llm: LLM, rows: Sequence[Sequence[int]],
                max_tokens: int) -> tuple[float, float, list[list[int]]]:
     """(seconds to the first finished row, seconds to the last, greedy outputs in row order)."""
-    from engine import SamplingParams
+    from bulkinfer.engine import SamplingParams
 
     engine = llm.engine
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -66,7 +66,7 @@ def time_shard(llm: LLM, rows: Sequence[Sequence[int]],
 
 def bytes_per_token(model_dir: str) -> dict[str, int]:
     """KV bytes one token takes in the store, per dtype (the payload; each block adds a small header)."""
-    from engine.models.loader import model_config_from_dir
+    from bulkinfer.engine.models.loader import model_config_from_dir
 
     config = model_config_from_dir(model_dir)
     values = config.num_layers * 2 * config.num_kv_heads * config.head_dim
@@ -79,8 +79,8 @@ def run(model_dir: str, dtype: str, prefix_tokens: int, rows: int, row_tokens: i
     """`rounds` pairs (computed over a new empty store, then loaded from it), each on fresh engines;
     the best time of each kind is compared (on a shared machine a neighbour adds stalls, never
     removes them)."""
-    from engine import LLM  # noqa: F811 (the runtime import of the type-checking name)
-    from engine.kv_connector import LocalFolderBlobStore
+    from bulkinfer.engine import LLM  # noqa: F811 (the runtime import of the type-checking name)
+    from bulkinfer.engine.kv_connector import LocalFolderBlobStore
 
     def fresh_engine(store: LocalFolderBlobStore) -> LLM:
         return LLM(model_dir, dtype=dtype, kv_store=store, kv_store_min_tokens=min_tokens, seed=seed)
@@ -138,8 +138,8 @@ def break_even(model_dir: str, dtype: str, lengths: Sequence[int], repeats: int,
                out: Callable[[str], None] = print) -> int | None:
     """Time one row's prefill (max_tokens 1) computed and loaded at each prefix length, on one engine
     (the local prefix cache reset before each); returns the shortest length where loading wins."""
-    from engine import LLM, SamplingParams
-    from engine.kv_connector import LocalFolderBlobStore
+    from bulkinfer.engine import LLM, SamplingParams
+    from bulkinfer.engine.kv_connector import LocalFolderBlobStore
 
     llm = LLM(model_dir, dtype=dtype, kv_store=LocalFolderBlobStore(store_dir), kv_store_min_hits=1,
               kv_store_min_tokens=0, seed=seed)
@@ -200,7 +200,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--rounds", type=int, default=3, help="computed/loaded pairs (best of each)")
     args = parser.parse_args(argv)
     model_dir = resolve_model(args.model) if resolve_model else args.model
-    from engine.dtype_choice import cpu_model_name
+    from bulkinfer.engine.dtype_choice import cpu_model_name
 
     describe_cpu()
     print(f"cpu: {cpu_model_name()}")

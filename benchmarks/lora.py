@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine import describe_cpu
+from bulkinfer.benchmarks.engine import describe_cpu
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -69,7 +69,7 @@ def timed(run: Callable[[], list]) -> tuple[float, int]:
 
 def run(model_dir: str, adapter_paths: Sequence[Path], rows: int, prompt_len: int, max_tokens: int,
         dtype: str, seed: int, rounds: int = 2, out: Callable[[str], None] = print) -> dict[str, float]:
-    from engine import LLM, LoRARequest, SamplingParams
+    from bulkinfer.engine import LLM, LoRARequest, SamplingParams
 
     loras = [LoRARequest(f"adapter-{i}", i + 1, str(path)) for i, path in enumerate(adapter_paths)]
     llm = LLM(model=model_dir, dtype=dtype, enable_lora=True, max_loras=len(loras),
@@ -133,9 +133,9 @@ def apply_gathered(x: torch.Tensor, out: torch.Tensor, slots: torch.Tensor, a: t
 def compare_apply(model_dir: str, dtype: str, num_adapters: int, rank: int,
                   out: Callable[[str], None] = print, repeats: int = 5) -> None:
     """Time the grouped (engine) and gathered ways on the model's fused qkv and gate_up shapes."""
-    from engine.lora.rows import LoRARows
-    from engine.lora.slots import LoRASlots
-    from engine.models.loader import model_config_from_dir
+    from bulkinfer.engine.lora.rows import LoRARows
+    from bulkinfer.engine.lora.slots import LoRASlots
+    from bulkinfer.engine.models.loader import model_config_from_dir
 
     c = model_config_from_dir(model_dir)
     torch_dtype = getattr(torch, dtype)
@@ -196,14 +196,14 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     if args.threads:
         torch.set_num_threads(args.threads)
     describe_cpu()
-    from engine.dtype_choice import cpu_model_name
+    from bulkinfer.engine.dtype_choice import cpu_model_name
 
     print(f"cpu: {cpu_model_name()}, torch threads {torch.get_num_threads()}; model: {model_dir}")
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(args.adapters_dir) if args.adapters_dir else Path(scratch)
         paths = build_adapters(model_dir, folder, args.adapters, args.rank, args.seed)
         if args.compare_apply:
-            from engine.dtype_choice import resolve_dtype
+            from bulkinfer.engine.dtype_choice import resolve_dtype
 
             dtype = resolve_dtype(args.dtype, "cpu", None).dtype
             compare_apply(model_dir, dtype, args.adapters, args.rank)

@@ -10,7 +10,7 @@ how many rows have identical tokens and how much of each row agrees before its f
 token and the row goes its own way from there); exits 1 where that agreement is under
 `--min-agreement`, which a wrong expert or routing would put near zero.
 
-    python -m benchmarks.moe_graphs [--device cuda] [--preset small] [--dtype bfloat16,float32]
+    python -m bulkinfer.benchmarks.moe_graphs [--device cuda] [--preset small] [--dtype bfloat16,float32]
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import LLM, SamplingParams
-from engine.checkpoints import cached_checkpoint
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.checkpoints import cached_checkpoint
 
 
 @dataclass(frozen=True)
@@ -72,7 +72,7 @@ def agreement(a: Run, b: Run) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_graphs", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bulkinfer.benchmarks.moe_graphs", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--preset", default="small", help="engine/checkpoints.py preset of the Mixtral shape")

@@ -3,7 +3,7 @@ row kernel for single-token rows) against one ``[E, 2I, H]`` / ``[E, H, I]`` ten
 ``F.linear`` on each expert's slice (transformers' layout), and against the fixed-shape path's
 ``torch._grouped_mm`` over those tensors (engine/models/moe_fixed_shape.py: what a CUDA graph records).
 
-`python -m benchmarks.moe_layout [--hidden 512 --width 1792 --experts 8 --top-k 2]` times one sparse
+`python -m bulkinfer.benchmarks.moe_layout [--hidden 512 --width 1792 --experts 8 --top-k 2]` times one sparse
 block's grouped experts (routing excluded, the same routing for both) at decode-size batches (rows
 that are all single-token rows) and prefill-size batches, in fp32 and bf16, and prints ms per call.
 """
@@ -17,10 +17,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.models.llama import Linear, LlamaFamilyConfig, StepRows, onednn_linear_available
-from engine.models.moe import MoeConfig, SparseMoeBlock
-from engine.models.moe_fixed_shape import fixed_shape_expert_outputs
+from bulkinfer.engine import cpu_kernels
+from bulkinfer.engine.models.llama import Linear, LlamaFamilyConfig, StepRows, onednn_linear_available
+from bulkinfer.engine.models.moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine.models.moe_fixed_shape import fixed_shape_expert_outputs
 
 
 def _block(hidden: int, width: int, experts: int, top_k: int, dtype: torch.dtype) -> SparseMoeBlock:
@@ -83,7 +83,7 @@ def _time(fn: Callable[..., torch.Tensor], args: tuple, repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_layout", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bulkinfer.benchmarks.moe_layout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--width", type=int, default=1792)

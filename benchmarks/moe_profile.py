@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.models.moe import SparseMoeBlock
+from bulkinfer.engine.models.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)

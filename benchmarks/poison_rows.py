@@ -1,9 +1,9 @@
 """`bench faults`' `poison-row`: a job one of whose rows kills any worker process that runs it.
 
-The bench's workers start with the kill marker in their environment (worker/fault_injection.py:
+The bench's workers start with the kill marker in their environment (worker/shards/fault_injection.py:
 a row carrying it makes its worker SIGKILL itself, as an out-of-memory kill would) and are replaced
 when they die, as a supervisor would. The poison job's shards are split down to the row
-(worker/shard_crashes.py); afterwards exactly its poison rows must be `worker_crashed` errors, and
+(worker/shards/shard_crashes.py); afterwards exactly its poison rows must be `worker_crashed` errors, and
 every other row of every job must be in the outputs once.
 """
 

@@ -2,7 +2,7 @@
 whole stack (client → API → Redis/Celery → worker → store → results), against the engine alone on
 the same rows, in one run.
 
-The engine side lives in `benchmarks.engine_only` and runs as a child process (api/ never
+The engine side lives in `bulkinfer.benchmarks.engine_only` and runs as a child process (api/ never
 imports the engine): it writes the rows, then runs them through `engine.LLM.generate` with the
 worker's engine options and the job's sampling. Both sides are measured warm: the worker preloads
 its model and a 1-row warm-up job runs first; the engine-only side runs one warm-up request.
@@ -26,10 +26,10 @@ from typing import Any
 
 import httpx
 
-from api.cli.stack import SOURCE_ROOT, Stack, StackError, StackOptions
-from api.client import Client
-from jobs.status import JobState, JobStatus
-from jobs.workers import BEAT_INTERVAL_S, WorkerBeat
+from bulkinfer.api.cli.stack import SOURCE_ROOT, Stack, StackError, StackOptions
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.state.status import JobState, JobStatus
+from bulkinfer.jobs.workers import BEAT_INTERVAL_S, WorkerBeat
 
 TARGET_RATIO = 1.05  # issue 13: the service adds at most 5% to the engine alone
 # Polled as a user's `wait` polls (the SDK's default is 1 s). Polling every 50 ms, as this bench once
@@ -120,8 +120,8 @@ def bench_cli(argv: list[str]) -> int:
 
 def _engine_side(command: str, model_dir: str, rows_path: Path, args: argparse.Namespace,
                  sampling: dict[str, Any], engine_options: dict[str, Any]) -> dict[str, Any]:
-    """Run `python -m benchmarks.engine_only COMMAND` and return the JSON it prints."""
-    argv = [sys.executable, "-m", "benchmarks.engine_only", command, "--model-dir", model_dir,
+    """Run `python -m bulkinfer.benchmarks.engine_only COMMAND` and return the JSON it prints."""
+    argv = [sys.executable, "-m", "bulkinfer.benchmarks.engine_only", command, "--model-dir", model_dir,
             "--rows", str(rows_path), "--requests", str(args.requests), "--shared-len", str(args.shared_len),
             "--tail-len", str(args.tail_len), "--max-tokens", str(args.max_tokens),
             "--sampling", json.dumps(sampling), "--engine-options", json.dumps(engine_options)]
@@ -129,7 +129,7 @@ def _engine_side(command: str, model_dir: str, rows_path: Path, args: argparse.N
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise RuntimeError(f"benchmarks.engine_only {command} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"bulkinfer.benchmarks.engine_only {command} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

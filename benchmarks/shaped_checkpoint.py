@@ -6,7 +6,8 @@ there; its `config.json` and tokenizer can. Throughput does not depend on the we
 weights measures what the real one would. `--set` changes the shape (a 1B-class model under the
 same tokenizer, say):
 
-    python -m benchmarks.shaped_checkpoint SOURCE OUT [--set hidden_size=2048 num_hidden_layers=16 ...]
+    python -m bulkinfer.benchmarks.shaped_checkpoint SOURCE OUT [--set hidden_size=2048 num_hidden_layers=16
+    ...]
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def build_shaped_checkpoint(source: str | Path, out: str | Path,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.shaped_checkpoint", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bulkinfer.benchmarks.shaped_checkpoint",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("source", type=Path, help="a folder with config.json and the tokenizer "
                         "(weights unused)")
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"shaped_checkpoint: {exc}", file=sys.stderr)
         return 2
-    from engine.checkpoints import count_parameters
+    from bulkinfer.engine.checkpoints import count_parameters
 
     print(f"{path}: {count_parameters(path):,} parameters")
     return 0

@@ -168,7 +168,7 @@ def _delta(before: dict[str, Any], after: dict[str, Any] | None) -> dict[str, An
 
 def build_engines(model_dir: str, dtype: str, methods: dict[str, dict[str, Any] | None],
                   options: dict[str, Any]) -> dict[str, Any]:
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
 
     engines = {}
     for label, speculative in methods.items():
@@ -219,8 +219,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     model_dir = resolve_model(args.model) if resolve_model else args.model
     from transformers import AutoTokenizer
 
-    from benchmarks.engine import describe_cpu
-    from engine import SamplingParams
+    from bulkinfer.benchmarks.engine import describe_cpu
+    from bulkinfer.engine import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}")
@@ -229,7 +229,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     methods: dict[str, dict[str, Any] | None] = {
         "off": None, "ngram": {"method": "ngram", "num_speculative_tokens": k}}
     if args.draft_layers:
-        from engine.speculative.layer_skip import write_layer_skip_draft
+        from bulkinfer.engine.speculative.layer_skip import write_layer_skip_draft
 
         draft = write_layer_skip_draft(model_dir, Path(tempfile.mkdtemp()) / "draft", args.draft_layers)
         methods[f"draft-{args.draft_layers}L"] = {"method": "draft_model", "model": str(draft),

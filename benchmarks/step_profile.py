@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoints import cached_checkpoint
+from bulkinfer.engine.checkpoints import cached_checkpoint
 
 # Function names -> the part of a step they are. Leaves count their own time; the scheduling entries
 # are whole calls (their cumulative time), and none of them calls a leaf listed here.
@@ -72,8 +72,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--trace", action="store_true", help="also run the steps under torch.profiler: the "
                         "ops by host time, and the host-device syncs a step makes (what bounds a GPU step)")
     args = parser.parse_args(argv)
-    from benchmarks.suite import make_workloads
-    from engine import LLM, SamplingParams
+    from bulkinfer.benchmarks.suite import make_workloads
+    from bulkinfer.engine import LLM, SamplingParams
 
     if args.model:
         model_dir = resolve_model(args.model) if resolve_model else args.model

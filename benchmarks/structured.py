@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.checkpoints import cached_checkpoint
+from bulkinfer.engine.checkpoints import cached_checkpoint
 
 # Long, realistic records: every output token is constrained, none of it free text for long.
 BENCH_SCHEMA: dict = {
@@ -63,8 +63,8 @@ def run_structured_bench(*, preset: str, arch: str, requests: int, prompt_len: i
     """Runs both sides and prints them; returns structured / unconstrained output tok/s."""
     import torch
 
-    from benchmarks.engine import make_workload, timed_generate
-    from engine import LLM, SamplingParams
+    from bulkinfer.benchmarks.engine import make_workload, timed_generate
+    from bulkinfer.engine import LLM, SamplingParams
 
     model_dir = str(cached_checkpoint(preset=preset, arch=arch, seed=0))
     llm = LLM(model=model_dir, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

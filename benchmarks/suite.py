@@ -39,8 +39,8 @@ from typing import Any
 
 import torch
 
-from engine.checkpoints import cached_checkpoint
-from engine.config import EngineConfig
+from bulkinfer.engine.checkpoints import cached_checkpoint
+from bulkinfer.engine.config import EngineConfig
 
 
 @dataclass
@@ -157,7 +157,7 @@ def matmul_peak_gflops(dtype: torch.dtype, device: str) -> float:
             a @ a
         torch.cuda.synchronize(device)
         return 2 * size ** 3 * 10 / (time.perf_counter() - started) / 1e9
-    from engine.dtype_choice import _matmul_gflops
+    from bulkinfer.engine.dtype_choice import _matmul_gflops
 
     return _matmul_gflops((dtype,), seconds=0.25)[0]
 
@@ -180,7 +180,7 @@ def model_flops(model: torch.nn.Module, workload: SuiteWorkload, outputs: Sequen
 
 def run_workload(model_dir: str, workload: SuiteWorkload, dtype: str,
                  engine_kwargs: dict[str, Any]) -> SuiteResult:
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
 
     started = time.perf_counter()
     llm = LLM(model=model_dir, dtype=dtype, **engine_kwargs)
@@ -277,7 +277,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         model_dir = str(cached_checkpoint(preset=args.preset, arch="llama", seed=0))
     from transformers import AutoTokenizer
 
-    from benchmarks.engine import describe_cpu
+    from bulkinfer.benchmarks.engine import describe_cpu
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     print(f"model: {model_dir}; torch threads: {torch.get_num_threads()}; device: {args.device}")
@@ -311,7 +311,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                         # Loaded after bulkinfer's first run, so that run (whose engine maps fresh
                         # memory, as a worker's first job does) has the machine alone, as a worker
                         # would; then each workload goes to vLLM right after bulkinfer's run of it.
-                        from benchmarks.vllm_compare import VllmSession
+                        from bulkinfer.benchmarks.vllm_compare import VllmSession
 
                         vllm = stack.enter_context(VllmSession(args.with_vllm, model_dir, done.resolved_dtype,
                                                                log_dir=Path(".bulkinfer") / "bench"))
@@ -327,7 +327,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                     pairs.append((results[-1], median_run(theirs_runs)))
     print_table(results)
     if pairs:
-        from benchmarks.vllm_compare import print_comparison
+        from bulkinfer.benchmarks.vllm_compare import print_comparison
 
         print_comparison(pairs)
     if args.json:

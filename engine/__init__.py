@@ -1,6 +1,6 @@
 """bulkinfer's inference engine: a vLLM-V1-style paged-KV engine in PyTorch.
 
-from engine import LLM, SamplingParams
+from bulkinfer.engine import LLM, SamplingParams
 outputs = LLM(model="path/to/hf-folder").generate(["Hello"], SamplingParams(max_tokens=8))
 """
 
@@ -10,22 +10,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engine.config import EngineConfig
-    from engine.errors import ErrorKind, LoRAAdapterError, SamplingParamsError
-    from engine.llm import LLM
-    from engine.llm_engine import LLMEngine
-    from engine.lora import LoRARequest
-    from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
-    from engine.sampling_params import SamplingParams
+    from bulkinfer.engine.config import EngineConfig
+    from bulkinfer.engine.errors import ErrorKind, LoRAAdapterError, SamplingParamsError
+    from bulkinfer.engine.llm import LLM
+    from bulkinfer.engine.llm_engine import LLMEngine
+    from bulkinfer.engine.lora import LoRARequest
+    from bulkinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+    from bulkinfer.engine.sampling_params import SamplingParams
 
-# Imported on first use, so torch-free parts (engine.kv_connector.catalog, for `bulkinfer kv ls`)
+# Imported on first use, so torch-free parts (bulkinfer.engine.kv_connector.catalog, for `bulkinfer kv ls`)
 # can be imported without loading torch.
 _HOMES = {
-    "LLM": "engine.llm", "CompletionOutput": "engine.outputs", "EngineConfig": "engine.config",
-    "ErrorKind": "engine.errors", "LLMEngine": "engine.llm_engine", "LoRAAdapterError": "engine.errors",
-    "LoRARequest": "engine.lora", "PositionLogprobs": "engine.outputs", "RequestOutput": "engine.outputs",
-    "SamplingParams": "engine.sampling_params", "SamplingParamsError": "engine.errors",
-    "TokenLogprob": "engine.outputs",
+    "LLM": "bulkinfer.engine.llm", "CompletionOutput": "bulkinfer.engine.outputs",
+    "EngineConfig": "bulkinfer.engine.config",
+    "ErrorKind": "bulkinfer.engine.errors", "LLMEngine": "bulkinfer.engine.llm_engine",
+    "LoRAAdapterError": "bulkinfer.engine.errors",
+    "LoRARequest": "bulkinfer.engine.lora", "PositionLogprobs": "bulkinfer.engine.outputs",
+    "RequestOutput": "bulkinfer.engine.outputs",
+    "SamplingParams": "bulkinfer.engine.sampling_params", "SamplingParamsError": "bulkinfer.engine.errors",
+    "TokenLogprob": "bulkinfer.engine.outputs",
 }
 
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.cpu_kernels import CpuKernels
 
 
 @dataclass

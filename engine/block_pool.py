@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from engine.prefix_hash import BlockHash
+from bulkinfer.engine.prefix_hash import BlockHash
 
 NULL_BLOCK_ID = 0
 

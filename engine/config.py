@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.speculative.config import SpeculativeConfig
+from bulkinfer.engine.speculative.config import SpeculativeConfig
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
 # "auto": chosen from the device and checkpoint when the engine starts (engine/dtype_choice.py).
@@ -126,7 +126,7 @@ class EngineConfig:
         self._validate_kv_store()
 
     def _validate_kv_store(self) -> None:
-        from engine.kv_connector.blob_store import KVBlobStore
+        from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
 
         _require_int(self.kv_store_min_hits, "kv_store_min_hits", minimum=1)
         if self.kv_store_budget_bytes is not None:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.attention import AttentionMetadata
+from bulkinfer.engine.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

@@ -96,7 +96,7 @@ class _MatmulProbe:
     small enough that a round costs ~25 ms."""
 
     def __init__(self, dtype: torch.dtype) -> None:
-        from engine.models.llama import Linear, onednn_linear_available
+        from bulkinfer.engine.models.llama import Linear, onednn_linear_available
 
         self.layer = Linear(1024, 1024, bias=False).to(dtype).requires_grad_(False)
         if onednn_linear_available(torch.device("cpu"), dtype):

@@ -24,13 +24,13 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.cpu_kernels import load as load_cpu_kernels
-from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
-from engine.models.bert import encoder_family, load_bert
-from engine.models.llama import LlamaForCausalLM, UnsupportedModelError
-from engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
-from engine.packed_attention import PackedBatch, PackedCausalBackend
-from engine.pooling import (
+from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
+from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
+from bulkinfer.engine.models.bert import encoder_family, load_bert
+from bulkinfer.engine.models.llama import LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
+from bulkinfer.engine.packed_attention import PackedBatch, PackedCausalBackend
+from bulkinfer.engine.pooling import (
     POOLINGS,
     PoolingConfig,
     SentenceTransformersFiles,

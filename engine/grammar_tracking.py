@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from engine.request import FinishReason, Request
-from engine.sampling_params import STRUCTURED_FIELDS, SamplingParams
+from bulkinfer.engine.request import FinishReason, Request
+from bulkinfer.engine.sampling_params import STRUCTURED_FIELDS, SamplingParams
 
 
 class GrammarTracker:
@@ -41,7 +41,7 @@ class GrammarTracker:
     def ensure_manager(self) -> Any:
         """The ``StructuredOutputManager``, built (importing xgrammar) on the first call."""
         if self.manager is None:
-            from engine.structured_output import StructuredOutputManager  # xgrammar: only when used
+            from bulkinfer.engine.structured_output import StructuredOutputManager  # xgrammar: only when used
 
             self.manager = StructuredOutputManager(self._tokenizer, self._vocab_size, self._max_num_seqs)
         return self.manager

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
-from engine.prefix_hash import BlockHash, extend_block_hashes
-from engine.request import Request, RequestStatus
+from bulkinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from bulkinfer.engine.prefix_hash import BlockHash, extend_block_hashes
+from bulkinfer.engine.request import Request, RequestStatus
 
 
 class KVCacheManager:

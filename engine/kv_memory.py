@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.models.llama import LlamaFamilyConfig
 
 logger = logging.getLogger(__name__)
 

@@ -7,13 +7,13 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from engine.chat import ChatTemplateError, chat_token_ids
-from engine.config import EngineConfig
-from engine.dtype_choice import DtypeChoice
-from engine.embedder import Embedder, EmbeddingOutput, is_embedding_model
-from engine.llm_engine import LLMEngine, RequestOutput
-from engine.lora.request import LoRARequest
-from engine.sampling_params import SamplingParams
+from bulkinfer.engine.chat import ChatTemplateError, chat_token_ids
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.dtype_choice import DtypeChoice
+from bulkinfer.engine.embedder import Embedder, EmbeddingOutput, is_embedding_model
+from bulkinfer.engine.llm_engine import LLMEngine, RequestOutput
+from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 Messages = Sequence[Mapping[str, Any]]
@@ -28,7 +28,7 @@ class LLM:
     """Build an engine once, then ``generate`` (or, for an embedding model, ``embed``) as many
     batches as needed.
 
-    ``task``: "auto" embeds with an embedding model folder (engine.embedder.is_embedding_model)
+    ``task``: "auto" embeds with an embedding model folder (bulkinfer.engine.embedder.is_embedding_model)
     and generates with any other; "embed" makes a decoder model an embedder (``pooling``:
     "last" by default, or "mean"; ``normalize``), with no KV cache; "generate" always generates.
     """

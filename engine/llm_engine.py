@@ -11,24 +11,24 @@ from typing import Any
 
 import torch
 
-from engine import cpu_kernels
-from engine.attention import TorchPagedAttention
-from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer
-from engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
-from engine.errors import ErrorKind, SamplingParamsError
-from engine.grammar_tracking import GrammarTracker
-from engine.kv_cache_manager import droppable_window
-from engine.kv_connector.connector import KVConnector
-from engine.kv_connector.model_identity import model_identity
-from engine.kv_connector.setup import build_connector
-from engine.kv_connector.stats import empty_stats
-from engine.lora.manager import LoRAManager
-from engine.lora.request import LoRARequest
-from engine.metrics import EngineCounters
-from engine.model_runner import ModelRunner
-from engine.models.loader import eos_token_ids, load_model, model_config_from_dir
-from engine.output_assembly import (
+from bulkinfer.engine import cpu_kernels
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.detokenizer import IncrementalDetokenizer
+from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
+from bulkinfer.engine.errors import ErrorKind, SamplingParamsError
+from bulkinfer.engine.grammar_tracking import GrammarTracker
+from bulkinfer.engine.kv_cache_manager import droppable_window
+from bulkinfer.engine.kv_connector.connector import KVConnector
+from bulkinfer.engine.kv_connector.model_identity import model_identity
+from bulkinfer.engine.kv_connector.setup import build_connector
+from bulkinfer.engine.kv_connector.stats import empty_stats
+from bulkinfer.engine.lora.manager import LoRAManager
+from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.metrics import EngineCounters
+from bulkinfer.engine.model_runner import ModelRunner
+from bulkinfer.engine.models.loader import eos_token_ids, load_model, model_config_from_dir
+from bulkinfer.engine.output_assembly import (
     OutputAssembler,
     Parent,
     Sample,
@@ -36,19 +36,19 @@ from engine.output_assembly import (
     rejection_output,
     text_includes_last_token,
 )
-from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
-from engine.parallel.start import load_rank_model, start_group
-from engine.request import FinishReason, Request
-from engine.sampler import RowLogprobs, Sampler, SamplingBatch
-from engine.sampling_params import SamplingParams
-from engine.sampling_random import SEED_MASK
-from engine.scheduler import ScheduledChunk, Scheduler
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_model import DraftModel
-from engine.speculative.gate import SpeculationGate, cost_curve_or_none
-from engine.speculative.speculator import Speculator
-from engine.speculative.stats import add_outcome
-from engine.speculative.verify import accepted_tokens, sampled_positions
+from bulkinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from bulkinfer.engine.parallel.start import load_rank_model, start_group
+from bulkinfer.engine.request import FinishReason, Request
+from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
+from bulkinfer.engine.sampling_params import SamplingParams
+from bulkinfer.engine.sampling_random import SEED_MASK
+from bulkinfer.engine.scheduler import ScheduledChunk, Scheduler
+from bulkinfer.engine.speculative.config import SpeculativeConfig
+from bulkinfer.engine.speculative.draft_model import DraftModel
+from bulkinfer.engine.speculative.gate import SpeculationGate, cost_curve_or_none
+from bulkinfer.engine.speculative.speculator import Speculator
+from bulkinfer.engine.speculative.stats import add_outcome
+from bulkinfer.engine.speculative.verify import accepted_tokens, sampled_positions
 
 logger = logging.getLogger(__name__)
 

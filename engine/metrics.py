@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from engine.request import Request
+from bulkinfer.engine.request import Request
 
 
 @dataclass(frozen=True)

@@ -26,22 +26,22 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from engine.attention import AttentionMetadata
-from engine.config import EngineConfig
-from engine.decode_graphs import DecodeGraphs, decode_graph_mode
-from engine.dtype_choice import DTYPES
-from engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
-from engine.kv_connector.connector import load_blocks
-from engine.kv_memory import allocate_kv_caches, populate_kv_caches
-from engine.lora.rows import NO_ADAPTER, LoRARows
-from engine.models.llama import FinalRows, LlamaForCausalLM
-from engine.prompt_logprobs import ScoreSpan, score_rows, score_span
-from engine.sampler import RowLogprobs
-from engine.scheduler import ScheduledChunk, SchedulerOutput
+from bulkinfer.engine.attention import AttentionMetadata
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.decode_graphs import DecodeGraphs, decode_graph_mode
+from bulkinfer.engine.dtype_choice import DTYPES
+from bulkinfer.engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
+from bulkinfer.engine.kv_connector.connector import load_blocks
+from bulkinfer.engine.kv_memory import allocate_kv_caches, populate_kv_caches
+from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
+from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
+from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
+from bulkinfer.engine.sampler import RowLogprobs
+from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
-    from engine.lora.manager import LoRAManager
-    from engine.parallel.group import TensorParallelGroup
+    from bulkinfer.engine.lora.manager import LoRAManager
+    from bulkinfer.engine.parallel.group import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -340,7 +340,7 @@ class ModelRunner:
         if self.parallel is None:
             yield
             return
-        from engine.parallel.communicator import CollectiveError
+        from bulkinfer.engine.parallel.communicator import CollectiveError
 
         try:
             yield

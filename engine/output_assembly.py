@@ -10,12 +10,12 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.metrics import RequestMetrics
-from engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
-from engine.request import FinishReason, Request
-from engine.sampler import RowLogprobs
-from engine.token_bytes import TokenBytes
+from bulkinfer.engine.detokenizer import IncrementalDetokenizer
+from bulkinfer.engine.metrics import RequestMetrics
+from bulkinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
+from bulkinfer.engine.request import FinishReason, Request
+from bulkinfer.engine.sampler import RowLogprobs
+from bulkinfer.engine.token_bytes import TokenBytes
 
 
 @dataclass(eq=False)

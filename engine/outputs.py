@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.errors import ErrorKind
-from engine.metrics import RequestMetrics
+from bulkinfer.engine.errors import ErrorKind
+from bulkinfer.engine.metrics import RequestMetrics
 
 
 @dataclass

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend
-from engine.cpu_kernels import CpuKernels
+from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.cpu_kernels import CpuKernels
 
 # A bucket's shortest sequence is at least this fraction of its longest: attention pads at most
 # 1 / 0.7 of a bucket's real keys, and attention is a small share of a layer's FLOPs.

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.request import Request
-from engine.sampler import RowLogprobs
-from engine.scheduler import ScheduledChunk
+from bulkinfer.engine.request import Request
+from bulkinfer.engine.sampler import RowLogprobs
+from bulkinfer.engine.scheduler import ScheduledChunk
 
 # Rows whose fp32 logits and log-softmax are held at once (256 x 49,152 vocab x 4 B = 48 MiB each).
 ROWS_PER_SLICE = 256

@@ -6,10 +6,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.errors import ErrorKind
-from engine.lora.request import LoRARequest
-from engine.prefix_hash import BlockHash
-from engine.sampling_params import SamplingParams
+from bulkinfer.engine.errors import ErrorKind
+from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.prefix_hash import BlockHash
+from bulkinfer.engine.sampling_params import SamplingParams
 
 
 class FinishReason(enum.StrEnum):

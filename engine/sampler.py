@@ -22,16 +22,16 @@ from typing import Protocol
 
 import torch
 
-from engine.argmax import argmax_rows
-from engine.sampling_params import GREEDY_EPSILON, SamplingParams
-from engine.sampling_random import split_seed, uniforms
-from engine.scheduler import eos_id_set
+from bulkinfer.engine.argmax import argmax_rows
+from bulkinfer.engine.sampling_params import GREEDY_EPSILON, SamplingParams
+from bulkinfer.engine.sampling_random import split_seed, uniforms
+from bulkinfer.engine.scheduler import eos_id_set
 
 INT64_MAX = 2**63 - 1
 
 
 class SampledRow(Protocol):
-    """What the sampler reads from a request (engine.request.Request satisfies it)."""
+    """What the sampler reads from a request (bulkinfer.engine.request.Request satisfies it)."""
 
     sampling_params: SamplingParams
     sample_seed: int

@@ -7,10 +7,10 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from engine.errors import ErrorKind, SamplingParamsError
+from bulkinfer.engine.errors import ErrorKind, SamplingParamsError
 
 if TYPE_CHECKING:
-    from engine.structured_output import StructuredSpec
+    from bulkinfer.engine.structured_output import StructuredSpec
 
 # Temperatures below this are greedy: dividing logits by ~0 overflows (vLLM uses the same epsilon).
 GREEDY_EPSILON = 1e-5
@@ -70,7 +70,7 @@ class SamplingParams:
             return None
         if self.json_schema is False:
             return None
-        from engine.structured_output import StructuredSpec  # lazy: xgrammar only when used
+        from bulkinfer.engine.structured_output import StructuredSpec  # lazy: xgrammar only when used
 
         if self.json_schema is not None:
             return StructuredSpec.json_schema(self.json_schema)  # canonical text; True -> ""

@@ -16,13 +16,13 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from engine.config import EngineConfig
-from engine.errors import ErrorKind
-from engine.kv_cache_manager import KVCacheManager
-from engine.kv_connector.connector import NOTHING, KVConnector, KVLoad, LoadDecision
-from engine.lora.admission import LoRAAdmission
-from engine.prefix_hash import BlockHash
-from engine.request import FinishReason, Request, RequestStatus
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.errors import ErrorKind
+from bulkinfer.engine.kv_cache_manager import KVCacheManager
+from bulkinfer.engine.kv_connector.connector import NOTHING, KVConnector, KVLoad, LoadDecision
+from bulkinfer.engine.lora.admission import LoRAAdmission
+from bulkinfer.engine.prefix_hash import BlockHash
+from bulkinfer.engine.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,8 +2,8 @@
 
 A job with a window gets `expires_at` = created + window, and a place in a Redis sorted set of
 deadlines. When the deadline passes, the rows not yet done become `expired` row errors: a running
-shard aborts its rows still in the engine (worker/engine_rows.py), a shard that had not started is
-written with every row expired by the expiry sweep (worker/deadline_sweep.py), and once every shard
+shard aborts its rows still in the engine (worker/hosts/engine_rows.py), a shard that had not started is
+written with every row expired by the expiry sweep (worker/shards/deadline_sweep.py), and once every shard
 is in the job ends `expired`, with its finished rows, manifest and webhook.
 """
 

@@ -3,7 +3,7 @@ between one tenant's jobs. Without it a model's Celery queue is first-in first-o
 submitted after a 1M-row job waits for every shard of the big one.
 
 The planner *offers* each shard here and sends one interchangeable ticket per shard to the model's
-queue (worker/tasks.py); a worker that takes a ticket *takes* the next shard from here, so the order
+queue (worker/process/tasks.py); a worker that takes a ticket *takes* the next shard from here, so the order
 is decided when a worker is free, not when the job was submitted.
 
 Per model, in Redis (one hash slot, so the scripts are atomic):
@@ -13,7 +13,7 @@ Per model, in Redis (one hash slot, so the scripts are atomic):
 - `pending:<job>`: the job's shards waiting (`index:cost`), in input order; `offered:<job>`: the
   shards ever offered, so a planner that runs twice offers nothing twice.
 
-A shard's cost is its estimated tokens (prompt + max_tokens x n per row: jobs/shard_cost.py), not its
+A shard's cost is its estimated tokens (prompt + max_tokens x n per row: jobs/planning/shard_cost.py), not its
 rows, so a tenant whose rows ask 16 long samples each is charged for them. The least-served tenant
 gets the next shard, then its least-served job; each take adds the shard's cost to both scores.
 A tenant or job that arrives (or comes back) starts just below the lowest score
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import redis
 
-from jobs.names import NO_TENANT, shards_started_key
+from bulkinfer.jobs.names import NO_TENANT, shards_started_key
 
 JOB_PLACEHOLDER = "\x00job\x00"
 
@@ -116,7 +116,7 @@ class FairQueue:
 
     def offer(self, model: str, job_id: str, shard_index: int, cost: int, priority: int,
               tenant: str | None) -> bool:
-        """Make the shard takeable, charging `cost` (its estimated tokens: jobs/shard_cost.py) to
+        """Make the shard takeable, charging `cost` (its estimated tokens: jobs/planning/shard_cost.py) to
         its tenant and job when taken; False if it was offered before (nothing changes)."""
         prefix, who = self._prefix(model), tenant or NO_TENANT
         keys = [f"{prefix}prios", f"{prefix}tenants:{priority}", f"{prefix}jobs:{priority}:{who}",

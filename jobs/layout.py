@@ -19,9 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from jobs.object_store.base import ObjectStore
-from jobs.object_store.factory import store_for_uri
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 PART_EXTENSIONS = {
@@ -32,7 +32,7 @@ PART_EXTENSIONS = {
 # output (a tenant's own folder, `tenants/<tenant>/`, is the tenant's data, not one of these).
 # `files/` holds the /v1/files uploads and batch outputs, `batches/` the /v1 batch records: what a
 # tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
-# `kv/` holds every tenant's prefix KV blocks (worker/kv_store.py): a job reading it would read
+# `kv/` holds every tenant's prefix KV blocks (worker/kv/store.py): a job reading it would read
 # another tenant's prompts' KV.
 STORE_AREAS = ("jobs", "schedules", "models", "files", "batches", "kv")
 TENANTS_FOLDER = "tenants"

@@ -7,12 +7,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from jobs.settings import Settings
-from jobs.sharding import ShardPlan
-from jobs.status import JobState
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.status import JobState
 
 if TYPE_CHECKING:
-    from jobs.repository import JobRepository
+    from bulkinfer.jobs.state.repository import JobRepository
 
 ACTIVE_STATES = (JobState.QUEUED, JobState.RUNNING, JobState.FINALIZING)
 

@@ -15,7 +15,7 @@ import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from jobs.errors import LookupFailed
+from bulkinfer.jobs.errors import LookupFailed
 
 LOCATION_PREFIXES = ("s3://", "file://", "/")
 ADAPTER_CONFIG = "adapter_config.json"  # what every PEFT adapter folder holds

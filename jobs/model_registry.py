@@ -11,9 +11,9 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from jobs.errors import LookupFailed
-from jobs.lora_adapters import AdapterRegistry, UnknownAdapter, is_adapter_location
-from jobs.names import model_queue
+from bulkinfer.jobs.errors import LookupFailed
+from bulkinfer.jobs.lora_adapters import AdapterRegistry, UnknownAdapter, is_adapter_location
+from bulkinfer.jobs.names import model_queue
 
 MODELS_ENV = "BULKINFER_MODELS"
 

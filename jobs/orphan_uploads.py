@@ -17,8 +17,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root, jobs_root
-from jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root, jobs_root
+from bulkinfer.jobs.object_store.base import ObjectStore
 
 FINISHED_GRACE_S = 3600.0
 UNFINISHED_GRACE_S = 6 * 3600.0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 
-from jobs.spec import PRIORITY_NAMES, JobSpec
+from bulkinfer.jobs.spec import PRIORITY_NAMES, JobSpec
 
 DEFAULT_TENANT_MAX_PRIORITY = PRIORITY_NAMES["normal"]
 

@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
-from jobs.object_store.base import ObjectStore
-from jobs.priority_caps import (
+from bulkinfer.jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.priority_caps import (
     DEFAULT_TENANT_MAX_PRIORITY,
     effective_priority,
     parse_tenant_max_priority,
@@ -30,9 +30,9 @@ from jobs.priority_caps import (
 if TYPE_CHECKING:
     import redis
 
-    from jobs.model_registry import ModelRegistry
-    from jobs.repository import JobRepository
-    from jobs.spec import JobSpec
+    from bulkinfer.jobs.model_registry import ModelRegistry
+    from bulkinfer.jobs.spec import JobSpec
+    from bulkinfer.jobs.state.repository import JobRepository
 
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
@@ -91,7 +91,7 @@ ENVIRONMENT_NAMES = {
     "webhook_allow_http": "BULKINFER_WEBHOOK_ALLOW_HTTP",
     "webhook_allow_private": "BULKINFER_WEBHOOK_ALLOW_PRIVATE",
     "share_prefix_cache_across_tenants": "BULKINFER_SHARE_PREFIX_CACHE_ACROSS_TENANTS",
-    # Fair use between tenants (jobs/priority_caps.py, jobs/shard_cost.py).
+    # Fair use between tenants (jobs/priority_caps.py, jobs/planning/shard_cost.py).
     "tenant_max_priority": "BULKINFER_TENANT_MAX_PRIORITY",
     "default_tenant_max_priority": "BULKINFER_DEFAULT_TENANT_MAX_PRIORITY",
     "max_shard_size": "BULKINFER_MAX_SHARD_SIZE",
@@ -102,7 +102,7 @@ ENVIRONMENT_NAMES = {
     "max_loras": "BULKINFER_MAX_LORAS",
     "max_lora_rank": "BULKINFER_MAX_LORA_RANK",
     "max_cpu_loras": "BULKINFER_MAX_CPU_LORAS",
-    # Prefix KV saved to the object store and loaded back by other workers (worker/kv_store.py).
+    # Prefix KV saved to the object store and loaded back by other workers (worker/kv/store.py).
     "kv_store": "BULKINFER_KV_STORE",
     "kv_store_uri": "BULKINFER_KV_STORE_URI",
     "kv_store_min_hits": "BULKINFER_KV_STORE_MIN_HITS",
@@ -137,17 +137,17 @@ class Settings(BaseModel):
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
     # Failures (other than Redis or the store being down) of one plan, shard or finalize before its
-    # job fails with the reason; None: 3 (worker/task_attempts.py).
+    # job fails with the reason; None: 3 (worker/shards/task_attempts.py).
     max_task_attempts: int | None = Field(None, ge=1)
     # Deliveries of a shard that killed their worker process (SIGKILL, out of memory, a native
-    # crash) before the shard is split in halves down to the row (worker/shard_crashes.py); None: 2.
+    # crash) before the shard is split in halves down to the row (worker/shards/shard_crashes.py); None: 2.
     crash_split_after: int | None = Field(None, ge=1)
     # Servers: what `serve api|all` and `up` listen on, and `serve worker|all`'s task threads.
     api_host: str = "127.0.0.1"
     api_port: int = Field(8000, ge=0, le=65535)
     worker_concurrency: int = Field(2, ge=1)
     worker_models: str | None = None  # comma-separated models a worker loads at start (serve worker sets it)
-    # A worker's own HTTP endpoint (worker/status_server.py): /metrics, /healthz, /readyz; 0: none.
+    # A worker's own HTTP endpoint (worker/process/status_server.py): /metrics, /healthz, /readyz; 0: none.
     worker_metrics_port: int = Field(9400, ge=0, le=65535)
     # Log lines: "text" (the default, for a terminal) or "json" (one object a line, for collectors).
     log_format: Literal["text", "json"] = "text"
@@ -167,10 +167,11 @@ class Settings(BaseModel):
     max_message_batch_bytes: int = Field(64 << 20, ge=1 << 20)
     max_rows_per_job: int | None = Field(None, ge=1)
     max_shards_per_job: int | None = Field(None, ge=1)
-    # Distinct response formats a job's rows may carry (worker/schema_limit.py): bounds its compile time.
+    # Distinct response formats a job's rows may carry (worker/shards/schema_limit.py): bounds its compile
+    # time.
     max_schemas_per_job: int = Field(256, ge=1)
-    # Memory bounds: distinct rows the planner remembers to find copies across shards (jobs/job_dedup.py),
-    # and rows a shard keeps in the engine at once (worker/row_window.py).
+    # Memory bounds: distinct rows the planner remembers to find copies across shards
+    # (jobs/planning/job_dedup.py), and rows a shard keeps in the engine at once (worker/hosts/row_window.py).
     dedup_max_keys: int = Field(1_000_000, ge=0)
     shard_window_rows: int = Field(1024, ge=1)
     max_jobs_in_flight: int | None = Field(None, ge=1)  # per tenant: queued, running or finalizing
@@ -205,7 +206,7 @@ class Settings(BaseModel):
     max_loras: int | None = Field(None, ge=1)  # adapters in one engine step
     max_lora_rank: int | None = Field(None, ge=1)
     max_cpu_loras: int | None = Field(None, ge=1)  # adapters kept in host memory (least recently used out)
-    # Prefix KV in the object store (worker/kv_store.py): "auto" is on for a deployment whose store is
+    # Prefix KV in the object store (worker/kv/store.py): "auto" is on for a deployment whose store is
     # S3 (`up`, `serve worker`), off for `bulkinfer run`. Blocks go under `<kv_store_uri>/kv/`
     # (default: the job store's), a disk cache in front of it (default: `kv/` in the model cache).
     kv_store: Literal["auto", "on", "off"] = "auto"
@@ -242,7 +243,7 @@ class Settings(BaseModel):
     @field_validator("lora_adapters")
     @classmethod
     def _adapters_parse(cls, value: str | None) -> str | None:
-        from jobs.lora_adapters import AdapterRegistry
+        from bulkinfer.jobs.lora_adapters import AdapterRegistry
 
         AdapterRegistry.parse(value)
         return value
@@ -317,7 +318,7 @@ class Settings(BaseModel):
 
     @property
     def crashes_before_split(self) -> int:
-        """Crashed deliveries of a shard before it runs in halves (worker/shard_crashes.py)."""
+        """Crashed deliveries of a shard before it runs in halves (worker/shards/shard_crashes.py)."""
         return self.crash_split_after or DEFAULT_CRASH_SPLIT_AFTER
 
     @property
@@ -330,14 +331,14 @@ class Settings(BaseModel):
 
     def log_secrets(self) -> list[str]:
         """What no log line may contain (jobs/log_format.py): these settings' keys and secrets."""
-        from jobs.log_format import secret_values
+        from bulkinfer.jobs.log_format import secret_values
 
         return secret_values([self.api_keys, self.admin_api_keys, self.webhook_secret])
 
     @property
     def lora_enabled(self) -> bool:
         """Whether the engines serve LoRA adapters: `enable_lora`, else whether any is registered."""
-        from jobs.lora_adapters import AdapterRegistry
+        from bulkinfer.jobs.lora_adapters import AdapterRegistry
 
         if self.enable_lora is not None:
             return self.enable_lora
@@ -386,15 +387,15 @@ class Settings(BaseModel):
 
     def open_kv_store(self, client: Any = None) -> tuple[ObjectStore, str]:
         """The store the KV blocks live in and its key prefix (`kv_store_location`); `client`: the
-        boto3 client an S3 one uses (the KV tier's has short timeouts: worker/kv_store.py)."""
+        boto3 client an S3 one uses (the KV tier's has short timeouts: worker/kv/store.py)."""
         return self._open_store_uri(self.kv_store_location, client)
 
     def _open_store_uri(self, uri: str, client: Any = None) -> tuple[ObjectStore, str]:
         if not uri.startswith("s3://"):
-            from jobs.object_store.local import LocalObjectStore
+            from bulkinfer.jobs.object_store.local import LocalObjectStore
 
             return LocalObjectStore(Path(uri.removeprefix("file://")).expanduser().resolve()), ""
-        from jobs.object_store.s3 import S3ObjectStore
+        from bulkinfer.jobs.object_store.s3 import S3ObjectStore
 
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         return S3ObjectStore(bucket, endpoint_url=self.s3_endpoint_url, client=client), prefix.strip("/")
@@ -441,12 +442,12 @@ class Settings(BaseModel):
                                     health_check_interval=30)
 
     def model_registry(self) -> ModelRegistry:
-        from jobs.model_registry import ModelRegistry
+        from bulkinfer.jobs.model_registry import ModelRegistry
 
         return ModelRegistry.parse(self.models, self.model_aliases, self.lora_adapters)
 
     def repository(self) -> JobRepository:
-        from jobs.repository import JobRepository
+        from bulkinfer.jobs.state.repository import JobRepository
 
         store, prefix = self.open_store()
         return JobRepository(store, self.redis_client(), prefix=prefix)

@@ -9,8 +9,8 @@ import json
 from collections.abc import Callable, Iterable
 from typing import Literal, get_args, get_origin
 
-from jobs.lora_adapters import Adapter, AdapterRegistry, lora_flags_text
-from jobs.settings import ENVIRONMENT_NAMES, ConfigError, Settings
+from bulkinfer.jobs.lora_adapters import Adapter, AdapterRegistry, lora_flags_text
+from bulkinfer.jobs.settings import ENVIRONMENT_NAMES, ConfigError, Settings
 
 HELP = {
     "broker_url": "Redis URL of the broker and job state",
@@ -82,7 +82,7 @@ HELP = {
 }
 # The engines' LoRA settings, taken by every command that runs engines (serve worker, up, run).
 LORA_SETTINGS = ("lora_adapters", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras")
-# The prefix KV tier (worker/kv_store.py), taken by every command that runs engines.
+# The prefix KV tier (worker/kv/store.py), taken by every command that runs engines.
 KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_budget_bytes",
                      "kv_store_cache_dir", "kv_store_cache_bytes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.

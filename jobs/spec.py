@@ -10,14 +10,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
-from jobs.embedding import Pooling
-from jobs.lora_adapters import is_adapter_location
-from jobs.object_store.factory import split_uri
-from jobs.response_format import ResponseFormat
-from jobs.sampling import JobSampling
-from jobs.template import PromptTemplate
-from jobs.webhooks import check_webhook_url
+from bulkinfer.jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
+from bulkinfer.jobs.embedding import Pooling
+from bulkinfer.jobs.lora_adapters import is_adapter_location
+from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.response_format import ResponseFormat
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.template import PromptTemplate
+from bulkinfer.jobs.webhooks import check_webhook_url
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY_CHARS = 64

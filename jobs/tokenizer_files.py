@@ -17,7 +17,7 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
-from jobs.object_store.base import ObjectNotFound, ObjectStore
+from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 
 # The engine's ChatML fallback for a tokenizer without a template (engine/chat.py's
 # DEFAULT_CHAT_TEMPLATE, which tests/jobs/test_tokenizer_files.py holds equal to this).

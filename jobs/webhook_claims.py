@@ -2,7 +2,7 @@
 
 Workers see a job end in plan, shard and finalize tasks; the API sees it end when a cancel lands on
 a job that no worker is running. Both claim the delivery through one Redis marker per job (`SET NX`)
-and only the winner sends `bulkinfer.deliver_webhook` (worker/webhook_delivery.py), so a job's
+and only the winner sends `bulkinfer.deliver_webhook` (worker/process/webhook_delivery.py), so a job's
 webhook starts once however many processes see it end.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from jobs.names import webhook_claim_key
+from bulkinfer.jobs.names import webhook_claim_key
 
 if TYPE_CHECKING:
-    from jobs.repository import JobRepository
+    from bulkinfer.jobs.state.repository import JobRepository
 
 MARKER_TTL_S = 30 * 24 * 3600
 

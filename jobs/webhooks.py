@@ -1,7 +1,7 @@
 """Completion webhooks: the URL check, the payload, and its HMAC signature.
 
 When a job with a `webhook_url` ends (succeeded, failed, cancelled), a worker POSTs the payload
-below to the URL (worker/webhook_delivery.py). The body is signed with HMAC-SHA256 under the
+below to the URL (worker/process/webhook_delivery.py). The body is signed with HMAC-SHA256 under the
 deployment's `BULKINFER_WEBHOOK_SECRET`:
 
     X-Bulkinfer-Signature: sha256=<hex of HMAC-SHA256(secret, raw body bytes)>

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import BaseModel
 
-from jobs.names import worker_beat_key, worker_beat_pattern
+from bulkinfer.jobs.names import worker_beat_key, worker_beat_pattern
 
 if TYPE_CHECKING:  # the SDK reads WorkerBeat (api/schemas.py) and installs without redis
     import redis

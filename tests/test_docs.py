@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import COMMANDS
-from jobs.settings import ENVIRONMENT_NAMES, Settings
+from bulkinfer.api.cli import COMMANDS
+from bulkinfer.jobs.settings import ENVIRONMENT_NAMES, Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

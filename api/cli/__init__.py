@@ -26,46 +26,57 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {
-    "up": Command("api.cli.stack_commands:up", "Run Redis, the API and a worker here (data in ./.bulkinfer) "
+    "up": Command("bulkinfer.api.cli.stack_commands:up",
+                  "Run Redis, the API and a worker here (data in ./.bulkinfer) "
                   "until Ctrl-C", "server"),
-    "demo": Command("api.cli.stack_commands:demo", "Run a real job through the embedded stack and print "
+    "demo": Command("bulkinfer.api.cli.stack_commands:demo",
+                    "Run a real job through the embedded stack and print "
                     "results (--offline: the engine alone)", "worker"),
-    "make-checkpoint": Command("engine.checkpoints:make_checkpoint_cli",
+    "make-checkpoint": Command("bulkinfer.engine.checkpoints:make_checkpoint_cli",
                                "Write a small deterministic Hugging Face checkpoint",
                                "worker"),
-    "models": Command("worker.model_commands:models_cli", "Real models: `models import FILE.gguf DIR`, "
+    "models": Command("bulkinfer.worker.models.model_commands:models_cli",
+                      "Real models: `models import FILE.gguf DIR`, "
                       "`models fetch smollm2-135m-instruct`, `models list`", "worker"),
-    "kv": Command("worker.kv_commands:kv_cli", "Prefix KV blocks workers saved to the store: `kv ls`, "
+    "kv": Command("bulkinfer.worker.kv.commands:kv_cli",
+                  "Prefix KV blocks workers saved to the store: `kv ls`, "
                   "`kv rm NAMESPACE|--all`", "worker"),
-    "tune": Command("worker.tune_cli:tune_cli", "Measure engine settings for a model on this machine and "
+    "tune": Command("bulkinfer.worker.tuning.tune_cli:tune_cli",
+                    "Measure engine settings for a model on this machine and "
                     "write the fastest for its workers", "worker"),
-    "bench": Command("benchmarks.cli:main",
+    "bench": Command("bulkinfer.benchmarks.cli:main",
                      "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults` | `spec` | "
                      "`batch-apis` | `embed` | `lora`",
                      "worker"),
-    "serve api": Command("api.cli.serve:serve_api", "Serve the HTTP API alone (BULKINFER_* settings)",
+    "serve api": Command("bulkinfer.api.cli.serve:serve_api",
+                         "Serve the HTTP API alone (BULKINFER_* settings)",
                          "server"),
-    "serve worker": Command("worker.main:serve_worker",
+    "serve worker": Command("bulkinfer.worker.process.main:serve_worker",
                             "Run a Celery worker hosting the engine (BULKINFER_* settings)", "worker"),
-    "serve all": Command("api.cli.serve:serve_all", "Serve the API and run a worker against the configured "
+    "serve all": Command("bulkinfer.api.cli.serve:serve_all",
+                         "Serve the API and run a worker against the configured "
                          "Redis and store (see docs/configuration.md)", "worker"),
-    "run": Command("worker.run_cli:run_cli", "Run a Parquet / JSONL / OpenAI-batch file through the engine "
+    "run": Command("bulkinfer.worker.run.run_cli:run_cli",
+                   "Run a Parquet / JSONL / OpenAI-batch file through the engine "
                    "here, no servers; resumable", "worker"),
     # Job commands over the SDK (api/cli/jobs.py; exit codes documented there and in docs/sdk-and-cli.md).
-    "submit": Command("api.cli.jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
+    "submit": Command("bulkinfer.api.cli.jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "
                       "(--wait: exit code = outcome)", "client"),
-    "status": Command("api.cli.jobs:status", "A job's state, rows, tokens and outputs", "client"),
-    "list": Command("api.cli.jobs:list_jobs", "Jobs, newest first", "client"),
-    "cancel": Command("api.cli.jobs:cancel", "Cancel a job that has not finished", "client"),
-    "retry": Command("api.cli.jobs:retry", "Run an ended job's failed or unrun rows again as a new job "
+    "status": Command("bulkinfer.api.cli.jobs:status", "A job's state, rows, tokens and outputs", "client"),
+    "list": Command("bulkinfer.api.cli.jobs:list_jobs", "Jobs, newest first", "client"),
+    "cancel": Command("bulkinfer.api.cli.jobs:cancel", "Cancel a job that has not finished", "client"),
+    "retry": Command("bulkinfer.api.cli.jobs:retry",
+                     "Run an ended job's failed or unrun rows again as a new job "
                      "(--wait)", "client"),
-    "results": Command("api.cli.jobs:results", "A succeeded job's rows (--partial: those finished so far): "
+    "results": Command("bulkinfer.api.cli.jobs:results",
+                       "A succeeded job's rows (--partial: those finished so far): "
                        "JSON lines, or a file with -o", "client"),
-    "usage": Command("api.cli.jobs:usage", "Rows, tokens and engine seconds per tenant and model "
+    "usage": Command("bulkinfer.api.cli.jobs:usage", "Rows, tokens and engine seconds per tenant and model "
                      "(--since, --until, --tenant, --model)", "client"),
-    "wait": Command("api.cli.jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
+    "wait": Command("bulkinfer.api.cli.jobs:wait", "Wait for a job; exit 0 succeeded, 1 failed, 3 cancelled, "
                     "4 timed out", "client"),
-    "schedule": Command("api.cli.schedules:main", "Scheduled ETL: schedule create|list|get|pause|resume|"
+    "schedule": Command("bulkinfer.api.cli.schedules:main",
+                        "Scheduled ETL: schedule create|list|get|pause|resume|"
                         "delete|tick|jobs (api/cli/schedules.py)", "client"),
 }
 

@@ -1,5 +1,5 @@
-"""`python -m api.cli …`: the `bulkinfer` command without its console script."""
+"""`python -m bulkinfer.api.cli …`: the `bulkinfer` command without its console script."""
 
-from api.cli import main
+from bulkinfer.api.cli import main
 
 raise SystemExit(main())

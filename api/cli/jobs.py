@@ -31,12 +31,12 @@ from typing import Any
 
 import httpx
 
-from api.client import ApiError, Client, JobState, JobStatus, WaitTimeout
-from api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
-from api.client.inputs import is_uri
-from jobs.estimate_report import JobEstimate
-from jobs.task_args import TASK_FIELDS, add_task_arguments
-from jobs.usage import UsageLine
+from bulkinfer.api.client import ApiError, Client, JobState, JobStatus, WaitTimeout
+from bulkinfer.api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
+from bulkinfer.api.client.inputs import is_uri
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
+from bulkinfer.jobs.state.usage import UsageLine
+from bulkinfer.jobs.task_args import TASK_FIELDS, add_task_arguments
 
 EXIT_SUCCEEDED = 0
 EXIT_FAILED = 1

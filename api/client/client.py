@@ -13,10 +13,10 @@ from typing import Any
 
 import httpx
 
-from api.client.jobs import AsyncJobs, Jobs
-from api.client.schedules import AsyncSchedules, Schedules
-from api.client.transport import AsyncTransport, RetryPolicy, Transport
-from jobs.usage import UsageReport
+from bulkinfer.api.client.jobs import AsyncJobs, Jobs
+from bulkinfer.api.client.schedules import AsyncSchedules, Schedules
+from bulkinfer.api.client.transport import AsyncTransport, RetryPolicy, Transport
+from bulkinfer.jobs.state.usage import UsageReport
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 API_URL_ENV = "BULKINFER_API_URL"
@@ -48,7 +48,7 @@ class Client:
 
     `base_url` defaults to $BULKINFER_API_URL (else http://127.0.0.1:8000) and `api_key` to
     $BULKINFER_API_KEY; the key goes as `Authorization: Bearer <key>`. `retries` and `backoff`: see
-    `api.client.transport`. `http_transport` replaces httpx's (tests: `httpx.MockTransport`).
+    `bulkinfer.api.client.transport`. `http_transport` replaces httpx's (tests: `httpx.MockTransport`).
     """
 
     def __init__(self, base_url: str | None = None, *, api_key: str | None = None, timeout: float = 30.0,

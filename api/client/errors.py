@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jobs.status import JobStatus
+    from bulkinfer.jobs.state.status import JobStatus
 
 
 class ApiError(Exception):

@@ -12,14 +12,14 @@ from typing import Any, Literal, overload
 
 from pydantic import BaseModel
 
-from api.client.errors import WaitTimeout
-from api.client.inputs import InputSource, Upload, is_uri, prepare_upload
-from api.client.merged import AsyncMergedResults, MergedResults
-from api.client.models import JobPage, JobResults, JobSpec, JobState, JobStatus
-from api.client.progress import JobProgress, wants_progress
-from api.client.results import AsyncResults, Results
-from api.client.transport import AsyncTransport, Transport
-from jobs.estimate_report import JobEstimate
+from bulkinfer.api.client.errors import WaitTimeout
+from bulkinfer.api.client.inputs import InputSource, Upload, is_uri, prepare_upload
+from bulkinfer.api.client.merged import AsyncMergedResults, MergedResults
+from bulkinfer.api.client.models import JobPage, JobResults, JobSpec, JobState, JobStatus
+from bulkinfer.api.client.progress import JobProgress, wants_progress
+from bulkinfer.api.client.results import AsyncResults, Results
+from bulkinfer.api.client.transport import AsyncTransport, Transport
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
 
 JobRef = str | JobStatus  # a job id, or a status the client returned
 ProgressCallback = Callable[[JobStatus], None]

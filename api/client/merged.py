@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from api.client.results import (
+from bulkinfer.api.client.results import (
     CHUNK_BYTES,
     LineSplitter,
     _require_pandas,
@@ -26,7 +26,7 @@ from api.client.results import (
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from api.client.transport import AsyncTransport, Transport
+    from bulkinfer.api.client.transport import AsyncTransport, Transport
 
 
 class _ChainHeaders:

@@ -3,10 +3,10 @@ cannot drift apart."""
 
 from __future__ import annotations
 
-from api.schemas import JobPage, JobResults, ResultPart
-from jobs.results import TokenUsage
-from jobs.spec import InputFormat, JobSpec
-from jobs.status import JobState, JobStatus, RowCounts, ShardCounts
+from bulkinfer.api.schemas import JobPage, JobResults, ResultPart
+from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.state.results import TokenUsage
+from bulkinfer.jobs.state.status import JobState, JobStatus, RowCounts, ShardCounts
 
 Job = JobStatus  # what `client.jobs.get` returns, under a shorter name
 

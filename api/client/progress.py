@@ -10,7 +10,7 @@ from typing import IO
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
-from jobs.status import JobStatus
+from bulkinfer.jobs.state.status import JobStatus
 
 
 def wants_progress(progress: bool, stream: IO[str] | None = None) -> bool:

@@ -21,12 +21,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
-from api.client.models import JobResults, ResultPart
+from bulkinfer.api.client.models import JobResults, ResultPart
 
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from api.client.transport import AsyncTransport, Transport
+    from bulkinfer.api.client.transport import AsyncTransport, Transport
 
 CHUNK_BYTES = 1 << 20
 PARQUET_SUFFIXES = (".parquet", ".pq")

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.client.jobs import spec_body
-from api.client.transport import AsyncTransport, Transport
-from jobs.schedules import ScheduleSpec, ScheduleView, SubmittedObject, TickReport
+from bulkinfer.api.client.jobs import spec_body
+from bulkinfer.api.client.transport import AsyncTransport, Transport
+from bulkinfer.jobs.scheduling.schedules import ScheduleSpec, ScheduleView, SubmittedObject, TickReport
 
 ScheduleRef = str | ScheduleView  # a schedule id, or a schedule the client returned
 

@@ -22,7 +22,7 @@ from typing import Any, Generic, TypeVar
 
 import httpx
 
-from api.client.errors import ApiError
+from bulkinfer.api.client.errors import ApiError
 
 RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0

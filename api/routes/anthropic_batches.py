@@ -8,15 +8,15 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import CallerDep
-from api.dependencies import Context
-from api.errors import HttpError
-from api.schemas import AnthropicErrorBody, error_responses
-from api.v1.anthropic_batches import batch_object, create_batch, result_lines
-from api.v1.batch_records import BatchRecords
-from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
-from jobs.status import JobState
-from jobs.webhook_claims import claim_delivery
+from bulkinfer.api.auth import CallerDep
+from bulkinfer.api.dependencies import Context
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.schemas import AnthropicErrorBody, error_responses
+from bulkinfer.api.v1.anthropic_batches import batch_object, create_batch, result_lines
+from bulkinfer.api.v1.batch_records import BatchRecords
+from bulkinfer.jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.jobs.webhook_claims import claim_delivery
 
 PATH = "/v1/messages/batches"
 router = APIRouter(prefix=PATH, tags=["anthropic batches"], responses=error_responses(AnthropicErrorBody, {

@@ -9,21 +9,21 @@ from fastapi import APIRouter, Body, Query, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import Caller, CallerDep
-from api.dependencies import ApiContext, Context
-from api.errors import HttpError
-from api.results import finished_manifest, job_results, stream_rows
-from api.retry import RetryRequest, merged_chain, retry_job, stream_merged
-from api.schemas import ERROR_RESPONSES, JobPage, JobResults
-from api.submission import parse_spec, submit_spec
-from api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
-from jobs.estimate_report import JobEstimate
-from jobs.layout import JOB_ID_PATTERN
-from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
-from jobs.repository import JobNotFound
-from jobs.spec import JobSpec
-from jobs.status import COMPLETED_STATES, JobState, JobStatus
-from jobs.webhook_claims import claim_delivery
+from bulkinfer.api.auth import Caller, CallerDep
+from bulkinfer.api.dependencies import ApiContext, Context
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.results import finished_manifest, job_results, stream_rows
+from bulkinfer.api.retry import RetryRequest, merged_chain, retry_job, stream_merged
+from bulkinfer.api.schemas import ERROR_RESPONSES, JobPage, JobResults
+from bulkinfer.api.submission import parse_spec, submit_spec
+from bulkinfer.api.upload import FILE_FIELD, SPEC_FIELD, submit_upload
+from bulkinfer.jobs.layout import JOB_ID_PATTERN
+from bulkinfer.jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
+from bulkinfer.jobs.planning.estimate_report import JobEstimate
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.repository import JobNotFound
+from bulkinfer.jobs.state.status import COMPLETED_STATES, JobState, JobStatus
+from bulkinfer.jobs.webhook_claims import claim_delivery
 
 MAX_JSON_BODY_BYTES = 1 << 20
 CURSOR_PATTERN = r"^\d{17}:[A-Za-z0-9][A-Za-z0-9_-]{0,127}$"

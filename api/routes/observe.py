@@ -9,14 +9,14 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import HTMLResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from api.auth import CallerDep
-from api.dependencies import Context
-from api.errors import HttpError
-from api.routes.jobs import owned_job
-from api.schemas import ERROR_RESPONSES, WorkerList
-from jobs.progress import JobProgress, job_progress
-from jobs.usage import UsageReport, usage_report
-from jobs.workers import anonymous, live_workers
+from bulkinfer.api.auth import CallerDep
+from bulkinfer.api.dependencies import Context
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.routes.jobs import owned_job
+from bulkinfer.api.schemas import ERROR_RESPONSES, WorkerList
+from bulkinfer.jobs.state.progress import JobProgress, job_progress
+from bulkinfer.jobs.state.usage import UsageReport, usage_report
+from bulkinfer.jobs.workers import anonymous, live_workers
 
 router = APIRouter(tags=["observe"], responses=ERROR_RESPONSES)
 DEFAULT_USAGE_DAYS = 30

@@ -8,15 +8,15 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import CallerDep
-from api.dependencies import Context
-from api.errors import HttpError
-from api.schemas import OpenAIErrorBody, error_responses
-from api.v1.batch_records import BatchRecords
-from api.v1.openai_batches import batch_object, create_batch, parse_create
-from jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
-from jobs.status import JobState
-from jobs.webhook_claims import claim_delivery
+from bulkinfer.api.auth import CallerDep
+from bulkinfer.api.dependencies import Context
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.schemas import OpenAIErrorBody, error_responses
+from bulkinfer.api.v1.batch_records import BatchRecords
+from bulkinfer.api.v1.openai_batches import batch_object, create_batch, parse_create
+from bulkinfer.jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.jobs.webhook_claims import claim_delivery
 
 router = APIRouter(prefix="/v1", tags=["openai batches"], responses=error_responses(OpenAIErrorBody, {
     400: "the request or its input file cannot be used", 404: "no such batch or file (or another tenant's)",

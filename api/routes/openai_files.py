@@ -11,10 +11,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from api.auth import CallerDep
-from api.dependencies import Context
-from api.schemas import OpenAIErrorBody, error_responses
-from api.v1.files import (
+from bulkinfer.api.auth import CallerDep
+from bulkinfer.api.dependencies import Context
+from bulkinfer.api.schemas import OpenAIErrorBody, error_responses
+from bulkinfer.api.v1.files import (
     ANCHOR_FIELD,
     FILE_FIELD,
     PURPOSE_FIELD,
@@ -23,7 +23,7 @@ from api.v1.files import (
     file_list_object,
     not_found,
 )
-from jobs.object_store.base import ObjectNotFound
+from bulkinfer.jobs.object_store.base import ObjectNotFound
 
 READ_CHUNK_BYTES = 1 << 20
 MAX_LIST_LIMIT = 10_000

@@ -11,12 +11,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Body, Response
 from pydantic import BaseModel
 
-from api.auth import Caller, CallerDep
-from api.dependencies import ApiContext, Context
-from api.dispatch import enqueue_plan
-from api.errors import HttpError
-from api.schemas import ERROR_RESPONSES
-from api.submission import (
+from bulkinfer.api.auth import Caller, CallerDep
+from bulkinfer.api.dependencies import ApiContext, Context
+from bulkinfer.api.dispatch import enqueue_plan
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.schemas import ERROR_RESPONSES
+from bulkinfer.api.submission import (
     check_completion_window,
     check_lora,
     check_priority,
@@ -25,9 +25,9 @@ from api.submission import (
     locate,
     parse_object,
 )
-from jobs.object_store.factory import split_uri
-from jobs.schedule_tick import tick_schedule
-from jobs.schedules import (
+from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.scheduling.schedule_tick import tick_schedule
+from bulkinfer.jobs.scheduling.schedules import (
     TEMPLATE_PROBE_URI,
     Schedule,
     ScheduleNotFound,
@@ -39,7 +39,7 @@ from jobs.schedules import (
     TickReport,
     split_input,
 )
-from jobs.spec import JobSpec
+from bulkinfer.jobs.spec import JobSpec
 
 router = APIRouter(tags=["schedules"], responses=ERROR_RESPONSES)
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from api.dependencies import Context
-from api.health import health
-from api.schemas import Health, ModelList
+from bulkinfer.api.dependencies import Context
+from bulkinfer.api.health import health
+from bulkinfer.api.schemas import Health, ModelList
 
 router = APIRouter(tags=["service"])
 

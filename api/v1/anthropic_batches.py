@@ -21,19 +21,19 @@ from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from api.auth import Caller
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.submission import check_in_flight, create_and_enqueue, validate_input
-from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
-from api.v1.files import owner_of
-from api.v1.job_outputs import output_records
-from jobs.formats.anthropic_results import anthropic_result, canceled_result
-from jobs.formats.lines import iter_lines_in_range
-from jobs.model_registry import UnknownModel
-from jobs.object_store.base import AlreadyExists, ObjectNotFound
-from jobs.spec import InputFormat, JobSpec
-from jobs.status import JobState, JobStatus
+from bulkinfer.api.auth import Caller
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.submission import check_in_flight, create_and_enqueue, validate_input
+from bulkinfer.api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from bulkinfer.api.v1.files import owner_of
+from bulkinfer.api.v1.job_outputs import output_records
+from bulkinfer.jobs.formats.anthropic_results import anthropic_result, canceled_result
+from bulkinfer.jobs.formats.lines import iter_lines_in_range
+from bulkinfer.jobs.model_registry import UnknownModel
+from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound
+from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.state.status import JobState, JobStatus
 
 MESSAGES_URL = "/v1/messages"
 WINDOW = "24h"

@@ -17,8 +17,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from jobs.formats.json_text import UnreadableJson, loads_untrusted
-from jobs.formats.lines import MAX_LINE_BYTES, UTF8_BOM
+from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.formats.lines import MAX_LINE_BYTES, UTF8_BOM
 
 MAX_PROBLEMS = 100  # kept in the summary; problem_count has them all
 

@@ -16,12 +16,12 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from api.auth import Caller
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.v1.batch_lines import LineProblem
-from api.v1.files import owner_of
-from jobs.object_store.base import AlreadyExists, ObjectNotFound
+from bulkinfer.api.auth import Caller
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.v1.batch_lines import LineProblem
+from bulkinfer.api.v1.files import owner_of
+from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound
 
 BatchApi = Literal["openai", "anthropic"]
 ID_PREFIXES: dict[str, str] = {"openai": "batch_", "anthropic": "msgbatch_"}

@@ -25,15 +25,16 @@ from fastapi import Request
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
-from api.auth import TENANT_PATTERN, Caller, parse_keys
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.upload import PartData, PartEnd, PartStart, StreamedUpload, iter_multipart
-from api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
-from jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root
-from jobs.object_store.base import AlreadyExists, ObjectNotFound
+from bulkinfer.api.auth import TENANT_PATTERN, Caller, parse_keys
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.upload import PartData, PartEnd, PartStart, StreamedUpload, iter_multipart
+from bulkinfer.api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
+from bulkinfer.jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root
+from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound
 
-OPEN_OWNER = "_open"  # no tenant's name: tenants start with a letter or digit (api.auth.TENANT_PATTERN)
+# no tenant's name: tenants start with a letter or digit (bulkinfer.api.auth.TENANT_PATTERN)
+OPEN_OWNER = "_open"
 FILE_ID_PATTERN = re.compile(r"^file-[A-Za-z0-9_-]{1,120}$")
 UPLOAD_PURPOSES = ("batch",)
 OUTPUT_PURPOSES = ("batch_output", "batch_error")  # set by us, for a batch's results

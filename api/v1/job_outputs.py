@@ -6,10 +6,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from api.dependencies import ApiContext
-from api.results import finished_manifest, part_store
-from jobs.formats.lines import iter_lines_in_range
-from jobs.status import JobStatus
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.results import finished_manifest, part_store
+from bulkinfer.jobs.formats.lines import iter_lines_in_range
+from bulkinfer.jobs.state.status import JobStatus
 
 
 def output_records(context: ApiContext, status: JobStatus) -> Iterator[tuple[bytes, dict[str, Any]]]:

@@ -22,20 +22,20 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from api.auth import Caller
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.submission import check_in_flight, create_and_enqueue, validate_input
-from api.v1.batch_lines import LineProblem
-from api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
-from api.v1.files import FileRecord, FileStore, owner_of
-from api.v1.job_outputs import output_records
-from jobs.formats.openai_batch import SUPPORTED_URLS
-from jobs.formats.openai_embeddings import EMBEDDINGS_URL
-from jobs.model_registry import UnknownModel
-from jobs.repository import JobNotFound
-from jobs.spec import InputFormat, JobSpec, JobTask, validation_messages
-from jobs.status import JobState, JobStatus
+from bulkinfer.api.auth import Caller
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.submission import check_in_flight, create_and_enqueue, validate_input
+from bulkinfer.api.v1.batch_lines import LineProblem
+from bulkinfer.api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
+from bulkinfer.api.v1.files import FileRecord, FileStore, owner_of
+from bulkinfer.api.v1.job_outputs import output_records
+from bulkinfer.jobs.formats.openai_batch import SUPPORTED_URLS
+from bulkinfer.jobs.formats.openai_embeddings import EMBEDDINGS_URL
+from bulkinfer.jobs.model_registry import UnknownModel
+from bulkinfer.jobs.spec import InputFormat, JobSpec, JobTask, validation_messages
+from bulkinfer.jobs.state.repository import JobNotFound
+from bulkinfer.jobs.state.status import JobState, JobStatus
 
 STATUS_OF = {JobState.QUEUED: "validating", JobState.RUNNING: "in_progress",
              JobState.FINALIZING: "finalizing", JobState.SUCCEEDED: "completed", JobState.EXPIRED: "expired",

@@ -7,7 +7,12 @@ after it. Storage is anything with the small ``KVBlobStore`` interface (blob_sto
 never imports the service's object store.
 """
 
-from engine.kv_connector.blob_store import CachedBlobStore, KVBlobInfo, KVBlobStore, LocalFolderBlobStore
-from engine.kv_connector.keys import block_key, namespace
+from bulkinfer.engine.kv_connector.blob_store import (
+    CachedBlobStore,
+    KVBlobInfo,
+    KVBlobStore,
+    LocalFolderBlobStore,
+)
+from bulkinfer.engine.kv_connector.keys import block_key, namespace
 
 __all__ = ["CachedBlobStore", "KVBlobInfo", "KVBlobStore", "LocalFolderBlobStore", "block_key", "namespace"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.kv_connector.blob_store import KVBlobStore
-from engine.kv_connector.keys import ROOT
+from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
+from bulkinfer.engine.kv_connector.keys import ROOT
 
 NAMESPACE_PARTS = 5  # kv/<model>/<dtype>/<tp>/<block size>/, then the block hash
 

@@ -27,19 +27,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.block_pool import KVBlock
-from engine.kv_connector.blob_store import KVBlobStore
-from engine.kv_connector.block_format import (
+from bulkinfer.engine.block_pool import KVBlock
+from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
+from bulkinfer.engine.kv_connector.block_format import (
     DTYPE_NAMES,
     CorruptBlockError,
     checked_payload,
     encode_payload,
     payload_tensor,
 )
-from engine.kv_connector.keys import block_key
-from engine.kv_connector.policy import ShareCounter, delete_past_budget
-from engine.kv_connector.stats import KVStoreStats
-from engine.prefix_hash import BlockHash
+from bulkinfer.engine.kv_connector.keys import block_key
+from bulkinfer.engine.kv_connector.policy import ShareCounter, delete_past_budget
+from bulkinfer.engine.kv_connector.stats import KVStoreStats
+from bulkinfer.engine.prefix_hash import BlockHash
 
 logger = logging.getLogger(__name__)
 

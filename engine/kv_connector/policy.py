@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 
-from engine.kv_connector.blob_store import KVBlobStore
-from engine.prefix_hash import BlockHash
+from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
+from bulkinfer.engine.prefix_hash import BlockHash
 
 # Break-even (`bulkinfer bench kvstore --break-even`, docs/engine.md; SmolLM2-135M bf16, 2-core AMX
 # Xeon): one row's prefill computed took 29 ms at 16 tokens, 70 ms at 256, 125 ms at 512; loaded from

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_connector.connector import KVConnector
-from engine.kv_connector.keys import namespace
-from engine.kv_connector.policy import DEFAULT_MIN_TOKENS
-from engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.kv_connector.connector import KVConnector
+from bulkinfer.engine.kv_connector.keys import namespace
+from bulkinfer.engine.kv_connector.policy import DEFAULT_MIN_TOKENS
+from bulkinfer.engine.models.llama import LlamaFamilyConfig
 
 
 def build_connector(config: EngineConfig, model_key: str, model_config: LlamaFamilyConfig,

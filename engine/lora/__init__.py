@@ -5,7 +5,7 @@ without a model; the engine's ``LoRAManager`` (engine/lora/manager.py) loads ada
 that the model's projections apply per row (engine/lora/slots.py).
 """
 
-from engine.lora.adapter_config import AdapterConfig, read_adapter_config
-from engine.lora.request import LoRARequest
+from bulkinfer.engine.lora.adapter_config import AdapterConfig, read_adapter_config
+from bulkinfer.engine.lora.request import LoRARequest
 
 __all__ = ["AdapterConfig", "LoRARequest", "read_adapter_config"]

@@ -15,7 +15,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Protocol
 
-from engine.lora.request import LoRARequest
+from bulkinfer.engine.lora.request import LoRARequest
 
 
 class _HasLoRA(Protocol):

@@ -12,14 +12,14 @@ from collections import Counter, OrderedDict
 
 import torch
 
-from engine.errors import LoRAAdapterError
-from engine.lora.adapter_config import read_adapter_config
-from engine.lora.request import LoRARequest
-from engine.lora.rows import NO_ADAPTER
-from engine.lora.slots import LoRASlots
-from engine.lora.targets import lora_targets, projection_modules
-from engine.lora.weights import LoadedAdapter, load_adapter
-from engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.errors import LoRAAdapterError
+from bulkinfer.engine.lora.adapter_config import read_adapter_config
+from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.lora.rows import NO_ADAPTER
+from bulkinfer.engine.lora.slots import LoRASlots
+from bulkinfer.engine.lora.targets import lora_targets, projection_modules
+from bulkinfer.engine.lora.weights import LoadedAdapter, load_adapter
+from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 
 class LoRAManager:

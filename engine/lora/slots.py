@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.lora.rows import LoRARows
+from bulkinfer.engine.lora.rows import LoRARows
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.cpu_kernels import CpuKernels
 
 
 class LoRASlots:

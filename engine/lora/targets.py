@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from engine.models.llama import MLP, Linear, LlamaForCausalLM
-from engine.models.phi3 import Phi3ForCausalLM
+from bulkinfer.engine.models.llama import MLP, Linear, LlamaForCausalLM
+from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.errors import LoRAAdapterError
-from engine.lora.adapter_config import WEIGHTS_FILE, AdapterConfig
-from engine.lora.targets import Target
+from bulkinfer.engine.errors import LoRAAdapterError
+from bulkinfer.engine.lora.adapter_config import WEIGHTS_FILE, AdapterConfig
+from bulkinfer.engine.lora.targets import Target
 
 # PEFT's saved names: base_model.model.<the base model's module path>.lora_A.weight
 _TENSOR_NAME = re.compile(

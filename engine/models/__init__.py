@@ -1,7 +1,12 @@
 """Model implementations (the Llama family) and the HF safetensors loader."""
 
-from engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
-from engine.models.loader import SUPPORTED_ARCHITECTURES, CheckpointError, load_model, model_config_from_dir
+from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.loader import (
+    SUPPORTED_ARCHITECTURES,
+    CheckpointError,
+    load_model,
+    model_config_from_dir,
+)
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",

@@ -22,11 +22,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
 
-from engine.cpu_kernels import CpuKernels
-from engine.cpu_kernels import load as load_cpu_kernels
-from engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
-from engine.models.loader import tensor_problems
-from engine.packed_attention import PackedBatch, packed_attention
+from bulkinfer.engine.cpu_kernels import CpuKernels
+from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
+from bulkinfer.engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
+from bulkinfer.engine.models.loader import tensor_problems
+from bulkinfer.engine.packed_attention import PackedBatch, packed_attention
 
 ENCODER_ARCHITECTURES = {
     "BertModel": "bert",

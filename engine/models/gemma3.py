@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.llama import (
+from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.models.llama import (
     MLP,
     Attention,
     FinalRows,

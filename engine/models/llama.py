@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.native_decode import NativeDecode
-from engine.parallel.plan import Split
-from engine.parallel.plans import llama_plan
+from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.models.native_decode import NativeDecode
+from bulkinfer.engine.parallel.plan import Split
+from bulkinfer.engine.parallel.plans import llama_plan
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernels
-    from engine.lora.rows import LoRARows
-    from engine.lora.slots import LoRASlots
+    from bulkinfer.engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.lora.rows import LoRARows
+    from bulkinfer.engine.lora.slots import LoRASlots
 
 
 class UnsupportedModelError(ValueError):

@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from engine.attention import AttentionBackend
-from engine.models.gemma3 import Gemma3ForCausalLM
-from engine.models.llama import (
+from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.models.gemma3 import Gemma3ForCausalLM
+from bulkinfer.engine.models.llama import (
     LlamaFamilyConfig,
     LlamaForCausalLM,
     UnsupportedModelError,
     onednn_linear_available,
 )
-from engine.models.moe import MoeForCausalLM
-from engine.models.phi3 import Phi3ForCausalLM
+from bulkinfer.engine.models.moe import MoeForCausalLM
+from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend, AttentionMetadata
-from engine.models.llama import (
+from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.models.llama import (
     MLP,
     FinalRows,
     Linear,
@@ -47,12 +47,16 @@ from engine.models.llama import (
     StepRows,
     UnsupportedModelError,
 )
-from engine.models.moe_fixed_shape import fixed_shape_expert_outputs, grouped_mm_fits, grouped_mm_records
-from engine.parallel.plan import Split
-from engine.parallel.plans import moe_plan
+from bulkinfer.engine.models.moe_fixed_shape import (
+    fixed_shape_expert_outputs,
+    grouped_mm_fits,
+    grouped_mm_records,
+)
+from bulkinfer.engine.parallel.plan import Split
+from bulkinfer.engine.parallel.plans import moe_plan
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.cpu_kernels import CpuKernels
 
 # Where each family keeps its sparse block's tensors, and its experts' (gate, up, down) names.
 _QWEN_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.attention import AttentionMetadata, TorchPagedAttention
+from bulkinfer.engine.attention import AttentionMetadata, TorchPagedAttention
 
 if TYPE_CHECKING:
-    from engine.cpu_kernels import CpuKernels
-    from engine.lora.slots import LoRASlots
-    from engine.models.llama import LlamaForCausalLM
-    from engine.models.moe import SparseMoeBlock
+    from bulkinfer.engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.lora.slots import LoRASlots
+    from bulkinfer.engine.models.llama import LlamaForCausalLM
+    from bulkinfer.engine.models.moe import SparseMoeBlock
 
 _P = ctypes.c_void_p
 _MOE_BUFFERS = ("router_logits", "pair_expert", "pair_weight", "pair_position", "pair_in", "pair_gate_up",
@@ -157,7 +157,7 @@ class NativeDecode:
             return None
         if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
             return None
-        from engine.models.llama import MLP, RMSNorm
+        from bulkinfer.engine.models.llama import MLP, RMSNorm
 
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -307,7 +307,7 @@ class NativeDecode:
 
 
 def _is_sparse(mlp: torch.nn.Module) -> bool:
-    from engine.models.moe import SparseMoeBlock
+    from bulkinfer.engine.models.moe import SparseMoeBlock
 
     return type(mlp) is SparseMoeBlock
 

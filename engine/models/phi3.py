@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.attention import AttentionBackend
-from engine.models.llama import (
+from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.models.llama import (
     Attention,
     DecoderLayer,
     LlamaFamilyConfig,
@@ -36,8 +36,8 @@ from engine.models.llama import (
     UnsupportedModelError,
     apply_rope,
 )
-from engine.parallel.plan import Split
-from engine.parallel.plans import phi3_plan
+from bulkinfer.engine.parallel.plan import Split
+from bulkinfer.engine.parallel.plans import phi3_plan
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Rank 0's side of a tensor-parallel engine: it starts ranks 1..N-1, sends each of them every
 forward it runs, and fails cleanly when one dies.
 
-Ranks run as ``python -m engine.parallel.rank_main`` processes (no CUDA state forked, and the
+Ranks run as ``python -m bulkinfer.engine.parallel.rank_main`` processes (no CUDA state forked, and the
 user's main module is not re-run), each over a socket pair with rank 0. The engine process is
 rank 0: it owns the scheduler, KV block manager, sampler and detokenizer, and runs its own share
 of every forward. The other ranks hold no scheduling state at all: each forward's inputs reach
@@ -25,9 +25,9 @@ from multiprocessing.connection import Connection
 
 import torch
 
-from engine.config import EngineConfig
-from engine.parallel.communicator import Communicator, free_port
-from engine.parallel.rank_worker import RankSpec, rank_device
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.parallel.communicator import Communicator, free_port
+from bulkinfer.engine.parallel.rank_worker import RankSpec, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class TensorParallelGroup:
         for rank in range(1, self.world):
             parent_end, child_end = multiprocessing.Pipe()
             fd = child_end.fileno()
-            process = subprocess.Popen([sys.executable, "-m", "engine.parallel.rank_main", str(fd)],
+            process = subprocess.Popen([sys.executable, "-m", "bulkinfer.engine.parallel.rank_main", str(fd)],
                                        pass_fds=[fd])
             child_end.close()
             parent_end.send(RankSpec(rank, self.world, port, config, threads, start_timeout_s))

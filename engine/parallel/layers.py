@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.llama import Linear
-from engine.parallel.communicator import Communicator
-from engine.parallel.plan import Split, padded_share
+from bulkinfer.engine.models.llama import Linear
+from bulkinfer.engine.parallel.communicator import Communicator
+from bulkinfer.engine.parallel.plan import Split, padded_share
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -12,18 +12,18 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.attention import AttentionBackend
-from engine.models.llama import onednn_linear_available
-from engine.models.loader import (
+from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.models.llama import onednn_linear_available
+from bulkinfer.engine.models.loader import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
     each_checkpoint_tensor,
     model_config_from_dir,
     tensor_problems,
 )
-from engine.parallel.communicator import Communicator
-from engine.parallel.layers import add_reductions, swap_vocab_modules
-from engine.parallel.plan import check_splittable, local_config, shard
+from bulkinfer.engine.parallel.communicator import Communicator
+from bulkinfer.engine.parallel.layers import add_reductions, swap_vocab_modules
+from bulkinfer.engine.parallel.plan import check_splittable, local_config, shard
 
 
 def load_rank_model(model_dir: str | Path, backend: AttentionBackend, communicator: Communicator,

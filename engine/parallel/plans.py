@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.parallel.plan import Split
+from bulkinfer.engine.parallel.plan import Split
 
 
 def vocab_splits(config: Any) -> dict[str, Split]:

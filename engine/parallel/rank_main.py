@@ -1,4 +1,4 @@
-"""Entry point of a tensor-parallel rank process: ``python -m engine.parallel.rank_main FD``, FD its
+"""Entry point of a tensor-parallel rank process: ``python -m bulkinfer.engine.parallel.rank_main FD``, FD its
 end of a socket pair with rank 0 (engine/parallel/group.py). A module nothing imports, so runpy
 runs it fresh."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from multiprocessing.connection import Connection
 
-from engine.parallel.rank_worker import run_rank
+from bulkinfer.engine.parallel.rank_worker import run_rank
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The loop of ranks 1..N-1: build this rank's part of the model, then run every forward rank 0
 asks for, in the order it asks (each forward's collectives pair with rank 0's).
 
-Started as ``python -m engine.parallel.rank_main`` (not multiprocessing's spawn, which re-runs
+Started as ``python -m bulkinfer.engine.parallel.rank_main`` (not multiprocessing's spawn, which re-runs
 the parent's main module: a user's script without a ``__main__`` guard would start its engine
 again in every rank). Its argument is the file descriptor of its end of a socket pair with rank 0,
 over which the spec and every later message come.
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from bulkinfer.engine.config import EngineConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,12 +62,12 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
 
 
 def _build(spec: RankSpec, conn: Connection) -> Any:
-    from engine import cpu_kernels
-    from engine.attention import TorchPagedAttention
-    from engine.dtype_choice import DTYPES
-    from engine.model_runner import ModelRunner
-    from engine.parallel.communicator import Communicator
-    from engine.parallel.loading import load_rank_model
+    from bulkinfer.engine import cpu_kernels
+    from bulkinfer.engine.attention import TorchPagedAttention
+    from bulkinfer.engine.dtype_choice import DTYPES
+    from bulkinfer.engine.model_runner import ModelRunner
+    from bulkinfer.engine.parallel.communicator import Communicator
+    from bulkinfer.engine.parallel.loading import load_rank_model
 
     device = rank_device(spec.config.device, spec.rank)
     if device.type == "cpu":

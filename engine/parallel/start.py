@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.parallel.group import TensorParallelGroup
-from engine.parallel.loading import load_rank_model
-from engine.parallel.plan import check_splittable
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.parallel.group import TensorParallelGroup
+from bulkinfer.engine.parallel.loading import load_rank_model
+from bulkinfer.engine.parallel.plan import check_splittable
 
 __all__ = ["load_rank_model", "start_group"]
 

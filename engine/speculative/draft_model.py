@@ -16,12 +16,12 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.argmax import argmax_rows
-from engine.attention import TorchPagedAttention
-from engine.kv_memory import allocate_kv_caches
-from engine.model_runner import BatchRow, prepare_rows
-from engine.models.loader import load_model, model_config_from_dir
-from engine.request import Request
+from bulkinfer.engine.argmax import argmax_rows
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.kv_memory import allocate_kv_caches
+from bulkinfer.engine.model_runner import BatchRow, prepare_rows
+from bulkinfer.engine.models.loader import load_model, model_config_from_dir
+from bulkinfer.engine.request import Request
 
 
 @dataclass

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.speculative.config import SpeculativeConfig
+from bulkinfer.engine.speculative.config import SpeculativeConfig
 
 # Measured batch sizes (capped at max_num_seqs) and the context each row reads.
 MEASURED_BATCHES = (1, 4, 16, 64)  # log-interpolated between; the last ratio holds above

@@ -11,13 +11,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.request import Request
-from engine.scheduler import SchedulerOutput
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.draft_model import DraftModel
-from engine.speculative.gate import SpeculationGate
-from engine.speculative.ngram import propose_ngram
-from engine.speculative.stats import SpeculationStats
+from bulkinfer.engine.request import Request
+from bulkinfer.engine.scheduler import SchedulerOutput
+from bulkinfer.engine.speculative.config import SpeculativeConfig
+from bulkinfer.engine.speculative.draft_model import DraftModel
+from bulkinfer.engine.speculative.gate import SpeculationGate
+from bulkinfer.engine.speculative.ngram import propose_ngram
+from bulkinfer.engine.speculative.stats import SpeculationStats
 
 
 class Speculator:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.request import Request
-from engine.sampling_params import SamplingParams
+from bulkinfer.engine.request import Request
+from bulkinfer.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

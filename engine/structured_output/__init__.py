@@ -5,8 +5,8 @@ specs off the engine loop (cached by spec), fills the per-step token bitmask and
 sampled tokens. See docs/structured-output.md.
 """
 
-from engine.structured_output.compile import GrammarError, check_spec
-from engine.structured_output.manager import StructuredOutputManager
-from engine.structured_output.spec import StructuredSpec
+from bulkinfer.engine.structured_output.compile import GrammarError, check_spec
+from bulkinfer.engine.structured_output.manager import StructuredOutputManager
+from bulkinfer.engine.structured_output.spec import StructuredSpec
 
 __all__ = ["GrammarError", "StructuredOutputManager", "StructuredSpec", "check_spec"]

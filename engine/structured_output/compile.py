@@ -7,8 +7,8 @@ import re
 
 import xgrammar as xgr
 
-from engine.structured_output.schema import ANY_CHAR_CLASS, prepare_json_schema, safe_regex
-from engine.structured_output.spec import StructuredSpec
+from bulkinfer.engine.structured_output.schema import ANY_CHAR_CLASS, prepare_json_schema, safe_regex
+from bulkinfer.engine.structured_output.spec import StructuredSpec
 
 # "Any JSON object": xgrammar's builtin JSON grammar also allows a top-level array.
 ANY_JSON_OBJECT: dict = {"type": "object"}

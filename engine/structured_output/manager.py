@@ -19,9 +19,9 @@ from typing import Any, Literal
 import torch
 import xgrammar as xgr
 
-from engine.structured_output.compile import compile_spec
-from engine.structured_output.compile_pool import CompilePool
-from engine.structured_output.spec import StructuredSpec
+from bulkinfer.engine.structured_output.compile import compile_spec
+from bulkinfer.engine.structured_output.compile_pool import CompilePool
+from bulkinfer.engine.structured_output.spec import StructuredSpec
 
 State = Literal["compiling", "ready", "failed"]
 

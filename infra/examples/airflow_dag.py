@@ -22,7 +22,7 @@ WAIT_TIMEOUT_S = 6 * 3600
 
 def submit_job(ds: str, api_url: str | None = None) -> str:
     """Submit the job for logical date `ds` (YYYY-MM-DD); its id (returned again on a retry)."""
-    from api.client import Client
+    from bulkinfer import Client
 
     with Client(api_url) as client:
         job = client.jobs.create(input=INPUT_URI.format(ds=ds), model=MODEL, prompt_column="prompt",
@@ -33,7 +33,7 @@ def submit_job(ds: str, api_url: str | None = None) -> str:
 
 def wait_for_job(job_id: str, api_url: str | None = None, timeout: float = WAIT_TIMEOUT_S) -> dict:
     """Wait until the job ends; raise unless it succeeded. Its status, for XCom."""
-    from api.client import Client, JobState
+    from bulkinfer import Client, JobState
 
     with Client(api_url) as client:
         status = client.jobs.wait(job_id, poll_interval=30, timeout=timeout, progress=False)

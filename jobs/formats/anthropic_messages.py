@@ -17,7 +17,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.formats.rows import (
+from bulkinfer.jobs.formats.rows import (
     Row,
     RowErrorCode,
     RowProblem,
@@ -26,8 +26,8 @@ from jobs.formats.rows import (
     requested_adapter,
     with_instructions_messages,
 )
-from jobs.spec import JobSpec
-from jobs.tokenizer_files import TEXT_PARTS_SEPARATOR
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.tokenizer_files import TEXT_PARTS_SEPARATOR
 
 MESSAGES_URL = "/v1/messages"
 WHERE = "params"  # how an Anthropic user names the request: a batch request's `params`

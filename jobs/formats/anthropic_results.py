@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.formats.rows import RowErrorCode
+from bulkinfer.jobs.formats.rows import RowErrorCode
 
 # Failures that are ours, not the request's: Anthropic's `api_error` ("an unexpected error
 # internal to Anthropic's systems"). A code not known here is treated as ours too.

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from jobs.errors import InputError
-from jobs.formats.json_text import UnreadableJson, loads_untrusted
-from jobs.formats.lines import iter_lines_in_range
-from jobs.object_store.base import ObjectStore
-from jobs.spec import InputFormat, JobSpec, format_from_name
+from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.formats.lines import iter_lines_in_range
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.spec import InputFormat, JobSpec, format_from_name
 
 PARQUET_MAGIC = b"PAR1"
 # Enough to hold the first line of any sane JSONL file; a longer one is read no further.

@@ -11,9 +11,9 @@ from __future__ import annotations
 from array import array
 from typing import TYPE_CHECKING, Any
 
-from jobs.embedding import base64_vector
-from jobs.formats.output import OutputRow
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.embedding import base64_vector
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -30,7 +30,7 @@ def embedding_table(rows: list[OutputRow], spec: JobSpec, dimension: int | None 
     whose rows all failed still has the job's column type; learnt from the rows when not given."""
     import pyarrow as pa
 
-    from jobs.formats.parquet_writer import _passthrough_array
+    from bulkinfer.jobs.formats.parquet_writer import _passthrough_array
 
     columns: dict[str, pa.Array] = {"id": pa.array([row.row_id for row in rows], pa.string())}
     name = embedding_column_name(spec)

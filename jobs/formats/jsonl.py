@@ -6,10 +6,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from jobs.formats.json_text import UnreadableJson, loads_untrusted
-from jobs.formats.lines import MAX_LINE_BYTES, Line, iter_lines_in_range
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.formats.lines import MAX_LINE_BYTES, Line, iter_lines_in_range
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.object_store.base import ObjectStore
 
 
 def decode_object_line(line: Line) -> dict[str, Any] | RowError:

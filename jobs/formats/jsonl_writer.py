@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs
 
 
 def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:

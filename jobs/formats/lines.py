@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
-from jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.object_store.base import ObjectStore
 
 READ_CHUNK_BYTES = 1 << 20
 UTF8_BOM = b"\xef\xbb\xbf"

@@ -2,7 +2,7 @@
 
 The job's `model` runs every line; a line's `body.model` naming a LoRA adapter registered on it
 runs the line on that adapter (as vLLM's server does); any other name is ignored (files written for
-OpenAI name OpenAI models; the worker tells the two apart: worker/lora_requests.py). A
+OpenAI name OpenAI models; the worker tells the two apart: worker/hosts/lora_requests.py). A
 `/v1/messages` line carries an Anthropic Messages request instead
 (`jobs/formats/anthropic_messages.py`: that is how an Anthropic batch runs, and its `model` must be
 the job's or one of its adapters). A `custom_id` that appears more than once fails every line after
@@ -19,11 +19,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.formats.anthropic_messages import MESSAGES_URL, AnthropicMessagesRowBuilder
-from jobs.formats.jsonl import decode_object_line
-from jobs.formats.lines import Line, iter_lines_in_range
-from jobs.formats.openai_embeddings import EMBEDDINGS_URL, embedding_row
-from jobs.formats.rows import (
+from bulkinfer.jobs.formats.anthropic_messages import MESSAGES_URL, AnthropicMessagesRowBuilder
+from bulkinfer.jobs.formats.jsonl import decode_object_line
+from bulkinfer.jobs.formats.lines import Line, iter_lines_in_range
+from bulkinfer.jobs.formats.openai_embeddings import EMBEDDINGS_URL, embedding_row
+from bulkinfer.jobs.formats.rows import (
     Row,
     RowError,
     RowErrorCode,
@@ -37,9 +37,9 @@ from jobs.formats.rows import (
     with_instructions_messages,
     with_instructions_prompt,
 )
-from jobs.object_store.base import ObjectStore
-from jobs.response_format import engine_response_format
-from jobs.spec import JobSpec
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.response_format import engine_response_format
+from bulkinfer.jobs.spec import JobSpec
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

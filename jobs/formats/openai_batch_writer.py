@@ -17,8 +17,8 @@ import codecs
 import hashlib
 from typing import Any
 
-from jobs.formats.embedding_writer import embeddings_body
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.embedding_writer import embeddings_body
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
 
 
 def _stable_id(*parts: str) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.embedding import ENCODING_FORMATS, EmbedInput, EmbedRequest
-from jobs.formats.rows import Row, RowErrorCode, RowProblem, with_instructions_prompt
-from jobs.sampling import JobSampling
-from jobs.spec import JobSpec
+from bulkinfer.jobs.embedding import ENCODING_FORMATS, EmbedInput, EmbedRequest
+from bulkinfer.jobs.formats.rows import Row, RowErrorCode, RowProblem, with_instructions_prompt
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
 
 EMBEDDINGS_URL = "/v1/embeddings"
 EMBEDDING_FIELDS = frozenset({"input", "model", "encoding_format", "dimensions", "user"})

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
 
 
 @dataclass(frozen=True, slots=True)

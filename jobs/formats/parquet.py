@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.object_store.base import ObjectStore
-from jobs.sharding import ShardPlan, open_parquet
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.planning.sharding import ShardPlan, open_parquet
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any
 
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 if TYPE_CHECKING:
     import pyarrow as pa

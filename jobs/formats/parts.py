@@ -8,20 +8,20 @@ import hashlib
 import time
 from collections.abc import Iterable
 
-from jobs.formats.embedding_writer import embedding_table, jsonl_embedding_record
-from jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import OutputRow
-from jobs.formats.parquet_writer import (
+from bulkinfer.jobs.formats.embedding_writer import embedding_table, jsonl_embedding_record
+from bulkinfer.jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.formats.parquet_writer import (
     may_have_choices,
     may_have_logprobs,
     may_have_lora,
     may_have_prompt_logprobs,
     output_table,
 )
-from jobs.object_store.base import ObjectStore, ObjectWriter
-from jobs.results import PartFile
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.object_store.base import ObjectStore, ObjectWriter
+from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.state.results import PartFile
 
 
 class _MeasuringWriter:

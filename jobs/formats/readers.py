@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from jobs.formats.jsonl import iter_jsonl_rows
-from jobs.formats.openai_batch import iter_openai_batch_rows
-from jobs.formats.parquet import iter_parquet_rows
-from jobs.formats.rows import Row, RowBuilder, RowError
-from jobs.object_store.base import ObjectStore
-from jobs.sharding import ShardPlan
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.formats.jsonl import iter_jsonl_rows
+from bulkinfer.jobs.formats.openai_batch import iter_openai_batch_rows
+from bulkinfer.jobs.formats.parquet import iter_parquet_rows
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 
 def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec,

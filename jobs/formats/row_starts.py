@@ -15,8 +15,8 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 
-from jobs.formats.lines import READ_CHUNK_BYTES, UTF8_BOM
-from jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.formats.lines import READ_CHUNK_BYTES, UTF8_BOM
+from bulkinfer.jobs.object_store.base import ObjectStore
 
 _CONTENT = re.compile(rb"[^ \t\r\n\x0b\x0c]")  # bytes.strip()'s whitespace is everything else
 _BLANK_LINE_AFTER_NEWLINE = re.compile(rb"\n[ \t\r\x0b\x0c]*(?=\n)")

@@ -9,13 +9,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from jobs.embedding import EmbedRequest
-from jobs.formats.json_text import UnreadableJson, loads_untrusted
-from jobs.lora_adapters import is_adapter_location
-from jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
-from jobs.sampling import JobSampling
-from jobs.spec import JobSpec
-from jobs.template import MissingColumn
+from bulkinfer.jobs.embedding import EmbedRequest
+from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.lora_adapters import is_adapter_location
+from bulkinfer.jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.template import MissingColumn
 
 # Between the shared instructions and a row's own text; identical for every row, so the
 # instructions stay one cacheable prefix.
@@ -40,7 +40,8 @@ class RowErrorCode(StrEnum):
     INVALID_OUTPUT_JSON = "invalid_output_json"
     ENGINE_ERROR = "engine_error"
     EXPIRED = "expired"  # the job's completion_window passed before the row finished
-    WORKER_CRASHED = "worker_crashed"  # its run killed the worker process, alone (worker/shard_crashes.py)
+    # its run killed the worker process, alone (worker/shards/shard_crashes.py)
+    WORKER_CRASHED = "worker_crashed"
 
 
 @dataclass(frozen=True, slots=True)

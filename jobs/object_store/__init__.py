@@ -1,6 +1,6 @@
 """Object stores: `S3ObjectStore` (boto3, any endpoint) and `LocalObjectStore` (a directory)."""
 
-from jobs.object_store.base import (
+from bulkinfer.jobs.object_store.base import (
     AlreadyExists,
     ObjectInfo,
     ObjectNotFound,
@@ -8,9 +8,9 @@ from jobs.object_store.base import (
     ObjectStoreError,
     ObjectWriter,
 )
-from jobs.object_store.factory import split_uri, store_for_uri
-from jobs.object_store.local import LocalObjectStore
-from jobs.object_store.s3 import S3ObjectStore
+from bulkinfer.jobs.object_store.factory import split_uri, store_for_uri
+from bulkinfer.jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.object_store.s3 import S3ObjectStore
 
 __all__ = [
     "AlreadyExists", "LocalObjectStore", "ObjectInfo", "ObjectNotFound", "ObjectStore", "ObjectStoreError",

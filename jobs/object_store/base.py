@@ -155,7 +155,7 @@ class ObjectStore(ABC):
         Unbuffered on purpose: each read is one range request of exactly the bytes asked for, so
         pyarrow's column-chunk reads fetch no neighbouring row groups.
         """
-        from jobs.object_store.range_file import RangeReadFile
+        from bulkinfer.jobs.object_store.range_file import RangeReadFile
 
         return RangeReadFile(self, key)  # type: ignore[return-value]
 

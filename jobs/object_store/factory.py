@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from urllib.parse import unquote, urlparse
 
-from jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.object_store.base import ObjectStore
 
 
 def split_uri(uri: str) -> tuple[str, str, str]:
@@ -52,9 +52,9 @@ def store_for_uri(uri: str, *, endpoint_url: str | None = None) -> tuple[ObjectS
     """
     scheme, bucket, key = split_uri(uri)
     if scheme == "s3":
-        from jobs.object_store.s3 import S3ObjectStore
+        from bulkinfer.jobs.object_store.s3 import S3ObjectStore
 
         return S3ObjectStore(bucket, endpoint_url=endpoint_url), key
-    from jobs.object_store.local import LocalObjectStore
+    from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     return LocalObjectStore("/"), key

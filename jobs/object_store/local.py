@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from jobs.object_store.base import (
+from bulkinfer.jobs.object_store.base import (
     AlreadyExists,
     ObjectInfo,
     ObjectNotFound,

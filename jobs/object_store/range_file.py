@@ -6,7 +6,7 @@ import io
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jobs.object_store.base import ObjectStore
+    from bulkinfer.jobs.object_store.base import ObjectStore
 
 
 class RangeReadFile(io.RawIOBase):

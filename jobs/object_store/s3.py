@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, BinaryIO
 
-from jobs.object_store.base import (
+from bulkinfer.jobs.object_store.base import (
     AlreadyExists,
     ObjectInfo,
     ObjectNotFound,

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.app import create_app
-from api.cli.server import ServerThread
-from api.client import ApiError, Client
-from jobs.object_store.base import ObjectStore
-from jobs.repository import JobRepository
-from jobs.settings import Settings
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.repository import JobRepository
 from tests.fixtures.services import free_port
 
 BUCKET = "bulkinfer-api"

@@ -3,12 +3,12 @@ for API tests that need a running or finished job without a worker process."""
 
 from __future__ import annotations
 
-from jobs.manifest import build_manifest, write_manifest
-from jobs.object_store.factory import store_for_uri
-from jobs.repository import JobRepository
-from jobs.results import load_shard_results
-from jobs.sharding import plan_shards
-from jobs.status import JobState
+from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.state.manifest import build_manifest, write_manifest
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.results import load_shard_results
+from bulkinfer.jobs.state.status import JobState
 from tests.jobs.helpers import run_shard
 
 

@@ -24,12 +24,12 @@ from typing import Any
 
 import pytest
 
-from api.app import create_app
-from api.cli.server import ServerThread
-from api.client import Client
-from jobs.names import QUEUE_PREFIX
-from jobs.repository import JobRepository
-from jobs.settings import Settings
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.names import QUEUE_PREFIX
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.repository import JobRepository
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server, celery_worker, free_port
 
 JOBS_BUCKET = "sdk-jobs"
@@ -90,7 +90,8 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
     with pytest.MonkeyPatch.context() as patch:
         for name, value in s3_server.env().items():  # S3 credentials for the API in this process
             patch.setenv(name, value)
-        with celery_worker("worker.celery_app", redis_server.url, env=worker_env, queues=queues,
+        with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=worker_env,
+                           queues=queues,
                            pool="threads", concurrency=2), \
                 ServerThread(create_app(settings), port=free_port()) as server, \
                 Client(server.url, **client_options) as client:

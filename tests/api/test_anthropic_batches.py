@@ -14,8 +14,8 @@ import anthropic
 import pytest
 from anthropic.types.messages import MessageBatch
 
-from api.app import create_app
-from api.cli.server import ServerThread
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server, free_port
 

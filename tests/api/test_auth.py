@@ -12,8 +12,8 @@ import time
 import httpx
 import pytest
 
-from api.client import ApiError, Client
-from jobs.settings import Settings
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, serve
 from tests.fixtures.services import REPO_ROOT
 
@@ -55,7 +55,7 @@ def test_each_configured_key_opens_every_route_and_health_stays_open(api) -> Non
 
 def test_the_cli_sends_its_key_from_the_flag_or_the_environment(api) -> None:
     def cli(*args: str, **env: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "api.cli", "list", "--json", "--api-url", api.url, *args]
+        command = [sys.executable, "-m", "bulkinfer.api.cli", "list", "--json", "--api-url", api.url, *args]
         return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=60,
                               env={**os.environ, "PYTHONPATH": str(REPO_ROOT), **env})
 

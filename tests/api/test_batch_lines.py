@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
+from bulkinfer.api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
 
 
 def request(custom_id: str = "r1", model: str = "tiny", url: str = "/v1/chat/completions",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.faults import bench_cli, count_rows
+from bulkinfer.benchmarks.faults import bench_cli, count_rows
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -19,7 +19,8 @@ pytestmark = pytest.mark.timeout(300)
 def test_bench_service_prints_both_timings_and_the_ratio(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-m", "api.cli", "bench", "service", "--preset", "tiny", "--requests", "16",
+        [sys.executable, "-m", "bulkinfer.api.cli", "bench", "service", "--preset", "tiny", "--requests",
+         "16",
          "--max-tokens", "8", "--shard-size", "8", "--shared-len", "40", "--tail-len", "10",
          "--home", str(tmp_path)],
         cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=280)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 import pytest
 
-from api.cli.jobs import (
+from bulkinfer.api.cli.jobs import (
     EXIT_CANCELLED,
     EXIT_ERROR,
     EXIT_FAILED,
@@ -25,7 +25,7 @@ from api.cli.jobs import (
     EXIT_SUCCEEDED,
     EXIT_TIMEOUT,
 )
-from api.client import JobState
+from bulkinfer.api.client import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, free_port, wait_until
 
@@ -43,7 +43,7 @@ def stack(redis_server, s3_server, tiny_checkpoint, tmp_path_factory) -> Iterato
 
 def cli(stack: LiveStack, *args: str, **env: str) -> subprocess.CompletedProcess:
     """`bulkinfer ARGS` in a child process; the API URL comes from $BULKINFER_API_URL."""
-    return subprocess.run([sys.executable, "-m", "api.cli", *map(str, args)], cwd=REPO_ROOT,
+    return subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", *map(str, args)], cwd=REPO_ROOT,
                           env=stack.cli_env(**{"BULKINFER_API_URL": stack.url, **env}), capture_output=True,
                           text=True, timeout=180)
 
@@ -84,7 +84,7 @@ def test_a_succeeded_job_submit_wait_status_results_and_list(stack, tmp_path) ->
     # `bulkinfer results ID | head`: a reader that went away is not an error.
     read_end, write_end = os.pipe()
     os.close(read_end)
-    piped = subprocess.run([sys.executable, "-m", "api.cli", "results", job_id], cwd=REPO_ROOT,
+    piped = subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", "results", job_id], cwd=REPO_ROOT,
                            env=stack.cli_env(BULKINFER_API_URL=stack.url), stdout=write_end,
                            stderr=subprocess.PIPE, text=True, timeout=180)
     os.close(write_end)
@@ -166,7 +166,7 @@ def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_runnin
     job = stack.client.jobs.create(uri, model="small", prompt_column="q")
     wait_until(lambda: stack.client.jobs.get(job).rows.total == 3, timeout=60, what="the job to be planned")
 
-    command = [sys.executable, "-m", "api.cli", "wait", job.job_id, "--poll-interval", "0.1"]
+    command = [sys.executable, "-m", "bulkinfer.api.cli", "wait", job.job_id, "--poll-interval", "0.1"]
     env = stack.cli_env(BULKINFER_API_URL=stack.url, COLUMNS="160")
     controller, terminal = pty.openpty()
     process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=terminal)

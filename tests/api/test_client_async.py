@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import ApiError, AsyncClient, JobState, WaitTimeout
+from bulkinfer.api.client import ApiError, AsyncClient, JobState, WaitTimeout
 from tests.api.live_stack import LiveStack, live_stack
 
 pytestmark = pytest.mark.timeout(300)

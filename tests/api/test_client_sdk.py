@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 from rich.console import Console
 
-from api.client import ApiError, JobState, JobStatus, WaitTimeout
-from api.client.progress import JobProgress, wants_progress
+from bulkinfer.api.client import ApiError, JobState, JobStatus, WaitTimeout
+from bulkinfer.api.client.progress import JobProgress, wants_progress
 from tests.api.live_stack import JOBS_BUCKET, LiveStack, live_stack
 
 pytestmark = pytest.mark.timeout(300)

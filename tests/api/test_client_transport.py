@@ -14,7 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import httpx
 import pytest
 
-from api.client import ApiError, AsyncClient, Client, JobState
+from bulkinfer.api.client import ApiError, AsyncClient, Client, JobState
 from tests.fixtures.services import REPO_ROOT, free_port
 from tests.support.http_server import serving
 
@@ -217,9 +217,9 @@ class Blocked:
         if name.split(".")[0] in {SERVER_SIDE!r}:
             raise ImportError("not installed: " + name)
 sys.meta_path.insert(0, Blocked())
-from api.client import AsyncClient, Client
-import api.cli.jobs
-from api.cli import main
+from bulkinfer.api.client import AsyncClient, Client
+import bulkinfer.api.cli.jobs
+from bulkinfer.api.cli import main
 assert main(["wait", "--help"]) == 0
 """
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True,

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiError
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
 
@@ -101,7 +101,7 @@ def test_the_cli_estimates_an_uploaded_file_and_keeps_nothing(stack: LiveStack, 
     path = tmp_path / "local.jsonl"
     path.write_text("".join(json.dumps({"q": f"q{n}"}) + "\n" for n in range(3)))
     objects_before = _job_store_objects(stack)
-    done = subprocess.run([sys.executable, "-m", "api.cli", "submit", str(path), "--model", "tiny",
+    done = subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", "submit", str(path), "--model", "tiny",
                            "--template", "Q: {q}", "--max-tokens", "7", "--dry-run", "--json",
                            "--api-url", stack.url], capture_output=True, text=True, cwd=REPO_ROOT,
                           env=stack.cli_env(), timeout=60)

@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 from openai.types import CreateEmbeddingResponse
 
-from api.client import ApiError
-from engine.embedder import Embedder
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError
+from bulkinfer.engine.embedder import Embedder
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
@@ -159,7 +159,8 @@ def test_bulkinfer_submit_task_embed_with_dimensions_and_truncate(stack: LiveSta
     source = tmp_path / "docs.parquet"
     pq.write_table(pa.table({"text": ["the cat", TOO_LONG]}), source)
     submitted = subprocess.run(
-        [sys.executable, "-m", "api.cli", "submit", str(source), "--model", MODEL, "--task", "embed",
+        [sys.executable, "-m", "bulkinfer.api.cli", "submit", str(source), "--model", MODEL, "--task",
+         "embed",
          "--prompt-column", "text", "--dimensions", "8", "--truncate", "--pooling", "mean", "--no-normalize",
          "--wait", "--poll-interval", "0.2",
          "--json", "--no-progress"],

@@ -18,11 +18,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import Client
-from engine import LLM, SamplingParams
-from jobs.names import QUEUE_PREFIX
-from jobs.repository import JobRepository
-from jobs.status import JobState, JobStatus
+from bulkinfer.api.client import Client
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.jobs.names import QUEUE_PREFIX
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobState, JobStatus
 from tests.api.live_stack import live_stack
 from tests.fixtures.services import RedisServer, S3Server
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.status import JobState
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server
 

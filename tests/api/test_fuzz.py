@@ -21,9 +21,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from api.app import create_app
-from jobs.settings import Settings
-from jobs.spec import JobSpec
+from bulkinfer.api.app import create_app
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
 from tests.api.conftest import MODELS
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import Client
-from jobs.settings import Settings
-from jobs.status import JobState
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.status import JobState
 from tests.api import helpers
 from tests.api.conftest import refused
 from tests.fixtures.services import free_port

@@ -9,8 +9,8 @@ import json
 import httpx
 import pytest
 
-from api.client import ApiError, Client
-from jobs.settings import Settings
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, serve
 
 ROWS = b'{"q": "def f(x):"}\n'

@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from api.client import Client
-from jobs.settings import Settings
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import BUCKET, MODELS, refused, serve
 
 ROWS = b'{"q": "def f(x):", "adapter": "sql"}\n{"q": "class A:", "adapter": "nope"}\n{"q": "x = 1"}\n'

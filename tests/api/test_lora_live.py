@@ -15,9 +15,9 @@ from pathlib import Path
 import openai
 import pytest
 
-from api.client import ApiError, Client
-from engine import LLM, LoRARequest, SamplingParams
-from jobs.object_store.s3 import S3ObjectStore
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.jobs.object_store.s3 import S3ObjectStore
 from tests.api.live_stack import ENGINE_OPTIONS, INPUTS_BUCKET, LiveStack, live_stack
 from tests.engine.lora_adapters import ATTENTION_ONLY, make_adapter
 from tests.fixtures.services import RedisServer, S3Server

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from jobs.results import PartFile, ShardResult, TokenUsage, save_shard_result
-from jobs.settings import Settings
-from jobs.workers import WorkerBeat, WorkerModel, write_beat
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.state.results import PartFile, ShardResult, TokenUsage, save_shard_result
+from bulkinfer.jobs.workers import WorkerBeat, WorkerModel, write_beat
 from tests.api.conftest import MODELS, serve
 
 
@@ -110,8 +110,8 @@ def test_a_model_whose_architecture_the_workers_cannot_load_is_refused_at_submit
     """The workers' load error (the engine's, naming the architectures it serves) comes back at POST
     /jobs instead of failing the job later; a failure of another kind, or a worker that loaded the
     model, does not refuse it."""
-    from api.client import ApiError
-    from engine.models import UnsupportedModelError, model_config_from_dir
+    from bulkinfer.api.client import ApiError
+    from bulkinfer.engine.models import UnsupportedModelError, model_config_from_dir
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     with pytest.raises(UnsupportedModelError) as load_error:

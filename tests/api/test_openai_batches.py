@@ -19,8 +19,8 @@ from openai.types import Batch
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
-from api.app import create_app
-from api.cli.server import ServerThread
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server, free_port
 

@@ -12,11 +12,11 @@ import httpx
 import openai
 import pytest
 
-from api.auth import Caller
-from api.dependencies import ApiContext
-from api.errors import HttpError
-from api.v1.files import FileRecord, FileStore, new_file_id
-from jobs.settings import Settings
+from bulkinfer.api.auth import Caller
+from bulkinfer.api.dependencies import ApiContext
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.v1.files import FileRecord, FileStore, new_file_id
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, RunningApi, serve
 
 KEYS = "acme=acme-secret,globex=globex-secret"

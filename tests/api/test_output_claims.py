@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiError
-from jobs.repository import idempotent_job_id
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.state.repository import idempotent_job_id
 
 ROWS = b"".join(json.dumps({"id": n, "q": f"question {n}"}).encode() + b"\n" for n in range(3))
 

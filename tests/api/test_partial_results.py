@@ -13,10 +13,10 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from api.client import ApiError
-from jobs.formats.output import OutputRow
-from jobs.part_publication import publish_parts, write_fenced
-from jobs.sharding import ShardPlan
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.state.part_publication import publish_parts, write_fenced
 from tests.fixtures.services import REPO_ROOT
 
 SHARD_ROWS = 3
@@ -68,7 +68,7 @@ def test_partial_results_hold_the_published_shards_in_order(local_api, running_j
 
 
 def test_the_cli_prints_partial_rows_and_says_so_on_stderr(local_api, running_job) -> None:
-    done = subprocess.run([sys.executable, "-m", "api.cli", "results", running_job, "--partial",
+    done = subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", "results", running_job, "--partial",
                            "--api-url", local_api.url], capture_output=True, text=True, cwd=REPO_ROOT,
                           timeout=60)
     assert done.returncode == 0, done.stderr

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from jobs.settings import Settings
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, RunningApi, serve
 
 KEYS = {"acme": "acme-key", "vip": "vip-key"}

@@ -21,8 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from api.client import ApiError, AsyncClient
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError, AsyncClient
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
 
@@ -154,5 +154,5 @@ def _until_running(stack: LiveStack, job_id: str) -> None:
 
 
 def _cli(stack: LiveStack, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.cli", *args, "--api-url", stack.url],
+    return subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", *args, "--api-url", stack.url],
                           capture_output=True, text=True, cwd=REPO_ROOT, env=stack.cli_env(), timeout=180)

@@ -18,14 +18,14 @@ from datetime import UTC, datetime
 import httpx
 import pytest
 
-from api.client import ApiError, Client
-from jobs.object_store.base import ObjectNotFound
-from jobs.object_store.factory import store_for_uri
-from jobs.repository import StoredPlan
-from jobs.schedules import Schedule, ScheduleRepository
-from jobs.settings import Settings
-from jobs.spec import SERVER_SET_FIELDS, JobSpec
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.object_store.base import ObjectNotFound
+from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.scheduling.schedules import Schedule, ScheduleRepository
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import SERVER_SET_FIELDS, JobSpec
+from bulkinfer.jobs.state.repository import StoredPlan
+from bulkinfer.jobs.state.status import JobState
 from tests.api.conftest import MODELS, RunningApi, serve
 from tests.api.helpers import finish, run_shards, start
 from tests.jobs.helpers import run_shard

@@ -9,9 +9,9 @@ from datetime import UTC, datetime, timedelta
 import httpx
 import pytest
 
-from api.client import ApiError
-from jobs.schedule_tick import tick_due
-from jobs.schedules import Schedule, ScheduleRepository
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.scheduling.schedule_tick import tick_due
+from bulkinfer.jobs.scheduling.schedules import Schedule, ScheduleRepository
 from tests.api.conftest import RunningApi
 
 JOB = {"model": "tiny", "prompt_column": "q"}

@@ -12,8 +12,8 @@ import json
 import httpx
 import pytest
 
-from api.cli import main
-from api.client import ApiError, AsyncClient
+from bulkinfer.api.cli import main
+from bulkinfer.api.client import ApiError, AsyncClient
 from tests.api.conftest import RunningApi
 
 JOB = {"model": "tiny", "prompt_column": "q", "sampling": {"max_tokens": 4}}

@@ -13,10 +13,10 @@ from types import ModuleType
 
 import pytest
 
-from api.cli import COMMANDS, main
-from api.client import ApiError
-from jobs.schedules import check_cron
-from jobs.status import JobState
+from bulkinfer.api.cli import COMMANDS, main
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.scheduling.schedules import check_cron
+from bulkinfer.jobs.state.status import JobState
 from tests.api import helpers
 from tests.api.conftest import RunningApi
 from tests.fixtures.services import REPO_ROOT

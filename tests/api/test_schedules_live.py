@@ -15,16 +15,16 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.client import Client
-from jobs import webhooks
-from jobs.repository import JobRepository
-from jobs.schedules import ScheduleView
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.api.client import Client
+from bulkinfer.jobs import webhooks
+from bulkinfer.jobs.scheduling.schedules import ScheduleView
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.process.celery_app import create_app as create_celery_app
 from tests.api.live_stack import live_stack
 from tests.fixtures.services import RedisServer, S3Server, wait_until
 from tests.support.webhook_receiver import webhook_receiver
-from worker.celery_app import create_app as create_celery_app
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -20,7 +20,8 @@ from tests.fixtures.services import REPO_ROOT, ServiceDied, free_port, wait_unti
 def test_serve_api_answers_healthz_with_its_redis_and_store(redis_url: str, tmp_path) -> None:
     port = free_port()
     env = {**os.environ, "BULKINFER_BROKER_URL": redis_url, "BULKINFER_STORE_URI": str(tmp_path / "store")}
-    process = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "api", "--port", str(port)],
+    process = subprocess.Popen([sys.executable, "-m", "bulkinfer.api.cli", "serve", "api", "--port",
+                                str(port)],
                                cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         url = f"http://127.0.0.1:{port}/healthz"
@@ -44,7 +45,8 @@ def test_serve_all_runs_the_api_and_a_worker_that_runs_a_job(redis_url: str, tin
                       f'[models]\ntiny = "{tiny_checkpoint}"\n[engine_options]\nmax_model_len = 256\n')
     env = {**os.environ, "BULKINFER_BROKER_URL": redis_url, "HF_HUB_OFFLINE": "1"}
     env.pop("BULKINFER_MODELS", None)
-    command = [sys.executable, "-m", "api.cli", "serve", "all", "--config", str(config), "--port", str(port),
+    command = [sys.executable, "-m", "bulkinfer.api.cli", "serve", "all", "--config", str(config), "--port",
+               str(port),
                "-n", node, "--worker-log", str(tmp_path / "worker.log")]
     log = tmp_path / "serve.log"  # a file, not a pipe: access logs would fill a pipe nobody reads
     output = log.open("wb")
@@ -88,7 +90,7 @@ def test_serve_all_runs_the_api_and_a_worker_that_runs_a_job(redis_url: str, tin
 @pytest.mark.parametrize("command", ["serve api", "serve all", "up"])
 def test_a_bad_config_file_stops_a_server_command_with_the_key_named(
         command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
+    from bulkinfer.api.cli import main
 
     config = tmp_path / "bulkinfer.toml"
     config.write_text('broker_url = "redis://127.0.0.1:1/0"\napi_prot = 8001\n')
@@ -98,7 +100,7 @@ def test_a_bad_config_file_stops_a_server_command_with_the_key_named(
 
 def test_serve_all_refuses_a_model_it_does_not_serve(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
+    from bulkinfer.api.cli import main
 
     config = tmp_path / "bulkinfer.toml"
     config.write_text('[models]\ntiny = "/models/tiny"\n')
@@ -108,7 +110,7 @@ def test_serve_all_refuses_a_model_it_does_not_serve(tmp_path: Path,
 
 def test_up_takes_the_tensor_parallel_size_flag_as_the_setting(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli import main
+    from bulkinfer.api.cli import main
 
     assert main(["up", "--home", str(tmp_path), "--tensor-parallel-size", "0"]) == 2
     assert "--tensor-parallel-size: Input should be greater than or equal to 1" in capsys.readouterr().err

@@ -26,7 +26,8 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def bulkinfer(*args: str, **popen) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HUB_OFFLINE": "1"}
-    return subprocess.Popen([sys.executable, "-m", "api.cli", *args], cwd=REPO_ROOT, env=env, text=True,
+    return subprocess.Popen([sys.executable, "-m", "bulkinfer.api.cli", *args], cwd=REPO_ROOT, env=env,
+                            text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **popen)
 
 
@@ -86,7 +87,7 @@ def test_up_serves_until_ctrl_c_then_stops_every_process(tmp_path: Path, models_
 
 
 def test_a_second_stack_on_the_same_home_is_refused(tmp_path: Path) -> None:
-    from api.cli.stack import Stack, StackError, StackOptions
+    from bulkinfer.api.cli.stack import Stack, StackError, StackOptions
 
     first = Stack(StackOptions(home=tmp_path, port=0))
     first._lock_home()
@@ -101,7 +102,7 @@ def test_a_second_stack_on_the_same_home_is_refused(tmp_path: Path) -> None:
 
 
 def test_demo_offline_runs_the_engine_alone(capsys: pytest.CaptureFixture[str]) -> None:
-    from api.cli.stack_commands import demo
+    from bulkinfer.api.cli.stack_commands import demo
 
     assert demo(["--offline", "--preset", "tiny", "--rows", "4", "--max-tokens", "2"]) == 0
     output = capsys.readouterr().out
@@ -109,7 +110,7 @@ def test_demo_offline_runs_the_engine_alone(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_model_specs_name_their_location() -> None:
-    from api.cli.stack import StackError, parse_model_spec
+    from bulkinfer.api.cli.stack import StackError, parse_model_spec
 
     assert parse_model_spec("smollm2-135m-instruct") == ("smollm2-135m-instruct", "smollm2-135m-instruct")
     assert parse_model_spec("mine=/models/llama") == ("mine", "/models/llama")
@@ -121,8 +122,8 @@ def test_model_specs_name_their_location() -> None:
 
 
 def test_up_serves_every_model_given_and_each_answers_a_job(tmp_path: Path, tiny_checkpoint: Path) -> None:
-    from api.cli.stack import Stack, StackOptions
-    from api.client import Client
+    from bulkinfer.api.cli.stack import Stack, StackOptions
+    from bulkinfer.api.client import Client
 
     options = StackOptions(home=tmp_path, port=0, models={"first": str(tiny_checkpoint),
                                                           "second": str(tiny_checkpoint)},

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.status import JobState
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server
 from tests.support.browser import Element, chromium, dump_dom, parse, screenshot

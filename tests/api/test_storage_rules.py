@@ -10,8 +10,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from api.errors import HttpError
-from api.storage_rules import (
+from bulkinfer.api.errors import HttpError
+from bulkinfer.api.storage_rules import (
     OWNER_MARKER,
     UNCREATED_CLAIM_GRACE_S,
     StorageRules,
@@ -19,8 +19,8 @@ from api.storage_rules import (
     claim_output_folder,
     release_output_folder,
 )
-from jobs.object_store import LocalObjectStore
-from jobs.settings import Settings
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.jobs.settings import Settings
 
 
 def test_a_retrys_folder_may_lie_inside_the_folder_of_the_job_it_retries(tmp_path) -> None:
@@ -115,7 +115,7 @@ def test_a_takeover_that_died_before_rewriting_the_marker_still_owns_the_folder(
 
 
 def test_a_kv_store_kept_outside_the_job_store_is_no_jobs_input_or_output(tmp_path) -> None:
-    """Its kv/ folder holds every tenant's prefix KV blocks (worker/kv_store.py): no job reads or
+    """Its kv/ folder holds every tenant's prefix KV blocks (worker/kv/store.py): no job reads or
     writes there, an admin's included, wherever kv_store_uri puts it."""
     rules = StorageRules.of(Settings(store_uri=str(tmp_path / "store"), kv_store_uri="s3://kv-cache/team"))
     block = "s3://kv-cache/team/kv/0f1e/fp32/tp0of1/b16/9a8b"

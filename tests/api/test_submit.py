@@ -10,7 +10,7 @@ import httpx
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.status import JobState
+from bulkinfer.jobs.state.status import JobState
 from tests.api.conftest import refused
 
 ROWS = b"".join(json.dumps({"id": n, "q": f"question {n}"}).encode() + b"\n" for n in range(6))

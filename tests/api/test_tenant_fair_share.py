@@ -3,7 +3,7 @@ submits the most it may (the highest priority the deployment lets it use, 16 sam
 `shard_size`); tenant B's small normal job, submitted behind it, waits for at most about one of A's
 shards. Three rules hold it: A may not ask for more than `normal` (jobs/priority_caps.py), the fair
 queue charges A the tokens its 16 samples cost rather than its rows, and the planner cuts A's job
-into shards within `max_shard_tokens` (jobs/shard_cost.py)."""
+into shards within `max_shard_tokens` (jobs/planning/shard_cost.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from api.client import ApiError, Client
-from jobs.results import load_shard_results
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.state.results import load_shard_results
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import RedisServer, S3Server
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import Client
-from jobs.settings import Settings
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, RunningApi, refused, serve
 
 ROWS = b'{"q": "def f(x):"}\n{"q": "class A:"}\n'
@@ -91,7 +91,7 @@ def test_a_claimed_output_folder_does_not_name_another_tenants_job(ruled_api) ->
 
 
 def test_a_schedule_that_no_longer_reads_is_still_its_owners_alone(ruled_api) -> None:
-    from jobs.schedules import ScheduleRepository
+    from bulkinfer.jobs.scheduling.schedules import ScheduleRepository
 
     api = ruled_api
     place(api, "tenants/acme/in/x.jsonl")

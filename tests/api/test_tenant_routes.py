@@ -13,10 +13,10 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from api.app import create_app
-from api.body_limit import MAX_BODY_BYTES
-from api.client import Client
-from jobs.settings import Settings
+from bulkinfer.api.app import create_app
+from bulkinfer.api.body_limit import MAX_BODY_BYTES
+from bulkinfer.api.client import Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import MODELS, serve
 from tests.fixtures.services import free_port
 

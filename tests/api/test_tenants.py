@@ -10,8 +10,8 @@ import json
 import httpx
 import pytest
 
-from api.client import ApiError, Client
-from jobs.settings import Settings
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.settings import Settings
 from tests.api.conftest import BUCKET, MODELS, serve
 
 ROWS = b'{"q": "def f(x):"}\n{"q": "class A:"}\n'
@@ -202,7 +202,7 @@ def test_no_key_reads_the_job_stores_own_files_but_a_tenant_reads_its_own_upload
         output = put_in_store(api, f"jobs/{theirs.job_id}/output/part-00000.jsonl", ROWS)
         schedule = put_in_store(api, "schedules/rows.jsonl", ROWS)
         model = put_in_store(api, "models/tiny/rows.jsonl", ROWS)
-        # A prefix KV block (worker/kv_store.py) holds another tenant's prompt, in KV form.
+        # A prefix KV block (worker/kv/store.py) holds another tenant's prompt, in KV form.
         kv_block = put_in_store(api, "kv/0f1e/float32/tp0of1/b16/9a8b", ROWS)
         for client in (acme, globex, admin):
             for uri, area in ((output, "jobs/"), (schedule, "schedules/"), (model, "models/"),

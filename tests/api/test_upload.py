@@ -10,9 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.client import ApiError
-from jobs.object_store.local import TEMP_PREFIX
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError
+from bulkinfer.jobs.object_store.local import TEMP_PREFIX
+from bulkinfer.jobs.state.status import JobState
 
 BIG_ROWS = 40_000  # ~2.4 MiB: more than one write batch
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from api.client import ApiError, Client
-from jobs.status import JobState
+from bulkinfer.api.client import ApiError, Client
+from bulkinfer.jobs.state.status import JobState
 from tests.api.live_stack import INPUTS_BUCKET, LiveStack, live_stack
 from tests.fixtures.services import REPO_ROOT, RedisServer, S3Server
 
@@ -81,7 +81,7 @@ def test_jobs_report_their_engine_seconds_and_usage_sums_them_per_tenant(stack: 
             stack.client.usage(since=since, until=since - timedelta(hours=1))
         assert backwards.value.status_code == 422
 
-    done = subprocess.run([sys.executable, "-m", "api.cli", "usage", "--since", since.isoformat(),
+    done = subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", "usage", "--since", since.isoformat(),
                            "--api-url", stack.url, "--api-key", ADMIN_KEY], capture_output=True, text=True,
                           cwd=REPO_ROOT, env=stack.cli_env(), timeout=60)
     assert done.returncode == 0, done.stderr

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from api.errors import HttpError, error_response
+from bulkinfer.api.errors import HttpError, error_response
 
 
 def body(path: str, error: HttpError) -> dict:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.cli import main
-from benchmarks.embed_corpus import mixed_length_texts
+from bulkinfer.benchmarks.cli import main
+from bulkinfer.benchmarks.embed_corpus import mixed_length_texts
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 
 
@@ -42,7 +42,7 @@ def test_the_corpus_spreads_over_the_asked_token_lengths(tmp_path: Path) -> None
 
 
 def test_the_bf16_bar_takes_the_nearer_reference() -> None:
-    from benchmarks.embed import MIN_COSINE, Row, judged_cosine
+    from bulkinfer.benchmarks.embed import MIN_COSINE, Row, judged_cosine
 
     fp32 = Row("float32", 10.0, 5.0, 32, 0.99998)
     assert judged_cosine(fp32) < MIN_COSINE["float32"]  # fp32: its own vectors, no second chance

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.shaped_checkpoint import main, parse_overrides
-from engine import LLM, SamplingParams
-from engine.checkpoints import cached_checkpoint, count_parameters
+from bulkinfer.benchmarks.shaped_checkpoint import main, parse_overrides
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.checkpoints import cached_checkpoint, count_parameters
 
 
 def test_overrides_parse_numbers_and_name_a_malformed_item() -> None:

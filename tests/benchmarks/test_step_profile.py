@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from benchmarks.step_profile import CATEGORIES, bench_cli, function_name
+from bulkinfer.benchmarks.step_profile import CATEGORIES, bench_cli, function_name
 
 
 def test_cprofile_labels_reduce_to_the_function_names_the_categories_list() -> None:

@@ -8,7 +8,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.suite import WORKLOADS, Distribution, SuiteWorkload, bench_cli, make_workloads, model_flops
+from bulkinfer.benchmarks.suite import (
+    WORKLOADS,
+    Distribution,
+    SuiteWorkload,
+    bench_cli,
+    make_workloads,
+    model_flops,
+)
 
 
 def test_each_workload_has_the_stated_lengths_and_scale_changes_only_the_counts() -> None:

@@ -17,8 +17,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.suite import SuiteWorkload, bench_cli
-from benchmarks.vllm_compare import VllmFigures, VllmRunError, print_comparison, run_vllm, vllm_environment
+from bulkinfer.benchmarks.suite import SuiteWorkload, bench_cli
+from bulkinfer.benchmarks.vllm_compare import (
+    VllmFigures,
+    VllmRunError,
+    print_comparison,
+    run_vllm,
+    vllm_environment,
+)
 
 FAKE_VLLM = '''
 import json, os, time
@@ -131,7 +137,7 @@ def test_the_suite_runs_each_workload_through_vllm_right_after_bulkinfer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """One vLLM engine per dtype, loaded first, fed each workload as soon as bulkinfer's run of it
     ends: the two figures of a pair come from the same minutes of a shared machine."""
-    import benchmarks.suite as suite
+    import bulkinfer.benchmarks.suite as suite
 
     seen = tmp_path / "seen.jsonl"
     monkeypatch.setenv("FAKE_VLLM_SEEN", str(seen))

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine.attention import AttentionMetadata
-from engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.attention import AttentionMetadata
+from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 # Where the engine under test runs: benchmarks/gpu_check.sh sets cuda; transformers stays on the CPU.
 TEST_DEVICE = os.environ.get("BULKINFER_TEST_DEVICE", "cpu")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.argmax import BLOCK, argmax_rows
+from bulkinfer.engine.argmax import BLOCK, argmax_rows
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from engine import EngineConfig, LLMEngine, SamplingParams, attention
+from bulkinfer.engine import EngineConfig, LLMEngine, SamplingParams, attention
 
 # (arch, dtype): dense llama / qwen3 / gemma3 (sliding window, its own norms) / phi3 (fused
 # projections) and a mixture-of-experts model, bf16 for all of them (where invariance was lost) and

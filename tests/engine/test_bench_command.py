@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.engine import bench_cli
+from bulkinfer.benchmarks.engine import bench_cli
 
 
 @pytest.mark.timeout(300)
@@ -80,7 +80,7 @@ def test_bench_engine_structured_prints_both_runs_and_the_ratio(capsys: pytest.C
 def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
     real_model, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from benchmarks.speculative import bench_cli as spec_cli
+    from bulkinfer.benchmarks.speculative import bench_cli as spec_cli
 
     code = spec_cli(["--model", str(real_model), "--levels", "1,2", "--rounds", "1", "--max-tokens", "12",
                      "--tasks", "copy-heavy", "--tail-rows", "2", "--draft-layers", "4"])
@@ -95,8 +95,8 @@ def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
 
 
 def test_bench_spec_keeps_n_requests_running_and_returns_rows_in_order(tiny_checkpoint) -> None:
-    from benchmarks.speculative import generate_keeping
-    from engine import LLM, SamplingParams
+    from bulkinfer.benchmarks.speculative import generate_keeping
+    from bulkinfer.engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
     prompts = [[5 + i, 9, 11 + i, 4] for i in range(5)]

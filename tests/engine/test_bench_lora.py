@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.cli import main as bench_main
+from bulkinfer.benchmarks.cli import main as bench_main
 
 
 @pytest.mark.timeout(300)

@@ -1,7 +1,7 @@
 import pytest
 
-from engine.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
-from engine.prefix_hash import hash_block_tokens
+from bulkinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, FreeBlockQueue, KVBlock
+from bulkinfer.engine.prefix_hash import hash_block_tokens
 
 
 def _cache(pool: BlockPool, block: KVBlock, tokens: list[int]) -> None:

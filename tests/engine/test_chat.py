@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, render_chat
+from bulkinfer.engine.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplateError, render_chat
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
 CHATML = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -69,7 +69,7 @@ def test_a_failing_template_raises_a_value_error_with_its_message(tokenizer):
 
 
 def test_llm_chat_generates_from_the_rendered_conversation(tiny_checkpoint: Path):
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=64)
     params = SamplingParams(temperature=0.0, max_tokens=4)

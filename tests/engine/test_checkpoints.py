@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import checkpoints as ck
+from bulkinfer.engine import checkpoints as ck
 
 TIED = {"llama": False, "qwen2": True, "qwen3": True, "mistral": False, "gemma3": True, "phi3": False,
         "qwen3_moe": False, "mixtral": False, "qwen2_moe": False}

@@ -19,10 +19,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernels
-from engine.cpu_kernels import CAUSAL_HEAD_DIMS, HEAD_DIMS, PREFIX_HEAD_DIMS, CpuKernels, build_and_open
-from engine.dtype_choice import cpu_flags
-from engine.models.llama import RMSNorm, apply_rope
+from bulkinfer.engine import cpu_kernels
+from bulkinfer.engine.cpu_kernels import (
+    CAUSAL_HEAD_DIMS,
+    HEAD_DIMS,
+    PREFIX_HEAD_DIMS,
+    CpuKernels,
+    build_and_open,
+)
+from bulkinfer.engine.dtype_choice import cpu_flags
+from bulkinfer.engine.models.llama import RMSNorm, apply_rope
 
 BUILDS = {"native": cpu_kernels.FLAGS,
           "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]}
@@ -704,7 +710,7 @@ def test_a_linear_runs_single_token_rows_through_the_row_kernel_and_the_rest_thr
         row_kernels: CpuKernels, monkeypatch) -> None:
     """In a step that holds decodes (first) and a prefill chunk, the decode rows get the bits they
     get in a decode-only step, and the chunk's rows what oneDNN gives."""
-    from engine.models.llama import Linear, StepRows
+    from bulkinfer.engine.models.llama import Linear, StepRows
 
     monkeypatch.setattr(row_kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(row_kernels)))
     generator = torch.Generator().manual_seed(12)
@@ -751,7 +757,7 @@ def test_two_engines_stepping_at_once_in_one_process_each_get_their_own_outputs(
         tiny_checkpoint: Path, dtype: str) -> None:
     """A worker serving two models runs two engines in two threads: the kernels' reusable scratch
     (packed K/V) is per thread, so neither corrupts the other's attention (it did when shared)."""
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
 
     options = {"max_model_len": 512, "num_kv_blocks": 128, "max_num_seqs": 16, "dtype": dtype}
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
@@ -784,7 +790,7 @@ def test_no_compiler_means_the_pytorch_paths(tmp_path: Path, caplog: pytest.LogC
 
 
 def test_kernels_can_be_turned_off_and_the_engine_then_runs_pytorch(monkeypatch, tiny_checkpoint) -> None:
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
     from tests.engine.hf_reference import assert_same_greedy, hf_greedy
 
     cpu_kernels.load.cache_clear()

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.attention import AttentionMetadata
-from engine.decode_graphs import (
+from bulkinfer.engine import LLM, EngineConfig, SamplingParams
+from bulkinfer.engine.attention import AttentionMetadata
+from bulkinfer.engine.decode_graphs import (
     BATCH_BUCKETS,
     GRAPH_GATHER_BYTES,
     batch_bucket,

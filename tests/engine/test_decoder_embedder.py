@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.embedder import Embedder, is_embedding_model
+from bulkinfer.engine.embedder import Embedder, is_embedding_model
 
 TEXTS = ["def f(x): return x", "import os", "class A: pass", "a", "for i in range(10): print(i) # loop",
          "import re", "x = [1, 2, 3]"]

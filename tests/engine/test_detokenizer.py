@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine.checkpoints import EOS_TOKEN, IM_END
-from engine.detokenizer import IncrementalDetokenizer
+from bulkinfer.engine.checkpoints import EOS_TOKEN, IM_END
+from bulkinfer.engine.detokenizer import IncrementalDetokenizer
 
 MIXED = "naïve café: 😀 and 世界, then 🎉🎉 done\nnext line ∑ end"
 

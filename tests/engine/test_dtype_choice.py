@@ -8,9 +8,9 @@ import logging
 import pytest
 import torch
 
-from engine import LLM, EngineConfig
-from engine.attention import TorchPagedAttention
-from engine.dtype_choice import (
+from bulkinfer.engine import LLM, EngineConfig
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.dtype_choice import (
     PROBE_ATTEMPTS,
     CpuBf16Probe,
     checkpoint_dtype,
@@ -19,8 +19,8 @@ from engine.dtype_choice import (
     probe_cpu_bf16,
     resolve_dtype,
 )
-from engine.model_runner import ModelRunner
-from engine.models import load_model
+from bulkinfer.engine.model_runner import ModelRunner
+from bulkinfer.engine.models import load_model
 
 AMX = CpuBf16Probe(("amx_bf16",), fp32_gflops=300.0, bf16_gflops=1500.0)
 AVX2 = CpuBf16Probe((), fp32_gflops=120.0, bf16_gflops=0.0)
@@ -95,7 +95,7 @@ def test_cpu_flags_and_probe_on_this_machine(tmp_path):
 
 
 def test_engine_logs_and_exposes_its_choice(tiny_checkpoint, caplog):
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="bulkinfer.engine.llm_engine"):
         llm = LLM(model=str(tiny_checkpoint), num_kv_blocks=16)
     choice = llm.dtype_choice
     assert choice.reason.startswith("auto: ")

@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.embedder import Embedder, is_embedding_model
-from engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.embedder import Embedder, is_embedding_model
+from bulkinfer.engine.models.llama import UnsupportedModelError
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 
 TEXTS = [
@@ -141,7 +141,7 @@ def test_outputs_are_float32_in_bf16(bert_dir: Path) -> None:
 
 
 def test_llm_embed_is_the_offline_api_for_an_embedding_model(bert_dir: Path, tiny_checkpoint: Path) -> None:
-    from engine import LLM, SamplingParams
+    from bulkinfer.engine import LLM, SamplingParams
 
     llm = LLM(model=str(bert_dir), dtype="float32")
     assert llm.task == "embed" and llm.dtype_choice.dtype == "float32"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, ErrorKind, LLMEngine, SamplingParams
+from bulkinfer.engine import LLM, EngineConfig, ErrorKind, LLMEngine, SamplingParams
 from tests.engine.hf_reference import assert_same_greedy, hf_greedy
 from tests.engine.test_llm_correctness import PROMPTS
 

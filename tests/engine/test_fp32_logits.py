@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.cpu_kernels import load as load_cpu_kernels
-from engine.models.llama import Linear
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
+from bulkinfer.engine.models.llama import Linear
 
 KERNELS = load_cpu_kernels()
 BF16_ROW_KERNEL = KERNELS is not None and torch.bfloat16 in KERNELS.row_gemm_dtypes

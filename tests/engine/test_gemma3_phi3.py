@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams, cpu_kernels
-from engine.attention import TorchPagedAttention
-from engine.checkpoints import GEMMA3_SLIDING_WINDOW, PHI3_ORIGINAL_CONTEXT
-from engine.models.gemma3 import parse_gemma3_config
-from engine.models.llama import UnsupportedModelError
-from engine.models.loader import load_model, model_config_from_dir
-from engine.models.phi3 import parse_phi3_config
+from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.checkpoints import GEMMA3_SLIDING_WINDOW, PHI3_ORIGINAL_CONTEXT
+from bulkinfer.engine.models.gemma3 import parse_gemma3_config
+from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.loader import load_model, model_config_from_dir
+from bulkinfer.engine.models.phi3 import parse_phi3_config
 from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy, hf_model
 from tests.engine.test_model_vs_transformers import run_and_compare
 from tests.engine.test_native_decode import native_runs

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.host_memory import available_memory_bytes
+from bulkinfer.engine.host_memory import available_memory_bytes
 
 GIB = 1 << 30
 

@@ -11,11 +11,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.kv_connector.blob_store import CachedBlobStore, KVBlobInfo, KVBlobStore, LocalFolderBlobStore
-from engine.kv_connector.catalog import list_entries, remove
-from engine.kv_connector.keys import block_key, namespace
-from engine.kv_connector.model_identity import model_identity
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.kv_connector.blob_store import (
+    CachedBlobStore,
+    KVBlobInfo,
+    KVBlobStore,
+    LocalFolderBlobStore,
+)
+from bulkinfer.engine.kv_connector.catalog import list_entries, remove
+from bulkinfer.engine.kv_connector.keys import block_key, namespace
+from bulkinfer.engine.kv_connector.model_identity import model_identity
 
 
 def test_folder_store_is_write_once_and_reads_back(tmp_path) -> None:
@@ -172,7 +177,8 @@ def test_catalog_lists_per_namespace_and_removes_by_prefix(tmp_path) -> None:
 
 
 def test_catalog_imports_without_torch() -> None:
-    code = "import sys, engine.kv_connector.catalog; assert 'torch' not in sys.modules, 'torch imported'"
+    code = ("import sys, bulkinfer.engine.kv_connector.catalog; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
 
 

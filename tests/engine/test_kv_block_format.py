@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_connector.block_format import CorruptBlockError, decode_block, encode_block
+from bulkinfer.engine.kv_connector.block_format import CorruptBlockError, decode_block, encode_block
 
 SHAPE = (3, 2, 2, 16, 8)
 

@@ -1,9 +1,9 @@
 import pytest
 
-import engine.prefix_hash as prefix_hash
-from engine.kv_cache_manager import KVCacheManager, droppable_window
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
+import bulkinfer.engine.prefix_hash as prefix_hash
+from bulkinfer.engine.kv_cache_manager import KVCacheManager, droppable_window
+from bulkinfer.engine.request import Request, RequestStatus
+from bulkinfer.engine.sampling_params import SamplingParams
 
 BLOCK = 4
 

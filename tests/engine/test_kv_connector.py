@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.kv_connector.blob_store import KVBlobInfo, LocalFolderBlobStore
-from engine.kv_connector.policy import delete_past_budget
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.kv_connector.blob_store import KVBlobInfo, LocalFolderBlobStore
+from bulkinfer.engine.kv_connector.policy import delete_past_budget
 
 BLOCK = 16
 PREFIX = [5 + (i * 7) % 500 for i in range(100)]  # 6 full blocks, then each row's own tokens
@@ -131,8 +131,8 @@ def test_damaged_block_is_detected_counted_deleted_and_recomputed(tiny_checkpoin
 
 def _chain_keys(llm: LLM, root: Path) -> list[Path]:
     """The store files of PREFIX's blocks, in chain order."""
-    from engine.kv_connector.keys import block_key
-    from engine.request import Request
+    from bulkinfer.engine.kv_connector.keys import block_key
+    from bulkinfer.engine.request import Request
 
     manager = llm.engine.scheduler.kv_cache_manager
     request = Request("probe", PROMPTS[0], GREEDY)
@@ -256,8 +256,8 @@ def test_budget_pass_deletes_by_last_use_including_uses_the_store_did_not_record
 
 WRITER_SCRIPT = """
 import json, sys
-from engine import LLM, SamplingParams
-from engine.kv_connector import LocalFolderBlobStore
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.kv_connector import LocalFolderBlobStore
 store_dir, copy_dir, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
 llm = LLM(copy_dir, dtype="float32", num_kv_blocks=64, kv_populate_seconds=0,
           kv_store=LocalFolderBlobStore(store_dir), kv_store_min_tokens=0)

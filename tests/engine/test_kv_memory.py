@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from engine import EngineConfig
-from engine.attention import TorchPagedAttention
-from engine.host_memory import read_proc_kib
-from engine.kv_memory import populate_kv_caches, zeroed_kv_cache
-from engine.model_runner import PROFILE_LAYERS, ModelRunner
-from engine.models import load_model
+from bulkinfer.engine import EngineConfig
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.host_memory import read_proc_kib
+from bulkinfer.engine.kv_memory import populate_kv_caches, zeroed_kv_cache
+from bulkinfer.engine.model_runner import PROFILE_LAYERS, ModelRunner
+from bulkinfer.engine.models import load_model
 
 
 def resident_kib() -> int:

@@ -15,8 +15,8 @@ import random
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.dtype_choice import cpu_flags
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine.dtype_choice import cpu_flags
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,
@@ -129,7 +129,7 @@ def test_many_requests_together(arch_dir, prefix_caching, dtype):
 def test_requests_sharing_an_instruction_prefill_it_once_as_a_cascade(arch_dir, dtype, native, monkeypatch):
     """Rows under one instruction reach prefill together with the instruction cached: its blocks are
     attended once for every query token of them, each row's own part causally on its own."""
-    from engine.attention import TorchPagedAttention
+    from bulkinfer.engine.attention import TorchPagedAttention
 
     rng = random.Random(5)
     instruction = [rng.randrange(5, 2048) for _ in range(64)]  # 4 blocks, as long as PROMPTS' prefixes
@@ -256,7 +256,7 @@ def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory,
     queries per kv head; beside the native decode kernel without it (fp32), through the causal
     kernel for groups of at least 16 rows that save 3,072 token reads (here 24 rows under 160
     tokens); always on the PyTorch path. Outputs match transformers either way."""
-    from engine.attention import (
+    from bulkinfer.engine.attention import (
         CAUSAL_CASCADE_MIN_ROWS,
         NO_GROUP,
         PREFIX_KERNEL_MIN_QUERIES,

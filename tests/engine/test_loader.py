@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.attention import TorchPagedAttention
-from engine.models import CheckpointError, UnsupportedModelError, load_model
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.models import CheckpointError, UnsupportedModelError, load_model
 from tests.engine.hf_reference import engine_last_logits
 
 PROMPT = [5, 99, 1000, 42, 7, 300, 12, 8]
@@ -143,8 +143,8 @@ def test_untied_checkpoint_without_lm_head_is_missing_a_tensor(llama_copy):
 def test_the_unsupported_architecture_error_names_every_supported_one(llama_copy):
     """Generated from SUPPORTED_ARCHITECTURES (MoE included); its opening words are what workers'
     heartbeats carry and the API refuses jobs by (jobs/workers.py)."""
-    from engine.models.loader import SUPPORTED_ARCHITECTURES
-    from jobs.workers import UNSUPPORTED_ARCHITECTURE
+    from bulkinfer.engine.models.loader import SUPPORTED_ARCHITECTURES
+    from bulkinfer.jobs.workers import UNSUPPORTED_ARCHITECTURE
 
     rewrite_config(llama_copy, lambda c: c.update(architectures=["DeepseekV3ForCausalLM"]))
     with pytest.raises(UnsupportedModelError) as error:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from bulkinfer.engine import LLM, SamplingParams
 from tests.engine.hf_reference import hf_model
 from tests.engine.test_llm_correctness import PROMPTS
 

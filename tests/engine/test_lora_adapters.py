@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, LoRAAdapterError, LoRARequest, SamplingParams
-from engine.lora import read_adapter_config
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, LoRAAdapterError, LoRARequest, SamplingParams
+from bulkinfer.engine.lora import read_adapter_config
 from tests.engine.lora_adapters import ALL_PROJECTIONS, ATTENTION_ONLY, make_adapter
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)

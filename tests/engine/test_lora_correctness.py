@@ -18,8 +18,8 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
-from engine.lora.rows import LoRARows
+from bulkinfer.engine import EngineConfig, LLMEngine, LoRARequest, SamplingParams
+from bulkinfer.engine.lora.rows import LoRARows
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,

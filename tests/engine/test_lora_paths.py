@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from engine import LLM, LoRARequest, SamplingParams
-from engine.decode_graphs import DecodeGraphs
+from bulkinfer.engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.engine.decode_graphs import DecodeGraphs
 from tests.engine.hf_reference import hf_greedy
 from tests.engine.lora_adapters import make_adapter
 from tests.engine.test_speculative import ALWAYS, NGRAM, copy_heavy_prompts

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.engine import LLM, LoRARequest, SamplingParams
 from tests.engine.lora_adapters import make_adapter
 from tests.engine.test_scheduler import FakeModel, make_request, make_scheduler
 

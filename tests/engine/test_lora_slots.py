@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.lora.rows import NO_ADAPTER, LoRARows
-from engine.lora.slots import LoRASlots
+from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
+from bulkinfer.engine.lora.slots import LoRASlots
 
 IN, OUT, MAX_LORAS, MAX_WIDTH = 24, 40, 4, 12
 
@@ -58,7 +58,7 @@ def test_an_adapter_that_leaves_the_projection_alone_adds_nothing():
 
 
 def native_kernels():
-    from engine import cpu_kernels
+    from bulkinfer.engine import cpu_kernels
 
     kernels = cpu_kernels.load()
     assert kernels is not None, "the CPU kernels are built on every test machine"

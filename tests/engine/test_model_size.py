@@ -8,8 +8,8 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from engine.checkpoints import make_config, num_parameters
-from engine.model_size import describe_size, model_size
+from bulkinfer.engine.checkpoints import make_config, num_parameters
+from bulkinfer.engine.model_size import describe_size, model_size
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3_moe", "mixtral", "qwen2_moe"])

@@ -10,12 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM
-from engine.attention import TorchPagedAttention
-from engine.decode_graphs import decode_graph_mode
-from engine.models import UnsupportedModelError, load_model
-from engine.models.llama import StepRows
-from engine.models.moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine import LLM
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.decode_graphs import decode_graph_mode
+from bulkinfer.engine.models import UnsupportedModelError, load_model
+from bulkinfer.engine.models.llama import StepRows
+from bulkinfer.engine.models.moe import MoeConfig, SparseMoeBlock
 from tests.engine.test_llm_correctness import MOE_PROMPTS
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,

@@ -19,15 +19,15 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import engine.models.moe as moe
-from benchmarks import moe_graphs
-from engine import LLM, SamplingParams, cpu_kernels
-from engine.attention import TorchPagedAttention
-from engine.checkpoints import num_parameters
-from engine.decode_graphs import decode_graph_mode
-from engine.models import load_model
-from engine.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
-from engine.models.moe_fixed_shape import grouped_mm_records
+import bulkinfer.engine.models.moe as moe
+from bulkinfer.benchmarks import moe_graphs
+from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.checkpoints import num_parameters
+from bulkinfer.engine.decode_graphs import decode_graph_mode
+from bulkinfer.engine.models import load_model
+from bulkinfer.engine.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
+from bulkinfer.engine.models.moe_fixed_shape import grouped_mm_records
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,
@@ -237,7 +237,7 @@ def test_the_gpu_checks_moe_step_runs_here_on_a_cpu(capsys):
     """benchmarks/gpu_check.sh's MoE step: the script parses, and its benchmark runs (uncaptured on a
     CPU), printing both speeds and the same tokens on both paths in fp32."""
     assert subprocess.run(["bash", "-n", "benchmarks/gpu_check.sh"], check=False).returncode == 0
-    assert "benchmarks.moe_graphs" in Path("benchmarks/gpu_check.sh").read_text()
+    assert "bulkinfer.benchmarks.moe_graphs" in Path("benchmarks/gpu_check.sh").read_text()
     code = moe_graphs.main(["--device", "cpu", "--preset", "tiny", "--dtype", "float32", "--requests", "4",
                             "--max-tokens", "4", "--num-kv-blocks", "32"])
     out = capsys.readouterr().out

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 
 BLOCK = 16
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import MistralConfig
 
-from engine import LLM, SamplingParams, cpu_kernels
-from engine.attention import TorchPagedAttention
-from engine.models.loader import load_model
-from engine.models.native_decode import NativeDecode
+from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.models.loader import load_model
+from bulkinfer.engine.models.native_decode import NativeDecode
 from tests.engine.test_model_vs_transformers import SMALL, save_random_model
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.packed_attention import PackedBatch, packed_attention
+from bulkinfer.engine.packed_attention import PackedBatch, packed_attention
 
 
 @pytest.mark.parametrize("causal", [False, True])

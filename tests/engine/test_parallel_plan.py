@@ -8,9 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine.models.llama import LlamaFamilyConfig
-from engine.parallel.plan import Split, TensorParallelConfigError, check_splittable, local_config, shard
-from engine.parallel.plans import llama_plan, moe_plan, phi3_plan
+from bulkinfer.engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.parallel.plan import (
+    Split,
+    TensorParallelConfigError,
+    check_splittable,
+    local_config,
+    shard,
+)
+from bulkinfer.engine.parallel.plans import llama_plan, moe_plan, phi3_plan
 
 HEAD = 2
 

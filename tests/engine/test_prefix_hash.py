@@ -3,7 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from engine.prefix_hash import extend_block_hashes, hash_block_tokens
+from bulkinfer.engine.prefix_hash import extend_block_hashes, hash_block_tokens
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

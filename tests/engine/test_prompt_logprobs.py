@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.llm_engine import LLMEngine
 from tests.engine.hf_reference import hf_model
 from tests.engine.test_llm_correctness import PROMPTS
 

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from benchmarks.embed_corpus import mixed_length_texts
-from engine.dtype_choice import probe_cpu_bf16
-from engine.embedder import Embedder
+from bulkinfer.benchmarks.embed_corpus import mixed_length_texts
+from bulkinfer.engine.dtype_choice import probe_cpu_bf16
+from bulkinfer.engine.embedder import Embedder
 
 HAND_WRITTEN = [
     "A man is eating food.",

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.chat import chat_token_ids
-from engine.dtype_choice import probe_cpu_bf16
-from jobs.demo_data import EXTRACTION_INSTRUCTIONS, EXTRACTION_SCHEMA, ORDERS
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.chat import chat_token_ids
+from bulkinfer.engine.dtype_choice import probe_cpu_bf16
+from bulkinfer.jobs.demo_data import EXTRACTION_INSTRUCTIONS, EXTRACTION_SCHEMA, ORDERS
 from tests.engine.hf_reference import assert_greedy_within_noise, assert_same_greedy, hf_greedy
 
 IM_END = 2  # <|im_end|>: the model's EOS, and the end of each chat turn

@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler, SamplingBatch
-from engine.sampling_random import split_seed, uniforms
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.engine.request import Request
+from bulkinfer.engine.sampler import Sampler, SamplingBatch
+from bulkinfer.engine.sampling_random import split_seed, uniforms
 from tests.engine.test_llm_correctness import PROMPTS
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])

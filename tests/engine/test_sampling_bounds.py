@@ -3,7 +3,7 @@ never break the step for every request in the engine."""
 
 from __future__ import annotations
 
-from engine import LLM, SamplingParams
+from bulkinfer.engine import LLM, SamplingParams
 
 
 def test_a_top_k_beyond_int64_samples_as_no_top_k_and_leaves_the_engine_working(tiny_checkpoint):

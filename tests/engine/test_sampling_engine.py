@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine import LLM, SamplingParams
+from bulkinfer.engine import LLM, SamplingParams
 from tests.engine.hf_reference import hf_generate
 from tests.engine.test_llm_correctness import PROMPTS
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine import SamplingParams
+from bulkinfer.engine import SamplingParams
 
 
 def test_defaults_are_valid_and_match_vllm():

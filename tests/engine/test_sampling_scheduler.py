@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.request import FinishReason, RequestStatus
-from engine.sampling_params import SamplingParams
+from bulkinfer.engine.request import FinishReason, RequestStatus
+from bulkinfer.engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler import EOS, FakeModel, make_request, make_scheduler
 
 

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine.test_llm_correctness import PROMPTS
 from tests.engine.test_n_samples import run
 

@@ -3,12 +3,12 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import ErrorKind
-from engine.llm_engine import LLMEngine
-from engine.request import FinishReason, Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerOutput
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.engine.errors import ErrorKind
+from bulkinfer.engine.llm_engine import LLMEngine
+from bulkinfer.engine.request import FinishReason, Request, RequestStatus
+from bulkinfer.engine.sampling_params import SamplingParams
+from bulkinfer.engine.scheduler import Scheduler, SchedulerOutput
 
 EOS = 2
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy
 from tests.engine.test_llm_correctness import PROMPTS
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.speculative.config import SpeculativeConfig
-from engine.speculative.gate import (
+from bulkinfer.engine.speculative.config import SpeculativeConfig
+from bulkinfer.engine.speculative.gate import (
     PROBE_EVERY,
     PROBE_REQUESTS,
     CostCurve,

@@ -14,9 +14,9 @@ import random
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, SamplingParams
-from engine.speculative.layer_skip import write_layer_skip_draft
-from engine.speculative.ngram import propose_ngram
+from bulkinfer.engine import LLM, EngineConfig, SamplingParams
+from bulkinfer.engine.speculative.layer_skip import write_layer_skip_draft
+from bulkinfer.engine.speculative.ngram import propose_ngram
 from tests.engine.hf_reference import assert_greedy_within_noise
 from tests.engine.test_llm_correctness import ARCHS, DTYPES, MOE_ARCHS, MOE_PROMPTS, NEWER_FAMILIES, PROMPTS
 
@@ -365,8 +365,8 @@ def test_a_batch_limit_keeps_speculation_for_the_tail(tiny_checkpoint) -> None:
 
 
 def test_drafts_get_slots_that_go_back_when_rejected_and_only_accepted_tokens_are_cached() -> None:
-    from engine.request import Request
-    from engine.scheduler import Scheduler
+    from bulkinfer.engine.request import Request
+    from bulkinfer.engine.scheduler import Scheduler
 
     config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=64)
     scheduler = Scheduler(config, num_kv_blocks=16, eos_token_id=None)
@@ -395,8 +395,8 @@ def test_drafts_get_slots_that_go_back_when_rejected_and_only_accepted_tokens_ar
 
 
 def test_drafts_fit_the_budget_and_max_tokens_and_never_preempt() -> None:
-    from engine.request import Request
-    from engine.scheduler import Scheduler
+    from bulkinfer.engine.request import Request
+    from bulkinfer.engine.scheduler import Scheduler
 
     config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=3)
     scheduler = Scheduler(config, num_kv_blocks=3, eos_token_id=None)  # 2 usable blocks: 8 slots

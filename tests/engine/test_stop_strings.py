@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from engine import LLM, SamplingParams
+from bulkinfer.engine import LLM, SamplingParams
 from tests.engine.test_llm_correctness import PROMPTS
 
 PROMPT = "def fibonacci(n):\n    return"

@@ -14,7 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
-from engine import LLM, ErrorKind, SamplingParams
+from bulkinfer.engine import LLM, ErrorKind, SamplingParams
 from tests.engine.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 400  # the corpus' longest random-logits output is ~170 tokens
@@ -159,7 +159,7 @@ def test_a_compiling_grammar_holds_only_its_own_request(tiny_checkpoint: Path) -
     """While one request's grammar compiles (held here), the engine runs the others to the end."""
     import threading
 
-    from engine.structured_output import StructuredOutputManager
+    from bulkinfer.engine.structured_output import StructuredOutputManager
 
     class Gated(StructuredOutputManager):
         gate = threading.Event()

@@ -17,7 +17,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from engine.structured_output import GrammarError, StructuredOutputManager, StructuredSpec, check_spec
+from bulkinfer.engine.structured_output import (
+    GrammarError,
+    StructuredOutputManager,
+    StructuredSpec,
+    check_spec,
+)
 from tests.engine.structured_schemas import sample_with_random_logits
 
 PADDED_VOCAB = 2048 + 40  # the model's vocab may be larger than the tokenizer's (padding ids)
@@ -128,7 +133,7 @@ def test_a_compile_still_running_does_not_hold_up_the_process_exit(tiny_checkpoi
     script = textwrap.dedent(f"""
         import time
         from transformers import AutoTokenizer
-        from engine.structured_output import StructuredOutputManager, StructuredSpec
+        from bulkinfer.engine.structured_output import StructuredOutputManager, StructuredSpec
 
         class Stuck(StructuredOutputManager):
             def _compile(self, spec):

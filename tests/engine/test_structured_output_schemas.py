@@ -14,8 +14,8 @@ import pytest
 import xgrammar as xgr
 from transformers import AutoTokenizer
 
-from engine.structured_output import StructuredOutputManager, StructuredSpec
-from engine.structured_output.schema import (
+from bulkinfer.engine.structured_output import StructuredOutputManager, StructuredSpec
+from bulkinfer.engine.structured_output.schema import (
     FORMAT_PATTERNS,
     UnsupportedSchema,
     prepare_json_schema,

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from engine.models.native_decode import NativeDecode
-from engine.parallel.group import TensorParallelError
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine.models.native_decode import NativeDecode
+from bulkinfer.engine.parallel.group import TensorParallelError
 from tests.engine.hf_reference import TEST_DEVICE, assert_greedy_within_noise
 from tests.engine.test_llm_correctness import PROMPTS
 

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
-from jobs.names import CONTROL_QUEUE, model_queue
-from jobs.settings import CONFIG_ENV, ENVIRONMENT_NAMES, Settings
+from bulkinfer.jobs.names import CONTROL_QUEUE, model_queue
+from bulkinfer.jobs.settings import CONFIG_ENV, ENVIRONMENT_NAMES, Settings
 
 REPO = Path(__file__).resolve().parents[2]
 INFRA = REPO / "infra"
@@ -25,7 +25,7 @@ K8S = INFRA / "k8s"
 COMPOSE_FILE = INFRA / "compose" / "docker-compose.yml"
 PROMETHEUS_FILE = INFRA / "prometheus" / "prometheus.yml"
 DASHBOARD_FILE = INFRA / "grafana" / "bulkinfer-dashboard.json"
-STATUS_SERVER = REPO / "worker" / "status_server.py"
+STATUS_SERVER = REPO / "worker" / "process" / "status_server.py"
 DOCKERFILES = {"api": DOCKER / "Dockerfile.api", "worker": DOCKER / "Dockerfile.worker",
                "worker-cpu": DOCKER / "Dockerfile.worker-cpu"}
 # The files whose BULKINFER_* names must all be settings (infra/examples/ has its own variables).
@@ -42,7 +42,7 @@ COMMON_NEEDS = {"BULKINFER_BROKER_URL", "BULKINFER_STORE_URI", "BULKINFER_S3_END
 API_NEEDS = COMMON_NEEDS | {"BULKINFER_API_HOST"}
 WORKER_NEEDS = COMMON_NEEDS | {"BULKINFER_MODEL_CACHE"}
 
-# The contract between the dashboard and the code: the metric names the worker (worker/metrics.py)
+# The contract between the dashboard and the code: the metric names the worker (worker/process/metrics.py)
 # and the API (/metrics) export. Renaming a metric in the code means changing it here and in
 # infra/grafana/bulkinfer-dashboard.json together; these tests fail until both are done.
 WORKER_METRICS = {
@@ -54,7 +54,7 @@ WORKER_METRICS = {
     "bulkinfer_engine_load_seconds",
     "bulkinfer_task_retries_total", "bulkinfer_reaper_resends_total", "bulkinfer_store_errors_total",
     "bulkinfer_redis_errors_total",
-    # The prefix KV tier across workers (worker/kv_metrics.py).
+    # The prefix KV tier across workers (worker/kv/metrics.py).
     "bulkinfer_kv_store_hit_blocks_total", "bulkinfer_kv_store_miss_blocks_total",
     "bulkinfer_kv_store_loaded_bytes_total", "bulkinfer_kv_store_saved_bytes_total",
     "bulkinfer_kv_store_load_seconds_total", "bulkinfer_kv_store_failed_loads_total",
@@ -144,9 +144,9 @@ def final_stage(path: Path) -> list[tuple[str, str]]:
 
 
 def status_server_constants() -> dict[str, str]:
-    """worker/status_server.py's path constants, read without importing it (that imports torch)."""
+    """worker/process/status_server.py's path constants, read without importing it (that imports torch)."""
     if not STATUS_SERVER.is_file():
-        pytest.fail("worker/status_server.py is missing: the worker's /metrics, /healthz and /readyz "
+        pytest.fail("worker/process/status_server.py is missing: the worker's /metrics, /healthz and /readyz "
                     "endpoint (METRICS_PATH, HEALTH_PATH, READY_PATH) must exist for the probes to work")
     constants = {}
     for node in ast.parse(STATUS_SERVER.read_text()).body:
@@ -154,7 +154,7 @@ def status_server_constants() -> dict[str, str]:
             if node.targets[0].id in ("METRICS_PATH", "HEALTH_PATH", "READY_PATH"):
                 constants[node.targets[0].id] = ast.literal_eval(node.value)
     missing = {"METRICS_PATH", "HEALTH_PATH", "READY_PATH"} - set(constants)
-    assert not missing, f"worker/status_server.py does not define {sorted(missing)}"
+    assert not missing, f"worker/process/status_server.py does not define {sorted(missing)}"
     return constants
 
 
@@ -193,7 +193,7 @@ def test_dashboard_parses_and_asks_for_its_datasource() -> None:
 def test_every_bulkinfer_variable_named_in_the_deployment_files_is_a_setting() -> None:
     # A typo (BULKINFER_BROKER_URI) would be silently ignored by the processes; here it fails. The
     # client's own variables (the CLI's API URL and key) may be named in the docs.
-    from api.client.client import API_KEY_ENV, API_URL_ENV
+    from bulkinfer.api.client.client import API_KEY_ENV, API_URL_ENV
 
     # The engine's own variable: where its compiled CPU kernels are cached (read without importing
     # engine/, which imports torch).
@@ -270,9 +270,9 @@ def test_status_server_paths_are_the_ones_the_probes_use() -> None:
 
 
 def test_api_healthz_and_metrics_are_routes_and_healthz_is_open_to_probes() -> None:
-    from api.auth import OPEN_PATHS
-    from api.routes.observe import router as observe_router
-    from api.routes.service import router
+    from bulkinfer.api.auth import OPEN_PATHS
+    from bulkinfer.api.routes.observe import router as observe_router
+    from bulkinfer.api.routes.service import router
 
     assert "/healthz" in {route.path for route in router.routes}
     # Prometheus (compose's scrape config, the pods' annotations) reads the API's /metrics.

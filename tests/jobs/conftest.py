@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.object_store import LocalObjectStore, ObjectStore, S3ObjectStore
+from bulkinfer.jobs.object_store import LocalObjectStore, ObjectStore, S3ObjectStore
 
 BUCKET = "bulkinfer-test"
 

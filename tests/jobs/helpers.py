@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from jobs.formats.output import OutputRow
-from jobs.formats.parts import write_error_part, write_output_part
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError
-from jobs.layout import JobLayout, output_location
-from jobs.object_store.base import ObjectStore
-from jobs.results import ShardResult, save_shard_result
-from jobs.sharding import ShardPlan
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.formats.parts import write_error_part, write_output_part
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row, RowError
+from bulkinfer.jobs.layout import JobLayout, output_location
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.results import ShardResult, save_shard_result
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -25,14 +25,14 @@ import pyarrow.parquet as pq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.estimate import estimate_job
-from jobs.formats.detect import detect_input_format
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError
-from jobs.job_dedup import mark_copies
-from jobs.object_store.local import LocalObjectStore
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.detect import detect_input_format
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row, RowError
+from bulkinfer.jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.planning.estimate import estimate_job
+from bulkinfer.jobs.planning.job_dedup import mark_copies
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 GOOD_ROWS = 6
 JSONL_SPEC = JobSpec(input_uri="s3://b/rows.jsonl", input_format="jsonl", model="m", id_column="id",

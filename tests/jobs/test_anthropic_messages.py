@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from jobs.formats.openai_batch import iter_openai_batch_rows
-from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.openai_batch import iter_openai_batch_rows
+from bulkinfer.jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model="tiny",
                sampling={"temperature": 0.0, "max_tokens": 32})
@@ -139,10 +139,10 @@ def test_a_dry_run_counts_messages_lines_as_the_chat_rows_they_become(tiny_check
     (same messages, greedy) is the duplicate the worker runs once."""
     from transformers import AutoTokenizer
 
-    from jobs.estimate import estimate_job
-    from jobs.object_store.local import LocalObjectStore
-    from jobs.sharding import plan_shards
-    from jobs.tokenizer_files import load_tokenizer, publish_tokenizer
+    from bulkinfer.jobs.object_store.local import LocalObjectStore
+    from bulkinfer.jobs.planning.estimate import estimate_job
+    from bulkinfer.jobs.planning.sharding import plan_shards
+    from bulkinfer.jobs.tokenizer_files import load_tokenizer, publish_tokenizer
 
     store = LocalObjectStore(tmp_path)
     publish_tokenizer(store, "pre", "tiny", AutoTokenizer.from_pretrained(tiny_checkpoint), "worker-1")

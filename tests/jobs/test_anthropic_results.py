@@ -8,12 +8,17 @@ import json
 import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
 
-from jobs.formats.anthropic_results import anthropic_result, canceled_result, error_type, expired_result
-from jobs.formats.openai_batch import iter_openai_batch_rows
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import Choice, OutputRow, expired_row
-from jobs.formats.rows import Row, RowErrorCode
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.anthropic_results import (
+    anthropic_result,
+    canceled_result,
+    error_type,
+    expired_result,
+)
+from bulkinfer.jobs.formats.openai_batch import iter_openai_batch_rows
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
+from bulkinfer.jobs.formats.output import Choice, OutputRow, expired_row
+from bulkinfer.jobs.formats.rows import Row, RowErrorCode
+from bulkinfer.jobs.spec import JobSpec
 
 MODEL = "tiny"
 SPEC = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model=MODEL)

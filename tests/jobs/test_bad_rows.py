@@ -8,12 +8,12 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.formats.detect import detect_input_format
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError, RowErrorCode
-from jobs.job_dedup import mark_copies
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.detect import detect_input_format
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.planning.job_dedup import mark_copies
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 DEEP = "[" * 100_000 + "]" * 100_000
 HUGE_INT = "1" * 5000  # past Python's 4,300-digit int conversion limit
@@ -78,7 +78,7 @@ def test_a_parquet_string_cell_that_is_not_utf8_fails_only_its_row(local_store) 
 
 
 def test_submit_reads_a_head_with_a_deep_line_without_a_server_error(local_store) -> None:
-    from api.submission import check_columns
+    from bulkinfer.api.submission import check_columns
 
     lines = [f'{{"q": {DEEP}}}', '{"q": "x"}']
     local_store.put_bytes("rows.jsonl", "\n".join(lines).encode())

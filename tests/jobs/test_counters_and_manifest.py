@@ -7,13 +7,13 @@ import json
 import pytest
 import redis
 
-from jobs.counters import CountersMissing, JobCounters
-from jobs.layout import JobLayout
-from jobs.manifest import IncompleteJob, build_manifest, read_manifest, write_manifest
-from jobs.object_store import AlreadyExists
-from jobs.results import load_shard_results, save_shard_result
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.layout import JobLayout
+from bulkinfer.jobs.object_store import AlreadyExists
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.counters import CountersMissing, JobCounters
+from bulkinfer.jobs.state.manifest import IncompleteJob, build_manifest, read_manifest, write_manifest
+from bulkinfer.jobs.state.results import load_shard_results, save_shard_result
 from tests.jobs.helpers import run_shard
 
 ROWS = 53

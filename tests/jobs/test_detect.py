@@ -10,9 +10,9 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from jobs.errors import InputError
-from jobs.formats.detect import detect_input_format, resolve_spec
-from jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.detect import detect_input_format, resolve_spec
+from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 OPENAI_LINE = {"custom_id": "r1", "method": "POST", "url": "/v1/completions", "body": {"prompt": "hi"}}
 

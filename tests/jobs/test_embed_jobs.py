@@ -20,13 +20,13 @@ from openai.lib._parsing._embeddings import parse_embedding_response
 from openai.types import CreateEmbeddingResponse
 from pydantic import ValidationError
 
-from jobs.embedding import EmbedRequest, base64_vector, shorten
-from jobs.formats.openai_batch import SUPPORTED_URLS, iter_openai_batch_rows
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import OutputRow
-from jobs.formats.parts import write_output_part
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.spec import JobSpec, JobTask, validation_messages
+from bulkinfer.jobs.embedding import EmbedRequest, base64_vector, shorten
+from bulkinfer.jobs.formats.openai_batch import SUPPORTED_URLS, iter_openai_batch_rows
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.formats.parts import write_output_part
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.spec import JobSpec, JobTask, validation_messages
 
 EMBED = {"input_uri": "/in/rows.parquet", "model": "minilm", "task": "embed", "prompt_column": "text"}
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 from typing import BinaryIO
 
-from jobs.estimate import estimate_job
-from jobs.object_store.local import LocalObjectStore
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.planning.estimate import estimate_job
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 
 class MeteredStore(LocalObjectStore):

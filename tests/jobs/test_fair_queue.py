@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import redis
 
-from jobs.fair_queue import FairQueue
-from jobs.settings import Settings
-from jobs.shard_cost import shard_token_cost
-from jobs.sharding import ShardPlan
-from jobs.spec import JobSpec
+from bulkinfer.jobs.fair_queue import FairQueue
+from bulkinfer.jobs.planning.shard_cost import shard_token_cost
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
 
 
 def _drain(queue: FairQueue, model: str = "m") -> list[tuple[str, int]]:
@@ -65,7 +65,7 @@ def test_offers_are_idempotent_and_a_dropped_job_yields_nothing(redis_url: str) 
 
 
 def test_a_taken_shard_is_marked_started_for_the_reaper(redis_url: str) -> None:
-    from jobs.names import shards_started_key
+    from bulkinfer.jobs.names import shards_started_key
 
     queue = _queue(redis_url)
     queue.offer("m", "job-1", 3, cost=5, priority=5, tenant=None)

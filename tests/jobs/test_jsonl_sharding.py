@@ -7,12 +7,12 @@ import random
 
 import pytest
 
-from jobs.formats.jsonl import iter_jsonl_rows
-from jobs.formats.lines import iter_lines_in_range
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.sharding import plan_jsonl_shards, plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.jsonl import iter_jsonl_rows
+from bulkinfer.jobs.formats.lines import iter_lines_in_range
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.planning.sharding import plan_jsonl_shards, plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="s3://b/rows.jsonl", input_format="jsonl", model="m", prompt_column="q")
 
@@ -144,7 +144,7 @@ def test_an_overlong_line_is_skipped_unread_and_reported_by_size_wherever_the_cu
 
 
 def test_an_overlong_jsonl_line_is_that_rows_error(local_store, monkeypatch: pytest.MonkeyPatch) -> None:
-    from jobs.formats import lines
+    from bulkinfer.jobs.formats import lines
 
     monkeypatch.setattr(lines, "MAX_LINE_BYTES", 1000)
     monkeypatch.setattr(lines.iter_lines_in_range, "__defaults__", (lines.READ_CHUNK_BYTES, 1000))

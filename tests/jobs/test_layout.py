@@ -8,12 +8,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.layout import JobLayout, area_root, output_location
-from jobs.manifest import build_manifest, write_manifest
-from jobs.object_store import LocalObjectStore, S3ObjectStore
-from jobs.results import load_shard_results
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.layout import JobLayout, area_root, output_location
+from bulkinfer.jobs.object_store import LocalObjectStore, S3ObjectStore
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.manifest import build_manifest, write_manifest
+from bulkinfer.jobs.state.results import load_shard_results
 from tests.jobs.helpers import run_shard
 
 

@@ -8,7 +8,7 @@ import json
 import logging
 import threading
 
-from jobs.log_format import JsonFormatter, add_to_log_context, log_context, secret_values
+from bulkinfer.jobs.log_format import JsonFormatter, add_to_log_context, log_context, secret_values
 
 
 def capture(secrets: list[str]) -> tuple[logging.Logger, io.StringIO]:

@@ -9,22 +9,22 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from jobs.estimate import estimate_job
-from jobs.formats.anthropic_messages import AnthropicMessagesRowBuilder
-from jobs.formats.jsonl_writer import jsonl_output_record
-from jobs.formats.openai_batch import OpenAIBatchRowBuilder
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import Choice, OutputRow
-from jobs.formats.parquet_writer import output_table
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.job_dedup import row_key
-from jobs.lora_adapters import AdapterRegistry, UnknownAdapter
-from jobs.manifest import manifest_of
-from jobs.model_registry import ModelRegistry
-from jobs.settings import ConfigError, Settings
-from jobs.settings_args import add_settings_arguments, settings_from_args
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.anthropic_messages import AnthropicMessagesRowBuilder
+from bulkinfer.jobs.formats.jsonl_writer import jsonl_output_record
+from bulkinfer.jobs.formats.openai_batch import OpenAIBatchRowBuilder
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
+from bulkinfer.jobs.formats.output import Choice, OutputRow
+from bulkinfer.jobs.formats.parquet_writer import output_table
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.lora_adapters import AdapterRegistry, UnknownAdapter
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.planning.estimate import estimate_job
+from bulkinfer.jobs.planning.job_dedup import row_key
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.settings import ConfigError, Settings
+from bulkinfer.jobs.settings_args import add_settings_arguments, settings_from_args
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.manifest import manifest_of
 
 MODELS = {"tiny": "/models/tiny", "small": "/models/small"}
 ADAPTERS = json.dumps({"sql": "s3://adapters/sql", "fr": {"location": "/srv/fr", "model": "tiny"}})
@@ -167,8 +167,8 @@ def test_outputs_name_the_adapter_each_row_ran_on() -> None:
 def test_job_usage_is_split_by_adapter(tmp_path) -> None:
     from datetime import UTC, datetime
 
-    from jobs.results import PartFile, ShardResult
-    from jobs.sharding import ShardPlan
+    from bulkinfer.jobs.planning.sharding import ShardPlan
+    from bulkinfer.jobs.state.results import PartFile, ShardResult
 
     part = PartFile(key="k", uri="u", rows=0, bytes=0, sha256="")
     rows = [OutputRow(i, str(i), text="t", finish_reason="stop", prompt_tokens=10, cached_tokens=0,

@@ -10,7 +10,7 @@ from urllib.request import urlopen
 import httpx
 import pytest
 
-from jobs.object_store import (
+from bulkinfer.jobs.object_store import (
     AlreadyExists,
     LocalObjectStore,
     ObjectNotFound,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-from jobs.formats.openai_batch import find_duplicate_custom_ids, iter_openai_batch_rows
-from jobs.formats.openai_batch_writer import openai_batch_record, text_offsets
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
-from jobs.sharding import ShardPlan, plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.openai_batch import find_duplicate_custom_ids, iter_openai_batch_rows
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record, text_offsets
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowError, RowErrorCode
+from bulkinfer.jobs.planning.sharding import ShardPlan, plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="/in/batch.jsonl", input_format="openai_batch", model="tiny-llama",
                instructions="Answer briefly.", sampling={"temperature": 0.0, "max_tokens": 32})

@@ -8,11 +8,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.errors import InputError
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row, RowError
-from jobs.sharding import plan_row_groups, plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row, RowError
+from bulkinfer.jobs.planning.sharding import plan_row_groups, plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="s3://b/rows.parquet", input_format="parquet", model="m",
                template="Translate: {text}", id_column="doc_id", passthrough_columns=["lang"])

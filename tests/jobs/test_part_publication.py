@@ -9,11 +9,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from jobs.formats.output import OutputRow
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import RowError
-from jobs.layout import JobLayout, output_location
-from jobs.part_publication import (
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import RowError
+from bulkinfer.jobs.layout import JobLayout, output_location
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.part_publication import (
     CommitRefused,
     PartMissing,
     publish_parts,
@@ -22,8 +24,6 @@ from jobs.part_publication import (
     staging_prefix,
     write_fenced,
 )
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
 from tests.jobs.helpers import echo_output
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from jobs.job_dedup import mark_copies
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.planning.job_dedup import mark_copies
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="s3://b/rows.jsonl", input_format="jsonl", model="m", prompt_column="q",
                sampling={"temperature": 0.0}, shard_size=2)
@@ -42,7 +42,7 @@ def test_at_the_cap_the_scan_stops_and_earlier_copies_stay(local_store) -> None:
 def test_the_custom_id_scan_keeps_digests_not_the_ids(local_store) -> None:
     import tracemalloc
 
-    from jobs.formats.openai_batch import repeated_custom_id_lines
+    from bulkinfer.jobs.formats.openai_batch import repeated_custom_id_lines
 
     def line(custom_id: str) -> str:
         return json.dumps({"custom_id": custom_id, "url": "/v1/completions", "body": {"prompt": "x"}})

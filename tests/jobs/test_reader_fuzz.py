@@ -8,7 +8,7 @@ import pyarrow as pa
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.object_store.local import LocalObjectStore
 from tests.jobs.reader_fuzz import (
     GOOD_ROWS,
     Unwritable,

@@ -8,12 +8,12 @@ import threading
 import pytest
 import redis
 
-from jobs.counters import JobCounters
-from jobs.manifest import build_manifest, write_manifest
-from jobs.repository import IdempotencyConflict, JobConflict, JobNotFound, JobRepository
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
-from jobs.status import IllegalTransition, JobState, JobStatus
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.counters import JobCounters
+from bulkinfer.jobs.state.manifest import build_manifest, write_manifest
+from bulkinfer.jobs.state.repository import IdempotencyConflict, JobConflict, JobNotFound, JobRepository
+from bulkinfer.jobs.state.status import IllegalTransition, JobState, JobStatus
 from tests.jobs.helpers import run_shard
 
 PREFIX = "tenant-a"

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import random
 
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.row_starts import count_row_starts
-from jobs.limits import plan_limit_problems
-from jobs.settings import Settings
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.row_starts import count_row_starts
+from bulkinfer.jobs.limits import plan_limit_problems
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
 
 SPEC = JobSpec(input_uri="s3://b/rows.jsonl", input_format="jsonl", model="m", prompt_column="q")
 

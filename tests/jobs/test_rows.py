@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowBuilder, RowError, RowErrorCode
-from jobs.spec import JobSpec
-from jobs.template import MissingColumn, PromptTemplate
+from bulkinfer.jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.template import MissingColumn, PromptTemplate
 
 
 def builder(**fields) -> RowBuilder:
@@ -100,8 +100,8 @@ def test_arbitrary_json_values_never_crash_the_row_builders() -> None:
     """Whatever a user's file holds, building a row yields a Row or a RowError, never an exception."""
     import random
 
-    from jobs.formats.lines import Line
-    from jobs.formats.openai_batch import OpenAIBatchRowBuilder
+    from bulkinfer.jobs.formats.lines import Line
+    from bulkinfer.jobs.formats.openai_batch import OpenAIBatchRowBuilder
 
     rng = random.Random(5)
     keys = ["role", "content", "type", "json_schema", "temperature", "name", "schema", "stop", "text"]

@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from jobs.object_store.local import TEMP_PREFIX, LocalObjectStore
-from jobs.object_store.s3 import MIN_PART_SIZE, S3ObjectStore
-from jobs.orphan_uploads import SweepResult, sweep_orphan_uploads
+from bulkinfer.jobs.object_store.local import TEMP_PREFIX, LocalObjectStore
+from bulkinfer.jobs.object_store.s3 import MIN_PART_SIZE, S3ObjectStore
+from bulkinfer.jobs.orphan_uploads import SweepResult, sweep_orphan_uploads
 from tests.fixtures.services import S3Server
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 

@@ -12,10 +12,9 @@ import pytest
 import redis
 from pydantic import ValidationError
 
-from jobs.object_store import LocalObjectStore
-from jobs.repository import JobRepository
-from jobs.schedule_tick import is_due, tick_due, tick_schedule
-from jobs.schedules import (
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.jobs.scheduling.schedule_tick import is_due, tick_due, tick_schedule
+from bulkinfer.jobs.scheduling.schedules import (
     Schedule,
     ScheduleNotFound,
     ScheduleRepository,
@@ -24,8 +23,9 @@ from jobs.schedules import (
     matches,
     split_input,
 )
-from jobs.spec import InputFormat, validation_messages
-from jobs.status import JobState
+from bulkinfer.jobs.spec import InputFormat, validation_messages
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobState
 from tests.fixtures.services import REPO_ROOT
 
 T0 = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
@@ -250,7 +250,7 @@ def test_a_tick_submits_at_most_its_limit_and_the_next_tick_the_rest(schedules, 
 def test_the_sdk_reads_schedules_back_without_croniter_or_redis() -> None:
     """croniter and redis belong to the server extra; `client.schedules` must work without them."""
     probe = ("import sys; sys.modules['croniter'] = None; sys.modules['redis'] = None\n"
-             "from jobs.schedules import ScheduleView\n"
+             "from bulkinfer.jobs.scheduling.schedules import ScheduleView\n"
              "view = ScheduleView.model_validate({'id': 'sched-' + '0' * 32,"
              " 'created_at': '2026-01-01T00:00:00Z', 'cron': '*/5  * * * *', 'input_prefix': 's3://b/in/',"
              " 'job': {'model': 'm', 'prompt_column': 'q'}, 'runtime': {}})\n"

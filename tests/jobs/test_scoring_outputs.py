@@ -10,12 +10,12 @@ import pyarrow.parquet as pq
 from openai.types import Completion, CompletionChoice
 from openai.types.completion_choice import Logprobs
 
-from jobs.formats.openai_batch_writer import openai_batch_record
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
-from jobs.formats.parts import write_output_part
-from jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowBuilder, RowErrorCode
-from jobs.job_dedup import dump_outputs, load_outputs
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.parts import write_output_part
+from bulkinfer.jobs.formats.rows import INSTRUCTIONS_SEPARATOR, Row, RowBuilder, RowErrorCode
+from bulkinfer.jobs.planning.job_dedup import dump_outputs, load_outputs
+from bulkinfer.jobs.spec import JobSpec
 from tests.jobs.test_openai_batch import read, request
 
 

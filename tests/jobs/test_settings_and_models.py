@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from jobs.model_registry import ModelRegistry, UnknownModel
-from jobs.object_store import LocalObjectStore, S3ObjectStore
-from jobs.settings import DEFAULT_BROKER_URL, ENVIRONMENT_NAMES, ConfigError, Settings
-from jobs.settings_args import add_settings_arguments, settings_from_args
+from bulkinfer.jobs.model_registry import ModelRegistry, UnknownModel
+from bulkinfer.jobs.object_store import LocalObjectStore, S3ObjectStore
+from bulkinfer.jobs.settings import DEFAULT_BROKER_URL, ENVIRONMENT_NAMES, ConfigError, Settings
+from bulkinfer.jobs.settings_args import add_settings_arguments, settings_from_args
 
 
 def test_settings_come_from_the_environment_and_go_back_to_it(tmp_path) -> None:
@@ -171,8 +171,8 @@ def test_the_tensor_parallel_size_setting_reaches_the_engine_options_from_flag_o
     assert "tensor_parallel_size" not in Settings.from_env({}).engine_options_dict()
     with pytest.raises(ConfigError, match="variable BULKINFER_TENSOR_PARALLEL_SIZE: Input should be greater"):
         Settings.from_env({"BULKINFER_TENSOR_PARALLEL_SIZE": "0"})
-    from jobs.settings_args import WORKER_SETTINGS
-    from worker.run_cli import RUN_SETTINGS
+    from bulkinfer.jobs.settings_args import WORKER_SETTINGS
+    from bulkinfer.worker.run.run_cli import RUN_SETTINGS
 
     for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run`
         parser = argparse.ArgumentParser()
@@ -219,8 +219,8 @@ def test_kv_blocks_live_in_the_job_store_unless_kv_store_uri_says_elsewhere_with
         Settings.from_env({"BULKINFER_KV_STORE_URI": "gs://kv"})
     with pytest.raises(ConfigError, match="--kv-store-min-hits: Input should be greater than or equal to 1"):
         Settings.from_env({}, kv_store_min_hits=0)
-    from jobs.settings_args import WORKER_SETTINGS
-    from worker.run_cli import RUN_SETTINGS
+    from bulkinfer.jobs.settings_args import WORKER_SETTINGS
+    from bulkinfer.worker.run.run_cli import RUN_SETTINGS
 
     for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run` take the flags
         parser = argparse.ArgumentParser()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from jobs.settings import Settings
-from jobs.shard_cost import plan_within_bounds, shard_token_cost
-from jobs.spec import JobSpec
+from bulkinfer.jobs.planning.shard_cost import plan_within_bounds, shard_token_cost
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
 
 ROWS = 200
 

@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from pydantic import ValidationError
 
-from jobs.spec import InputFormat, JobSpec, format_from_name, validation_messages
+from bulkinfer.jobs.spec import InputFormat, JobSpec, format_from_name, validation_messages
 
 BASE = {"input_uri": "s3://bucket/in/rows.jsonl", "model": "tiny-llama", "prompt_column": "question"}
 

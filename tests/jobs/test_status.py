@@ -6,7 +6,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from jobs.status import (
+from bulkinfer.jobs.state.status import (
     ALLOWED_TRANSITIONS,
     IllegalTransition,
     JobState,

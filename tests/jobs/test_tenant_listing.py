@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import redis
 
-from jobs.repository import JobRepository
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobState
 
 
 class CountingRepository(JobRepository):

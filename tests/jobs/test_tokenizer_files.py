@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.chat import DEFAULT_CHAT_TEMPLATE as ENGINE_CHAT_TEMPLATE
-from engine.sampling_params import SamplingParams
-from jobs.formats.rows import Row
-from jobs.object_store.local import LocalObjectStore
-from jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS, JobSampling
-from jobs.tokenizer_files import DEFAULT_CHAT_TEMPLATE, load_tokenizer, publish_tokenizer
-from worker.engine_rows import PromptRenderer
+from bulkinfer.engine.chat import DEFAULT_CHAT_TEMPLATE as ENGINE_CHAT_TEMPLATE
+from bulkinfer.engine.sampling_params import SamplingParams
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS, JobSampling
+from bulkinfer.jobs.tokenizer_files import DEFAULT_CHAT_TEMPLATE, load_tokenizer, publish_tokenizer
+from bulkinfer.worker.hosts.engine_rows import PromptRenderer
 
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -9,11 +9,11 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
-from jobs.formats.parts import write_error_part, write_output_part
-from jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
-from jobs.object_store import AlreadyExists
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.parts import write_error_part, write_output_part
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
+from bulkinfer.jobs.object_store import AlreadyExists
+from bulkinfer.jobs.spec import JobSpec
 
 
 def spec(output_format: str, **fields) -> JobSpec:

@@ -6,7 +6,7 @@ import os
 
 import boto3
 
-from worker.celery_app import create_app
+from bulkinfer.worker.process.celery_app import create_app
 
 app = create_app(name="bulkinfer-probe")
 

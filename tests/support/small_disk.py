@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from benchmarks.infra_faults import fill_disk, mount_tmpfs, unmount
+from bulkinfer.benchmarks.infra_faults import fill_disk, mount_tmpfs, unmount
 
 
 class SmallDisk:

@@ -1,5 +1,5 @@
 """A real pipeline for worker tests: Redis, moto S3 and one Celery worker process per module,
-running `worker.celery_app` with two task threads and the tiny model.
+running `bulkinfer.worker.process.celery_app` with two task threads and the tiny model.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from api.cli.stack import free_port, redis_server_binary
-from jobs.manifest import Manifest, read_manifest
-from jobs.repository import JobRepository
-from jobs.settings import Settings
-from jobs.spec import JobSpec
-from jobs.status import JobStatus
+from bulkinfer.api.cli.stack import free_port, redis_server_binary
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.manifest import Manifest, read_manifest
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobStatus
+from bulkinfer.worker.process.celery_app import create_app
 from tests.fixtures.services import RedisServer, S3Server, celery_worker, wait_until
-from worker.celery_app import create_app
 
 JOBS_BUCKET = "jobs"
 INPUTS_BUCKET = "inputs"
@@ -91,7 +91,8 @@ def worker_process(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoi
     queues = ",".join(["bulkinfer.control", *(f"bulkinfer.model.{name}" for name in models)])
     # Redis is not flushed between this module's tests: a flush would delete the worker's queue bindings.
     redis_server.client().flushall()
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=queues,
+                       pool="threads",
                        concurrency=2):
         yield env["BULKINFER_MODELS"]
 

@@ -12,10 +12,10 @@ import time
 import httpx
 import pytest
 
-from api.app import create_app
-from api.cli.server import ServerThread
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.api.app import create_app
+from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
 from tests.fixtures.services import RedisServer, celery_worker, free_port, wait_until
 from tests.worker.conftest import Pipeline
 
@@ -49,9 +49,11 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
     env_a = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[0])}
     env_b = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[1]), "BULKINFER_LOG_FORMAT": "json"}
     api = ServerThread(create_app(pipeline.settings), port=free_port())
-    with celery_worker("worker.celery_app", redis_server.url, env=env_a, queues=QUEUES, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env_a, queues=QUEUES,
+                       pool="threads",
                        concurrency=2, ready_timeout=120) as worker_a, \
-            celery_worker("worker.celery_app", redis_server.url, env=env_b, queues=QUEUES, pool="threads",
+            celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env_b, queues=QUEUES,
+                          pool="threads",
                           concurrency=2, ready_timeout=120) as worker_b, api:
         for port in ports:  # ready only once the engine is loaded
             ready = f"http://127.0.0.1:{port}/readyz"

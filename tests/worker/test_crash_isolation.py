@@ -1,10 +1,10 @@
-"""The search for the request that crashed an engine step (worker/crash_isolation.py)."""
+"""The search for the request that crashed an engine step (worker/hosts/crash_isolation.py)."""
 
 from __future__ import annotations
 
 import math
 
-from worker.crash_isolation import CrashIsolation
+from bulkinfer.worker.hosts.crash_isolation import CrashIsolation
 
 
 def search(suspects: list[str], culprit: str | None) -> tuple[list[str], list[str], int]:

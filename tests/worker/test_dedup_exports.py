@@ -11,18 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from jobs.formats.output import OutputRow, PositionLogprobs, TokenLogprob
-from jobs.formats.readers import read_shard_rows
-from jobs.formats.rows import Row
-from jobs.job_dedup import mark_copies
-from jobs.layout import JobLayout
-from jobs.object_store.base import ObjectStore
-from jobs.part_publication import publish_parts, write_fenced
-from jobs.repository import JobRepository
-from jobs.settings import Settings
-from jobs.sharding import ShardPlan, plan_shards
-from jobs.spec import JobSpec
-from worker.shard_copies import copy_rows, discard_exports, write_exports
+from bulkinfer.jobs.formats.output import OutputRow, PositionLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.layout import JobLayout
+from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.planning.job_dedup import mark_copies
+from bulkinfer.jobs.planning.sharding import ShardPlan, plan_shards
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.part_publication import publish_parts, write_fenced
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.worker.shards.shard_copies import copy_rows, discard_exports, write_exports
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 INPUT = "in/rows.jsonl"
@@ -115,9 +115,9 @@ def test_a_copy_waits_for_the_source_to_commit_not_for_a_run_s_exports(job) -> N
 def test_a_copy_keeps_the_stop_string_that_ended_its_source() -> None:
     """The exports a cross-shard copy reads carry each choice's stop_reason (an Anthropic result of
     the copy says `stop_sequence` as its source's does)."""
-    from jobs.formats.output import Choice
-    from jobs.job_dedup import dump_outputs, load_outputs
-    from jobs.sampling import JobSampling
+    from bulkinfer.jobs.formats.output import Choice
+    from bulkinfer.jobs.planning.job_dedup import dump_outputs, load_outputs
+    from bulkinfer.jobs.sampling import JobSampling
 
     row = Row(0, "r0", "p", None, JobSampling(), None)
     outputs = {0: OutputRow.with_choices(row, [Choice(0, "a", "stop", stop_reason="END"),

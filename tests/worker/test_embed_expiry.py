@@ -14,14 +14,14 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.spec import JobSpec
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.models.embedding_size import checkpoint_dimension
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.shards.deadline_sweep import expire_due
+from bulkinfer.worker.shards.job_lifecycle import plan_job
+from bulkinfer.worker.shards.shard_runner import committed_result, run_shard
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 from tests.worker.conftest import Pipeline
-from worker.context import WorkerContext
-from worker.deadline_sweep import expire_due
-from worker.embedding_size import checkpoint_dimension
-from worker.job_lifecycle import plan_job
-from worker.shard_runner import committed_result, run_shard
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -76,7 +76,7 @@ def test_expired_parts_of_an_embed_job_share_the_vector_column_type(
 
 
 def test_the_checkpoint_dimension_is_the_loaded_embedders(bert: Path, tiny_checkpoint: Path) -> None:
-    from engine.embedder import Embedder
+    from bulkinfer.engine.embedder import Embedder
 
     for folder in (bert, tiny_checkpoint):
         assert checkpoint_dimension(folder) == Embedder.load(folder, dtype="float32").config.dimension

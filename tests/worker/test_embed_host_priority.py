@@ -8,11 +8,11 @@ from __future__ import annotations
 import threading
 from types import SimpleNamespace
 
-from jobs.embedding import EmbedRequest
-from jobs.formats.rows import Row
-from jobs.sampling import JobSampling
-from worker.embed_host import EmbedHost, EmbedInputRequest
-from worker.embed_rows import EmbedRun
+from bulkinfer.jobs.embedding import EmbedRequest
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.hosts.embed_host import EmbedHost, EmbedInputRequest
+from bulkinfer.worker.hosts.embed_rows import EmbedRun
 
 
 class GatedEmbedder:

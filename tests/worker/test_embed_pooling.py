@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from engine.embedder import Embedder
-from jobs.formats.rows import Row, RowBuilder
-from jobs.model_registry import ModelRegistry
-from jobs.spec import JobSpec
+from bulkinfer.engine.embedder import Embedder
+from bulkinfer.jobs.formats.rows import Row, RowBuilder
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.hosts.embed_host import EmbedInputRequest
+from bulkinfer.worker.hosts.embed_rows import row_digest
+from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts, task_problem
+from bulkinfer.worker.hosts.row_window import run_rows
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 from tests.fixtures.hosted_models import hosted_model
-from worker.embed_host import EmbedInputRequest
-from worker.embed_rows import row_digest
-from worker.model_hosts import HostedModel, ModelHosts, task_problem
-from worker.row_window import run_rows
 
 TEXT = "def f(x): return x"
 

@@ -10,18 +10,18 @@ from types import SimpleNamespace
 
 import pytest
 
-from engine.embedder import Embedder
-from jobs.embedding import EmbedRequest
-from jobs.formats.rows import Row, RowBuilder
-from jobs.model_registry import ModelRegistry
-from jobs.sampling import JobSampling
-from jobs.spec import JobSpec
+from bulkinfer.engine.embedder import Embedder
+from bulkinfer.jobs.embedding import EmbedRequest
+from bulkinfer.jobs.formats.rows import Row, RowBuilder
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.hosts.embed_host import EmbedHost, EmbedInputRequest, EmbedResult, truncated
+from bulkinfer.worker.hosts.embed_rows import embedded_row
+from bulkinfer.worker.hosts.engine_host import EngineUnavailable
+from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts, task_problem
+from bulkinfer.worker.hosts.row_window import WindowStats, run_rows
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
-from worker.embed_host import EmbedHost, EmbedInputRequest, EmbedResult, truncated
-from worker.embed_rows import embedded_row
-from worker.engine_host import EngineUnavailable
-from worker.model_hosts import HostedModel, ModelHosts, task_problem
-from worker.row_window import WindowStats, run_rows
 
 MAX_TOKENS = 48  # the checkpoint's max_seq_length
 
@@ -175,7 +175,7 @@ def test_truncation_keeps_the_closing_special_token() -> None:
 
 
 def test_the_heartbeat_reads_the_embedders_throughput_figures(hosted) -> None:
-    from worker.metrics import engine_figures
+    from bulkinfer.worker.process.engine_metrics import engine_figures
 
     before = engine_figures(hosted)
     [output] = run_rows(hosted, rows(spec(), ["figures for the heartbeat, once"]), deduplicate=False)
@@ -195,7 +195,7 @@ def test_rows_past_the_jobs_deadline_come_back_expired(hosted) -> None:
 
 
 def test_a_windows_size_counts_every_input_of_an_embed_row() -> None:
-    from worker.row_window import _prompt_bytes
+    from bulkinfer.worker.hosts.row_window import _prompt_bytes
 
     row = Row(0, "many", None, None, JobSampling(), None, embed=EmbedRequest(("abc", (1, 2), "de")))
     assert _prompt_bytes(row) == 3 + 8 + 2

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.embedder import is_embedding_model
+from bulkinfer.engine.embedder import is_embedding_model
+from bulkinfer.worker.models.model_catalog import CATALOG, CatalogError, _unpack_folder
+from bulkinfer.worker.models.model_files import local_model_dir
+from bulkinfer.worker.run.run_file import resolve_model
 from tests.fixtures.checkpoints import REAL_EMBEDDING_MODEL
-from worker.model_catalog import CATALOG, CatalogError, _unpack_folder
-from worker.model_files import local_model_dir
-from worker.run_file import resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_models_fetch_extracts_the_folder_and_the_name_resolves(real_embedding_model: Path,
                                                                 tmp_path: Path) -> None:
     target = tmp_path / "minilm"
-    result = subprocess.run([sys.executable, "-m", "api.cli", "models", "fetch", REAL_EMBEDDING_MODEL,
+    result = subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", "models", "fetch",
+                             REAL_EMBEDDING_MODEL,
                              "--dir", str(target)], cwd=ROOT, capture_output=True, text=True, timeout=600,
                             env=dict(os.environ))
     assert result.returncode == 0, result.stderr
@@ -33,7 +34,7 @@ def test_models_fetch_extracts_the_folder_and_the_name_resolves(real_embedding_m
     assert is_embedding_model(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["minilm"]  # no staging folder left behind
     assert local_model_dir(REAL_EMBEDDING_MODEL) == real_embedding_model  # `--model all-minilm-l6-v2`
-    from jobs.model_registry import ModelRegistry
+    from bulkinfer.jobs.model_registry import ModelRegistry
 
     assert resolve_model(REAL_EMBEDDING_MODEL, ModelRegistry()) == str(real_embedding_model.resolve())
     assert CATALOG[REAL_EMBEDDING_MODEL].packaging == "folder-zip"

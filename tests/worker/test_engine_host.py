@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from worker.engine_host import EngineHost, EngineRequest, EngineUnavailable
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.worker.hosts.engine_host import EngineHost, EngineRequest, EngineUnavailable
 
 # dtype pinned: outputs are compared with an fp32 offline engine.
 ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 64, "max_num_seqs": 16,

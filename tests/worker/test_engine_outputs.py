@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from engine import CompletionOutput, ErrorKind, PositionLogprobs, RequestOutput, TokenLogprob
-from jobs.formats.output import TokenLogprob as JobTokenLogprob
-from jobs.formats.rows import Row
-from jobs.sampling import JobSampling
-from worker.engine_rows import output_row
+from bulkinfer.engine import CompletionOutput, ErrorKind, PositionLogprobs, RequestOutput, TokenLogprob
+from bulkinfer.jobs.formats.output import TokenLogprob as JobTokenLogprob
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.hosts.engine_rows import output_row
 
 ROW = Row(3, "r3", None, [{"role": "user", "content": "hi"}], JobSampling(), {"type": "json_object"})
 

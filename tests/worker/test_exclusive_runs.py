@@ -1,11 +1,11 @@
-"""A split shard's delivery runs alone in its worker process (worker/exclusive_runs.py)."""
+"""A split shard's delivery runs alone in its worker process (worker/shards/exclusive_runs.py)."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from worker.exclusive_runs import ExclusiveRuns
+from bulkinfer.worker.shards.exclusive_runs import ExclusiveRuns
 
 
 def test_an_alone_run_waits_for_the_runs_going_and_holds_new_ones_back() -> None:

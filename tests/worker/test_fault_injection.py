@@ -1,4 +1,4 @@
-"""The kill-marker fault injection (worker/fault_injection.py) is off unless the worker's own
+"""The kill-marker fault injection (worker/shards/fault_injection.py) is off unless the worker's own
 environment turns it on, and then it is a real SIGKILL."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from worker.fault_injection import KILL_MARKER_ENV, kill_marker
+from bulkinfer.worker.shards.fault_injection import KILL_MARKER_ENV, kill_marker
 
 REPO = Path(__file__).resolve().parents[2]
 MARKED_ROW = """
-from jobs.formats.rows import Row
-from jobs.sampling import JobSampling
-from worker.fault_injection import kill_if_marked
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.shards.fault_injection import kill_if_marked
 kill_if_marked([Row(0, "a", "say hi", None, JobSampling(), None),
                 Row(1, "b", "x poison-0123456789abcdef y", None, JobSampling(), None)])
 print("alive")

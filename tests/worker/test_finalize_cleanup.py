@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from jobs.layout import JobLayout
-from jobs.object_store import LocalObjectStore
-from jobs.object_store.local import TEMP_PREFIX
-from jobs.spec import JobSpec
-from worker.job_lifecycle import _abort_unfinished_writes
+from bulkinfer.jobs.layout import JobLayout
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.jobs.object_store.local import TEMP_PREFIX
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.shards.job_lifecycle import _abort_unfinished_writes
 
 
 def test_a_finalize_aborts_its_own_unfinished_writes_and_not_a_retrys_inside_its_folder(tmp_path) -> None:

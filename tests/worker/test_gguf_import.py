@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
+from bulkinfer.worker.models.gguf_import import PROVENANCE_FILE, GgufImportError, import_gguf, inspect_gguf
+from bulkinfer.worker.models.model_cache import file_sha256, model_cache_dir
+from bulkinfer.worker.models.model_catalog import CATALOG, WHEELS_FOLDER, fetch_catalog_model
+from bulkinfer.worker.models.model_files import ModelUnavailable, local_model_dir
+from bulkinfer.worker.run.run_file import RunError, resolve_model
 from tests.fixtures.checkpoints import REAL_MODEL
-from worker.gguf_import import PROVENANCE_FILE, GgufImportError, import_gguf, inspect_gguf
-from worker.model_cache import file_sha256, model_cache_dir
-from worker.model_catalog import CATALOG, WHEELS_FOLDER, fetch_catalog_model
-from worker.model_files import ModelUnavailable, local_model_dir
-from worker.run_file import RunError, resolve_model
 
 ROOT = Path(__file__).resolve().parents[2]
 SMOLLM = CATALOG[REAL_MODEL]
@@ -51,7 +51,8 @@ def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray],
 
 
 def bulkinfer(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], cwd=ROOT, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "bulkinfer.api.cli", *args], cwd=ROOT, capture_output=True,
+                          text=True,
                           timeout=600, env={**os.environ, **(env or {})})
 
 
@@ -108,7 +109,7 @@ def test_a_gguf_path_as_the_model_is_imported_once_keyed_by_its_hash(real_gguf: 
 
 
 def _empty_registry():
-    from jobs.model_registry import ModelRegistry
+    from bulkinfer.jobs.model_registry import ModelRegistry
 
     return ModelRegistry()
 

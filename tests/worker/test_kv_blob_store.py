@@ -1,5 +1,5 @@
-"""The prefix KV tier's store adapter (worker/kv_blob_store.py) over a local folder and moto S3,
-and what the settings make of it (worker/kv_store.py): write-once blocks under the store's `kv/`,
+"""The prefix KV tier's store adapter (worker/kv/blob_store.py) over a local folder and moto S3,
+and what the settings make of it (worker/kv/store.py): write-once blocks under the store's `kv/`,
 an outage that raises fast (the engine then computes), the tier only where the settings turn it on."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from engine.kv_connector.blob_store import CachedBlobStore, KVBlobInfo
-from jobs.object_store import LocalObjectStore, S3ObjectStore
-from jobs.settings import Settings
+from bulkinfer.engine.kv_connector.blob_store import CachedBlobStore, KVBlobInfo
+from bulkinfer.jobs.object_store import LocalObjectStore, S3ObjectStore
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.worker.kv.blob_store import ObjectStoreBlobStore
+from bulkinfer.worker.kv.store import kv_store_options, open_kv_blobs
 from tests.fixtures.services import S3Server, free_port
-from worker.kv_blob_store import ObjectStoreBlobStore
-from worker.kv_store import kv_store_options, open_kv_blobs
 
 BLOCK = "kv/0f1e2d/fp32/tp0of1/b16/" + "ab" * 16
 OTHER = "kv/0f1e2d/fp32/tp0of1/b16/" + "cd" * 16

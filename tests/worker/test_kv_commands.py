@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from api.cli import main
-from engine.kv_connector.keys import namespace
-from engine.kv_connector.model_identity import model_identity
-from jobs.object_store import LocalObjectStore
-from worker.kv_blob_store import ObjectStoreBlobStore
+from bulkinfer.api.cli import main
+from bulkinfer.engine.kv_connector.keys import namespace
+from bulkinfer.engine.kv_connector.model_identity import model_identity
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.worker.kv.blob_store import ObjectStoreBlobStore
 
 FP32 = "kv/" + "1" * 32 + "/fp32/tp0of1/b16/"
 BF16 = "kv/" + "1" * 32 + "/bf16/tp0of1/b16/"

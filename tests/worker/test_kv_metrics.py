@@ -1,4 +1,4 @@
-"""A worker's /metrics carries each engine's prefix KV tier counters (worker/kv_metrics.py): the
+"""A worker's /metrics carries each engine's prefix KV tier counters (worker/kv/metrics.py): the
 engines that have the tier (ModelHosts given kv_store_options) report them, the others do not."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from jobs.model_registry import ModelRegistry
-from jobs.object_store import LocalObjectStore
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.worker.hosts.model_hosts import ModelHosts
+from bulkinfer.worker.kv.blob_store import ObjectStoreBlobStore
+from bulkinfer.worker.kv.metrics import KV_COUNTERS, KVStoreCollector
 from tests.worker.conftest import ENGINE_OPTIONS
-from worker.kv_blob_store import ObjectStoreBlobStore
-from worker.kv_metrics import KV_COUNTERS, KVStoreCollector
-from worker.model_hosts import ModelHosts
 
 
 def test_each_engine_with_the_kv_tier_reports_its_counters_and_the_others_none(tiny_checkpoint: Path,

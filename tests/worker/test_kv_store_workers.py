@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
 from tests.fixtures.services import RedisServer, S3Server, celery_worker, free_port, wait_until
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 from tests.worker.conftest import ENGINE_OPTIONS, JOBS_BUCKET, STORE_PREFIX, Pipeline, bare_pipeline
@@ -95,7 +95,8 @@ def _cluster(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Pa
     with bare_pipeline(redis_server.url, s3_server, tiny_checkpoint, model_cache) as (pipeline, env):
         first_port = free_port()
         first = worker_env(env, first_port, tmp_path_factory.mktemp("kv-cache-a"), s3_server.endpoint_url)
-        with celery_worker("worker.celery_app", redis_server.url, env=first, queues=QUEUES, pool="threads",
+        with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=first, queues=QUEUES,
+                           pool="threads",
                            concurrency=2, ready_timeout=120):
             wait_ready(first_port)
             computed = {instruction: run_job(pipeline, f"computed-{n}", instruction, "acme")
@@ -110,7 +111,8 @@ def _cluster(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: Pa
         with s3_fault_proxy(s3_server.endpoint_url, faults) as proxy:
             loader_port = free_port()
             second = worker_env(env, loader_port, tmp_path_factory.mktemp("kv-cache-b"), proxy.endpoint_url)
-            with celery_worker("worker.celery_app", redis_server.url, env=second, queues=QUEUES,
+            with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=second,
+                               queues=QUEUES,
                                pool="threads", concurrency=2, ready_timeout=120):
                 wait_ready(loader_port)
                 yield Cluster(pipeline, computed, saved_blocks, audit_blocks, loader_port, faults)

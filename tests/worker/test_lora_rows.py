@@ -10,16 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LoRARequest, SamplingParams
-from jobs.formats.rows import Row, RowErrorCode
-from jobs.lora_adapters import AdapterRegistry
-from jobs.model_registry import ModelRegistry
-from jobs.object_store.s3 import S3ObjectStore
-from jobs.sampling import JobSampling
+from bulkinfer.engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.jobs.formats.rows import Row, RowErrorCode
+from bulkinfer.jobs.lora_adapters import AdapterRegistry
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.object_store.s3 import S3ObjectStore
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.hosts.lora_requests import AdapterRefused, AdapterRequests
+from bulkinfer.worker.hosts.model_hosts import ModelHosts
+from bulkinfer.worker.hosts.row_window import run_rows
 from tests.engine.lora_adapters import ATTENTION_ONLY, make_adapter
-from worker.lora_requests import AdapterRefused, AdapterRequests
-from worker.model_hosts import ModelHosts
-from worker.row_window import run_rows
 
 OPTIONS = {"max_model_len": 128, "num_kv_blocks": 64, "dtype": "float32", "enable_lora": True,
            "max_loras": 2, "max_lora_rank": 8}

@@ -7,16 +7,16 @@ import json
 
 import pytest
 
-import jobs.settings
-from jobs.settings import Settings
-from worker.model_commands import models_cli
+import bulkinfer.jobs.settings
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.worker.models.model_commands import models_cli
 
 
 @pytest.fixture
 def served(monkeypatch, checkpoint_factory):
     """BULKINFER_MODELS: a local Mixtral folder and a model on S3."""
     models = {"mixtral-local": str(checkpoint_factory(arch="mixtral")), "remote": "s3://models/big"}
-    monkeypatch.setattr(jobs.settings, "_process_settings", Settings(models=json.dumps(models)))
+    monkeypatch.setattr(bulkinfer.jobs.settings, "_process_settings", Settings(models=json.dumps(models)))
     return models
 
 

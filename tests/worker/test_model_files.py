@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from bulkinfer.worker.models.model_files import COMPLETE_MARKER, ModelUnavailable, local_model_dir
 from tests.fixtures.services import S3Server
-from worker.model_files import COMPLETE_MARKER, ModelUnavailable, local_model_dir
 
 
 def test_a_local_directory_is_used_in_place(tiny_checkpoint: Path) -> None:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from engine import SamplingParams
-from jobs.model_registry import ModelRegistry, UnknownModel
-from jobs.settings import Settings
-from worker.engine_host import EngineRequest, EngineUnavailable
-from worker.model_files import ModelUnavailable
-from worker.model_hosts import ModelHosts, engine_options
+from bulkinfer.engine import SamplingParams
+from bulkinfer.jobs.model_registry import ModelRegistry, UnknownModel
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.worker.hosts.engine_host import EngineRequest, EngineUnavailable
+from bulkinfer.worker.hosts.model_hosts import ModelHosts, engine_options
+from bulkinfer.worker.models.model_files import ModelUnavailable
 
 OPTIONS = {"max_model_len": 128, "num_kv_blocks": 32}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.offline_demo import demo_cli
+from bulkinfer.worker.run.offline_demo import demo_cli
 
 
 @pytest.mark.timeout(300)

@@ -9,13 +9,13 @@ import pytest
 from anthropic.types.messages import MessageBatchIndividualResponse
 from openai.types import Completion
 
-from engine import LLM, SamplingParams
-from jobs.formats.anthropic_results import anthropic_result
-from jobs.formats.readers import read_shard_rows
-from jobs.object_store import S3ObjectStore
-from jobs.retry import retry_plan
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.engine import LLM, SamplingParams
+from bulkinfer.jobs.formats.anthropic_results import anthropic_result
+from bulkinfer.jobs.formats.readers import read_shard_rows
+from bulkinfer.jobs.object_store import S3ObjectStore
+from bulkinfer.jobs.planning.retry import retry_plan
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
 from tests.worker.conftest import ENGINE_OPTIONS, INPUTS_BUCKET, MODELS_BUCKET, Pipeline
 
 pytestmark = pytest.mark.timeout(300)

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from jobs.names import shard_lease_key
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.names import shard_lease_key
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.shards.job_lifecycle import fail_job, plan_job
 from tests.worker.conftest import INPUTS_BUCKET, JOB_TIMEOUT_S, Pipeline
-from worker.context import WorkerContext
-from worker.job_lifecycle import fail_job, plan_job
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from jobs.names import shard_lease_key
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.names import shard_lease_key
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.shards.fault_injection import KILL_MARKER_ENV
+from bulkinfer.worker.shards.shard_crashes import WHOLE, crashes_key
 from tests.fixtures.services import S3Server, celery_worker
 from tests.worker.conftest import Pipeline, bare_pipeline
-from worker.fault_injection import KILL_MARKER_ENV
-from worker.shard_crashes import WHOLE, crashes_key
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -34,7 +34,8 @@ def supervise(pipeline: Pipeline, redis_url: str, env: dict[str, str], job_ids: 
 
     while not ended():
         assert time.monotonic() < deadline, f"jobs still running after {timeout}s ({deaths} worker deaths)"
-        with celery_worker("worker.celery_app", redis_url, env=env, queues=QUEUES, pool="threads",
+        with celery_worker("bulkinfer.worker.process.celery_app", redis_url, env=env, queues=QUEUES,
+                           pool="threads",
                            concurrency=2, ready_timeout=120) as worker:
             if started is not None:  # the first worker: jobs submitted once it is up
                 job_ids += [submit() for submit in started]

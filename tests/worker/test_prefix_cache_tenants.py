@@ -10,17 +10,17 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine import EngineConfig, LLMEngine
-from jobs.formats.rows import Row
-from jobs.sampling import JobSampling
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.engine import EngineConfig, LLMEngine
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.hosts.engine_host import EngineHost
+from bulkinfer.worker.hosts.engine_rows import PromptRenderer
+from bulkinfer.worker.hosts.model_hosts import HostedModel
+from bulkinfer.worker.hosts.prefix_cache_salt import prefix_cache_salt
+from bulkinfer.worker.hosts.row_window import run_rows
 from tests.worker.conftest import ENGINE_OPTIONS, Pipeline
-from worker.engine_host import EngineHost
-from worker.engine_rows import PromptRenderer
-from worker.model_hosts import HostedModel
-from worker.prefix_cache_salt import prefix_cache_salt
-from worker.row_window import run_rows
 
 # Several full 16-token blocks, so a prefix hit shows in cached_tokens.
 PROMPT = "Summarise the quarterly revenue report for the board, listing every region in order: " * 2

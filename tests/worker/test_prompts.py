@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from engine import ErrorKind, SamplingParams
-from jobs.formats.rows import Row, RowErrorCode
-from jobs.sampling import JobSampling
-from worker.engine_rows import (
+from bulkinfer.engine import ErrorKind, SamplingParams
+from bulkinfer.jobs.formats.rows import Row, RowErrorCode
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.hosts.engine_rows import (
     ROW_CODES,
     PreparedBatch,
     PromptRenderer,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
 from tests.fixtures.services import S3Server, celery_worker, wait_until
 from tests.worker.conftest import Pipeline, RestartableRedis, bare_pipeline
 
@@ -41,7 +41,8 @@ def test_jobs_finish_after_redis_restarts_without_its_data(
                        prompt_column="question", sampling={"temperature": 0.0, "max_tokens": max_tokens},
                        shard_size=4), ids
 
-    with celery_worker("worker.celery_app", private_redis.url, env=env, queues=QUEUES, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", private_redis.url, env=env, queues=QUEUES,
+                       pool="threads",
                        concurrency=2, ready_timeout=120):
         done_spec, done_ids = job("done", 4, 4)
         done_id = pipeline.submit(done_spec)

@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from jobs.names import shard_lease_key
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.names import shard_lease_key
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.shards.shard_runner import committed_result
 from tests.fixtures.services import S3Server, celery_worker
 from tests.worker.conftest import RestartableRedis, bare_pipeline
 from tests.worker.test_redis_loss import QUEUES
-from worker.shard_runner import committed_result
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -41,7 +41,8 @@ def test_a_shard_running_through_a_redis_outage_longer_than_its_lease_commits_it
                        sampling={"temperature": 0.0, "max_tokens": 160, "ignore_eos": True},
                        shard_size=rows)
         repository = pipeline.repository
-        with celery_worker("worker.celery_app", private_redis.url, env=env, queues=QUEUES, pool="threads",
+        with celery_worker("bulkinfer.worker.process.celery_app", private_redis.url, env=env, queues=QUEUES,
+                           pool="threads",
                            concurrency=2, ready_timeout=120):
             job_id = pipeline.submit(spec)
             lease = shard_lease_key(repository.namespace, job_id, 0)

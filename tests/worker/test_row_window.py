@@ -1,4 +1,4 @@
-"""A shard's rows go to the engine a window at a time (worker/row_window.py): the rows a run holds
+"""A shard's rows go to the engine a window at a time (worker/hosts/row_window.py): the rows a run holds
 stay within two windows however long the shard, outcomes keep input order, identical rows run once
 across windows, and cancel and the deadline still stop it. A real tiny engine runs every row."""
 
@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from jobs.formats.rows import Row, RowError, RowErrorCode
-from jobs.sampling import JobSampling
+from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.hosts.model_hosts import HostedModel
+from bulkinfer.worker.hosts.row_window import WindowStats, run_rows
 from tests.fixtures.hosted_models import hosted_model
-from worker.model_hosts import HostedModel
-from worker.row_window import WindowStats, run_rows
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -12,10 +12,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from engine.embedder import Embedder
+from bulkinfer.engine.embedder import Embedder
+from bulkinfer.worker.hosts.embed_host import truncated
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 from tests.worker.test_run_file import _run, _write_jsonl
-from worker.embed_host import truncated
 
 TEXTS = ["the cat", "a dog and the cat", "of the", "the cat"]
 

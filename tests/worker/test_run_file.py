@@ -16,11 +16,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.formats.output import OutputRow
-from jobs.spec import JobSpec
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.run.run_cli import run_cli
+from bulkinfer.worker.run.run_output import AlreadyComplete, OutputConflict, open_output, work_dir_for
 from tests.fixtures.services import REPO_ROOT, ServiceDied, wait_until
-from worker.run_cli import run_cli
-from worker.run_output import AlreadyComplete, OutputConflict, open_output, work_dir_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -209,7 +209,7 @@ def test_a_run_killed_mid_file_resumes_without_losing_repeating_or_recomputing_r
     source = _write_jsonl(tmp_path / "in.jsonl", [{"id": f"r{i}", "text": f"row {i} says hello"}
                                                   for i in range(total)])
     out = tmp_path / f"out.{suffix}"
-    command = [sys.executable, "-m", "api.cli", "run", str(source), "-o", str(out), "--model",
+    command = [sys.executable, "-m", "bulkinfer.api.cli", "run", str(source), "-o", str(out), "--model",
                str(tiny_checkpoint), "--prompt-column", "text", "--id-column", "id", "--max-tokens", "8",
                "--temperature", "0", "--batch-size", "4", "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.engine import LLM, LoRARequest, SamplingParams
+from bulkinfer.worker.run.run_cli import run_cli
 from tests.engine.lora_adapters import ATTENTION_ONLY, make_adapter
-from worker.run_cli import run_cli
 
 PROMPTS = ["def add(a, b):", "The capital of France is"]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import redis
 
-from jobs.formats.rows import Row, RowError, RowErrorCode
-from jobs.sampling import JobSampling
-from worker.schema_limit import limit_schemas
+from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.shards.schema_limit import limit_schemas
 
 
 def schema(field: str, *, reordered: bool = False, swapped: bool = False) -> dict:

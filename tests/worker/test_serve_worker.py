@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from celery import Celery
 
-from jobs.model_registry import ModelRegistry, UnknownModel
+from bulkinfer.jobs.model_registry import ModelRegistry, UnknownModel
+from bulkinfer.worker.process.main import parse_args, serve_worker, worker_argv
 from tests.fixtures.services import REPO_ROOT, RedisServer, ServiceDied, wait_until
-from worker.main import parse_args, serve_worker, worker_argv
 
 REGISTRY = ModelRegistry({"tiny": "/models/tiny", "small": "s3://models/small"})
 
@@ -54,9 +54,9 @@ def test_serve_worker_runs_a_worker_on_the_model_queues(redis_server: RedisServe
     env = {**os.environ, "BULKINFER_BROKER_URL": redis_server.url, "PYTHONPATH": str(REPO_ROOT),
            "BULKINFER_MODELS": json.dumps({"tiny": str(tiny_checkpoint)}), "HF_HUB_OFFLINE": "1",
            "BULKINFER_STORE_URI": str(tmp_path / "store")}
-    code = "import sys; from worker.main import serve_worker; sys.exit(serve_worker(sys.argv[1:]))"
-    process = subprocess.Popen([sys.executable, "-c", code, "--no-preload", "-n", node], cwd=REPO_ROOT,
-                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # `python -m bulkinfer.worker` is `bulkinfer serve worker` (worker/__main__.py)
+    process = subprocess.Popen([sys.executable, "-m", "bulkinfer.worker", "--no-preload", "-n", node],
+                               cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     control = Celery(broker=redis_server.url)
 
     def answers() -> bool:
@@ -79,7 +79,8 @@ def test_a_plain_celery_worker_reads_the_config_file_under_its_environment(tmp_p
     config.write_text('broker_url = "redis://127.0.0.1:6390/3"\nshard_lease_ttl_s = 12.5\n'
                       '[engine_options]\nnum_kv_blocks = 48\n')
     # What the worker's modules are handed: the process's settings, read once (nothing exported).
-    probe = ("import json; from worker.celery_app import app; from jobs.settings import process_settings; "
+    probe = ("import json; from bulkinfer.worker.process.celery_app import app; from bulkinfer.jobs.settings "
+             "import process_settings; "
              "settings = process_settings(); "
              "print(json.dumps([app.conf.broker_url, settings.engine_options, str(settings.lease_ttl)]))")
     base = {key: value for key, value in os.environ.items() if not key.startswith("BULKINFER_")}

@@ -1,4 +1,4 @@
-"""Runs that kill their process are counted in Redis when they start (worker/shard_crashes.py): the
+"""Runs that kill their process are counted in Redis when they start (worker/shards/shard_crashes.py): the
 shard is split down to the row that kills it, which alone becomes `worker_crashed`."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import signal
 
 import redis
 
-from jobs.formats.output import OutputRow
-from jobs.formats.rows import Row
-from jobs.sampling import JobSampling
-from worker.shard_crashes import CrashHistory, ShardCrashes, run_split
+from bulkinfer.jobs.formats.output import OutputRow
+from bulkinfer.jobs.formats.rows import Row
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.worker.shards.shard_crashes import CrashHistory, ShardCrashes, run_split
 
 NAMESPACE = "crash-test"
 
@@ -88,7 +88,7 @@ def test_runs_that_end_in_python_are_not_crashes(redis_url: str) -> None:
     for _ in range(3):
         try:
             with crashes.delivery(), crashes.running("0-2"):
-                raise RuntimeError("an exception is an attempt (worker/task_attempts.py), not a crash")
+                raise RuntimeError("an exception is an attempt (worker/shards/task_attempts.py), not a crash")
         except RuntimeError:
             pass
     assert crashes.history() == CrashHistory(whole=0, split_after=1)

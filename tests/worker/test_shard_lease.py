@@ -10,8 +10,8 @@ from pathlib import Path
 
 import redis
 
+from bulkinfer.worker.shards.shard_lease import ShardLease
 from tests.worker.test_redis_loss import RestartableRedis
-from worker.shard_lease import ShardLease
 
 
 def never() -> bool:

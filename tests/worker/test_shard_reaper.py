@@ -7,20 +7,20 @@ import time
 
 import pytest
 
-from jobs.fair_queue import FairQueue
-from jobs.names import shard_lease_key as lease_key
-from jobs.names import shards_started_key as started_key
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.fair_queue import FairQueue
+from bulkinfer.jobs.names import shard_lease_key as lease_key
+from bulkinfer.jobs.names import shards_started_key as started_key
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.process.tasks import broker_ticket_count, send_ticket
+from bulkinfer.worker.shards import shard_resend
+from bulkinfer.worker.shards.job_lifecycle import plan_job
+from bulkinfer.worker.shards.shard_lease import ShardLease
+from bulkinfer.worker.shards.shard_reaper import reap_lost_tickets, reap_once
 from tests.fixtures.services import RedisServer, celery_worker
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
 from tests.worker.conftest import Pipeline
-from worker import shard_resend
-from worker.context import WorkerContext
-from worker.job_lifecycle import plan_job
-from worker.shard_lease import ShardLease
-from worker.shard_reaper import reap_lost_tickets, reap_once
-from worker.tasks import broker_ticket_count, send_ticket
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -44,7 +44,8 @@ def test_a_shard_whose_worker_was_killed_is_resent_and_the_job_succeeds(
                    shard_size=rows)
     repository = pipeline.repository
     queues = "bulkinfer.control,bulkinfer.model.tiny"
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=queues,
+                       pool="threads",
                        concurrency=2, ready_timeout=120) as worker_a:
         job_id = pipeline.submit(spec)
         layout = repository.layout(job_id)
@@ -56,7 +57,8 @@ def test_a_shard_whose_worker_was_killed_is_resent_and_the_job_succeeds(
     assert not repository.store.exists(layout.shard_result_key(0)), "the shard finished before the kill"
     assert repository.get(job_id).state == JobState.RUNNING
     started = time.monotonic()
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=queues, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=queues,
+                       pool="threads",
                        concurrency=2, ready_timeout=120):
         status = pipeline.wait_for_end(job_id, timeout=300)
     assert status.state == JobState.SUCCEEDED, status.error
@@ -238,7 +240,8 @@ def test_a_job_created_but_never_queued_is_planned_by_the_reaper(
     pipeline, env = parts
     spec, ids = small_job(pipeline, "orphan.jsonl")
     job_id = pipeline.repository.create(spec).job_id  # the API died before sending plan_job
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
+                       pool="threads",
                        concurrency=2, ready_timeout=120):
         started = time.monotonic()
         pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
@@ -261,7 +264,8 @@ def test_a_planner_that_died_before_sending_every_shard_is_run_again(
     with pytest.raises(SystemExit):
         plan_job(WorkerContext(pipeline.settings), job_id, dies_after_the_first_shard)
     assert repository.get(job_id).state == JobState.RUNNING
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
+                       pool="threads",
                        concurrency=2, ready_timeout=120):
         pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
     assert_every_row_once(pipeline, job_id, ids)
@@ -277,13 +281,15 @@ def test_a_finalizer_that_died_is_run_again(parts: tuple[Pipeline, dict[str, str
              lambda job, index, queue: pipeline.client.send_task("bulkinfer.run_shard", args=[job, index],
                                                                  queue=queue))
     # A worker on the model queue only runs the shards; the finalize they send waits on the control queue.
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues="bulkinfer.model.tiny",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env,
+                       queues="bulkinfer.model.tiny",
                        pool="threads", concurrency=2, ready_timeout=120):
         wait_for(lambda: repository.get(job_id).shards.done == 3, 120, "every shard to be counted")
     # The finalizer took the message, moved the job to finalizing and was killed: the message is gone.
     repository.redis.delete("bulkinfer.control")
     repository.transition(job_id, JobState.FINALIZING)
-    with celery_worker("worker.celery_app", redis_server.url, env=env, queues=QUEUES, pool="threads",
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
+                       pool="threads",
                        concurrency=2, ready_timeout=120):
         pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
     assert_every_row_once(pipeline, job_id, ids)
@@ -294,7 +300,8 @@ def test_a_shard_that_fails_the_same_way_every_time_fails_the_job_with_the_reaso
     pipeline, env = parts
     # Outputs go to a bucket that does not exist: every attempt at writing shard parts fails alike.
     spec, _ = small_job(pipeline, "nowhere.jsonl", output_uri="s3://no-such-bucket/out/")
-    with celery_worker("worker.celery_app", redis_server.url, env={**env, "BULKINFER_MAX_TASK_ATTEMPTS": "2"},
+    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url,
+                       env={**env, "BULKINFER_MAX_TASK_ATTEMPTS": "2"},
                        queues=QUEUES, pool="threads", concurrency=2, ready_timeout=120):
         job_id = pipeline.submit(spec)
         status = pipeline.wait_for_end(job_id, timeout=120)
@@ -311,7 +318,8 @@ def test_a_job_completes_every_row_once_through_a_flaky_s3(
     plan = FaultPlan(["slowdown", "reset", "internal", "slow"], every=4, slow_s=0.5)
     with s3_fault_proxy(pipeline.s3.endpoint_url, plan) as proxy:
         flaky_env = {**env, "BULKINFER_S3_ENDPOINT_URL": proxy.endpoint_url}
-        with celery_worker("worker.celery_app", redis_server.url, env=flaky_env, queues=QUEUES,
+        with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=flaky_env,
+                           queues=QUEUES,
                            pool="threads", concurrency=2, ready_timeout=120):
             job_id = pipeline.submit(spec)
             status = pipeline.wait_for_end(job_id, timeout=180)
@@ -340,7 +348,7 @@ def test_a_shard_committed_but_not_counted_before_its_worker_died_is_counted_and
         parts: tuple[Pipeline, dict[str, str]]) -> None:
     from datetime import UTC, datetime
 
-    from jobs.results import PartFile, ShardResult, save_shard_result
+    from bulkinfer.jobs.state.results import PartFile, ShardResult, save_shard_result
 
     pipeline, _ = parts
     spec, _ = small_job(pipeline, "uncounted.jsonl", rows=2)  # one shard

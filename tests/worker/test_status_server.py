@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import httpx
 import redis
 
-from jobs.workers import live_workers
+from bulkinfer.jobs.workers import live_workers
+from bulkinfer.worker.process import engine_metrics, metrics
+from bulkinfer.worker.process.status_server import StatusServer
 from tests.fixtures.services import free_port
-from worker import metrics
-from worker.status_server import StatusServer
 
 FIGURES = {"num_running": 5, "num_waiting": 2, "kv_blocks_used": 40, "kv_blocks_total": 100,
            "prefix_cache_hit_rate": 0.75, "num_preemptions": 1, "num_steps": 9, "busy_time_s": 1.5,
@@ -51,7 +51,7 @@ def test_ready_only_once_loaded_with_engine_figures_and_a_heartbeat(redis_url: s
     hosts = StandInHosts()
     repository = SimpleNamespace(redis=client, namespace="bulkinfer")
     context = SimpleNamespace(hosts=hosts, repository=repository)
-    collector = metrics.EngineCollector(hosts.hosted)
+    collector = engine_metrics.EngineCollector(hosts.hosted)
     metrics.REGISTRY.register(collector)
     server = StatusServer(context, "w1@host", ["tiny"], free_port(), host="127.0.0.1").start()
     base = f"http://127.0.0.1:{server.port}"

@@ -7,8 +7,8 @@ import os
 import signal
 from pathlib import Path
 
-from engine import LLM, EngineConfig, LLMEngine, SamplingParams
-from worker.engine_host import EngineHost, EngineRequest
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.worker.hosts.engine_host import EngineHost, EngineRequest
 
 OPTIONS = dict(dtype="float32", num_kv_blocks=64, kv_populate_seconds=0)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)

@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 import redis
 
-from jobs.fair_queue import FairQueue
-from jobs.names import shards_started_key
-from jobs.settings import Settings
+from bulkinfer.jobs.fair_queue import FairQueue
+from bulkinfer.jobs.names import shards_started_key
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.worker.process import tasks
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.shards import shard_runner
+from bulkinfer.worker.transient import retry_delay_s
 from tests.fixtures.services import free_port, wait_until
 from tests.worker.test_transient import RecordingTask
-from worker import shard_runner, tasks
-from worker.context import WorkerContext
-from worker.transient import retry_delay_s
 
 QUEUE = "bulkinfer.model.tiny"
 

@@ -13,16 +13,16 @@ import redis
 from botocore.exceptions import ClientError, EndpointConnectionError
 from kombu.exceptions import OperationalError
 
-from jobs.object_store.local import LocalObjectStore
-from jobs.settings import Settings
-from jobs.spec import JobSpec
-from jobs.status import JobState
+from bulkinfer.jobs.object_store.local import LocalObjectStore
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.process.tasks import retry_published, run_step
+from bulkinfer.worker.shards.job_lifecycle import JobCannotRun, resolved_spec
+from bulkinfer.worker.transient import is_transient, retry_delay_s
 from tests.fixtures.services import S3Server, free_port
 from tests.support.small_disk import small_disk
-from worker.context import WorkerContext
-from worker.job_lifecycle import JobCannotRun, resolved_spec
-from worker.tasks import retry_published, run_step
-from worker.transient import is_transient, retry_delay_s
 
 
 def s3_error(code: str) -> ClientError:

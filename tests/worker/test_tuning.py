@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from jobs.model_registry import ModelRegistry
-from worker.model_hosts import ModelHosts
-from worker.tune_cli import tune_cli
-from worker.tuning import (
+from bulkinfer.engine.config import EngineConfig
+from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.worker.hosts.model_hosts import ModelHosts
+from bulkinfer.worker.tuning.tune_cli import tune_cli
+from bulkinfer.worker.tuning.tuned_settings import (
     DEFAULTS,
     MAX_NUM_BATCHED_TOKENS,
     MAX_NUM_SEQS,

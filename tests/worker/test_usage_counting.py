@@ -9,14 +9,14 @@ from datetime import timedelta
 import pytest
 import redis
 
-from jobs.object_store import LocalObjectStore
-from jobs.repository import JobRepository
-from jobs.sharding import plan_shards
-from jobs.spec import JobSpec
-from jobs.status import JobState
-from jobs.usage import usage_report
+from bulkinfer.jobs.object_store import LocalObjectStore
+from bulkinfer.jobs.planning.sharding import plan_shards
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.repository import JobRepository
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.jobs.state.usage import usage_report
+from bulkinfer.worker.shards.shard_runner import count_shard
 from tests.jobs.helpers import T0, run_shard
-from worker.shard_runner import count_shard
 
 
 class WorkerDied(BaseException):

@@ -10,15 +10,13 @@ import socket
 
 import pytest
 
-from jobs import webhooks
-from jobs.settings import Settings
-from jobs.spec import JobSpec
-from jobs.status import JobState
-from jobs.webhooks import destination_problem, redacted
-from tests.fixtures.services import free_port
-from tests.support.webhook_receiver import webhook_receiver
-from worker.context import WorkerContext
-from worker.webhook_delivery import (
+from bulkinfer.jobs import webhooks
+from bulkinfer.jobs.settings import Settings
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.status import JobState
+from bulkinfer.jobs.webhooks import destination_problem, redacted
+from bulkinfer.worker.process.context import WorkerContext
+from bulkinfer.worker.process.webhook_delivery import (
     RejectedDelivery,
     RetryableDelivery,
     deliver,
@@ -26,6 +24,8 @@ from worker.webhook_delivery import (
     notify_if_final,
     post,
 )
+from tests.fixtures.services import free_port
+from tests.support.webhook_receiver import webhook_receiver
 
 SECRET = "test-secret"
 

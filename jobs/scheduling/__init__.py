@@ -1,0 +1,1 @@
+"""Scheduled ETL: schedules (cron, input, job template) and their ticks."""

@@ -1,0 +1,185 @@
+"""Live job counters in Redis: rows, shards and tokens, each shard counted at most once.
+
+A Lua script adds a shard's numbers and records its index in one atomic step, so a shard
+reported twice (a task delivered again after a worker died) changes nothing the second time.
+Redis is not the truth: `rebuild_from_store` recomputes everything from the shard results (or
+the manifest) in the object store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from pydantic import BaseModel
+
+from bulkinfer.jobs.layout import JobLayout
+from bulkinfer.jobs.names import counted_shards_key, counts_key
+from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
+from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.state.manifest import Manifest
+from bulkinfer.jobs.state.results import ShardResult, TokenUsage, load_shard_results
+from bulkinfer.jobs.state.status import RowCounts, ShardCounts
+from bulkinfer.jobs.state.usage import UsageEntry
+
+# KEYS: counts hash, counted-shards set, and with usage: its bucket hash and the usage index set.
+# ARGV: shard index, the number of counter pairs, the counter field/increment pairs, then with usage:
+# its field/increment pairs, the bucket's TTL in seconds and the index member.
+# Returns 1 if applied, 0 if the shard was already counted, -1 if the counters do not exist.
+# Counting and usage are one step: a worker dying between two calls would count the shard (so no
+# later delivery adds it again) and lose its usage. (The usage keys are not in the job's hash slot:
+# on a Redis Cluster this script would need them tagged alike.)
+APPLY_SHARD_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
+local counter_end = 2 + 2 * tonumber(ARGV[2])
+for i = 3, counter_end, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
+if #KEYS == 4 then
+  for i = counter_end + 1, #ARGV - 2, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
+  redis.call('EXPIRE', KEYS[3], ARGV[#ARGV - 1])
+  redis.call('SADD', KEYS[4], ARGV[#ARGV])
+end
+return 1
+"""
+# KEYS: counts hash. ARGV: field/value pairs. Sets them only if the job has no counters yet.
+INITIALIZE_SCRIPT = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"""
+FIELDS = ("rows_total", "rows_succeeded", "rows_failed", "rows_deduplicated", "shards_total", "shards_done",
+          "tokens_prompt", "tokens_cached", "tokens_completion", "engine_ms")
+
+
+def engine_ms(usage: TokenUsage) -> int:
+    """Engine seconds as the integer milliseconds the counters add up (HINCRBY takes integers)."""
+    return round(usage.engine_seconds * 1000)
+
+
+class CountersMissing(RuntimeError):
+    """Redis has no counters for the job (never initialized, or lost): rebuild them."""
+
+
+class CounterSnapshot(BaseModel):
+    rows: RowCounts
+    shards: ShardCounts
+    usage: TokenUsage
+
+    @classmethod
+    def from_results(cls, plan: Sequence[ShardPlan], results: Sequence[ShardResult]) -> CounterSnapshot:
+        """Shards not done yet count their planned rows toward the total."""
+        done = {result.shard_index: result for result in results}
+        total = sum(done[shard.index].rows if shard.index in done else shard.estimated_rows for shard in plan)
+        usage = sum((result.usage for result in done.values()), TokenUsage())
+        return cls(rows=RowCounts(total=total, succeeded=sum(r.rows_succeeded for r in done.values()),
+                                  failed=sum(r.rows_failed for r in done.values()),
+                                  deduplicated=sum(r.rows_deduplicated for r in done.values())),
+                   shards=ShardCounts(done=len(done), total=len(plan)), usage=usage)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> CounterSnapshot:
+        shard_count = len(manifest.parts)
+        return cls(rows=manifest.rows, shards=ShardCounts(done=shard_count, total=shard_count),
+                   usage=manifest.usage)
+
+    def as_fields(self) -> dict[str, int]:
+        return {"rows_total": self.rows.total, "rows_succeeded": self.rows.succeeded,
+                "rows_failed": self.rows.failed, "rows_deduplicated": self.rows.deduplicated,
+                "shards_total": self.shards.total,
+                "shards_done": self.shards.done,
+                "tokens_prompt": self.usage.prompt, "tokens_cached": self.usage.cached,
+                "tokens_completion": self.usage.completion, "engine_ms": engine_ms(self.usage)}
+
+
+class JobCounters:
+    def __init__(self, client: redis.Redis, job_id: str, namespace: str = "bulkinfer") -> None:
+        self.client = client
+        # The {job_id} hash tag keeps both keys in one Redis Cluster slot, as Lua requires.
+        self.counts_key = counts_key(namespace, job_id)
+        self.counted_key = counted_shards_key(namespace, job_id)
+        self._apply = client.register_script(APPLY_SHARD_SCRIPT)
+        self._initialize = client.register_script(INITIALIZE_SCRIPT)
+
+    def initialize(self, plan: Sequence[ShardPlan]) -> bool:
+        """Start counting a planned job; a second call (a retried submit) changes nothing."""
+        arguments: list[str | int] = []
+        for name, value in CounterSnapshot.from_results(plan, []).as_fields().items():
+            arguments += [name, value]
+        return bool(self._initialize(keys=[self.counts_key], args=arguments))
+
+    def apply_shard(self, result: ShardResult, usage: UsageEntry | None = None) -> bool:
+        """Add a finished shard's counts, and `usage` to its tenant's and model's bucket in the same
+        atomic step; False (and nothing added) if this shard was counted before.
+
+        Raises `CountersMissing` if Redis has no counters for the job (rebuild, then retry).
+        """
+        increments = {
+            "rows_total": result.rows - result.planned_rows,  # the estimate becomes the real count
+            "rows_succeeded": result.rows_succeeded, "rows_failed": result.rows_failed,
+            "rows_deduplicated": result.rows_deduplicated, "shards_done": 1,
+            "tokens_prompt": result.usage.prompt, "tokens_cached": result.usage.cached,
+            "tokens_completion": result.usage.completion, "engine_ms": engine_ms(result.usage),
+        }
+        arguments: list[str | int] = [result.shard_index, len(increments)]
+        for name, value in increments.items():
+            arguments += [name, value]
+        keys = [self.counts_key, self.counted_key]
+        if usage is not None:
+            keys += [usage.bucket_key, usage.index_key]
+            for name, value in usage.increments.items():
+                arguments += [name, value]
+            arguments += [usage.ttl_s, usage.index_member]
+        applied = int(self._apply(keys=keys, args=arguments))
+        if applied < 0:
+            raise CountersMissing(f"no counters at {self.counts_key}")
+        return applied == 1
+
+    def read(self) -> CounterSnapshot:
+        """The live counts; raises `CountersMissing` when Redis has none."""
+        raw = self.client.hgetall(self.counts_key)
+        if not raw:
+            raise CountersMissing(f"no counters at {self.counts_key}")
+        values = {key.decode() if isinstance(key, bytes) else key: int(value) for key, value in raw.items()}
+        values = {name: values.get(name, 0) for name in FIELDS}
+        return CounterSnapshot(
+            rows=RowCounts(total=values["rows_total"], succeeded=values["rows_succeeded"],
+                           failed=values["rows_failed"], deduplicated=values["rows_deduplicated"]),
+            shards=ShardCounts(done=values["shards_done"], total=values["shards_total"]),
+            usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],
+                             completion=values["tokens_completion"],
+                             engine_seconds=values["engine_ms"] / 1000))
+
+    def replace(self, snapshot: CounterSnapshot, counted_shards: Sequence[int]) -> None:
+        """Set the counters and the counted-shard set together, atomically (MULTI/EXEC)."""
+        with self.client.pipeline(transaction=True) as pipeline:
+            pipeline.delete(self.counts_key, self.counted_key)
+            pipeline.hset(self.counts_key, mapping=snapshot.as_fields())
+            if counted_shards:
+                pipeline.sadd(self.counted_key, *counted_shards)
+            pipeline.execute()
+
+    def rebuild_from_store(self, store: ObjectStore, layout: JobLayout,
+                           plan: Sequence[ShardPlan]) -> CounterSnapshot:
+        """Recompute the counters from the manifest if the job has one, else from shard results.
+
+        Safe while workers run: workers save a shard's result before applying it, so a shard that
+        applied while we rebuilt has its result in the store, and the second pass below (a no-op
+        for shards already counted) puts it back.
+        """
+        try:
+            manifest = Manifest.model_validate_json(store.get_bytes(layout.manifest_key))
+        except ObjectNotFound:
+            results = load_shard_results(store, layout)
+            snapshot = CounterSnapshot.from_results(plan, results)
+            counted = [result.shard_index for result in results]
+        else:
+            counted = [part.shard_index for part in manifest.parts]
+            self.replace(CounterSnapshot.from_manifest(manifest), counted)
+            return self.read()
+        self.replace(snapshot, counted)
+        for result in load_shard_results(store, layout):
+            self.apply_shard(result)
+        return self.read()
+
+    def delete(self) -> None:
+        self.client.delete(self.counts_key, self.counted_key)

@@ -1,0 +1,365 @@
+"""Between a job's rows and the engine, both ways: row -> engine request -> output row.
+
+- Rows in: a row's prompt becomes token ids (`PromptRenderer`: completion prompts encoded as the
+  engine encodes text, chat messages through the model's chat template), its merged sampling and
+  `response_format` become `engine.SamplingParams` (`engine_sampling`: every job knob has an engine
+  field of the same name, vLLM's; a `json_schema` format becomes the engine's `json_schema`, a
+  `json_object` one `True`), and a batch of rows is readied for the engine (`PreparedBatch`).
+- Rows out: an engine `RequestOutput` becomes a job `OutputRow` (`output_row`: one choice per
+  sample, logprobs in the jobs' form), and an engine rejection the row error its `error_kind` maps
+  to (`ROW_CODES`: the one table between the engine's codes and the jobs').
+- In between: `EngineRun` submits a batch to a hosted engine, waits, and collects every row's
+  outcome in input order; the shard runner (`worker/hosts/row_window.py`, a window of rows at a time) and
+  `bulkinfer run` both go through it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from bulkinfer.engine import ErrorKind, LoRARequest, RequestOutput, SamplingParams, SamplingParamsError
+from bulkinfer.engine.chat import ChatTemplateError, chat_token_ids
+from bulkinfer.engine.token_bytes import TokenBytes
+from bulkinfer.jobs.formats.output import (
+    Choice,
+    OutputRow,
+    PositionLogprobs,
+    PromptLogprobs,
+    TokenLogprob,
+    expired_row,
+)
+from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.response_format import engine_response_format
+from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.worker.hosts.engine_host import LORA_REFUSED, EngineRequest, Submission
+from bulkinfer.worker.hosts.lora_requests import AdapterRefused
+from bulkinfer.worker.process import metrics
+
+if TYPE_CHECKING:
+    from bulkinfer.worker.hosts.lora_requests import AdapterRequests
+    from bulkinfer.worker.hosts.model_hosts import HostedModel
+
+ENGINE_FIELDS = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+# The row error code of each way the engine refuses or fails a request (engine/errors.py): the one
+# table between the engine's codes and the jobs' (its messages are for people, never parsed).
+ROW_CODES = {
+    ErrorKind.PROMPT_TOO_LONG: RowErrorCode.PROMPT_TOO_LONG,
+    ErrorKind.EMPTY_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_PROMPT: RowErrorCode.INVALID_ROW,
+    ErrorKind.INVALID_SAMPLING: RowErrorCode.INVALID_SAMPLING,
+    ErrorKind.STRUCTURED_OUTPUT: RowErrorCode.INVALID_RESPONSE_FORMAT,  # e.g. a schema that does not compile
+    ErrorKind.NON_FINITE_LOGITS: RowErrorCode.ENGINE_ERROR,
+    ErrorKind.ENGINE_FAILURE: RowErrorCode.ENGINE_ERROR,
+}
+
+
+class RowRejected(ValueError):
+    """The worker cannot run this row; becomes the row's error with `code`."""
+
+    def __init__(self, code: RowErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | None = None) -> SamplingParams:
+    """The engine's params for a row's merged sampling and response_format; raises `RowRejected`."""
+    settings = sampling.as_dict()
+    unknown = sorted(set(settings) - ENGINE_FIELDS)
+    if unknown:  # a job knob this engine build lacks: refused by name, never dropped
+        raise RowRejected(RowErrorCode.INVALID_SAMPLING, f"{unknown[0]} is not supported by this engine")
+    params = SamplingParams(**settings, json_schema=engine_json_schema(response_format))
+    try:  # early, so the row is refused before it is rendered; the engine's own check is the same
+        params.validate()
+    except SamplingParamsError as error:
+        raise RowRejected(engine_error_code(error.kind), str(error)) from None
+    return params
+
+
+def engine_json_schema(response_format: dict[str, Any] | None) -> dict[str, Any] | bool | None:
+    """A row's response_format (the OpenAI wire shape `bulkinfer.jobs.response_format` gives) as the engine's
+    `json_schema`: the schema dict, True for any JSON object, None for plain text."""
+    if response_format is None or response_format.get("type") == "text":
+        return None
+    if response_format.get("type") == "json_object":
+        return True
+    if response_format.get("type") == "json_schema":
+        return response_format["json_schema"]["schema"]
+    raise RowRejected(RowErrorCode.INVALID_RESPONSE_FORMAT,
+                      f"response_format type {response_format.get('type')!r} is not supported")
+
+
+def job_response_format_problem(spec: JobSpec) -> str | None:
+    """Why the job's own response_format can never compile, as `response_format: <reason>` (checked
+    once, without a model, at plan and before `bulkinfer run`), or None. Rows' own formats are
+    still checked by the engine, row by row."""
+    try:
+        schema = engine_json_schema(engine_response_format(spec.response_format))
+    except RowRejected as rejected:
+        return f"response_format: {rejected}"
+    if schema is None:
+        return None
+    from bulkinfer.engine.structured_output import StructuredSpec, check_spec  # xgrammar: only when used
+
+    try:
+        check_spec(StructuredSpec.json_schema(schema))
+    except ValueError as error:  # GrammarError, or a schema that is not a dict
+        return f"response_format: {error}"
+    return None
+
+
+class PromptRenderer:
+    """Turns rows into prompt token ids with the model's tokenizer.
+
+    Completion prompts are encoded exactly as `LLMEngine` encodes text (`tokenizer.encode`), so a
+    row gives the same tokens as the offline `LLM`. Chat messages go through
+    `bulkinfer.engine.chat.render_chat` (the tokenizer's chat template, or ChatML when it has none) and are
+    encoded without adding special tokens again (the template places them). A lock guards the tokenizer: the
+    Rust tokenizer is not safe to share between threads.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
+        self._tokenizer = tokenizer
+        self._lock = threading.Lock()
+        self._token_bytes: TokenBytes | None = None  # built for the first row that scores its prompt
+
+    def token_text(self, token_id: int) -> tuple[str, list[int]]:
+        """A token's text and exact bytes, as the engine's logprobs give them."""
+        with self._lock:
+            if self._token_bytes is None:
+                self._token_bytes = TokenBytes(self._tokenizer)
+            return self._token_bytes.get(token_id)
+
+    def token_ids(self, row: Row) -> list[int]:
+        """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
+        with self._lock:
+            try:
+                if row.messages is None:
+                    return list(self._tokenizer.encode(row.prompt or ""))
+                return chat_token_ids(self._tokenizer, row.messages)
+            except ChatTemplateError as error:
+                raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
+            except Exception as error:  # noqa: BLE001 - a tokenizer may raise anything on odd text
+                raise RowRejected(RowErrorCode.TOKENIZE_ERROR, "the model's tokenizer failed on this row: "
+                                  f"{type(error).__name__}: {str(error)[:200]}") from None
+
+
+def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
+    """The row error code for an engine rejection or failure, from its `error_kind`."""
+    if kind == LORA_REFUSED:
+        return RowErrorCode.INVALID_LORA
+    try:
+        return ROW_CODES[ErrorKind(kind)] if kind is not None else RowErrorCode.ENGINE_ERROR
+    except (ValueError, KeyError):  # a kind this worker does not know yet
+        return RowErrorCode.ENGINE_ERROR
+
+
+FAILED = ("error", "abort")
+# Distinct deterministic rows one run (a shard) remembers for deduplication (~120 B each); rows past
+# it still run, only without being merged with later identical ones.
+MAX_REMEMBERED_REQUESTS = 200_000
+
+
+@dataclass(frozen=True)
+class PreparedRow:
+    position: int  # in the batch's input order
+    row: Row
+    request: EngineRequest
+
+
+def deterministic(params: SamplingParams) -> bool:
+    """Whether a request gives the same output every time it runs: greedy, or an explicit seed."""
+    return params.temperature == 0 or params.seed is not None
+
+
+def request_key(request: EngineRequest) -> str:
+    """Two requests with the same key compute the same output (when `deterministic`)."""
+    params = json.dumps(dataclasses.asdict(request.params), sort_keys=True, default=repr)
+    lora = request.lora_request
+    return f"{list(request.prompt)!r}|{params}" + (f"|lora:{lora.lora_name}" if lora is not None else "")
+
+
+def request_digest(request: EngineRequest) -> bytes:
+    """`request_key` in 16 bytes: what a run remembers per distinct row."""
+    return hashlib.sha256(request_key(request).encode("utf-8", "surrogatepass")).digest()[:16]
+
+
+def row_adapter(row: Row, adapters: AdapterRequests | None) -> LoRARequest | None:
+    """The row's LoRA adapter for the engine (None: the base); raises `AdapterRefused`."""
+    if row.lora is None:
+        return None
+    if adapters is None:
+        raise AdapterRefused(RowErrorCode.INVALID_LORA, "this model is hosted without LoRA adapters")
+    return adapters.for_row(row)
+
+
+class PreparedBatch:
+    """A batch of rows readied for the engine: the outcomes of rows that cannot run (a read error, a
+    rejected sampling or prompt), and a request for each of the rest.
+
+    With `deduplicate`, rows whose rendered prompt and sampling are identical and deterministic
+    (greedy or seeded) share one request: the first such row runs, every later one gets its output
+    under its own id and passthrough columns (`OutputRow.deduplicated`). Rows sampled at random
+    without a seed always run on their own.
+    """
+
+    def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
+                 deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
+                 cache_salt: str | None = None, adapters: AdapterRequests | None = None) -> None:
+        self._outputs: list[OutputRow | None] = [None] * len(items)
+        self._renderer = renderer
+        prepared: list[PreparedRow] = []
+        self._copies: list[tuple[int, Row, int]] = []  # (position, row, position of the row it copies)
+        # Rows copying a row of an earlier batch of the same run: (position, row, that row's run position).
+        self._earlier_copies: list[tuple[int, Row, int]] = []
+        # request digest -> run position of the row that runs it; shared by a run's batches (`offset`:
+        # this batch's first run position), so a row identical to one of an earlier batch runs once too.
+        first_of = {} if known is None else known
+        for position, item in enumerate(items):
+            if isinstance(item, RowError):
+                self._outputs[position] = OutputRow.from_error(item)
+                continue
+            try:
+                params = engine_sampling(item.sampling, item.response_format)
+                lora = row_adapter(item, adapters)
+                request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt, lora)
+            except (RowRejected, AdapterRefused) as rejected:
+                self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
+                continue
+            if deduplicate and deterministic(params):
+                digest = request_digest(request)
+                source = first_of.get(digest)
+                if source is not None and source >= offset:
+                    self._copies.append((position, item, source - offset))
+                    continue
+                if source is not None:
+                    self._earlier_copies.append((position, item, source))
+                    continue
+                if len(first_of) < MAX_REMEMBERED_REQUESTS:
+                    first_of[digest] = offset + position
+            prepared.append(PreparedRow(position, item, request))
+        # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
+        prepared.sort(key=lambda entry: list(entry.request.prompt))
+        self._prepared = prepared
+
+    @property
+    def requests(self) -> list[EngineRequest]:
+        """What to submit, in the order `outputs` takes the results back."""
+        return [entry.request for entry in self._prepared]
+
+    def outputs(self, results: Sequence[RequestOutput], expired: bool = False,
+                earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
+        """Every row's outcome in input order, given the engine's results for `requests`
+        (`expired`: the rows were aborted because the job's deadline passed; `earlier`: the
+        outcomes of the run's earlier batches, by run position, for rows that copy one of them)."""
+        outputs = list(self._outputs)
+        result_at: dict[int, RequestOutput] = {}
+        lora_at: dict[int, str | None] = {}
+        for entry, result in zip(self._prepared, results, strict=True):
+            lora = entry.request.lora_request.lora_name if entry.request.lora_request is not None else None
+            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer, lora)
+            result_at[entry.position], lora_at[entry.position] = result, lora
+        for position, row, source in self._copies:
+            copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source])
+            outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
+                                                    drafted_per_position=(), accepted_per_position=())
+        for position, row, source in self._earlier_copies:
+            outputs[position] = dataclasses.replace(earlier[source], index=row.index, row_id=row.row_id,
+                                                    passthrough=row.passthrough, line=row.line,
+                                                    echo_prompt=row.prompt if row.echo else None,
+                                                    deduplicated=True, engine_seconds=0.0,
+                                                    drafted_per_position=(), accepted_per_position=())
+        return [output for output in outputs if output is not None]
+
+
+def output_row(row: Row, result: RequestOutput, expired: bool = False,
+               renderer: PromptRenderer | None = None, lora: str | None = None) -> OutputRow:
+    """The row's outcome: every sample as a choice, or the engine's error when any sample failed
+    (a grammar that does not compile fails them all; an aborted request aborts them all, and is
+    `expired` when the job's deadline aborted it). `renderer` names the first prompt token of a
+    row that scored its prompt; `lora`: the adapter it ran on, for its usage."""
+    outputs = list(getattr(result, "outputs", None) or [])
+    reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
+    failed = next((reason for reason in reasons if reason in FAILED), None)
+    if failed == "abort" and expired:
+        return expired_row(row)
+    if failed is not None:
+        message = result.error or ("aborted by the worker" if failed == "abort" else "the engine failed")
+        return OutputRow.engine_failed(row, engine_error_code(result.error_kind), message)
+    if outputs:
+        choices = [Choice(out.index, out.text, out.finish_reason or "stop", _logprobs(out.logprobs),
+                          stop_reason=out.stop_reason)
+                   for out in sorted(outputs, key=lambda out: out.index)]
+    else:  # an engine that reports one sample only on the request itself
+        choices = [Choice(0, result.text, result.finish_reason or "stop")]
+    metrics_ = getattr(result, "metrics", None)
+    drafted = tuple(getattr(metrics_, "spec_drafted_per_position", ()))
+    accepted = tuple(getattr(metrics_, "spec_accepted_per_position", ()))
+    completed = OutputRow.with_choices(row, choices, prompt_tokens=result.num_prompt_tokens,
+                                       cached_tokens=result.num_cached_tokens,
+                                       completion_tokens=result.num_completion_tokens,
+                                       engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
+                                       drafted_per_position=drafted, accepted_per_position=accepted,
+                                       prompt_logprobs=_prompt_logprobs(result, renderer))
+    return dataclasses.replace(completed, lora=lora) if lora is not None else completed
+
+
+def _prompt_logprobs(result: RequestOutput, renderer: PromptRenderer | None) -> PromptLogprobs | None:
+    scored = getattr(result, "prompt_logprobs", None)
+    if scored is None or not result.prompt_token_ids:
+        return None
+    first = result.prompt_token_ids[0]
+    text, raw = renderer.token_text(first) if renderer is not None else ("", [])
+    return PromptLogprobs(first, text, raw, _logprobs(scored[1:]) or [])
+
+
+def _logprobs(positions: Sequence | None) -> list[PositionLogprobs] | None:
+    if positions is None:
+        return None
+    return [PositionLogprobs(_token(position.chosen), [_token(entry) for entry in position.top])
+            for position in positions]
+
+
+def _token(entry) -> TokenLogprob:  # noqa: ANN001 - bulkinfer.engine.outputs.TokenLogprob
+    return TokenLogprob(entry.token_id, entry.token, float(entry.logprob), list(entry.bytes))
+
+
+class EngineRun:
+    """A batch of rows in a hosted engine: readied as `PreparedBatch` readies rows, the runnable
+    ones submitted at once; `outputs()` gives every row's outcome in input order when done."""
+
+    def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
+                 deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
+                 cache_salt: str | None = None) -> None:
+        self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, known, offset,
+                                       cache_salt=cache_salt, adapters=hosted.adapters)
+        self.rows = len(items)
+        self._model = hosted.name
+        requests = self._prepared.requests
+        self.submission: Submission | None = hosted.host.submit(requests) if requests else None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the engine is done with every row (at once when none could run)."""
+        return self.submission is None or self.submission.wait(timeout)
+
+    def outputs(self, expired: bool = False, earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
+        """Every row's outcome in input order; raises `EngineUnavailable` if the engine died.
+        `expired`: the run was aborted at the job's deadline (aborted rows become `expired`);
+        `earlier`: the outcomes of the batches before this one (see `PreparedBatch.outputs`)."""
+        if self.submission is None:
+            return self._prepared.outputs([], earlier=earlier)
+        self.submission.wait()
+        results = self.submission.results()
+        metrics.record_requests(self._model, results)
+        return self._prepared.outputs(results, expired, earlier)
+
+    def abort(self) -> None:
+        """Stop every row still in the engine (their outcomes say so)."""
+        if self.submission is not None:
+            self.submission.abort()

@@ -1,0 +1,2 @@
+"""Model files on this machine: the model cache, the catalog of real models, GGUF import and `bulkinfer
+models`."""

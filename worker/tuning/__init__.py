@@ -1,0 +1,1 @@
+"""`bulkinfer tune`: engine settings measured for one model on one machine."""
