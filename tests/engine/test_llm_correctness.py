@@ -268,7 +268,9 @@ def test_decode_rows_share_an_instruction_only_where_it_pays(checkpoint_factory,
     instruction = [rng.randrange(5, 2048) for _ in range(160)]
     prompts = [instruction + [rng.randrange(5, 2048) for _ in range(1 + i % 9)] for i in range(24)]
     # The eager path's plan (a GPU's default fixed-shape decode steps never group rows).
-    llm = LLM(model=model_dir, device=TEST_DEVICE, num_kv_blocks=512, dtype=dtype, decode_graphs=False)
+    # Shared-prefix decode groups are a fast path batch invariance (on by default on CPU) turns off.
+    llm = LLM(model=model_dir, device=TEST_DEVICE, num_kv_blocks=512, dtype=dtype, decode_graphs=False,
+              batch_invariant=False)
     backend = llm.engine.model.layers[0].self_attn.backend
     config = llm.engine.model.config
     queries_per_kv_head = config.num_heads // config.num_kv_heads
