@@ -80,8 +80,8 @@ class NativeDecode:
         self.dtype = model.embed_tokens.weight.dtype
         self.layers = (_Layer * config.num_layers)()
         # Keep what the table points to alive with the model (the packed weights already are; the
-        # sparse layers' tables are kept here).
-        self._moe_tables: list[ctypes.Structure | ctypes.Array] = []
+        # sparse layers' and the LoRA slots' tables are kept here).
+        self._tables: list[ctypes.Structure | ctypes.Array] = []
         self.sparse = None  # a sparse layer's block, for the step's MoE shapes (None: all dense)
         # float64 [2]: where set, each step adds its sparse layers' routing and expert seconds to it
         # (benchmarks/moe_profile.py).
@@ -119,7 +119,7 @@ class NativeDecode:
                     continue
                 table = _Lora(a=found.packed_a.data_ptr(), b=found.packed_b.data_ptr(),
                               widths=found.packed_widths.data_ptr())
-                self._moe_tables.append(table)  # kept alive with the model, like the MoE tables
+                self._tables.append(table)
                 setattr(entry, f"{name}_lora", ctypes.pointer(table))
         self.has_lora = True
         return True
@@ -134,7 +134,7 @@ class NativeDecode:
             table.shared_gate_up = block.shared_expert.gate_up_proj.row_weight.data_ptr()
             table.shared_down = block.shared_expert.down_proj.row_weight.data_ptr()
             table.shared_gate = block.shared_expert_gate.row_weight.data_ptr()
-        self._moe_tables += [gate_up, down, table]
+        self._tables += [gate_up, down, table]
         return table
 
     @staticmethod
