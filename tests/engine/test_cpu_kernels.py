@@ -642,7 +642,7 @@ def test_row_kernel_matches_a_matmul(row_kernels: CpuKernels, monkeypatch, out_f
         weight = (torch.randn(out_features, in_features, generator=generator) / 8).to(dtype)
         b = torch.randn(out_features, generator=generator).to(dtype) if bias else None
         packed = row_kernels.pack_row_gemm(weight)
-        for rows in (1, 5, 12, 13, 16, 17, 31, 32, 33, 70):
+        for rows in (1, 5, 12, 13, 16, 17, 31, 32, 33, 70, 128, 150):  # from 128 rows: the prefill order
             x = torch.randn(rows, in_features, generator=generator).to(dtype)
             expected = x.float() @ weight.float().T + (b.float() if b is not None else 0)
             ours = row_kernels.row_gemm(x, packed, out_features, b)
@@ -663,7 +663,7 @@ def test_row_kernel_gives_bf16_rows_fp32_sums_for_logits(build, name: str, bias:
     weight = (torch.randn(1000, 576, generator=generator) / 8).bfloat16()
     b = torch.randn(1000, generator=generator).bfloat16() if bias else None
     packed = row_kernels.pack_row_gemm(weight)
-    for rows in (1, 7, 16, 17, 33, 70):
+    for rows in (1, 7, 16, 17, 33, 70, 140):
         x = torch.randn(rows, 576, generator=generator).bfloat16()
         logits = row_kernels.row_gemm(x, packed, 1000, b, fp32_out=True)
         expected = x.float() @ weight.float().T + (b.float() if b is not None else 0)
@@ -684,7 +684,7 @@ def test_row_kernel_gives_a_row_the_same_bits_whatever_else_is_in_the_batch(row_
         packed = row_kernels.pack_row_gemm(weight)
         row = torch.randn(1, 576, generator=generator).to(dtype)
         alone = row_kernels.row_gemm(row, packed, 200, None)
-        for rows, at in ((2, 0), (13, 12), (40, 17), (300, 299)):
+        for rows, at in ((2, 0), (13, 12), (40, 17), (128, 0), (300, 299), (300, 140)):
             batch = torch.randn(rows, 576, generator=generator).to(dtype)
             batch[at] = row[0]
             in_batch = row_kernels.row_gemm(batch, packed, 200, None)[at]
