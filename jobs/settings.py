@@ -57,6 +57,7 @@ ENVIRONMENT_NAMES = {
     "dtype": "BULKINFER_DTYPE",
     "speculative_config": "BULKINFER_SPECULATIVE_CONFIG",
     "tensor_parallel_size": "BULKINFER_TENSOR_PARALLEL_SIZE",
+    "batch_invariant": "BULKINFER_BATCH_INVARIANT",
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
@@ -133,6 +134,9 @@ class Settings(BaseModel):
     # Ranks (devices) each engine spans (tensor parallel), over engine_options' own; None: as
     # engine_options say (default 1).
     tensor_parallel_size: int | None = Field(None, ge=1)
+    # A row's output bitwise independent of the rows sharing its steps (engine/config.py). None: the
+    # engine's default (on for CPU, off on a GPU); over engine_options' own.
+    batch_invariant: bool | None = None
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
@@ -345,13 +349,15 @@ class Settings(BaseModel):
         return bool(AdapterRegistry.parse(self.lora_adapters))
 
     def engine_options_dict(self) -> dict[str, Any]:
-        """`engine_options` with the `dtype`, `speculative_config`, `tensor_parallel_size` and LoRA
-        settings over its own, when set."""
+        """`engine_options` with the `dtype`, `speculative_config`, `tensor_parallel_size`,
+        `batch_invariant` and LoRA settings over its own, when set."""
         options = json.loads(self.engine_options) if self.engine_options else {}
         if self.speculative_config:
             options["speculative_config"] = json.loads(self.speculative_config)
         if self.tensor_parallel_size is not None:
             options["tensor_parallel_size"] = self.tensor_parallel_size
+        if self.batch_invariant is not None:
+            options["batch_invariant"] = self.batch_invariant
         if self.enable_lora is not None or self.lora_enabled:
             options["enable_lora"] = self.lora_enabled
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):

@@ -23,6 +23,8 @@ HELP = {
              "else fp32) | float32 | bfloat16 | float16",
     "tensor_parallel_size": "devices (ranks) each engine spans, its model split across them "
                             "(tensor parallel)",
+    "batch_invariant": "true: a row's tokens and logprobs are bitwise those it gets alone, whatever shares "
+                       "its steps (default: on for CPU, off on a GPU)",
     "model_cache": "where s3:// models are downloaded",
     "shard_lease_ttl_s": "shard lease TTL in seconds",
     "reaper_interval_s": "seconds between reaper ticks (re-sending steps whose worker died)",
@@ -87,7 +89,7 @@ KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_
                      "kv_store_cache_dir", "kv_store_cache_bytes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
-                   "speculative_config", "tensor_parallel_size",
+                   "speculative_config", "tensor_parallel_size", "batch_invariant",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "crash_split_after",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job", "dedup_max_keys",

@@ -227,3 +227,22 @@ def test_kv_blocks_live_in_the_job_store_unless_kv_store_uri_says_elsewhere_with
         add_settings_arguments(parser, fields)
         parsed = settings_from_args(parser.parse_args(["--kv-store", "on", "--kv-store-uri", str(tmp_path)]))
         assert parsed.kv_store_enabled(deployment=False) and parsed.kv_store_location == str(tmp_path)
+
+
+def test_a_deployment_can_turn_batch_invariance_off_or_on_from_flag_or_environment() -> None:
+    """Off gives back its cost on CPU; on asks for it on a GPU (where the engine's default is off)."""
+    options = '{"batch_invariant": true, "max_num_seqs": 8}'
+    settings = Settings.from_env({"BULKINFER_ENGINE_OPTIONS": options, "BULKINFER_BATCH_INVARIANT": "false"})
+    assert settings.engine_options_dict() == {"batch_invariant": False, "max_num_seqs": 8}
+    assert "batch_invariant" not in Settings.from_env({}).engine_options_dict()  # the engine decides
+    with pytest.raises(ConfigError, match="BULKINFER_BATCH_INVARIANT: Input should be a valid boolean"):
+        Settings.from_env({"BULKINFER_BATCH_INVARIANT": "sometimes"})
+    from bulkinfer.jobs.settings_args import WORKER_SETTINGS
+    from bulkinfer.worker.hosts.model_hosts import engine_options
+    from bulkinfer.worker.run.run_cli import RUN_SETTINGS
+
+    for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run`
+        parser = argparse.ArgumentParser()
+        add_settings_arguments(parser, fields)
+        parsed = settings_from_args(parser.parse_args(["--batch-invariant", "true"]))
+        assert engine_options(parsed.engine_options_dict())["batch_invariant"] is True

@@ -25,7 +25,7 @@ from bulkinfer.jobs.spec import InputFormat, JobSpec, check_user_spec, validatio
 from bulkinfer.jobs.task_args import TASK_FIELDS, add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "tensor_parallel_size",
-                "model_cache", "s3_endpoint_url", *LORA_SETTINGS, *KV_STORE_SETTINGS)
+                "batch_invariant", "model_cache", "s3_endpoint_url", *LORA_SETTINGS, *KV_STORE_SETTINGS)
 FORMATS = [value.value for value in InputFormat]
 
 
