@@ -38,6 +38,7 @@ class KVCacheManager:
         enable_prefix_caching: bool = True,
         hash_extra_keys: Sequence[str] = (),
         sliding_window: int | None = None,
+        cache_generated_blocks: bool = True,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -48,6 +49,10 @@ class KVCacheManager:
         self._num_dropped: dict[str, int] = {}  # leading table entries freed behind the window
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False (batch invariance): only blocks wholly inside the prompt are cached. A generated
+        # position's K/V comes from the decode kernel, where a prompt holding that text computes it
+        # by prefill when alone: a later prompt hitting such a block would get other bits.
+        self.cache_generated_blocks = cache_generated_blocks
         self.block_pool = BlockPool(num_blocks)
         self._hash_extra_keys = tuple(hash_extra_keys)  # e.g. the model id
         self._tables: dict[str, list[KVBlock]] = {}
@@ -159,6 +164,8 @@ class KVCacheManager:
         if table is None:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        if not self.cache_generated_blocks:
+            num_full = min(num_full, request.num_prompt_tokens // self.block_size)
         first_uncached = self._num_cached_blocks[request.request_id]
         if num_full <= first_uncached:
             return

@@ -188,6 +188,7 @@ class Scheduler:
             num_kv_blocks, config.block_size, config.enable_prefix_caching,
             hash_extra_keys=(model_key or config.model,),
             sliding_window=sliding_window,
+            cache_generated_blocks=not config.batch_invariant_on,
         )
         pool_limit = self.kv_cache_manager.capacity_tokens + 1
         self.max_model_len = min(config.max_model_len or pool_limit, pool_limit)

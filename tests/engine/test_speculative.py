@@ -368,7 +368,8 @@ def test_drafts_get_slots_that_go_back_when_rejected_and_only_accepted_tokens_ar
     from bulkinfer.engine.request import Request
     from bulkinfer.engine.scheduler import Scheduler
 
-    config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=64)
+    # Without batch invariance, which caches only blocks wholly inside the prompt.
+    config = EngineConfig(model="m", block_size=4, max_num_batched_tokens=64, batch_invariant=False)
     scheduler = Scheduler(config, num_kv_blocks=16, eos_token_id=None)
     request = Request("r", list(range(10, 16)), SamplingParams(max_tokens=50, ignore_eos=True))
     scheduler.add_request(request)
