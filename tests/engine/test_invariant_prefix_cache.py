@@ -27,8 +27,9 @@ def _run(engine: LLMEngine, request_id: str, prompt: list[int]) -> tuple:
         for output in engine.step():
             if output.finished:
                 completion = output.outputs[0]
-                result = (tuple(completion.token_ids),
-                          tuple((p.chosen.logprob, tuple(t.logprob for t in p.top)) for p in completion.logprobs))
+                logprobs = tuple((p.chosen.logprob, tuple(t.logprob for t in p.top))
+                                 for p in completion.logprobs)
+                result = (tuple(completion.token_ids), logprobs)
     assert result is not None
     return result
 
