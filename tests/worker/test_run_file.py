@@ -301,3 +301,39 @@ def test_a_run_with_the_kv_store_on_saves_the_shared_prefix_and_the_next_run_loa
         return [json.loads(line)["text"] for line in (tmp_path / name).read_text().splitlines()]
 
     assert texts("second.jsonl") == texts("first.jsonl") == texts("plain.jsonl")
+
+
+def test_bf16_rows_get_the_same_bits_in_a_crowd_as_copies_and_in_a_rerun_of_a_few(
+        real_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 45 in bf16, through an OpenAI batch file: identical requests (deduplication off, so
+    each runs) get the same text and logprobs, and requests run again on their own (a retry of
+    failed rows, a rerun) get the bits they got among all of them; greedy and seeded sampling. The
+    real model: the tiny one's bf16 GEMMs give the same bits at any row count even without batch
+    invariance (with `--batch-invariant false` this fails on the real one)."""
+    def request(n: int, question: int, seeded: bool) -> dict:
+        sampling = {"temperature": 1.0, "seed": 7} if seeded else {"temperature": 0}
+        return {"custom_id": f"r{n}", "method": "POST", "url": "/v1/chat/completions",
+                "body": {"model": "m", "messages": [{"role": "user", "content": f"Is {question} prime?"}],
+                         "max_tokens": 8, "logprobs": True, "top_logprobs": 2, **sampling}}
+
+    crowd_rows = [request(n, n // 4, seeded=n % 2 == 1) for n in range(16)]  # r0/r2, r1/r3, ... are copies
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"deduplicate": False}))
+
+    def run(name: str, records: list[dict], batch_size: int) -> dict[str, tuple]:
+        out = tmp_path / f"{name}.jsonl"
+        code, _, stderr = _run(capsys, _write_jsonl(tmp_path / f"{name}-in.jsonl", records), "-o", out,
+                               "--model", real_model, "--spec", f"@{spec}", "--dtype", "bfloat16",
+                               "--batch-size", str(batch_size))
+        assert code == 0, stderr
+        results = {}
+        for line in map(json.loads, out.read_text().splitlines()):
+            choice = line["response"]["body"]["choices"][0]
+            results[line["custom_id"]] = (choice["message"]["content"], choice["logprobs"])
+        return results
+
+    crowd = run("crowd", crowd_rows, 16)
+    for n in range(0, 16, 4):
+        assert crowd[f"r{n}"] == crowd[f"r{n + 2}"] and crowd[f"r{n + 1}"] == crowd[f"r{n + 3}"]
+    few = run("few", [crowd_rows[4], crowd_rows[9]], 1)
+    assert few == {"r4": crowd["r4"], "r9": crowd["r9"]}
