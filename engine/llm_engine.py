@@ -168,8 +168,8 @@ class LLMEngine:
                                          device=self.parallel.device,
                                          batch_hint=config.max_num_batched_tokens)
         self.model.use_cpu_kernels(kernels)
-        if hasattr(self.model, "step_rows"):
-            self.model.step_rows.every_row = config.batch_invariant_on
+        if hasattr(self.model, "use_batch_invariance"):
+            self.model.use_batch_invariance(config.batch_invariant_on)
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":

@@ -82,8 +82,8 @@ def _build(spec: RankSpec, conn: Connection) -> Any:
                             dtype=DTYPES[spec.config.dtype], device=device,
                             batch_hint=spec.config.max_num_batched_tokens)
     model.use_cpu_kernels(kernels)
-    if hasattr(model, "step_rows"):
-        model.step_rows.every_row = spec.config.batch_invariant_on
+    if hasattr(model, "use_batch_invariance"):
+        model.use_batch_invariance(spec.config.batch_invariant_on)
     return ModelRunner(dataclasses.replace(spec.config, device=str(device)), model)
 
 
