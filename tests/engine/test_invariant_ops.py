@@ -5,11 +5,14 @@ native kernels), on the CPU and, where there is one, a GPU."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from bulkinfer.engine.invariant import INVARIANT_BLOCK_ROWS, in_row_blocks
+from bulkinfer.engine.invariant.cuda_settings import WORKSPACE_ENV, use_invariant_cuda_settings
 from bulkinfer.engine.invariant.tiled_attention import KEY_TILE, decode_tiled, prefill_tiled
 from bulkinfer.engine.models.llama import MLP, Linear, RMSNorm, onednn_linear_available
 
@@ -169,3 +172,21 @@ def test_a_decode_rows_attention_is_the_same_alone_and_beside_longer_rows(dtype,
         own_blocks = tables[row:row + 1, : -(-lengths[row] // BLOCK_SIZE)]
         alone = decode_tiled(query[row:row + 1], k_cache, v_cache, own_blocks, seq_lens[row:row + 1], window)
         assert torch.equal(alone[0], together[row]), row
+
+
+def test_the_cuda_settings_turn_off_reduced_precision_split_k_and_tf32(monkeypatch) -> None:
+    matmul = torch.backends.cuda.matmul
+    reductions = [f"allow_{kind}_reduced_precision_reduction{part}" for kind in ("bf16", "fp16")
+                  for part in ("", "_split_k")]
+    saved = {name: getattr(matmul, name) for name in ["allow_tf32", *reductions]}
+    monkeypatch.delenv(WORKSPACE_ENV, raising=False)
+    try:
+        use_invariant_cuda_settings()
+        assert os.environ[WORKSPACE_ENV] == ":4096:8"
+        assert not any(getattr(matmul, name) for name in saved)
+    finally:
+        matmul.allow_tf32 = saved["allow_tf32"]
+        for kind in ("bf16", "fp16"):
+            setattr(matmul, f"allow_{kind}_reduced_precision_reduction",
+                    (saved[f"allow_{kind}_reduced_precision_reduction"],
+                     saved[f"allow_{kind}_reduced_precision_reduction_split_k"]))
