@@ -7,7 +7,7 @@ starting at key 0 (the last one masked past its length), one tile after another,
 softmax in fp32. A tile a query sees nothing of leaves its state exactly as it was, so a row beside
 longer rows (more tiles in the call) gets the bits it gets alone. Every matmul and reduction has one
 shape: prefill queries in blocks of ``QUERY_BLOCK`` tokens, decode rows in blocks of
-``INVARIANT_BLOCK_ROWS`` rows, padding dropped at the end.
+``DECODE_BLOCK_ROWS`` rows, padding dropped at the end.
 
 Prefill and decode queries have different shapes (a block of a chunk's tokens over shared tiles;
 rows each over their own), so the same position may round differently through the two: the engine
@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import torch
 
-from bulkinfer.engine.invariant.row_blocks import INVARIANT_BLOCK_ROWS
-
 KEY_TILE = 256  # keys per tile: 16 KV blocks of 16 tokens
 QUERY_BLOCK = 64  # a prefill chunk's query tokens per call
+# Decode rows per call. Fewer than the projections' blocks: each padding row costs its tiles' products
+# (a projection's padding rows cost little while the GEMM streams its weights), and on the CPU a
+# step of 8 rows in blocks of 64 spent 3x its time in attention (bench suite, kernels off).
+DECODE_BLOCK_ROWS = 16
+# Decode tiles gathered per copy: fewer, larger copies, and a bounded buffer on long contexts.
+TILES_PER_GATHER = 4
 
 
 def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -33,10 +37,26 @@ def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor
 
 
 def _gather_tile(cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``block_ids [..., blocks_per_tile]`` of ``cache [blocks, kv_heads, block_size, dim]`` as one
-    contiguous tile of ``shape`` (an fp32 copy: the tile's products and sums are fp32)."""
+    """``block_ids [..., blocks]`` of ``cache [blocks, kv_heads, block_size, dim]`` as one
+    contiguous tensor of ``shape`` (an fp32 copy: the tile's products and sums are fp32)."""
     rows = _head_major_rows(block_ids, cache.shape[-3]).reshape(-1)
     return cache.view(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, rows).view(shape).float()
+
+
+def _gather_rows_tiles(cache: torch.Tensor, block_ids: torch.Tensor, rows_per_block: int) -> torch.Tensor:
+    """A decode block's tiles, ``[tiles, rows_per_block * kv_heads, KEY_TILE, dim]`` fp32 (each tile
+    one contiguous operand): its first ``count`` rows' keys (or values) along ``block_ids [count,
+    tiles, blocks_per_tile]``, gathered for all the tiles at once and converted in the copy into place.
+    Padding rows' part is left as allocated (not gathered, not even zeroed: a block of few rows pays
+    for its own rows only); whatever it holds reaches only the padding rows' own scores and outputs,
+    every key of theirs is masked, and OnlineSoftmax keeps a row's state where it sees nothing."""
+    count, tiles = block_ids.shape[:2]
+    num_kv_heads, head_dim = cache.shape[-3], cache.shape[-1]
+    rows = _head_major_rows(block_ids.transpose(0, 1), num_kv_heads).reshape(-1)  # (tile, row, head, block)
+    gathered = cache.view(-1, cache.shape[-2] * head_dim).index_select(0, rows)
+    out = torch.empty((tiles, rows_per_block * num_kv_heads, KEY_TILE, head_dim), device=cache.device)
+    out[:, :count * num_kv_heads] = gathered.view(tiles, count * num_kv_heads, KEY_TILE, head_dim)
+    return out
 
 
 def _blocks_per_tile(cache: torch.Tensor) -> int:
@@ -94,10 +114,14 @@ def prefill_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = num_heads // num_kv_heads
     per_tile = _blocks_per_tile(k_cache)
     table = _padded_table(block_table, -(-seq_len // KEY_TILE), per_tile)
-    tile_shape = (num_kv_heads, KEY_TILE, head_dim)
     device = query.device
     out = torch.empty(query.shape, dtype=query.dtype, device=device)
     first_position = seq_len - length
+    # Every tile's K and V once for all the chunk's query blocks: [tiles, kv_heads, KEY_TILE, dim].
+    tiles_shape = (-1, num_kv_heads, KEY_TILE, head_dim)
+    by_tile = table.view(-1, per_tile)
+    all_keys = _gather_tile(k_cache, by_tile, tiles_shape)
+    all_values = _gather_tile(v_cache, by_tile, tiles_shape)
     key_offsets = torch.arange(KEY_TILE, device=device)
     for first in range(0, length, QUERY_BLOCK):
         count = min(QUERY_BLOCK, length - first)
@@ -113,9 +137,7 @@ def prefill_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         high = start + count - 1
         state = OnlineSoftmax(num_kv_heads, QUERY_BLOCK * group, head_dim, device)
         for tile in range(low // KEY_TILE, high // KEY_TILE + 1):
-            blocks = table[tile * per_tile:(tile + 1) * per_tile]
-            keys = _gather_tile(k_cache, blocks, tile_shape)
-            values = _gather_tile(v_cache, blocks, tile_shape)
+            keys, values = all_keys[tile], all_values[tile]
             key_positions = tile * KEY_TILE + key_offsets[None, :]
             visible = key_positions <= positions
             if sliding_window is not None:
@@ -132,7 +154,7 @@ def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  num_tiles: int | None = None) -> torch.Tensor:
     """Decode rows' attention: ``query [R, heads, dim]``, row r at position ``seq_lens[r] - 1`` over
     its keys along ``block_tables [R, W]`` (device tensors, padded with block 0). Rows in blocks of
-    INVARIANT_BLOCK_ROWS; each block runs ``num_tiles`` tiles (None: what its longest row needs, read
+    DECODE_BLOCK_ROWS; each block runs ``num_tiles`` tiles (None: what its longest row needs, read
     from ``seq_lens`` on the host; given, e.g. from the tables' width, nothing is read from the device:
     a CUDA graph's step)."""
     num_rows, num_heads, head_dim = query.shape
@@ -140,8 +162,7 @@ def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     per_tile = _blocks_per_tile(k_cache)
     device = query.device
-    rows_per_block = INVARIANT_BLOCK_ROWS
-    tile_shape = (rows_per_block * num_kv_heads, KEY_TILE, head_dim)
+    rows_per_block = DECODE_BLOCK_ROWS
     key_offsets = torch.arange(KEY_TILE, device=device)
     out = torch.empty(query.shape, dtype=query.dtype, device=device)
     for first in range(0, num_rows, rows_per_block):
@@ -157,9 +178,12 @@ def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q = (block * head_dim ** -0.5).reshape(rows_per_block * num_kv_heads, group, head_dim)
         state = OnlineSoftmax(rows_per_block * num_kv_heads, group, head_dim, device)
         for tile in range(tiles):
-            blocks = tables[:, tile * per_tile:(tile + 1) * per_tile]
-            keys = _gather_tile(k_cache, blocks, tile_shape)
-            values = _gather_tile(v_cache, blocks, tile_shape)
+            if tile % TILES_PER_GATHER == 0:  # the next few tiles' K and V in one gather each
+                span = tables[:count, tile * per_tile:(tile + TILES_PER_GATHER) * per_tile]
+                span = span.reshape(count, -1, per_tile)
+                some_keys = _gather_rows_tiles(k_cache, span, rows_per_block)
+                some_values = _gather_rows_tiles(v_cache, span, rows_per_block)
+            keys, values = some_keys[tile % TILES_PER_GATHER], some_values[tile % TILES_PER_GATHER]
             key_positions = tile * KEY_TILE + key_offsets[None, :]
             visible = key_positions < lens[:, None]
             if sliding_window is not None:
@@ -173,4 +197,4 @@ def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return out
 
 
-__all__ = ["KEY_TILE", "QUERY_BLOCK", "OnlineSoftmax", "decode_tiled", "prefill_tiled"]
+__all__ = ["DECODE_BLOCK_ROWS", "KEY_TILE", "QUERY_BLOCK", "OnlineSoftmax", "decode_tiled", "prefill_tiled"]
