@@ -17,6 +17,11 @@ import torch
 # faster than 32 (fewer, larger GEMMs); on a GPU a decode step's GEMM reads all the weights whatever
 # the rows, so padding a few decode rows to 64 costs little, and prefill's blocks stay GEMM-sized.
 INVARIANT_BLOCK_ROWS = 64
+# Prefill rows per call where a step's rows are told apart (a projection of the flattened step): a
+# prompt position is always a prefill row and a generated one a decode row (engine/model_runner.py
+# invariant_rows), so the two kinds may take different blocks. Larger: every block re-reads the
+# weights, which in 64-row blocks made a 2k-token prefill's GEMMs the run's largest cost.
+PREFILL_BLOCK_ROWS = 256
 # Operands start on this boundary (MKL documents results that may vary with alignment; a GPU's
 # vectorised loads want 16 bytes at least).
 _ALIGNMENT_BYTES = 64
@@ -43,4 +48,17 @@ def in_row_blocks(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
-__all__ = ["INVARIANT_BLOCK_ROWS", "in_row_blocks"]
+def in_step_row_blocks(op: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
+                       single: int | None) -> torch.Tensor:
+    """``in_row_blocks`` for a step's flattened rows whose first ``single`` are single-token (decode)
+    rows: those in blocks of INVARIANT_BLOCK_ROWS, the prefill rows after them in blocks of
+    PREFILL_BLOCK_ROWS. ``single`` None: the rows are not told apart (all in the smaller blocks)."""
+    rows = x.shape[0]
+    if single is None or single >= rows:
+        return in_row_blocks(op, x)
+    if single <= 0:
+        return in_row_blocks(op, x, PREFILL_BLOCK_ROWS)
+    return torch.cat([in_row_blocks(op, x[:single]), in_row_blocks(op, x[single:], PREFILL_BLOCK_ROWS)])
+
+
+__all__ = ["INVARIANT_BLOCK_ROWS", "PREFILL_BLOCK_ROWS", "in_row_blocks", "in_step_row_blocks"]

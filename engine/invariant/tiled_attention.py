@@ -46,16 +46,20 @@ def _gather_tile(cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int,
 def _gather_rows_tiles(cache: torch.Tensor, block_ids: torch.Tensor, rows_per_block: int) -> torch.Tensor:
     """A decode block's tiles, ``[tiles, rows_per_block * kv_heads, KEY_TILE, dim]`` fp32 (each tile
     one contiguous operand): its first ``count`` rows' keys (or values) along ``block_ids [count,
-    tiles, blocks_per_tile]``, gathered for all the tiles at once and converted in the copy into place.
-    Padding rows' part is left as allocated (not gathered, not even zeroed: a block of few rows pays
-    for its own rows only); whatever it holds reaches only the padding rows' own scores and outputs,
-    every key of theirs is masked, and OnlineSoftmax keeps a row's state where it sees nothing."""
+    tiles, blocks_per_tile]``, gathered for all the tiles at once. Padding rows read block 0 where
+    the block is at least half full (one gather pass, no copy into place); in a block of few rows
+    their part is left as allocated (each real row then costs one pass more, padding none). Either
+    way what it holds reaches only the padding rows' own scores and outputs: every key of theirs is
+    masked, and OnlineSoftmax keeps a row's state where it sees nothing."""
     count, tiles = block_ids.shape[:2]
     num_kv_heads, head_dim = cache.shape[-3], cache.shape[-1]
-    rows = _head_major_rows(block_ids.transpose(0, 1), num_kv_heads).reshape(-1)  # (tile, row, head, block)
-    gathered = cache.view(-1, cache.shape[-2] * head_dim).index_select(0, rows)
-    out = torch.empty((tiles, rows_per_block * num_kv_heads, KEY_TILE, head_dim), device=cache.device)
-    out[:, :count * num_kv_heads] = gathered.view(tiles, count * num_kv_heads, KEY_TILE, head_dim)
+    shape = (tiles, rows_per_block * num_kv_heads, KEY_TILE, head_dim)
+    if 2 * count >= rows_per_block:
+        padding = block_ids.new_zeros((rows_per_block - count, *block_ids.shape[1:]))
+        return _gather_tile(cache, torch.cat([block_ids, padding]).transpose(0, 1), shape)
+    out = torch.empty(shape, device=cache.device)
+    out[:, :count * num_kv_heads] = _gather_tile(cache, block_ids.transpose(0, 1),
+                                                 (tiles, count * num_kv_heads, KEY_TILE, head_dim))
     return out
 
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
-from bulkinfer.engine.invariant import in_row_blocks
+from bulkinfer.engine.invariant import in_row_blocks, in_step_row_blocks
 from bulkinfer.engine.models.native_decode import NativeDecode
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import llama_plan
@@ -278,6 +278,10 @@ class Linear(nn.Linear):
     lora_slots: LoRASlots | None = None  # adapters' A and B for this projection (engine/lora/slots.py)
     # Batch invariance where the row kernel does not run: rows in fixed blocks (engine/invariant/).
     fixed_row_blocks: bool = False
+    # ... and the step's rows this projection sees in order (its single-token rows first), whose
+    # prefill rows then take larger blocks; None: every row in the smaller ones (the LM head's
+    # sampled rows, an MoE expert's routed ones).
+    blocks_by_step: StepRows | None = None
 
     def pack_for_onednn(self, batch_hint: int = 64) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
@@ -308,7 +312,8 @@ class Linear(nn.Linear):
         if self.row_weight is not None and x.dim() == 2:
             return self._by_rows(x)
         if self.fixed_row_blocks and x.dim() == 2:
-            return in_row_blocks(self._library_rows, x)
+            single = self.blocks_by_step.single if self.blocks_by_step is not None else None
+            return in_step_row_blocks(self._library_rows, x, single)
         return self._library_rows(x)
 
     def _library_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -600,6 +605,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if hasattr(type(module), "fixed_row_blocks"):
                 module.fixed_row_blocks = on
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.blocks_by_step = self.step_rows if on else None
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:
         """Switch every projection to oneDNN with packed weights (call after loading weights)."""

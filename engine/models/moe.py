@@ -294,6 +294,12 @@ class MoeForCausalLM(LlamaForCausalLM):
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
 
+    def use_batch_invariance(self, on: bool) -> None:
+        super().use_batch_invariance(on)
+        for block in self.sparse_blocks():  # an expert's rows come routed, not in the step's order
+            for expert in block.experts:
+                expert.gate_up_proj.blocks_by_step = expert.down_proj.blocks_by_step = None
+
     def use_cpu_kernels(self, kernels: Any) -> None:
         super().use_cpu_kernels(kernels)
         for block in self.sparse_blocks():
