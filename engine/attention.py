@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from bulkinfer.engine.invariant.tiled_attention import KEY_TILE, decode_tiled, prefill_tiled
+from bulkinfer.engine.invariant.tiled_attention import plan_decode as plan_tiled_decode
 
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
@@ -583,16 +584,16 @@ class TorchPagedAttention(AttentionBackend):
         """Batch invariance without the decode kernel: fixed key tiles and row blocks
         (engine/invariant/tiled_attention.py). A fixed-shape step (a CUDA graph's) runs the tiles its
         tables' width holds, read from no device tensor; an eager one the tiles its rows need."""
-        tables = metadata.decode_block_tables
-        if metadata.static_decode:
-            num_tiles = -(-tables.shape[1] * metadata.block_size // KEY_TILE)
-            return decode_tiled(query, k_cache, v_cache, tables, metadata.decode_seq_lens, sliding_window,
-                                num_tiles)
-        key = ("decode_tables", None)
+        key = ("decode_tiles", sliding_window)
         if key not in metadata.step_cache:  # once per step, shared by the layers
-            metadata.step_cache[key] = tables.to(query.device)
-        return decode_tiled(query, k_cache, v_cache, metadata.step_cache[key],  # type: ignore[arg-type]
-                            metadata.decode_seq_lens, sliding_window)
+            tables = metadata.decode_block_tables
+            width = tables.shape[1] * metadata.block_size
+            num_tiles = -(-width // KEY_TILE) if metadata.static_decode else None  # no host read
+            num_kv_heads = k_cache.shape[-3]
+            metadata.step_cache[key] = plan_tiled_decode(
+                tables.to(query.device), metadata.decode_seq_lens, sliding_window, num_kv_heads,
+                query.shape[1] // num_kv_heads, metadata.block_size, num_tiles)
+        return decode_tiled(query, k_cache, v_cache, plan=metadata.step_cache[key])  # type: ignore[arg-type]
 
     @staticmethod
     def _decode_static(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -17,6 +17,8 @@ sends prompt positions through prefill and generated ones through decode rows in
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 KEY_TILE = 256  # keys per tile: 16 KV blocks of 16 tokens
@@ -41,26 +43,6 @@ def _gather_tile(cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int,
     contiguous tensor of ``shape`` (an fp32 copy: the tile's products and sums are fp32)."""
     rows = _head_major_rows(block_ids, cache.shape[-3]).reshape(-1)
     return cache.view(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, rows).view(shape).float()
-
-
-def _gather_rows_tiles(cache: torch.Tensor, block_ids: torch.Tensor, rows_per_block: int) -> torch.Tensor:
-    """A decode block's tiles, ``[tiles, rows_per_block * kv_heads, KEY_TILE, dim]`` fp32 (each tile
-    one contiguous operand): its first ``count`` rows' keys (or values) along ``block_ids [count,
-    tiles, blocks_per_tile]``, gathered for all the tiles at once. Padding rows read block 0 where
-    the block is at least half full (one gather pass, no copy into place); in a block of few rows
-    their part is left as allocated (each real row then costs one pass more, padding none). Either
-    way what it holds reaches only the padding rows' own scores and outputs: every key of theirs is
-    masked, and OnlineSoftmax keeps a row's state where it sees nothing."""
-    count, tiles = block_ids.shape[:2]
-    num_kv_heads, head_dim = cache.shape[-3], cache.shape[-1]
-    shape = (tiles, rows_per_block * num_kv_heads, KEY_TILE, head_dim)
-    if 2 * count >= rows_per_block:
-        padding = block_ids.new_zeros((rows_per_block - count, *block_ids.shape[1:]))
-        return _gather_tile(cache, torch.cat([block_ids, padding]).transpose(0, 1), shape)
-    out = torch.empty(shape, device=cache.device)
-    out[:, :count * num_kv_heads] = _gather_tile(cache, block_ids.transpose(0, 1),
-                                                 (tiles, count * num_kv_heads, KEY_TILE, head_dim))
-    return out
 
 
 def _blocks_per_tile(cache: torch.Tensor) -> int:
@@ -153,52 +135,111 @@ def prefill_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return out
 
 
-def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None,
-                 num_tiles: int | None = None) -> torch.Tensor:
-    """Decode rows' attention: ``query [R, heads, dim]``, row r at position ``seq_lens[r] - 1`` over
-    its keys along ``block_tables [R, W]`` (device tensors, padded with block 0). Rows in blocks of
-    DECODE_BLOCK_ROWS; each block runs ``num_tiles`` tiles (None: what its longest row needs, read
-    from ``seq_lens`` on the host; given, e.g. from the tables' width, nothing is read from the device:
-    a CUDA graph's step)."""
-    num_rows, num_heads, head_dim = query.shape
-    num_kv_heads = k_cache.shape[-3]
-    group = num_heads // num_kv_heads
-    per_tile = _blocks_per_tile(k_cache)
-    device = query.device
+@dataclass
+class DecodeBlock:
+    """One call's worth of decode rows (DECODE_BLOCK_ROWS, padding included) and what it reads: the
+    same for every layer of a step, so built once (``plan_decode``)."""
+
+    rows: slice  # its real rows in the step's decode rows
+    # Per group of up to TILES_PER_GATHER tiles: rows of the cache viewed [blocks * kv_heads,
+    # block_size * dim] holding its tiles' K (or V), ordered (tile, row, kv head, block), and whether
+    # they cover the padding rows too (reading block 0) or only the real ones (padding left as
+    # allocated: whatever it holds reaches only the padding rows' own scores and outputs, every key of
+    # theirs is masked, and OnlineSoftmax keeps a row's state where it sees nothing).
+    gathers: list[tuple[torch.Tensor, bool]]
+    # Per tile: [rows * kv_heads, group, KEY_TILE] where a query does not see a key.
+    hidden: list[torch.Tensor]
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, sliding_window: int | None,
+                num_kv_heads: int, group: int, block_size: int,
+                num_tiles: int | None = None) -> list[DecodeBlock]:
+    """Decode rows (row r at position ``seq_lens[r] - 1`` over its keys along ``block_tables [R, W]``,
+    device tensors padded with block 0) in blocks of DECODE_BLOCK_ROWS; each block runs ``num_tiles``
+    tiles (None: what its longest row needs, read from ``seq_lens`` on the host; given, e.g. from the
+    tables' width, nothing is read from the device: a CUDA graph's step)."""
+    if KEY_TILE % block_size:
+        raise ValueError(f"KV block size {block_size} does not divide the key tile ({KEY_TILE})")
+    per_tile = KEY_TILE // block_size
+    device = block_tables.device
     rows_per_block = DECODE_BLOCK_ROWS
     key_offsets = torch.arange(KEY_TILE, device=device)
-    out = torch.empty(query.shape, dtype=query.dtype, device=device)
-    for first in range(0, num_rows, rows_per_block):
-        count = min(rows_per_block, num_rows - first)
+    blocks = []
+    for first in range(0, block_tables.shape[0], rows_per_block):
+        count = min(rows_per_block, block_tables.shape[0] - first)
         rows = slice(first, first + count)
+        tiles = num_tiles if num_tiles is not None else -(-int(seq_lens[rows].max()) // KEY_TILE)
         lens = torch.zeros(rows_per_block, dtype=torch.long, device=device)  # padding rows: no key
         lens[:count] = seq_lens[rows]
-        tiles = num_tiles if num_tiles is not None else -(-int(seq_lens[rows].max()) // KEY_TILE)
-        tables = torch.zeros((rows_per_block, tiles * per_tile), dtype=torch.long, device=device)
+        # Padding rows read block 0 where the block is at least half full: one gather pass, no copy.
+        pad = 2 * count >= rows_per_block
+        tables = torch.zeros((rows_per_block if pad else count, tiles * per_tile), dtype=torch.long,
+                             device=device)
         tables[:count] = _padded_table(block_tables[rows], tiles, per_tile)
-        block = torch.zeros((rows_per_block, num_kv_heads, group, head_dim), device=device)
-        block[:count] = query[first:first + count].view(count, num_kv_heads, group, head_dim)
-        q = (block * head_dim ** -0.5).reshape(rows_per_block * num_kv_heads, group, head_dim)
-        state = OnlineSoftmax(rows_per_block * num_kv_heads, group, head_dim, device)
+        gathers = []
+        for tile in range(0, tiles, TILES_PER_GATHER):
+            span = tables[:, tile * per_tile:(tile + TILES_PER_GATHER) * per_tile]
+            span = span.reshape(span.shape[0], -1, per_tile).transpose(0, 1)  # [tiles, rows, blocks]
+            gathers.append((_head_major_rows(span, num_kv_heads).reshape(-1), pad))
+        hidden = []
         for tile in range(tiles):
-            if tile % TILES_PER_GATHER == 0:  # the next few tiles' K and V in one gather each
-                span = tables[:count, tile * per_tile:(tile + TILES_PER_GATHER) * per_tile]
-                span = span.reshape(count, -1, per_tile)
-                some_keys = _gather_rows_tiles(k_cache, span, rows_per_block)
-                some_values = _gather_rows_tiles(v_cache, span, rows_per_block)
-            keys, values = some_keys[tile % TILES_PER_GATHER], some_values[tile % TILES_PER_GATHER]
             key_positions = tile * KEY_TILE + key_offsets[None, :]
-            visible = key_positions < lens[:, None]
+            sees = key_positions < lens[:, None]
             if sliding_window is not None:
-                visible &= key_positions > lens[:, None] - 1 - sliding_window
+                sees &= key_positions > lens[:, None] - 1 - sliding_window
             # [rows, keys] -> [rows * kv_heads, group, keys], as the scores
-            visible = visible[:, None, None].expand(-1, num_kv_heads, group, -1).reshape(-1, group, KEY_TILE)
-            scores = torch.bmm(q, keys.transpose(1, 2)).masked_fill_(~visible, float("-inf"))
-            state.add_tile(scores, values)
-        result = state.result().view(rows_per_block, num_heads, head_dim)
-        out[first:first + count] = result[:count].to(query.dtype)
+            per_query = sees[:, None, None].expand(-1, num_kv_heads, group, -1)
+            hidden.append(~per_query.reshape(-1, group, KEY_TILE))
+        blocks.append(DecodeBlock(rows, gathers, hidden))
+    return blocks
+
+
+def _gather_tiles(cache: torch.Tensor, cache_rows: torch.Tensor, padded: bool, count: int) -> torch.Tensor:
+    """A tile group's K (or V) as [tiles, DECODE_BLOCK_ROWS * kv_heads, KEY_TILE, dim] fp32, each tile
+    one contiguous operand (see DecodeBlock.gathers)."""
+    num_kv_heads, head_dim = cache.shape[-3], cache.shape[-1]
+    gathered = cache.view(-1, cache.shape[-2] * head_dim).index_select(0, cache_rows)
+    if padded:
+        return gathered.view(-1, DECODE_BLOCK_ROWS * num_kv_heads, KEY_TILE, head_dim).float()
+    tiles = cache_rows.numel() // (count * num_kv_heads * (KEY_TILE // cache.shape[-2]))
+    out = torch.empty((tiles, DECODE_BLOCK_ROWS * num_kv_heads, KEY_TILE, head_dim), device=cache.device)
+    out[:, :count * num_kv_heads] = gathered.view(tiles, count * num_kv_heads, KEY_TILE, head_dim)
     return out
 
 
-__all__ = ["DECODE_BLOCK_ROWS", "KEY_TILE", "QUERY_BLOCK", "OnlineSoftmax", "decode_tiled", "prefill_tiled"]
+def decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                 sliding_window: int | None = None, num_tiles: int | None = None,
+                 plan: list[DecodeBlock] | None = None) -> torch.Tensor:
+    """Decode rows' attention, ``query [R, heads, dim]``: along ``plan`` (``plan_decode``'s, shared by
+    a step's layers), or one made here from the tables, lengths, window and ``num_tiles``."""
+    num_rows, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[-3]
+    group = num_heads // num_kv_heads
+    if plan is None:
+        assert block_tables is not None and seq_lens is not None
+        plan = plan_decode(block_tables, seq_lens, sliding_window, num_kv_heads, group, k_cache.shape[-2],
+                           num_tiles)
+    rows_per_block = DECODE_BLOCK_ROWS
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    for block in plan:
+        count = block.rows.stop - block.rows.start
+        q = torch.zeros((rows_per_block, num_kv_heads, group, head_dim), device=query.device)
+        q[:count] = query[block.rows].view(count, num_kv_heads, group, head_dim)
+        q = q.mul_(head_dim ** -0.5).view(rows_per_block * num_kv_heads, group, head_dim)
+        state = OnlineSoftmax(rows_per_block * num_kv_heads, group, head_dim, query.device)
+        for tile, hidden in enumerate(block.hidden):
+            if tile % TILES_PER_GATHER == 0:  # the next few tiles' K and V in one gather each
+                cache_rows, padded = block.gathers[tile // TILES_PER_GATHER]
+                some_keys = _gather_tiles(k_cache, cache_rows, padded, count)
+                some_values = _gather_tiles(v_cache, cache_rows, padded, count)
+            keys, values = some_keys[tile % TILES_PER_GATHER], some_values[tile % TILES_PER_GATHER]
+            scores = torch.bmm(q, keys.transpose(1, 2)).masked_fill_(hidden, float("-inf"))
+            state.add_tile(scores, values)
+        result = state.result().view(rows_per_block, num_heads, head_dim)
+        out[block.rows] = result[:count].to(query.dtype)
+    return out
+
+
+__all__ = ["DECODE_BLOCK_ROWS", "KEY_TILE", "QUERY_BLOCK", "DecodeBlock", "OnlineSoftmax", "decode_tiled",
+           "plan_decode", "prefill_tiled"]
