@@ -106,11 +106,18 @@ class LoRASlots:
         """Batch invariance without the native kernels: each adapter's rows through its own width
         (never the widest adapter of the step) in fixed row blocks (engine/invariant/row_blocks.py), so
         a row's update does not follow which adapters, or how many rows, share its step."""
+        in_features = x.shape[-1]
         for slot, run in rows.groups():
             width = self.widths[slot]
             if width:
                 a, bt = self.a[slot, :width], self.bt[slot, :width]
-                out[run] += in_row_blocks(lambda block, a=a, bt=bt: (block @ a.T) @ bt, x[run])
+
+                def add_update(block: torch.Tensor, a: torch.Tensor = a, bt: torch.Tensor = bt
+                               ) -> torch.Tensor:
+                    # a block of [x | out] rows -> out + (x A^T) B^T, one rounding as addmm_ does
+                    return torch.addmm(block[:, in_features:], block[:, :in_features] @ a.T, bt)
+
+                out[run] = in_row_blocks(add_update, torch.cat([x[run], out[run]], dim=1))
         return out
 
     def _add_by_matmuls(self, x: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> torch.Tensor:

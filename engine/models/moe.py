@@ -136,6 +136,12 @@ class SparseMoeBlock(nn.Module):
     # expert's row count); the experts' own projections are Linears with their own blocks.
     fixed_row_blocks: bool = False
 
+    @property
+    def grouped_mm_allowed(self) -> bool:
+        """Whether the fixed-shape path may run the experts through grouped_mm: not with batch
+        invariance and no native kernels (with them, the CPU keeps its existing paths)."""
+        return not (self.fixed_row_blocks and self.kernels is None)
+
     def __init__(self, config: MoeConfig, step_rows: StepRows, step_shape: StepShape | None = None) -> None:
         super().__init__()
         self.num_experts = config.num_experts
@@ -213,8 +219,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        grouped_mm = not self.fixed_row_blocks and grouped_mm_fits(x.dtype, self.experts_gate_up,
-                                                                   self.experts_down)
+        grouped_mm = self.grouped_mm_allowed and grouped_mm_fits(x.dtype, self.experts_gate_up,
+                                                                 self.experts_down)
         if self.step_shape.fixed and grouped_mm:
             outputs, order = fixed_shape_expert_outputs(x, experts, self.experts_gate_up, self.experts_down)
             out = self.combine(outputs, order, weights, x)
@@ -277,8 +283,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Whether a fixed-shape decode step records as a CUDA graph: every sparse block's grouped_mm
         keeps its offsets on the device (bf16 on a Hopper-class GPU; engine/decode_graphs.py keeps
         the decode steps of a model where it does not eager on a GPU)."""
-        return all(block.fixed_shape_records() and not block.fixed_row_blocks
-                   for block in self.sparse_blocks())
+        return all(block.fixed_shape_records() and block.grouped_mm_allowed for block in self.sparse_blocks())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[torch.Tensor], num_layers: int | None = None,
