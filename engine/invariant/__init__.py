@@ -18,9 +18,11 @@ path, and a row's result then depends on its own data alone:
 
 from bulkinfer.engine.invariant.row_blocks import (
     INVARIANT_BLOCK_ROWS,
+    LOGIT_BLOCK_ROWS,
     PREFILL_BLOCK_ROWS,
     in_row_blocks,
     in_step_row_blocks,
 )
 
-__all__ = ["INVARIANT_BLOCK_ROWS", "PREFILL_BLOCK_ROWS", "in_row_blocks", "in_step_row_blocks"]
+__all__ = ["INVARIANT_BLOCK_ROWS", "LOGIT_BLOCK_ROWS", "PREFILL_BLOCK_ROWS", "in_row_blocks",
+           "in_step_row_blocks"]

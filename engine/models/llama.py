@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
-from bulkinfer.engine.invariant import in_row_blocks, in_step_row_blocks
+from bulkinfer.engine.invariant import LOGIT_BLOCK_ROWS, in_row_blocks, in_step_row_blocks
 from bulkinfer.engine.models.native_decode import NativeDecode
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import llama_plan
@@ -338,7 +338,10 @@ class Linear(nn.Linear):
             return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias, out=out,
                                              fp32_out=True)
         flat = x.reshape(-1, x.shape[-1])
-        out = in_row_blocks(self._fp32_sums, flat) if self.fixed_row_blocks else self._fp32_sums(flat)
+        if self.fixed_row_blocks:
+            out = in_row_blocks(self._fp32_sums, flat, LOGIT_BLOCK_ROWS)
+        else:
+            out = self._fp32_sums(flat)
         if self.bias is not None:
             out += self.bias.float()
         return out.reshape(*x.shape[:-1], self.out_features)
