@@ -5,7 +5,8 @@
 # the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
 # step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
 # then the suite on a 1B-class model under its tokenizer; MoE decode steps as CUDA graphs (grouped_mm
-# over stacked experts) against eager ones on a locally built Mixtral-shaped checkpoint; with 2+ GPUs,
+# over stacked experts) against eager ones on a locally built Mixtral-shaped checkpoint; batch
+# invariance (its property test on the GPU, its cost on the suite); with 2+ GPUs,
 # tensor parallel (TP=2 exact with TP=1, a dead rank failing cleanly, TP=2 vs TP=1 timed). Every
 # figure goes to one file.
 #
@@ -25,6 +26,7 @@ MODEL="${1:-}"
 DEVICE="${DEVICE:-cuda}"  # DEVICE=cpu: a smoke run of this script on a machine without a GPU
 REQUESTS="${REQUESTS:-256}"
 SCALE="${SCALE:-1}"        # suite request counts x this
+INVARIANT_SCALE="${INVARIANT_SCALE:-0.25}"  # the batch-invariance cost's suite runs (two of them)
 BIG_SHAPE="${BIG_SHAPE:-hidden_size=2048 num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 intermediate_size=8192}"
 export BULKINFER_TEST_DEVICE="$DEVICE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
@@ -46,6 +48,10 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   echo; echo "== engine benchmark on $DEVICE (small preset)"
   timeout 80 "$PY" -m bulkinfer.benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
     --requests "$REQUESTS" --max-tokens 64 --workloads shared,unique --baseline-batch 64 || status=1
+
+  # Batch invariance with batch_invariant=True: its property test on the device, its cost on the suite.
+  echo; echo "== batch invariance on $DEVICE"
+  DEVICE="$DEVICE" PYTHON="$PY" INVARIANT_SCALE="$INVARIANT_SCALE" bash benchmarks/batch_invariance_check.sh || status=1
 
   # MoE: the fixed-shape path's tests (transformers' tokens on every MoE family, captured where
   # grouped_mm records: bf16 on sm90+), then a Mixtral-shaped checkpoint (8 experts, top-2) decoded

@@ -30,6 +30,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from bulkinfer.engine.invariant.tiled_attention import KEY_TILE, decode_tiled, prefill_tiled
+from bulkinfer.engine.invariant.tiled_attention import plan_decode as plan_tiled_decode
+
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
 
@@ -551,6 +554,8 @@ class TorchPagedAttention(AttentionBackend):
     ) -> torch.Tensor:
         """One query token per row. The G query heads of a kv head act as G "query positions", so
         GQA needs no repeated K/V; shared prefixes are attended per group and merged by LSE."""
+        if self.batch_invariant and not self._uses_kernel(k_cache):
+            return self._decode_tiled(query, k_cache, v_cache, metadata, sliding_window)
         if metadata.static_decode:
             return self._decode_static(query, k_cache, v_cache, metadata, sliding_window)
         num_rows, num_heads, head_dim = query.shape
@@ -572,6 +577,23 @@ class TorchPagedAttention(AttentionBackend):
         for rows, shared_out, shared_lse in shared:
             out[rows] = merge_partials(out[rows], lse[rows], shared_out, shared_lse, out.dtype)
         return out.reshape(num_rows, num_heads, head_dim)
+
+    @staticmethod
+    def _decode_tiled(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      metadata: AttentionMetadata, sliding_window: int | None) -> torch.Tensor:
+        """Batch invariance without the decode kernel: fixed key tiles and row blocks
+        (engine/invariant/tiled_attention.py). A fixed-shape step (a CUDA graph's) runs the tiles its
+        tables' width holds, read from no device tensor; an eager one the tiles its rows need."""
+        key = ("decode_tiles", sliding_window)
+        if key not in metadata.step_cache:  # once per step, shared by the layers
+            tables = metadata.decode_block_tables
+            width = tables.shape[1] * metadata.block_size
+            num_tiles = -(-width // KEY_TILE) if metadata.static_decode else None  # no host read
+            num_kv_heads = k_cache.shape[-3]
+            metadata.step_cache[key] = plan_tiled_decode(
+                tables.to(query.device), metadata.decode_seq_lens, sliding_window, num_kv_heads,
+                query.shape[1] // num_kv_heads, metadata.block_size, num_tiles)
+        return decode_tiled(query, k_cache, v_cache, plan=metadata.step_cache[key])  # type: ignore[arg-type]
 
     @staticmethod
     def _decode_static(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -754,6 +776,9 @@ class TorchPagedAttention(AttentionBackend):
         elif sliding_window is None and (self._uses_prefix_kernel(query.dtype, k_cache)
                                        or self._uses_causal_kernel(query.dtype, k_cache)):
             self._prefill_native(query, k_cache, v_cache, metadata, index, out)
+        elif self.batch_invariant:  # no native kernel for it: fixed key tiles from key 0
+            out.copy_(prefill_tiled(query, k_cache, v_cache, metadata.prefill_block_tables[index], seq_len,
+                                    sliding_window))
         elif key is not None and value is not None and seq_len == length:
             out.copy_(self._prefill(query, key, value, metadata.prefill_mask(index, sliding_window)))
         elif key is not None and value is not None and sliding_window is None and query.device.type == "cpu":

@@ -60,7 +60,8 @@ class EngineConfig:
     # whether its prefix came from the cache, how its prefill was chunked or whether it was preempted
     # and recomputed. It turns off shared-prefix (cascade) attention and recomputes a preempted row's
     # output positions as the decode rows they were. None: on for CPU (where every kernel then reduces
-    # in an order fixed by the row alone), off elsewhere (a GPU's GEMMs are not made invariant).
+    # in an order fixed by the row alone), off elsewhere: on a GPU it costs fixed-shape ops
+    # (engine/invariant/: projections in 64-row blocks, tiled attention) instead of cuBLAS's and SDPA's.
     batch_invariant: bool | None = None
     # LoRA adapters chosen per request (vLLM's names and defaults; engine/lora/): at most `max_loras`
     # adapters in one step, ranks up to `max_lora_rank`, and `max_cpu_loras` kept in host memory

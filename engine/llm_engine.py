@@ -18,6 +18,7 @@ from bulkinfer.engine.detokenizer import IncrementalDetokenizer
 from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from bulkinfer.engine.errors import ErrorKind, SamplingParamsError
 from bulkinfer.engine.grammar_tracking import GrammarTracker
+from bulkinfer.engine.invariant.cuda_settings import use_invariant_cuda_settings
 from bulkinfer.engine.kv_cache_manager import droppable_window
 from bulkinfer.engine.kv_connector.connector import KVConnector
 from bulkinfer.engine.kv_connector.model_identity import model_identity
@@ -153,6 +154,8 @@ class LLMEngine:
         speculative decoding asks for one, and size the KV cache; returns (speculative config,
         draft, number of KV blocks)."""
         attention = TorchPagedAttention(kernels=kernels, batch_invariant=config.batch_invariant_on)
+        if config.batch_invariant_on and config.device.startswith("cuda"):
+            use_invariant_cuda_settings()  # before the model's first GEMM makes cuBLAS's handle
         if self.parallel is None:
             self.model = load_model(
                 config.model,
@@ -168,8 +171,8 @@ class LLMEngine:
                                          device=self.parallel.device,
                                          batch_hint=config.max_num_batched_tokens)
         self.model.use_cpu_kernels(kernels)
-        if hasattr(self.model, "step_rows"):
-            self.model.step_rows.every_row = config.batch_invariant_on
+        if hasattr(self.model, "use_batch_invariance"):
+            self.model.use_batch_invariance(config.batch_invariant_on)
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":

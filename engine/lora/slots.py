@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bulkinfer.engine.invariant import in_row_blocks
 from bulkinfer.engine.lora.rows import LoRARows
 
 if TYPE_CHECKING:
@@ -97,7 +98,27 @@ class LoRASlots:
             if single < rows.num_rows:
                 self._add_by_matmuls(x[single:], out[single:], rows.after(single))
             return out
+        if self.step_rows is not None and self.step_rows.every_row:
+            return self._add_in_row_blocks(x, out, rows)
         return self._add_by_matmuls(x, out, rows)
+
+    def _add_in_row_blocks(self, x: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> torch.Tensor:
+        """Batch invariance without the native kernels: each adapter's rows through its own width
+        (never the widest adapter of the step) in fixed row blocks (engine/invariant/row_blocks.py), so
+        a row's update does not follow which adapters, or how many rows, share its step."""
+        in_features = x.shape[-1]
+        for slot, run in rows.groups():
+            width = self.widths[slot]
+            if width:
+                a, bt = self.a[slot, :width], self.bt[slot, :width]
+
+                def add_update(block: torch.Tensor, a: torch.Tensor = a, bt: torch.Tensor = bt
+                               ) -> torch.Tensor:
+                    # a block of [x | out] rows -> out + (x A^T) B^T, one rounding as addmm_ does
+                    return torch.addmm(block[:, in_features:], block[:, :in_features] @ a.T, bt)
+
+                out[run] = in_row_blocks(add_update, torch.cat([x[run], out[run]], dim=1))
+        return out
 
     def _add_by_matmuls(self, x: torch.Tensor, out: torch.Tensor, rows: LoRARows) -> torch.Tensor:
         """Each adapter's rows (a contiguous run) through two PyTorch matmuls."""

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.invariant import in_row_blocks
 from bulkinfer.engine.models.llama import (
     MLP,
     Attention,
@@ -106,6 +107,9 @@ def _rope_parameters(cfg: dict[str, Any]) -> tuple[dict[str, Any], float]:
 class GemmaRMSNorm(nn.Module):
     """``norm(x) * (1 + weight)`` in fp32, rounded to x's dtype once at the end (transformers' order)."""
 
+    # Batch invariance: rows in fixed blocks (engine/invariant/row_blocks.py; no native kernel here).
+    fixed_row_blocks: bool = False
+
     def __init__(self, size: int, eps: float, output_scale: float = 1.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(size), requires_grad=False)
@@ -113,6 +117,9 @@ class GemmaRMSNorm(nn.Module):
         self.output_scale = output_scale  # the q-norm's: the attention scale's ratio to head_dim ** -0.5
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._norm, x) if self.fixed_row_blocks else self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         gain = 1.0 + self.weight.float()
@@ -123,8 +130,13 @@ class GemmaRMSNorm(nn.Module):
 
 class Gemma3MLP(MLP):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        gate_up = self.gate_up_proj(x)  # no native kernel for its activation
+        return self.down_proj(in_row_blocks(self.activation, gate_up) if self.fixed_row_blocks
+                              else self.activation(gate_up))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
 
 class Gemma3Attention(Attention):

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.invariant import LOGIT_BLOCK_ROWS, in_row_blocks, in_step_row_blocks
 from bulkinfer.engine.models.native_decode import NativeDecode
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import llama_plan
@@ -154,6 +155,8 @@ def rope_inverse_frequencies(config: LlamaFamilyConfig) -> torch.Tensor:
 
 class RMSNorm(nn.Module):
     kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    # Batch invariance without the native kernel: rows in fixed blocks (engine/invariant/row_blocks.py).
+    fixed_row_blocks: bool = False
 
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -169,8 +172,11 @@ class RMSNorm(nn.Module):
             return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             residual = residual.add_(x)
-            return self._norm(residual), residual
-        return self._norm(x)
+            return self._norm_rows(residual), residual
+        return self._norm_rows(x)
+
+    def _norm_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return in_row_blocks(self._norm, x) if self.fixed_row_blocks else self._norm(x)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -270,6 +276,12 @@ class Linear(nn.Linear):
     # forward_fp32's fp32 copy of the weight (and the weight it copies), where no kernel gives fp32 sums
     _fp32_weight: tuple[torch.Tensor, int, torch.Tensor] | None = None
     lora_slots: LoRASlots | None = None  # adapters' A and B for this projection (engine/lora/slots.py)
+    # Batch invariance where the row kernel does not run: rows in fixed blocks (engine/invariant/).
+    fixed_row_blocks: bool = False
+    # ... and the step's rows this projection sees in order (its single-token rows first), whose
+    # prefill rows then take larger blocks; None: every row in the smaller ones (the LM head's
+    # sampled rows, an MoE expert's routed ones).
+    blocks_by_step: StepRows | None = None
 
     def pack_for_onednn(self, batch_hint: int = 64) -> None:
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
@@ -299,6 +311,13 @@ class Linear(nn.Linear):
     def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_weight is not None and x.dim() == 2:
             return self._by_rows(x)
+        if self.fixed_row_blocks and x.dim() == 2:
+            single = self.blocks_by_step.single if self.blocks_by_step is not None else None
+            return in_step_row_blocks(self._library_rows, x, single)
+        return self._library_rows(x)
+
+    def _library_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``'s rows through oneDNN (a packed weight) or ``F.linear``."""
         if self.packed_weight is not None and x.dim() == 2:
             if x.shape[0] == 1:
                 # oneDNN takes another kernel for one row, whose sums can round differently from the
@@ -319,16 +338,23 @@ class Linear(nn.Linear):
             return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias, out=out,
                                              fp32_out=True)
         flat = x.reshape(-1, x.shape[-1])
-        if x.is_cuda:  # cuBLAS accumulates in fp32 and hands the sums over as they are
-            out = torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
-        else:  # no kernel with fp32 results here: the same products from an fp32 copy of the weight
-            cached = self._fp32_weight  # a new or rewritten weight gets a new copy
-            if cached is None or cached[0] is not self.weight or cached[1] != self.weight._version:
-                cached = self._fp32_weight = (self.weight, self.weight._version, self.weight.detach().float())
-            out = F.linear(flat.float(), cached[2])
+        if self.fixed_row_blocks:
+            out = in_row_blocks(self._fp32_sums, flat, LOGIT_BLOCK_ROWS)
+        else:
+            out = self._fp32_sums(flat)
         if self.bias is not None:
             out += self.bias.float()
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _fp32_sums(self, flat: torch.Tensor) -> torch.Tensor:
+        """``flat [rows, in]`` (bf16/fp16) times the weight, the fp32 sums unrounded (no bias)."""
+        if flat.is_cuda:  # cuBLAS accumulates in fp32 and hands the sums over as they are
+            return torch.mm(flat, self.weight.t(), out_dtype=torch.float32)
+        # no kernel with fp32 results here: the same products from an fp32 copy of the weight
+        cached = self._fp32_weight  # a new or rewritten weight gets a new copy
+        if cached is None or cached[0] is not self.weight or cached[1] != self.weight._version:
+            cached = self._fp32_weight = (self.weight, self.weight._version, self.weight.detach().float())
+        return F.linear(flat.float(), cached[2])
 
     def _onednn(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -422,6 +448,9 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    # Batch invariance without the native kernel: the activation in fixed row blocks (torch's fp32
+    # SiLU takes a scalar path for a call's last elements, whose exp rounds differently).
+    fixed_row_blocks: bool = False
 
     def __init__(self, config: LlamaFamilyConfig) -> None:
         super().__init__()
@@ -433,8 +462,13 @@ class MLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if self.kernels is not None and self.kernels.layer_ops_apply(gate_up):
             return self.down_proj(self.kernels.silu_and_mul(gate_up))
+        return self.down_proj(in_row_blocks(self.activation, gate_up) if self.fixed_row_blocks
+                              else self.activation(gate_up))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` of the fused gate/up projection's output."""
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate).mul_(up))
+        return F.silu(gate).mul_(up)
 
 
 class DecoderLayer(nn.Module):
@@ -565,6 +599,19 @@ class LlamaForCausalLM(nn.Module):
                 module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
         self.cpu_kernels = kernels
         self.native_decode = NativeDecode.for_model(self, kernels)
+
+    def use_batch_invariance(self, on: bool) -> None:
+        """Batch invariance (engine/config.py ``batch_invariant``): every projection row through the row
+        kernel where it runs, and where no native kernel runs an op (the kernels off, a GPU) its
+        rows in fixed blocks (engine/invariant/). Attention's part is the backend's own setting."""
+        self.step_rows.every_row = on
+        for module in self.modules():
+            if hasattr(type(module), "fixed_row_blocks"):
+                module.fixed_row_blocks = on
+        for layer in self.layers:
+            for module in layer.modules():
+                if isinstance(module, Linear):
+                    module.blocks_by_step = self.step_rows if on else None
 
     def pack_linear_weights(self, batch_hint: int = 64) -> None:
         """Switch every projection to oneDNN with packed weights (call after loading weights)."""

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.invariant import in_row_blocks
 from bulkinfer.engine.models.llama import (
     MLP,
     FinalRows,
@@ -130,6 +131,16 @@ class SparseMoeBlock(nn.Module):
     """Router + top-k experts (+ shared expert) over a flat batch of rows."""
 
     kernels: CpuKernels | None = None  # set by MoeForCausalLM.use_cpu_kernels
+    # Batch invariance without the native kernels: the shared expert's gate in fixed row blocks (fp32
+    # sigmoid rounds a call's last elements on a scalar path), no grouped_mm (CUTLASS tiles by each
+    # expert's row count); the experts' own projections are Linears with their own blocks.
+    fixed_row_blocks: bool = False
+
+    @property
+    def grouped_mm_allowed(self) -> bool:
+        """Whether the fixed-shape path may run the experts through grouped_mm: not with batch
+        invariance and no native kernels (with them, the CPU keeps its existing paths)."""
+        return not (self.fixed_row_blocks and self.kernels is None)
 
     def __init__(self, config: MoeConfig, step_rows: StepRows, step_shape: StepShape | None = None) -> None:
         super().__init__()
@@ -201,12 +212,16 @@ class SparseMoeBlock(nn.Module):
         gate, shared = self.shared_expert_gate(x), self.shared_expert(x)
         if self.kernels is not None and self.kernels.layer_ops_apply(out) and out.is_contiguous():
             self.kernels.moe_shared_add_(out, gate, shared)
+        elif self.fixed_row_blocks:
+            out += in_row_blocks(torch.sigmoid, gate) * shared
         else:
             out += torch.sigmoid(gate) * shared
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(x)
-        if self.step_shape.fixed and grouped_mm_fits(x.dtype, self.experts_gate_up, self.experts_down):
+        grouped_mm = self.grouped_mm_allowed and grouped_mm_fits(x.dtype, self.experts_gate_up,
+                                                                 self.experts_down)
+        if self.step_shape.fixed and grouped_mm:
             outputs, order = fixed_shape_expert_outputs(x, experts, self.experts_gate_up, self.experts_down)
             out = self.combine(outputs, order, weights, x)
         else:
@@ -268,7 +283,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         """Whether a fixed-shape decode step records as a CUDA graph: every sparse block's grouped_mm
         keeps its offsets on the device (bf16 on a Hopper-class GPU; engine/decode_graphs.py keeps
         the decode steps of a model where it does not eager on a GPU)."""
-        return all(block.fixed_shape_records() for block in self.sparse_blocks())
+        return all(block.fixed_shape_records() and block.grouped_mm_allowed for block in self.sparse_blocks())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[torch.Tensor], num_layers: int | None = None,
@@ -283,6 +298,12 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     def sparse_blocks(self) -> list[SparseMoeBlock]:
         return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoeBlock)]
+
+    def use_batch_invariance(self, on: bool) -> None:
+        super().use_batch_invariance(on)
+        for block in self.sparse_blocks():  # an expert's rows come routed, not in the step's order
+            for expert in block.experts:
+                expert.gate_up_proj.blocks_by_step = expert.down_proj.blocks_by_step = None
 
     def use_cpu_kernels(self, kernels: Any) -> None:
         super().use_cpu_kernels(kernels)

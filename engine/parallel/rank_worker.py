@@ -65,6 +65,7 @@ def _build(spec: RankSpec, conn: Connection) -> Any:
     from bulkinfer.engine import cpu_kernels
     from bulkinfer.engine.attention import TorchPagedAttention
     from bulkinfer.engine.dtype_choice import DTYPES
+    from bulkinfer.engine.invariant.cuda_settings import use_invariant_cuda_settings
     from bulkinfer.engine.model_runner import ModelRunner
     from bulkinfer.engine.parallel.communicator import Communicator
     from bulkinfer.engine.parallel.loading import load_rank_model
@@ -78,12 +79,14 @@ def _build(spec: RankSpec, conn: Connection) -> Any:
     communicator = Communicator.connect(spec.rank, spec.world, spec.port, device, spec.start_timeout_s)
     kernels = cpu_kernels.load() if device.type == "cpu" else None
     attention = TorchPagedAttention(kernels=kernels, batch_invariant=spec.config.batch_invariant_on)
+    if spec.config.batch_invariant_on and device.type == "cuda":
+        use_invariant_cuda_settings()
     model = load_rank_model(spec.config.model, attention, communicator,
                             dtype=DTYPES[spec.config.dtype], device=device,
                             batch_hint=spec.config.max_num_batched_tokens)
     model.use_cpu_kernels(kernels)
-    if hasattr(model, "step_rows"):
-        model.step_rows.every_row = spec.config.batch_invariant_on
+    if hasattr(model, "use_batch_invariance"):
+        model.use_batch_invariance(spec.config.batch_invariant_on)
     return ModelRunner(dataclasses.replace(spec.config, device=str(device)), model)
 
 

@@ -100,10 +100,10 @@ def _engine(model: str, dtype: str, **options) -> LLMEngine:
     return LLMEngine(EngineConfig(model=model, dtype=dtype, kv_populate_seconds=0, **options))
 
 
-def _run_alone(model: str, dtype: str) -> list[tuple]:
+def _run_alone(model: str, dtype: str, **options) -> list[tuple]:
     results = []
     for prompt, params in TARGETS:
-        engine = _engine(model, dtype, num_kv_blocks=64)
+        engine = _engine(model, dtype, num_kv_blocks=64, **options)
         engine.add_request("target", prompt, params)
         results.append(_run_to_end(engine)["target"])
     return results
@@ -116,10 +116,11 @@ def _run_to_end(engine: LLMEngine) -> dict[str, tuple]:
     return finished
 
 
-def _run_schedule(model: str, dtype: str, schedule: Schedule) -> tuple[dict[str, tuple], dict]:
+def _run_schedule(model: str, dtype: str, schedule: Schedule, **options) -> tuple[dict[str, tuple], dict]:
+    """`options`: further EngineConfig fields (a device, batch_invariant), for the run and its warm-up."""
     engine = _engine(model, dtype, num_kv_blocks=schedule.num_kv_blocks, kv_growth_reserve_tokens=0,
                      max_num_batched_tokens=schedule.max_num_batched_tokens,
-                     speculative_config=NGRAM if schedule.speculative else None)
+                     speculative_config=NGRAM if schedule.speculative else None, **options)
     if schedule.warm_cache:
         engine.add_request("warm", INSTRUCTION + [7, 8, 9], SamplingParams(max_tokens=1))
         _run_to_end(engine)
@@ -152,17 +153,22 @@ def cascades_at_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("arch, dtype", CASES)
 def test_a_rows_tokens_and_logprobs_are_those_it_gets_alone_in_any_schedule(
         checkpoint_factory, cascades_at_any_size, arch: str, dtype: str) -> None:
-    model = str(checkpoint_factory(arch=arch))
-    alone = _run_alone(model, dtype)
+    check_rows_match_alone(str(checkpoint_factory(arch=arch)), dtype, EXAMPLES.get((arch, dtype), 1))
+
+
+def check_rows_match_alone(model: str, dtype: str, max_examples: int, **options) -> None:
+    """The property: EVERYTHING_AT_ONCE and `max_examples` drawn schedules, each target row's
+    fingerprint equal to its own alone; `options` go to every engine (alone ones included)."""
+    alone = _run_alone(model, dtype, **options)
     assert len(set(alone[1][0])) > 1  # the seeded row really samples
     seen = {"preempted": 0, "cache hits": 0, "drafts": 0}
 
-    @settings(max_examples=EXAMPLES.get((arch, dtype), 1), deadline=None, derandomize=True, database=None,
+    @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
     @given(schedule=schedules())
     @example(schedule=EVERYTHING_AT_ONCE)
     def holds(schedule: Schedule) -> None:
-        finished, metrics = _run_schedule(model, dtype, schedule)
+        finished, metrics = _run_schedule(model, dtype, schedule, **options)
         seen["preempted"] += metrics["num_preemptions"]
         seen["cache hits"] += metrics["prefix_cache_hits"]
         seen["drafts"] += (metrics["speculative_decoding"] or {}).get("num_draft_tokens", 0)
