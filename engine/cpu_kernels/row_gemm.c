@@ -313,12 +313,63 @@ static inline __attribute__((always_inline)) void dot_panel(const uint16_t* a, i
 }
 #endif
 
-/* Each thread takes a contiguous run of panels, in groups of up to GROUP_BYTES of weights (they stay
- * in L2): every 32-row block takes the whole group in turn, so the group streams from memory once
- * (with the first block) and each block writes its rows' outputs along a run of columns rather
- * than a few columns of every row. A block is one pass over k of 2 x 2 tiles; each output is one
- * sum over k in order, whatever the other rows. */
 #if defined(HAVE_AMX_GEMM)
+/* The rows of the 32-row block with `left` rows from it on, in its first and second tile (0: none),
+ * the tiles configured for them where the last configuration (`*configured`) differs. */
+static inline void configure_block(int64_t left, int* first, int* second, int* configured) {
+    *first = left < 16 ? (int)left : 16;
+    *second = left - 16 <= 0 ? 0 : (left - 16 < 16 ? (int)(left - 16) : 16);
+    if (*configured != *first * 32 + *second) {
+        configure(*first, *second);
+        *configured = *first * 32 + *second;
+    }
+}
+
+/* One 32-row block by one panel: the 2 x 2 tiles' fp32 sums over k in order, stored into `sums`
+ * (stride 32). The block's first tile starts at a0 and its second at a1, rows `a_stride` bytes apart
+ * and k steps `a_step` elements apart (a's own rows, or a copy in tile order). `stream`: the panel
+ * comes from memory, prefetch it; `ahead`: the next group's prefetch (NULL: none). */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t* a0, const uint16_t* a1, int64_t a_step,
+                                                            int64_t a_stride, const uint16_t* panel, int64_t kb,
+                                                            int second, int stream, group_prefetch* ahead,
+                                                            float* sums) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (second) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t b = 0; b < kb; b++) {
+            if (stream) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
+            if (ahead) prefetch_step(ahead);
+            _tile_loadd(4, a0 + b * a_step, a_stride);
+            _tile_loadd(5, a1 + b * a_step, a_stride);
+            _tile_loadd(6, panel + b * 1024, 64);
+            _tile_loadd(7, panel + b * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    } else {
+        for (int64_t b = 0; b < kb; b++) {
+            if (stream) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
+            if (ahead) prefetch_step(ahead);
+            _tile_loadd(4, a0 + b * a_step, a_stride);
+            _tile_loadd(6, panel + b * 1024, 64);
+            _tile_loadd(7, panel + b * 1024 + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, sums, 128);
+    _tile_stored(1, sums + 16, 128);
+    if (second) {
+        _tile_stored(2, sums + 16 * 32, 128);
+        _tile_stored(3, sums + 16 * 32 + 16, 128);
+    }
+    TILE_MEMORY_BARRIER();
+}
+
 /* Rows from which a call takes the prefill loop order below rather than the decode one. */
 #ifndef PREFILL_ROWS
 #define PREFILL_ROWS 128
@@ -356,47 +407,12 @@ static void amx_prefill(const uint16_t* a, int64_t lda, const uint16_t* packed, 
         for (int64_t g0 = begin; g0 < end; g0 += group) {
             const int64_t g1 = g0 + group < end ? g0 + group : end;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
-                const int first = M - m0 < 16 ? (int)(M - m0) : 16;
-                const int second = M - m0 - 16 <= 0 ? 0 : (M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16);
-                if (configured != first * 32 + second) {
-                    configure(first, second);
-                    configured = first * 32 + second;
-                }
+                int first, second;
+                configure_block(M - m0, &first, &second, &configured);
                 const uint16_t* block = tiles + m0 / 32 * kb * 1024;
                 for (int64_t p = g0; p < g1; p++) {
-                    const uint16_t* panel = packed + p * kb * 1024;
                     const int64_t n0 = p * 32, columns = N - n0 < 32 ? N - n0 : 32;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (second) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int64_t b = 0; b < kb; b++) {
-                            _tile_loadd(4, block + b * 1024, 64);
-                            _tile_loadd(5, block + b * 1024 + 512, 64);
-                            _tile_loadd(6, panel + b * 1024, 64);
-                            _tile_loadd(7, panel + b * 1024 + 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    } else {
-                        for (int64_t b = 0; b < kb; b++) {
-                            _tile_loadd(4, block + b * 1024, 64);
-                            _tile_loadd(6, panel + b * 1024, 64);
-                            _tile_loadd(7, panel + b * 1024 + 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                    }
-                    _tile_stored(0, sums, 128);
-                    _tile_stored(1, sums + 16, 128);
-                    if (second) {
-                        _tile_stored(2, sums + 16 * 32, 128);
-                        _tile_stored(3, sums + 16 * 32 + 16, 128);
-                    }
-                    TILE_MEMORY_BARRIER();
+                    amx_block(block, block + 512, 1024, 64, packed + p * kb * 1024, kb, second, 0, NULL, sums);
                     write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c ? c + m0 * ldc + n0 : NULL,
                                c32 ? c32 + m0 * ldc + n0 : NULL, ldc);
                 }
@@ -408,6 +424,11 @@ static void amx_prefill(const uint16_t* a, int64_t lda, const uint16_t* packed, 
 }
 #endif
 
+/* Each thread takes a contiguous run of panels, in groups of up to GROUP_BYTES of weights (they stay
+ * in L2): every 32-row block takes the whole group in turn, so the group streams from memory once
+ * (with the first block) and each block writes its rows' outputs along a run of columns rather
+ * than a few columns of every row. A block is one pass over k of 2 x 2 tiles; each output is one
+ * sum over k in order, whatever the other rows. */
 static void row_gemm_bf16_into(const uint16_t* a, int64_t lda, const uint16_t* packed, const uint16_t* bias,
                                uint16_t* c, float* c32, int64_t ldc, int64_t M, int64_t N, int64_t K, int nt) {
 #if defined(HAVE_AMX_GEMM)
@@ -429,51 +450,13 @@ static void row_gemm_bf16_into(const uint16_t* a, int64_t lda, const uint16_t* p
                                                 (M + 31) / 32 * (g1 - g0) * kb);
             const int stream = g0 == begin;
             for (int64_t m0 = 0; m0 < M; m0 += 32) {
-                const int first = M - m0 < 16 ? (int)(M - m0) : 16;
-                const int second = M - m0 - 16 <= 0 ? 0 : (M - m0 - 16 < 16 ? (int)(M - m0 - 16) : 16);
-                if (configured != first * 32 + second) {
-                    configure(first, second);
-                    configured = first * 32 + second;
-                }
+                int first, second;
+                configure_block(M - m0, &first, &second, &configured);
                 const uint16_t* a0 = a + m0 * lda;
                 for (int64_t p = g0; p < g1; p++) {
-                    const uint16_t* panel = packed + p * kb * 1024;
                     const int64_t n0 = p * 32, columns = N - n0 < 32 ? N - n0 : 32;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    if (second) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int64_t b = 0; b < kb; b++) {
-                            if (stream && m0 == 0) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
-                            prefetch_step(&ahead);
-                            _tile_loadd(4, a0 + b * 32, lda * 2);
-                            _tile_loadd(5, a0 + 16 * lda + b * 32, lda * 2);
-                            _tile_loadd(6, panel + b * 1024, 64);
-                            _tile_loadd(7, panel + b * 1024 + 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(2, 5, 6);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    } else {
-                        for (int64_t b = 0; b < kb; b++) {
-                            if (stream && m0 == 0) prefetch_tiles(panel + (b + PREFETCH_KB) * 1024);
-                            prefetch_step(&ahead);
-                            _tile_loadd(4, a0 + b * 32, lda * 2);
-                            _tile_loadd(6, panel + b * 1024, 64);
-                            _tile_loadd(7, panel + b * 1024 + 512, 64);
-                            _tile_dpbf16ps(0, 4, 6);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
-                    }
-                    _tile_stored(0, sums, 128);
-                    _tile_stored(1, sums + 16, 128);
-                    if (second) {
-                        _tile_stored(2, sums + 16 * 32, 128);
-                        _tile_stored(3, sums + 16 * 32 + 16, 128);
-                    }
-                    TILE_MEMORY_BARRIER();
+                    amx_block(a0, a0 + 16 * lda, 32, lda * 2, packed + p * kb * 1024, kb, second, stream && m0 == 0,
+                              &ahead, sums);
                     write_rows(sums, first + second, bias ? bias + n0 : NULL, columns, c ? c + m0 * ldc + n0 : NULL,
                                c32 ? c32 + m0 * ldc + n0 : NULL, ldc);
                 }
