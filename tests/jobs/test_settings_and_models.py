@@ -171,14 +171,21 @@ def test_the_tensor_parallel_size_setting_reaches_the_engine_options_from_flag_o
     assert "tensor_parallel_size" not in Settings.from_env({}).engine_options_dict()
     with pytest.raises(ConfigError, match="variable BULKINFER_TENSOR_PARALLEL_SIZE: Input should be greater"):
         Settings.from_env({"BULKINFER_TENSOR_PARALLEL_SIZE": "0"})
+    for parsed in _parsed_by_worker_and_run_flags(["--tensor-parallel-size", "2"]):
+        assert parsed.engine_options_dict()["tensor_parallel_size"] == 2
+
+
+def _parsed_by_worker_and_run_flags(argv: list[str]) -> list[Settings]:
+    """The settings `serve worker`'s flags and `run`'s make of ``argv``."""
     from bulkinfer.jobs.settings_args import WORKER_SETTINGS
     from bulkinfer.worker.run.run_cli import RUN_SETTINGS
 
-    for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run`
+    parsed = []
+    for fields in (WORKER_SETTINGS, RUN_SETTINGS):
         parser = argparse.ArgumentParser()
         add_settings_arguments(parser, fields)
-        parsed = settings_from_args(parser.parse_args(["--tensor-parallel-size", "2"]))
-        assert parsed.engine_options_dict()["tensor_parallel_size"] == 2
+        parsed.append(settings_from_args(parser.parse_args(argv)))
+    return parsed
 
 
 def test_the_kv_store_is_on_for_a_deployment_with_a_bucket_and_off_for_bulkinfer_run_unless_asked(
@@ -237,12 +244,7 @@ def test_a_deployment_can_turn_batch_invariance_off_or_on_from_flag_or_environme
     assert "batch_invariant" not in Settings.from_env({}).engine_options_dict()  # the engine decides
     with pytest.raises(ConfigError, match="BULKINFER_BATCH_INVARIANT: Input should be a valid boolean"):
         Settings.from_env({"BULKINFER_BATCH_INVARIANT": "sometimes"})
-    from bulkinfer.jobs.settings_args import WORKER_SETTINGS
     from bulkinfer.worker.hosts.model_hosts import engine_options
-    from bulkinfer.worker.run.run_cli import RUN_SETTINGS
 
-    for fields in (WORKER_SETTINGS, RUN_SETTINGS):  # `serve worker` and `run`
-        parser = argparse.ArgumentParser()
-        add_settings_arguments(parser, fields)
-        parsed = settings_from_args(parser.parse_args(["--batch-invariant", "true"]))
+    for parsed in _parsed_by_worker_and_run_flags(["--batch-invariant", "true"]):
         assert engine_options(parsed.engine_options_dict())["batch_invariant"] is True
