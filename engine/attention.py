@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from bulkinfer.engine.cache_rows import gather_cache_rows, head_major_rows
 from bulkinfer.engine.invariant.tiled_attention import KEY_TILE, decode_tiled, prefill_tiled
 from bulkinfer.engine.invariant.tiled_attention import plan_decode as plan_tiled_decode
 
@@ -119,19 +120,6 @@ class AttentionBackend(ABC):
         ``key``/``value``: this step's new K/V (``[T, kv_heads, head_dim]``, already written to the
         cache); a backend may read them directly where a chunk has no earlier context.
         """
-
-
-def head_major_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Rows of a cache viewed [blocks * kv_heads, block_size * dim] holding these blocks, ordered
-    (head, block): ``block_ids [..., k]`` -> ``[..., kv_heads, k]``. Gathered, they are K (or V) in
-    the attention kernels' [kv_heads, k * block_size, dim] layout, with no transposing copy."""
-    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None]
-    return block_ids.unsqueeze(-2) * num_kv_heads + heads
-
-
-def gather_cache_rows(cache: torch.Tensor, rows: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
-    """``rows`` (see head_major_rows) of ``cache [blocks, kv_heads, block_size, dim]``, as ``shape``."""
-    return cache.view(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, rows).view(shape)
 
 
 def merge_partials(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
+from bulkinfer.engine.cache_rows import gather_cache_rows, head_major_rows
+
 KEY_TILE = 256  # keys per tile: 16 KV blocks of 16 tokens
 QUERY_BLOCK = 64  # a prefill chunk's query tokens per call
 # Decode rows per call. Fewer than the projections' blocks: each padding row costs its tiles' products
@@ -31,18 +33,10 @@ DECODE_BLOCK_ROWS = 16
 TILES_PER_GATHER = 4
 
 
-def _head_major_rows(block_ids: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Rows of a cache viewed [blocks * kv_heads, block_size * dim] holding ``block_ids [..., k]``,
-    as ``[..., kv_heads, k]``: gathered, K (or V) in [kv_heads, k * block_size, dim] order."""
-    heads = torch.arange(num_kv_heads, device=block_ids.device)[:, None]
-    return block_ids.unsqueeze(-2) * num_kv_heads + heads
-
-
 def _gather_tile(cache: torch.Tensor, block_ids: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``block_ids [..., blocks]`` of ``cache [blocks, kv_heads, block_size, dim]`` as one
     contiguous tensor of ``shape`` (an fp32 copy: the tile's products and sums are fp32)."""
-    rows = _head_major_rows(block_ids, cache.shape[-3]).reshape(-1)
-    return cache.view(-1, cache.shape[-2] * cache.shape[-1]).index_select(0, rows).view(shape).float()
+    return gather_cache_rows(cache, head_major_rows(block_ids, cache.shape[-3]).reshape(-1), shape).float()
 
 
 def _blocks_per_tile(cache: torch.Tensor) -> int:
@@ -180,7 +174,7 @@ def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, sliding_wind
         for tile in range(0, tiles, TILES_PER_GATHER):
             span = tables[:, tile * per_tile:(tile + TILES_PER_GATHER) * per_tile]
             span = span.reshape(span.shape[0], -1, per_tile).transpose(0, 1)  # [tiles, rows, blocks]
-            gathers.append((_head_major_rows(span, num_kv_heads).reshape(-1), pad))
+            gathers.append((head_major_rows(span, num_kv_heads).reshape(-1), pad))
         hidden = []
         for tile in range(tiles):
             key_positions = tile * KEY_TILE + key_offsets[None, :]
