@@ -145,11 +145,11 @@ def judged_cosine(row: Row) -> float:
 
 
 def default_dtypes() -> list[str]:
-    """fp32, and bf16 where the CPU's flags say it multiplies bf16 natively: by the flags, not the
-    timed probe, which a busy machine can talk out of bf16 (and the benchmark is timed anyway)."""
-    from bulkinfer.engine.dtype_choice import probe_cpu_bf16
+    """fp32, and bf16 where the CPU's flags say it multiplies bf16 natively (AMX or AVX512-BF16,
+    whatever dtype auto's verdict says: the benchmark is timed anyway)."""
+    from bulkinfer.engine.cpu_features import native_bf16_products
 
-    return ["float32", "bfloat16"] if probe_cpu_bf16().flags else ["float32"]
+    return ["float32", "bfloat16"] if native_bf16_products() else ["float32"]
 
 
 def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:

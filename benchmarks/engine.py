@@ -194,13 +194,12 @@ def print_comparison(workload: Workload, baseline: RunResult | None, engines: li
 
 
 def describe_cpu(out: Callable[[str], None] = print) -> None:
-    """Whether this CPU multiplies bf16 natively, and what ``dtype="auto"`` picks here."""
-    from bulkinfer.engine.dtype_choice import probe_cpu_bf16, resolve_dtype
+    """Whether this CPU multiplies bf16 natively, and what ``dtype="auto"`` picks here and why."""
+    from bulkinfer.engine.dtype_choice import native_bf16_products, resolve_dtype
 
-    probe = probe_cpu_bf16()
-    choice = resolve_dtype("auto", "cpu", None, probe=lambda: probe)
-    out(f"cpu: native bf16 {'yes' if probe.native_bf16 else 'no'} ({probe.describe()}); "
-        f"dtype auto -> {choice.dtype}")
+    choice = resolve_dtype("auto", "cpu", None)
+    out(f"cpu: native bf16 {'yes' if native_bf16_products() else 'no'}; dtype auto -> {choice.dtype} "
+        f"({choice.reason})")
 
 
 def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:

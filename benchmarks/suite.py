@@ -157,9 +157,9 @@ def matmul_peak_gflops(dtype: torch.dtype, device: str) -> float:
             a @ a
         torch.cuda.synchronize(device)
         return 2 * size ** 3 * 10 / (time.perf_counter() - started) / 1e9
-    from bulkinfer.engine.dtype_choice import _matmul_gflops
+    from bulkinfer.engine.dtype_benchmark import matmul_gflops
 
-    return _matmul_gflops((dtype,), seconds=0.25)[0]
+    return matmul_gflops(dtype, seconds=0.25)
 
 
 def model_flops(model: torch.nn.Module, workload: SuiteWorkload, outputs: Sequence[Any]) -> float:

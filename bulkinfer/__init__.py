@@ -11,9 +11,19 @@ checkout this file puts the checkout's root on the package path, so `bulkinfer.e
 
 from __future__ import annotations
 
+import logging
 from importlib import import_module
 from pathlib import Path
 from typing import Any
+
+from bulkinfer.cpu_isa import apply_cpu_isa_cap
+
+# Every entry point imports this package before torch: cap oneDNN and ATen here when
+# $BULKINFER_CPU_ISA asks (bulkinfer/cpu_isa.py). A bad value must not break `import bulkinfer`.
+try:
+    apply_cpu_isa_cap()
+except ValueError as _error:
+    logging.getLogger("bulkinfer.cpu_isa").warning("%s: ignored", _error)
 
 _CHECKOUT_ROOT = Path(__file__).resolve().parent.parent
 # A checkout (not site-packages): its root has the project file and the package folders.

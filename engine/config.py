@@ -42,6 +42,11 @@ class EngineConfig:
     kv_populate_seconds: float = 3.0
     kv_growth_reserve_tokens: int = 128
     dtype: str = "auto"
+    # `auto` on a CPU whose flags do not settle it reads the verdict kept in this file (None:
+    # engine/dtype_verdict.py's default; a worker's: beside its model cache), measured once per CPU,
+    # or again with `remeasure_dtype`.
+    dtype_verdicts: str | None = None
+    remeasure_dtype: bool = False
     device: str = "cpu"
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"

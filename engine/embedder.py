@@ -100,15 +100,18 @@ class Embedder:
 
     @classmethod
     def load(cls, model_dir: str | Path, *, dtype: str = "auto", device: str = "cpu",
-             pooling: str | None = None, normalize: bool | None = None) -> Embedder:
+             pooling: str | None = None, normalize: bool | None = None, dtype_verdicts: str | None = None,
+             remeasure_dtype: bool = False) -> Embedder:
         """Load ``model_dir`` (a Hugging Face folder). ``pooling`` ("mean" | "cls" | "last") and
-        ``normalize`` apply where the checkpoint's sentence-transformers files do not say."""
+        ``normalize`` apply where the checkpoint's sentence-transformers files do not say.
+        ``dtype_verdicts``, ``remeasure_dtype``: as `EngineConfig`'s, for ``dtype="auto"``."""
         from transformers import AutoTokenizer  # tokenizer only; the model is our own
 
         folder = Path(model_dir)
         hf_config = _read_config(folder)
         st_files = read_sentence_transformers(folder)
-        dtype_choice = resolve_dtype(dtype, device, checkpoint_dtype(folder))
+        dtype_choice = resolve_dtype(dtype, device, checkpoint_dtype(folder), verdicts=dtype_verdicts,
+                                     remeasure=remeasure_dtype)
         logger.info("embedder dtype %s (%s)", dtype_choice.dtype, dtype_choice.reason)
         model: PackedModel
         if encoder_family(hf_config) is not None:

@@ -21,7 +21,7 @@ Messages = Sequence[Mapping[str, Any]]
 
 TASKS = ("auto", "generate", "embed")
 # The EngineConfig keys an embedding model takes; the others (KV cache, scheduling) are a generator's.
-EMBED_CONFIG_KEYS = ("dtype", "device")
+EMBED_CONFIG_KEYS = ("dtype", "device", "dtype_verdicts", "remeasure_dtype")
 
 
 class LLM:

@@ -84,7 +84,8 @@ class LLMEngine:
         config.validate()
         model_config = model_config_from_dir(config.model)
         self.dtype_choice: DtypeChoice = resolve_dtype(
-            config.dtype, config.device, checkpoint_dtype(config.model)
+            config.dtype, config.device, checkpoint_dtype(config.model), verdicts=config.dtype_verdicts,
+            remeasure=config.remeasure_dtype,
         )
         logger.info("dtype %s (%s)", self.dtype_choice.dtype, self.dtype_choice.reason)
         config = dataclasses.replace(config, dtype=self.dtype_choice.dtype)

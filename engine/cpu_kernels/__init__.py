@@ -5,12 +5,12 @@ of each request's blocks into a contiguous tensor and the per-call overhead of a
 long queries. `decode_attention.c` reads K/V straight from the paged cache instead; on CPUs with
 AMX (or, without it, AVX512-BF16's dot product), `prefix_attention.c` attends the blocks a group of
 rows shares (an instruction) and bf16 causal prefill chunks, also straight from the cache. They are
-compiled with the machine's C compiler (`$CC`, else `cc`) and OpenMP (`-march=native`, so the
-library is cached per CPU kind and source, in `$BULKINFER_KERNEL_CACHE` or
-~/.cache/bulkinfer/kernels) and loaded with ctypes; OpenMP resolves to
-the libgomp torch already loaded, so the kernels share torch's threads. No compiler, a failed build
-or `BULKINFER_CPU_KERNELS=0`: the engine uses its PyTorch path (same results within rounding), and
-says why once in its log.
+compiled with the machine's C compiler (`$CC`, else `cc`) and OpenMP (`-march=native`, less what is
+above the project's ISA cap `BULKINFER_CPU_ISA`, so the library is cached per CPU kind, cap and
+source, in `$BULKINFER_KERNEL_CACHE` or ~/.cache/bulkinfer/kernels) and loaded with ctypes; OpenMP
+resolves to the libgomp torch already loaded, so the kernels share torch's threads. No compiler, a
+failed build or `BULKINFER_CPU_KERNELS=0`: the engine uses its PyTorch path (same results within
+rounding), and says why once in its log.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import threading
 from pathlib import Path
 
 import torch
+
+from bulkinfer.cpu_isa import active_cap, compiler_flags, describe_cap
 
 logger = logging.getLogger(__name__)
 
@@ -571,7 +573,17 @@ def load() -> CpuKernels | None:
         logger.info("native CPU kernels disabled (%s=0): PyTorch paths", DISABLE_ENV)
         return None
     cache = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "bulkinfer" / "kernels")
-    return build_and_open(_compiler(), cache)
+    return build_and_open(_compiler(), cache, native_flags())
+
+
+def native_flags() -> list[str]:
+    """FLAGS, less the instructions above the project's ISA cap (`BULKINFER_CPU_ISA`,
+    bulkinfer/cpu_isa.py), so the sources' `#if` paths build the capped kind's code; the flags are
+    part of the cache key, so each cap has its own library."""
+    note = describe_cap()
+    if note:
+        logger.info("native CPU kernels: %s", note)
+    return [*FLAGS, *compiler_flags(active_cap())]
 
 
 def build_and_open(compiler: str | None, cache: Path, flags: list[str] = FLAGS) -> CpuKernels | None:

@@ -30,12 +30,13 @@ from bulkinfer.engine.cpu_kernels import (
 from bulkinfer.engine.dtype_choice import cpu_flags
 from bulkinfer.engine.models.llama import RMSNorm, apply_rope
 
-BUILDS = {"native": cpu_kernels.FLAGS,
+# "native": what the engine builds here (-march=native, under BULKINFER_CPU_ISA's cap when one is set)
+BUILDS = {"native": cpu_kernels.native_flags(),
           "avx2": ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared"]}
 HAS_AMX = {"amx_bf16", "amx_tile"} <= cpu_flags()
 HAS_PREFIX_KERNEL = HAS_AMX or "avx512_bf16" in cpu_flags()
 # the prefix kernel's builds this CPU runs: the native one, and on AMX CPUs the dot-product one too
-PREFIX_BUILDS = {"native": cpu_kernels.FLAGS}
+PREFIX_BUILDS = {"native": cpu_kernels.native_flags()}
 if HAS_AMX:
     PREFIX_BUILDS["avx512_bf16"] = [*cpu_kernels.FLAGS, "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
 # the row kernel's builds: every build above (bf16 on AMX or on AVX512-BF16's dot product, by CPU)

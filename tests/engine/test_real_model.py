@@ -13,7 +13,7 @@ import torch
 
 from bulkinfer.engine import LLM, SamplingParams
 from bulkinfer.engine.chat import chat_token_ids
-from bulkinfer.engine.dtype_choice import probe_cpu_bf16
+from bulkinfer.engine.cpu_features import native_bf16_products
 from bulkinfer.jobs.demo_data import EXTRACTION_INSTRUCTIONS, EXTRACTION_SCHEMA, ORDERS
 from tests.engine.hf_reference import assert_greedy_within_noise, assert_same_greedy, hf_greedy
 
@@ -27,7 +27,7 @@ QUESTIONS = {FRANCE: "Paris", "What is the capital of Japan?": "Tokyo",
              "Name three primary colors.": "Red"}
 DTYPES = ["float32", "bfloat16"]
 # bf16 is emulated (tens of times slower) on CPUs without native bf16: fewer rows there, same checks.
-NATIVE_BF16 = probe_cpu_bf16().native_bf16
+NATIVE_BF16 = native_bf16_products()
 TESTED_ORDERS = ORDERS if NATIVE_BF16 else ORDERS[:8]
 
 

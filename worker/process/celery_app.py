@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import Celery, signals
 
+from bulkinfer.cpu_isa import apply_cpu_isa_cap
 from bulkinfer.jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB
 from bulkinfer.jobs.settings import process_settings
 
@@ -71,6 +72,8 @@ def create_pipeline_app(broker_url: str | None = None) -> Celery:
 # The process's settings (flags of `serve worker`, else the variables over the config file, read
 # once): a worker started with plain `celery -A bulkinfer.worker.process.celery_app worker` gets the file too.
 app = create_pipeline_app()
+# The `cpu_isa` setting (a flag of `serve worker`, or the config file) before the engine imports torch.
+apply_cpu_isa_cap(process_settings().cpu_isa)
 
 
 @signals.worker_init.connect

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bulkinfer.cpu_isa import apply_cpu_isa_cap
+from bulkinfer.engine.dtype_verdict import VERDICTS_FILE_NAME
 from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import add_settings_arguments, settings_from_args
 from bulkinfer.worker.run.run_cli import add_job_arguments, spec_from_args
@@ -33,7 +35,8 @@ from bulkinfer.worker.tuning.tuned_settings import (
     write_tuned,
 )
 
-TUNE_SETTINGS = ("models", "engine_options", "dtype", "model_cache", "s3_endpoint_url")
+TUNE_SETTINGS = ("models", "engine_options", "dtype", "remeasure_dtype", "cpu_isa", "model_cache",
+                 "s3_endpoint_url")
 TUNED_KEYS = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory")
 
 Workload = list[tuple[list[int], Any]]  # (prompt token ids, engine SamplingParams)
@@ -133,6 +136,7 @@ def tune_cli(argv: list[str] | None = None) -> int:
     prog = "bulkinfer tune"
     try:
         settings = settings_from_args(args)
+        apply_cpu_isa_cap(settings.cpu_isa)  # before the engine imports torch
     except (ConfigError, ValueError, OSError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
@@ -152,6 +156,8 @@ def tune_cli(argv: list[str] | None = None) -> int:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     base = {k: v for k, v in settings.engine_options_dict().items() if k not in TUNED_KEYS}
+    # dtype auto as the worker will choose it: the verdict kept beside the model cache.
+    base.setdefault("dtype_verdicts", str(settings.model_cache_dir / VERDICTS_FILE_NAME))
     signature = machine_signature(str(base.get("device", "cpu")), str(base.get("dtype", "auto")))
     print(f"tuning {model_dir} on {signature}: {len(workload)} rows, "
           f"{sum(len(p) for p, _ in workload):,} prompt tokens per trial")
