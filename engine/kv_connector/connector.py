@@ -38,6 +38,7 @@ from bulkinfer.engine.kv_connector.block_format import (
 )
 from bulkinfer.engine.kv_connector.keys import block_key
 from bulkinfer.engine.kv_connector.policy import ShareCounter, delete_past_budget
+from bulkinfer.engine.kv_connector.save_batch import SaveBatch
 from bulkinfer.engine.kv_connector.stats import KVStoreStats
 from bulkinfer.engine.prefix_hash import BlockHash
 
@@ -133,7 +134,7 @@ class KVConnector:
         self._offers: list[tuple[BlockHash, KVBlock]] = []
         self._recent_use: dict[str, float] = {}  # key -> last use seen here (for the budget's LRU)
         self._lock = threading.Lock()
-        self._deleting = False
+        self._deleting = self._delete_again = False
         self._saves: set[Future] = set()
         self._pool.submit(self._measure_stored)
 
@@ -285,10 +286,11 @@ class KVConnector:
             # each block's bytes contiguous, so the I/O threads need no torch op.
             copied = torch.stack([cache.index_select(1, ids) for cache in self.kv_caches])  # [L, 2, n, ...]
             per_block = copied.permute(2, 0, 1, 3, 4, 5).to("cpu").contiguous().view(torch.uint8).numpy()
+        batch = SaveBatch(len(offers))
         for index, (block_hash, _) in enumerate(offers):
             # Offers come in chain order: the earlier a block, the more recently used it counts.
             future = self._pool.submit(self._save_block, block_hash, memoryview(per_block[index]).cast("B"),
-                                       len(offers) - index)
+                                       len(offers) - index, batch)
             with self._lock:
                 self._saves.add(future)
             future.add_done_callback(self._forget_save)
@@ -297,41 +299,64 @@ class KVConnector:
         with self._lock:
             self._saves.discard(future)
 
-    def _save_block(self, block_hash: BlockHash, payload: memoryview, depth_rank: int) -> None:
+    def _save_block(self, block_hash: BlockHash, payload: memoryview, depth_rank: int,
+                    batch: SaveBatch) -> None:
         key = block_key(self.namespace, block_hash)
+        saved = False
         try:
             data = encode_payload(payload, self._dtype_name, self.block_shape)
-            written = self.store.put_if_absent(key, data)
+            if self.store.put_if_absent(key, data):
+                self.stats.add("saved_blocks")
+                self.stats.add("saved_bytes", len(data))
+                self.stats.add("stored_bytes", len(data))
+            saved = True
         except Exception as exc:
             logger.warning("prefix KV store write of %s failed: %s", key, exc)
             self._stored.discard(block_hash)
             self.stats.add("failed_saves")
+        used = batch.finish(key if saved else None, depth_rank)
+        if used is None:  # other blocks of the flush are still being written
             return
-        self._note_use(key, depth_rank)
-        if not written:
-            return
-        self.stats.add("saved_blocks")
-        self.stats.add("saved_bytes", len(data))
-        self.stats.add("stored_bytes", len(data))
+        # The flush's uses are recorded once its last block is written: the same moment, after every
+        # block's own write time, so its chain order (not which thread finished first) orders them.
+        now = time.time()
+        for used_key, rank in used:
+            self._note_use(used_key, rank, now)
         if self.budget_bytes is not None and self.stats.snapshot()["stored_bytes"] > self.budget_bytes:
             self._delete_past_budget()
 
-    def _note_use(self, key: str, depth_rank: int) -> None:
-        """Record a use now for the budget's least-recently-used order. Every later block of a
-        prefix needs its first ones, so blocks used together count as more recent the earlier they
-        are in their chain (`depth_rank`: larger for earlier), and a budget cut keeps a prefix's head."""
+    def _note_use(self, key: str, depth_rank: int, now: float | None = None) -> None:
+        """Record a use (at `now`, else now) for the budget's least-recently-used order. Every later
+        block of a prefix needs its first ones, so blocks used together count as more recent the
+        earlier they are in their chain (`depth_rank`: larger for earlier), and a budget cut keeps a
+        prefix's head."""
         with self._lock:
             if len(self._recent_use) > MAX_REMEMBERED_BLOCKS:
                 self._recent_use.clear()  # the store's own times remain
-            self._recent_use[key] = time.time() + depth_rank * CHAIN_ORDER_S
+            self._recent_use[key] = (time.time() if now is None else now) + depth_rank * CHAIN_ORDER_S
 
     def _delete_past_budget(self) -> None:
+        """Bring the store under the budget. One pass at a time; a call during a pass makes that
+        pass run again once done, since blocks written after its listing were not in its count."""
         with self._lock:
             if self._deleting:
+                self._delete_again = True
                 return
-            self._deleting = True
+            self._deleting, self._delete_again = True, False
         try:
-            assert self.budget_bytes is not None
+            while True:
+                self._budget_pass()
+                with self._lock:
+                    if not self._delete_again:
+                        break
+                    self._delete_again = False
+        finally:
+            with self._lock:
+                self._deleting = False
+
+    def _budget_pass(self) -> None:
+        assert self.budget_bytes is not None
+        try:
             with self._lock:
                 recent = dict(self._recent_use)
             deleted, left = delete_past_budget(self.store, self.namespace, self.budget_bytes, recent)
@@ -341,9 +366,6 @@ class KVConnector:
                 self._stored = _BoundedSet()  # which ones went is not tracked: look them up again
         except Exception as exc:
             logger.warning("prefix KV store budget pass failed: %s", exc)
-        finally:
-            with self._lock:
-                self._deleting = False
 
     def _measure_stored(self) -> None:
         try:

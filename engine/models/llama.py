@@ -12,6 +12,7 @@ each because two larger matmuls are faster than five small ones on CPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -377,14 +378,24 @@ class Linear(nn.Linear):
 
 def onednn_linear_available(device: torch.device, dtype: torch.dtype) -> bool:
     # bf16 too: packed bf16 weights run 1.1-1.4x faster than F.linear's bf16 path at decode sizes
-    # (measured on AVX512-BF16). Not fp16: oneDNN has no fast fp16 path on these CPUs.
+    # (measured on AVX512-BF16). Not fp16: oneDNN has no fast fp16 path on these CPUs. Not bf16 where
+    # oneDNN has no bf16 path at all (AVX2-only CPUs, or a cap below AVX-512: packing refuses there,
+    # "bf16 path needs avx_ne_convert or avx512bw"); F.linear computes it instead.
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and (dtype != torch.bfloat16 or _onednn_has_bf16())
     )
+
+
+@functools.cache
+def _onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bf16 on this CPU (as capped by ONEDNN_MAX_CPU_ISA)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else False
 
 
 class Attention(nn.Module):

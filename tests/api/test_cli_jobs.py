@@ -164,7 +164,8 @@ def test_submit_with_an_idempotency_key_is_the_same_job_and_another_spec_is_refu
 def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_running(stack) -> None:
     uri = stack.put_input("three.jsonl", "".join(json.dumps(row) + "\n" for row in ROWS[:3]).encode())
     job = stack.client.jobs.create(uri, model="small", prompt_column="q")
-    wait_until(lambda: stack.client.jobs.get(job).rows.total == 3, timeout=60, what="the job to be planned")
+    # Waits on conditions, generous: a loaded 2-core machine once took over 60 s to get here.
+    wait_until(lambda: stack.client.jobs.get(job).rows.total == 3, timeout=180, what="the job to be planned")
 
     command = [sys.executable, "-m", "bulkinfer.api.cli", "wait", job.job_id, "--poll-interval", "0.1"]
     env = stack.cli_env(BULKINFER_API_URL=stack.url, COLUMNS="160")
@@ -179,7 +180,7 @@ def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_runnin
         return b"0/3 rows" in screen
 
     try:
-        wait_until(bar_drawn, timeout=60, what="the progress bar")
+        wait_until(bar_drawn, timeout=180, what="the progress bar")
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == EXIT_INTERRUPTED
     finally:

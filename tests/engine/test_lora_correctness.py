@@ -6,9 +6,12 @@ model mixed in the same steps, under prefix hits (rows share prefixes within and
 adapters), chunked prefill (40 tokens a step) and preemption (a 17-block pool). fp32: every token
 is the merged model's argmax on the engine's context, or a proven fp32 tie. bf16: merging rounds
 ``W + s B A`` to bf16, another bf16 model than bf16 weights plus a separate update, so the reference
-is peft's own unmerged model in bf16 (its bf16 update, as the engine's, beside the base matmul),
-checked as the bf16 base models are: at least ``MIN_AGREEMENT`` of the tokens its argmax on the
-engine's context, every other one a near-tie within bf16 noise in both.
+is peft's own unmerged model in bf16 (its bf16 update, as the engine's, beside the base matmul): at
+least ``LORA_MIN_AGREEMENT`` of the engine's tokens its argmax on the engine's context, and by the merged
+fp32 model the engine's tokens lose no more than peft's bf16 choices do (x ``LORA_DEFICIT_FACTOR``,
+plus bf16 noise). Not a per-token near-tie bound: bf16 rounds differently on AMX, AVX512-BF16 and
+emulating CPUs, and on a Zen 4 one flip came 9 ulps apart (peft's gap 0.281 against a bound of
+0.25) while the engine's tokens were as good as peft's.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from bulkinfer.engine.lora.rows import LoRARows
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,
-    assert_greedy_within_noise,
+    assert_no_worse_than_reference,
     hf_model,
 )
 from tests.engine.lora_adapters import ALL_PROJECTIONS, ATTENTION_ONLY, PHI3_PROJECTIONS, make_adapter
@@ -33,6 +36,11 @@ MOE_ARCHS = ["qwen3_moe", "mixtral"]
 # bf16 on the Llama layout (suite time: the other archs share its LoRA path).
 CASES = [(arch, "float32") for arch in DENSE_ARCHS + MOE_ARCHS] + [("llama", "bfloat16")]
 MAX_NEW_TOKENS = {"float32": 8, "bfloat16": 16}
+# bf16 as mixture-of-experts models are judged (tests/engine/hf_reference.py). Measured on an AVX2-only
+# EPYC (emulated bf16), per adapter: agreement 0.896-0.979; tokens lost to the fp32 argmax 0.007-0.022
+# a token against peft's bf16 choices' 0.005-0.015, under a bf16 noise of 0.27.
+LORA_MIN_AGREEMENT = 0.8
+LORA_DEFICIT_FACTOR = 1.5
 # PEFT's random init (init_lora_weights=False) scaled down: the update stays the size of a trained
 # one next to the base weights, yet every adapter changes the base model's tokens (checked).
 ADAPTER_SCALE = 0.5
@@ -122,9 +130,10 @@ def test_mixed_adapters_match_merged_models(arch, dtype, checkpoint_factory, mon
         if dtype == "float32":
             assert_greedy_by_teacher_forcing(pairs, reference_dir, model)
         else:
-            reference = hf_model(base_dir, torch.bfloat16) if lora is None else \
+            low = hf_model(base_dir, torch.bfloat16) if lora is None else \
                 peft_model(base_dir, str(adapters[index - 1][0]))
-            assert_greedy_within_noise(pairs, base_dir, model, torch.bfloat16, reference=reference)
+            assert_no_worse_than_reference(pairs, low, hf_model(reference_dir), torch.bfloat16,
+                                           LORA_MIN_AGREEMENT, LORA_DEFICIT_FACTOR)
 
 
 def peft_model(base_dir: str, adapter_dir: str) -> torch.nn.Module:

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from bulkinfer.engine import LLM
+from bulkinfer.engine import LLM, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.decode_graphs import decode_graph_mode
 from bulkinfer.engine.models import UnsupportedModelError, load_model
@@ -115,8 +115,11 @@ def test_routing_on_the_test_checkpoints_spreads_over_every_expert(checkpoint_fa
 
 def test_moe_models_decode_natively_on_cpu_and_capture_where_grouped_mm_allows(checkpoint_factory):
     llm = LLM(model=str(checkpoint_factory(arch="mixtral")), dtype="float32", num_kv_blocks=64)
-    # fp32 on a CPU: the native decode driver runs the sparse layers; no graph capture (CPU, fp32).
-    assert llm.engine.model.native_decode is not None
+    # fp32 on a CPU with the fp32 row kernel (AVX-512): the native decode driver runs the sparse
+    # layers; without it (AVX2) the Python path does. No graph capture either way (CPU, fp32).
+    kernels = cpu_kernels.load()
+    native_here = kernels is not None and torch.float32 in kernels.row_gemm_dtypes
+    assert (llm.engine.model.native_decode is not None) == native_here
     assert decode_graph_mode("cpu", None, llm.engine.model.graph_capturable) == (False, False)
     assert decode_graph_mode("cuda", None, capturable=False) == (False, False)
     assert decode_graph_mode("cuda", True, capturable=False) == (True, False)

@@ -91,8 +91,11 @@ def test_expert_weights_are_stored_once_as_stacked_tensors(checkpoint_factory, d
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fixed_shape_block_equals_the_eager_block(family, dtype, monkeypatch):
-    """The same kernels per expert (PyTorch's matmul), the same pair order and the same combine:
-    bitwise the eager path's result, with routing ties (a token twice) and an expert left without rows."""
+    """The same experts for the same pairs in the same order and the same combine: the eager path's
+    result to the GEMM library's rounding, with routing ties (a token twice) and an expert left
+    without rows. Not bitwise: grouped_mm writes each expert's rows into one shared buffer, F.linear
+    into a buffer of its own, and the CPU's BLAS may round by where a buffer starts (fp32 differed in
+    the last bits on a Zen 4; the batch-invariant path, which is bitwise, never takes grouped_mm)."""
     block = block_for(family, dtype)
     calls = count_fixed_shape_calls(monkeypatch)
     x = torch.randn(13, 32, generator=torch.Generator().manual_seed(2)).to(dtype)
@@ -102,11 +105,18 @@ def test_fixed_shape_block_equals_the_eager_block(family, dtype, monkeypatch):
     block.step_shape.fixed = True
     fixed = block(x)
     assert calls == [13]
-    assert torch.equal(fixed, eager)
-    assert torch.equal(fixed[3], fixed[9])
+    assert_rounding_apart(fixed, eager)
+    assert_rounding_apart(fixed[3], fixed[9])
+    assert torch.equal(block(x), fixed)  # deterministic: the same call, the same bits
     one_row = block(x[:1])  # one row: most experts get none
     block.step_shape.fixed = False
-    assert torch.equal(one_row, block(x[:1]))
+    assert_rounding_apart(one_row, block(x[:1]))
+
+
+def assert_rounding_apart(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal but for the last bits of the dtype (a wrong expert, weight or pair order is far off)."""
+    tolerance = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[actual.dtype]
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
