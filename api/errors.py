@@ -15,6 +15,7 @@ from bulkinfer.jobs.errors import InputError
 from bulkinfer.jobs.lora_adapters import UnknownAdapter
 from bulkinfer.jobs.model_registry import UnknownModel
 from bulkinfer.jobs.planning.retry import NothingToRetry, NotRetryable
+from bulkinfer.jobs.public_paths import public_text
 from bulkinfer.jobs.scheduling.schedules import ScheduleNotFound
 from bulkinfer.jobs.spec import validation_messages
 from bulkinfer.jobs.state.merge import MergeError
@@ -45,8 +46,9 @@ def invalid_model(error: ValidationError, what: str = "job spec") -> HttpError:
 
 def error_response(error: HttpError, path: str = "") -> JSONResponse:
     """The error body for a request to `path` (the wire format's under `/v1/`, else ours: `detail`,
-    `messages`) with the error's status and headers."""
-    message = encodable(error.message)
+    `messages`) with the error's status and headers. No body names a place the service keeps files
+    in (an upload's key, the job store's bucket, prefix or directory: jobs/public_paths.py)."""
+    message = encodable(public_text(error.message))
     if path.startswith(ANTHROPIC_PREFIX):
         body: dict[str, object] = {"type": "error", "error": {"type": _anthropic_type(error.status_code),
                                                               "message": message}}
@@ -54,7 +56,7 @@ def error_response(error: HttpError, path: str = "") -> JSONResponse:
         body = {"error": {"message": message, "type": _openai_type(error.status_code), "param": error.param,
                           "code": error.code}}
     else:
-        body = {"detail": message, "messages": [encodable(line) for line in error.messages]}
+        body = {"detail": message, "messages": [encodable(public_text(line)) for line in error.messages]}
     return JSONResponse(body, status_code=error.status_code, headers=error.headers or None)
 
 

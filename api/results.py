@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import closing
 
 from bulkinfer.api.dependencies import ApiContext
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.schemas import JobResults, ResultPart
+from bulkinfer.jobs.formats.csv_parts import part_rows
 from bulkinfer.jobs.formats.jsonl_writer import dumps_line
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 from bulkinfer.jobs.object_store.factory import split_uri
-from bulkinfer.jobs.spec import InputFormat
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat
 from bulkinfer.jobs.state.manifest import Manifest, partial_manifest, read_manifest
 from bulkinfer.jobs.state.results import PartFile, ShardResult, load_shard_results
 from bulkinfer.jobs.state.status import COMPLETED_STATES, JobStatus
@@ -84,13 +86,18 @@ def job_results(context: ApiContext, status: JobStatus, partial: bool = False) -
 
 
 def stream_rows(context: ApiContext, manifest: Manifest) -> Iterator[bytes]:
-    """Every output row in order as JSON lines: JSONL parts pass through byte for byte, Parquet
-    parts are converted a batch at a time.
+    """Every output row in order as JSON lines: JSONL parts pass through byte for byte, Parquet,
+    CSV and TSV parts are converted a batch at a time.
     """
     for part in manifest.parts:
         store, key = part_store(context, part.output.uri)
         if manifest.output_format == InputFormat.PARQUET:
             yield from _parquet_as_json_lines(store, key)
+            continue
+        if manifest.output_format in DELIMITED_FORMATS:
+            with closing(store.open_read(key)) as stream:
+                for rows in part_rows(stream, manifest.output_format):
+                    yield b"".join(dumps_line(row) for row in rows)
             continue
         with store.open_read(key) as stream:
             while chunk := stream.read(STREAM_CHUNK_BYTES):

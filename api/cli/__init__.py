@@ -57,7 +57,7 @@ COMMANDS: dict[str, Command] = {
                          "Serve the API and run a worker against the configured "
                          "Redis and store (see docs/configuration.md)", "worker"),
     "run": Command("bulkinfer.worker.run.run_cli:run_cli",
-                   "Run a Parquet / JSONL / OpenAI-batch file through the engine "
+                   "Run a Parquet / JSONL / OpenAI-batch / CSV file through the engine "
                    "here, no servers; resumable", "worker"),
     # Job commands over the SDK (api/cli/jobs.py; exit codes documented there and in docs/sdk-and-cli.md).
     "submit": Command("bulkinfer.api.cli.jobs:submit", "Submit a job: a local file (uploaded) or s3:// URI "

@@ -14,12 +14,14 @@ import httpx
 
 from bulkinfer.api.client.results import (
     CHUNK_BYTES,
+    DELIMITED_FORMATS,
     LineSplitter,
     _require_pandas,
     _temp_for,
     json_rows_async,
     table_from_rows,
     target_format,
+    write_csv_table,
     write_table,
 )
 
@@ -68,11 +70,14 @@ class MergedResults(_ChainHeaders):
         return self.to_arrow().to_pandas()
 
     def download(self, path: str | Path) -> Path:
-        """JSON lines, or Parquet for a `.parquet` path. Returns the path."""
+        """JSON lines, or Parquet for a `.parquet` path, CSV for `.csv`, TSV for `.tsv`. Returns the path."""
         path = Path(path)
         temp = _temp_for(path)
-        if target_format(path, "jsonl") == "parquet":
+        wanted = target_format(path, "jsonl")
+        if wanted == "parquet":
             write_table(self.to_arrow(), temp)
+        elif wanted in DELIMITED_FORMATS:
+            write_csv_table(self.to_arrow(), temp, wanted)
         else:
             with temp.open("wb") as out:
                 for chunk in self._chunks():

@@ -2,14 +2,16 @@
 
 Rows stream straight from the result parts (presigned S3 URLs, or `file://` paths when the store is
 on this machine), part by part in input order, so the API server does not carry the bytes. When a
-part cannot be read from here (a local store on another machine), or a Parquet part without pyarrow
-installed, the rows come through the server's `?download=true` stream instead (JSON lines).
+part cannot be read from here (a local store on another machine), or a Parquet, CSV or TSV part
+without pyarrow installed, the rows come through the server's `?download=true` stream instead (JSON
+lines).
 
     results = client.jobs.results(job)
     for row in results: ...          # dicts, in input order
     table = results.to_arrow()       # pyarrow (the `client` extra)
     frame = results.to_pandas()      # pandas, if installed
-    results.download("out.parquet")  # the format follows the suffix; else the job's output format
+    results.download("out.parquet")  # the format follows the suffix (.parquet, .jsonl, .csv, .tsv);
+                                     # else the job's output format
 """
 
 from __future__ import annotations
@@ -29,8 +31,10 @@ if TYPE_CHECKING:
     from bulkinfer.api.client.transport import AsyncTransport, Transport
 
 CHUNK_BYTES = 1 << 20
-PARQUET_SUFFIXES = (".parquet", ".pq")
-JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+SUFFIX_FORMATS = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl",
+                  ".json": "jsonl", ".csv": "csv", ".tsv": "tsv", ".tab": "tsv"}
+TABLE_FORMATS = ("parquet", "csv", "tsv")  # parts read with pyarrow; the others are JSON lines
+DELIMITED_FORMATS = ("csv", "tsv")
 
 
 def _pyarrow() -> Any:
@@ -109,13 +113,41 @@ def table_from_rows(rows: list[dict[str, Any]]) -> pa.Table:
 
 
 def target_format(path: Path, output_format: str) -> str:
-    """`parquet` or `jsonl`: what a download to `path` writes."""
-    suffix = path.suffix.lower()
-    if suffix in PARQUET_SUFFIXES:
-        return "parquet"
-    if suffix in JSONL_SUFFIXES:
-        return "jsonl"
-    return "parquet" if output_format == "parquet" else "jsonl"
+    """`parquet`, `csv`, `tsv` or `jsonl`: what a download to `path` writes."""
+    by_suffix = SUFFIX_FORMATS.get(path.suffix.lower())
+    if by_suffix is not None:
+        return by_suffix
+    return output_format if output_format in TABLE_FORMATS else "jsonl"
+
+
+def csv_part_rows(data: bytes, output_format: str) -> list[dict[str, Any]]:
+    """A CSV or TSV part's rows as a Parquet part gives them (token counts as numbers, nested JSON
+    decoded)."""
+    from bulkinfer.jobs.formats.csv_parts import part_rows
+
+    return [row for rows in part_rows(io.BytesIO(data), output_format) for row in rows]
+
+
+def write_csv_table(table: pa.Table, path: Path, file_format: str) -> None:
+    _pyarrow()
+    from bulkinfer.jobs.formats.csv_writer import write_csv
+
+    with path.open("wb") as out:
+        write_csv(table, out, "\t" if file_format == "tsv" else ",")
+
+
+def copy_csv_parts(parts: Iterable[bytes], path: Path, file_format: str) -> None:
+    """CSV (or TSV) parts into one file, their text as it is, under one header row."""
+    from bulkinfer.jobs.formats.csv_parts import part_tables
+    from bulkinfer.jobs.formats.csv_writer import write_csv
+
+    delimiter = "\t" if file_format == "tsv" else ","
+    with path.open("wb") as out:
+        first = True
+        for data in parts:
+            for table in part_tables(io.BytesIO(data), file_format, as_text=True):
+                write_csv(table, out, delimiter, include_header=first)
+                first = False
 
 
 def json_line(row: dict[str, Any]) -> bytes:
@@ -169,7 +201,7 @@ class Results:
     def _direct(self) -> bool:
         info = self.info
         return all(readable_here(part) for part in info.parts) and (
-            info.output_format != "parquet" or _has_pyarrow())
+            info.output_format not in TABLE_FORMATS or _has_pyarrow())
 
     def _part_chunks(self, part: ResultPart) -> Iterator[bytes]:
         path = local_path(part.url)
@@ -189,9 +221,13 @@ class Results:
                                     params={"download": "true", **self._query}) as response:
             yield from response.iter_bytes(CHUNK_BYTES)
 
-    def _part_tables(self) -> Iterator[pa.Table]:
+    def _part_bytes(self) -> Iterator[bytes]:
         for part in self.info.parts:
-            yield parquet_table(b"".join(self._part_chunks(part)))
+            yield b"".join(self._part_chunks(part))
+
+    def _part_tables(self) -> Iterator[pa.Table]:
+        for data in self._part_bytes():
+            yield parquet_table(data)
 
     def _parquet_direct(self) -> bool:
         return self._direct() and self.output_format == "parquet"
@@ -200,6 +236,10 @@ class Results:
         if self._parquet_direct():
             for table in self._part_tables():
                 yield from table.to_pylist()
+            return
+        if self.output_format in DELIMITED_FORMATS and self._direct():
+            for data in self._part_bytes():
+                yield from csv_part_rows(data, self.output_format)
             return
         yield from _json_rows(self._chunks())
 
@@ -215,14 +255,19 @@ class Results:
         return self.to_arrow().to_pandas()
 
     def download(self, path: str | Path) -> Path:
-        """Write every row to one file: Parquet for a `.parquet` path, JSON lines for `.jsonl`, else
-        the job's output format. JSONL output is copied byte for byte. Returns the path."""
+        """Write every row to one file: Parquet for a `.parquet` path, JSON lines for `.jsonl`, CSV for
+        `.csv`, TSV for `.tsv`, else the job's output format. JSONL output is copied byte for byte, CSV
+        output to CSV cell for cell. Returns the path."""
         path = Path(path)
         temp = _temp_for(path)
         wanted = target_format(path, self.output_format)
         if wanted == "parquet":
             write_table(self.to_arrow(), temp)
-        elif self.output_format != "parquet":
+        elif wanted == self.output_format and wanted in DELIMITED_FORMATS and self._direct():
+            copy_csv_parts(self._part_bytes(), temp, wanted)
+        elif wanted in DELIMITED_FORMATS:
+            write_csv_table(self.to_arrow(), temp, wanted)
+        elif self.output_format not in TABLE_FORMATS:
             with temp.open("wb") as out:
                 for chunk in self._chunks():
                     out.write(chunk)
@@ -270,7 +315,7 @@ class AsyncResults:
     async def _direct(self) -> bool:
         info = await self.info()
         return all(readable_here(part) for part in info.parts) and (
-            info.output_format != "parquet" or _has_pyarrow())
+            info.output_format not in TABLE_FORMATS or _has_pyarrow())
 
     async def _part_chunks(self, part: ResultPart) -> AsyncIterator[bytes]:
         path = local_path(part.url)
@@ -294,11 +339,12 @@ class AsyncResults:
             async for chunk in response.aiter_bytes(CHUNK_BYTES):
                 yield chunk
 
+    async def _part_bytes(self) -> list[bytes]:
+        parts = (await self.info()).parts
+        return [b"".join([chunk async for chunk in self._part_chunks(part)]) for part in parts]
+
     async def _part_tables(self) -> list[pa.Table]:
-        tables = []
-        for part in (await self.info()).parts:
-            tables.append(parquet_table(b"".join([chunk async for chunk in self._part_chunks(part)])))
-        return tables
+        return [parquet_table(data) for data in await self._part_bytes()]
 
     async def _parquet_direct(self) -> bool:
         return await self._direct() and (await self.info()).output_format == "parquet"
@@ -307,6 +353,12 @@ class AsyncResults:
         if await self._parquet_direct():
             for table in await self._part_tables():
                 for row in table.to_pylist():
+                    yield row
+            return
+        output_format = (await self.info()).output_format
+        if output_format in DELIMITED_FORMATS and await self._direct():
+            for data in await self._part_bytes():
+                for row in csv_part_rows(data, output_format):
                     yield row
             return
         async for row in json_rows_async(self._chunks()):
@@ -331,7 +383,11 @@ class AsyncResults:
         wanted = target_format(path, output_format)
         if wanted == "parquet":
             write_table(await self.to_arrow(), temp)
-        elif output_format != "parquet":
+        elif wanted == output_format and wanted in DELIMITED_FORMATS and await self._direct():
+            copy_csv_parts(await self._part_bytes(), temp, wanted)
+        elif wanted in DELIMITED_FORMATS:
+            write_csv_table(await self.to_arrow(), temp, wanted)
+        elif output_format not in TABLE_FORMATS:
             with temp.open("wb") as out:
                 async for chunk in self._chunks():
                     out.write(chunk)

@@ -41,7 +41,8 @@ SUBMIT_BODY = {
                              "description": "the JobSpec as JSON, without input_uri; send it before "
                                             "the file"},
                 FILE_FIELD: {"type": "string", "format": "binary", "description": "the input rows: "
-                             "Parquet, JSONL or OpenAI-batch JSONL; streamed to jobs/<id>/input/<name>"}}}},
+                             "Parquet, JSONL, OpenAI-batch JSONL, CSV or TSV (by its name's extension); "
+                             "streamed to the job's folder"}}}},
     },
 }
 

@@ -6,7 +6,7 @@ from bulkinfer.jobs.errors import InputError
 from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
 from bulkinfer.jobs.formats.lines import iter_lines_in_range
 from bulkinfer.jobs.object_store.base import ObjectStore
-from bulkinfer.jobs.spec import InputFormat, JobSpec, format_from_name
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec, file_name, format_from_name
 
 PARQUET_MAGIC = b"PAR1"
 # Enough to hold the first line of any sane JSONL file; a longer one is read no further.
@@ -14,10 +14,12 @@ FIRST_LINE_LIMIT = 4 << 20
 
 
 def detect_input_format(store: ObjectStore, key: str) -> InputFormat:
-    """Parquet by name or magic bytes; JSONL whose first line has `custom_id` and `body` is
-    OpenAI batch; other JSONL is JSONL. Raises `InputError` when none fits.
+    """CSV and TSV by name; Parquet by name or magic bytes; JSONL whose first line has `custom_id`
+    and `body` is OpenAI batch; other JSONL is JSONL. Raises `InputError` when none fits.
     """
     by_name = format_from_name(key)
+    if by_name in DELIMITED_FORMATS:
+        return by_name
     if by_name == InputFormat.PARQUET or store.read_range(key, 0, 4) == PARQUET_MAGIC:
         return InputFormat.PARQUET
     first = _first_non_blank_line(store, key)
@@ -29,7 +31,8 @@ def detect_input_format(store: ObjectStore, key: str) -> InputFormat:
         return InputFormat.OPENAI_BATCH
     if by_name == InputFormat.JSONL or isinstance(record, dict):
         return InputFormat.JSONL
-    raise InputError(f"cannot tell the format of {key}: name it .parquet or .jsonl, or set input_format")
+    raise InputError(f"cannot tell the format of {file_name(key)}: name it .parquet, .jsonl, .csv or .tsv, "
+                     "or set input_format")
 
 
 def _first_non_blank_line(store: ObjectStore, key: str) -> bytes | None:

@@ -7,7 +7,10 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
+from bulkinfer.jobs.formats.csv_dialect import DELIMITERS
+from bulkinfer.jobs.formats.csv_writer import write_csv
 from bulkinfer.jobs.formats.embedding_writer import embedding_table, jsonl_embedding_record
 from bulkinfer.jobs.formats.jsonl_writer import dumps_line, error_record, jsonl_output_record
 from bulkinfer.jobs.formats.openai_batch_writer import openai_batch_record
@@ -20,8 +23,11 @@ from bulkinfer.jobs.formats.parquet_writer import (
     output_table,
 )
 from bulkinfer.jobs.object_store.base import ObjectStore, ObjectWriter
-from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec
 from bulkinfer.jobs.state.results import PartFile
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 
 class _MeasuringWriter:
@@ -57,11 +63,13 @@ def includes_json_column(spec: JobSpec) -> bool:
 
 def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], spec: JobSpec, *, job_id: str,
                       created: int | None = None, if_none_match: bool = True,
-                      embedding_dimension: int | None = None) -> PartFile:
+                      embedding_dimension: int | None = None, csv_header: bool = True) -> PartFile:
     """Every row of the shard, failed ones included, sorted into input order.
 
     `created` (unix seconds) stamps OpenAI response bodies; default: now. `embedding_dimension`: an
     embed job's vector size (the model's), so a Parquet part of failed rows only has the job's type.
+    `csv_header`: a CSV or TSV part starts with the header row (`bulkinfer run` appends parts to
+    one file and writes it once).
     """
     ordered = sorted(rows, key=lambda row: row.index)
     output_format = spec.effective_output_format
@@ -70,15 +78,10 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
         if output_format == InputFormat.PARQUET:
             import pyarrow.parquet as pq
 
-            if spec.is_embed:
-                table = embedding_table(ordered, spec, embedding_dimension)
-            else:
-                table = output_table(ordered, includes_json_column(spec), spec.passthrough_columns,
-                                     include_logprobs=may_have_logprobs(spec),
-                                     include_choices=may_have_choices(spec),
-                                     include_prompt_logprobs=may_have_prompt_logprobs(spec),
-                                     include_lora=may_have_lora(spec))
-            pq.write_table(table, sink)
+            pq.write_table(_output_table(ordered, spec, embedding_dimension), sink)
+        elif output_format in DELIMITED_FORMATS:
+            write_csv(_output_table(ordered, spec, embedding_dimension), sink, DELIMITERS[output_format],
+                      include_header=csv_header)
         elif output_format == InputFormat.OPENAI_BATCH:
             stamp = int(time.time()) if created is None else created
             for row in ordered:
@@ -93,6 +96,16 @@ def write_output_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], s
         else:
             raise ValueError("write_output_part needs a resolved output format")
     return sink.part_file(store, key, rows=len(ordered))
+
+
+def _output_table(rows: list[OutputRow], spec: JobSpec, embedding_dimension: int | None) -> pa.Table:
+    """The part's columns, as Parquet has them (a CSV part writes the same ones)."""
+    if spec.is_embed:
+        return embedding_table(rows, spec, embedding_dimension)
+    return output_table(rows, includes_json_column(spec), spec.passthrough_columns,
+                        include_logprobs=may_have_logprobs(spec), include_choices=may_have_choices(spec),
+                        include_prompt_logprobs=may_have_prompt_logprobs(spec),
+                        include_lora=may_have_lora(spec))
 
 
 def write_error_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], *,

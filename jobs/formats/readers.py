@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from bulkinfer.jobs.formats.csv_input import iter_csv_rows
 from bulkinfer.jobs.formats.jsonl import iter_jsonl_rows
 from bulkinfer.jobs.formats.openai_batch import iter_openai_batch_rows
 from bulkinfer.jobs.formats.parquet import iter_parquet_rows
 from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.planning.sharding import ShardPlan
-from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec
 
 
 def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
@@ -28,6 +29,8 @@ def _all_shard_rows(store: ObjectStore, key: str, spec: JobSpec,
                     shard: ShardPlan) -> Iterator[Row | RowError]:
     if spec.input_format == InputFormat.PARQUET:
         return iter_parquet_rows(store, key, shard, RowBuilder(spec))
+    if spec.input_format in DELIMITED_FORMATS:
+        return iter_csv_rows(store, key, shard, RowBuilder(spec))
     if shard.byte_start is None or shard.byte_end is None:
         raise ValueError(f"shard {shard.shard_id} has no byte range; it was not planned for JSONL")
     if spec.input_format == InputFormat.OPENAI_BATCH:

@@ -1,8 +1,10 @@
 """Shard planning: cut an input into shards a worker can read alone, deterministically.
 
 JSONL is cut into byte ranges of `shard_size` rows, counted in one streaming pass
-(`formats.row_starts`; `formats.lines` gives each line to exactly one range). Parquet is cut along row groups,
-taken whole where they are small and split into row ranges where one holds many shards' rows.
+(`formats.row_starts`; `formats.lines` gives each line to exactly one range). CSV and TSV likewise, by
+record starts that respect quoting (`formats.csv_records`), and their shards also carry the range's
+row numbers. Parquet is cut along row groups, taken whole where they are small and split into row
+ranges where one holds many shards' rows.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from pydantic import BaseModel, ConfigDict
 
 from bulkinfer.jobs.errors import InputError
 from bulkinfer.jobs.object_store.base import ObjectStore
-from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec, file_name
 
 if TYPE_CHECKING:
     import pyarrow.parquet as pq
 
 class ShardPlan(BaseModel):
     """One unit of work. JSONL shards set `byte_start`/`byte_end`; Parquet shards `row_groups`
-    and the global row range `[row_start, row_end)`. `estimated_rows` is exact for both (a retry's
-    or an older plan's may say `rows_exact=False`).
+    and the global row range `[row_start, row_end)`; CSV shards both byte and row ranges.
+    `estimated_rows` is exact for all (a retry's or an older plan's may say `rows_exact=False`).
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -69,6 +71,8 @@ def plan_ranges(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
         raise ValueError("plan_shards needs a resolved input_format (see formats.detect.resolve_spec)")
     if spec.input_format == InputFormat.PARQUET:
         return plan_parquet_shards(store, key, spec)
+    if spec.input_format in DELIMITED_FORMATS:
+        return plan_csv_shards(store, key, spec)
     return plan_jsonl_shards(store, key, spec.shard_size)
 
 
@@ -109,6 +113,25 @@ def plan_jsonl_shards(store: ObjectStore, key: str, shard_size: int) -> list[Sha
             for index, (start, end, rows) in enumerate(ranges)]
 
 
+def plan_csv_shards(store: ObjectStore, key: str, spec: JobSpec) -> list[ShardPlan]:
+    """Byte ranges of exactly `shard_size` rows (the last one fewer) after the header row, cut at
+    record starts by one streaming pass. Raises `InputError` if the header lacks a column every row
+    needs."""
+    from bulkinfer.jobs.formats.csv_dialect import CsvDialect
+    from bulkinfer.jobs.formats.csv_header import check_header, read_header
+    from bulkinfer.jobs.formats.csv_records import count_records
+
+    dialect = CsvDialect.of_input(spec)
+    header = read_header(store, key, dialect)
+    check_header(spec, header)
+    size = store.head(key).size
+    counts = count_records(store, key, header.data_start, size, dialect.delimiter_bytes, spec.shard_size)
+    ranges = zip(counts.cuts, [*counts.cuts[1:], size], counts.shard_rows(), strict=True)
+    return [ShardPlan(index=index, estimated_rows=rows, rows_exact=True, byte_start=start, byte_end=end,
+                      row_start=index * spec.shard_size, row_end=index * spec.shard_size + rows)
+            for index, (start, end, rows) in enumerate(ranges)]
+
+
 @contextmanager
 def open_parquet(store: ObjectStore, key: str) -> Iterator[pq.ParquetFile]:
     """A ParquetFile over range reads; raises `InputError` if the object is not Parquet."""
@@ -118,7 +141,7 @@ def open_parquet(store: ObjectStore, key: str) -> Iterator[pq.ParquetFile]:
         try:
             parquet = pq.ParquetFile(file)
         except Exception as error:  # pyarrow raises several types for a bad footer
-            raise InputError(f"{key} is not a readable Parquet file: {error}") from None
+            raise InputError(f"{file_name(key)} is not a readable Parquet file: {error}") from None
         yield parquet
 
 

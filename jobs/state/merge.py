@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 from typing import Any
 
+from bulkinfer.jobs.formats.csv_parts import part_rows
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 from bulkinfer.jobs.planning.retry import failed_rows
 from bulkinfer.jobs.planning.sharding import ShardPlan
-from bulkinfer.jobs.spec import InputFormat
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat
 from bulkinfer.jobs.state.repository import JobRepository
 from bulkinfer.jobs.state.results import PartFile, ShardResult, load_shard_results
 
@@ -164,8 +166,13 @@ def _retried_records(chain: MergedChain, run: _Ran, open_part: OpenPart) -> list
     return list(zip(wanted, records, strict=True))
 
 
+def _is_table(chain: MergedChain) -> bool:
+    """Parquet, CSV and TSV parts have an `error_code` column; JSON lines an `error` object."""
+    return chain.output_format == InputFormat.PARQUET or chain.output_format in DELIMITED_FORMATS
+
+
 def _failed(chain: MergedChain, record: dict[str, Any]) -> bool:
-    if chain.output_format == InputFormat.PARQUET:
+    if _is_table(chain):
         return record.get("error_code") is not None
     return record.get("error") is not None
 
@@ -177,4 +184,7 @@ def _part_records(chain: MergedChain, part: PartFile, open_part: OpenPart) -> li
 
         with store.open_seekable(key) as file:
             return pq.read_table(file).to_pylist()
+    if _is_table(chain):
+        with closing(store.open_read(key)) as stream:
+            return [row for rows in part_rows(stream, chain.output_format) for row in rows]
     return [json.loads(line) for line in store.get_bytes(key).splitlines() if line.strip()]

@@ -122,12 +122,14 @@ def test_generated_requests_get_no_server_error_and_answers_the_schema_describes
     # row mapping does not fit its input's format (detected from the file's content); the multipart
     # `spec` field's text that is not JSON; two row mappings given at once (each may be null, and JSON
     # Schema's `required` counts a null as given, so the schema cannot say "at most one is set").
+    # A csv_encoding for an input that is not CSV or TSV (its format detected from the file's name).
     # And a completion_window longer than the deployment's max_completion_window (a setting, not schema),
     # and a usage range whose `until` is not after its `since` or spans too long (two fields together).
     explained = ("is not a valid cron expression", "never fires: no date matches it",
                  "input needs exactly one of prompt_column",
                  "max_completion_window", "must be after since", "a usage range may span at most",
-                 "field is not JSON", "give exactly one of prompt_column, messages_column or template")
+                 "field is not JSON", "give exactly one of prompt_column, messages_column or template",
+                 "csv_encoding: only CSV or TSV input has a text encoding")
     unexplained = [(label, detail) for label, detail in refused
                    if not any(reason in detail for reason in explained)]
     assert unexplained == [], "\n".join(map(str, unexplained))

@@ -113,3 +113,41 @@ def test_an_idempotent_upload_is_one_job_and_another_file_under_its_key_is_409(a
     assert error.value.status_code == 409 and "already used with a different file" in error.value.message
     key = api.repository.layout(first.job_id).input_key("rows.jsonl")
     assert api.store.get_bytes(key) == path.read_bytes()  # the first upload stands
+
+
+CSV_ROWS = ('\ufeffid,q,team\r\n1,"What is 2+2, really?",red\r\n2,"A ""quoted""\nquestion",\r\n').encode()
+
+
+def test_a_csv_or_tsv_upload_becomes_a_job_that_writes_csv(api) -> None:
+    job = api.client.jobs.create({"model": "tiny", "prompt_column": "q", "id_column": "id"},
+                                 file=io.BytesIO(CSV_ROWS), filename="Rows.CSV")
+    spec = api.client.jobs.spec(job.job_id)
+    assert (spec.input_format, spec.output_format) == ("csv", "csv")
+    assert job.state == JobState.QUEUED
+    tsv = api.client.jobs.create({"model": "tiny", "prompt_column": "q", "output_format": "parquet"},
+                                 file=io.BytesIO(b"q\tteam\nhello\tx\n"), filename="rows.tsv")
+    tsv_spec = api.client.jobs.spec(tsv.job_id)
+    assert (tsv_spec.input_format, tsv_spec.output_format) == ("tsv", "parquet")
+
+
+def test_a_bad_upload_is_refused_naming_the_users_file_and_no_place_in_the_store(api) -> None:
+    def refused_upload(data: bytes, filename: str, **spec) -> str:
+        with pytest.raises(ApiError) as error:
+            api.client.jobs.create({"model": "tiny", "prompt_column": "q", **spec}, file=io.BytesIO(data),
+                                   filename=filename)
+        assert error.value.status_code == 400, error.value.message
+        message = error.value.message
+        store_places = ["jobs/", "/input/", "deploy", "bulkinfer-api", str(api.settings.store_uri)]
+        if api.settings.is_local_store:
+            store_places.append(str(api.settings.local_store_root()))
+        assert not [place for place in store_places if place in message], message
+        return message
+
+    assert refused_upload(b"PK\x03\x04 not a table", "report.xlsx").startswith(
+        "cannot tell the format of report.xlsx: name it .parquet, .jsonl, .csv or .tsv")
+    message = refused_upload(b"id,question\n1,hi\n", "my rows.csv")
+    assert message.startswith("column 'q' is not in the header row of 'my rows.csv' (its columns: 'id', ")
+    assert refused_upload(b"", "empty.csv") == "the uploaded file 'empty.csv': the file is empty"
+    message = refused_upload(b"q\x81\n1\n", "export.csv", csv_encoding="cp1252")
+    assert message.startswith("the header row of 'export.csv' cannot be read (")
+    assert [info.key for info in api.store.list("") if "/input/" in info.key] == []  # nothing was kept

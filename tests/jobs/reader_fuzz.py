@@ -43,6 +43,9 @@ OPENAI_SPEC = JobSpec(input_uri="s3://b/rows.jsonl", input_format="openai_batch"
 PARQUET_SPEC = JobSpec(input_uri="s3://b/rows.parquet", input_format="parquet", model="m", id_column="id",
                        prompt_column="question", sampling_column="sampling", passthrough_columns=["extra"],
                        sampling={"temperature": 0.0}, shard_size=2)
+CSV_SPEC = JobSpec(input_uri="s3://b/rows.csv", input_format="csv", model="m", id_column="id",
+                   prompt_column="question", passthrough_columns=["extra"], sampling={"temperature": 0.0},
+                   shard_size=2)
 
 # Values that have broken JSON readers: deep nesting, numbers past Python's int limit, escapes of
 # half a UTF-16 pair, bytes that are not UTF-8, and every JSON type where a field expects another.
@@ -209,6 +212,49 @@ def check_parquet_cell(store: LocalObjectStore, column: str, kind: pa.DataType, 
             assert isinstance(item, Row) and item.row_id == f"good{item.index}", item
 
 
+# Any bytes as one CSV cell, quoted as a CSV writer quotes it; or as a whole record, unquoted.
+csv_cells = st.binary(max_size=60)
+csv_records = st.binary(max_size=60).map(lambda record: record.replace(b"\r", b"").replace(b"\n", b""))
+
+
+def _good_csv_record(n: int) -> bytes:
+    return f"good{n},q{n},{n}".encode()
+
+
+def check_csv(store: LocalObjectStore, record: bytes, position: int, cell: bytes | None) -> None:
+    """One arbitrary record (or one whose question is an arbitrary quoted cell) among good ones: the
+    property holds, and a cell that is text reads back as exactly that text."""
+    good = [_good_csv_record(n) for n in range(GOOD_ROWS)]
+    records = [b"id,question,extra", *good[:position], record, *good[position:]]
+    key = "rows.csv"
+    store.put_bytes(key, b"\r\n".join(records) + b"\r\n")
+    items = _read_everything(store, key, CSV_SPEC)
+    expected = [f"good{n}" for n in range(GOOD_ROWS)]
+    if not record:  # an empty line is no row
+        assert [item.row_id for item in items] == expected and all(isinstance(i, Row) for i in items), items
+        return
+    assert [item.index for item in items] == list(range(GOOD_ROWS + 1))  # one item per row, once, in order
+    others = [item for item in items if item.index != position]
+    assert [item.row_id for item in others if isinstance(item, Row)] == expected, items
+    if cell is not None and cell:
+        fuzz = items[position]
+        try:
+            text = cell.decode()
+        except UnicodeDecodeError:
+            assert isinstance(fuzz, RowError), fuzz
+        else:
+            assert isinstance(fuzz, Row) and fuzz.prompt == text, (cell, fuzz)
+
+
+def check_csv_cell(store: LocalObjectStore, cell: bytes, position: int) -> None:
+    quoted = b'"' + cell.replace(b'"', b'""') + b'"'
+    check_csv(store, b"fuzz," + quoted + b",x", position, cell)
+
+
+def check_csv_record(store: LocalObjectStore, record: bytes, position: int) -> None:
+    check_csv(store, record, position, None)
+
+
 class Campaign:
     """Counts inputs tried and promise failures (an exception out of a reader, or a property miss)."""
 
@@ -244,15 +290,27 @@ def run_campaign(examples: int, seed: int = 0) -> Campaign:
     def parquet(cell: tuple, position: int) -> None:
         campaign.attempt(check_parquet_cell, *cell, position)
 
+    @quiet
+    @given(csv_cells, st.integers(0, GOOD_ROWS))
+    def csv_cell(cell: bytes, position: int) -> None:
+        campaign.attempt(check_csv_cell, cell, position)
+
+    @quiet
+    @given(csv_records, st.integers(0, GOOD_ROWS))
+    def csv_record(record: bytes, position: int) -> None:
+        campaign.attempt(check_csv_record, record, position)
+
     jsonl()
     parquet()
+    csv_cell()
+    csv_record()
     return campaign
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=5000,
-                        help="inputs per format (JSONL lines, Parquet cells)")
+                        help="inputs per format (JSONL lines, Parquet cells, CSV cells and records)")
     args = parser.parse_args()
     campaign = run_campaign(args.examples)
     for failure in campaign.failures[:5]:

@@ -31,16 +31,23 @@ def parquet_payload() -> bytes:
     ("batch_input", json.dumps(OPENAI_LINE).encode(), InputFormat.OPENAI_BATCH),
     ("rows.txt", b'{"q": "a"}', InputFormat.JSONL),
     ("rows.jsonl", b"not json at all\n", InputFormat.JSONL),  # the name decides; rows will say why
+    ("rows.csv", b"q,a\n1,2\n", InputFormat.CSV),
+    ("in/ROWS.CSV", b'{"q": "a"}\n', InputFormat.CSV),  # by name, whatever the bytes look like
+    ("rows.tsv", b"q\ta\n", InputFormat.TSV),
+    ("rows.tab", b"q\ta\n", InputFormat.TSV),
 ])
 def test_detect_input_format(store, key, payload, expected) -> None:
     store.put_bytes(key, parquet_payload() if payload is None else payload)
     assert detect_input_format(store, key) == expected
 
 
-def test_an_unrecognisable_input_is_an_input_error(store) -> None:
-    store.put_bytes("rows.csv", b"q,a\n1,2\n")
-    with pytest.raises(InputError, match="cannot tell the format of rows.csv"):
-        detect_input_format(store, "rows.csv")
+def test_an_unrecognisable_input_is_an_input_error_naming_the_file_not_its_key(store) -> None:
+    key = "deploy/jobs/job-1/input/rows.bin"  # where an upload is kept: the service's key, not the user's
+    store.put_bytes(key, b"q,a\n1,2\n")
+    with pytest.raises(InputError) as error:
+        detect_input_format(store, key)
+    assert str(error.value).startswith("cannot tell the format of rows.bin: name it .parquet, .jsonl, .csv")
+    assert "jobs/" not in str(error.value)
 
 
 def test_resolve_spec_fills_formats_and_rechecks_the_mapping(local_store) -> None:

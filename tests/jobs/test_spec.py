@@ -53,7 +53,11 @@ def test_a_minimal_spec_gets_documented_defaults() -> None:
     ({"prompt_column": None, "template": "{q"}, "template: unbalanced braces"),
     ({"prompt_column": None, "input_format": "jsonl"}, "jsonl input needs exactly one of prompt_column"),
     ({"input_format": "openai_batch"}, "prompt_column: OpenAI batch lines carry their own request body"),
-    ({"input_format": "csv"}, "input_format: Input should be 'parquet', 'jsonl' or 'openai_batch'"),
+    ({"input_format": "xlsx"},
+     "input_format: Input should be 'parquet', 'jsonl', 'openai_batch', 'csv' or 'tsv'"),
+    ({"csv_encoding": "utf-16"}, "csv_encoding: 'utf-16' is not an encoding CSV rows can be read in"),
+    ({"csv_encoding": "klingon"}, "csv_encoding: unknown text encoding 'klingon'"),
+    ({"input_format": "jsonl", "csv_encoding": "cp1252"}, "csv_encoding: only CSV or TSV input has a text"),
     ({"passthrough_columns": ["text", "source"]}, "passthrough_columns: text would collide"),
     ({"passthrough_columns": ["prompt_logprobs"]}, "passthrough_columns: prompt_logprobs would collide"),
     ({"passthrough_columns": ["a", "a"]}, "passthrough_columns: columns are listed more than once"),
@@ -122,7 +126,8 @@ def test_input_columns_cover_every_column_a_row_is_read_from() -> None:
 
 @pytest.mark.parametrize("name, expected", [
     ("in/rows.parquet", InputFormat.PARQUET), ("ROWS.PQ", InputFormat.PARQUET),
-    ("rows.jsonl", InputFormat.JSONL), ("rows.ndjson", InputFormat.JSONL), ("rows.csv", None), ("rows", None),
+    ("rows.jsonl", InputFormat.JSONL), ("rows.ndjson", InputFormat.JSONL), ("rows.csv", InputFormat.CSV),
+    ("Export.TSV", InputFormat.TSV), ("rows.tab", InputFormat.TSV), ("rows.csv.gz", None), ("rows", None),
 ])
 def test_format_from_name(name, expected) -> None:
     assert format_from_name(name) == expected

@@ -9,6 +9,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from bulkinfer.jobs.formats.csv_parts import part_rows
 from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, TokenLogprob
 from bulkinfer.jobs.formats.parts import write_error_part, write_output_part
 from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowError, RowErrorCode
@@ -177,3 +178,34 @@ def test_parquet_logprobs_and_choices_columns_are_typed_and_fixed_per_job(store)
     plain = spec("parquet")
     write_output_part(store, "q.parquet", [sampled(plain, ["a"], logprobs=None)], plain, job_id="j")
     assert "choices" not in pq.read_table(io.BytesIO(store.get_bytes("q.parquet"))).column_names
+
+
+def test_csv_part_has_the_parquet_columns_and_reads_back_as_the_parquet_part_does(store) -> None:
+    job = spec("csv", response_format={"type": "json_object"}, passthrough_columns=["src"])
+    rows = outcomes(job)
+    rows[0] = done(RowBuilder(job).build(3, {"q": "x", "src": 'a "quoted", text\nwith lines'}), "")
+    write_output_part(store, "out/part-00000.csv", rows, job, job_id="j")
+    as_parquet = job.model_copy(update={"output_format": "parquet"})
+    write_output_part(store, "out/part-00000.parquet", rows, as_parquet, job_id="j")
+    data = store.get_bytes("out/part-00000.csv")
+    expected = pq.read_table(io.BytesIO(store.get_bytes("out/part-00000.parquet")))
+    assert data.startswith(b'"id","text","json","finish_reason","prompt_tokens","cached_tokens",')
+    read_back = [row for rows in part_rows(io.BytesIO(data), "csv") for row in rows]
+    assert read_back == expected.to_pylist()
+    assert read_back[3]["text"] == "" and read_back[2]["text"] is None  # an empty output, a failed row
+    assert read_back[3]["src"] == 'a "quoted", text\nwith lines'
+
+
+def test_csv_cells_hold_nested_values_as_the_json_a_jsonl_line_has(store) -> None:
+    job = spec("tsv", sampling={"n": 2, "logprobs": 2})
+    rows = [sampled(job, ["a", "b"]), OutputRow.from_error(RowBuilder(job).build(1, {}))]
+    write_output_part(store, "p.tsv", rows, job, job_id="j")
+    write_output_part(store, "p.jsonl", rows, job.model_copy(update={"output_format": "jsonl"}), job_id="j")
+    line = json.loads(store.get_bytes("p.jsonl").splitlines()[0])
+    data = store.get_bytes("p.tsv")
+    header = data.split(b"\n")[0].split(b"\t")
+    assert header[:5] == [b'"id"', b'"text"', b'"finish_reason"', b'"logprobs"', b'"choices"']
+    [first, failed] = [row for rows in part_rows(io.BytesIO(data), "tsv") for row in rows]
+    assert first["logprobs"] == line["logprobs"]  # token bytes as numbers, as in JSONL
+    assert [(c["index"], c["text"]) for c in first["choices"]] == [(0, "a"), (1, "b")]
+    assert failed["logprobs"] is None and failed["error_code"] == "missing_column"

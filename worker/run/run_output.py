@@ -6,9 +6,10 @@ Rows are written batch by batch, in input order. Beside OUT, a hidden work direc
 input), how many input rows are done, and what of OUT holds them. It is replaced atomically after
 each batch is durable, so it never claims more than is written:
 
-- JSONL / OpenAI batch: each batch is appended to OUT and fsynced; `progress.json` then records
-  OUT's length. On resume OUT is cut back to that length (a batch written after the last record,
-  or a torn line from a kill, goes) and rows after `rows_done` run again.
+- JSONL / OpenAI batch / CSV / TSV: each batch is appended to OUT (a CSV's header row with the
+  first) and fsynced; `progress.json` then records OUT's length. On resume OUT is cut back to that
+  length (a batch written after the last record, or a torn line from a kill, goes) and rows after
+  `rows_done` run again.
 - Parquet: each batch is one part file in the work directory (written to a temp name, renamed);
   `progress.json` lists the parts. On resume parts it does not list are deleted. At the end the
   parts are combined into OUT (temp file, rename).
@@ -32,7 +33,7 @@ from pathlib import Path
 from bulkinfer.jobs.formats.output import OutputRow
 from bulkinfer.jobs.formats.parts import write_output_part
 from bulkinfer.jobs.object_store.local import LocalObjectStore
-from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec
 
 PROGRESS_FILE = "progress.json"
 
@@ -138,7 +139,8 @@ class ResumableOutput:
         key = f"parts/part-{len(self.progress.parts):06d}.parquet" if self.is_parquet else "batch.tmp"
         write_output_part(self._store, key, rows, self.spec, job_id=self.job_id,
                           created=self.progress.created, if_none_match=False,
-                          embedding_dimension=self.embedding_dimension)
+                          embedding_dimension=self.embedding_dimension,
+                          csv_header=self.progress.output_bytes == 0)  # CSV: one header, at the top
         if self.is_parquet:
             with open(self.work_dir / key, "rb") as part:  # durable before progress.json lists it
                 os.fsync(part.fileno())
@@ -158,6 +160,11 @@ class ResumableOutput:
         if self.is_parquet:
             combine_parquet([self.work_dir / "parts" / name for name in self.progress.parts], self.output,
                             self.spec)
+        elif self.progress.output_bytes == 0 and self.spec.effective_output_format in DELIMITED_FORMATS:
+            # No row at all: a CSV still names its columns.
+            write_output_part(LocalObjectStore(self.output.parent), self.output.name, [], self.spec,
+                              job_id=self.job_id, if_none_match=False,
+                              embedding_dimension=self.embedding_dimension)
         shutil.rmtree(self.work_dir / "parts", ignore_errors=True)
         stat = self.output.stat()
         self.progress.finished = True
