@@ -25,7 +25,8 @@ from bulkinfer.jobs.spec import InputFormat, JobSpec
 
 JOB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 PART_EXTENSIONS = {
-    InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl"}
+    InputFormat.PARQUET: "parquet", InputFormat.JSONL: "jsonl", InputFormat.OPENAI_BATCH: "jsonl",
+    InputFormat.CSV: "csv", InputFormat.TSV: "tsv"}
 
 
 # Folders directly under the store prefix that the service itself writes: never a job's input or
@@ -39,6 +40,8 @@ TENANTS_FOLDER = "tenants"
 # A /v1 file: `files/<owner>/<file_id>/` holds its content, then (written last) its record.
 FILE_CONTENT_NAME = "content"
 FILE_RECORD_NAME = "meta.json"
+# Left when a batch's output or error file is deleted (or expires): the batch never publishes it again.
+FILE_TOMBSTONE_NAME = "deleted"
 
 
 def area_root(area: str, prefix: str = "") -> str:

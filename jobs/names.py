@@ -41,6 +41,11 @@ def counted_shards_key(namespace: str, job_id: str) -> str:
     return job_key(namespace, job_id, "counted-shards")
 
 
+def live_progress_key(namespace: str, job_id: str) -> str:
+    """Running shards' finished rows, before they commit (jobs/state/live_progress.py)."""
+    return job_key(namespace, job_id, "live")
+
+
 def webhook_claim_key(namespace: str, job_id: str) -> str:
     return job_key(namespace, job_id, "webhook")
 

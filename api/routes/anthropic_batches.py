@@ -54,12 +54,13 @@ def list_batches(request: Request, context: Context, caller: CallerDep, before_i
 
 @router.post("/{message_batch_id}/cancel", summary="Cancel a Message Batch")
 def cancel(message_batch_id: str, request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
-    """Requests not yet done are `canceled`; those done keep their results. 409 once it has ended."""
+    """Requests not yet done are `canceled`; those done keep their results. 409 once it has ended,
+    cancelled by an earlier call included."""
     record = BatchRecords(context, "anthropic").get(caller, message_batch_id)
-    status = context.repository.request_cancel(str(record.job_id))
-    if status.state != JobState.CANCELLED:
-        raise HttpError(409, f"message batch {message_batch_id} has already ended; there is nothing to "
-                             "cancel")
+    status, cancelled_now = context.repository.cancel(str(record.job_id))
+    if not cancelled_now:
+        how = "was already canceled" if status.state == JobState.CANCELLED else "has already ended"
+        raise HttpError(409, f"message batch {message_batch_id} {how}; there is nothing to cancel")
     if claim_delivery(context.repository, str(record.job_id)):
         context.tasks.send(DELIVER_WEBHOOK, [record.job_id], CONTROL_QUEUE)
     return batch_object(context, record, str(request.base_url), status, canceling=True)

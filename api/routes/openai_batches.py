@@ -13,9 +13,8 @@ from bulkinfer.api.dependencies import Context
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.schemas import OpenAIErrorBody, error_responses
 from bulkinfer.api.v1.batch_records import BatchRecords
-from bulkinfer.api.v1.openai_batches import batch_object, create_batch, parse_create
+from bulkinfer.api.v1.openai_batches import STATUS_OF, batch_object, create_batch, parse_create
 from bulkinfer.jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
-from bulkinfer.jobs.state.status import JobState
 from bulkinfer.jobs.webhook_claims import claim_delivery
 
 router = APIRouter(prefix="/v1", tags=["openai batches"], responses=error_responses(OpenAIErrorBody, {
@@ -47,14 +46,15 @@ def list_batches(context: Context, caller: CallerDep, after: str | None = None,
 
 @router.post("/batches/{batch_id}/cancel", summary="Cancel a batch (OpenAI Batches API)")
 def cancel(batch_id: str, context: Context, caller: CallerDep) -> dict[str, Any]:
-    """The rows not yet done stop; those done stay in the output file. 409 for a batch that ended."""
+    """The rows not yet done stop; those done stay in the output file. 409 for a batch that ended,
+    cancelled ones included: only the call that cancels it answers `cancelling`."""
     record = BatchRecords(context, "openai").get(caller, batch_id)
     if record.job_id is None:
         raise HttpError(409, f"batch {batch_id} has failed; there is nothing to cancel")
-    status = context.repository.request_cancel(record.job_id)
-    if status.state != JobState.CANCELLED:
-        ended = batch_object(context, record, status)["status"]
-        raise HttpError(409, f"batch {batch_id} is already {ended}; there is nothing to cancel")
+    status, cancelled_now = context.repository.cancel(record.job_id)
+    if not cancelled_now:
+        raise HttpError(409, f"batch {batch_id} is already {STATUS_OF[status.state]}; there is nothing "
+                             "to cancel")
     if claim_delivery(context.repository, record.job_id):
         context.tasks.send(DELIVER_WEBHOOK, [record.job_id], CONTROL_QUEUE)
     return batch_object(context, record, status, cancelling=True)

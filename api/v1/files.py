@@ -2,6 +2,8 @@
 
     <prefix>/files/<owner>/<file_id>/meta.json   the FileRecord, written once, after the content
     <prefix>/files/<owner>/<file_id>/content     the bytes
+    <prefix>/files/<owner>/<file_id>/deleted     a batch output that was deleted (or expired): its
+                                                 id derives from the job, and it is never written again
 
 `<owner>` is the caller's tenant, or `_open` for a caller with none (an open API, an admin key):
 a tenant's caller only ever reads its own owner folder, so another tenant's file is not found by
@@ -30,7 +32,7 @@ from bulkinfer.api.dependencies import ApiContext
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.upload import PartData, PartEnd, PartStart, StreamedUpload, iter_multipart
 from bulkinfer.api.v1.batch_lines import BatchLinesScanner, BatchLinesSummary
-from bulkinfer.jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, area_root
+from bulkinfer.jobs.layout import FILE_CONTENT_NAME, FILE_RECORD_NAME, FILE_TOMBSTONE_NAME, area_root
 from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound
 
 # no tenant's name: tenants start with a letter or digit (bulkinfer.api.auth.TENANT_PATTERN)
@@ -103,6 +105,9 @@ class FileStore:
         """Where the file's bytes are in `context.store`."""
         return self.folder(record.owner, record.id) + FILE_CONTENT_NAME
 
+    def tombstone_key(self, owner: str, file_id: str) -> str:
+        return self.folder(owner, file_id) + FILE_TOMBSTONE_NAME
+
     # -- reading ---------------------------------------------------------------------------------
 
     def get(self, caller: Caller, file_id: str) -> FileRecord:
@@ -170,6 +175,10 @@ class FileStore:
         self._remove(self.get(caller, file_id))
 
     def _remove(self, record: FileRecord) -> None:
+        # A batch's output is published by whoever reads the batch while the file is missing: the
+        # tombstone first, so a deleted (or expired) one stays deleted, as OpenAI's do.
+        if record.purpose in OUTPUT_PURPOSES:
+            self.store.put_bytes(self.tombstone_key(record.owner, record.id), b"deleted\n")
         # The content first: a delete cut short leaves a record whose content is gone (the next
         # delete finishes it), never bytes that no record names.
         self.store.delete(self.content_key(record))
@@ -192,9 +201,11 @@ class FileStore:
             raise
 
     def write_output(self, owner: str, file_id: str, filename: str, purpose: str,
-                     chunks: Iterable[bytes], created_at: int, expires_at: int | None = None) -> FileRecord:
+                     chunks: Iterable[bytes], created_at: int,
+                     expires_at: int | None = None) -> FileRecord | None:
         """Publish a batch's output or error file, once: with the same id again (a second finalize,
-        a racing request), the record already there is returned and `chunks` is not read."""
+        a racing request), the record already there is returned and `chunks` is not read. None for
+        a file that was deleted (or expired) since: it is never written again."""
         if not FILE_ID_PATTERN.match(file_id):
             raise ValueError(f"file id {file_id!r} must match {FILE_ID_PATTERN.pattern}")
         if owner != OPEN_OWNER and not re.match(TENANT_PATTERN, owner):
@@ -205,6 +216,9 @@ class FileStore:
         existing = self._existing(meta_key)
         if existing is not None:
             return existing
+        tombstone_key = self.tombstone_key(owner, file_id)
+        if self.store.exists(tombstone_key):
+            return None
         record = FileRecord(id=file_id, owner=owner, filename=filename, purpose=purpose, bytes=0,
                             created_at=created_at, expires_at=expires_at)
         content_key = self.content_key(record)
@@ -220,6 +234,9 @@ class FileStore:
             self.store.put_bytes(meta_key, record.model_dump_json().encode(), if_none_match=True)
         except AlreadyExists:
             return self._existing(meta_key) or record
+        if self.store.exists(tombstone_key):  # deleted while this (late) writer wrote it again
+            self._remove(record)
+            return None
         return record
 
     def _existing(self, meta_key: str) -> FileRecord | None:

@@ -3,7 +3,9 @@
 A Lua script adds a shard's numbers and records its index in one atomic step, so a shard
 reported twice (a task delivered again after a worker died) changes nothing the second time.
 Redis is not the truth: `rebuild_from_store` recomputes everything from the shard results (or
-the manifest) in the object store.
+the manifest) in the object store. Rows of shards still running are kept apart
+(jobs/state/live_progress.py): counting a shard drops them in the same step, and `read(live=True)`
+adds those of the shards not counted yet.
 """
 
 from __future__ import annotations
@@ -14,30 +16,35 @@ import redis
 from pydantic import BaseModel
 
 from bulkinfer.jobs.layout import JobLayout
-from bulkinfer.jobs.names import counted_shards_key, counts_key
+from bulkinfer.jobs.names import counted_shards_key, counts_key, live_progress_key
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.state.live_progress import LiveFigures, in_flight
 from bulkinfer.jobs.state.manifest import Manifest
 from bulkinfer.jobs.state.results import ShardResult, TokenUsage, load_shard_results
 from bulkinfer.jobs.state.status import RowCounts, ShardCounts
 from bulkinfer.jobs.state.usage import UsageEntry
 
-# KEYS: counts hash, counted-shards set, and with usage: its bucket hash and the usage index set.
+# KEYS: counts hash, counted-shards set, live-progress hash, and with usage: its bucket hash and the
+# usage index set.
 # ARGV: shard index, the number of counter pairs, the counter field/increment pairs, then with usage:
 # its field/increment pairs, the bucket's TTL in seconds and the index member.
 # Returns 1 if applied, 0 if the shard was already counted, -1 if the counters do not exist.
 # Counting and usage are one step: a worker dying between two calls would count the shard (so no
-# later delivery adds it again) and lose its usage. (The usage keys are not in the job's hash slot:
-# on a Redis Cluster this script would need them tagged alike.)
+# later delivery adds it again) and lose its usage. The shard's live figures (its rows before it
+# committed) go in the same step, so a reader never sees its rows both live and counted, or neither.
+# (The usage keys are not in the job's hash slot: on a Redis Cluster this script would need them
+# tagged alike.)
 APPLY_SHARD_SCRIPT = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return -1 end
+redis.call('HDEL', KEYS[3], ARGV[1])
 if redis.call('SADD', KEYS[2], ARGV[1]) == 0 then return 0 end
 local counter_end = 2 + 2 * tonumber(ARGV[2])
 for i = 3, counter_end, 2 do redis.call('HINCRBY', KEYS[1], ARGV[i], ARGV[i + 1]) end
-if #KEYS == 4 then
-  for i = counter_end + 1, #ARGV - 2, 2 do redis.call('HINCRBY', KEYS[3], ARGV[i], ARGV[i + 1]) end
-  redis.call('EXPIRE', KEYS[3], ARGV[#ARGV - 1])
-  redis.call('SADD', KEYS[4], ARGV[#ARGV])
+if #KEYS == 5 then
+  for i = counter_end + 1, #ARGV - 2, 2 do redis.call('HINCRBY', KEYS[4], ARGV[i], ARGV[i + 1]) end
+  redis.call('EXPIRE', KEYS[4], ARGV[#ARGV - 1])
+  redis.call('SADD', KEYS[5], ARGV[#ARGV])
 end
 return 1
 """
@@ -97,6 +104,7 @@ class JobCounters:
         # The {job_id} hash tag keeps both keys in one Redis Cluster slot, as Lua requires.
         self.counts_key = counts_key(namespace, job_id)
         self.counted_key = counted_shards_key(namespace, job_id)
+        self.live_key = live_progress_key(namespace, job_id)
         self._apply = client.register_script(APPLY_SHARD_SCRIPT)
         self._initialize = client.register_script(INITIALIZE_SCRIPT)
 
@@ -123,7 +131,7 @@ class JobCounters:
         arguments: list[str | int] = [result.shard_index, len(increments)]
         for name, value in increments.items():
             arguments += [name, value]
-        keys = [self.counts_key, self.counted_key]
+        keys = [self.counts_key, self.counted_key, self.live_key]
         if usage is not None:
             keys += [usage.bucket_key, usage.index_key]
             for name, value in usage.increments.items():
@@ -134,20 +142,33 @@ class JobCounters:
             raise CountersMissing(f"no counters at {self.counts_key}")
         return applied == 1
 
-    def read(self) -> CounterSnapshot:
-        """The live counts; raises `CountersMissing` when Redis has none."""
-        raw = self.client.hgetall(self.counts_key)
+    def read(self, live: bool = False) -> CounterSnapshot:
+        """The counted shards' counts; with `live`, plus the rows the shards not counted yet have
+        finished (read with the counters in one MULTI, so no row shows twice or not at all while a
+        shard commits). Raises `CountersMissing` when Redis has none."""
+        if not live:
+            raw = self.client.hgetall(self.counts_key)
+            running = LiveFigures()
+        else:
+            with self.client.pipeline(transaction=True) as pipeline:
+                pipeline.hgetall(self.counts_key)
+                pipeline.hgetall(self.live_key)
+                pipeline.smembers(self.counted_key)
+                raw, live_fields, counted = pipeline.execute()
+            running = in_flight(live_fields, counted)
         if not raw:
             raise CountersMissing(f"no counters at {self.counts_key}")
         values = {key.decode() if isinstance(key, bytes) else key: int(value) for key, value in raw.items()}
         values = {name: values.get(name, 0) for name in FIELDS}
         return CounterSnapshot(
-            rows=RowCounts(total=values["rows_total"], succeeded=values["rows_succeeded"],
-                           failed=values["rows_failed"], deduplicated=values["rows_deduplicated"]),
+            rows=RowCounts(total=values["rows_total"], succeeded=values["rows_succeeded"] + running.succeeded,
+                           failed=values["rows_failed"] + running.failed,
+                           deduplicated=values["rows_deduplicated"] + running.deduplicated),
             shards=ShardCounts(done=values["shards_done"], total=values["shards_total"]),
-            usage=TokenUsage(prompt=values["tokens_prompt"], cached=values["tokens_cached"],
-                             completion=values["tokens_completion"],
-                             engine_seconds=values["engine_ms"] / 1000))
+            usage=TokenUsage(prompt=values["tokens_prompt"] + running.prompt,
+                             cached=values["tokens_cached"] + running.cached,
+                             completion=values["tokens_completion"] + running.completion,
+                             engine_seconds=(values["engine_ms"] + running.engine_ms) / 1000))
 
     def replace(self, snapshot: CounterSnapshot, counted_shards: Sequence[int]) -> None:
         """Set the counters and the counted-shard set together, atomically (MULTI/EXEC)."""
@@ -182,4 +203,4 @@ class JobCounters:
         return self.read()
 
     def delete(self) -> None:
-        self.client.delete(self.counts_key, self.counted_key)
+        self.client.delete(self.counts_key, self.counted_key, self.live_key)

@@ -74,6 +74,7 @@ if not string.find(ARGV[2], ',' .. current .. ',', 1, true) then return {'illega
 local member = redis.call('HGET', KEYS[1], 'index_member')
 redis.call('HSET', KEYS[1], 'state', ARGV[1])
 if ARGV[1] == 'running' then redis.call('HSET', KEYS[1], 'started_at', ARGV[3]) end
+if ARGV[1] == 'finalizing' then redis.call('HSET', KEYS[1], 'finalizing_at', ARGV[3]) end
 if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'finished_at', ARGV[3]) end
 if ARGV[5] ~= '' then redis.call('HSET', KEYS[1], 'error', ARGV[5]) end
 if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'output_uris', ARGV[6]) end
@@ -374,6 +375,10 @@ class JobRepository:
         state) is a no-op: tasks may run twice. Raises `IllegalTransition` otherwise, e.g. to
         `succeeded` from `cancelled`.
         """
+        return self._move(job_id, target, error)[0]
+
+    def _move(self, job_id: str, target: JobState | str, error: str | None = None) -> tuple[JobStatus, bool]:
+        """`transition`, and whether this call moved the job (False: it was there, or past it)."""
         target = JobState(target)
         if target == JobState.FAILED and not error:
             raise ValueError("a failed job needs an error message saying why")
@@ -391,23 +396,28 @@ class JobRepository:
         if outcome == "illegal":
             current_state = JobState(current)
             if not target.is_terminal and LIFECYCLE_RANK[current_state] > LIFECYCLE_RANK[target]:
-                return self.get(job_id)
+                return self.get(job_id), False
             raise IllegalTransition(current_state, target)
         if outcome == "moved":
-            return self._write_status(job_id)
-        return self.get(job_id)
+            return self._write_status(job_id), True
+        return self.get(job_id), False
 
     def request_cancel(self, job_id: str) -> JobStatus:
         """Raise the cancel flag and move a job that has not finished to `cancelled`.
 
         A finished job stays as it was (the returned status says which state it ended in).
         """
+        return self.cancel(job_id)[0]
+
+    def cancel(self, job_id: str) -> tuple[JobStatus, bool]:
+        """`request_cancel`, and whether this call cancelled the job (False: it had ended already,
+        cancelled before included): what the batch APIs answer 409 to."""
         self.get(job_id)  # JobNotFound for an unknown job
         self.redis.set(self._cancel_key(job_id), "1")
         try:
-            return self.transition(job_id, JobState.CANCELLED)
+            return self._move(job_id, JobState.CANCELLED)
         except IllegalTransition:
-            return self.get(job_id)
+            return self.get(job_id), False
 
     def stop_running_shards(self, job_id: str) -> None:
         """Raise the flag every running shard of the job polls (the cancel flag): they stop, abort
@@ -441,6 +451,7 @@ class JobRepository:
         member = f"{int(status.created_at.timestamp() * 1_000_000):017d}:{status.job_id}"
         fields = {"state": status.state.value, "created_at": _timestamp(status.created_at),
                   "started_at": _timestamp(status.started_at),
+                  "finalizing_at": _timestamp(status.finalizing_at),
                   "finished_at": _timestamp(status.finished_at), "error": status.error or "",
                   "output_uris": json.dumps(status.output_uris), "manifest_uri": status.manifest_uri or "",
                   "tenant": status.tenant or "", "parent_job_id": status.parent_job_id or "",
@@ -475,15 +486,19 @@ class JobRepository:
         return JobStatus(
             job_id=job_id, state=JobState(fields["state"]), created_at=_datetime(fields["created_at"]),
             started_at=_datetime(fields.get("started_at")), finished_at=_datetime(fields.get("finished_at")),
+            finalizing_at=_datetime(fields.get("finalizing_at")),
             error=fields.get("error") or None, output_uris=json.loads(fields.get("output_uris") or "[]"),
             manifest_uri=fields.get("manifest_uri") or None, tenant=fields.get("tenant") or None,
             parent_job_id=fields.get("parent_job_id") or None, expires_at=_datetime(fields.get("expires_at")))
 
     def _counts(self, job_id: str, state: JobState) -> CounterSnapshot | None:
-        """The live counts; rebuilt from the store when Redis lost them; None before planning."""
+        """The counts, with the rows running shards have finished while the job has not ended (an
+        ended job: its counted shards only); rebuilt from the store when Redis lost them; None
+        before planning."""
         counters = self.counters(job_id)
+        live = not state.is_terminal
         try:
-            return counters.read()
+            return counters.read(live=live)
         except CountersMissing:
             if state == JobState.QUEUED:  # not planned yet (or planning now): nothing to rebuild
                 return None
@@ -491,7 +506,8 @@ class JobRepository:
             plan = self.load_plan(job_id)
         except ObjectNotFound:
             return None
-        return counters.rebuild_from_store(self.store, self.layout(job_id), plan)
+        counters.rebuild_from_store(self.store, self.layout(job_id), plan)
+        return counters.read(live=live)
 
     def _manifest_uris(self, job_id: str) -> tuple[str, str]:
         layout = self.layout(job_id)

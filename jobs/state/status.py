@@ -90,6 +90,8 @@ class JobStatus(BaseModel):
     usage: TokenUsage = Field(default_factory=TokenUsage)
     created_at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     started_at: datetime | None = None
+    finalizing_at: datetime | None = Field(None, description="when its finished shards' parts began to be "
+                                           "merged and published (the `finalizing` state)")
     finished_at: datetime | None = None
     output_uris: list[str] = Field(default_factory=list)
     manifest_uri: str | None = None
@@ -109,6 +111,8 @@ class JobStatus(BaseModel):
         changes: dict[str, object] = {"state": target}
         if target == JobState.RUNNING:
             changes["started_at"] = at
+        if target == JobState.FINALIZING:
+            changes["finalizing_at"] = at
         if target.is_terminal:
             changes["finished_at"] = at
         if error:

@@ -61,13 +61,15 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
                jobs_bucket: str = JOBS_BUCKET, inputs_bucket: str = INPUTS_BUCKET,
                engine_options: dict[str, Any] | None = None, client_options: dict[str, Any] | None = None,
                settings_fields: dict[str, Any] | None = None,
-               worker_served: tuple[str, ...] = ("tiny",)) -> Iterator[LiveStack]:
+               worker_served: tuple[str, ...] = ("tiny",),
+               worker_s3_endpoint: str | None = None) -> Iterator[LiveStack]:
     """Flush Redis, reset S3 and make the buckets, then run a worker serving `tiny`, the API and a client.
 
     `models=None` is the SDK tests' deployment (the three models of the module docstring);
     otherwise `models` are the API's and `worker_models` the worker's (None: the same as the API's).
     `settings_fields` are extra `Settings` fields (the worker gets them too, through its environment).
     `worker_served`: the models whose queues the worker consumes (and preloads).
+    `worker_s3_endpoint`: where the worker reaches S3, when not straight at moto (a fault proxy).
     """
     if models is None:
         worker_models = {"tiny": str(tiny_checkpoint), "small": "/nonexistent/small"}
@@ -86,6 +88,8 @@ def live_stack(redis_server: RedisServer, s3_server: S3Server, tiny_checkpoint: 
                   "BULKINFER_MODEL_CACHE": str(model_cache)}
     if worker_models is not None:
         worker_env["BULKINFER_MODELS"] = json.dumps(worker_models)
+    if worker_s3_endpoint is not None:
+        worker_env["BULKINFER_S3_ENDPOINT_URL"] = worker_s3_endpoint
     queues = ",".join(["bulkinfer.control", *(QUEUE_PREFIX + name for name in worker_served)])
     with pytest.MonkeyPatch.context() as patch:
         for name, value in s3_server.env().items():  # S3 credentials for the API in this process

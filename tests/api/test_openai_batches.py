@@ -142,6 +142,39 @@ def test_cancelling_a_running_batch(stack: LiveStack) -> None:
         sdk.batches.cancel(wait(sdk, upload_and_run(sdk)).id)
 
 
+def test_cancelling_a_cancelled_batch_is_a_conflict_like_any_ended_batch(stack: LiveStack) -> None:
+    sdk = client(stack)
+    file_id = upload(sdk, [chat_line("c", "Hi", model="gpt-4.1")])
+    batch = sdk.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    assert sdk.batches.cancel(batch.id).status == "cancelling"
+    with pytest.raises(openai.ConflictError, match="already cancelled; there is nothing to cancel"):
+        sdk.batches.cancel(batch.id)
+    assert sdk.batches.retrieve(batch.id).status == "cancelled"
+    # Our own route stays idempotent (the bulkinfer SDK retries a cancel whose answer was lost).
+    job_id = f"job-{batch.id.removeprefix('batch_')}"
+    again = httpx.post(f"{stack.url}/jobs/{job_id}/cancel", headers={"Authorization": "Bearer acme-key"})
+    assert again.status_code == 200 and again.json()["state"] == "cancelled"
+
+
+def test_a_deleted_output_file_stays_deleted_and_the_batch_keeps_its_id(stack: LiveStack) -> None:
+    sdk = client(stack)
+    lines = [chat_line("ok", "Hi"), chat_line("bad", "Too hot?", temperature=-1)]
+    batch = sdk.batches.create(input_file_id=upload(sdk, lines), endpoint=CHAT, completion_window="24h")
+    done = wait(sdk, batch.id)
+    assert done.output_file_id is not None and done.error_file_id is not None
+    for file_id in (done.output_file_id, done.error_file_id):
+        assert sdk.files.delete(file_id).deleted
+    for _ in range(2):  # reading the batch again publishes nothing again
+        again = sdk.batches.retrieve(batch.id)
+        assert (again.output_file_id, again.error_file_id) == (done.output_file_id, done.error_file_id)
+        for file_id in (done.output_file_id, done.error_file_id):
+            with pytest.raises(openai.NotFoundError):
+                sdk.files.retrieve(file_id)
+            with pytest.raises(openai.NotFoundError):
+                sdk.files.content(file_id)
+    assert {done.output_file_id, done.error_file_id}.isdisjoint(f.id for f in sdk.files.list())
+
+
 def upload_and_run(sdk: openai.OpenAI) -> str:
     return sdk.batches.create(input_file_id=upload(sdk, [chat_line("one", "Hi")]), endpoint=CHAT,
                               completion_window="24h").id

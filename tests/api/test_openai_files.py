@@ -259,6 +259,34 @@ def test_an_output_file_is_written_once_and_served_to_its_owner_only(keyed_api) 
         files.write_output("acme/../globex", new_file_id(), "x.jsonl", "batch_output", [ROWS], 5)
 
 
+def test_a_deleted_or_expired_batch_output_is_never_written_again(keyed_api) -> None:
+    files, acme = file_store(keyed_api), sdk(keyed_api, "acme-secret")
+    deleted = new_file_id()
+    files.write_output("acme", deleted, "out.jsonl", "batch_output", [ROWS], created_at=5)
+    acme.files.delete(deleted)
+    assert files.write_output("acme", deleted, "out.jsonl", "batch_output", [ROWS], created_at=5) is None
+    assert status_of(lambda: acme.files.retrieve(deleted)).status_code == 404
+
+    expired = new_file_id()
+    files.write_output("acme", expired, "out.jsonl", "batch_output", [ROWS], created_at=5, expires_at=10)
+    assert status_of(lambda: acme.files.content(expired)).status_code == 404  # gone when touched
+    assert files.write_output("acme", expired, "out.jsonl", "batch_output", [ROWS], 5, expires_at=10) is None
+
+    # A writer already streaming when the file was published (by a quicker reader) and deleted takes
+    # what it wrote back out.
+    late = new_file_id()
+
+    def published_and_deleted_meanwhile() -> Iterator[bytes]:
+        files.write_output("acme", late, "out.jsonl", "batch_output", [ROWS], created_at=5)
+        acme.files.delete(late)
+        yield ROWS
+
+    assert files.write_output("acme", late, "out.jsonl", "batch_output", published_and_deleted_meanwhile(),
+                              created_at=5) is None
+    assert status_of(lambda: acme.files.retrieve(late)).status_code == 404
+    assert not keyed_api.store.exists(f"{files.folder('acme', late)}content")
+
+
 def test_an_upload_streams_to_the_store_and_is_never_held_whole(local_api) -> None:
     """48 MiB go through the API with well under that allocated at any time (the request body, the
     multipart parts and the line check all hold a MiB or so)."""

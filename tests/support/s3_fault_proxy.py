@@ -10,7 +10,8 @@ next fault of `faults` in turn instead:
   mid-upload when the request is an UploadPart);
 - `"slow"`: the request is forwarded, its answer delayed by `slow_s`.
 
-Counts of what was injected are in `injected`.
+Counts of what was injected are in `injected`. A `RequestGate` holds the requests it matches until
+the test lets them go (an S3 that stalls exactly where a test needs a process to wait).
 """
 
 from __future__ import annotations
@@ -31,6 +32,43 @@ from tests.support.http_server import serving
 ERROR_BODY = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code><Message>{message}'
               '</Message><RequestId>fault-proxy</RequestId></Error>')
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade"}
+
+
+class RequestGate:
+    """While closed on a predicate, the requests it matches wait (up to `max_hold_s`) before they
+    are forwarded; closing it on another predicate lets the first one's go. `held` counts the
+    requests that waited, `waiting` those waiting now."""
+
+    def __init__(self, max_hold_s: float = 120.0) -> None:
+        self.max_hold_s = max_hold_s
+        self._matching: Callable[[str, str], bool] | None = None
+        self._changed = threading.Condition()
+        self.held = 0
+        self.waiting = 0
+
+    def close(self, matching: Callable[[str, str], bool]) -> None:
+        with self._changed:
+            self._matching = matching
+            self._changed.notify_all()
+
+    def open(self) -> None:
+        with self._changed:
+            self._matching = None
+            self._changed.notify_all()
+
+    def _holds(self, method: str, path: str) -> bool:
+        return self._matching is not None and self._matching(method, path)
+
+    def pass_through(self, method: str, path: str) -> None:
+        with self._changed:
+            if not self._holds(method, path):
+                return
+            self.held += 1
+            self.waiting += 1
+            try:
+                self._changed.wait_for(lambda: not self._holds(method, path), timeout=self.max_hold_s)
+            finally:
+                self.waiting -= 1
 
 
 class FaultPlan:
@@ -57,7 +95,7 @@ class FaultPlan:
             return fault
 
 
-def _handler(target: str, plan: FaultPlan) -> type[BaseHTTPRequestHandler]:
+def _handler(target: str, plan: FaultPlan, gate: RequestGate | None) -> type[BaseHTTPRequestHandler]:
     parts = urlsplit(target)
 
     class Handler(BaseHTTPRequestHandler):
@@ -83,6 +121,8 @@ def _handler(target: str, plan: FaultPlan) -> type[BaseHTTPRequestHandler]:
 
         def _forward(self) -> None:
             body = self._body()
+            if gate is not None:
+                gate.pass_through(self.command, self.path)
             fault = plan.next_fault(self.command, self.path)
             if fault == "reset":
                 self.close_connection = True
@@ -132,8 +172,9 @@ class S3FaultProxy:
 
 
 @contextmanager
-def s3_fault_proxy(target_endpoint: str, plan: FaultPlan) -> Iterator[S3FaultProxy]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(target_endpoint, plan))
+def s3_fault_proxy(target_endpoint: str, plan: FaultPlan,
+                   gate: RequestGate | None = None) -> Iterator[S3FaultProxy]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(target_endpoint, plan, gate))
     server.daemon_threads = True
     with serving(server):
         yield S3FaultProxy(server, plan)

@@ -18,8 +18,10 @@ from typing import TYPE_CHECKING
 from bulkinfer.jobs.embedding import shorten
 from bulkinfer.jobs.formats.output import OutputRow, expired_row
 from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.state.live_progress import LiveFigures
 from bulkinfer.worker.hosts.embed_host import EmbedInputRequest, EmbedResult, EmbedSubmission
 from bulkinfer.worker.hosts.engine_rows import MAX_REMEMBERED_REQUESTS
+from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 
 if TYPE_CHECKING:
     from bulkinfer.worker.hosts.model_hosts import HostedModel
@@ -82,9 +84,19 @@ class EmbedRun:
             requests += [EmbedInputRequest(value, embed.truncate, embed.pooling, embed.normalize, priority,
                                            embed.max_length) for value in embed.inputs]
         self.submission: EmbedSubmission | None = hosted.host.submit(requests) if requests else None
+        futures = self.submission.futures if self.submission is not None else []
+        copies = copies_of(self._copies)
+        groups = [(futures[span.start:span.start + span.count], copies.get(span.position, 0))
+                  for span in self._spans]
+        self._finished = FinishedRows(groups, embed_figures,
+                                      failed_at_once=sum(output is not None for output in self._outputs))
 
     def wait(self, timeout: float | None = None) -> bool:
         return self.submission is None or self.submission.wait(timeout)
+
+    def finished_figures(self) -> LiveFigures:
+        """The rows finished so far (provisional: `outputs()` decides; worker/hosts/finished_rows.py)."""
+        return self._finished.figures()
 
     def abort(self) -> None:
         if self.submission is not None:
@@ -117,6 +129,15 @@ def _copy(source: OutputRow | None, row: Row) -> OutputRow:
     encoding = row.embed.encoding_format if row.embed is not None else "float"
     return dataclasses.replace(source, index=row.index, row_id=row.row_id, passthrough=row.passthrough,
                                line=row.line, deduplicated=True, engine_seconds=0.0, encoding_format=encoding)
+
+
+def embed_figures(results: Sequence[EmbedResult]) -> LiveFigures:
+    """A finished row's figures from its inputs' results, before `embedded_row` builds it (any
+    input's error fails it)."""
+    if any(result.aborted or result.error is not None or result.embedding is None for result in results):
+        return LiveFigures(failed=1)
+    return LiveFigures(succeeded=1, prompt=sum(result.prompt_tokens for result in results),
+                       engine_ms=round(sum(result.seconds for result in results) * 1000))
 
 
 def embedded_row(row: Row, results: Sequence[EmbedResult], expired: bool = False) -> OutputRow:

@@ -7,19 +7,21 @@ is read only when the oldest finishes. So a shard holds at most two windows of i
 many rows it has or however long its lines are. Outcomes come back in input order; identical
 deterministic rows run once across windows as inside one (`PreparedBatch`'s shared `known`); cancel
 and the job's deadline abort what is in flight, and the rows not read yet come back `expired` at a
-deadline.
+deadline. A `progress` hears of rows as they finish (worker/shards/shard_progress.py): each window's
+outcomes when it is done, and at every poll the rows already finished inside the windows in flight.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from bulkinfer.jobs.formats.output import OutputRow, expired_row
 from bulkinfer.jobs.formats.rows import Row, RowError
+from bulkinfer.jobs.state.live_progress import LiveFigures, total
 from bulkinfer.worker.hosts.embed_rows import EmbedRun
 from bulkinfer.worker.hosts.engine_rows import EngineRun
 
@@ -43,11 +45,22 @@ class WindowStats:
         self.peak_rows_held = max(self.peak_rows_held, self.rows_read - self.rows_done)
 
 
+class RowProgress(Protocol):
+    def update(self, finished: Sequence[OutputRow], running: LiveFigures) -> None:
+        """Adds rows whose outcome is now final (`finished`) and replaces the provisional figures of
+        the rows finished inside the windows still in the engine (`running`), in one step."""
+
+
+class _NoProgress:
+    def update(self, finished: Sequence[OutputRow], running: LiveFigures) -> None:
+        pass
+
+
 def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int = 0, *,
              should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
              deduplicate: bool = True, expires_in_s: float | None = None,
              window_rows: int = DEFAULT_WINDOW_ROWS, cache_salt: str | None = None,
-             stats: WindowStats | None = None) -> list[OutputRow] | None:
+             stats: WindowStats | None = None, progress: RowProgress | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
     while rows run, and as each window finishes) said to stop: the rows in the engine are then
     aborted and no more are read.
@@ -55,9 +68,12 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
     back `expired`, the finished ones as they are. `cache_salt`: the rows share prefix-cache blocks
     only with requests of the same salt (worker/hosts/prefix_cache_salt.py)."""
     stats = stats or WindowStats()
+    progress = progress or _NoProgress()
     source = _windows(items, window_rows, stats)
     if expires_in_s is not None and expires_in_s <= 0:
-        return [expired_row(item) for window in source for item in window]
+        outputs = [expired_row(item) for window in source for item in window]
+        progress.update(outputs, LiveFigures())
+        return outputs
     deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
     known: dict[bytes, int] = {}
     outputs: list[OutputRow] = []
@@ -79,13 +95,19 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
                     return None
                 if deadline is not None and time.monotonic() >= deadline:
                     _abort(in_flight)
+                    ended = len(outputs)
                     for run in in_flight:
                         outputs += run.outputs(expired=True, earlier=outputs)
                     in_flight.clear()
-                    return outputs + [expired_row(item) for window in source for item in window]
+                    outputs += [expired_row(item) for window in source for item in window]
+                    progress.update(outputs[ended:], LiveFigures())
+                    return outputs
+                progress.update((), total(run.finished_figures() for run in in_flight))
             in_flight.popleft()
-            outputs += oldest.outputs(earlier=outputs)
+            done = oldest.outputs(earlier=outputs)
+            outputs += done
             stats.rows_done += oldest.rows
+            progress.update(done, total(run.finished_figures() for run in in_flight))
             if should_stop():  # also between windows: a shard of quick windows may never wait a poll
                 _abort(in_flight)
                 return None
