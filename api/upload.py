@@ -107,9 +107,13 @@ async def iter_multipart(request: Request) -> AsyncIterator[PartStart | PartData
 
 def input_name(filename: str | None) -> str:
     """A plain file name for `jobs/<id>/input/` that keeps the extension (it hints the format)."""
-    base = (filename or "").replace("\\", "/").rsplit("/", 1)[-1]
-    cleaned = SAFE_NAME.sub("_", base).lstrip(".")[:128]
+    cleaned = SAFE_NAME.sub("_", shown_name(filename)).lstrip(".")[:128]
     return cleaned or "input"
+
+
+def shown_name(filename: str | None) -> str:
+    """The uploaded file's name as the user gave it (without a folder): what messages call the input."""
+    return (filename or "").replace("\\", "/").rsplit("/", 1)[-1][:256] or "input"
 
 
 class StreamedUpload:
@@ -180,8 +184,8 @@ def _spec_for_upload(context: ApiContext, raw: bytes, tenant: str | None) -> dic
         raise HttpError(422, f"the {SPEC_FIELD!r} field must be a JSON object")
     if "input_uri" in data:
         raise HttpError(422, "input_uri: leave it out when uploading a file; the upload is the input")
-    check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI, "tenant": tenant}))
-    return data
+    checked = check_model(context, parse_spec({**data, "input_uri": PENDING_UPLOAD_URI, "tenant": tenant}))
+    return {**data, "model": checked.model}  # an alias: the served model it names
 
 
 async def _drain(events: AsyncIterator[PartStart | PartData | PartEnd]) -> None:
@@ -198,7 +202,8 @@ async def submit_upload(context: ApiContext, request: Request,
     receiver = _Receiver(context, tenant)
     try:
         spec, upload = await receiver.receive(events)
-        resolved = await run_in_threadpool(validate_input, context, spec, upload.store, upload.key)
+        resolved = await run_in_threadpool(validate_input, context, spec, upload.store, upload.key,
+                                           receiver.filename)
     except Exception:
         await _drain(events)
         await receiver.discard()
@@ -228,6 +233,7 @@ class _Receiver:
         self.received = 0  # bytes of the file so far
         self.job_id: str | None = None
         self.upload: StreamedUpload | None = None
+        self.filename: str | None = None  # as the user named the file
         self._wrote = False
 
     async def receive(
@@ -272,6 +278,7 @@ class _Receiver:
         if self.upload is not None:
             raise HttpError(400, f"one {FILE_FIELD!r} per job")
         spec_data = {**spec_data, "tenant": self.tenant}  # the caller's, whatever the spec said
+        self.filename = shown_name(filename)
         self.job_id = JobRepository.job_id_for(parse_spec({**spec_data, "input_uri": PENDING_UPLOAD_URI}))
         key = self.context.repository.layout(self.job_id).input_key(input_name(filename))
         spec = parse_spec({**spec_data, "input_uri": self.context.store.uri(key)})

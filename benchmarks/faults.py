@@ -37,7 +37,6 @@ from typing import Any
 from bulkinfer.api.cli.stack import (
     SOURCE_ROOT,
     StackError,
-    ensure_checkpoint,
     free_port,
     redis_server_binary,
     stop_process,
@@ -157,8 +156,6 @@ class FaultBench:
 
     def run(self) -> dict[str, Any]:
         args = self.args
-        checkpoint = ensure_checkpoint(self.home / "tiny", MODEL,
-                                       {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
         faults = [fault.strip() for fault in args.faults.split(",") if fault.strip()]
         unknown = sorted(set(faults) - set(FAULTS))
         if unknown:
@@ -173,7 +170,7 @@ class FaultBench:
             self.store_mounted = True
         self.start_redis()
         self.settings = Settings(broker_url=self.broker_url, store_uri=str(self.store_dir),
-                                 models=json.dumps({MODEL: str(checkpoint)}))
+                                 models=json.dumps({MODEL: MODEL}))  # a preset: workers build it once
         for _ in range(args.workers):
             self.start_worker()
         repository = self.settings.repository()

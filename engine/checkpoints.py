@@ -621,10 +621,13 @@ def _exists_nonempty(path: Path) -> bool:
 # cache
 
 
+CACHE_DIR_ENV = "BULKINFER_CACHE_DIR"  # where presets and test checkpoints are built (not a setting)
+
+
 def cache_dir() -> Path:
     """$BULKINFER_CACHE_DIR, else <repo>/.cache/checkpoints in a source checkout, else
     ~/.cache/bulkinfer/checkpoints."""
-    env = os.environ.get("BULKINFER_CACHE_DIR")
+    env = os.environ.get(CACHE_DIR_ENV)
     if env:
         return Path(env).expanduser()
     repo = Path(__file__).resolve().parents[1]
@@ -633,13 +636,23 @@ def cache_dir() -> Path:
     return Path.home() / ".cache" / "bulkinfer" / "checkpoints"
 
 
-def cached_checkpoint(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
-    """Build a checkpoint once and reuse it. Two processes building the same one at once is safe:
-    each builds privately, the first rename wins and the other uses the winner's folder."""
+def cached_checkpoint_path(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+    """Where `cached_checkpoint` keeps this checkpoint, built or not (`is_cached` says which)."""
     config = make_config(preset, arch)  # validate early
     # The config's own hash too: a changed arch config must not reuse a stale build.
     config_key = hashlib.sha256(config.to_json_string().encode()).hexdigest()[:6]
-    target = cache_dir() / f"{arch}-{preset}-seed{seed}-{_cache_key()}{config_key}"
+    return cache_dir() / f"{arch}-{preset}-seed{seed}-{_cache_key()}{config_key}"
+
+
+def is_cached(path: Path) -> bool:
+    """Whether a cached checkpoint's folder is whole."""
+    return _is_complete(path)
+
+
+def cached_checkpoint(preset: str = "tiny", arch: str = "llama", seed: int = 0) -> Path:
+    """Build a checkpoint once and reuse it. Two processes building the same one at once is safe:
+    each builds privately, the first rename wins and the other uses the winner's folder."""
+    target = cached_checkpoint_path(preset, arch, seed)
     if _is_complete(target):
         return target
     try:

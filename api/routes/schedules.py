@@ -90,8 +90,9 @@ def create_schedule(body: Annotated[dict[str, Any], Body()], context: Context,
     """
     spec = parse_object(body, ScheduleSpec, "schedule")
     template = {name: value for name, value in spec.job.items() if name != "tenant"}  # each tick sets it
+    # An alias: its ticks' jobs run the served model it names (UnknownModel: 400 naming both).
+    template["model"] = context.registry.resolve(template["model"])
     spec = spec.model_copy(update={"tenant": caller.tenant, "job": template})
-    context.registry.location(spec.job["model"])  # UnknownModel → 400 naming the served models
     check_webhook(context, spec.webhook_url)
     check_webhook(context, spec.job.get("webhook_url"))
     # Every job a tick submits is held to the limits a POST /jobs is held to.

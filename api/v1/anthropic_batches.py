@@ -50,7 +50,7 @@ def create_batch(context: ApiContext, caller: Caller, body: object) -> dict[str,
     job_id = new_job_id()
     store = context.store
     input_key = context.repository.layout(job_id).input_key(INPUT_NAME)
-    store.put_bytes(input_key, b"".join(_input_line(context, request) for request in requests))
+    store.put_bytes(input_key, b"".join(_input_line(context, request, model) for request in requests))
     spec = JobSpec(input_uri=store.uri(input_key), input_format=InputFormat.OPENAI_BATCH,
                    output_format=InputFormat.OPENAI_BATCH, model=model, tenant=caller.tenant,
                    completion_window=WINDOW)
@@ -104,19 +104,18 @@ def _batch_model(context: ApiContext, requests: list[dict[str, Any]]) -> str:
             return context.registry.resolve_requested(request["params"]["model"])[0]
         except UnknownModel:
             continue
-    name = requests[0]["params"]["model"]
-    raise HttpError(400, str(UnknownModel(name, sorted({*context.registry.names(),
-                                                         *context.registry.aliases()}))))
+    # 400 naming the served models and the aliases, and how to add one.
+    raise UnknownModel(requests[0]["params"]["model"], context.registry.names(), context.registry.aliases())
 
 
-def _input_line(context: ApiContext, request: dict[str, Any]) -> bytes:
+def _input_line(context: ApiContext, request: dict[str, Any], model: str) -> bytes:
     params = dict(request["params"])
-    try:  # the served name, so the row builder sees an alias as the model it is; an adapter's name
-        base, adapter = context.registry.resolve_requested(params["model"])  # stays: it runs on it
-        if adapter is None:
+    try:  # an alias of the batch's model becomes its name, so the row builder sees the model it is;
+        base, adapter = context.registry.resolve_requested(params["model"])  # any other name stays
+        if adapter is None and base == model:
             params["model"] = base
     except UnknownModel:
-        pass  # the worker makes it this request's error, naming the batch's model and its adapters
+        pass  # the worker makes any name it cannot run this request's error, naming what it is
     line = {"custom_id": request["custom_id"], "method": "POST", "url": MESSAGES_URL, "body": params}
     return (json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
 

@@ -69,7 +69,7 @@ class AnthropicMessagesRowBuilder:
             message = f"{WHERE}: {first_error_message(error)}"
             raise RowProblem(RowErrorCode.INVALID_SAMPLING, message) from None
         return Row(index, custom_id, None, messages, sampling, self.default_response_format, {}, line,
-                   lora=lora)
+                   lora=lora, lora_names_model=True)
 
 
 def _refuse_unserved(params: dict[str, Any]) -> None:
@@ -83,8 +83,9 @@ def _refuse_unserved(params: dict[str, Any]) -> None:
 
 
 def _requested_adapter(model: Any, job_model: str) -> str | None:
-    """None for the batch's model; another name must be a LoRA adapter registered on it (the worker
-    checks, and makes any other name this request's `unknown_lora` error)."""
+    """None for the batch's model; another name must be an alias of it or a LoRA adapter registered on
+    it (the worker checks, and makes any other name this request's `unknown_model` error, or
+    `unknown_lora` for an adapter of another model)."""
     if model is None:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{WHERE}.model is required")
     if model == job_model:

@@ -26,6 +26,7 @@ from pydantic import ValidationError
 from redis.exceptions import LockError
 
 from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.batch_task import SUBMIT_SCAN_BYTES, task_given, with_task_of_lines
 from bulkinfer.jobs.formats.detect import resolve_spec
 from bulkinfer.jobs.limits import in_flight_message, jobs_in_flight
 from bulkinfer.jobs.object_store.base import ObjectInfo, ObjectStore
@@ -73,7 +74,8 @@ def submit_object(jobs: JobRepository, schedule: Schedule, store: ObjectStore, i
     """Create (or find again) the job for one object, plan it while it is queued; its id."""
     spec = schedule.job_spec(store.uri(info.key), info.key, info.etag)
     try:
-        spec = resolve_spec(spec, store, info.key)
+        spec = with_task_of_lines(resolve_spec(spec, store, info.key), task_given(spec), store, info.key,
+                                  SUBMIT_SCAN_BYTES)
     except (ValidationError, InputError) as error:
         # Stored unresolved: the planner resolves it again and fails the job with this reason.
         logger.warning("schedule %s: %s: %s", schedule.id, info.key, error)

@@ -96,6 +96,16 @@ def test_cancel_then_delete(stack: LiveStack) -> None:
         sdk.messages.batches.retrieve(batch.id)
 
 
+def test_cancelling_a_cancelled_batch_is_a_conflict_like_any_ended_batch(stack: LiveStack) -> None:
+    sdk = client(stack)
+    batch = sdk.messages.batches.create(requests=[request("c", model=SLOW)])
+    assert sdk.messages.batches.cancel(batch.id).processing_status == "canceling"
+    with pytest.raises(anthropic.ConflictError, match="already canceled; there is nothing to cancel"):
+        sdk.messages.batches.cancel(batch.id)
+    ended = sdk.messages.batches.retrieve(batch.id)
+    assert ended.processing_status == "ended" and ended.request_counts.canceled == 1
+
+
 def test_listing_pages_both_ways(stack: LiveStack) -> None:
     sdk = client(stack, "globex-key")
     created = [sdk.messages.batches.create(requests=[request("x", model=SLOW)]).id for _ in range(4)]
@@ -130,6 +140,25 @@ def test_bad_requests_are_refused_with_anthropics_errors(stack: LiveStack) -> No
         sdk.messages.batches.create(requests=[request("same"), request("same")])
     with pytest.raises(anthropic.BadRequestError, match="not served"):
         sdk.messages.batches.create(requests=[request("m", model="claude-unknown")])
+
+
+def test_a_request_for_a_model_the_batch_does_not_run_is_told_about_the_model(stack: LiveStack) -> None:
+    sdk = client(stack)
+    batch = sdk.messages.batches.create(requests=[
+        request("aliased"), request("unaliased", model="claude-sonnet-4-5"), request("other", model=SLOW)])
+    wait(sdk, batch.id)
+    results = {item.custom_id: item.result for item in sdk.messages.batches.results(batch.id)}
+    assert results["aliased"].type == "succeeded"
+    unaliased, other = results["unaliased"], results["other"]
+    assert unaliased.type == other.type == "errored"
+    assert unaliased.error.error.type == "invalid_request_error"
+    assert unaliased.error.error.message == (
+        "model 'claude-sonnet-4-5' is not served here (served: small, tiny; aliases: "
+        "claude-haiku-4-5 → tiny, claude-opus-4-1 → small); to send 'claude-sonnet-4-5' to a served model, "
+        "add an alias: BULKINFER_MODEL_ALIASES='{\"claude-haiku-4-5\": \"tiny\", \"claude-opus-4-1\": "
+        "\"small\", \"claude-sonnet-4-5\": \"tiny\"}' (the model_aliases setting)")
+    assert other.error.error.message.startswith(
+        "model 'claude-opus-4-1' (an alias of 'small') is served here, but this batch runs 'tiny'")
 
 
 def test_a_message_batch_survives_an_api_restart(stack: LiveStack) -> None:

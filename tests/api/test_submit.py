@@ -91,7 +91,9 @@ def test_a_webhook_to_plain_http_or_to_this_network_is_refused_naming_the_rule(a
 def test_an_unknown_model_is_refused_naming_the_served_ones(api) -> None:
     error = refused(lambda: api.client.jobs.create(spec(api.put_input("rows.jsonl", ROWS), model="gpt-9")))
     assert error.status_code == 400
-    assert error.message == "model 'gpt-9' is not served here (served: small, tiny)"
+    assert error.message == ("model 'gpt-9' is not served here (served: small, tiny; aliases: none); to send "
+                             "'gpt-9' to a served model, add an alias: BULKINFER_MODEL_ALIASES="
+                             "'{\"gpt-9\": \"small\"}' (the model_aliases setting)")
 
 
 def test_a_missing_input_is_refused_naming_its_uri(api) -> None:
@@ -160,9 +162,11 @@ def test_local_paths_must_be_inside_a_local_store(s3_api, local_api, tmp_path) -
     outside.write_bytes(ROWS)
     error = refused(lambda: s3_api.client.jobs.create(spec(str(outside))))
     assert error.status_code == 400
-    assert "is a local path, but this deployment keeps jobs in s3://" in error.message
+    assert "is a local path, but this deployment keeps jobs in S3" in error.message
+    assert s3_api.settings.store_uri not in error.message  # the job store's bucket and prefix are its own
     error = refused(lambda: local_api.client.jobs.create(spec(str(outside))))
     assert error.status_code == 400 and "is outside the store directory" in error.message
+    assert str(local_api.settings.local_store_root()) not in error.message
     sneaky = str(local_api.settings.local_store_root() / ".." / "elsewhere.jsonl")
     assert "outside the store" in refused(lambda: local_api.client.jobs.create(spec(sneaky))).message
     inside = local_api.put_input("rows.jsonl", ROWS)

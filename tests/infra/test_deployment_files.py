@@ -200,7 +200,11 @@ def test_every_bulkinfer_variable_named_in_the_deployment_files_is_a_setting() -
     kernels = (REPO / "engine" / "cpu_kernels" / "__init__.py").read_text()
     kernel_cache = re.search(r'^CACHE_ENV = "(BULKINFER_[A-Z_]+)"', kernels, re.M)
     assert kernel_cache, "engine/cpu_kernels no longer names its cache variable CACHE_ENV"
-    allowed = SETTING_VARIABLES | {CONFIG_ENV, API_URL_ENV, API_KEY_ENV, kernel_cache[1]}
+    # And where the presets' checkpoints are built (engine/checkpoints.py, also torch's side).
+    checkpoints = (REPO / "engine" / "checkpoints.py").read_text()
+    checkpoint_cache = re.search(r'^CACHE_DIR_ENV = "(BULKINFER_[A-Z_]+)"', checkpoints, re.M)
+    assert checkpoint_cache, "engine/checkpoints.py no longer names its cache variable CACHE_DIR_ENV"
+    allowed = SETTING_VARIABLES | {CONFIG_ENV, API_URL_ENV, API_KEY_ENV, kernel_cache[1], checkpoint_cache[1]}
     unknown = {f"{path.relative_to(REPO)}: {name}" for path in DEPLOYMENT_FILES
                for name in re.findall(r"\bBULKINFER_[A-Z0-9_]+", path.read_text()) if name not in allowed}
     assert not unknown, f"not settings (jobs/settings.py ENVIRONMENT_NAMES): {sorted(unknown)}"

@@ -163,7 +163,8 @@ def test_a_file_that_is_not_gguf_and_a_name_that_is_nothing_are_refused(tmp_path
     other.write_bytes(b"PK\x03\x04 not a gguf at all")
     with pytest.raises(ModelUnavailable, match=r"not a GGUF file \(it starts with b'PK\\x03\\x04'"):
         local_model_dir(str(other), tmp_path / "cache")
-    nothing = r"not a folder with config.json, a .gguf file, an s3:// URI or a catalog name \(smollm2-135m"
+    nothing = (r"not a folder with config.json, a .gguf file, an s3:// URI, a catalog name "
+               r"\(smollm2-135m.*\) or a preset \(tiny, small\)")
     with pytest.raises(ModelUnavailable, match=nothing):
         local_model_dir("smollm3", tmp_path / "cache")
     with pytest.raises(RunError, match="'smollm3' is not a registered model"):

@@ -6,13 +6,32 @@ from pathlib import Path
 
 import pytest
 
-from bulkinfer.worker.models.model_files import COMPLETE_MARKER, ModelUnavailable, local_model_dir
+from bulkinfer.jobs.model_presets import PRESET_NAMES
+from bulkinfer.worker.models.model_files import (
+    COMPLETE_MARKER,
+    ModelUnavailable,
+    built_preset,
+    local_model_dir,
+)
 from tests.fixtures.services import S3Server
 
 
 def test_a_local_directory_is_used_in_place(tiny_checkpoint: Path) -> None:
     assert local_model_dir(str(tiny_checkpoint)) == tiny_checkpoint
     assert local_model_dir(f"file://{tiny_checkpoint}") == tiny_checkpoint
+
+
+def test_a_preset_name_is_the_one_cached_checkpoint_every_command_means(
+        tiny_checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bulkinfer.engine.checkpoints import PRESETS
+
+    assert set(PRESET_NAMES) == set(PRESETS)  # the CLI's names (no torch) are the engine's presets
+    monkeypatch.chdir(tmp_path)
+    assert local_model_dir("tiny") == tiny_checkpoint  # built once: the tests' own tiny checkpoint
+    assert built_preset("tiny") == tiny_checkpoint
+    (tmp_path / "tiny").mkdir()  # a folder of that name here is a location, not the preset
+    with pytest.raises(ModelUnavailable, match="config.json does not exist"):
+        local_model_dir("tiny")
 
 
 def test_a_local_directory_without_a_model_says_where_it_looked(tmp_path: Path) -> None:

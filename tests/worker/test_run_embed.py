@@ -109,3 +109,36 @@ def test_the_catalog_embedding_model_by_name_matches_sentence_transformers(
     assert got.shape == (3, 384)
     assert ((got * want).sum(axis=1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)).min() \
         >= 0.99999
+
+
+def _embeddings_line(custom_id: str, text: str) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings",
+            "body": {"model": "text-embedding-3-small", "input": text}}
+
+
+def test_embeddings_lines_run_as_embeddings_without_task_as_vllm_run_batch_does(
+        real_embedding_model: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = _write_jsonl(tmp_path / "batch.jsonl", [_embeddings_line("a", "the cat"),
+                                                      _embeddings_line("b", "a dog and the cat")])
+    out = tmp_path / "results.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", "all-minilm-l6-v2", "--dtype", "float32")
+    assert code == 0, stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [line["custom_id"] for line in lines] == ["a", "b"]
+    for line in lines:
+        [item] = line["response"]["body"]["data"]
+        assert item["object"] == "embedding" and len(item["embedding"]) == 384
+
+
+def test_a_file_mixing_embeddings_and_generation_lines_is_refused_naming_lines(
+        bert: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    chat = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "x", "messages": [{"role": "user", "content": "hi"}]}}
+    source = _write_jsonl(tmp_path / "batch.jsonl", [_embeddings_line("a", "the cat"),
+                                                      _embeddings_line("b", "of the"), chat])
+    out = tmp_path / "results.jsonl"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", bert)
+    assert code == 2
+    assert ("the file mixes /v1/embeddings lines (2: lines 1, 2) with text generation lines (1: line 3); a "
+            "job runs one task") in stderr and "--task" in stderr
+    assert not out.exists()

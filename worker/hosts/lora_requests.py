@@ -19,7 +19,7 @@ from bulkinfer.engine.errors import LoRAAdapterError
 from bulkinfer.engine.lora import read_adapter_config
 from bulkinfer.jobs.formats.rows import Row, RowErrorCode
 from bulkinfer.jobs.lora_adapters import ADAPTER_CONFIG, UnknownAdapter, is_adapter_location
-from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.model_registry import ModelNotRun, ModelRegistry
 from bulkinfer.worker.models.model_files import ModelUnavailable, downloaded_folder
 from bulkinfer.worker.transient import is_transient
 
@@ -56,7 +56,9 @@ class AdapterRequests:
         """The row's adapter (None: the base model); raises `AdapterRefused` naming the problem, or a
         transient store error (the shard is tried again)."""
         try:
-            name = self.registry.row_adapter(self.model, row.lora, row.lora_required)
+            name = self.registry.row_adapter(self.model, row.lora, row.lora_required, row.lora_names_model)
+        except ModelNotRun as unknown:
+            raise AdapterRefused(RowErrorCode.UNKNOWN_MODEL, str(unknown)) from None
         except UnknownAdapter as unknown:
             raise AdapterRefused(RowErrorCode.UNKNOWN_LORA, str(unknown)) from None
         if name is None:

@@ -1,8 +1,9 @@
 """`bulkinfer models import|fetch|list`: real models into Hugging Face folders the engine serves.
 
-`list` shows the catalog, the models this deployment serves (BULKINFER_MODELS) and any folders
-given, each with its architecture, parameters (active ones for a mixture of experts) and the weight
-memory one device needs per dtype and tensor-parallel size, where its folder is on this machine."""
+`list` shows the catalog, the presets, the models this deployment serves (BULKINFER_MODELS) and
+any folders given, each with its architecture, parameters (active ones for a mixture of experts) and
+the weight memory one device needs per dtype and tensor-parallel size, where its folder is on this
+machine."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.worker.models.gguf_import import IMPORT_DTYPES, GgufImportError, import_gguf
 from bulkinfer.worker.models.model_cache import model_cache_dir
 from bulkinfer.worker.models.model_catalog import (
@@ -19,6 +21,7 @@ from bulkinfer.worker.models.model_catalog import (
     fetch_catalog_model,
     is_fetched,
 )
+from bulkinfer.worker.models.model_files import built_preset
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -38,8 +41,9 @@ def _parser() -> argparse.ArgumentParser:
                           help=f"one of: {', '.join(CATALOG)}")
     fetching.add_argument("--dir", type=Path, dest="directory",
                           help="the folder to write (default: <model cache>/NAME)")
-    listing = commands.add_parser("list", help="the catalog and the served models: where they are, their "
-                                  "architecture, parameters and weight memory per dtype and TP size")
+    listing = commands.add_parser("list", help="the catalog, the presets and the served models: where "
+                                  "they are, their architecture, parameters and weight memory per dtype and "
+                                  "TP size")
     listing.add_argument("folders", nargs="*", type=Path, metavar="DIR", help="more model folders to size")
     listing.add_argument("--tensor-parallel-sizes", default="1,2,4,8", metavar="N,N,...",
                          help="the TP sizes to show weight memory for (default 1,2,4,8)")
@@ -84,13 +88,20 @@ def _list_models(folders: list[Path], tp_sizes: tuple[int, ...]) -> None:
         print(f"{model.name}  {model.requirement} ({model.license})  {where}\n  {model.description}")
         if fetched:
             _print_size(catalog_folder(model.name), tp_sizes)
+    print("presets (random-weight checkpoints, built here on first use by any command that names one):")
+    for name in PRESET_NAMES:
+        folder = built_preset(name)
+        print(f"{name}  {folder or 'not built yet'}")
+        if folder is not None:
+            _print_size(folder, tp_sizes)
     served = _served_models()
     print("served (BULKINFER_MODELS):" if served else "served: none (set BULKINFER_MODELS)")
     for name, location in served.items():
         print(f"{name}  {location}")
         folder = local_model_folder(location)
         if folder is None:
-            print("  not on this machine (an s3:// model or catalog model not fetched yet): sized once here")
+            print("  not on this machine (an s3:// model, a catalog model not fetched or a preset not built "
+                  "yet): sized once here")
         else:
             _print_size(folder, tp_sizes)
     for folder in folders:
@@ -106,12 +117,15 @@ def _served_models() -> dict[str, str]:
 
 
 def local_model_folder(location: str) -> Path | None:
-    """The model's folder on this machine without fetching anything: a folder, or a fetched catalog model."""
+    """The model's folder on this machine without fetching or building anything: a folder, a fetched
+    catalog model or a built preset."""
     path = Path(location.removeprefix("file://")).expanduser()
     if (path / "config.json").is_file():
         return path
     if location in CATALOG and is_fetched(location):
         return catalog_folder(location)
+    if location in PRESET_NAMES and not path.exists():
+        return built_preset(location)
     return None
 
 

@@ -5,7 +5,9 @@ takes:
 - `s3://bucket/prefix`: downloaded once into the model cache and reused after that
   (`s3://…/file.gguf`: the file is downloaded, then imported as below);
 - a `.gguf` file: imported once into the model cache, keyed by the file's sha256;
-- a catalog name (`smollm2-135m-instruct`, worker/models/model_catalog.py): fetched and imported once.
+- a catalog name (`smollm2-135m-instruct`, worker/models/model_catalog.py): fetched and imported once;
+- a preset name (`tiny`, `small`: jobs/model_presets.py): a random-weight checkpoint built once into
+  the checkpoint cache (engine/checkpoints.py's `cached_checkpoint`), the same one for every command.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.object_store.factory import store_for_uri
 from bulkinfer.worker.models.gguf_import import GgufImportError, import_gguf
 from bulkinfer.worker.models.model_cache import cache_lock, file_sha256, model_cache_dir
@@ -25,6 +28,9 @@ from bulkinfer.worker.transient import is_transient
 # The dtype an imported .gguf is stored in: what these models are released in, half of fp32's
 # disk, and exact for the engine to upcast when the CPU runs fp32.
 GGUF_IMPORT_DTYPE = "bfloat16"
+# What a preset name builds (engine/checkpoints.py): one recipe, so one folder on a machine.
+PRESET_ARCH = "llama"
+PRESET_SEED = 0
 # Written last into a downloaded folder: a folder without it is a download that did not finish.
 COMPLETE_MARKER = ".bulkinfer-complete"
 COPY_CHUNK = 8 << 20
@@ -37,7 +43,7 @@ class ModelUnavailable(RuntimeError):
 def local_model_dir(location: str, cache_dir: Path | None = None, *,
                     endpoint_url: str | None = None) -> Path:
     """A local directory holding the model at `location` (a folder, `file://…`, `s3://…`, a
-    `.gguf` file or a catalog name); raises ModelUnavailable saying what was tried."""
+    `.gguf` file, a catalog name or a preset name); raises ModelUnavailable saying what was tried."""
     cache = cache_dir or model_cache_dir()
     if location.startswith("s3://"):
         if location.endswith(".gguf"):
@@ -53,10 +59,28 @@ def local_model_dir(location: str, cache_dir: Path | None = None, *,
             return fetch_catalog_model(location, cache_dir=cache)
         except (CatalogError, GgufImportError) as error:
             raise ModelUnavailable(f"cannot fetch catalog model {location!r}: {error}") from None
+    if location in PRESET_NAMES and not path.exists():
+        return preset_checkpoint(location)
     if path.is_dir():
         raise ModelUnavailable(f"no model at {location}: {path / 'config.json'} does not exist")
     raise ModelUnavailable(f"no model at {location}: not a folder with config.json, a .gguf file, an "
-                           f"s3:// URI or a catalog name ({', '.join(CATALOG)})")
+                           f"s3:// URI, a catalog name ({', '.join(CATALOG)}) or a preset "
+                           f"({', '.join(PRESET_NAMES)})")
+
+
+def preset_checkpoint(name: str) -> Path:
+    """The folder of preset `name`, built the first time (a second or two) and reused after that."""
+    from bulkinfer.engine.checkpoints import cached_checkpoint  # torch: only when a preset is asked for
+
+    return cached_checkpoint(preset=name, arch=PRESET_ARCH, seed=PRESET_SEED)
+
+
+def built_preset(name: str) -> Path | None:
+    """Preset `name`'s folder if it was built on this machine, else None (nothing is built)."""
+    from bulkinfer.engine.checkpoints import cached_checkpoint_path, is_cached
+
+    folder = cached_checkpoint_path(preset=name, arch=PRESET_ARCH, seed=PRESET_SEED)
+    return folder if is_cached(folder) else None
 
 
 def imported_gguf_dir(path: Path, cache_dir: Path) -> Path:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import time
 
-from bulkinfer.engine.checkpoints import cached_checkpoint
 from bulkinfer.engine.dtype_choice import DTYPE_CHOICES
 from bulkinfer.jobs.demo_data import (
     EXTRACTION_INSTRUCTIONS,
@@ -17,6 +16,8 @@ from bulkinfer.jobs.demo_data import (
     sample_rows,
 )
 from bulkinfer.jobs.formats.rows import with_instructions_prompt
+from bulkinfer.jobs.model_presets import PRESET_NAMES
+from bulkinfer.worker.models.model_files import local_model_dir
 
 
 def demo_cli(argv: list[str] | None = None) -> int:
@@ -27,7 +28,7 @@ def demo_cli(argv: list[str] | None = None) -> int:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None,
                         help="a real model (catalog name, folder or .gguf): the extraction job's rows")
-    source.add_argument("--preset", default=None, choices=["tiny", "small"],
+    source.add_argument("--preset", default=None, choices=PRESET_NAMES,
                         help="a random-weight checkpoint: the support-ticket rows")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -35,22 +36,20 @@ def demo_cli(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    if args.preset or not args.model:
-        preset = args.preset or "small"
-        model_dir = cached_checkpoint(preset=preset, arch="llama", seed=0)
-        print(f"model: {model_dir} (a locally built random-weight '{preset}' checkpoint: "
+    name = args.preset or args.model or "small"
+    preset = name in PRESET_NAMES  # the support-ticket rows; a real model: the extraction job's
+    model_dir = local_model_dir(name)
+    if preset:
+        print(f"model: {model_dir} (a locally built random-weight '{name}' checkpoint: "
               "its text is noise, its figures are real)")
     else:
-        from bulkinfer.worker.models.model_files import local_model_dir
-
-        model_dir = local_model_dir(args.model)
-        print(f"model: {args.model} ({model_dir})")
+        print(f"model: {name} ({model_dir})")
     llm = LLM(model=str(model_dir), dtype=args.dtype)
     print(f"engine ready in {time.perf_counter() - started:.1f}s; dtype {llm.dtype_choice.dtype} "
           f"({llm.dtype_choice.reason})")
 
     run_started = time.perf_counter()
-    if args.preset or not args.model:
+    if preset:
         # The same prompts the demo job builds: the shared instructions, then the filled-in template.
         rows = [row["ticket"] for row in sample_rows(args.rows)]
         prompts = [with_instructions_prompt(INSTRUCTION, TEMPLATE.format(ticket=row)) for row in rows]
