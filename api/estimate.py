@@ -8,6 +8,7 @@ from __future__ import annotations
 from bulkinfer.api.dependencies import ApiContext
 from bulkinfer.jobs.limits import plan_limit_problems
 from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.output_tokens import OutputLengths, expected_output_tokens
 from bulkinfer.jobs.planning.estimate import estimate_job
 from bulkinfer.jobs.planning.estimate_report import JobEstimate
 from bulkinfer.jobs.planning.shard_cost import plan_within_bounds
@@ -18,12 +19,14 @@ from bulkinfer.jobs.workers import Throughput, last_throughput, live_workers, me
 
 def estimate_spec(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobEstimate:
     """The estimate for a validated, resolved spec whose input is at `store`/`key`."""
-    repository = context.repository
-    plan = plan_within_bounds(context.settings, store, key, spec)
+    repository, settings = context.repository, context.settings
+    expected = expected_output_tokens(repository.redis, repository.namespace, spec.model,
+                                      settings.output_estimate)
+    plan = plan_within_bounds(settings, store, key, spec, expected)
     tokenizer = load_tokenizer(repository.store, repository.prefix, spec.model)
     measured, live = _throughput(context, spec.model)
-    estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live, registry=context.registry)
-    settings = context.settings
+    estimate = estimate_job(store, key, spec, plan, tokenizer, measured, live, registry=context.registry,
+                            output_lengths=OutputLengths(expected, settings.tokens_cap))
     problems = plan_limit_problems(settings, plan, min(spec.shard_size, settings.max_shard_size))
     return estimate.model_copy(update={"problems": problems})
 

@@ -1,6 +1,7 @@
 """Checks at submit, so a job that cannot run is refused with a message instead of failing later.
 
-Only the head of the input is read: the first lines of JSONL, or a Parquet file's footer.
+Only the head of the input is read: the first lines of JSONL, a Parquet file's footer, or the
+header row of CSV and TSV.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from bulkinfer.api.storage_rules import (
 )
 from bulkinfer.jobs.deadlines import window_seconds
 from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.formats.batch_task import SUBMIT_SCAN_BYTES, task_given, with_task_of_lines
+from bulkinfer.jobs.formats.csv_dialect import CsvDialect
+from bulkinfer.jobs.formats.csv_header import check_header, read_header
 from bulkinfer.jobs.formats.detect import resolve_spec
 from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
 from bulkinfer.jobs.formats.lines import iter_lines_in_range
@@ -33,9 +37,16 @@ from bulkinfer.jobs.limits import in_flight_message, jobs_in_flight
 from bulkinfer.jobs.lora_adapters import ADAPTER_CONFIG, is_adapter_location
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 from bulkinfer.jobs.object_store.factory import split_uri
+from bulkinfer.jobs.output_tokens import max_tokens_problem
 from bulkinfer.jobs.planning.estimate_report import JobEstimate
 from bulkinfer.jobs.planning.sharding import open_parquet
-from bulkinfer.jobs.spec import SERVER_SET_FIELDS, InputFormat, JobSpec, server_set_problems
+from bulkinfer.jobs.spec import (
+    DELIMITED_FORMATS,
+    SERVER_SET_FIELDS,
+    InputFormat,
+    JobSpec,
+    server_set_problems,
+)
 from bulkinfer.jobs.state.repository import JobNotFound, JobRepository
 from bulkinfer.jobs.state.status import JobState, JobStatus
 from bulkinfer.jobs.webhooks import destination_problem
@@ -56,25 +67,30 @@ def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]
         return context.s3_store(bucket), key
     settings = context.settings
     if not settings.is_local_store:
-        raise HttpError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in "
-                            f"{settings.store_uri}; use an s3:// URI or upload the file")
+        raise HttpError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in S3, "
+                            "where its workers read them; use an s3:// URI or upload the file")
     root = settings.local_store_root()
     path = Path("/", key).resolve()
     if path != root and root not in path.parents:
-        raise HttpError(400, f"{field} {uri!r} is outside the store directory {root}; "
-                            "put the file there, or upload it")
+        raise HttpError(400, f"{field} {uri!r} is outside the store directory (the one the store_uri "
+                            "setting names); put the file there, or upload it")
     from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     return LocalObjectStore("/"), path.as_posix().lstrip("/")
 
 
-def check_model(context: ApiContext, spec: JobSpec) -> None:
-    context.registry.location(spec.model)  # UnknownModel → 400 naming the served models
+def check_model(context: ApiContext, spec: JobSpec) -> JobSpec:
+    """The spec with its model resolved: a `model_aliases` name becomes the served model it names,
+    which the job runs and stores (UnknownModel → 400 naming the served models and the aliases)."""
+    served = context.registry.resolve(spec.model)
+    if served != spec.model:
+        spec = spec.model_copy(update={"model": served})
     repository = context.repository
     reason = unservable_reason(live_workers(repository.redis, repository.namespace), spec.model)
     if reason is not None:  # the workers' load error names the architectures the engine serves
         raise HttpError(400, f"model {spec.model!r} cannot run here: {reason}", param="model")
     check_lora(context, spec)
+    return spec
 
 
 def check_lora(context: ApiContext, spec: JobSpec) -> None:
@@ -101,15 +117,16 @@ def check_lora(context: ApiContext, spec: JobSpec) -> None:
                         param="lora")
 
 
-def check_readable(store: ObjectStore, key: str, uri: str) -> None:
+def check_readable(store: ObjectStore, key: str, what: str) -> None:
+    """400 unless the input (`what`: `input_uri <uri>`, or the uploaded file) has bytes to read."""
     try:
         info = store.head(key)
     except ObjectNotFound:
-        raise HttpError(400, f"input_uri {uri}: no such object") from None
+        raise HttpError(400, f"{what}: no such object") from None
     except Exception as error:  # noqa: BLE001 - S3 says why (no bucket, denied, unreachable)
-        raise HttpError(400, f"input_uri {uri}: cannot read it ({error})") from None
+        raise HttpError(400, f"{what}: cannot read it ({error})") from None
     if info.size == 0:
-        raise HttpError(400, f"input_uri {uri}: the file is empty")
+        raise HttpError(400, f"{what}: the file is empty")
 
 
 def head_records(store: ObjectStore, key: str) -> list[dict[str, object]]:
@@ -129,9 +146,13 @@ def head_records(store: ObjectStore, key: str) -> list[dict[str, object]]:
 
 def check_columns(spec: JobSpec, store: ObjectStore, key: str, uri: str) -> None:
     """A column the spec needs that the head does not have at all is a spec mistake: refuse it.
-    (A column only some rows lack makes those rows fail, not the job.)
+    (A column only some rows lack makes those rows fail, not the job.) `uri`: the input as the
+    user named it.
     """
     required = spec.required_columns()
+    if spec.input_format in DELIMITED_FORMATS:
+        check_header(spec, read_header(store, key, CsvDialect.of_input(spec), uri), uri)
+        return
     if not required or spec.input_format == InputFormat.OPENAI_BATCH:
         return
     if spec.input_format == InputFormat.PARQUET:
@@ -180,17 +201,32 @@ def check_priority(context: ApiContext, tenant: str | None, priority: int) -> No
         raise HttpError(403, problem)
 
 
-def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str) -> JobSpec:
-    """The spec resolved against its input (format detected, columns checked): what job.json holds."""
+def check_max_tokens(context: ApiContext, spec: JobSpec) -> None:
+    """400 for a job whose max_tokens is above the deployment's max_tokens_cap (a row's own is that
+    row's invalid_sampling error, named the same way)."""
+    problem = max_tokens_problem(spec.sampling.max_tokens, context.settings.tokens_cap, "sampling.max_tokens")
+    if problem is not None:
+        raise HttpError(400, f"invalid job spec: {problem}")
+
+
+def validate_input(context: ApiContext, spec: JobSpec, store: ObjectStore, key: str,
+                   upload_name: str | None = None) -> JobSpec:
+    """The spec resolved against its input (format detected, columns checked): what job.json holds.
+    `upload_name`: the name of the file the user uploaded, which messages call the input by (its key
+    in the job store is the service's own)."""
     check_priority(context, spec.tenant, spec.priority)
+    check_max_tokens(context, spec)
     check_webhook(context, spec.webhook_url)
     check_completion_window(context, spec)
-    check_readable(store, key, spec.input_uri)
+    shown = spec.input_uri if upload_name is None else repr(upload_name)
+    check_readable(store, key, f"input_uri {shown}" if upload_name is None else f"the uploaded file {shown}")
     try:
-        resolved = resolve_spec(spec, store, key)
+        # OpenAI batch lines with no task given: the urls of the head's lines decide it.
+        resolved = with_task_of_lines(resolve_spec(spec, store, key), task_given(spec), store, key,
+                                      SUBMIT_SCAN_BYTES)
     except ValidationError as error:
         raise invalid_model(error) from None
-    check_columns(resolved, store, key, spec.input_uri)
+    check_columns(resolved, store, key, shown)
     if resolved.output_uri:
         output_store, output_key = locate(context, resolved.output_uri, "output_uri")
         check_where(context, resolved.tenant, resolved.output_uri, "output_uri", output_store, output_key,
@@ -310,7 +346,7 @@ def parse_spec(data: object) -> JobSpec:
 def submit_spec(context: ApiContext, spec: JobSpec) -> JobStatus | JobEstimate:
     """A JSON submit: the input is already in S3 or the local store. A dry run stops after the
     checks with an estimate."""
-    check_model(context, spec)
+    spec = check_model(context, spec)
     store, key = locate(context, spec.input_uri, "input_uri")
     check_where(context, spec.tenant, spec.input_uri, "input_uri", store, key, "object")
     resolved = validate_input(context, spec, store, key)

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bulkinfer.api.cli.stack import SOURCE_ROOT, Stack, StackError, StackOptions
+from bulkinfer.api.cli.stack import SOURCE_ROOT, Stack, StackError, StackOptions, local_model_folder
 from bulkinfer.api.client import Client
 from bulkinfer.jobs.state.status import JobState, JobStatus
 from bulkinfer.jobs.workers import BEAT_INTERVAL_S, WorkerBeat
@@ -67,8 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shared-len", type=int, default=400)
     parser.add_argument("--tail-len", type=int, default=50)
     parser.add_argument("--home", type=Path, default=Path(".bulkinfer"),
-                        help="data under HOME/bench (emptied first), checkpoints in HOME/models")
-    parser.add_argument("--models-dir", type=Path, default=None, help="default: HOME/models")
+                        help="data under HOME/bench (emptied first)")
+    parser.add_argument("--models-dir", type=Path, default=None,
+                        help="where the preset checkpoint is built and kept (default: the checkpoint cache)")
     parser.add_argument("--engine-options", default="{}",
                         help="BULKINFER_ENGINE_OPTIONS for the worker and the engine-only run (JSON)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds to wait for each job")
@@ -81,8 +82,9 @@ def bench_cli(argv: list[str]) -> int:
     for leftover in ("redis", "store", "logs"):  # each run starts from an empty Redis and store
         shutil.rmtree(home / leftover, ignore_errors=True)
     engine_options = json.loads(args.engine_options)
-    options = StackOptions(home=home, port=0, preset=args.preset, engine_options=engine_options,
-                           models_dir=args.models_dir or args.home / "models")
+    if args.models_dir:  # the worker and the engine-only side find the same preset folder
+        os.environ["BULKINFER_CACHE_DIR"] = str(args.models_dir.resolve())
+    options = StackOptions(home=home, port=0, preset=args.preset, engine_options=engine_options)
     # As in `bench engine`: greedy, EOS ignored, so every row yields exactly max_tokens tokens.
     sampling = {"temperature": 0, "max_tokens": args.max_tokens, "ignore_eos": True}
     print(f"bulkinfer bench service: {args.requests} rows of the shared-prefix workload (4 shared "
@@ -92,7 +94,7 @@ def bench_cli(argv: list[str]) -> int:
         rows_path = Path(scratch) / "rows.jsonl"
         try:
             with Stack(options, say=lambda line: print(line, flush=True)) as stack:
-                model_dir = str(options.checkpoint_dir.resolve())
+                model_dir = local_model_folder(args.preset, {**os.environ, "PYTHONPATH": str(SOURCE_ROOT)})
                 # The worker loads its model (and times bf16 against fp32 for `auto`) with the CPUs to
                 # itself: a rows writer starting torch beside it once made it pick fp32 on a bf16 CPU.
                 _warm_up(stack, args, sampling)
@@ -134,8 +136,9 @@ def _engine_side(command: str, model_dir: str, rows_path: Path, args: argparse.N
 
 
 def _job_spec(stack: Stack, args: argparse.Namespace, sampling: dict[str, Any]) -> dict[str, Any]:
+    # Raw prompts, as the engine alone gets them: both sides compute the same tokens.
     return {"model": stack.options.model_name, "id_column": "id", "prompt_column": "prompt",
-            "shard_size": args.shard_size, "sampling": sampling}
+            "apply_chat_template": False, "shard_size": args.shard_size, "sampling": sampling}
 
 
 def _warm_up(stack: Stack, args: argparse.Namespace, sampling: dict[str, Any]) -> None:
@@ -175,9 +178,15 @@ def _run_job(stack: Stack, rows_path: Path, args: argparse.Namespace,
     return side, phases, dtypes
 
 
+# How long to wait for a heartbeat newer than the job's end (beats come every BEAT_INTERVAL_S, quiet).
+FRESH_BEAT_WAIT_S = 24 * BEAT_INTERVAL_S
+
+
 def _worker_busy(stack: Stack, after: datetime | None = None) -> float:
-    """The worker engine's busy seconds so far, from its heartbeat (one newer than `after`)."""
-    deadline = time.monotonic() + 3 * BEAT_INTERVAL_S
+    """The worker engine's busy seconds so far, from its heartbeat (one newer than `after`). A loaded
+    machine delays beats well past their interval: waiting only three of them once read a stale beat,
+    taken before the job ran, as 0 s busy; the wait ends at the first fresh beat, however long."""
+    deadline = time.monotonic() + FRESH_BEAT_WAIT_S
     while True:
         beats = [WorkerBeat.model_validate(beat) for beat in
                  httpx.get(f"{stack.url}/workers", timeout=10).json()["workers"]]

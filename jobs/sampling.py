@@ -12,10 +12,6 @@ MAX_STOP_SEQUENCES = 16
 MAX_N = 16
 
 
-# What the engine generates for a row without max_tokens (engine SamplingParams' default, as vLLM's):
-# dry-run estimates count it (tests hold the two equal).
-ENGINE_DEFAULT_MAX_TOKENS = 16
-
 
 class JobSampling(BaseModel):
     """Unset fields mean "the engine's default"; a row's overrides are merged over the job's."""
@@ -27,8 +23,10 @@ class JobSampling(BaseModel):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, description="-1 or 0 disables top-k")
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    max_tokens: int | None = Field(None, ge=0, description="0: generate nothing (score the prompt: "
-                                   "prompt_logprobs)")
+    max_tokens: int | None = Field(None, ge=0, description="unset: until the answer ends (EOS or a stop), "
+                                   "bounded by the model's context and the deployment's max_tokens_cap "
+                                   "(OpenAI /v1/completions lines: 16, that API's default); 0: generate "
+                                   "nothing (score the prompt: prompt_logprobs)")
     min_tokens: int | None = Field(None, ge=0)
     seed: int | None = None
     stop: list[str] | None = Field(None, max_length=MAX_STOP_SEQUENCES,

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from bulkinfer.jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
 from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP, DEFAULT_OUTPUT_TOKENS_ESTIMATE
 from bulkinfer.jobs.priority_caps import (
     DEFAULT_TENANT_MAX_PRIORITY,
     effective_priority,
@@ -55,6 +56,8 @@ ENVIRONMENT_NAMES = {
     "models": "BULKINFER_MODELS",
     "engine_options": "BULKINFER_ENGINE_OPTIONS",
     "dtype": "BULKINFER_DTYPE",
+    "remeasure_dtype": "BULKINFER_REMEASURE_DTYPE",
+    "cpu_isa": "BULKINFER_CPU_ISA",
     "speculative_config": "BULKINFER_SPECULATIVE_CONFIG",
     "tensor_parallel_size": "BULKINFER_TENSOR_PARALLEL_SIZE",
     "batch_invariant": "BULKINFER_BATCH_INVARIANT",
@@ -97,6 +100,9 @@ ENVIRONMENT_NAMES = {
     "default_tenant_max_priority": "BULKINFER_DEFAULT_TENANT_MAX_PRIORITY",
     "max_shard_size": "BULKINFER_MAX_SHARD_SIZE",
     "max_shard_tokens": "BULKINFER_MAX_SHARD_TOKENS",
+    # Output lengths (jobs/output_tokens.py): the most a row may generate, and what planning expects.
+    "max_tokens_cap": "BULKINFER_MAX_TOKENS_CAP",
+    "output_tokens_estimate": "BULKINFER_OUTPUT_TOKENS_ESTIMATE",
     # LoRA adapters (jobs/lora_adapters.py) and the engines' LoRA limits (vLLM's names).
     "lora_adapters": "BULKINFER_LORA_ADAPTERS",
     "enable_lora": "BULKINFER_ENABLE_LORA",
@@ -128,6 +134,11 @@ class Settings(BaseModel):
     engine_options: str | None = None  # JSON object of EngineConfig fields
     # The engines' compute dtype (over engine_options' `dtype`); None: "auto", chosen per machine.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    # true: `auto` on a CPU whose flags do not settle it measures its bf16 verdict again, replacing
+    # the one kept beside the model cache (engine/dtype_verdict.py); over engine_options' own.
+    remeasure_dtype: bool | None = None
+    # Make every CPU-kind choice as on this smaller kind (bulkinfer/cpu_isa.py); None: the machine's.
+    cpu_isa: Literal["avx2", "avx512", "avx512_bf16", "amx"] | None = None
     # JSON object: the engines' speculative decoding (vLLM's keys, engine/speculative/config.py),
     # over engine_options' own `speculative_config`; None: as engine_options say (default off).
     speculative_config: str | None = None
@@ -202,6 +213,12 @@ class Settings(BaseModel):
     default_tenant_max_priority: int = Field(DEFAULT_TENANT_MAX_PRIORITY, ge=0, le=9)
     max_shard_size: int = Field(DEFAULT_MAX_SHARD_SIZE, ge=1)
     max_shard_tokens: int = Field(DEFAULT_MAX_SHARD_TOKENS, ge=1)
+    # A row without max_tokens generates until it stops, bounded by its model's context and this; a
+    # row or job asking for more is refused, naming it. None: 16384 (jobs/output_tokens.py).
+    max_tokens_cap: int | None = Field(None, ge=1)
+    # Tokens a row without max_tokens is expected to generate, for shard sizes, the fair queue and dry
+    # runs, until the model's own rows have measured it. None: 256 (jobs/output_tokens.py).
+    output_tokens_estimate: int | None = Field(None, ge=1)
     # LoRA adapters by name (JSON {name: location}, or name=location,...: jobs/lora_adapters.py), and
     # the engines' LoRA settings over engine_options' own. enable_lora None: on when adapters are
     # registered (a job may then also give an adapter by location).
@@ -326,6 +343,16 @@ class Settings(BaseModel):
         return self.crash_split_after or DEFAULT_CRASH_SPLIT_AFTER
 
     @property
+    def tokens_cap(self) -> int:
+        """The most tokens a row may generate (`max_tokens_cap`)."""
+        return self.max_tokens_cap or DEFAULT_MAX_TOKENS_CAP
+
+    @property
+    def output_estimate(self) -> int:
+        """What a row without max_tokens is expected to generate before the model has measured it."""
+        return self.output_tokens_estimate or DEFAULT_OUTPUT_TOKENS_ESTIMATE
+
+    @property
     def model_cache_dir(self) -> Path:
         return Path(self.model_cache).expanduser() if self.model_cache else DEFAULT_MODEL_CACHE
 
@@ -349,8 +376,8 @@ class Settings(BaseModel):
         return bool(AdapterRegistry.parse(self.lora_adapters))
 
     def engine_options_dict(self) -> dict[str, Any]:
-        """`engine_options` with the `dtype`, `speculative_config`, `tensor_parallel_size`,
-        `batch_invariant` and LoRA settings over its own, when set."""
+        """`engine_options` with the `dtype`, `remeasure_dtype`, `speculative_config`,
+        `tensor_parallel_size`, `batch_invariant` and LoRA settings over its own, when set."""
         options = json.loads(self.engine_options) if self.engine_options else {}
         if self.speculative_config:
             options["speculative_config"] = json.loads(self.speculative_config)
@@ -358,6 +385,8 @@ class Settings(BaseModel):
             options["tensor_parallel_size"] = self.tensor_parallel_size
         if self.batch_invariant is not None:
             options["batch_invariant"] = self.batch_invariant
+        if self.remeasure_dtype is not None:
+            options["remeasure_dtype"] = self.remeasure_dtype
         if self.enable_lora is not None or self.lora_enabled:
             options["enable_lora"] = self.lora_enabled
         for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):

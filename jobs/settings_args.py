@@ -19,8 +19,12 @@ HELP = {
     "models": "served models: JSON {name: dir or s3://…} or a path to such a file",
     "engine_options": "JSON object of EngineConfig fields for every engine",
     "speculative_config": 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    "dtype": "compute dtype: auto (bf16 where the CPU has native bf16 matmul, the checkpoint's on CUDA, "
-             "else fp32) | float32 | bfloat16 | float16",
+    "dtype": "compute dtype: auto (on a CPU by its flags: bf16 with AMX, fp32 without AVX512-BF16, else "
+             "its kept verdict; the checkpoint's on CUDA) | float32 | bfloat16 | float16",
+    "remeasure_dtype": "true: measure dtype auto's bf16-against-fp32 verdict for this CPU again (CPUs with "
+                       "AVX512-BF16 but no AMX), replacing the one kept beside the model cache",
+    "cpu_isa": "make every CPU-kind choice (dtype auto, native kernels, oneDNN, ATen) as on this smaller "
+               "kind: avx2 | avx512 | avx512_bf16 | amx (default: the machine's own)",
     "tensor_parallel_size": "devices (ranks) each engine spans, its model split across them "
                             "(tensor parallel)",
     "batch_invariant": "true: a row's tokens and logprobs are bitwise those it gets alone, whatever shares "
@@ -62,7 +66,12 @@ HELP = {
     "tenant_max_priority": "JSON {tenant: highest priority 0-9 it may use} (others: the default)",
     "default_tenant_max_priority": "highest priority a tenant not in tenant_max_priority may use (default 5)",
     "max_shard_size": "most rows in a shard, whatever shard_size a job asks (default 10000)",
-    "max_shard_tokens": "most estimated tokens (prompt + max_tokens x n a row) in a shard (default 1000000)",
+    "max_shard_tokens": "most estimated tokens (prompt + expected output x n a row) in a shard (default "
+                        "1000000)",
+    "max_tokens_cap": "most tokens a row may generate (default 16384); a row without max_tokens generates "
+                      "until it stops, within its model's context and this",
+    "output_tokens_estimate": "tokens a row without max_tokens is expected to generate, for planning and "
+                              "fair share, until the model's rows have measured it (default 256)",
     "share_prefix_cache_across_tenants": "true: one prefix cache for every tenant (default: one per tenant, "
                                          "so cached_tokens tells no tenant what another sent)",
     "lora_adapters": "LoRA adapters by name: JSON {name: folder or s3://…} (or {name: {location, model}}) "
@@ -89,6 +98,7 @@ KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_
                      "kv_store_cache_dir", "kv_store_cache_bytes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
+                   "remeasure_dtype", "cpu_isa",
                    "speculative_config", "tensor_parallel_size", "batch_invariant",
                    "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
                    "crash_split_after",
@@ -97,7 +107,8 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
-                   "max_shard_size", "max_shard_tokens", *LORA_SETTINGS, *KV_STORE_SETTINGS)
+                   "max_shard_size", "max_shard_tokens", "max_tokens_cap", "output_tokens_estimate",
+                   *LORA_SETTINGS, *KV_STORE_SETTINGS)
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from bulkinfer.jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
 from bulkinfer.jobs.embedding import Pooling
+from bulkinfer.jobs.formats.text_encoding import check_csv_encoding, csv_encoding_names
 from bulkinfer.jobs.lora_adapters import is_adapter_location
 from bulkinfer.jobs.object_store.factory import split_uri
 from bulkinfer.jobs.response_format import ResponseFormat
@@ -29,6 +30,11 @@ RESERVED_OUTPUT_COLUMNS = frozenset(
 
 
 PRIORITY_NAMES = {"high": 8, "normal": 5, "low": 2}
+
+
+def _csv_encoding_schema(schema: dict[str, Any]) -> None:
+    """The encodings `check_csv_encoding` accepts by their canonical names (it takes aliases too)."""
+    schema["anyOf"] = [{"enum": csv_encoding_names()}, {"type": "null"}]
 
 
 def _priority_schema(schema: dict[str, Any]) -> None:
@@ -49,16 +55,26 @@ class InputFormat(StrEnum):
     PARQUET = "parquet"
     JSONL = "jsonl"
     OPENAI_BATCH = "openai_batch"
+    CSV = "csv"  # a header row, then one row a record; `"` quotes (jobs/formats/csv_records.py)
+    TSV = "tsv"  # the same with tabs between the fields
+
+
+DELIMITED_FORMATS = frozenset({InputFormat.CSV, InputFormat.TSV})  # text rows under a header row
+
+
+_NAME_SUFFIXES = {(".parquet", ".pq"): InputFormat.PARQUET, (".jsonl", ".ndjson"): InputFormat.JSONL,
+                  (".csv",): InputFormat.CSV, (".tsv", ".tab"): InputFormat.TSV}
+
+
+def file_name(key: str) -> str:
+    """The last part of a key or path: how messages name an input (never by the store's key for it)."""
+    return key.rsplit("/", 1)[-1]
 
 
 def format_from_name(key: str) -> InputFormat | None:
     """The format a file name implies; `.jsonl` may still turn out to be OpenAI batch JSONL."""
-    name = key.rsplit("/", 1)[-1].lower()
-    if name.endswith((".parquet", ".pq")):
-        return InputFormat.PARQUET
-    if name.endswith((".jsonl", ".ndjson")):
-        return InputFormat.JSONL
-    return None
+    name = file_name(key).lower()
+    return next((found for suffixes, found in _NAME_SUFFIXES.items() if name.endswith(suffixes)), None)
 
 
 # What the validators below enforce, stated in the published schema too (a schema-valid body should
@@ -84,6 +100,7 @@ def _task_schema(schema: dict[str, Any]) -> None:
     schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
     schema["then"] = {"properties": {
         "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
+        "apply_chat_template": nothing,
         "sampling_column": nothing, "lora": nothing, "lora_column": nothing,
         "sampling": {"type": "object", "additionalProperties": nothing}}}
     schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False},
@@ -101,7 +118,12 @@ class JobSpec(BaseModel):
 
     input_uri: str = Field(description="s3://bucket/key, file:///abs/path or /abs/path",
                            json_schema_extra={"pattern": OBJECT_URI_PATTERN})
-    input_format: InputFormat | None = Field(None, description="detected from the input when omitted")
+    input_format: InputFormat | None = Field(None, description="detected from the input when omitted "
+                                             "(by its name for csv and tsv: .csv, .tsv, .tab)")
+    csv_encoding: str | None = Field(None, min_length=1, max_length=64, description="CSV or TSV input: "
+                                     "the text's encoding, e.g. cp1252 or latin-1 for files saved by "
+                                     "Windows tools (default: utf-8, with or without a byte-order mark); "
+                                     "outputs are always UTF-8", json_schema_extra=_csv_encoding_schema)
     model: str = Field(min_length=1)
     task: JobTask = Field(JobTask.GENERATE, description="generate: text after each prompt; embed: one "
                           "vector per prompt (an embedding model, or a decoder pooled; OpenAI lines with url "
@@ -129,6 +151,12 @@ class JobSpec(BaseModel):
     template: str | None = Field(None, description="text with {column} placeholders ({{ and }}: literal "
                                                    "braces)", json_schema_extra={"pattern": TEMPLATE_PATTERN})
     instructions: str | None = Field(None, description="shared text placed first in every prompt")
+    apply_chat_template: bool | None = Field(
+        None, description="prompt_column / template rows: null (default) renders each through the model's "
+        "chat template when it has one (instructions as the system message, the row as the user turn), "
+        "as a raw completion prompt otherwise; true: always as chat (ChatML when the model has no "
+        "template); false: a raw completion prompt (instructions, a blank line, the row). The manifest's "
+        "prompt_formats says which ran")
 
     sampling: JobSampling = Field(default_factory=JobSampling)
     sampling_column: str | None = Field(None, description="per-row sampling overrides (an object)")
@@ -196,6 +224,11 @@ class JobSpec(BaseModel):
         if not key or key.endswith("/"):
             raise ValueError(f"input_uri must name one object, not a folder: {value!r}")
         return value
+
+    @field_validator("csv_encoding")
+    @classmethod
+    def _csv_encoding_is_readable(cls, value: str | None) -> str | None:
+        return None if value is None else check_csv_encoding(value)  # ValueError says why not
 
     @field_validator("priority", mode="before")
     @classmethod
@@ -273,7 +306,15 @@ class JobSpec(BaseModel):
         elif not mapping and self.input_format is not None:
             raise ValueError(f"{self.input_format.value} input needs exactly one of prompt_column, "
                              "messages_column or template")
+        if self.csv_encoding and self.input_format is not None and self.input_format not in DELIMITED_FORMATS:
+            raise ValueError(f"csv_encoding: only CSV or TSV input has a text encoding to choose, not "
+                             f"{self.input_format.value}")
         self._fits_the_task()
+        if self.apply_chat_template is not None and not (self.prompt_column or self.template):
+            openai = self.input_format == InputFormat.OPENAI_BATCH
+            source = "OpenAI batch lines say it by their url" if openai else "messages_column rows are chat"
+            raise ValueError(f"apply_chat_template: only prompt_column or template rows choose how they are "
+                             f"rendered ({source}); omit it")
         if (self.lora or self.lora_column) and "lora" in self.passthrough_columns:
             raise ValueError("passthrough_columns: 'lora' would collide with the output column naming each "
                              "row's LoRA adapter")
@@ -298,6 +339,7 @@ class JobSpec(BaseModel):
             return
         refused = {
             "messages_column": "an embed job embeds text: use prompt_column or template",
+            "apply_chat_template": "an embed job embeds each row's text as it is",
             "response_format": "an embed job writes vectors, not JSON text",
             "response_format_column": "an embed job writes vectors, not JSON text",
             "sampling_column": "an embed job samples nothing",

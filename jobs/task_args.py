@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 
 # The spec fields these flags set (each flag's dest is the field's name; None: not given).
-TASK_FIELDS = ("task", "dimensions", "truncate", "max_length", "pooling", "normalize")
+TASK_FIELDS = ("task", "dimensions", "truncate", "max_length", "pooling", "normalize", "apply_chat_template")
 
 
 def add_task_arguments(parser: argparse.ArgumentParser) -> None:
-    """--task, --dimensions, --truncate, --max-length, --pooling and --normalize: what the job does with
-    each prompt."""
+    """--task, --dimensions, --truncate, --max-length, --pooling, --normalize and
+    --[no-]apply-chat-template: what the job does with each prompt."""
+    parser.add_argument("--apply-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="--prompt-column/--template rows: through the model's chat template "
+                             "(instructions as the system message; default: when the model has one) or, "
+                             "with --no-apply-chat-template, as raw completion prompts")
     parser.add_argument("--task", choices=["generate", "embed"],
                         help="generate text (default) or embed each prompt as one vector (an embedding "
                              "model)")

@@ -69,6 +69,9 @@ class PublishedTokenizer:
     special_tokens: dict[str, str]
     published_by: str
     published_at: str
+    # Whether the model has a chat template of its own (`chat_template` is then it, else ChatML):
+    # plain rows render through it by default, as the worker renders them.
+    has_own_template: bool = False
 
     def completion_tokens(self, prompt: str) -> list[int]:
         return list(self.backend.encode(prompt, add_special_tokens=True).ids)
@@ -96,7 +99,7 @@ def _parse(raw: bytes) -> PublishedTokenizer:
     return PublishedTokenizer(Tokenizer.from_str(document["tokenizer_json"]),
                               document.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
                               dict(document.get("special_tokens") or {}), str(wrapped.get("published_by")),
-                              str(wrapped.get("published_at")))
+                              str(wrapped.get("published_at")), bool(document.get("chat_template")))
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str]) -> str:

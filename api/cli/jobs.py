@@ -197,7 +197,8 @@ def _wait_and_report(client: Client, job_id: str, args: argparse.Namespace) -> i
 
 def submit(argv: list[str]) -> int:
     parser = _parser("submit", "Submit a job: a local file (uploaded) or an s3:// URI.")
-    parser.add_argument("input", metavar="FILE|s3://…", help="the rows: Parquet, JSONL or OpenAI-batch JSONL")
+    parser.add_argument("input", metavar="FILE|s3://…", help="the rows: Parquet, JSONL, OpenAI-batch JSONL, "
+                        "CSV or TSV (a header row naming the columns)")
     parser.add_argument("--model", required=True, help="a model the deployment serves")
     mapping = parser.add_mutually_exclusive_group()
     mapping.add_argument("--prompt-column", help="the column holding each row's prompt")
@@ -221,7 +222,8 @@ def submit(argv: list[str]) -> int:
                               help="constrain every output to a JSON object")
     parser.add_argument("--webhook-url", help="POSTed the job's final status, signed, when it ends")
     parser.add_argument("--output", dest="output_uri", help="where output parts go (s3://bucket/prefix/)")
-    parser.add_argument("--output-format", choices=["parquet", "jsonl", "openai_batch"])
+    parser.add_argument("--output-format", choices=["parquet", "jsonl", "openai_batch", "csv", "tsv"],
+                        help="default: the input's format")
     parser.add_argument("--shard-size", type=int, help="rows per shard")
     parser.add_argument("--priority", type=_priority, help="high, normal, low or 0-9 (higher runs sooner)")
     parser.add_argument("--completion-window", default=None, metavar="WINDOW",
@@ -273,7 +275,8 @@ def _print_estimate(estimate: JobEstimate, args: argparse.Namespace) -> None:
           f"{estimate.rows_failing:,} would fail, {estimate.rows_deduplicated:,} deduplicated\n"
           f"  prompt tokens     {tokens(estimate.prompt_tokens)}, of them in shared prefixes "
           f"{tokens(estimate.shared_prefix_tokens)}\n"
-          f"  max output tokens {estimate.max_output_tokens:,}\n"
+          f"  output tokens     about {estimate.expected_output_tokens:,}, at most "
+          f"{estimate.max_output_tokens:,}\n"
           f"  run time          {run_time} ({estimate.estimate_basis})")
     for problem in estimate.problems:
         print(f"  would fail: {problem}")
@@ -425,8 +428,8 @@ def results(argv: list[str]) -> int:
                         help="one row per input row across this job and the jobs it retried: the latest "
                              "success, else the latest error")
     parser.add_argument("-o", "--output", default=None, metavar="PATH",
-                        help="write to PATH: Parquet for .parquet, JSON lines for .jsonl, else the job's "
-                             "output format")
+                        help="write to PATH: Parquet for .parquet, JSON lines for .jsonl, CSV for .csv, "
+                             "TSV for .tsv, else the job's output format")
     args = _parse(parser, argv)
     if isinstance(args, int):
         return args

@@ -25,7 +25,8 @@ API_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "api_hos
                 "admin_api_keys", "tenant_prefixes", "webhook_allow_http", "webhook_allow_private",
                 "max_upload_bytes", "max_jobs_in_flight", "max_requests_per_s", "max_auth_failures_per_min",
                 "max_completion_window", "log_format", "tenant_max_priority", "default_tenant_max_priority",
-                "max_shard_size", "max_shard_tokens", "lora_adapters", "enable_lora")
+                "max_shard_size", "max_shard_tokens", "max_tokens_cap", "output_tokens_estimate",
+                "lora_adapters", "enable_lora")
 WORKER_ONLY_SETTINGS = tuple(name for name in WORKER_SETTINGS if name not in API_SETTINGS)
 SOURCE_ROOT = Path(__file__).resolve().parents[1]
 WORKER_STOP_TIMEOUT_S = 30

@@ -182,6 +182,7 @@ def batch_object(context: ApiContext, record: BatchRecord, status: JobStatus | N
                      failed_at=record.created_at)
         return batch
     batch.update(status=STATUS_OF[status.state], in_progress_at=_seconds(status.started_at),
+                 finalizing_at=_seconds(status.finalizing_at),
                  expires_at=_seconds(status.expires_at), usage=_usage(status),
                  request_counts={"total": record.requests or status.rows.total,
                                  "completed": status.rows.succeeded, "failed": status.rows.failed})
@@ -247,7 +248,9 @@ def publish_outputs(context: ApiContext, record: BatchRecord,
 def _lines(context: ApiContext, status: JobStatus, failed: bool) -> Iterator[bytes]:
     """The job's output lines of succeeded (or failed) rows, in input order."""
     for data, record in output_records(context, status):
-        if (record.get("response") is None) != failed:
+        # A failed row may still carry the response it produced (JSON cut off at max_tokens): the
+        # error decides which file it is in, as the counts do.
+        if (record.get("error") is not None) != failed:
             continue
         if failed and isinstance(record.get("error"), dict):
             code = record["error"].get("code")

@@ -38,6 +38,7 @@ from bulkinfer.jobs.formats.rows import (
     with_instructions_prompt,
 )
 from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.output_tokens import COMPLETIONS_DEFAULT_MAX_TOKENS
 from bulkinfer.jobs.response_format import engine_response_format
 from bulkinfer.jobs.spec import JobSpec
 
@@ -120,6 +121,10 @@ class OpenAIBatchRowBuilder:
             sampling = self.spec.sampling.merged(overrides)
         except ValidationError as error:
             raise RowProblem(RowErrorCode.INVALID_SAMPLING, f"body: {first_error_message(error)}") from None
+        if url == COMPLETIONS_URL and sampling.max_tokens is None:
+            # The completions API's documented default (OpenAI's and vLLM's); chat lines without one
+            # generate until the answer ends (jobs/output_tokens.py).
+            sampling = sampling.merged({"max_tokens": COMPLETIONS_DEFAULT_MAX_TOKENS})
         echo = body.get("echo") or False
         if not isinstance(echo, bool):
             raise RowProblem(RowErrorCode.INVALID_ROW, f"body.echo must be true or false, got {echo!r}")

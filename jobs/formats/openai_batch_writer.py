@@ -6,7 +6,9 @@ stop string or stop token id that ended it, else null) and its `logprobs` in
 OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
 completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, which with `echo` cover the
 prompt's tokens first, the first one's logprob null, as the legacy API did); failed rows carry
-`response: null` and `error: {code, message}`. An embed row's body is OpenAI's embeddings `list`
+`response: null` and `error: {code, message}`, except a row that produced text and then failed (its
+JSON cut off at max_tokens): it keeps its `response` (text, finish_reason, usage) beside the `error`.
+An embed row's body is OpenAI's embeddings `list`
 (jobs/formats/embedding_writer.py).
 Ids derive from the job and the custom_id, so a rerun writes the same ids.
 """
@@ -28,7 +30,7 @@ def _stable_id(*parts: str) -> str:
 def openai_batch_record(row: OutputRow, *, job_id: str, model: str, created: int) -> dict[str, Any]:
     request_id = _stable_id(job_id, row.row_id)
     record: dict[str, Any] = {"id": f"batch_req_{request_id}", "custom_id": row.row_id}
-    if row.failed:
+    if row.failed and not row.choices:
         record["response"] = None
         record["error"] = {"code": row.error_code, "message": row.error_message}
         return record
@@ -37,7 +39,9 @@ def openai_batch_record(row: OutputRow, *, job_id: str, model: str, created: int
     else:  # a row run on a LoRA adapter names it as its model, as vLLM's server does
         body = completion_body(row, request_id, row.lora or model, created)
     record["response"] = {"status_code": 200, "request_id": f"req_{request_id}", "body": body}
-    record["error"] = None
+    # A row that produced text and still failed (JSON cut off at max_tokens, as OpenAI returns it with
+    # finish_reason "length") keeps its response, and says why it failed.
+    record["error"] = {"code": row.error_code, "message": row.error_message} if row.failed else None
     return record
 
 

@@ -101,6 +101,8 @@ class OutputRow:
     prompt_logprobs: PromptLogprobs | None = None  # when the row asked (prompt_logprobs)
     echo_prompt: str | None = None  # the prompt, where the row asked to have it echoed (OpenAI `echo`)
     lora: str | None = None  # the LoRA adapter the row ran on (its usage is that adapter's); None: the base
+    # How its prompt was rendered: chat_template, chatml or raw (None: it never reached the engine).
+    prompt_format: str | None = None
 
     @property
     def failed(self) -> bool:
@@ -161,7 +163,7 @@ class OutputRow:
         encoding = row.embed.encoding_format if row.embed is not None else "float"
         return cls(row.index, row.row_id, prompt_tokens=prompt_tokens, cached_tokens=0, completion_tokens=0,
                    passthrough=row.passthrough, line=row.line, engine_seconds=engine_seconds,
-                   embeddings=tuple(vectors), encoding_format=encoding)
+                   embeddings=tuple(vectors), encoding_format=encoding, prompt_format="raw")
 
     @classmethod
     def from_error(cls, error: RowError) -> OutputRow:

@@ -33,6 +33,7 @@ class RowErrorCode(StrEnum):
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
     UNSUPPORTED_URL = "unsupported_url"
     UNKNOWN_LORA = "unknown_lora"  # the row names a LoRA adapter the model does not have registered
+    UNKNOWN_MODEL = "unknown_model"  # a request's model is not the job's, an alias of it or its adapter
     INVALID_LORA = "invalid_lora"  # its adapter cannot be fetched, or the engine refuses it (rank, shapes)
     # Set by the worker, not the readers: the engine refused or failed the row.
     PROMPT_TOO_LONG = "prompt_too_long"
@@ -69,6 +70,15 @@ class Row:
     # Whether a `lora` name the model does not have is the row's error; False for an OpenAI line's
     # `body.model`, which may name one of OpenAI's models (the base runs it, as before adapters).
     lora_required: bool = True
+    # Whether `lora` is a request's model name (an Anthropic request's `params.model`): a name that is
+    # no adapter is then an unknown model, and the row's error says so (`unknown_model`).
+    lora_names_model: bool = False
+    # A plain row (prompt_column or template) as chat: the job's instructions as the system message,
+    # the row's text as the user turn. The worker renders it through the model's chat template when
+    # `chat_required` or the model has a template (`apply_chat_template` null), else `prompt` runs raw.
+    # None: the row runs as `prompt` or `messages` say (OpenAI lines, apply_chat_template false).
+    as_chat: list[dict[str, Any]] | None = None
+    chat_required: bool = False
 
     @property
     def is_chat(self) -> bool:
@@ -224,7 +234,7 @@ class RowBuilder:
         row_id = str(index)
         try:
             row_id = self._row_id(index, record)
-            prompt, messages = self._request(record)
+            prompt, messages, as_chat = self._request(record)
             overrides = {}
             if spec.sampling_column:
                 overrides = parse_sampling_overrides(record.get(spec.sampling_column),
@@ -247,7 +257,8 @@ class RowBuilder:
             embed = EmbedRequest((prompt or "",), spec.dimensions, "float", spec.truncate, spec.pooling,
                                  spec.normalize, spec.max_length)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
-        return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line, lora=lora)
+        return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line, lora=lora,
+                   as_chat=as_chat, chat_required=spec.apply_chat_template is True)
 
     def _lora(self, record: Mapping[str, Any]) -> str | None:
         """The row's adapter: its `lora_column` name, else the job's `lora`, else None (the base)."""
@@ -261,26 +272,40 @@ class RowBuilder:
         column = self.spec.id_column
         return str(_required(record, column, "id_column")) if column else str(index)
 
-    def _request(self, record: Mapping[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None]:
+    def _request(self, record: Mapping[str, Any]
+                 ) -> tuple[str | None, list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
+        """(raw prompt, chat messages, the raw prompt's chat form) of the row."""
         spec = self.spec
-        if self.template is not None:
-            try:
-                text = self.template.fill(record)
-            except MissingColumn as missing:
-                raise RowProblem(RowErrorCode.MISSING_COLUMN, str(missing)) from None
-            return with_instructions_prompt(spec.instructions, text), None
-        if spec.prompt_column:
-            value = _required(record, spec.prompt_column, "prompt_column")
-            if not isinstance(value, str):
-                raise RowProblem(RowErrorCode.INVALID_ROW, f"prompt_column {spec.prompt_column!r} must "
-                                 f"be text, got {type(value).__name__}")
-            return with_instructions_prompt(spec.instructions, value), None
+        if self.template is not None or spec.prompt_column:
+            text = self._plain_text(record)
+            return with_instructions_prompt(spec.instructions, text), None, self._as_chat(text)
         column = spec.messages_column
         if column is None:
             raise RowProblem(RowErrorCode.INVALID_ROW, "the job maps no column to a prompt")
         value = _required(record, column, "messages_column")
         messages = validate_messages(value, f"messages_column {column!r}")
-        return None, with_instructions_messages(spec.instructions, messages)
+        return None, with_instructions_messages(spec.instructions, messages), None
+
+    def _plain_text(self, record: Mapping[str, Any]) -> str:
+        """The row's own text: its filled-in template, or its prompt_column."""
+        if self.template is not None:
+            try:
+                return self.template.fill(record)
+            except MissingColumn as missing:
+                raise RowProblem(RowErrorCode.MISSING_COLUMN, str(missing)) from None
+        column = self.spec.prompt_column or ""
+        value = _required(record, column, "prompt_column")
+        if not isinstance(value, str):
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"prompt_column {column!r} must be text, got "
+                             f"{type(value).__name__}")
+        return value
+
+    def _as_chat(self, text: str) -> list[dict[str, Any]] | None:
+        """The plain row as chat (the user's turn under the instructions), unless the job wants raw
+        prompts only."""
+        if self.spec.apply_chat_template is False:
+            return None
+        return with_instructions_messages(self.spec.instructions, [{"role": "user", "content": text}])
 
 
 def _required(record: Mapping[str, Any], column: str, role: str) -> Any:

@@ -4,10 +4,13 @@ Rows are read as a worker reads them (`read_shard_rows`, shard by shard), up to 
 extrapolated from the plan's row count). Prompt tokens are counted with the model's own tokenizer
 (jobs/tokenizer_files.py). Rows a shard would run once (identical deterministic prompt and sampling,
 the worker's deduplication) are counted apart; tokens that rows share as a prefix (the instructions
-above all) are counted in whole 16-token KV blocks, as the prefix cache reuses them. The run time is
-tokens to compute (prompt tokens not in a shared prefix, plus each row's maximum output) over the
-throughput this deployment's workers measured for the model (tokens computed per engine-busy second,
-jobs/workers.py), shared by the live workers serving it; "unknown" when none has measured it yet.
+above all) are counted in whole 16-token KV blocks, as the prefix cache reuses them. Output tokens
+are counted twice: the most rows may generate (max_tokens, else the deployment's max_tokens_cap) and
+what they are expected to (jobs/output_tokens.py: the model's measured output length where max_tokens
+allows it). The run time is tokens to compute (prompt tokens not in a shared prefix, plus the
+expected output) over the throughput this deployment's workers measured for the model (tokens
+computed per engine-busy second, jobs/workers.py), shared by the live workers serving it; "unknown"
+when none has measured it yet.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from bulkinfer.jobs.formats.rows import Row, RowError
 from bulkinfer.jobs.lora_adapters import UnknownAdapter
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.object_store.base import ObjectStore
+from bulkinfer.jobs.output_tokens import OutputLengths
 from bulkinfer.jobs.planning.estimate_report import JobEstimate
 from bulkinfer.jobs.planning.job_dedup import row_key
-from bulkinfer.jobs.planning.shard_cost import completion_tokens_per_row
 from bulkinfer.jobs.planning.sharding import ShardPlan
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.tokenizer_files import PublishedTokenizer
@@ -35,10 +38,12 @@ DEFAULT_MAX_ROWS = 100_000
 
 def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[ShardPlan],
                  tokenizer: PublishedTokenizer | None, measured: list[Throughput], live_workers: int,
-                 max_rows: int = DEFAULT_MAX_ROWS, registry: ModelRegistry | None = None) -> JobEstimate:
+                 max_rows: int = DEFAULT_MAX_ROWS, registry: ModelRegistry | None = None,
+                 output_lengths: OutputLengths | None = None) -> JobEstimate:
     """`registry`: the adapters rows may name (a row naming another one is counted failing, as the
-    worker fails it); without it every row's adapter is taken as registered."""
-    counts = _Counts(tokenizer, spec.model, registry)
+    worker fails it); without it every row's adapter is taken as registered. `output_lengths`: the
+    model's expected output length and the deployment's cap (default: the settings' defaults)."""
+    counts = _Counts(tokenizer, spec.model, registry, output_lengths or OutputLengths())
     for shard in plan:
         if counts.read >= max_rows:
             break
@@ -50,11 +55,13 @@ def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[Sha
     prompt = counts.scaled(counts.prompt, scale)
     shared = counts.scaled(counts.shared, scale)
     output = round(counts.output * scale)
-    seconds, basis = _run_time(prompt, shared, output, measured, live_workers, spec.model)
+    expected = round(counts.expected * scale)
+    seconds, basis = _run_time(prompt, shared, expected, measured, live_workers, spec.model)
     return JobEstimate(
         model=spec.model, shards=len(plan), rows=total, rows_read=counts.read,
         rows_failing=round(counts.failing * scale), rows_deduplicated=round(counts.duplicates * scale),
         prompt_tokens=prompt, shared_prefix_tokens=shared, max_output_tokens=output,
+        expected_output_tokens=expected,
         rows_by_lora={name: round(rows * scale) for name, rows in sorted(counts.by_lora.items())},
         estimated_seconds=seconds, estimate_basis=basis, tokenizer=None if tokenizer is None else
         f"{spec.model}'s own, published by worker {tokenizer.published_by} at {tokenizer.published_at}")
@@ -62,11 +69,12 @@ def estimate_job(store: ObjectStore, key: str, spec: JobSpec, plan: Sequence[Sha
 
 class _Counts:
     def __init__(self, tokenizer: PublishedTokenizer | None, model: str = "",
-                 registry: ModelRegistry | None = None) -> None:
+                 registry: ModelRegistry | None = None, lengths: OutputLengths | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.registry = registry
-        self.read = self.failing = self.duplicates = self.output = 0
+        self.lengths = lengths or OutputLengths()
+        self.read = self.failing = self.duplicates = self.output = self.expected = 0
         self.prompt = self.shared = 0
         self.seen: set[str] = set()
         self.by_lora: dict[str, int] = {}  # running rows per LoRA adapter
@@ -103,7 +111,8 @@ class _Counts:
             if item.embed is not None:  # no output tokens, and no prefix cache: every token computed
                 self.prompt += len(tokens or ())
                 continue
-            self.output += completion_tokens_per_row(item.sampling)
+            self.output += self.lengths.most_per_row(item.sampling)
+            self.expected += self.lengths.expected_per_row(item.sampling)
             if adapter is not None:
                 self.by_lora[adapter] = self.by_lora.get(adapter, 0) + 1
             if tokens is not None:
@@ -122,6 +131,9 @@ class _Counts:
                         for token in (list(value) if isinstance(value, tuple) else encode(value))]
             if row.messages is not None:
                 return self.tokenizer.chat_tokens(row.messages)
+            # A plain row runs as chat where the worker renders it so (PromptRenderer._messages).
+            if row.as_chat is not None and (row.chat_required or self.tokenizer.has_own_template):
+                return self.tokenizer.chat_tokens(row.as_chat)
             return self.tokenizer.completion_tokens(row.prompt or "")
         except Exception:  # noqa: BLE001 - a chat template or the tokenizer failed on this row: it fails there too
             return None
@@ -160,6 +172,5 @@ def _run_time(prompt: int | None, shared: int | None, output: int, measured: lis
     where = ", ".join(sorted({f"{m.hostname} ({m.dtype or '?'} on {m.device or '?'})" for m in measured}))
     live = f"{live_workers} live worker(s)" if live_workers else "1 worker (none is live now)"
     return round(seconds, 1), (f"{to_compute:,} tokens to compute (prompt tokens outside shared prefixes "
-                               f"+ max output tokens) at {rate:,.0f} tokens per engine-busy second, as "
-                               f"measured by {where}, on {live}; an upper bound where rows stop before "
-                               "max_tokens")
+                               f"+ expected output tokens) at {rate:,.0f} tokens per engine-busy second, "
+                               f"as measured by {where}, on {live}")

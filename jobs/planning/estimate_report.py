@@ -19,7 +19,12 @@ class JobEstimate(BaseModel):
                                          "registered count in rows_failing")
     prompt_tokens: int | None = Field(description="counted with the model's tokenizer; None without it")
     shared_prefix_tokens: int | None = Field(description="prompt tokens the prefix cache would reuse")
-    max_output_tokens: int = Field(description="each running row's max_tokens × n, summed: an upper bound")
+    max_output_tokens: int = Field(description="each running row's max_tokens (unset: the deployment's "
+                                   "max_tokens_cap) × n, summed: an upper bound")
+    expected_output_tokens: int = Field(0, description="what the running rows are expected to generate: "
+                                        "each row's max_tokens or the model's measured output length "
+                                        "(before it has one, the output_tokens_estimate setting), "
+                                        "whichever is less, × n")
     estimated_seconds: float | None = Field(description="None: this deployment has not measured the model")
     estimate_basis: str = Field(description="how the run time was estimated, or why it is unknown")
     tokenizer: str | None = Field(description="where the tokenizer came from")

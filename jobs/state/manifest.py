@@ -39,6 +39,7 @@ class ManifestPart(BaseModel):
     output: PartFile
     errors: PartFile
     dtype: str | None = None  # the engine's compute dtype for this part
+    prompt_formats: list[str] = []  # how its rows' prompts were rendered (ShardResult.prompt_formats)
 
 
 class Timings(BaseModel):
@@ -61,6 +62,10 @@ class Manifest(BaseModel):
     timings: Timings
     # The dtypes the engines computed in (one, unless workers on different hardware chose differently).
     dtypes: list[str] = []
+    # How the rows' prompts were rendered: chat_template (the model's own), chatml (the fallback for a
+    # model without one) or raw (completion prompts as they are); a job of plain rows on an instruct
+    # model says chat_template unless it asked apply_chat_template false.
+    prompt_formats: list[str] = []
     # Speculative decoding over the job (None when no shard verified drafts).
     speculation: SpeculationUsage | None = None
     # The part of `usage` each LoRA adapter ran, by name (empty: every row ran on the base model).
@@ -104,7 +109,7 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
         parts.append(ManifestPart(shard_index=result.shard_index, first_row=first_row,
                                   rows_succeeded=result.rows_succeeded, rows_failed=result.rows_failed,
                                   usage=result.usage, output=result.output, errors=result.errors,
-                                  dtype=result.dtype))
+                                  dtype=result.dtype, prompt_formats=result.prompt_formats))
         first_row += result.rows
     return Manifest(
         job_id=job_id, spec_hash=spec_hash, output_format=output_format,
@@ -115,6 +120,7 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
         usage_by_lora=add_usage_by_name([result.usage_by_lora for result in ordered]),
         parts=parts,
         dtypes=sorted({result.dtype for result in ordered if result.dtype}),
+        prompt_formats=sorted({name for result in ordered for name in result.prompt_formats}),
         speculation=SpeculationUsage.of(
             [r.speculation.drafted_per_position for r in ordered if r.speculation],
             [r.speculation.accepted_per_position for r in ordered if r.speculation]),

@@ -126,6 +126,9 @@ class ShardResult(BaseModel):
                                                  "acceptance over the shard's rows (None: no drafts)")
     usage_by_lora: dict[str, TokenUsage] = Field(default_factory=dict, description="the part of `usage` "
                                                  "each LoRA adapter ran (by name; the base's is the rest)")
+    prompt_formats: list[str] = Field(default_factory=list, description="how its rows' prompts were "
+                                      "rendered: chat_template (the model's), chatml (the fallback for a "
+                                      "model without one) or raw (completion prompts as they are)")
     fence: str | None = Field(None, description="the writing run's fencing token: its parts were staged "
                               "under it and are published from there (jobs/state/part_publication.py); "
                               "None: written in place")
@@ -151,6 +154,7 @@ class ShardResult(BaseModel):
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
                    rows_deduplicated=sum(row.deduplicated for row in outputs),
                    error_codes=dict(sorted(codes.items())), fence=fence, usage_by_lora=by_lora,
+                   prompt_formats=sorted({row.prompt_format for row in outputs if row.prompt_format}),
                    speculation=SpeculationUsage.of([row.drafted_per_position for row in computed],
                                                    [row.accepted_per_position for row in computed]))
 

@@ -6,6 +6,7 @@ would delete the worker's queue bindings, so tests here never use `redis_url` or
 
 from __future__ import annotations
 
+import csv
 import io
 import json
 import time
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import httpx
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
+from bulkinfer.api.cli.jobs import EXIT_SUCCEEDED, results, submit
 from bulkinfer.api.client import Client
 from bulkinfer.engine import LLM, SamplingParams
 from bulkinfer.jobs.names import QUEUE_PREFIX
@@ -73,6 +76,15 @@ def greedy(llm: LLM, prompts: list) -> list[str]:
     return [output.text for output in outputs]
 
 
+def greedy_chat(llm: LLM, texts: list[str], instructions: str | None = None) -> list[str]:
+    """What plain rows get on a model with a chat template (the tiny checkpoint has ChatML): each
+    text as the user's turn, under the instructions as the system message."""
+    system = [{"role": "system", "content": instructions}] if instructions else []
+    conversations = [[*system, {"role": "user", "content": text}] for text in texts]
+    outputs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+    return [output.text for output in outputs]
+
+
 def wait(deployment: Deployment, job_id: str) -> JobStatus:
     status = deployment.client.jobs.wait(job_id, poll_interval=0.1, timeout=JOB_TIMEOUT_S)
     assert status.state == JobState.SUCCEEDED, status.error
@@ -96,7 +108,7 @@ def test_a_parquet_job_returns_every_row_once_in_order_equal_to_offline_greedy_o
 
     rows = list(deployment.client.jobs.results(job.job_id))
     assert [row["id"] for row in rows] == [f"q{n}" for n in range(len(QUESTIONS))]
-    assert [row["text"] for row in rows] == greedy(offline, [f"{INSTRUCTIONS}\n\n{q}" for q in QUESTIONS])
+    assert [row["text"] for row in rows] == greedy_chat(offline, QUESTIONS, INSTRUCTIONS)
     assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
     assert (status.shards.done, status.shards.total) == (4, 4)
     assert status.usage.completion == sum(row["completion_tokens"] for row in rows)  # Parquet: flat columns
@@ -126,7 +138,7 @@ def test_an_uploaded_jsonl_job_reports_bad_rows_and_still_succeeds(deployment: D
     assert [row["id"] for row in results] == ["ok-1", bad_json_id, "no-question", "too-long", "ok-2"]
     codes = [(row["error"] or {}).get("code") for row in results]
     assert codes == [None, "invalid_json", "missing_column", "prompt_too_long", None]
-    assert [results[0]["text"], results[4]["text"]] == greedy(offline, QUESTIONS[:2])
+    assert [results[0]["text"], results[4]["text"]] == greedy_chat(offline, QUESTIONS[:2])
     assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (5, 2, 3)
     error_parts = deployment.client.jobs.result_parts(job.job_id).error_parts
     assert sum(part.rows for part in error_parts) == 3
@@ -154,6 +166,50 @@ def test_an_openai_batch_job_answers_each_custom_id_once_in_order(deployment: De
     completion = records[4]["response"]["body"]
     assert completion["object"] == "text_completion"
     assert completion["choices"][0]["text"] == greedy(offline, [QUESTIONS[5]])[0]
+
+
+def test_a_csv_job_from_the_cli_answers_every_row_in_order_and_downloads_as_csv(
+        deployment: Deployment, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = io.StringIO()  # as a spreadsheet writes it: quoted cells, one holding a newline, CRLF
+    cells = [[f"0{n}", q, "" if n == 2 else f"t{n}"] for n, q in enumerate(QUESTIONS[:5])]
+    csv.writer(text).writerows([["id", "q", "team"], *cells])
+    source = tmp_path / "questions.csv"
+    source.write_bytes(("\ufeff" + text.getvalue() + "9,a row,with,too many fields\r\n").encode())
+    api = ["--api-url", deployment.url]
+
+    code = submit([str(source), "--model", "tiny", "--prompt-column", "q", "--id-column", "id",
+                   "--max-tokens", str(MAX_TOKENS), "--temperature", "0", "--shard-size", "2", "--spec",
+                   json.dumps({"passthrough_columns": ["team"]}), "--wait", "--no-progress", "--json", *api])
+
+    assert code == EXIT_SUCCEEDED, capsys.readouterr().err
+    job_id = json.loads(capsys.readouterr().out)["job_id"]
+    spec = deployment.client.jobs.spec(job_id)
+    assert (spec.input_format, spec.output_format) == ("csv", "csv")
+    rows = list(deployment.client.jobs.results(job_id))  # read from the CSV parts themselves
+    assert [row["id"] for row in rows] == ["00", "01", "02", "03", "04", "5"]
+    as_jsonl = deployment.client.jobs.create({"model": "tiny", "prompt_column": "q", "sampling": SAMPLING},
+                                             input=[{"q": q} for q in QUESTIONS[:5]])
+    wait(deployment, as_jsonl.job_id)  # the same rows as JSONL: the same answers
+    jsonl_rows = list(deployment.client.jobs.results(as_jsonl))
+    assert [row["text"] for row in rows[:5]] == [row["text"] for row in jsonl_rows]
+    assert [row["team"] for row in rows] == ["t0", "t1", None, "t3", "t4", None]
+    assert rows[5]["error_code"] == "invalid_row" and "Expected 3 columns, got 4" in rows[5]["error"]
+    assert all(row["completion_tokens"] == MAX_TOKENS for row in rows[:5])
+    streamed = httpx.get(f"{deployment.url}/jobs/{job_id}/results", params={"download": "true"})
+    assert [json.loads(line) for line in streamed.text.splitlines()] == rows
+    parts = deployment.client.jobs.result_parts(job_id).parts
+    assert [part.uri.rsplit("/", 1)[-1] for part in parts] == ["part-00000.csv", "part-00001.csv",
+                                                              "part-00002.csv"]
+
+    for name in ("answers.csv", "answers.parquet"):
+        assert results([job_id, "-o", str(tmp_path / name), *api]) == EXIT_SUCCEEDED
+    capsys.readouterr()
+    downloaded = pa_csv.read_csv(  # one header row over the three parts
+        tmp_path / "answers.csv", parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+        convert_options=pa_csv.ConvertOptions(column_types={"id": pa.string()}))
+    assert downloaded.column("id").to_pylist() == [row["id"] for row in rows]
+    assert downloaded.column("text").to_pylist()[:5] == [row["text"] for row in rows[:5]]
+    assert pq.read_table(tmp_path / "answers.parquet").column("id").to_pylist() == [row["id"] for row in rows]
 
 
 def test_counts_move_while_a_job_runs_and_cancel_stops_it(deployment: Deployment) -> None:

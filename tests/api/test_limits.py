@@ -95,3 +95,16 @@ def test_a_schedule_submits_no_more_than_its_tenants_max_jobs_in_flight(redis_ur
         second = acme.schedules.tick(schedule)
         assert [item.key.rsplit("/", 1)[1] for item in second.submitted] == ["b.jsonl", "c.jsonl"]
         assert second.deferred == 0 and second.error is None
+
+
+def test_a_job_asking_more_than_max_tokens_cap_is_400_naming_the_cap(redis_url, tmp_path) -> None:
+    """The cap bounds a row that sets no max_tokens; a job asking past it is refused, not cut."""
+    with limited(redis_url, tmp_path, max_tokens_cap=512) as api, \
+            Client(api.url, api_key="acme-secret") as acme:
+        with pytest.raises(ApiError) as refused:
+            acme.jobs.create(spec(api, "long.jsonl", sampling={"max_tokens": 513}))
+        assert refused.value.status_code == 400
+        assert "sampling.max_tokens 513 is more than this deployment's max_tokens_cap (512)" \
+            in refused.value.message
+        assert acme.jobs.create(spec(api, "capped.jsonl", sampling={"max_tokens": 512})).state == "queued"
+        assert acme.jobs.create(spec(api, "unset.jsonl")).state == "queued"  # no max_tokens: not refused

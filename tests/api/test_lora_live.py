@@ -81,8 +81,9 @@ def acme(stack: LiveStack) -> Client:
 
 def rows_job(stack: LiveStack, name: str, rows: list[dict], **fields) -> dict:  # noqa: ANN003
     body = b"".join(json.dumps(row).encode() + b"\n" for row in rows)
+    # Raw prompts, as the engine's expected outputs are generated.
     return {"input_uri": stack.put_input(f"acme/{name}", body), "model": "tiny", "prompt_column": "q",
-            "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS}, **fields}
+            "apply_chat_template": False, "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS}, **fields}
 
 
 def test_rows_over_two_adapters_and_the_base_give_the_engines_outputs_and_unknown_adapters_fail(
@@ -160,7 +161,7 @@ def test_two_tenants_each_run_their_own_adapter_and_neither_reaches_the_others(s
             body = b"".join(json.dumps({"q": prompt}).encode() + b"\n" for prompt in PROMPTS)
             uri = stack.put_input(f"{tenant}/rows.jsonl", body)
             jobs[tenant] = client.jobs.create({"input_uri": uri, "model": "tiny", "prompt_column": "q",
-                                               "lora": own[tenant],
+                                               "lora": own[tenant], "apply_chat_template": False,
                                                "sampling": {"temperature": 0, "max_tokens": MAX_TOKENS}})
         theirs = {"input_uri": stack.put_input("globex/more.jsonl", b'{"q": "x"}\n'), "model": "tiny",
                   "prompt_column": "q", "lora": own["acme"]}

@@ -84,12 +84,17 @@ def _shard(index: int, rows: int = 4, bytes_per_row: int = 40) -> ShardPlan:
                      byte_end=start + rows * bytes_per_row)
 
 
-def test_a_shard_costs_its_prompt_tokens_plus_max_tokens_times_n_per_row() -> None:
-    # 4 rows of 40 bytes: ~10 prompt tokens each (4 bytes a token), plus what each may generate.
+def test_a_shard_costs_its_prompt_tokens_plus_expected_output_times_n_per_row() -> None:
+    # 4 rows of 40 bytes: ~10 prompt tokens each (4 bytes a token), plus what each is expected to generate.
     assert shard_token_cost(_shard(0), _spec("a")) == 4 * 10 + 4 * 16
     assert shard_token_cost(_shard(0), _spec("a", n=16)) == 4 * 10 + 4 * 16 * 16
     unset = JobSpec(input_uri="s3://in/rows.jsonl", model="m", prompt_column="q")
-    assert shard_token_cost(_shard(0), unset) == 4 * 10 + 4 * 16  # the engine's default max_tokens
+    # No max_tokens: the model's expected output length (the setting's 256 before it is measured),
+    # never the bound (up to the model's context) and never the engine's offline default of 16.
+    assert shard_token_cost(_shard(0), unset) == 4 * 10 + 4 * 256
+    assert shard_token_cost(_shard(0), unset, expected_output=90) == 4 * 10 + 4 * 90
+    # Rows asking for 16 but expected to stop at 9: charged 9.
+    assert shard_token_cost(_shard(0), _spec("a"), expected_output=9) == 4 * 10 + 4 * 9
     scoring = JobSpec(input_uri="s3://in/rows.jsonl", model="m", prompt_column="q",
                       sampling={"max_tokens": 0, "prompt_logprobs": 1})
     assert shard_token_cost(_shard(0), scoring) == 4 * 10  # scoring only: nothing generated

@@ -42,6 +42,22 @@ def test_chat_and_completion_requests_become_rows(local_store) -> None:
     assert completion.sampling.as_dict() == {"temperature": 0.5, "max_tokens": 32, "stop": ["\n"]}
 
 
+def test_lines_without_max_tokens_mean_what_each_api_means(local_store) -> None:
+    """Chat lines without max_tokens generate until the answer ends (OpenAI's chat API, vLLM's server);
+    completions lines keep that API's documented default of 16 (vLLM's completions route too)."""
+    store_spec = SPEC.model_copy(update={"sampling": SPEC.sampling.model_copy(update={"max_tokens": None})})
+    data = b"\n".join(json.dumps(line).encode() for line in [
+        request("chat", messages=[{"role": "user", "content": "Tell me a story."}]),
+        request("completion", url="/v1/completions", prompt="Once upon"),
+        request("asked", url="/v1/completions", prompt="Once upon", max_tokens=300),
+    ]) + b"\n"
+    local_store.put_bytes("batch.jsonl", data)
+    chat, completion, asked = iter_openai_batch_rows(local_store, "batch.jsonl", 0, len(data), store_spec)
+    assert chat.sampling.max_tokens is None  # the worker bounds it by the context and max_tokens_cap
+    assert completion.sampling.max_tokens == 16
+    assert asked.sampling.max_tokens == 300
+
+
 def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     items = read(local_store, [
         request("a", messages=[{"role": "user", "content": "x"}]),
@@ -135,6 +151,23 @@ def test_failed_rows_are_written_with_the_openai_error_shape(local_store) -> Non
     line = openai_batch_record(OutputRow.from_error(error), job_id="job1", model="m", created=0)
     assert line["response"] is None and line["custom_id"] == "x"
     assert line["error"] == {"code": "unsupported_url", "message": error.message}
+
+
+def test_a_row_whose_json_was_cut_off_keeps_its_text_finish_reason_and_usage(local_store) -> None:
+    """OpenAI returns the cut-off content with finish_reason "length"; the row still failed (its JSON
+    does not parse), so the line carries both the response and the error."""
+    [row] = read(local_store, [request("a", messages=[{"role": "user", "content": "A movie."}],
+                                       response_format={"type": "json_object"})])
+    output = OutputRow.completed(row, '{"categories": ["drama"], "summ', "length", prompt_tokens=40,
+                                 cached_tokens=0, completion_tokens=32)
+    assert output.failed and output.error_code == "invalid_output_json"
+    line = openai_batch_record(output, job_id="job1", model="m", created=0)
+    assert line["error"]["code"] == "invalid_output_json"
+    assert "finish_reason=length" in line["error"]["message"]
+    body = line["response"]["body"]
+    assert body["choices"][0]["message"]["content"] == '{"categories": ["drama"], "summ'
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 32 and body["usage"]["prompt_tokens"] == 40
 
 
 def test_n_logprobs_and_vllm_knobs_are_sampling_overrides(local_store) -> None:

@@ -41,4 +41,16 @@ def test_rows_asking_many_long_samples_are_cut_into_shards_within_the_token_boun
     assert len(plan) >= ROWS * 1024 // 10_000
     assert all(shard_token_cost(shard, spec) <= 10_000 for shard in plan)
     # The same rows asking one short sample each fit in one shard.
-    assert len(plan_within_bounds(settings, local_store, key, _spec(shard_size=1_000_000))) == 1
+    short = _spec(shard_size=1_000_000, sampling={"max_tokens": 16})
+    assert len(plan_within_bounds(settings, local_store, key, short)) == 1
+
+
+def test_rows_without_max_tokens_are_sized_by_the_models_expected_output_not_the_bound(local_store) -> None:
+    """No max_tokens: a row may generate up to the model's context, but shards are cut by what the
+    model's answers measured (the setting before that), so they stay as big as the work allows."""
+    key = _input(local_store)
+    unset, settings = _spec(shard_size=1_000_000), Settings(max_shard_tokens=10_000)
+    assert len(plan_within_bounds(settings, local_store, key, unset, expected_output=16)) == 1
+    by_setting = plan_within_bounds(settings, local_store, key, unset)  # 256 a row: ~52,000 tokens
+    assert 5 <= len(by_setting) <= 7
+    assert all(shard_token_cost(shard, unset) <= 10_000 for shard in by_setting)

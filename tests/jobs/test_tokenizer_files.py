@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 
 from bulkinfer.engine.chat import DEFAULT_CHAT_TEMPLATE as ENGINE_CHAT_TEMPLATE
-from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.jobs.formats.rows import Row
 from bulkinfer.jobs.object_store.local import LocalObjectStore
-from bulkinfer.jobs.sampling import ENGINE_DEFAULT_MAX_TOKENS, JobSampling
+from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.tokenizer_files import DEFAULT_CHAT_TEMPLATE, load_tokenizer, publish_tokenizer
 from bulkinfer.worker.hosts.engine_rows import PromptRenderer
 
@@ -52,4 +51,3 @@ def test_the_published_tokenizer_counts_what_the_worker_computes(checkpoint: str
 
 def test_the_mirrored_engine_constants_are_the_engines() -> None:
     assert DEFAULT_CHAT_TEMPLATE == ENGINE_CHAT_TEMPLATE
-    assert ENGINE_DEFAULT_MAX_TOKENS == SamplingParams().max_tokens

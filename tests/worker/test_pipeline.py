@@ -41,7 +41,7 @@ def test_a_jsonl_job_completes_with_every_row_once_in_order_equal_to_offline_gen
     lines = [json.dumps({"id": f"q{n}", "question": text}) for n, text in enumerate(QUESTIONS)]
     spec = JobSpec(input_uri=pipeline.put_input("questions.jsonl", lines), model="tiny", id_column="id",
                    prompt_column="question", sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
-                   shard_size=3)
+                   shard_size=3, apply_chat_template=False)
     job_id = pipeline.submit(spec)
 
     status = pipeline.wait_for_end(job_id)
@@ -55,6 +55,9 @@ def test_a_jsonl_job_completes_with_every_row_once_in_order_equal_to_offline_gen
     manifest = pipeline.manifest(job_id)
     assert len(manifest.parts) == 4
     assert manifest.dtypes == ["float32"] and {part.dtype for part in manifest.parts} == {"float32"}
+    # Raw completion prompts, as asked, and the manifest says so.
+    assert manifest.prompt_formats == ["raw"]
+    assert all(part.prompt_formats == ["raw"] for part in manifest.parts)
     assert (status.rows.total, status.rows.succeeded, status.rows.failed) == (10, 10, 0)
     assert (status.shards.done, status.shards.total) == (4, 4)
     assert status.usage == manifest.usage
@@ -84,6 +87,19 @@ def test_chat_messages_are_rendered_with_the_chat_template(pipeline: Pipeline, o
     records = pipeline.output_records(status.job_id)
     assert [record["text"] for record in records] == greedy_texts(offline, expected_prompts)
     assert records[0]["usage"]["prompt_tokens"] == len(expected_prompts[0])
+    assert pipeline.manifest(status.job_id).prompt_formats == ["chat_template"]
+
+    # Plain rows on a model with a chat template run exactly as those chat rows by default: the
+    # instructions as the system message, each row's text as the user's turn.
+    lines = [json.dumps({"question": text}) for text in QUESTIONS[:4]]
+    plain = JobSpec(input_uri=pipeline.put_input("plain.jsonl", lines), model="tiny",
+                    prompt_column="question", instructions="You write Python.",
+                    sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+    status = pipeline.wait_for_end(pipeline.submit(plain))
+    assert status.state == JobState.SUCCEEDED, status.error
+    assert [record["text"] for record in pipeline.output_records(status.job_id)] == \
+        [record["text"] for record in records]
+    assert pipeline.manifest(status.job_id).prompt_formats == ["chat_template"]
 
 
 def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline: Pipeline) -> None:
@@ -104,7 +120,8 @@ def test_rows_that_cannot_run_become_row_errors_while_the_job_succeeds(pipeline:
     lines = [row if isinstance(row, str) else json.dumps(row) for row in rows]
     spec = JobSpec(input_uri=pipeline.put_input("mixed.jsonl", lines), model="tiny", id_column="id",
                    template="{question}", sampling_column="sampling", response_format_column="format",
-                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS}, shard_size=4)
+                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS}, shard_size=4,
+                   apply_chat_template=False)
     bad_json_id = str(len(lines[0]) + 1)  # a line that is not JSON is named by its byte offset
     surrogate_id, deep_id, bigint_id = (str(sum(len(line) + 1 for line in lines[:n])) for n in (8, 9, 10))
 
@@ -133,7 +150,7 @@ def test_a_model_in_s3_is_downloaded_once_and_served(pipeline: Pipeline, tiny_ch
         client.upload_file(str(path), MODELS_BUCKET, f"tiny/{path.name}")
     lines = [json.dumps({"q": text}) for text in QUESTIONS[:3]]
     spec = JobSpec(input_uri=pipeline.put_input("s3-model.jsonl", lines), model="tiny-s3", prompt_column="q",
-                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS})
+                   sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS}, apply_chat_template=False)
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
@@ -218,7 +235,7 @@ def test_a_parquet_job_writes_parquet_parts_in_input_order(pipeline: Pipeline, o
     pipeline.s3.client().upload_file(str(tmp_path / "questions.parquet"), INPUTS_BUCKET, "questions.parquet")
     spec = JobSpec(input_uri=f"s3://{INPUTS_BUCKET}/questions.parquet", model="tiny", id_column="id",
                    prompt_column="question", sampling={"temperature": 0.0, "max_tokens": MAX_TOKENS},
-                   shard_size=4)
+                   shard_size=4, apply_chat_template=False)
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
@@ -263,7 +280,7 @@ def test_stop_strings_n_samples_logprobs_and_json_schema_run_and_are_written(
     input_uri = pipeline.put_input("knobs.jsonl", [json.dumps(row) for row in rows])
     spec = JobSpec(input_uri=input_uri, model="tiny", id_column="id", prompt_column="question",
                    sampling_column="sampling", response_format_column="format",
-                   sampling={"temperature": 0.0, "max_tokens": 16})
+                   sampling={"temperature": 0.0, "max_tokens": 16}, apply_chat_template=False)
 
     status = pipeline.wait_for_end(pipeline.submit(spec))
 
@@ -315,7 +332,8 @@ def test_identical_deterministic_rows_run_once_and_each_row_gets_the_output(
     lines = [json.dumps({"id": f"r{n}", "question": text, "tag": n}) for n, text in enumerate(DUPLICATED)]
     spec = JobSpec(input_uri=pipeline.put_input("duplicated.jsonl", lines), model="tiny", id_column="id",
                    prompt_column="question", passthrough_columns=["tag"], deduplicate=deduplicate,
-                   sampling={**sampling, "max_tokens": MAX_TOKENS}, shard_size=shard_size)
+                   sampling={**sampling, "max_tokens": MAX_TOKENS}, shard_size=shard_size,
+                   apply_chat_template=False)
     status = pipeline.wait_for_end(pipeline.submit(spec))
     assert status.state == JobState.SUCCEEDED, status.error
     assert status.rows.deduplicated == merged and pipeline.manifest(status.job_id).rows.deduplicated == merged

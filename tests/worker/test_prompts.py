@@ -9,8 +9,10 @@ import pytest
 from transformers import AutoTokenizer
 
 from bulkinfer.engine import ErrorKind, SamplingParams
-from bulkinfer.jobs.formats.rows import Row, RowErrorCode
+from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowErrorCode
+from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP
 from bulkinfer.jobs.sampling import JobSampling
+from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.worker.hosts.engine_rows import (
     ROW_CODES,
     PreparedBatch,
@@ -30,7 +32,17 @@ def test_supported_knobs_map_one_to_one_and_unset_ones_keep_the_engine_default()
                       ignore_eos=True)
     assert engine_sampling(job) == SamplingParams(temperature=0.3, top_p=0.9, top_k=20, seed=7, max_tokens=12,
                                                   stop_token_ids=[5], ignore_eos=True)
-    assert engine_sampling(JobSampling()) == SamplingParams()
+    # No max_tokens: until the answer ends (the engine stops it at the model's context), never the
+    # engine's offline default of 16, up to the deployment's cap.
+    assert engine_sampling(JobSampling()) == SamplingParams(max_tokens=DEFAULT_MAX_TOKENS_CAP)
+    assert engine_sampling(JobSampling(), max_tokens_cap=300) == SamplingParams(max_tokens=300)
+
+
+def test_a_row_asking_more_than_the_cap_is_refused_naming_it() -> None:
+    cap = r"max_tokens 301 is more than this deployment's max_tokens_cap \(300\)"
+    with pytest.raises(RowRejected, match=cap) as rejected:
+        engine_sampling(JobSampling(max_tokens=301), max_tokens_cap=300)
+    assert rejected.value.code == RowErrorCode.INVALID_SAMPLING
 
 
 def test_every_job_knob_maps_onto_the_engine_field_of_the_same_name() -> None:
@@ -119,3 +131,44 @@ def test_a_tokenizer_that_raises_on_a_rows_text_fails_that_row_only(tiny_checkpo
     [failed] = PreparedBatch(PromptRenderer(tokenizer), rows[1:2]).outputs([])
     assert (failed.row_id, failed.error_code) == ("r1", RowErrorCode.TOKENIZE_ERROR)
     assert "tokenizer failed on this row" in failed.error_message
+
+
+def _plain_row(record: dict, **spec: object) -> Row:
+    built = RowBuilder(JobSpec(input_uri="/in/rows.jsonl", input_format="jsonl", model="m",
+                               prompt_column="q", instructions="Answer briefly.", **spec)).build(0, record)
+    assert isinstance(built, Row)
+    return built
+
+
+def test_plain_rows_render_through_the_models_chat_template_as_chat_rows_do(real_model: Path,
+                                                                           tiny_checkpoint: Path) -> None:
+    """prompt_column + instructions on an instruct model: the instructions as the system message,
+    the row as the user's turn (what Ray Data LLM and vLLM's LLM.chat send); raw prompts on request,
+    and by default on a model without a template."""
+    instruct = PromptRenderer(AutoTokenizer.from_pretrained(real_model))
+    plain = _plain_row({"q": "What is 2+2?"})
+    chat = row(messages=[{"role": "system", "content": "Answer briefly."},
+                         {"role": "user", "content": "What is 2+2?"}])
+    assert instruct.token_ids(plain) == instruct.token_ids(chat)
+    assert instruct.prompt_format(plain) == "chat_template"
+    raw = _plain_row({"q": "What is 2+2?"}, apply_chat_template=False)
+    assert instruct.token_ids(raw) == instruct._tokenizer.encode("Answer briefly.\n\nWhat is 2+2?")
+    assert instruct.prompt_format(raw) == "raw"
+
+    untemplated = AutoTokenizer.from_pretrained(tiny_checkpoint)
+    untemplated.chat_template = None  # a base model's tokenizer: no chat template of its own
+    base = PromptRenderer(untemplated)
+    assert base.prompt_format(plain) == "raw"
+    assert base.token_ids(plain) == base._tokenizer.encode("Answer briefly.\n\nWhat is 2+2?")
+    forced = _plain_row({"q": "What is 2+2?"}, apply_chat_template=True)
+    assert base.prompt_format(forced) == "chatml" and base.token_ids(forced) == base.token_ids(chat)
+
+
+def test_apply_chat_template_is_for_plain_rows_only() -> None:
+    with pytest.raises(ValueError, match="messages_column rows are chat"):
+        JobSpec(input_uri="/in/rows.jsonl", model="m", messages_column="m", apply_chat_template=False)
+    with pytest.raises(ValueError, match="OpenAI batch lines say it by their url"):
+        JobSpec(input_uri="/in/rows.jsonl", input_format="openai_batch", model="m", apply_chat_template=True)
+    with pytest.raises(ValueError, match="an embed job embeds each row's text as it is"):
+        JobSpec(input_uri="/in/rows.jsonl", model="m", task="embed", prompt_column="q",
+                apply_chat_template=True)

@@ -4,6 +4,8 @@ run killed mid-file resumed without losing, repeating or recomputing a row.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import re
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 import pytest
 
@@ -117,6 +120,29 @@ def test_parquet_in_and_out_with_passthrough(tiny_checkpoint: Path, tmp_path: Pa
     assert not (work_dir_for(out) / "parts").exists()
 
 
+def test_csv_in_and_out_under_one_header_with_errors_in_place(tiny_checkpoint: Path, tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    text = io.StringIO()
+    cells = [[f"0{i}", f"what is {i},\nreally?", "a" if i % 2 else ""] for i in range(5)]
+    csv.writer(text).writerows([["id", "question", "team"], *cells])
+    source = tmp_path / "in.csv"
+    source.write_bytes(text.getvalue().encode() + b"x,a row,with,four fields\r\n")
+    out = tmp_path / "answers.csv"
+    code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--prompt-column",
+                           "question", "--id-column", "id", "--passthrough", "team", "--max-tokens", "3",
+                           "--batch-size", "2")
+    assert code == 0, stderr
+    assert out.read_bytes().count(b'"id"') == 1  # three batches appended under one header row
+    result = pa_csv.read_csv(out, parse_options=pa_csv.ParseOptions(newlines_in_values=True),
+                             convert_options=pa_csv.ConvertOptions(column_types={"id": pa.string()},
+                                                                   strings_can_be_null=True))
+    assert result.column_names[:3] == ["id", "text", "finish_reason"] and result.column_names[-1] == "team"
+    assert result.column("id").to_pylist() == ["00", "01", "02", "03", "04", "5"]
+    assert result.column("team").to_pylist() == [None, "a", None, "a", None, None]
+    assert result.column("completion_tokens").to_pylist() == [3] * 5 + [None]
+    assert result.column("error_code").to_pylist() == [None] * 5 + ["invalid_row"]
+
+
 def test_openai_batch_in_and_out(tiny_checkpoint: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     lines: list[dict | str] = [
@@ -129,8 +155,9 @@ def test_openai_batch_in_and_out(tiny_checkpoint: Path, tmp_path: Path,
     ]
     source = _write_jsonl(tmp_path / "batch.jsonl", lines)
     out = tmp_path / "results.jsonl"
+    # The task given, a line of the other kind is that line's error (without it the file is refused).
     code, _, stderr = _run(capsys, source, "-o", out, "--model", tiny_checkpoint, "--temperature", "0",
-                           "--batch-size", "2")
+                           "--batch-size", "2", "--task", "generate")
     assert code == 0, stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
     assert [result["custom_id"] for result in results] == ["chat-1", "text-1", "bad-url", "chat-1"]

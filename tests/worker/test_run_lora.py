@@ -29,7 +29,8 @@ def test_run_picks_each_rows_adapter_by_column_and_the_default_by_flag(
         code = run_cli([str(source), "-o", str(out), "--model", str(tiny_checkpoint), "--prompt-column", "q",
                         "--lora", f"sql={sql}", "--lora", f"fr={fr}", "--lora-column", "adapter",
                         "--adapter", "sql", "--max-loras", "2", "--max-lora-rank", "8", "--dtype", "float32",
-                        "--max-tokens", "5", "--temperature", "0", "--no-progress"])
+                        "--max-tokens", "5", "--temperature", "0", "--no-apply-chat-template",
+                        "--no-progress"])
     finally:  # run exports its settings into the environment: they must not reach later tests
         os.environ.clear()
         os.environ.update(saved)

@@ -20,6 +20,7 @@ import hashlib
 import json
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,10 +36,13 @@ from bulkinfer.jobs.formats.output import (
     expired_row,
 )
 from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
+from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP, max_tokens_problem
 from bulkinfer.jobs.response_format import engine_response_format
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.state.live_progress import LiveFigures
 from bulkinfer.worker.hosts.engine_host import LORA_REFUSED, EngineRequest, Submission
+from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 from bulkinfer.worker.hosts.lora_requests import AdapterRefused
 from bulkinfer.worker.process import metrics
 
@@ -68,12 +72,21 @@ class RowRejected(ValueError):
         self.code = code
 
 
-def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | None = None) -> SamplingParams:
-    """The engine's params for a row's merged sampling and response_format; raises `RowRejected`."""
+def engine_sampling(sampling: JobSampling, response_format: dict[str, Any] | None = None,
+                    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> SamplingParams:
+    """The engine's params for a row's merged sampling and response_format; raises `RowRejected`.
+
+    A row without max_tokens generates until it stops: up to `max_tokens_cap`, and the engine ends
+    it at the model's context (finish_reason `length`), as OpenAI's and vLLM's chat APIs do; never
+    the engine's offline default of 16 (jobs/output_tokens.py)."""
     settings = sampling.as_dict()
     unknown = sorted(set(settings) - ENGINE_FIELDS)
     if unknown:  # a job knob this engine build lacks: refused by name, never dropped
         raise RowRejected(RowErrorCode.INVALID_SAMPLING, f"{unknown[0]} is not supported by this engine")
+    problem = max_tokens_problem(settings.get("max_tokens"), max_tokens_cap)
+    if problem is not None:
+        raise RowRejected(RowErrorCode.INVALID_SAMPLING, problem)
+    settings.setdefault("max_tokens", max_tokens_cap)
     params = SamplingParams(**settings, json_schema=engine_json_schema(response_format))
     try:  # early, so the row is refused before it is rendered; the engine's own check is the same
         params.validate()
@@ -114,6 +127,10 @@ def job_response_format_problem(spec: JobSpec) -> str | None:
     return None
 
 
+# How a row's prompt was rendered (`PromptRenderer.prompt_format`): the job manifest lists them.
+PROMPT_CHAT_TEMPLATE, PROMPT_CHATML, PROMPT_RAW = "chat_template", "chatml", "raw"
+
+
 class PromptRenderer:
     """Turns rows into prompt token ids with the model's tokenizer.
 
@@ -136,13 +153,36 @@ class PromptRenderer:
                 self._token_bytes = TokenBytes(self._tokenizer)
             return self._token_bytes.get(token_id)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model's tokenizer has a chat template of its own."""
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def _messages(self, row: Row) -> list[dict[str, Any]] | None:
+        """The chat messages the row's prompt is rendered from; None: its raw `prompt`. A plain row
+        runs as chat when it must, or when the model has a template (as Ray Data LLM and vLLM's
+        `LLM.chat` render rows for an instruct model)."""
+        if row.messages is not None:
+            return row.messages
+        if row.as_chat is not None and (row.chat_required or self.has_chat_template):
+            return row.as_chat
+        return None
+
+    def prompt_format(self, row: Row) -> str:
+        """How the row's prompt is rendered: `chat_template` (the model's), `chatml` (the fallback for
+        a model without one) or `raw` (a completion prompt, as it is)."""
+        if self._messages(row) is None:
+            return PROMPT_RAW
+        return PROMPT_CHAT_TEMPLATE if self.has_chat_template else PROMPT_CHATML
+
     def token_ids(self, row: Row) -> list[int]:
         """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
         with self._lock:
             try:
-                if row.messages is None:
+                messages = self._messages(row)
+                if messages is None:
                     return list(self._tokenizer.encode(row.prompt or ""))
-                return chat_token_ids(self._tokenizer, row.messages)
+                return chat_token_ids(self._tokenizer, messages)
             except ChatTemplateError as error:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
             except Exception as error:  # noqa: BLE001 - a tokenizer may raise anything on odd text
@@ -171,6 +211,7 @@ class PreparedRow:
     position: int  # in the batch's input order
     row: Row
     request: EngineRequest
+    prompt_format: str  # how its prompt was rendered (PromptRenderer.prompt_format)
 
 
 def deterministic(params: SamplingParams) -> bool:
@@ -211,7 +252,8 @@ class PreparedBatch:
 
     def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
-                 cache_salt: str | None = None, adapters: AdapterRequests | None = None) -> None:
+                 cache_salt: str | None = None, adapters: AdapterRequests | None = None,
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> None:
         self._outputs: list[OutputRow | None] = [None] * len(items)
         self._renderer = renderer
         prepared: list[PreparedRow] = []
@@ -226,7 +268,7 @@ class PreparedBatch:
                 self._outputs[position] = OutputRow.from_error(item)
                 continue
             try:
-                params = engine_sampling(item.sampling, item.response_format)
+                params = engine_sampling(item.sampling, item.response_format, max_tokens_cap)
                 lora = row_adapter(item, adapters)
                 request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt, lora)
             except (RowRejected, AdapterRefused) as rejected:
@@ -243,7 +285,7 @@ class PreparedBatch:
                     continue
                 if len(first_of) < MAX_REMEMBERED_REQUESTS:
                     first_of[digest] = offset + position
-            prepared.append(PreparedRow(position, item, request))
+            prepared.append(PreparedRow(position, item, request, renderer.prompt_format(item)))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
         prepared.sort(key=lambda entry: list(entry.request.prompt))
         self._prepared = prepared
@@ -253,6 +295,14 @@ class PreparedBatch:
         """What to submit, in the order `outputs` takes the results back."""
         return [entry.request for entry in self._prepared]
 
+    def finished_rows(self, futures: Sequence[Future]) -> FinishedRows:
+        """Counts the batch's rows as `futures` (its `requests`', in that order) finish."""
+        copies = copies_of(self._copies)
+        groups = [([future], copies.get(entry.position, 0)) for entry, future in zip(self._prepared, futures,
+                                                                                       strict=True)]
+        return FinishedRows(groups, request_figures,
+                            failed_at_once=sum(output is not None for output in self._outputs))
+
     def outputs(self, results: Sequence[RequestOutput], expired: bool = False,
                 earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
         """Every row's outcome in input order, given the engine's results for `requests`
@@ -261,12 +311,16 @@ class PreparedBatch:
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
         lora_at: dict[int, str | None] = {}
+        format_at: dict[int, str] = {}
         for entry, result in zip(self._prepared, results, strict=True):
             lora = entry.request.lora_request.lora_name if entry.request.lora_request is not None else None
-            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer, lora)
+            outputs[entry.position] = output_row(entry.row, result, expired, self._renderer, lora,
+                                                 entry.prompt_format)
             result_at[entry.position], lora_at[entry.position] = result, lora
+            format_at[entry.position] = entry.prompt_format
         for position, row, source in self._copies:
-            copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source])
+            copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source],
+                              format_at[source])
             outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         for position, row, source in self._earlier_copies:
@@ -279,11 +333,13 @@ class PreparedBatch:
 
 
 def output_row(row: Row, result: RequestOutput, expired: bool = False,
-               renderer: PromptRenderer | None = None, lora: str | None = None) -> OutputRow:
+               renderer: PromptRenderer | None = None, lora: str | None = None,
+               prompt_format: str | None = None) -> OutputRow:
     """The row's outcome: every sample as a choice, or the engine's error when any sample failed
     (a grammar that does not compile fails them all; an aborted request aborts them all, and is
     `expired` when the job's deadline aborted it). `renderer` names the first prompt token of a
-    row that scored its prompt; `lora`: the adapter it ran on, for its usage."""
+    row that scored its prompt; `lora`: the adapter it ran on, for its usage; `prompt_format`: how
+    its prompt was rendered."""
     outputs = list(getattr(result, "outputs", None) or [])
     reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
     failed = next((reason for reason in reasons if reason in FAILED), None)
@@ -307,7 +363,20 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False,
                                        engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
                                        drafted_per_position=drafted, accepted_per_position=accepted,
                                        prompt_logprobs=_prompt_logprobs(result, renderer))
-    return dataclasses.replace(completed, lora=lora) if lora is not None else completed
+    return dataclasses.replace(completed, lora=lora, prompt_format=prompt_format)
+
+
+def request_figures(results: Sequence[RequestOutput]) -> LiveFigures:
+    """A finished row's figures from its one request's result, before `output_row` builds it:
+    failed as `output_row` fails it (any sample failed), with the tokens a completed row reports."""
+    result = results[0]
+    samples = getattr(result, "outputs", None) or []
+    if any(reason in FAILED for reason in [result.finish_reason, *(out.finish_reason for out in samples)]):
+        return LiveFigures(failed=1)
+    engine_seconds = getattr(getattr(result, "metrics", None), "engine_seconds", 0.0) or 0.0
+    return LiveFigures(succeeded=1, prompt=result.num_prompt_tokens or 0,
+                       cached=result.num_cached_tokens or 0, completion=result.num_completion_tokens or 0,
+                       engine_ms=round(engine_seconds * 1000))
 
 
 def _prompt_logprobs(result: RequestOutput, renderer: PromptRenderer | None) -> PromptLogprobs | None:
@@ -338,15 +407,21 @@ class EngineRun:
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
                  cache_salt: str | None = None) -> None:
         self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, known, offset,
-                                       cache_salt=cache_salt, adapters=hosted.adapters)
+                                       cache_salt=cache_salt, adapters=hosted.adapters,
+                                       max_tokens_cap=hosted.max_tokens_cap)
         self.rows = len(items)
         self._model = hosted.name
         requests = self._prepared.requests
         self.submission: Submission | None = hosted.host.submit(requests) if requests else None
+        self._finished = self._prepared.finished_rows(self.submission.futures if self.submission else [])
 
     def wait(self, timeout: float | None = None) -> bool:
         """True once the engine is done with every row (at once when none could run)."""
         return self.submission is None or self.submission.wait(timeout)
+
+    def finished_figures(self) -> LiveFigures:
+        """The rows finished so far (provisional: `outputs()` decides; worker/hosts/finished_rows.py)."""
+        return self._finished.figures()
 
     def outputs(self, expired: bool = False, earlier: Sequence[OutputRow] = ()) -> list[OutputRow]:
         """Every row's outcome in input order; raises `EngineUnavailable` if the engine died.

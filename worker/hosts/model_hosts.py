@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from bulkinfer.engine import EngineConfig, LLMEngine
+from bulkinfer.engine.dtype_verdict import VERDICTS_FILE_NAME
 from bulkinfer.jobs.model_registry import ModelRegistry
+from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.worker.hosts.embed_host import EmbedHost
 from bulkinfer.worker.hosts.engine_host import EngineHost
@@ -56,6 +58,7 @@ class HostedModel:
     host: EngineHost | EmbedHost
     renderer: PromptRenderer
     adapters: AdapterRequests | None = None  # its rows' LoRA adapters (a generating model's)
+    max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP  # the most a row may generate (the deployment's setting)
 
     @property
     def is_embedding(self) -> bool:
@@ -67,12 +70,15 @@ class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None,
                  on_tokenizer: Callable[[str, Any], None] | None = None,
-                 kv_store_options: Mapping[str, Any] | None = None) -> None:
+                 kv_store_options: Mapping[str, Any] | None = None,
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> None:
         """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
         that model's jobs with the reason instead of every task before it can say why.
         `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded. `kv_store_options`:
-        the prefix KV tier's engine fields (worker/kv/store.py), shared by every model's engine."""
+        the prefix KV tier's engine fields (worker/kv/store.py), shared by every model's engine.
+        `max_tokens_cap`: the most a row may generate (the `max_tokens_cap` setting)."""
         self.on_tokenizer = on_tokenizer
+        self.max_tokens_cap = max_tokens_cap
         self.registry = registry
         self.engine_options = engine_options
         self.kv_store_options = dict(kv_store_options or {})
@@ -105,8 +111,7 @@ class ModelHosts:
                                     endpoint_url=self.s3_endpoint_url)
         config = self.engine_config(directory)
         # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
-        # the engine's start-up dtype probe (engine/dtype_choice.py) timed beside it read 4-5x
-        # low and once chose fp32 on an AMX CPU.
+        # a dtype verdict measured beside it (engine/dtype_benchmark.py, once per CPU) would meet it.
         tokenizer = AutoTokenizer.from_pretrained(directory)
         if self.on_tokenizer is not None:
             self.on_tokenizer(name, tokenizer)
@@ -116,7 +121,8 @@ class ModelHosts:
         embedding_model = is_embedding_model(directory)
         self._embedding_models[name] = embedding_model
         if embedding_model or embed:
-            options = {"dtype": config.dtype, "device": config.device}
+            options = {"dtype": config.dtype, "device": config.device,
+                       "dtype_verdicts": config.dtype_verdicts, "remeasure_dtype": config.remeasure_dtype}
             host: EngineHost | EmbedHost = EmbedHost(lambda: Embedder.load(directory, **options), name=name)
         else:
             host = EngineHost(lambda: LLMEngine(config), name=name)
@@ -126,15 +132,19 @@ class ModelHosts:
         if isinstance(host, EngineHost):
             adapters = AdapterRequests(name, self.registry, self.cache_dir or model_cache_dir(),
                                        endpoint_url=self.s3_endpoint_url)
-        return HostedModel(name, directory, host, renderer, adapters)
+        return HostedModel(name, directory, host, renderer, adapters, self.max_tokens_cap)
 
     def engine_config(self, directory: Path) -> EngineConfig:
         """The model's engine settings: the explicit `engine_options` over `bulkinfer tune`'s for this
         model on this machine (worker/tuning/tuned_settings.py) over the engine's defaults."""
         explicit = engine_options(self.engine_options)
         signature = machine_signature(str(explicit.get("device", "cpu")), str(explicit.get("dtype", "auto")))
-        tuned = tuned_engine_options(self.cache_dir or model_cache_dir(), directory, signature)
-        return EngineConfig(model=str(directory), **{**tuned, **explicit, **self.kv_store_options})
+        cache_dir = self.cache_dir or model_cache_dir()
+        tuned = tuned_engine_options(cache_dir, directory, signature)
+        # dtype auto's kept verdict lives beside the models (engine/dtype_verdict.py).
+        verdicts = {"dtype_verdicts": str(cache_dir / VERDICTS_FILE_NAME)}
+        return EngineConfig(model=str(directory),
+                            **{**verdicts, **tuned, **explicit, **self.kv_store_options})
 
     def hosted(self) -> list[HostedModel]:
         """The models this process hosts now (loaded, loading or failed), one per name, as heartbeats

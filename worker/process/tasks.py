@@ -20,6 +20,7 @@ from kombu.exceptions import ChannelError, OperationalError
 from bulkinfer.jobs.fair_queue import FairQueue, TakenShard
 from bulkinfer.jobs.log_format import log_context
 from bulkinfer.jobs.names import CONTROL_QUEUE, FINALIZE_JOB, PLAN_JOB, RUN_NEXT_SHARD, RUN_SHARD
+from bulkinfer.jobs.output_tokens import expected_output_tokens
 from bulkinfer.jobs.planning.shard_cost import shard_token_cost
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.worker.process import metrics, shutdown, webhook_delivery
@@ -65,7 +66,10 @@ class ShardOffers:
         if job_id not in self._jobs:
             repository, settings = self.context.repository, self.context.settings
             spec = repository.get_spec(job_id)
-            costs = {shard.index: shard_token_cost(shard, spec) for shard in repository.load_plan(job_id)}
+            expected = expected_output_tokens(repository.redis, repository.namespace, spec.model,
+                                              settings.output_estimate)
+            costs = {shard.index: shard_token_cost(shard, spec, expected)
+                     for shard in repository.load_plan(job_id)}
             self._jobs[job_id] = (spec, settings.job_priority(spec), costs)
         spec, priority, costs = self._jobs[job_id]
         self.queue.offer(queue, job_id, shard_index, costs.get(shard_index, 1), priority, spec.tenant)

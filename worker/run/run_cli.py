@@ -12,7 +12,9 @@ from typing import Any, Union, get_args, get_origin
 
 from pydantic import ValidationError
 
+from bulkinfer.cpu_isa import apply_cpu_isa_cap
 from bulkinfer.jobs.errors import InputError
+from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import (
@@ -24,8 +26,10 @@ from bulkinfer.jobs.settings_args import (
 from bulkinfer.jobs.spec import InputFormat, JobSpec, check_user_spec, validation_messages
 from bulkinfer.jobs.task_args import TASK_FIELDS, add_task_arguments
 
-RUN_SETTINGS = ("models", "engine_options", "dtype", "speculative_config", "tensor_parallel_size",
-                "batch_invariant", "model_cache", "s3_endpoint_url", *LORA_SETTINGS, *KV_STORE_SETTINGS)
+RUN_SETTINGS = ("models", "engine_options", "dtype", "remeasure_dtype", "cpu_isa", "speculative_config",
+                "tensor_parallel_size",
+                "batch_invariant", "model_cache", "s3_endpoint_url", "max_tokens_cap", *LORA_SETTINGS,
+                *KV_STORE_SETTINGS)
 FORMATS = [value.value for value in InputFormat]
 
 
@@ -49,14 +53,14 @@ def _sampling_flag(group: argparse._ArgumentGroup, name: str, annotation: Any, h
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="bulkinfer run",
-        description="Run a Parquet, JSONL or OpenAI-batch file through the engine here (no servers) and "
-                    "write every row's output to OUT, in input order. Rerunning after an interruption "
-                    "resumes: rows already written are skipped, none is written twice.")
+        description="Run a Parquet, JSONL, OpenAI-batch, CSV or TSV file through the engine here (no "
+                    "servers) and write every row's output to OUT, in input order. Rerunning after an "
+                    "interruption resumes: rows already written are skipped, none is written twice.")
     parser.add_argument("input", metavar="FILE", help="the input: a local path or s3://bucket/key")
     parser.add_argument("-o", "--output", required=True, type=Path, metavar="OUT", help="the output file")
     parser.add_argument("--model", help="a registered model name (BULKINFER_MODELS), a checkpoint folder, "
-                        "a .gguf file (imported once) or a catalog name (smollm2-135m-instruct, fetched "
-                        "once)")
+                        "a .gguf file (imported once), a catalog name (smollm2-135m-instruct, fetched "
+                        f"once) or a preset ({', '.join(PRESET_NAMES)}: random weights, built once)")
     add_job_arguments(parser)
     parser.add_argument("--format", dest="output_format", choices=FORMATS,
                         help="output format (default: from OUT's name, else the input's)")
@@ -77,7 +81,7 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     mapping.add_argument("--template", help="prompt text with {column} placeholders")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column of row ids (default: the row number for Parquet, "
-                        "the line's byte offset for JSONL, as in jobs)")
+                        "CSV and TSV, the line's byte offset for JSONL, as in jobs)")
     parser.add_argument("--passthrough", action="append", dest="passthrough_columns", metavar="COLUMN",
                         help="copy this input column to the output (repeatable)")
     parser.add_argument("--input-format", choices=FORMATS, help="default: detected from the file")
@@ -125,14 +129,15 @@ def run_cli(argv: list[str] | None = None) -> int:
     prog = "bulkinfer run"
     try:
         settings: Settings = settings_from_args(args)
+        apply_cpu_isa_cap(settings.cpu_isa)  # before the engine imports torch
         spec_model = _spec_data(args.spec).get("model")
     except (ConfigError, ValueError, OSError) as error:
         print(f"{prog}: {error}", file=sys.stderr)
         return 2
     model = args.model or spec_model
     if not model:
-        print(f"{prog}: give --model (a registered name, a checkpoint folder, a .gguf file or a catalog "
-              "name)", file=sys.stderr)
+        print(f"{prog}: give --model (a registered name, a checkpoint folder, a .gguf file, a catalog "
+              "name or a preset)", file=sys.stderr)
         return 2
     if args.batch_size < 1:
         print(f"{prog}: --batch-size must be at least 1", file=sys.stderr)
@@ -151,7 +156,8 @@ def run_cli(argv: list[str] | None = None) -> int:
 
     try:
         location = resolve_model(model, settings.model_registry(), settings.model_cache_dir)
-        name = model if model in settings.model_registry() else Path(location).name
+        # A preset keeps its name (its folder's is a cache key); a folder or file goes by its own.
+        name = model if model in settings.model_registry() or model in PRESET_NAMES else Path(location).name
         output_format = InputFormat(args.output_format) if args.output_format else None
         spec = resolved_run_spec(spec_from_args(args, name), args.output, output_format, settings)
     except ValidationError as error:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from bulkinfer.jobs.formats.batch_task import task_given, with_task_of_lines
 from bulkinfer.jobs.formats.detect import resolve_spec
 from bulkinfer.jobs.formats.readers import read_shard_rows
 from bulkinfer.jobs.formats.rows import Row, RowError
@@ -23,9 +24,10 @@ from bulkinfer.jobs.lora_adapters import Adapter, AdapterRegistry
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.output_tokens import max_tokens_problem
 from bulkinfer.jobs.planning.sharding import ShardPlan, plan_shards
 from bulkinfer.jobs.settings import Settings
-from bulkinfer.jobs.spec import InputFormat, JobSpec
+from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec
 from bulkinfer.worker.hosts.embed_rows import EmbedRun
 from bulkinfer.worker.hosts.engine_rows import EngineRun, job_response_format_problem
 from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
@@ -58,6 +60,7 @@ class RunSummary:
     dtype: str = ""  # the engine's compute dtype, and why
     speculation: dict | None = None  # the engine's speculative decoding figures (None: off)
     kv_store: dict | None = None  # the prefix KV tier's counters (None: off)
+    prompt_formats: tuple[str, ...] = ()  # how this run's prompts were rendered (chat_template, chatml, raw)
 
 
 def resolve_model(model: str, registry: ModelRegistry, cache_dir: Path | None = None) -> str:
@@ -89,6 +92,9 @@ def whole_file_shard(store: ObjectStore, key: str, spec: JobSpec) -> tuple[Shard
         groups = sorted({group for shard in plan for group in shard.row_groups})
         return ShardPlan(index=0, estimated_rows=rows, rows_exact=True, row_groups=groups, row_start=0,
                          row_end=rows), rows
+    if spec.input_format in DELIMITED_FORMATS:  # the rows after the header
+        return ShardPlan(index=0, estimated_rows=rows, rows_exact=True, byte_start=plan[0].byte_start,
+                         byte_end=store.head(key).size, row_start=0, row_end=rows), rows
     return ShardPlan(index=0, estimated_rows=rows, rows_exact=False, byte_start=0,
                      byte_end=store.head(key).size), rows
 
@@ -136,7 +142,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     """Run `spec`'s input (format resolved) through the engine into `output_path`, resuming a partial
     output of the same spec and input. Raises `RunError` or `OutputConflict`.
     """
-    problem = job_response_format_problem(spec)
+    problem = job_response_format_problem(spec) or max_tokens_problem(
+        spec.sampling.max_tokens, settings.tokens_cap, "sampling.max_tokens")
     if problem is not None:  # once for the run, not once per row
         raise RunError(problem)
     store, key = store_for_uri(spec.input_uri, endpoint_url=settings.s3_endpoint_url)
@@ -152,7 +159,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
     hosts = ModelHosts(ModelRegistry({LOCAL_MODEL: model_location}, adapters=adapters),
                        settings.engine_options_dict(),
                        s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
-                       kv_store_options=kv_store_options(settings, deployment=False))
+                       kv_store_options=kv_store_options(settings, deployment=False),
+                       max_tokens_cap=settings.tokens_cap)
     try:
         hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)
         for _ in ("before", "after"):  # the task at once; the model's size once it is loaded
@@ -179,7 +187,8 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                       cached_tokens=done.cached_tokens, completion_tokens=done.completion_tokens,
                       seconds=time.monotonic() - started, run_completion_tokens=progress.completion_tokens,
                       dtype=f"{choice.dtype} ({choice.reason})" if choice else "",
-                      speculation=metrics.get("speculative_decoding"), kv_store=kv_stats)
+                      speculation=metrics.get("speculative_decoding"), kv_store=kv_stats,
+                      prompt_formats=tuple(sorted(progress.prompt_formats)))
 
 
 def _job_id(spec: JobSpec) -> str:
@@ -189,14 +198,15 @@ def _job_id(spec: JobSpec) -> str:
 
 def resolved_run_spec(spec: JobSpec, output_path: Path, output_format: InputFormat | None,
                   settings: Settings) -> JobSpec:
-    """The spec with the input format detected and the output format chosen: `output_format`, else
-    what OUT's name says (`.parquet`; `.jsonl` is OpenAI batch for OpenAI batch input), else the
-    input's format.
+    """The spec with the input format detected, the task of OpenAI batch lines read from their urls
+    when not given (`MixedTasks` for a file of both kinds), and the output format chosen:
+    `output_format`, else what OUT's name says (`.parquet`; `.jsonl` is OpenAI batch for OpenAI
+    batch input), else the input's format.
     """
     from bulkinfer.jobs.spec import format_from_name
 
     store, key = store_for_uri(spec.input_uri, endpoint_url=settings.s3_endpoint_url)
-    resolved = resolve_spec(spec, store, key)
+    resolved = with_task_of_lines(resolve_spec(spec, store, key), task_given(spec), store, key)
     by_name = format_from_name(output_path.name)
     openai_input = resolved.input_format == InputFormat.OPENAI_BATCH
     if output_format is None and by_name == InputFormat.JSONL and openai_input:
@@ -216,6 +226,8 @@ def print_summary(summary: RunSummary, output_path: Path, say: Callable[[str], N
     say(f"this run: {summary.seconds:.2f}s, {summary.computed / seconds:.1f} rows/s, "
         f"{summary.run_completion_tokens / seconds:.1f} output tok/s"
         + (f", dtype {summary.dtype}" if summary.dtype else ""))
+    if summary.prompt_formats:
+        say(f"prompts rendered as: {', '.join(summary.prompt_formats)}")
     spec = summary.speculation
     if spec is not None:
         say(f"speculative decoding ({spec['method']}): {spec['num_draft_tokens']} drafts, "

@@ -23,11 +23,13 @@ class RunProgress:
         self._task = self._progress.add_task("rows", total=total, completed=done, rates="")
         self._started = time.monotonic()
         self.rows = self.failed = self.tokens = self.completion_tokens = 0
+        self.prompt_formats: set[str] = set()  # how its prompts were rendered (OutputRow.prompt_format)
 
     def advance(self, rows: Sequence[OutputRow]) -> None:
         self.rows += len(rows)
         self.failed += sum(row.failed for row in rows)
         self.completion_tokens += sum(row.completion_tokens or 0 for row in rows)
+        self.prompt_formats.update(row.prompt_format for row in rows if row.prompt_format)
         self.tokens += sum((row.prompt_tokens or 0) + (row.completion_tokens or 0) for row in rows)
         seconds = max(time.monotonic() - self._started, 1e-9)
         task = self._progress.tasks[0]

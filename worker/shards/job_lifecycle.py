@@ -20,10 +20,12 @@ from bulkinfer.jobs.model_registry import UnknownModel
 from bulkinfer.jobs.names import dispatched_key, step_lease_key
 from bulkinfer.jobs.object_store.base import ObjectNotFound
 from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.output_tokens import expected_output_tokens
 from bulkinfer.jobs.planning.job_dedup import mark_copies
 from bulkinfer.jobs.planning.retry import NothingToRetry, retry_plan
 from bulkinfer.jobs.planning.shard_cost import plan_within_bounds
 from bulkinfer.jobs.planning.sharding import ShardPlan
+from bulkinfer.jobs.public_paths import public_text
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.state.manifest import IncompleteJob, build_manifest, write_manifest
 from bulkinfer.jobs.state.part_publication import settle_staged
@@ -50,8 +52,8 @@ def fail_job(repository: JobRepository, job_id: str, message: str) -> None:
     stop its other running shards: one committing after a retry of the job was cut would change what
     the retry was cut from."""
     logger.warning("job %s failed: %s", job_id, message)
-    try:
-        repository.transition(job_id, JobState.FAILED, error=message)
+    try:  # the user reads it: their upload by its name, no path of the job store's own
+        repository.transition(job_id, JobState.FAILED, error=public_text(message))
     except IllegalTransition:
         return
     repository.stop_running_shards(job_id)
@@ -178,8 +180,11 @@ def _check_response_format(spec: JobSpec) -> None:
 
 def _plan(context: WorkerContext, spec: JobSpec) -> Sequence[ShardPlan]:
     store, key = store_for_uri(spec.input_uri, endpoint_url=context.settings.s3_endpoint_url)
+    repository = context.repository
+    expected = expected_output_tokens(repository.redis, repository.namespace, spec.model,
+                                      context.settings.output_estimate)
     with _input_errors_fail_the_job(spec.input_uri):
-        return mark_copies(store, key, spec, plan_within_bounds(context.settings, store, key, spec),
+        return mark_copies(store, key, spec, plan_within_bounds(context.settings, store, key, spec, expected),
                            max_keys=context.settings.dedup_max_keys, registry=context.registry)
 
 
@@ -215,12 +220,18 @@ def _finalize_holding_lease(context: WorkerContext, job_id: str) -> dict[str, An
             return {"status": f"waiting: {error}"}
         # Every shard was counted, yet a result is not there: retried, then the job fails saying so.
         raise
+    # `finalizing` while the parts are merged and published, not only for the manifest's write: what
+    # the batch APIs report as `finalizing` (with `finalizing_at`) between the last row and the end.
+    try:
+        if repository.transition(job_id, JobState.FINALIZING).state != JobState.FINALIZING:
+            return {"status": "skipped: job ended while finalizing"}  # cancelled (or failed) meanwhile
+    except IllegalTransition:
+        return {"status": "skipped: job ended while finalizing"}
     _settle_staged_parts(context, resolved, layout, results)
     # A deadline that caught rows before they finished ends the job `expired`, with the rest of its rows.
     expired = sum(result.error_codes.get(RowErrorCode.EXPIRED.value, 0) for result in results)
     final = JobState.EXPIRED if expired else JobState.SUCCEEDED
     try:
-        repository.transition(job_id, JobState.FINALIZING)
         write_manifest(repository.store, layout, manifest)
         repository.transition(job_id, final)
     except IllegalTransition:  # cancelled meanwhile: the parts stay, the job stays cancelled

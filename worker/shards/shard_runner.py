@@ -17,6 +17,10 @@ waits for the first, then finds its result.
 
 Cancel is cooperative: the flag is checked before the shard starts and every `CANCEL_POLL_S`
 while its rows run; on cancel the shard's requests are aborted and nothing is written.
+
+While its rows run, a run reports those that finished (`ShardProgress`, at a bounded rate) apart
+from the committed counters: counting the shard drops them, and a run that ends without a commit
+takes them back, so the job's counts move as rows finish and still count each row once.
 """
 
 from __future__ import annotations
@@ -34,9 +38,11 @@ from bulkinfer.jobs.formats.rows import Row, RowError
 from bulkinfer.jobs.layout import JobLayout
 from bulkinfer.jobs.log_format import add_to_log_context
 from bulkinfer.jobs.object_store.factory import store_for_uri
+from bulkinfer.jobs.output_tokens import NaturalLengths, record_natural_lengths
 from bulkinfer.jobs.planning.sharding import ShardPlan
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.state.counters import CountersMissing
+from bulkinfer.jobs.state.live_progress import LiveProgress
 from bulkinfer.jobs.state.part_publication import CommitRefused, publish_parts, write_fenced
 from bulkinfer.jobs.state.repository import JobRepository
 from bulkinfer.jobs.state.results import ShardResult, committed_shard_result
@@ -57,6 +63,7 @@ from bulkinfer.worker.shards.schema_limit import limit_schemas_streamed
 from bulkinfer.worker.shards.shard_copies import Stopped, copy_rows, discard_exports, write_exports
 from bulkinfer.worker.shards.shard_crashes import CrashHistory, ShardCrashes, run_split
 from bulkinfer.worker.shards.shard_lease import ShardLease
+from bulkinfer.worker.shards.shard_progress import ShardProgress
 from bulkinfer.worker.transient import is_transient
 
 logger = logging.getLogger(__name__)
@@ -106,14 +113,17 @@ def run_shard(context: WorkerContext, job_id: str, shard_index: int,
                 if shutdown.stopping():
                     raise ShardHandedBack(f"job {job_id}: the worker is stopping")
                 return {**summary, "status": "cancelled"}
-            with crashes.delivery():  # …and is counted as it starts: a crash leaves the count
+            live = LiveProgress(repository.redis, job_id, repository.namespace)
+            progress = ShardProgress(live, shard_index, lease.generation)
+            # …and is counted as it starts: a crash leaves the count
+            with crashes.delivery(), progress.of_this_run():
                 return {**summary, **_run_holding_lease(context, job_id, shard_index, lease, send_finalize,
-                                                        (crashes, history))}
+                                                        (crashes, history), progress)}
 
 
 def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, lease: ShardLease,
                        send_finalize: Callable[[str], None],
-                       crashed: tuple[ShardCrashes, CrashHistory]) -> dict[str, Any]:
+                       crashed: tuple[ShardCrashes, CrashHistory], progress: ShardProgress) -> dict[str, Any]:
     repository = context.repository
     job = repository.get(job_id)
     add_to_log_context(tenant=job.tenant)
@@ -133,7 +143,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
             outputs, dtype, dimension = _infer(context, job_id, spec, plan[shard_index], timings,
-                                               job.expires_at, crashed, lease.fence)
+                                               job.expires_at, crashed, lease.fence, progress)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
             metrics.record_shard(spec.model if spec is not None else "unknown", "failed")
@@ -144,6 +154,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         cancel = CancelCheck(repository, job_id)  # waits out a Redis outage instead of dropping the work
         if outputs is None or cancel.before_commit():
             return _stopped(job_id, shard_index, spec)
+        progress.flush()  # every row is done: shown while the parts are written and committed
         # A run whose lease lapsed (a Redis outage, or this process stalled) still offers what it
         # computed: the write-once result decides. Another run's result already there: count that.
         standing = None if lease.held else committed_result(repository, layout, shard_index)
@@ -168,6 +179,9 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         summary["committed"] = result.fence == lease.fence  # False: another run's result won
         if not summary["committed"]:
             discard_exports(repository, layout, plan[shard_index], lease.fence)
+        else:  # what the model's answers measure, for planning rows that set no max_tokens
+            record_natural_lengths(repository.redis, repository.namespace, spec.model,
+                                   NaturalLengths.of(outputs))
         metrics.record_shard(spec.model, "done", result)
         summary["seconds"] = timings.rounded()
         logger.info("job %s shard %d: %d rows (%d failed), %d prompt / %d cached / %d completion tokens; "
@@ -190,8 +204,8 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
-           expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory], fence: str
-           ) -> tuple[list[OutputRow] | None, str | None, int | None]:
+           expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory], fence: str,
+           progress: ShardProgress) -> tuple[list[OutputRow] | None, str | None, int | None]:
     """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
     running at `expires_at` come back `expired`), the dtype the engine computed them in and, for an
     embed job, the vectors' size.
@@ -213,7 +227,7 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
         items = limit_schemas_streamed(context.repository.redis, context.repository.namespace, job_id,
                                        stream_rows(context, spec, shard),
                                        context.settings.max_schemas_per_job)
-        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed, fence)
+        outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed, fence, progress)
     choice = hosted.host.dtype_choice
     return outputs, choice.dtype if choice else None, embedding_dimension(spec, hosted)
 
@@ -236,7 +250,8 @@ def _check_task(spec: JobSpec, hosted: HostedModel, timings: PhaseTimings) -> No
 
 def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: JobSpec, shard: ShardPlan,
               items: Iterator[Row | RowError], expires_at: datetime | None,
-              crashed: tuple[ShardCrashes, CrashHistory], fence: str) -> list[OutputRow] | None:
+              crashed: tuple[ShardCrashes, CrashHistory], fence: str,
+              progress: ShardProgress) -> list[OutputRow] | None:
     """Every row's outcome in input order: the shard's own rows from the engine (read as it drains
     them), then the rows it copies from earlier shards (jobs/planning/job_dedup.py), with its exports written
     for later ones. Only the copies' rows are kept until the end, except in a shard that crashed its
@@ -257,7 +272,7 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
         return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - priority,
                               deduplicate=spec.deduplicate, expires_in_s=expires_in_s, cache_salt=cache_salt,
-                              should_stop=should_stop, alone=history.split)
+                              should_stop=should_stop, alone=history.split, progress=progress)
 
     copy_items: dict[int, Row | RowError] = {}
     if history.split:
@@ -298,6 +313,7 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
             if shutdown.stopping():
                 raise ShardHandedBack(f"job {job_id}: the worker is stopping") from None
             return None
+        progress.update(copied.values())
         computed = run(compute) if compute else {}
         if computed is None:
             return None
@@ -330,7 +346,7 @@ def _keyed(positions: Sequence[int], outputs: list[OutputRow] | None) -> dict[in
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: Iterable[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None,
                    cache_salt: str | None, should_stop: Callable[[], bool],
-                   alone: bool = False) -> list[OutputRow] | None:
+                   alone: bool = False, progress: ShardProgress | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if `should_stop()` said to stop while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/process/shutdown.py).
     `alone`: the caller holds the process's engines alone (worker/shards/exclusive_runs.py)."""
@@ -340,7 +356,7 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, ite
             outputs = run_rows(hosted, killing_on_marker(items), priority, poll_s=CANCEL_POLL_S,
                                deduplicate=deduplicate, expires_in_s=expires_in_s,
                                window_rows=context.settings.shard_window_rows, cache_salt=cache_salt,
-                               should_stop=should_stop)
+                               should_stop=should_stop, progress=progress)
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
             raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error
