@@ -82,8 +82,9 @@ def new_file_id(at_ms: int | None = None) -> str:
     return f"file-{at_ms:012x}{secrets.token_hex(6)}"
 
 
-def not_found(file_id: str) -> HttpError:
-    return HttpError(404, f"No such File object: {file_id}")
+def not_found(file_id: str, param: str | None = None) -> HttpError:
+    """OpenAI's 404 for a file, naming its id (never where its bytes were kept)."""
+    return HttpError(404, f"No such File object: {file_id}", param=param)
 
 
 class FileStore:

@@ -28,11 +28,12 @@ from bulkinfer.api.errors import HttpError
 from bulkinfer.api.submission import check_in_flight, create_and_enqueue, validate_input
 from bulkinfer.api.v1.batch_lines import LineProblem
 from bulkinfer.api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
-from bulkinfer.api.v1.files import FileRecord, FileStore, owner_of
+from bulkinfer.api.v1.files import FileRecord, FileStore, not_found, owner_of
 from bulkinfer.api.v1.job_outputs import output_records
 from bulkinfer.jobs.formats.openai_batch import SUPPORTED_URLS
 from bulkinfer.jobs.formats.openai_embeddings import EMBEDDINGS_URL
 from bulkinfer.jobs.model_registry import UnknownModel
+from bulkinfer.jobs.object_store.base import ObjectNotFound
 from bulkinfer.jobs.spec import InputFormat, JobSpec, JobTask, validation_messages
 from bulkinfer.jobs.state.repository import JobNotFound
 from bulkinfer.jobs.state.status import JobState, JobStatus
@@ -141,7 +142,12 @@ def _job_spec(context: ApiContext, caller: Caller, request: CreateBatch, file: F
     """The job that runs the batch, its input a copy of the file in the job's folder."""
     store = context.store
     input_key = context.repository.layout(job_id).input_key(f"{file.id}.jsonl")
-    store.copy(FileStore(context).content_key(file), input_key)
+    try:
+        store.copy(FileStore(context).content_key(file), input_key)
+    except ObjectNotFound:
+        # A delete raced this create (or one was cut short after the content went): the file is
+        # gone, as the content route says, not a server error. Nothing was written yet.
+        raise not_found(file.id, param="input_file_id") from None
     try:
         spec = JobSpec(input_uri=store.uri(input_key), input_format=InputFormat.OPENAI_BATCH,
                        output_format=InputFormat.OPENAI_BATCH, model=model or "", tenant=caller.tenant,
