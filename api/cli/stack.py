@@ -10,7 +10,6 @@ worker, Redis.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -26,6 +25,7 @@ from typing import IO, Any
 
 from bulkinfer.api.app import create_app
 from bulkinfer.api.cli.server import ServerThread
+from bulkinfer.api.cli.stack_settings import stack_settings, worker_command, worker_environment
 from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.names import CONTROL_QUEUE, model_queue
 from bulkinfer.jobs.settings import Settings
@@ -58,16 +58,13 @@ class StackOptions:
     port: int = 8000  # 0: any free port
     preset: str = "small"  # served when `models` is empty
     models_dir: Path | None = None  # where presets are built and kept; default: the checkpoint cache
-    engine_options: dict[str, object] = field(default_factory=dict)  # BULKINFER_ENGINE_OPTIONS
+    # over the settings' engine_options, when given (a caller without settings of its own)
+    engine_options: dict[str, object] = field(default_factory=dict)
     # name → location (a folder, s3://…, a .gguf file, a catalog name or a preset); empty: the preset.
     models: dict[str, str] = field(default_factory=dict)
-    api_keys: str | None = None  # the API's keys per tenant (api/auth.py); None: an open API
-    admin_api_keys: str | None = None
-    model_aliases: str | None = None  # JSON {alias: served model}, for batch files naming other models
-    lora_adapters: str | None = None  # the LoRA adapters served (the lora_adapters setting's text)
-    # The user's settings as variables (`Settings.to_env()`), under the stack's own, for the worker
-    # child: lease TTL, model cache, limits, … from the config file or the flags.
-    environment: dict[str, str] = field(default_factory=dict)
+    # The user's settings (flags > variables > config file): the API's and the worker's, with the
+    # stack's own Redis, store and models over them (api/cli/stack_settings.py).
+    settings: Settings = field(default_factory=Settings)
 
     @property
     def model_name(self) -> str:
@@ -181,11 +178,9 @@ class Stack:
         try:
             models = self._prepare_models()
             broker_url = self._start_redis()
-            self.settings = Settings(broker_url=broker_url, store_uri=str(self.home / "store"),
-                                     models=json.dumps(models), api_keys=options.api_keys,
-                                     admin_api_keys=options.admin_api_keys,
-                                     model_aliases=options.model_aliases,
-                                     lora_adapters=options.lora_adapters)
+            self.settings = stack_settings(options.settings, broker_url=broker_url,
+                                           store_uri=str(self.home / "store"), models=models,
+                                           engine_options=options.engine_options)
             self._start_worker(self.settings)
             self._server = ServerThread(create_app(self.settings), host=options.host, port=port).start()
             self.url = self._server.url
@@ -221,7 +216,8 @@ class Stack:
             else:
                 self.say(f"preparing model '{name}' from {location} (fetched or imported once, then cached)…")
                 try:
-                    locations[name] = local_model_folder(location, self._child_env({}))
+                    locations[name] = local_model_folder(location,
+                                                         self._child_env(self.options.settings.to_env()))
                 except StackError as error:
                     raise StackError(f"model '{name}' ({location}) cannot be served: {error}") from None
         return locations
@@ -249,15 +245,9 @@ class Stack:
         names = settings.model_registry().names()
         node = f"bulkinfer-{os.getpid()}@127.0.0.1"
         log = self.logs / "worker.log"
-        queues = ",".join([CONTROL_QUEUE, *map(model_queue, names)])
-        extra = {**settings.to_env(), "BULKINFER_WORKER_MODELS": ",".join(names), "HF_HUB_OFFLINE": "1"}
-        if self.options.engine_options:
-            extra["BULKINFER_ENGINE_OPTIONS"] = json.dumps(self.options.engine_options)
-        self._worker = self._spawn(
-            [sys.executable, "-m", "celery", "-A", "bulkinfer.worker.process.celery_app", "worker",
-             "--pool=threads",
-             "--concurrency=2", "-Q", queues, "-n", node, "--loglevel=INFO", "--without-gossip",
-             "--without-mingle"], log, extra)
+        queues = [CONTROL_QUEUE, *map(model_queue, names)]
+        self._worker = self._spawn(worker_command(settings, queues, node), log,
+                                   worker_environment(settings, names))
         from celery import Celery
 
         pinger = Celery(broker=settings.broker_url)
@@ -272,7 +262,7 @@ class Stack:
         path = os.pathsep.join(filter(None, [str(SOURCE_ROOT), os.environ.get("PYTHONPATH")]))
         built = self.options.models_dir  # where presets are built (engine/checkpoints.py's cache_dir)
         presets = {"BULKINFER_CACHE_DIR": str(built.resolve())} if built else {}
-        return {**os.environ, **self.options.environment, **presets, **extra, "PYTHONPATH": path}
+        return {**os.environ, **presets, **extra, "PYTHONPATH": path}
 
     def _spawn(self, command: list[str], log: Path, extra: dict[str, str] | None = None
                ) -> subprocess.Popen[bytes]:

@@ -66,8 +66,8 @@ def up(argv: list[str]) -> int:
                                      "here, with jobs in a local directory, until Ctrl-C.")
     _stack_arguments(parser, port=None)
     parser.add_argument("--config", metavar="PATH", help="TOML config file (default: $BULKINFER_CONFIG, else "
-                        "./bulkinfer.toml if present); `up` takes api_host, api_port and the worker settings "
-                        "from it, and runs its own Redis and store")
+                        "./bulkinfer.toml if present); the API and the worker `up` starts take every setting "
+                        "from it but broker_url and store_uri (it runs its own Redis and store)")
     parser.add_argument("--api-keys", default=None, metavar="TENANT=KEY,...",
                         help="keys the API requires, per tenant (default: the api_keys setting; unset: open)")
     parser.add_argument("--admin-api-keys", default=None, metavar="KEY,...",
@@ -91,10 +91,7 @@ def up(argv: list[str]) -> int:
     try:
         options = StackOptions(home=args.home, host=settings.api_host, port=settings.api_port,
                                preset=args.preset or "small", models_dir=args.models_dir,
-                               engine_options=settings.engine_options_dict(),
-                               models=_served_models(args, settings), api_keys=settings.api_keys,
-                               admin_api_keys=settings.admin_api_keys, model_aliases=settings.model_aliases,
-                               lora_adapters=settings.lora_adapters, environment=settings.to_env())
+                               models=_served_models(args, settings), settings=settings)
         stack = Stack(options).start()
     except StackError as error:
         print(f"bulkinfer up: {error}", file=sys.stderr)
