@@ -32,5 +32,6 @@ class SamplingParamsError(ValueError):
 
 class LoRAAdapterError(ValueError):
     """A LoRA adapter that cannot be served: files missing or unreadable, a PEFT setting the engine
-    does not run (DoRA, bias, modules_to_save, another PEFT type), a rank above ``max_lora_rank``, a
+    does not run (DoRA, bias, modules_to_save, another PEFT type), a config field of the wrong JSON
+    type, a tensor that is not a float matrix of rank ``r``, a rank above ``max_lora_rank``, a
     target module or tensor shape the base model lacks. The message names the adapter and the problem."""

@@ -251,8 +251,12 @@ class KVCacheManager:
         keys = self._hash_extra_keys
         if request.cache_salt is not None:
             keys = (*keys, "salt:" + request.cache_salt)
-        if request.lora_request is not None:
-            # KV computed with an adapter differs from the base model's and another adapter's.
+        if request.lora_digest is not None:
+            # KV computed with an adapter differs from the base model's and another adapter's, and
+            # from the same name's before its files were replaced: keyed by the loaded content.
+            keys = (*keys, "lora-content:" + request.lora_digest)
+        elif request.lora_request is not None:
+            # A request built without LLMEngine (no digest): its id and name stand for the content.
             lora = request.lora_request
             keys = (*keys, f"lora:{lora.lora_int_id}:{lora.lora_name}")
         return keys

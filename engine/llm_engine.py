@@ -26,6 +26,7 @@ from bulkinfer.engine.kv_connector.setup import build_connector
 from bulkinfer.engine.kv_connector.stats import empty_stats
 from bulkinfer.engine.lora.manager import LoRAManager
 from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.lora.weights import LoadedAdapter
 from bulkinfer.engine.metrics import EngineCounters
 from bulkinfer.engine.model_runner import ModelRunner
 from bulkinfer.engine.models.loader import eos_token_ids, load_model, model_config_from_dir
@@ -210,8 +211,7 @@ class LLMEngine:
         ValueError."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
-        if lora_request is not None:
-            self.load_lora(lora_request)
+        lora_digest = self.load_lora(lora_request).digest if lora_request is not None else None
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids, error = self._tokenize(prompt)
@@ -237,6 +237,7 @@ class LLMEngine:
                 sample_seed=seed & SEED_MASK,
                 sample_index=i,
                 lora_request=lora_request,
+                lora_digest=lora_digest,
             )
             for i in range(n if error is None else 1)
         ]
@@ -272,13 +273,13 @@ class LLMEngine:
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
 
-    def load_lora(self, lora_request: LoRARequest) -> None:
+    def load_lora(self, lora_request: LoRARequest) -> LoadedAdapter:
         """Read and validate an adapter now (kept in host memory, least recently used evicted);
         raises LoRAAdapterError naming the problem, ValueError without ``enable_lora``."""
         if self.lora is None:
             raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but this engine was "
                              "started without enable_lora")
-        self.lora.load(lora_request)
+        return self.lora.load(lora_request)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request (all its samples); its output (``finish_reason="abort"``) comes from the

@@ -61,6 +61,9 @@ class Request:
     sample_seed: int = 0
     sample_index: int = 0
     lora_request: LoRARequest | None = None  # the adapter its rows run with; None: the base model
+    # The adapter's content digest (set by LLMEngine when it loads the adapter): its KV blocks' key,
+    # so replaced adapter files never match blocks of the old ones (engine/lora/identity.py).
+    lora_digest: str | None = None
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync

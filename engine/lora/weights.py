@@ -3,6 +3,10 @@
 Per projection the adapter's A matrices are stacked ([width, in]: the q, k, v ranks one after
 another) and its B matrices placed on their output slices ([out, width], zeros elsewhere), already
 multiplied by the adapter's scale, so applying it is two matmuls: ``(x @ A.T) @ B.T``.
+
+The weights file is read once into memory: its tensors and the adapter's content digest
+(engine/lora/identity.py) come from the same bytes, so a file replaced while it is read cannot give
+new weights the old digest.
 """
 
 from __future__ import annotations
@@ -14,11 +18,14 @@ import torch
 
 from bulkinfer.engine.errors import LoRAAdapterError
 from bulkinfer.engine.lora.adapter_config import WEIGHTS_FILE, AdapterConfig
+from bulkinfer.engine.lora.identity import adapter_digest
 from bulkinfer.engine.lora.targets import Target
 
 # PEFT's saved names: base_model.model.<the base model's module path>.lora_A.weight
 _TENSOR_NAME = re.compile(
     r"^base_model\.model\.model\.(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")
+# What a PEFT adapter is saved in; others (float8, integers, complex) are no LoRA the engine runs.
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass
@@ -30,6 +37,7 @@ class LoadedAdapter:
     path: str
     rank: int
     projections: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    digest: str  # of its files' content: its KV blocks' identity (engine/lora/identity.py)
 
     @property
     def num_bytes(self) -> int:
@@ -42,7 +50,7 @@ def load_adapter(name: str, lora_int_id: int, config: AdapterConfig, targets: di
     where = f"LoRA adapter {name!r} ({config.path})"
     if config.rank > max_rank:
         raise LoRAAdapterError(f"{where}: rank {config.rank} exceeds max_lora_rank={max_rank}")
-    pairs = _read_pairs(config, where)
+    pairs, digest = _read_pairs(config, where)
     if config.target_modules is not None:
         available = {module.rsplit(".", 1)[-1] for module in targets}
         missing = [m for m in config.target_modules if m not in available]
@@ -54,9 +62,14 @@ def load_adapter(name: str, lora_int_id: int, config: AdapterConfig, targets: di
         target = targets.get(module)
         if target is None:
             raise LoRAAdapterError(f"{where}: module {module!r} is not a LoRA target of this model")
+        if a.dim() != 2 or b.dim() != 2:  # before any shape[0]: a 0-d tensor has none
+            raise LoRAAdapterError(f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B "
+                                   f"{tuple(b.shape)}; each must be a matrix")
         rank = a.shape[0]
         if rank > max_rank:
             raise LoRAAdapterError(f"{where}: {module} has rank {rank}, above max_lora_rank={max_rank}")
+        if rank != config.rank:  # the scale is alpha / r: another rank would be scaled wrong
+            raise LoRAAdapterError(f"{where}: {module} has rank {rank}, but r is {config.rank}")
         if tuple(a.shape) != (rank, target.in_features) or tuple(b.shape) != (target.size, rank):
             raise LoRAAdapterError(
                 f"{where}: {module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model "
@@ -73,24 +86,32 @@ def load_adapter(name: str, lora_int_id: int, config: AdapterConfig, targets: di
             b_cat[rows, column : column + a.shape[0]] = b.float() * scale
             column += a.shape[0]
         projections[projection] = (a_cat.to(dtype).contiguous(), b_cat.to(dtype).contiguous())
-    return LoadedAdapter(name, lora_int_id, str(config.path), config.rank, projections)
+    return LoadedAdapter(name, lora_int_id, str(config.path), config.rank, projections, digest)
 
 
-def _read_pairs(config: AdapterConfig, where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def _read_pairs(config: AdapterConfig, where: str
+                ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], str]:
+    """The (A, B) pair of each module, and the adapter's content digest."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     try:
-        tensors = load_file(str(config.path / WEIGHTS_FILE))
+        data = (config.path / WEIGHTS_FILE).read_bytes()
+        tensors = load(data)
     except (OSError, SafetensorError) as error:
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} is not readable ({error})") from None
+    digest = adapter_digest(config.raw_bytes, data)
+    del data  # the tensors are copies: the file's bytes need not stay for the adapter's life
     halves: dict[str, dict[str, torch.Tensor]] = {}
     for tensor_name, tensor in tensors.items():
         match = _TENSOR_NAME.match(tensor_name)
         if match is None:
             raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} is not supported ({_why(tensor_name)})")
-        if not tensor.is_floating_point() or not torch.isfinite(tensor).all():
-            raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} holds non-finite or non-float values")
+        if tensor.dtype not in _FLOAT_DTYPES:
+            raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} is {tensor.dtype}; LoRA weights must be "
+                                   "float16, bfloat16, float32 or float64")
+        if not torch.isfinite(tensor).all():
+            raise LoRAAdapterError(f"{where}: tensor {tensor_name!r} holds non-finite values")
         halves.setdefault(match.group(1), {})[match.group(2)] = tensor
     if not halves:
         raise LoRAAdapterError(f"{where}: {WEIGHTS_FILE} holds no LoRA tensors")
@@ -99,7 +120,7 @@ def _read_pairs(config: AdapterConfig, where: str) -> dict[str, tuple[torch.Tens
         if set(half) != {"A", "B"}:
             raise LoRAAdapterError(f"{where}: {module} has lora_{'B' if 'A' in half else 'A'} missing")
         pairs[module] = (half["A"], half["B"])
-    return pairs
+    return pairs, digest
 
 
 def _why(tensor_name: str) -> str:

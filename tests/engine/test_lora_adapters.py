@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -140,3 +141,61 @@ def test_lora_settings_are_validated(field, value, message):
     setattr(config, field, value)
     with pytest.raises(ValueError, match=message):
         config.validate()
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"use_rslora": "false"}, 'use_rslora must be true or false, got the string "false"'),
+    ({"use_dora": "false"}, 'use_dora must be true or false, got the string "false"'),
+    ({"r": "8"}, 'r must be a positive integer, got the string "8"'),
+    ({"r": 8.0}, "r must be a positive integer, got the number 8.0"),
+    ({"lora_alpha": "16"}, 'lora_alpha must be a number, got the string "16"'),
+    ({"lora_alpha": True}, "lora_alpha must be a number, got the boolean true"),
+    ({"target_modules": 5}, "target_modules must be a list of names or a string, got the number 5"),
+    ({"target_modules": ["q_proj", 5]}, "target_modules must be a list of names or a string"),
+    ({"modules_to_save": "lm_head"}, "modules_to_save must be a list of names"),
+    ({"bias": False}, "bias must be a string, got the boolean false"),
+    ({"peft_type": 1}, "peft_type must be a string, got the number 1"),
+    ({"rank_pattern": ["q_proj"]}, "rank_pattern must be an object"),
+    ({"alora_invocation_tokens": [1, 2]}, "alora_invocation_tokens (a LoRA variant) is not supported"),
+])
+def test_config_fields_must_have_their_json_types(adapter, tmp_path, changes, message):
+    # Truthiness would read "false" as true: rsLoRA's scale, silently wrong.
+    with pytest.raises(LoRAAdapterError, match=re.escape(message)):
+        read_adapter_config(edited_copy(adapter, tmp_path, **changes))
+
+
+def test_null_fields_take_peft_defaults(adapter, tmp_path):
+    config = read_adapter_config(edited_copy(adapter, tmp_path, use_rslora=None, bias=None, use_dora=None))
+    assert (config.use_rslora, config.scale) == (False, 2.0)
+
+
+V_PROJ = "base_model.model.model.layers.2.self_attn.v_proj.lora_"
+
+
+def with_tensors(adapter: Path, tmp_path: Path, change) -> Path:
+    """A copy of the adapter whose v_proj tensors {"A": ..., "B": ...} are replaced by change(them)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = edited_copy(adapter, tmp_path)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    halves = {half: tensors[V_PROJ + half + ".weight"] for half in "AB"}
+    for half, tensor in change(halves).items():
+        tensors[V_PROJ + half + ".weight"] = tensor
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda t: {"A": torch.tensor(1.0)}, r"lora_A \(\) and lora_B \(.*\); each must be a matrix"),
+    (lambda t: {"A": t["A"][0]}, r"lora_A \(128,\) and lora_B \(.*\); each must be a matrix"),
+    (lambda t: {"B": t["B"][None]}, r"lora_B \(1, .*\); each must be a matrix"),
+    (lambda t: {"A": t["A"].to(torch.int32)}, "is torch.int32; LoRA weights must be float16"),
+    (lambda t: {"A": t["A"].to(torch.float8_e4m3fn)}, "is torch.float8_e4m3fn"),
+    (lambda t: {"A": t["A"][:4].contiguous(), "B": t["B"][:, :4].contiguous()},
+     "v_proj has rank 4, but r is 8"),
+], ids=["0-dim", "1-dim", "3-dim", "int32", "float8", "rank-not-r"])
+def test_malformed_tensors_are_refused_not_raised(llm, adapter, tmp_path, change, message):
+    broken = with_tensors(adapter, tmp_path, change)
+    with pytest.raises(LoRAAdapterError, match=r"'broken'.*" + message):
+        llm.engine.add_request("broken", PROMPT, GREEDY, lora_request=LoRARequest("broken", 10, str(broken)))
+    assert not llm.engine.has_unfinished_requests()

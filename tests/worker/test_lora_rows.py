@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from bulkinfer.engine import LLM, LoRARequest, SamplingParams
 from bulkinfer.jobs.formats.rows import Row, RowErrorCode
@@ -117,3 +118,31 @@ def test_an_adapter_the_engine_refuses_fails_its_rows_and_not_the_run(tiny_check
     assert outputs[0].error_code == RowErrorCode.INVALID_LORA and "max_lora_rank" in outputs[0].error_message
     assert outputs[1].error_code is None and outputs[1].lora == "sql"
     assert outputs[2].error_code is None and outputs[2].lora is None
+
+
+def test_malformed_adapters_fail_their_rows_and_not_the_run(tiny_checkpoint, adapters, tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    zero_dim, rslora_string = tmp_path / "zero-dim", tmp_path / "rslora-string"
+    for folder in (zero_dim, rslora_string):
+        shutil.copytree(adapters["sql"], folder)
+    weights = zero_dim / "adapter_model.safetensors"
+    tensors = load_file(str(weights))
+    tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"] = torch.tensor(1.0)
+    save_file(tensors, str(weights))
+    config = json.loads((rslora_string / "adapter_config.json").read_text())
+    (rslora_string / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": "false"}))
+    registry = ModelRegistry({"tiny": str(tiny_checkpoint)}, adapters=AdapterRegistry.parse(json.dumps(
+        {"zero": str(zero_dim), "rs": str(rslora_string), "sql": str(adapters["sql"])})))
+    hosts = ModelHosts(registry, OPTIONS, cache_dir=tmp_path / "cache")
+    try:
+        outputs = run_rows(hosts.get("tiny"), [row(0, PROMPTS[0], "zero"), row(1, PROMPTS[0], "sql"),
+                                               row(2, PROMPTS[1], "rs"), row(3, PROMPTS[1], None),
+                                               row(4, PROMPTS[2], "zero")])
+    finally:
+        hosts.stop()
+    for refused, problem in [(outputs[0], "must be a matrix"), (outputs[4], "must be a matrix"),
+                             (outputs[2], 'use_rslora must be true or false, got the string "false"')]:
+        assert refused.error_code == RowErrorCode.INVALID_LORA and problem in refused.error_message
+    assert outputs[1].error_code is None and outputs[1].lora == "sql"
+    assert outputs[3].error_code is None and outputs[3].lora is None
