@@ -28,6 +28,7 @@ from bulkinfer.api.routes import openai_batches as openai_batch_routes
 from bulkinfer.api.routes import openai_files as openai_file_routes
 from bulkinfer.api.routes import schedules as schedule_routes
 from bulkinfer.api.routes import service as service_routes
+from bulkinfer.api.upload import UPLOAD_FORM_BYTES
 from bulkinfer.jobs.settings import Settings
 from bulkinfer.jobs.spec import JobSpec
 
@@ -63,9 +64,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.auth = auth
     app.state.metrics = service_registry(context.repository, context.registry)
     install_error_handlers(app)
-    # Every body before a route reads it: one tenant's huge body is not everyone's, and a JSON one's
-    # depth and Unicode are checked once.
-    app.add_middleware(BodyCheck, path_limits={anthropic_batch_routes.PATH: settings.max_message_batch_bytes})
+    # Every body before a route reads it, whatever its content type: one tenant's huge body is not
+    # everyone's, and a small JSON one's depth and Unicode are checked once.
+    upload_limit = settings.max_upload_bytes + UPLOAD_FORM_BYTES
+    app.add_middleware(BodyCheck, streamed={anthropic_batch_routes.PATH: settings.max_message_batch_bytes},
+                       uploads={"/jobs": upload_limit, "/v1/files": upload_limit})
     install_method_handlers(app)
     app.include_router(job_routes.router)
     app.include_router(service_routes.router)

@@ -39,6 +39,8 @@ from bulkinfer.jobs.state.status import JobStatus
 SPEC_FIELD = "spec"
 FILE_FIELD = "file"
 MAX_SPEC_BYTES = 1 << 20
+# A multipart upload's body beyond its file: the spec (or purpose) field and the parts' headers.
+UPLOAD_FORM_BYTES = MAX_SPEC_BYTES + (64 << 10)
 WRITE_BATCH_BYTES = 1 << 20  # hand the store ~1 MiB at a time: few thread hops, bounded memory
 SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # What a placeholder input_uri stands for while the spec is checked before the upload exists.
@@ -261,7 +263,7 @@ class _Receiver:
                 elif self.upload is not None:
                     limit = self.context.settings.max_upload_bytes
                     self.received += len(event.data)
-                    if limit is not None and self.received > limit:
+                    if self.received > limit:
                         raise HttpError(413, f"the uploaded file is larger than this deployment's "
                                             f"max_upload_bytes ({limit:,} bytes); nothing of it was kept")
                     await self.upload.write(event.data)

@@ -173,8 +173,10 @@ class Settings(BaseModel):
     # JSON {tenant: [prefixes its input_uri, output_uri, input_prefix must lie under]} (api/storage_rules.py)
     tenant_prefixes: str | None = None
     # Limits (docs/configuration.md); None: no limit. Uploads and request rates answer 413 / 429 at
-    # the API; rows and shards fail the job at planning, naming the limit.
-    max_upload_bytes: int | None = Field(None, ge=1)
+    # the API; rows and shards fail the job at planning, naming the limit. An upload streams to the
+    # store (never held in memory); its limit bounds the store's disk, and a bigger input is named by
+    # input_uri (1 GiB: past OpenAI's 512 MB per file).
+    max_upload_bytes: int = Field(1 << 30, ge=1)
     # Other names for served models (JSON {alias: served name}): a batch file written for OpenAI or
     # Anthropic names their models, and runs unchanged when the name is an alias of one served here.
     model_aliases: str | None = None

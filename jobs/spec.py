@@ -268,14 +268,7 @@ class JobSpec(BaseModel):
     @field_validator("metadata")
     @classmethod
     def _metadata_within_limits(cls, value: dict[str, str]) -> dict[str, str]:
-        if len(value) > MAX_METADATA_PAIRS:
-            raise ValueError(f"at most {MAX_METADATA_PAIRS} key/value pairs, got {len(value)}")
-        for key, item in value.items():
-            if not key or len(key) > MAX_METADATA_KEY_CHARS:
-                raise ValueError(f"key {key[:80]!r} must be 1 to {MAX_METADATA_KEY_CHARS} characters")
-            if len(item) > MAX_METADATA_VALUE_CHARS:
-                raise ValueError(f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters")
-        return value
+        return metadata_within_limits(value)
 
     @field_validator("passthrough_columns")
     @classmethod
@@ -439,3 +432,16 @@ def validation_messages(error: ValidationError) -> list[str]:
         text = item["msg"].removeprefix("Value error, ")
         messages.append(f"{where}: {text}" if where else text)
     return messages
+
+
+def metadata_within_limits(value: dict[str, str]) -> dict[str, str]:
+    """`value` when it keeps OpenAI's metadata limits (16 pairs, 64-character keys, 512-character
+    values); ValueError naming the first it breaks."""
+    if len(value) > MAX_METADATA_PAIRS:
+        raise ValueError(f"at most {MAX_METADATA_PAIRS} key/value pairs, got {len(value)}")
+    for key, item in value.items():
+        if not key or len(key) > MAX_METADATA_KEY_CHARS:
+            raise ValueError(f"key {key[:80]!r} must be 1 to {MAX_METADATA_KEY_CHARS} characters")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(f"value of {key!r} is longer than {MAX_METADATA_VALUE_CHARS} characters")
+    return value

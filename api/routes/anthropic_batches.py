@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
@@ -12,6 +12,7 @@ from bulkinfer.api.auth import CallerDep
 from bulkinfer.api.dependencies import Context
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.schemas import AnthropicErrorBody, error_responses
+from bulkinfer.api.spooled_body import spooled_body
 from bulkinfer.api.v1.anthropic_batches import batch_object, create_batch, result_lines
 from bulkinfer.api.v1.batch_records import BatchRecords
 from bulkinfer.jobs.names import CONTROL_QUEUE, DELIVER_WEBHOOK
@@ -19,17 +20,24 @@ from bulkinfer.jobs.state.status import JobState
 from bulkinfer.jobs.webhook_claims import claim_delivery
 
 PATH = "/v1/messages/batches"
+CREATE_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["requests"],
+    "properties": {"requests": {"type": "array", "items": {
+        "type": "object", "required": ["custom_id", "params"],
+        "properties": {"custom_id": {"type": "string"}, "params": {"type": "object"}}}}}}}}}
 router = APIRouter(prefix=PATH, tags=["anthropic batches"], responses=error_responses(AnthropicErrorBody, {
     400: "the requests cannot be used", 404: "no such batch (or another tenant's)",
     409: "the batch is still processing, or has ended", 413: "the body is over max_message_batch_bytes",
     422: "a parameter is invalid", 429: "too many jobs in flight or requests"}))
 
 
-@router.post("", summary="Create a Message Batch (Anthropic Message Batches API)")
-async def create(request: Request, context: Context, caller: CallerDep,
-                 body: Annotated[Any, Body()] = None) -> dict[str, Any]:
-    """`{requests: [{custom_id, params}]}`, each `params` a Messages request."""
-    batch = await run_in_threadpool(create_batch, context, caller, body)
+@router.post("", summary="Create a Message Batch (Anthropic Message Batches API)",
+             openapi_extra={"requestBody": CREATE_BODY})
+async def create(request: Request, context: Context, caller: CallerDep) -> dict[str, Any]:
+    """`{requests: [{custom_id, params}]}`, each `params` a Messages request. The body is spooled to
+    a temporary file as it arrives and read from there a request at a time, off the event loop."""
+    with await spooled_body(request) as body:
+        batch = await run_in_threadpool(create_batch, context, caller, body)
     return {**batch, "results_url": None}
 
 

@@ -21,6 +21,13 @@ from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
 from bulkinfer.jobs.formats.lines import MAX_LINE_BYTES, UTF8_BOM
 
 MAX_PROBLEMS = 100  # kept in the summary; problem_count has them all
+# What the summary keeps of the lines' urls and models is bounded, whatever the file: a url or model
+# name past MAX_NAME_CHARS is its line's problem (no endpoint or model is that long), and so is a
+# url or model past the first MAX_URLS / MAX_MODELS different ones (a batch runs one endpoint, and
+# one model with its LoRA adapters).
+MAX_NAME_CHARS = 256
+MAX_URLS = 16
+MAX_MODELS = 256
 
 INVALID_JSON_LINE = "invalid_json_line"
 MISSING_REQUIRED_PARAMETER = "missing_required_parameter"
@@ -135,6 +142,9 @@ class BatchLinesScanner:
             raise _Problem(DUPLICATE_CUSTOM_ID, f"The custom_id {custom_id!r} is a duplicate of the one on "
                                                 f"line {first}; the custom_id of each request in a batch "
                                                 "must be unique.", "custom_id")
+        _check_kept(url, "url", self._urls, MAX_URLS, "different urls (a batch has one endpoint)")
+        _check_kept(body["model"], "body.model", self._models, MAX_MODELS,
+                    "different models (a batch runs one model and its LoRA adapters)")
         self._urls.setdefault(url, self._line)
         self._models.setdefault(body["model"], self._line)
 
@@ -174,6 +184,16 @@ def _required_fields(record: dict[str, Any]) -> tuple[str, dict[str, Any]]:
         raise _Problem(INVALID_REQUEST,
                        f"body.model must be a non-empty string, not {_shown(body['model'])}.", "body.model")
     return url, body
+
+
+def _check_kept(value: str, param: str, kept: dict[str, int], most: int, what: str) -> None:
+    """_Problem when `value` is too long to keep, or a new one past the `most` kept."""
+    if len(value) > MAX_NAME_CHARS:
+        raise _Problem(INVALID_REQUEST, f"{param} is {len(value):,} characters, over the {MAX_NAME_CHARS} a "
+                                        f"{param} may have.", param)
+    if value not in kept and len(kept) >= most:
+        raise _Problem(INVALID_REQUEST, f"{param} {_shown(value)}: this file uses more than {most} {what}.",
+                       param)
 
 
 def _json_type(value: Any) -> str:

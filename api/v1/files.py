@@ -327,7 +327,7 @@ class _UploadReceiver:
     async def _write(self, data: bytes) -> None:
         limit = self.files.context.settings.max_upload_bytes
         self.received += len(data)
-        if limit is not None and self.received > limit:
+        if self.received > limit:
             raise HttpError(413, f"the uploaded file is larger than this deployment's max_upload_bytes "
                                  f"({limit:,} bytes); nothing of it was kept")
         assert self.upload is not None

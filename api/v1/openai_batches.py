@@ -20,13 +20,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from bulkinfer.api.auth import Caller
 from bulkinfer.api.dependencies import ApiContext
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.submission import check_in_flight, create_and_enqueue, validate_input
-from bulkinfer.api.v1.batch_lines import LineProblem
+from bulkinfer.api.v1.batch_lines import MAX_PROBLEMS, LineProblem
 from bulkinfer.api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
 from bulkinfer.api.v1.files import FileRecord, FileStore, not_found, owner_of
 from bulkinfer.api.v1.job_outputs import output_records
@@ -34,7 +34,7 @@ from bulkinfer.jobs.formats.openai_batch import SUPPORTED_URLS
 from bulkinfer.jobs.formats.openai_embeddings import EMBEDDINGS_URL
 from bulkinfer.jobs.model_registry import UnknownModel
 from bulkinfer.jobs.object_store.base import ObjectNotFound
-from bulkinfer.jobs.spec import InputFormat, JobSpec, JobTask, validation_messages
+from bulkinfer.jobs.spec import InputFormat, JobSpec, JobTask, metadata_within_limits, validation_messages
 from bulkinfer.jobs.state.repository import JobNotFound
 from bulkinfer.jobs.state.status import JobState, JobStatus
 
@@ -57,10 +57,15 @@ class CreateBatch(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     input_file_id: str = Field(min_length=1, max_length=128)
-    endpoint: str
-    completion_window: str = "24h"
-    metadata: dict[str, str] | None = None
+    endpoint: str = Field(max_length=128)
+    completion_window: str = Field("24h", max_length=32)
+    metadata: dict[str, str] | None = None  # kept with the batch, so OpenAI's limits apply
     output_expires_after: OutputExpiresAfter | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_within_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return None if value is None else metadata_within_limits(value)
 
 
 def parse_create(body: object) -> CreateBatch:
@@ -134,7 +139,8 @@ def _file_problems(context: ApiContext, file: FileRecord,
                                         message=f"every request of a batch must use the same model (or its "
                                                 f"LoRA adapters): line {first_line} uses {first!r} (model "
                                                 f"{model!r}), line {line} uses {name!r} (model {base!r})"))
-    return model, sorted(problems, key=lambda problem: problem.line or 0)
+    # The first MAX_PROBLEMS by line: the batch object (returned by every listing) stays small.
+    return model, sorted(problems, key=lambda problem: problem.line or 0)[:MAX_PROBLEMS]
 
 
 def _job_spec(context: ApiContext, caller: Caller, request: CreateBatch, file: FileRecord, job_id: str,

@@ -126,3 +126,22 @@ def test_only_the_first_hundred_problems_are_kept_with_the_true_count() -> None:
     assert summary.problem_count == 250 and len(summary.problems) == 100
     assert [problem.line for problem in summary.problems] == list(range(2, 102))
     assert summary.requests == 252
+
+
+def test_what_is_kept_of_urls_and_models_is_bounded_whatever_the_file() -> None:
+    """48 lines with 1 MiB urls once made a 50 MB record that every batch listing returned."""
+    huge = "/v1/" + "x" * (1 << 20)
+    summary = scan(encode(*(request(f"r{i}", url=huge + str(i)) for i in range(48))), chunk=1 << 16)
+    assert summary.urls == {} and summary.problem_count == 48
+    assert problems(summary)[0] == ("invalid_request", 1, "url")
+    assert "1,048,581 characters, over the 256" in summary.problems[0].message
+    assert len(summary.model_dump_json()) < 20_000
+
+    many = scan(encode(*(request(f"r{i}", url=f"/v1/u{i}", model=f"m{i % 300}") for i in range(300))),
+                chunk=1 << 16)
+    assert len(many.urls) == 16 and len(many.models) == 16
+    assert problems(many)[0] == ("invalid_request", 17, "url")
+    assert "more than 16 different urls" in many.problems[0].message
+    models = scan(encode(*(request(f"r{i}", model=f"adapter-{i}") for i in range(300))), chunk=1 << 16)
+    assert len(models.models) == 256 and models.problem_count == 44
+    assert "more than 256 different models" in models.problems[0].message

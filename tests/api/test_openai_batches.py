@@ -247,6 +247,20 @@ def test_a_malformed_input_file_fails_the_batch_saying_which_lines(stack: LiveSt
                            completion_window="24h")
 
 
+def test_what_a_batch_keeps_of_its_file_and_metadata_is_bounded(stack: LiveStack) -> None:
+    """48 lines with 1 MiB urls once made a 50 MB batch that every listing returned."""
+    sdk = client(stack)
+    lines = [{**chat_line(f"u{i}", "Hi"), "url": f"/v1/{'x' * (1 << 20)}{i}"} for i in range(48)]
+    file_id = upload(sdk, lines, "huge-urls.jsonl")
+    batch = sdk.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    assert batch.status == "failed" and batch.errors is not None and len(batch.errors.data or []) == 48
+    listed = httpx.get(f"{stack.url}/v1/batches", headers={"Authorization": "Bearer acme-key"})
+    assert listed.status_code == 200 and len(listed.content) < 200_000
+    with pytest.raises(openai.BadRequestError, match="metadata"):
+        sdk.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h",
+                           metadata={"note": "x" * 1_000_000})
+
+
 def test_models_lists_the_served_models_and_aliases(stack: LiveStack) -> None:
     names = {model.id for model in client(stack).models.list()}
     assert {"tiny", "gpt-4o-mini"} <= names
