@@ -82,7 +82,7 @@ def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
 ) -> None:
     from bulkinfer.benchmarks.speculative import bench_cli as spec_cli
 
-    code = spec_cli(["--model", str(real_model), "--levels", "1,2", "--rounds", "1", "--max-tokens", "12",
+    code = spec_cli(["--model", str(real_model), "--levels", "1,2", "--rounds", "1", "--max-tokens", "6",
                      "--tasks", "copy-heavy", "--tail-rows", "2", "--draft-layers", "4"])
     out = capsys.readouterr().out
     assert code == 0
