@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from bulkinfer.api.auth import Caller, CallerDep
+from bulkinfer.api.body_limit import IN_LOOP_CHECK_BYTES
 from bulkinfer.api.dependencies import ApiContext, Context
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.results import finished_manifest, job_results, stream_rows
@@ -60,8 +61,10 @@ async def _read_json_body(request: Request) -> object:
         if len(body) > MAX_JSON_BODY_BYTES:
             raise HttpError(413, f"a JSON job spec must be under {MAX_JSON_BODY_BYTES} bytes; upload rows as "
                                 "a file (multipart) or reference them by input_uri")
-    try:
-        return json.loads(body)
+    try:  # a big one parsed off the event loop, as the body check before it was (api/body_limit.py)
+        if len(body) <= IN_LOOP_CHECK_BYTES:
+            return json.loads(body)
+        return await run_in_threadpool(json.loads, body)
     except ValueError as error:
         raise HttpError(422, f"the body is not JSON: {error}") from None
 

@@ -3,6 +3,7 @@ deployment: output, --json, and the exit code of each job outcome (see tests/api
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
@@ -174,15 +175,24 @@ def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_runnin
     os.close(terminal)
     screen = bytearray()
 
-    def bar_drawn() -> bool:
+    def read_screen() -> None:
         if select.select([controller], [], [], 0.1)[0]:
-            screen.extend(os.read(controller, 4096))
+            with contextlib.suppress(OSError):  # EIO once the process has closed its end
+                screen.extend(os.read(controller, 4096))
+
+    def bar_drawn() -> bool:
+        read_screen()
         return b"0/3 rows" in screen
+
+    def stopped() -> bool:  # the terminal is read on meanwhile: a full one would block the bar's writes
+        read_screen()
+        return process.poll() is not None
 
     try:
         wait_until(bar_drawn, timeout=180, what="the progress bar")
         process.send_signal(signal.SIGINT)
-        assert process.wait(timeout=60) == EXIT_INTERRUPTED
+        wait_until(stopped, timeout=60, what="wait to stop on Ctrl-C")
+        assert process.returncode == EXIT_INTERRUPTED
     finally:
         if process.poll() is None:
             process.kill()

@@ -88,7 +88,7 @@ def test_a_job_in_flight_appears_and_its_progress_advances(stack: LiveStack, bro
         shown = rows[0].text if rows else ""  # the dtype is the machine's choice (auto)
         return rows[0] if "tinyloaded" in shown and ("float32" in shown or "bfloat16" in shown) else None
 
-    until(worker_row, 30, "the worker with its model loaded", browser, overview, tmp_path / "workers.png")
+    until(worker_row, 120, "the worker with its model loaded", browser, overview, tmp_path / "workers.png")
 
     status = stack.client.jobs.wait(job_id, poll_interval=0.2, timeout=300)
     assert status.state == JobState.SUCCEEDED, status.error

@@ -56,7 +56,7 @@ def until_done(redis_url: str, job_id: str, count: int, poison: set[int], split_
         process = context.Process(target=deliver,
                                   args=(redis_url, job_id, count, poison, split_after, results))
         process.start()
-        process.join(30)
+        process.join(120)  # a wait, not a speed limit: a loaded machine runs the shard slowly
         if process.exitcode == 0:
             outcomes, _ = results.get(timeout=5)
             return outcomes, crashes
