@@ -171,7 +171,10 @@ def test_wait_draws_progress_on_a_terminal_only_and_ctrl_c_leaves_the_job_runnin
     command = [sys.executable, "-m", "bulkinfer.api.cli", "wait", job.job_id, "--poll-interval", "0.1"]
     env = stack.cli_env(BULKINFER_API_URL=stack.url, COLUMNS="160")
     controller, terminal = pty.openpty()
-    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=terminal)
+    # As from a terminal's shell: Ctrl-C not ignored, whatever this process inherited (a suite started
+    # in the background, e.g. `nohup make test &`, ignores SIGINT, and a child would inherit that).
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=terminal,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(terminal)
     screen = bytearray()
 
