@@ -14,7 +14,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+COMPACT_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))  # shared with its callers
 _NEEDS_ESCAPE = re.compile(rb'["\\\x00-\x1f]')
 
 
@@ -23,7 +23,7 @@ def json_pieces(value: dict[str, Any] | list[Any], long_text_chars: int) -> Iter
     a piece at a time. Its long strings are taken out of it as they are written."""
     marker = secrets.token_hex(16)  # no string of the value can hold it by chance
     long_texts = _swap_long_texts(value, long_text_chars, marker)
-    text = _ENCODER.encode(value)
+    text = COMPACT_JSON.encode(value)
     parts = re.split(f'"\\\\u0000{marker}:(\\d+)"', text)
     for index, part in enumerate(parts):
         if index % 2 == 0:
@@ -38,7 +38,7 @@ def json_pieces(value: dict[str, Any] | list[Any], long_text_chars: int) -> Iter
             yield encoded
             yield b'"'
         else:
-            yield _ENCODER.encode(encoded.decode()).encode()
+            yield COMPACT_JSON.encode(encoded.decode()).encode()
 
 
 def _swap_long_texts(value: dict[str, Any] | list[Any], long_text_chars: int, marker: str) -> list[str]:

@@ -26,7 +26,7 @@ from bulkinfer.api.auth import Caller
 from bulkinfer.api.dependencies import ApiContext
 from bulkinfer.api.errors import HttpError
 from bulkinfer.api.json_body import MAX_JSON_DEPTH
-from bulkinfer.api.json_pieces import json_pieces
+from bulkinfer.api.json_pieces import COMPACT_JSON, json_pieces
 from bulkinfer.api.json_stream import JsonBodyProblem, iter_array_items
 from bulkinfer.api.submission import check_in_flight, create_and_enqueue, validate_input
 from bulkinfer.api.v1.batch_records import BatchRecord, BatchRecords, batch_id_for, new_job_id
@@ -46,7 +46,6 @@ MAX_VALUES_PER_REQUEST = 100_000  # JSON values in one request's params: far pas
 MAX_MODEL_CHARS = 256
 WRITE_BYTES = 1 << 20  # the job's input handed to the store about a MiB at a time
 LONG_TEXT_CHARS = 1 << 20  # a request holding a longer string is written piece by piece
-_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 CUSTOM_ID = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 INPUT_NAME = "requests.jsonl"
 COUNTS_NAME = "anthropic_counts.json"
@@ -148,7 +147,7 @@ def _write_input(context: ApiContext, requests: Iterator[_Request],
         line = _input_line(context, custom_id, params, model)
         del params
         if longest_text < LONG_TEXT_CHARS:
-            pending += _ENCODER.encode(line).encode() + b"\n"
+            pending += COMPACT_JSON.encode(line).encode() + b"\n"
             if len(pending) >= WRITE_BYTES:
                 writer.write(bytes(pending))
                 pending.clear()
