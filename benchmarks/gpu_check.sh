@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # GPU checks in one command, under 9 minutes on one H100/H200-class GPU: the engine's correctness
 # tests on CUDA (every scheduling scenario, fp32 exact and bf16 within noise, against transformers;
-# their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B),
-# the engine benchmark on the `small` preset in fp32 and bf16, and, given a model folder, a decode
-# step on it (under torch.profiler too: where a GPU step's host time goes) and the benchmark suite,
-# then the suite on a 1B-class model under its tokenizer; MoE decode steps as CUDA graphs (grouped_mm
+# their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B), the
+# Triton kernels' tests (where this tree has them), the engine benchmark on the `small` preset in
+# fp32 and bf16, and, given a model folder, a decode step on it (under torch.profiler too: where a
+# GPU step's host time goes), its roofline (decode steps at 128 and 512 rows of 1,024 tokens beside
+# bytes / copy bandwidth and FLOPs / matmul rate, a 4k-token prefill's MFU) and the benchmark suite,
+# then the roofline and suite on a 1B-class model under its tokenizer, every new figure beside the
+# 2026-12-04 ones (benchmarks/gpu_baseline_2026-12-04.json); MoE decode steps as CUDA graphs (grouped_mm
 # over stacked experts) against eager ones on a locally built Mixtral-shaped checkpoint; batch
 # invariance (its property test on the GPU, its cost on the suite); with 2+ GPUs,
 # tensor parallel (TP=2 exact with TP=1, a dead rank failing cleanly, TP=2 vs TP=1 timed). Every
@@ -28,6 +31,10 @@ REQUESTS="${REQUESTS:-256}"
 SCALE="${SCALE:-1}"        # suite request counts x this
 INVARIANT_SCALE="${INVARIANT_SCALE:-0.25}"  # the batch-invariance cost's suite runs (two of them)
 BIG_SHAPE="${BIG_SHAPE:-hidden_size=2048 num_hidden_layers=16 num_attention_heads=32 num_key_value_heads=8 intermediate_size=8192}"
+# On a GPU the roofline's defaults (128 and 512 rows, 1,024 tokens of context, a 4,096-token prefill);
+# a CPU smoke run only checks that it runs (fp32: bf16 crawls on a CPU without native bf16).
+ROOFLINE_ARGS=(--dtype bfloat16)
+[ "$DEVICE" = cpu ] && ROOFLINE_ARGS=(--dtype float32 --rows 1,2 --context 32 --prefill-tokens 32 --warmup 0 --steps 1 --prefill-reps 1)
 export BULKINFER_TEST_DEVICE="$DEVICE" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
 SCRATCH="$(mktemp -d)"
@@ -44,6 +51,18 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   timeout 200 "$PY" -m pytest -q -p no:cacheprovider -x \
     tests/engine/test_llm_correctness.py tests/engine/test_model_vs_transformers.py \
     tests/engine/test_decode_graphs.py || status=1
+
+  # The Triton kernels against their PyTorch references; each file only where this tree has it.
+  echo; echo "== Triton kernels on $DEVICE"
+  triton_tests=()
+  for file in tests/engine/test_triton_attention.py tests/engine/test_gpu_layer_ops.py; do
+    [ -e "$file" ] && triton_tests+=("$file")
+  done
+  if [ "${#triton_tests[@]}" -gt 0 ]; then
+    timeout 120 "$PY" -m pytest -q -p no:cacheprovider "${triton_tests[@]}" || status=1
+  else
+    echo "(no Triton kernel tests in this tree)"
+  fi
 
   echo; echo "== engine benchmark on $DEVICE (small preset)"
   timeout 80 "$PY" -m bulkinfer.benchmarks.engine --preset small --device "$DEVICE" --dtype float32,bfloat16 \
@@ -76,6 +95,7 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   fi
 
   if [ -n "$MODEL" ]; then
+    rm -f "$REPORT_DIR/gpu_suite.json" "$REPORT_DIR/gpu_suite_big.json"  # never compare a stale run's
     if ! has_weights "$MODEL"; then
       echo; echo "== random weights in the shape of $MODEL"
       timeout 60 "$PY" -m bulkinfer.benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/model" --device "$DEVICE" || status=1
@@ -89,14 +109,27 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
       --rows 128 --steps 20 --trace || status=1
     timeout 30 "$PY" -m bulkinfer.benchmarks.step_profile --model "$bench_model" --device "$DEVICE" --dtype bfloat16 \
       --rows 512 --steps 20 || status=1
+    # Meant to take under its 60 s per shape (not yet run on a GPU): mostly the 512 x 1,024-token
+    # prefill its steps need.
+    echo; echo "== roofline on $DEVICE: $MODEL"
+    timeout 60 "$PY" -m bulkinfer.benchmarks.roofline --model "$bench_model" --device "$DEVICE" \
+      "${ROOFLINE_ARGS[@]}" --json "$REPORT_DIR/gpu_roofline.json" || status=1
     echo; echo "== suite on $DEVICE: $MODEL (scale $SCALE)"
     timeout 130 "$PY" -m bulkinfer.benchmarks.suite --model "$bench_model" --device "$DEVICE" --dtype bfloat16,float32 \
       --scale "$SCALE" --json "$REPORT_DIR/gpu_suite.json" || status=1
-    echo; echo "== suite on $DEVICE, bfloat16: $BIG_SHAPE under $MODEL's tokenizer"
+    echo; echo "== roofline and suite on $DEVICE, bfloat16: $BIG_SHAPE under $MODEL's tokenizer"
     # shellcheck disable=SC2086  # BIG_SHAPE is a list of NAME=VALUE words
-    timeout 60 "$PY" -m bulkinfer.benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE \
-      && timeout 100 "$PY" -m bulkinfer.benchmarks.suite --model "$SCRATCH/big" --device "$DEVICE" --dtype bfloat16 \
+    if timeout 60 "$PY" -m bulkinfer.benchmarks.shaped_checkpoint "$MODEL" "$SCRATCH/big" --device "$DEVICE" --set $BIG_SHAPE; then
+      timeout 60 "$PY" -m bulkinfer.benchmarks.roofline --model "$SCRATCH/big" --device "$DEVICE" \
+        "${ROOFLINE_ARGS[@]}" --json "$REPORT_DIR/gpu_roofline_big.json" || status=1
+      timeout 100 "$PY" -m bulkinfer.benchmarks.suite --model "$SCRATCH/big" --device "$DEVICE" --dtype bfloat16 \
         --scale "$SCALE" --json "$REPORT_DIR/gpu_suite_big.json" || status=1
+    else
+      status=1
+    fi
+    echo; echo "== suite output tok/s beside 2026-12-04's"
+    "$PY" -m bulkinfer.benchmarks.gpu_baseline "$bench_model=$REPORT_DIR/gpu_suite.json" \
+      "$SCRATCH/big=$REPORT_DIR/gpu_suite_big.json" || status=1
   fi
   rm -rf "$SCRATCH"
   echo; echo "== exit status $status"

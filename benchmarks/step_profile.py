@@ -16,7 +16,7 @@ import argparse
 import cProfile
 import pstats
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -85,13 +85,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
                                 scale=args.rows / 256)
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=4 * args.steps + 8, ignore_eos=True)
-    for index, prompt in enumerate(workload.prompts):
-        engine.add_request(f"r{index}", prompt, params)
-    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
-                                              for r in engine.scheduler.running):
-        engine.step()
+    start_decoding(engine, workload.prompts, params)
     engine.step()  # one untimed decode step: a GPU captures its graph here
-    plain_ms = _step_ms(engine, args.steps)
+    plain_ms = step_ms(engine, args.steps)
     if args.trace:
         print_trace(engine, args.steps, args.device)
     if args.device != "cpu":
@@ -101,7 +97,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
         graphs = engine.runner.decode_graphs
         if graphs is not None:  # the same steps without CUDA graphs: what capturing them gains
             engine.runner.use_decode_graphs = False
-            eager_ms = _step_ms(engine, args.steps)
+            eager_ms = step_ms(engine, args.steps)
             engine.runner.use_decode_graphs = True
             failed = " (capture failed)" if graphs.broken else ""
             print(f"CUDA graphs: {len(graphs.graphs)} captured{failed}; eager decode step {eager_ms:.1f} ms: "
@@ -111,7 +107,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     # are those of the Python path (the same kernels, one call each), timed plainly too.
     native = engine.model.native_decode
     engine.model.native_decode = None
-    python_ms = _step_ms(engine, args.steps)
+    python_ms = step_ms(engine, args.steps)
     profiler = cProfile.Profile()
     started = time.perf_counter()
     profiler.enable()
@@ -159,11 +155,30 @@ def print_trace(engine: Any, steps: int, device: str) -> None:
           + (", ".join(f"{name} {count / steps:,.1f}" for name, count in syncs.items()) or "none seen"))
 
 
-def _step_ms(engine: Any, steps: int) -> float:
+def start_decoding(engine: Any, prompts: Sequence[Sequence[int]], params: Any, prefix: str = "r") -> None:
+    """Add `prompts` as requests `{prefix}0`, `{prefix}1`, ... and step the engine until none is left
+    waiting or prefilling (with max_tokens=1 each one finishes there: its blocks stay in the prefix cache)."""
+    for index, prompt in enumerate(prompts):
+        engine.add_request(f"{prefix}{index}", list(prompt), params)
+    while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
+                                              for r in engine.scheduler.running):
+        engine.step()
+
+
+def step_ms(engine: Any, steps: int) -> float:
+    """Mean wall ms of `steps` engine steps (each ends reading its sampled tokens; synced anyway, so a
+    step that someday leaves work queued on the GPU is not timed short)."""
+    _sync()
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
+    _sync()
     return (time.perf_counter() - started) / steps * 1e3
+
+
+def _sync() -> None:
+    if torch.cuda.is_initialized():  # a CPU run on a GPU machine starts no CUDA context for this
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":
