@@ -29,6 +29,7 @@ from bulkinfer.engine.parallel.plans import llama_plan
 
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps
     from bulkinfer.engine.lora.rows import LoRARows
     from bulkinfer.engine.lora.slots import LoRASlots
 
@@ -155,7 +156,7 @@ def rope_inverse_frequencies(config: LlamaFamilyConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    kernels: CpuKernels | TritonLayerOps | None = None  # use_cpu_kernels / use_gpu_layer_ops
     # Batch invariance without the native kernel: rows in fixed blocks (engine/invariant/row_blocks.py).
     fixed_row_blocks: bool = False
 
@@ -208,7 +209,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kernels: CpuKernels | None = None) -> torch.Tensor:
+               kernels: CpuKernels | TritonLayerOps | None = None) -> torch.Tensor:
     """transformers' ``x * cos + rotate_half(x) * sin``, per half and without the concatenations:
     the same products and sums (so the same fp32 results) in about half the memory traffic. With
     ``kernels`` (bf16 or fp32 on CPU): in place, in one pass."""
@@ -399,7 +400,7 @@ def _onednn_has_bf16() -> bool:
 
 
 class Attention(nn.Module):
-    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    kernels: CpuKernels | TritonLayerOps | None = None  # use_cpu_kernels / use_gpu_layer_ops
     step_rows: StepRows  # the model's, shared with its projections: set by LlamaForCausalLM
 
     def __init__(self, config: LlamaFamilyConfig, layer_index: int, backend: AttentionBackend) -> None:
@@ -458,7 +459,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    kernels: CpuKernels | None = None  # set by LlamaForCausalLM.use_cpu_kernels
+    kernels: CpuKernels | TritonLayerOps | None = None  # use_cpu_kernels / use_gpu_layer_ops
     # Batch invariance without the native kernel: the activation in fixed row blocks (torch's fp32
     # SiLU takes a scalar path for a call's last elements, whose exp rounds differently).
     fixed_row_blocks: bool = False
@@ -610,6 +611,17 @@ class LlamaForCausalLM(nn.Module):
                 module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
         self.cpu_kernels = kernels
         self.native_decode = NativeDecode.for_model(self, kernels)
+
+    def use_gpu_layer_ops(self, ops: TritonLayerOps | None) -> None:
+        """Run norms (with their residual add), rotary and the MLP activation through Triton
+        (engine/gpu_kernels/layer_ops.py) where its ``layer_ops_apply`` says so (CUDA tensors); None:
+        PyTorch for them. Only those modules' ``kernels`` change (replacing what use_cpu_kernels set
+        there): projections, the native decode path and LoRA keep theirs, as they call CpuKernels'
+        other methods. The ops compute each row alone, so batch invariance needs no fixed row blocks
+        for them and holds with them on (use_batch_invariance composes in either order)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, Attention, MLP)):
+                module.kernels = ops
 
     def use_batch_invariance(self, on: bool) -> None:
         """Batch invariance (engine/config.py ``batch_invariant``): every projection row through the row

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
+from bulkinfer.engine.cpu_kernels import CpuKernels
 from bulkinfer.engine.invariant import in_row_blocks
 from bulkinfer.engine.models.llama import (
     MLP,
@@ -57,7 +58,7 @@ from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import moe_plan
 
 if TYPE_CHECKING:
-    from bulkinfer.engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps
 
 # Where each family keeps its sparse block's tensors, and its experts' (gate, up, down) names.
 _QWEN_NAMES = ("mlp", ("gate_proj", "up_proj", "down_proj"))
@@ -130,7 +131,7 @@ class MoeConfig(LlamaFamilyConfig):
 class SparseMoeBlock(nn.Module):
     """Router + top-k experts (+ shared expert) over a flat batch of rows."""
 
-    kernels: CpuKernels | None = None  # set by MoeForCausalLM.use_cpu_kernels
+    kernels: CpuKernels | TritonLayerOps | None = None  # use_cpu_kernels / use_gpu_layer_ops
     # Batch invariance without the native kernels: the shared expert's gate in fixed row blocks (fp32
     # sigmoid rounds a call's last elements on a scalar path), no grouped_mm (CUTLASS tiles by each
     # expert's row count); the experts' own projections are Linears with their own blocks.
@@ -139,8 +140,9 @@ class SparseMoeBlock(nn.Module):
     @property
     def grouped_mm_allowed(self) -> bool:
         """Whether the fixed-shape path may run the experts through grouped_mm: not with batch
-        invariance and no native kernels (with them, the CPU keeps its existing paths)."""
-        return not (self.fixed_row_blocks and self.kernels is None)
+        invariance and no native CPU kernels (with them, the CPU keeps its existing paths; Triton's
+        layer ops leave the experts' matmuls to grouped_mm, so they count as none)."""
+        return not (self.fixed_row_blocks and not isinstance(self.kernels, CpuKernels))
 
     def __init__(self, config: MoeConfig, step_rows: StepRows, step_shape: StepShape | None = None) -> None:
         super().__init__()
@@ -304,6 +306,11 @@ class MoeForCausalLM(LlamaForCausalLM):
         for block in self.sparse_blocks():  # an expert's rows come routed, not in the step's order
             for expert in block.experts:
                 expert.gate_up_proj.blocks_by_step = expert.down_proj.blocks_by_step = None
+
+    def use_gpu_layer_ops(self, ops: TritonLayerOps | None) -> None:
+        super().use_gpu_layer_ops(ops)
+        for block in self.sparse_blocks():  # routing and the shared expert's gated add (the experts are MLPs)
+            block.kernels = ops
 
     def use_cpu_kernels(self, kernels: Any) -> None:
         super().use_cpu_kernels(kernels)
