@@ -66,6 +66,11 @@ class AttentionMetadata:
     # them on the device (every row gathered to the tables' width, masked by its length) with no
     # host planning, so the step's kernels are the same every time.
     static_decode: bool = False
+    # Every row in batch order (decodes, then prefill chunks), on the host: what a backend that attends
+    # the whole step in one launch reads (engine/gpu_kernels/). None: derived from the fields above.
+    query_start_loc: torch.Tensor | None = None  # [rows + 1]
+    seq_lens: torch.Tensor | None = None  # [rows] context + new tokens
+    block_tables: torch.Tensor | None = None  # [rows, max blocks], padded with block 0
     # Values derived once per step and shared by all layers (masks, the backend's decode plan).
     step_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
 
@@ -92,6 +97,10 @@ class AttentionMetadata:
 
 class AttentionBackend(ABC):
     """Writes new K/V into the paged cache and attends over each request's context."""
+
+    # Whether a fixed-shape decode step copies its rows' K/V out of the cache (engine/decode_graphs.py
+    # bounds such a step's size by that copy); a backend that reads the cache in place says False.
+    gathers_kv: bool = True
 
     @abstractmethod
     def write_kv(

@@ -55,6 +55,10 @@ class EngineConfig:
     # None: on a GPU (where a step is otherwise bound by kernel launches), off on CPU (whose native
     # decode path is faster); True on CPU runs the same fixed-shape path without capture.
     decode_graphs: bool | None = None
+    # Attention and the layers' elementwise ops through Triton kernels (engine/gpu_kernels/): one
+    # launch a layer reads the paged KV cache in place. None: on a CUDA device where triton is
+    # installed; True: wherever asked (a CPU only under TRITON_INTERPRET=1, as CI runs them); False: off.
+    triton_kernels: bool | None = None
     # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
     # (engine/speculative/config.py); None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
@@ -112,6 +116,8 @@ class EngineConfig:
             raise ValueError(f"decode_graphs must be true, false or null, got {self.decode_graphs!r}")
         if self.batch_invariant is not None and not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be true, false or null, got {self.batch_invariant!r}")
+        if self.triton_kernels is not None and not isinstance(self.triton_kernels, bool):
+            raise ValueError(f"triton_kernels must be true, false or null, got {self.triton_kernels!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or not self.device:

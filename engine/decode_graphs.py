@@ -66,7 +66,7 @@ class DecodeGraphs:
     """Runs a runner's pure decode steps through fixed-shape buffers; `capture`: as CUDA graphs."""
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
-                 max_model_len: int, max_rows: int, capture: bool) -> None:
+                 max_model_len: int, max_rows: int, capture: bool, gathers_kv: bool = True) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -74,6 +74,7 @@ class DecodeGraphs:
         self.buckets = tuple(size for size in BATCH_BUCKETS if size < max_rows) + (
             batch_bucket(max_rows) or max_rows,)
         self.capture = capture
+        self.gathers_kv = gathers_kv  # False: attention reads the cache in place, no gather to bound
         config = model.config
         cache = kv_caches[0]
         self.token_bytes = 2 * config.num_kv_heads * config.head_dim * cache.element_size()  # K and V
@@ -96,7 +97,7 @@ class DecodeGraphs:
         if rows is None:
             return None
         width = width_bucket(num_blocks, self.max_blocks)
-        too_large = rows * width * self.block_size * self.token_bytes > GRAPH_GATHER_BYTES
+        too_large = self.gathers_kv and rows * width * self.block_size * self.token_bytes > GRAPH_GATHER_BYTES
         if too_large or (rows, width) in self.failed:
             return None
         return rows, width

@@ -12,11 +12,15 @@ from typing import Any
 import torch
 
 from bulkinfer.engine import cpu_kernels
-from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.detokenizer import IncrementalDetokenizer
 from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from bulkinfer.engine.errors import ErrorKind, SamplingParamsError
+from bulkinfer.engine.gpu_kernels.choice import (
+    build_attention_backend,
+    use_triton_kernels,
+    use_triton_layer_ops,
+)
 from bulkinfer.engine.grammar_tracking import GrammarTracker
 from bulkinfer.engine.invariant.cuda_settings import use_invariant_cuda_settings
 from bulkinfer.engine.kv_cache_manager import droppable_window
@@ -99,7 +103,8 @@ class LLMEngine:
             )
         self.config = config
         self.tokenizer = AutoTokenizer.from_pretrained(config.model)
-        kernels = cpu_kernels.load() if config.device == "cpu" else None
+        self.uses_triton = use_triton_kernels(config.triton_kernels, torch.device(config.device).type)
+        kernels = cpu_kernels.load() if config.device == "cpu" and not self.uses_triton else None
         # Tensor parallel: the other ranks start loading while this one loads its own part.
         self.parallel = start_group(config, model_config)
         try:
@@ -155,7 +160,7 @@ class LLMEngine:
         """Load the model (this rank's part of it, with tensor parallel), a draft model where
         speculative decoding asks for one, and size the KV cache; returns (speculative config,
         draft, number of KV blocks)."""
-        attention = TorchPagedAttention(kernels=kernels, batch_invariant=config.batch_invariant_on)
+        attention = build_attention_backend(self.uses_triton, kernels, config.batch_invariant_on)
         if config.batch_invariant_on and config.device.startswith("cuda"):
             use_invariant_cuda_settings()  # before the model's first GEMM makes cuBLAS's handle
         if self.parallel is None:
@@ -173,6 +178,7 @@ class LLMEngine:
                                          device=self.parallel.device,
                                          batch_hint=config.max_num_batched_tokens)
         self.model.use_cpu_kernels(kernels)
+        use_triton_layer_ops(self.model, self.uses_triton)
         if hasattr(self.model, "use_batch_invariance"):
             self.model.use_batch_invariance(config.batch_invariant_on)
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
@@ -180,7 +186,8 @@ class LLMEngine:
         if spec_config is not None and spec_config.method == "draft_model":
             draft = DraftModel(str(spec_config.model), target_vocab_size=model_config.vocab_size,
                                max_model_len=config.max_model_len, dtype=self.dtype_choice.torch_dtype,
-                               device=config.device, block_size=config.block_size, kernels=kernels)
+                               device=config.device, block_size=config.block_size, kernels=kernels,
+                               attention=build_attention_backend(self.uses_triton, kernels, False))
         # A draft model's KV shares the target's blocks, so each block holds both.
         self.runner = ModelRunner(config, self.model, extra_block_bytes=draft.block_bytes if draft else 0)
         if self.parallel is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from bulkinfer.engine.attention import AttentionMetadata
+from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.decode_graphs import DecodeGraphs, decode_graph_mode
 from bulkinfer.engine.dtype_choice import DTYPES
@@ -356,7 +356,8 @@ class ModelRunner:
             assert self.config.max_model_len is not None
             self.decode_graphs = DecodeGraphs(self.model, self.kv_caches, self.block_size,
                                               self.config.max_model_len, self.config.max_num_seqs,
-                                              capture=self.capture_decode_graphs)
+                                              capture=self.capture_decode_graphs,
+                                              gathers_kv=attention_gathers_kv(self.model))
         return self.decode_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
@@ -506,6 +507,9 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),
         prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]],
         prefill_block_lists=tables[num_decodes:],
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens_t,
+        block_tables=block_tables,
     )
     return StepBatch(
         input_ids=torch.tensor(
@@ -544,6 +548,13 @@ def final_rows_of(sample_rows: Sequence[int], num_tokens: int, num_single: int,
         num_single=sum(1 for row in ascending if row < num_single),
         order=torch.tensor([index[row] for row in sample_rows], dtype=torch.long, device=device),
     )
+
+
+def attention_gathers_kv(model: torch.nn.Module) -> bool:
+    """Whether the model's attention backend copies K/V out of the cache in a fixed-shape step."""
+    backend = next((module.backend for module in model.modules()
+                    if isinstance(getattr(module, "backend", None), AttentionBackend)), None)
+    return True if backend is None else backend.gathers_kv
 
 
 def padded_block_tables(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:

@@ -63,8 +63,12 @@ def run_rank(spec: RankSpec, conn: Connection) -> None:
 
 def _build(spec: RankSpec, conn: Connection) -> Any:
     from bulkinfer.engine import cpu_kernels
-    from bulkinfer.engine.attention import TorchPagedAttention
     from bulkinfer.engine.dtype_choice import DTYPES
+    from bulkinfer.engine.gpu_kernels.choice import (
+        build_attention_backend,
+        use_triton_kernels,
+        use_triton_layer_ops,
+    )
     from bulkinfer.engine.invariant.cuda_settings import use_invariant_cuda_settings
     from bulkinfer.engine.model_runner import ModelRunner
     from bulkinfer.engine.parallel.communicator import Communicator
@@ -77,14 +81,16 @@ def _build(spec: RankSpec, conn: Connection) -> Any:
         torch.cuda.set_device(device)
     conn.send(("joining", None))  # imports done: rank 0 may now wait in the group's rendezvous
     communicator = Communicator.connect(spec.rank, spec.world, spec.port, device, spec.start_timeout_s)
-    kernels = cpu_kernels.load() if device.type == "cpu" else None
-    attention = TorchPagedAttention(kernels=kernels, batch_invariant=spec.config.batch_invariant_on)
+    uses_triton = use_triton_kernels(spec.config.triton_kernels, device.type)
+    kernels = cpu_kernels.load() if device.type == "cpu" and not uses_triton else None
+    attention = build_attention_backend(uses_triton, kernels, spec.config.batch_invariant_on)
     if spec.config.batch_invariant_on and device.type == "cuda":
         use_invariant_cuda_settings()
     model = load_rank_model(spec.config.model, attention, communicator,
                             dtype=DTYPES[spec.config.dtype], device=device,
                             batch_hint=spec.config.max_num_batched_tokens)
     model.use_cpu_kernels(kernels)
+    use_triton_layer_ops(model, uses_triton)
     if hasattr(model, "use_batch_invariance"):
         model.use_batch_invariance(spec.config.batch_invariant_on)
     return ModelRunner(dataclasses.replace(spec.config, device=str(device)), model)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from bulkinfer.engine.argmax import argmax_rows
-from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.attention import AttentionBackend, TorchPagedAttention
 from bulkinfer.engine.kv_memory import allocate_kv_caches
 from bulkinfer.engine.model_runner import BatchRow, prepare_rows
 from bulkinfer.engine.models.loader import load_model, model_config_from_dir
@@ -35,7 +35,8 @@ class DraftModel:
     """The draft model, its KV cache, and where each request's draft KV stands."""
 
     def __init__(self, path: str, *, target_vocab_size: int, max_model_len: int, dtype: torch.dtype,
-                 device: str, block_size: int, kernels: object | None) -> None:
+                 device: str, block_size: int, kernels: object | None,
+                 attention: AttentionBackend | None = None) -> None:
         config = model_config_from_dir(path)
         if config.vocab_size != target_vocab_size:
             raise ValueError(
@@ -51,7 +52,8 @@ class DraftModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.block_size = block_size
-        self.model = load_model(path, TorchPagedAttention(kernels=kernels), dtype=dtype, device=device)
+        attention = attention or TorchPagedAttention(kernels=kernels)
+        self.model = load_model(path, attention, dtype=dtype, device=device)
         self.model.use_cpu_kernels(kernels)
         self.kv_caches: list[torch.Tensor] = []
         self._states: dict[str, _DraftState] = {}
