@@ -238,6 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-reps", type=int, default=3, help="prefill steps timed (best kept)")
     parser.add_argument("--copy-mib", type=int, default=1024 if cuda else 64, help="copy bandwidth's tensor")
     parser.add_argument("--gemm-size", type=int, default=8192 if cuda else 512, help="matmul rate's square")
+    parser.add_argument("--triton-kernels", choices=["auto", "on", "off"], default="auto",
+                        help="the engine's triton_kernels (off: the PyTorch attention path, to compare)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     prefix_len = args.context - BLOCK if args.shared_prefix is None else args.shared_prefix
@@ -256,11 +258,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     llm = LLM(model=model_dir, dtype=args.dtype, device=args.device, max_num_seqs=max_rows,
               max_num_batched_tokens=max(args.prefill_tokens, max_rows), max_model_len=max_model_len,
-              num_kv_blocks=num_blocks)
+              num_kv_blocks=num_blocks,
+              triton_kernels={"auto": None, "on": True, "off": False}[args.triton_kernels])
     engine = llm.engine
     dtype = getattr(torch, llm.dtype_choice.dtype)
     shape = model_shape(engine.model, dtype)
-    print(f"device: {args.device} ({device_name(args.device)}); torch {torch.__version__}")
+    print(f"device: {args.device} ({device_name(args.device)}); torch {torch.__version__}; attention "
+          f"{type(engine.model.layers[0].self_attn.backend).__name__}")
     print(f"model: {model_dir}; {llm.dtype_choice.dtype}; {shape.step_params / 1e6:,.1f}M parameters read "
           f"a decode step ({shape.weight_bytes / 2**20:,.1f} MiB), K/V "
           f"{shape.kv_bytes_per_token / 1024:,.1f} KiB a position; engine up in "
@@ -294,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"({baseline['date']}, this shape: {earlier['mfu_note']})")
     if args.json:
         figures = {"device": device_name(args.device), "device_kind": args.device, "model": model_dir,
-                   "dtype": llm.dtype_choice.dtype, "baseline_shape": key, "copy_bytes_per_s": bandwidth,
+                   "dtype": llm.dtype_choice.dtype, "baseline_shape": key,
+                   "attention": type(engine.model.layers[0].self_attn.backend).__name__,
+                   "copy_bytes_per_s": bandwidth,
                    "matmul_flops_per_s": rate, "shape": asdict(shape), "decode": [asdict(c) for c in decode],
                    "prefill": prefill}
         args.json.write_text(json.dumps(figures, indent=1))
