@@ -35,7 +35,8 @@ CHUNK_BYTES_PER_LAYER = 2 << 20
 
 def allocate_kv_caches(config: LlamaFamilyConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
-    """One zeroed ``[2, num_blocks, kv_heads, block_size, head_dim]`` cache per layer (K and V)."""
+    """One zeroed ``[2, num_blocks, kv_heads, block_size, head_dim]`` cache per layer (K and V): the
+    engine's one layout (engine/kv_layout.py)."""
     shape = (2, num_blocks, config.num_kv_heads, block_size, config.head_dim)
     return [zeroed_kv_cache(shape, dtype, device) for _ in range(config.num_layers)]
 

@@ -8,12 +8,9 @@ from dataclasses import dataclass
 from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
 from bulkinfer.engine.kv_connector.keys import ROOT
 
-NAMESPACE_PARTS = 5  # kv/<model>/<dtype>/<tp>/<block size>/, then the block hash
-
-
 @dataclass(frozen=True)
 class NamespaceEntry:
-    namespace: str  # e.g. "kv/3f2a…/bf16/tp0of1/b16/"
+    namespace: str  # e.g. "kv/3f2a…/bf16/tp0of1/b16/hnd/"
     blocks: int
     bytes: int
     last_used: float  # the most recent use of any of its blocks (seconds since the epoch)
@@ -23,8 +20,9 @@ def list_entries(store: KVBlobStore, prefix: str = ROOT) -> list[NamespaceEntry]
     """One entry per namespace under `prefix`, sorted by namespace."""
     totals: dict[str, list[float]] = {}
     for info in store.list(prefix):
-        parts = info.key.split("/")
-        name = "/".join(parts[:NAMESPACE_PARTS]) + "/" if len(parts) > NAMESPACE_PARTS else info.key
+        # kv/<model>/<dtype>/<tp>/<block size>/<layout>/<block hash>: all but the hash (a store written
+        # before the layout was named has one part fewer, and lists as its own namespace)
+        name = info.key.rsplit("/", 1)[0] + "/" if "/" in info.key else info.key
         entry = totals.setdefault(name, [0, 0, 0.0])
         entry[0] += 1
         entry[1] += info.size

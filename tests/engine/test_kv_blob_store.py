@@ -131,12 +131,13 @@ def test_cached_store_writes_both_and_keeps_the_front_under_its_cap(tmp_path) ->
     assert back.get("kv/ns/4") is None and front.get("kv/ns/4") is None
 
 
-def test_namespace_separates_models_dtypes_ranks_and_block_sizes() -> None:
+def test_namespace_separates_models_dtypes_ranks_block_sizes_and_kv_layouts() -> None:
     base = namespace("model-a", "bfloat16", 0, 1, 16)
-    assert base.startswith("kv/") and base.endswith("/bf16/tp0of1/b16/")
+    assert base.startswith("kv/") and base.endswith("/bf16/tp0of1/b16/hnd/")
     others = {namespace("model-b", "bfloat16", 0, 1, 16), namespace("model-a", "float32", 0, 1, 16),
-              namespace("model-a", "bfloat16", 1, 2, 16), namespace("model-a", "bfloat16", 0, 1, 32)}
-    assert base not in others and len(others) == 4
+              namespace("model-a", "bfloat16", 1, 2, 16), namespace("model-a", "bfloat16", 0, 1, 32),
+              namespace("model-a", "bfloat16", 0, 1, 16, layout="nhd")}
+    assert base not in others and len(others) == 5
     assert block_key(base, b"\x01\xff") == base + "01ff"
     with pytest.raises(ValueError, match="dtype"):
         namespace("m", "auto", 0, 1, 16)
