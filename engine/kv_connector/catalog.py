@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from bulkinfer.engine.kv_connector.blob_store import KVBlobStore
 from bulkinfer.engine.kv_connector.keys import ROOT
 
+
 @dataclass(frozen=True)
 class NamespaceEntry:
     namespace: str  # e.g. "kv/3f2a…/bf16/tp0of1/b16/hnd/"
