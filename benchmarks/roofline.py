@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from bulkinfer.benchmarks.gpu_baseline import load_baseline, shape_key
-from bulkinfer.benchmarks.step_profile import start_decoding, step_ms
+from bulkinfer.benchmarks.step_profile import start_decoding, step_ms, sync_device
 from bulkinfer.engine.checkpoints import cached_checkpoint
 
 BLOCK = 16  # the engine's KV block size (EngineConfig's default, which this benchmark keeps)
@@ -203,8 +203,7 @@ def time_prefill(engine: Any, shape: ModelShape, rng: random.Random, vocab: list
         engine.add_request(f"prefill{rep}", prompt, params)
         started = time.perf_counter()
         engine.step()
-        if torch.cuda.is_initialized():
-            torch.cuda.synchronize()
+        sync_device()
         times.append(time.perf_counter() - started)
         if engine.has_unfinished_requests():
             raise RuntimeError(f"a {tokens}-token prompt did not prefill in one step")

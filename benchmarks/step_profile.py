@@ -168,15 +168,16 @@ def start_decoding(engine: Any, prompts: Sequence[Sequence[int]], params: Any, p
 def step_ms(engine: Any, steps: int) -> float:
     """Mean wall ms of `steps` engine steps (each ends reading its sampled tokens; synced anyway, so a
     step that someday leaves work queued on the GPU is not timed short)."""
-    _sync()
+    sync_device()
     started = time.perf_counter()
     for _ in range(steps):
         engine.step()
-    _sync()
+    sync_device()
     return (time.perf_counter() - started) / steps * 1e3
 
 
-def _sync() -> None:
+def sync_device() -> None:
+    """Wait for the GPU's queued work, where this process uses one."""
     if torch.cuda.is_initialized():  # a CPU run on a GPU machine starts no CUDA context for this
         torch.cuda.synchronize()
 

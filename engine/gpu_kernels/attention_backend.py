@@ -12,6 +12,7 @@ import torch
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.gpu_kernels.paged_attention import StepLayout, store_kv, unified_attention
+from bulkinfer.engine.model_runner import padded_block_tables
 
 _STEP_KEY = ("triton_step", None)
 
@@ -65,15 +66,12 @@ def _build_layout(metadata: AttentionMetadata, device: torch.device) -> StepLayo
 
 def _host_layout(metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(query_start_loc, seq_lens, block_tables) on the host from the per-kind fields, for metadata
-    built without them (the start-up profiling pass, a draft model's steps)."""
+    built without them (the start-up profiling pass)."""
     decodes = metadata.num_decodes
     query_lens = [1] * decodes + list(metadata.prefill_query_lens)
-    seq_lens = [int(n) for n in metadata.decode_seq_lens[:decodes].tolist()] + list(metadata.prefill_seq_lens)
-    tables = [row for row in metadata.decode_block_tables[:decodes].tolist()]
+    seq_lens = metadata.decode_seq_lens[:decodes].tolist() + list(metadata.prefill_seq_lens)
+    tables = metadata.decode_block_tables[:decodes].tolist()
     tables += metadata.prefill_block_lists or [table.tolist() for table in metadata.prefill_block_tables]
-    width = max((len(table) for table in tables), default=1)
-    padded = torch.zeros(len(tables), max(width, 1), dtype=torch.long)
-    for row, table in enumerate(tables):
-        padded[row, : len(table)] = torch.tensor(table, dtype=torch.long)
     starts = torch.tensor(list(itertools.accumulate(query_lens, initial=0)), dtype=torch.long)
+    padded = padded_block_tables(tables, max((len(table) for table in tables), default=1))
     return starts, torch.tensor(seq_lens, dtype=torch.long), padded
