@@ -59,6 +59,11 @@ class EngineConfig:
     # launch a layer reads the paged KV cache in place. None: on a CUDA device where triton is
     # installed; True: wherever asked (a CPU only under TRITON_INTERPRET=1, as CI runs them); False: off.
     triton_kernels: bool | None = None
+    # Async scheduling (engine/device_step.py): the host schedules and prepares step N+1 and takes
+    # step N-1's outputs while step N runs on the device. None: on a GPU, off on CPU (where the
+    # "device" is the same cores). Not with speculative decoding or tensor parallel (their steps
+    # need the last tokens on the host before they are built).
+    async_scheduling: bool | None = None
     # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
     # (engine/speculative/config.py); None = off.
     speculative_config: SpeculativeConfig | dict[str, Any] | None = None
@@ -133,6 +138,12 @@ class EngineConfig:
         if self.tensor_parallel_size > 1 and self.decode_graphs:
             # A replayed graph cannot pair its collectives with the other ranks' steps.
             raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
+        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling cannot be used with tensor_parallel_size > 1")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling cannot be used with speculative decoding (speculative_config)")
         SpeculativeConfig.from_value(self.speculative_config)
         self._validate_lora()
         self._validate_kv_store()

@@ -163,7 +163,9 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if table is None:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        # Computed can run ahead of the known tokens by a placeholder (async scheduling): a block
+        # is hashed once its tokens are known.
+        num_full = min(min(request.num_computed_tokens, request.num_tokens) // self.block_size, len(table))
         if not self.cache_generated_blocks:
             num_full = min(num_full, request.num_prompt_tokens // self.block_size)
         first_uncached = self._num_cached_blocks[request.request_id]

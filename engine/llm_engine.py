@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +16,7 @@ import torch
 from bulkinfer.engine import cpu_kernels
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.detokenizer import IncrementalDetokenizer
+from bulkinfer.engine.device_step import SampledStep, StepDevice, StepQueue, resolve_async_scheduling
 from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from bulkinfer.engine.errors import ErrorKind, SamplingParamsError
 from bulkinfer.engine.gpu_kernels.choice import (
@@ -45,10 +48,10 @@ from bulkinfer.engine.output_assembly import (
 from bulkinfer.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput, TokenLogprob
 from bulkinfer.engine.parallel.start import load_rank_model, start_group
 from bulkinfer.engine.request import FinishReason, Request
-from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
+from bulkinfer.engine.sampler import RowLogprobs, SamplingBatch
 from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.engine.sampling_random import SEED_MASK
-from bulkinfer.engine.scheduler import ScheduledChunk, Scheduler
+from bulkinfer.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from bulkinfer.engine.speculative.config import SpeculativeConfig
 from bulkinfer.engine.speculative.draft_model import DraftModel
 from bulkinfer.engine.speculative.gate import SpeculationGate, cost_curve_or_none
@@ -143,7 +146,13 @@ class LLMEngine:
         # Structured output: grammars of live samples; xgrammar is imported on the first such request.
         self._grammars = GrammarTracker(self.tokenizer, model_config.vocab_size, config.max_num_seqs)
         self.scheduler.can_admit = self._grammars.can_admit
-        self.sampler = Sampler()
+        # The device side of a step: the model runner, or a stand-in (benchmarks/host_bench.py).
+        self.device: StepDevice = self.runner
+        self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
+        self._step_queue = StepQueue() if self.async_scheduling else None
+        self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
+        # Samples whose next step needs their last token on the host (grammar, penalties).
+        self._host_token_ids: set[str] = set()
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
         self.counters = EngineCounters()
@@ -277,6 +286,8 @@ class LLMEngine:
                 self.lora.acquire(lora_request)  # kept in host memory until the sample ends
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
+            if sample.structured or params.uses_penalties:
+                self._host_token_ids.add(child.request_id)
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
 
@@ -305,6 +316,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks now (they stop with the engine's process or when it
         is garbage collected otherwise); no-op with one rank."""
+        if self._step_queue is not None:
+            self._step_queue.shutdown()
         if self.parallel is not None:
             self.parallel.shutdown()
         if self.kv_connector is not None:
@@ -317,6 +330,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the requests that finished (including rejected and aborted ones)."""
+        if self.async_scheduling:
+            return self._step_async()
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
@@ -328,37 +343,85 @@ class LLMEngine:
         if self._speculator is not None:
             self._speculator.after_schedule(scheduled)
         if scheduled.chunks:
-            sampling = [c for c in scheduled.chunks if c.samples]
-            prefill_tokens = sum(
-                max(
-                    0,
-                    min(c.request.num_computed_tokens + c.num_new_tokens, c.request.num_prompt_tokens)
-                    - c.request.num_computed_tokens,
-                )
-                for c in scheduled.chunks
-            )
-            first_tokens = sum(c.request.num_prompt_tokens for c in sampling
-                               if not c.request.output_token_ids)
-            outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sampling}
-            result = self.runner.run_step(scheduled)
-            self._keep_prompt_logprobs(result.prompt_logprobs)
-            sampled, logprobs = self._sample(result.logits, sampling, finished)
-            finished += self.scheduler.update_from_output(scheduled, sampled)
-            if self._post_ids:
-                finished += self._after_sampling(sampling, outputs_before, logprobs)
-            self.counters.generation_tokens += sum(
-                c.request.num_output_tokens - outputs_before[c.request.request_id] for c in sampling
-            )
-            self.counters.prompt_tokens += first_tokens
-            if self.kv_connector is not None:
-                self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
-            duration = time.monotonic() - started
-            self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
-            _attribute_step(scheduled.chunks, duration, scheduled.num_scheduled_tokens)
+            step = self._prepare(scheduled, started)
+            result = self.device.sample_step(step.prepared, step.batch, step.row_ids)
+            finished += self._apply(step, result)
         elif (self._grammars.compiling or self._kv_loads_pending()) and not outputs and not finished:
             # Only requests waiting for their grammars or prefix KV loads: yield the CPU to those threads
             # instead of spinning (the LLM loop and the worker's engine thread call step() back to back).
             time.sleep(GRAMMAR_WAIT_S)
+        return outputs + self._finished_outputs(finished)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """One step with async scheduling: step N+1 is scheduled, prepared and launched while step N
+        runs on the device; then step N's outputs are taken. Rows whose next input needs their last
+        token on the host (a grammar's bitmask, penalties) wait for it first: the step in flight is
+        completed before scheduling when one of its rows is such a row."""
+        started = time.monotonic()
+        outputs, self._pending = self._pending, []
+        finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None and any(c.request.request_id in self._host_token_ids
+                                         for c in in_flight.sampling):
+            finished += self._complete(in_flight)
+            in_flight = None
+        if self.kv_connector is not None:
+            self.kv_connector.flush_saves()
+        scheduled = self.scheduler.schedule()
+        if scheduled.chunks:
+            step = self._prepare(scheduled, started)
+            step.future = self._step_queue.submit(self.device, step.prepared, step.batch, step.row_ids)
+            self.scheduler.commit_in_flight(scheduled)
+            self._in_flight = step
+        if in_flight is not None:
+            finished += self._complete(in_flight)
+        elif self._in_flight is None and (self._grammars.compiling or self._kv_loads_pending()) \
+                and not outputs and not finished:
+            time.sleep(GRAMMAR_WAIT_S)
+        return outputs + self._finished_outputs(finished)
+
+    def _complete(self, step: _Step) -> list[Request]:
+        """Wait for a launched step's sampled ids and apply them."""
+        assert step.future is not None
+        return self._apply(step, step.future.result())
+
+    def _prepare(self, scheduled: SchedulerOutput, started: float) -> _Step:
+        """Host work before a step's forward pass: its input tensors and its sampling settings."""
+        sampling = [c for c in scheduled.chunks if c.samples]
+        prepared = self.device.prepare_step(scheduled)
+        batch, spans, row_ids = self._sampling_batch(sampling)
+        return _Step(scheduled, sampling, prepared, batch, spans, row_ids, started)
+
+    def _apply(self, step: _Step, result: SampledStep) -> list[Request]:
+        """Host work after a step: its tokens appended, stops checked, per-token work done;
+        returns the requests it finished."""
+        finished: list[Request] = []
+        scheduled, sampling = step.scheduled, step.sampling
+        prefill_tokens = sum(
+            max(0, min(c.start + c.num_new_tokens, c.request.num_prompt_tokens) - c.start)
+            for c in scheduled.chunks
+        )
+        first_tokens = sum(c.request.num_prompt_tokens for c in sampling
+                           if not c.request.output_token_ids and not c.request.is_finished)
+        outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sampling}
+        self._keep_prompt_logprobs(result.prompt_logprobs)
+        sampled, logprobs = self._take_sampled(result, step, finished)
+        finished += self.scheduler.update_from_output(scheduled, sampled, committed=step.future is not None)
+        if self._post_ids:
+            finished += self._after_sampling(sampling, outputs_before, logprobs)
+        self.counters.generation_tokens += sum(
+            c.request.num_output_tokens - outputs_before[c.request.request_id] for c in sampling
+        )
+        self.counters.prompt_tokens += first_tokens
+        if self.kv_connector is not None:
+            self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
+        duration = time.monotonic() - step.started
+        self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
+        _attribute_step(scheduled.chunks, duration, scheduled.num_scheduled_tokens)
+        return finished
+
+    def _finished_outputs(self, finished: list[Request]) -> list[RequestOutput]:
+        outputs = []
         for request in finished:
             output = self._sample_finished(request)
             if output is not None:
@@ -376,20 +439,18 @@ class LLMEngine:
         """Append a step's scored prompt positions to their requests' (in position order: chunks
         run in order and a request's scored count only grows)."""
         for request_id, rows in scored.items():
-            sample = self._samples[request_id]
+            sample = self._samples.get(request_id)
+            if sample is None:  # ended (aborted) while its step ran
+                continue
             assert sample.parent.prompt_logprobs is not None
             sample.parent.prompt_logprobs.extend(rows)
             sample.request.num_prompt_logprobs += len(rows)
 
-    def _sample(
-        self, logits: torch.Tensor, chunks: list[ScheduledChunk], finished: list[Request]
-    ) -> tuple[dict[str, list[int]], dict[str, list[RowLogprobs | None]]]:
-        """The new tokens of each sampling chunk's request (one, or the accepted drafts and the
-        token after them when it verified drafts), with the logprobs of each. A request whose
-        logits are not finite at a kept position (NaN/inf: a numerical fault in the model or its
-        dtype) ends with an error instead of emitting junk (added to `finished`, left out)."""
-        if not chunks:
-            return {}, {}
+    def _sampling_batch(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[SamplingBatch, list[tuple[int, int]], list[str]]:
+        """The sampling settings of a step's sampled rows (one per sampling chunk, 1 + drafts for a
+        chunk verifying drafts), each chunk's (first row, count), and each row's request id."""
         rows: list[Any] = []
         spans: list[tuple[int, int]] = []
         drafts_before: list[tuple[int, ...]] = []
@@ -399,14 +460,23 @@ class LLMEngine:
             rows.extend(positions)
             drafts_before.extend(chunk.spec_token_ids[:j] for j in range(len(positions)))
         verifying = len(rows) > len(chunks)
-        bitmask, apply_bitmask = self._grammars.bitmask([row.request_id for row in rows],
-                                                        drafts_before if verifying else None)
+        row_ids = [row.request_id for row in rows]
+        bitmask, apply_bitmask = self._grammars.bitmask(row_ids, drafts_before if verifying else None) \
+            if rows else (None, None)
         batch = SamplingBatch.build(rows, self.eos_token_ids, bitmask=bitmask, apply_bitmask=apply_bitmask)
-        result = self.sampler.sample(logits, batch)
+        return batch, spans, row_ids
+
+    def _take_sampled(
+        self, result: SampledStep, step: _Step, finished: list[Request]
+    ) -> tuple[dict[str, list[int]], dict[str, list[RowLogprobs | None]]]:
+        """The new tokens of each sampling chunk's request (one, or the accepted drafts and the
+        token after them when it verified drafts), with the logprobs of each. A request whose
+        logits are not finite at a kept position (NaN/inf: a numerical fault in the model or its
+        dtype) ends with an error instead of emitting junk (added to `finished`, left out)."""
         invalid = set(result.invalid_rows)
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[RowLogprobs | None]] = {}
-        for chunk, (first, count) in zip(chunks, spans, strict=True):
+        for chunk, (first, count) in zip(step.sampling, step.spans, strict=True):
             request_id = chunk.request.request_id
             tokens = accepted_tokens(result.token_ids[first : first + count], chunk.spec_token_ids)
             if self._speculator is not None and chunk.spec_token_ids:
@@ -490,6 +560,7 @@ class LLMEngine:
         if sample is None:
             return None
         self._post_ids.discard(request.request_id)
+        self._host_token_ids.discard(request.request_id)
         if request.lora_request is not None and self.lora is not None:
             self.lora.release(request.lora_request)
         if self._speculator is not None:
@@ -551,6 +622,20 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_running=self.scheduler.num_running,
         )
+
+
+@dataclass
+class _Step:
+    """A step between its preparation on the host and the taking of its outputs."""
+
+    scheduled: SchedulerOutput
+    sampling: list[ScheduledChunk]  # the chunks that sample, in order
+    prepared: Any  # the device's prepared inputs
+    batch: SamplingBatch
+    spans: list[tuple[int, int]]  # each sampling chunk's (first row, count) in the sampled rows
+    row_ids: list[str]  # each sampled row's request id
+    started: float
+    future: concurrent.futures.Future[SampledStep] | None = None  # launched ahead (async scheduling)
 
 
 def _params_error(params: SamplingParams) -> tuple[ErrorKind, str] | None:

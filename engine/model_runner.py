@@ -29,14 +29,15 @@ import torch
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.decode_graphs import DecodeGraphs, decode_graph_mode
+from bulkinfer.engine.device_step import PlaceholderInputs, SampledStep
 from bulkinfer.engine.dtype_choice import DTYPES
 from bulkinfer.engine.host_memory import available_memory_bytes, read_proc_kib, reset_peak_rss
-from bulkinfer.engine.kv_connector.connector import load_blocks
+from bulkinfer.engine.kv_connector.connector import KVLoad, load_blocks
 from bulkinfer.engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
 from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
-from bulkinfer.engine.sampler import RowLogprobs
+from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -65,6 +66,18 @@ class StepResult:
 
 
 @dataclass
+class PreparedStep:
+    """A step made ready on the host: its batch (None: no row computes), its rows (what the other
+    tensor-parallel ranks are sent), the prefix blocks to copy in first, and the inputs the
+    previous step's sampled ids fill (async scheduling)."""
+
+    batch: StepBatch | None
+    rows: list[BatchRow]
+    kv_loads: list[KVLoad]
+    placeholders: PlaceholderInputs | None = None
+
+
+@dataclass
 class StepBatch:
     """The flattened inputs of one step."""
 
@@ -80,6 +93,8 @@ class StepBatch:
     num_scored: int = 0  # the last rows of sample_rows that are scored, not sampled
     # [T] each token's adapter slot (NO_ADAPTER: the base model); None when no row has an adapter.
     lora_slots: torch.Tensor | None = None
+    # Each given row's end in the flat batch (exclusive), in the rows' own order.
+    row_ends: list[int] = field(default_factory=list)
 
     def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Forward the batch: the final hidden states of its sampled positions, in their order."""
@@ -121,6 +136,7 @@ class ModelRunner:
         if self.tensor_parallel_size > 1:
             # A graph's step cannot pair its collectives with the other ranks (engine/config.py).
             self.use_decode_graphs = False
+        self.sampler = Sampler()
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
 
@@ -286,18 +302,49 @@ class ModelRunner:
     @torch.inference_mode()
     def run_step(self, output: SchedulerOutput) -> StepResult:
         """`execute`, plus the prompt logprobs of the chunks that ask for them, from the same pass."""
-        if output.kv_loads:
-            load_blocks(self.kv_caches, output.kv_loads)
-        rows, spans = self.batch_rows(output)
-        if not rows:
+        return self.forward_prepared(self.prepare_step(output))
+
+    def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
+        """Host work of a step: its rows flattened into input tensors (on the device)."""
+        rows, spans, placeholders = self.batch_rows_with_placeholders(output)
+        batch = prepare_rows(rows, self.block_size, self.device)
+        if batch is not None:
+            batch.score_spans = spans
+        filled = None
+        if placeholders and batch is not None:
+            filled = PlaceholderInputs([batch.row_ends[i] - 1 for i, _ in placeholders],
+                                       [request_id for _, request_id in placeholders])
+        return PreparedStep(batch, rows, output.kv_loads, filled)
+
+    @torch.inference_mode()
+    def forward_prepared(self, prepared: PreparedStep, previous: SampledStep | None = None) -> StepResult:
+        """Device work of a step: the fetched prefix blocks copied in, placeholder inputs filled
+        from the previous step's sampled ids, the forward pass."""
+        if prepared.kv_loads:
+            load_blocks(self.kv_caches, prepared.kv_loads)
+        batch = prepared.batch
+        if batch is None:
             return StepResult(torch.empty(0, self.model.config.vocab_size, dtype=torch.float32,
                                           device=self.device))
-        self._send("step", rows)
-        batch = prepare_rows(rows, self.block_size, self.device)
-        assert batch is not None
-        batch.score_spans = spans
+        if prepared.placeholders is not None:
+            assert previous is not None, "placeholder inputs need the previous step's sampled ids"
+            prepared.placeholders.fill(batch.input_ids, previous)
+        self._send("step", prepared.rows)
         with self._collectives("a step"):
             return self.forward_batch(batch)
+
+    @torch.inference_mode()
+    def sample_step(self, prepared: PreparedStep, batch: SamplingBatch, sampled_rows: Sequence[str],
+                previous: SampledStep | None = None) -> SampledStep:
+        """Forward a prepared step and sample its rows on the device: only the sampled ids (and
+        logprobs where asked) come back to the host."""
+        result = self.forward_prepared(prepared, previous)
+        if not batch.num_rows:
+            return SampledStep([], [], prompt_logprobs=result.prompt_logprobs)
+        sampled = self.sampler.sample(result.logits, batch)
+        return SampledStep(sampled.token_ids, sampled.logprobs, sampled.invalid_rows, result.prompt_logprobs,
+                           device_token_ids=sampled.device_token_ids,
+                           row_of_request={request_id: i for i, request_id in enumerate(sampled_rows)})
 
     @torch.inference_mode()
     def forward_rows(self, rows: list[BatchRow]) -> None:
@@ -369,7 +416,17 @@ class ModelRunner:
         return batch
 
     def batch_rows(self, output: SchedulerOutput) -> tuple[list[BatchRow], list[ScoreSpan]]:
-        """A SchedulerOutput's rows (what ``prepare_rows`` flattens) and its scored prompt spans.
+        """A SchedulerOutput's rows (what ``prepare_rows`` flattens) and its scored prompt spans."""
+        rows, spans, _ = self.batch_rows_with_placeholders(output)
+        return rows, spans
+
+    def batch_rows_with_placeholders(
+        self, output: SchedulerOutput
+    ) -> tuple[list[BatchRow], list[ScoreSpan], list[tuple[int, str]]]:
+        """A SchedulerOutput's rows (what ``prepare_rows`` flattens), its scored prompt spans, and
+        the rows whose last input token is a placeholder (row index, request id): a token the
+        step still in flight is sampling (async scheduling), written as 0 here and filled on the
+        device.
 
         A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k solo decode
         rows over the same block table, each attending up to its own position: every position is
@@ -378,6 +435,7 @@ class ModelRunner:
         """
         rows: list[BatchRow] = []
         spans: list[ScoreSpan] = []
+        placeholders: list[tuple[int, str]] = []
         if self.lora is not None:
             self.lora.begin_step()
         for chunk in output.chunks:
@@ -393,11 +451,21 @@ class ModelRunner:
                 spans.append(span)
             if self.config.batch_invariant_on:
                 rows.extend(invariant_rows(chunk, lora, (span.offset, span.count) if span else None))
-                continue
-            rows.append(BatchRow(chunk.request.all_token_ids[chunk.start : end], chunk.start, chunk.block_ids,
-                                 chunk.num_sample_rows, score=(span.offset, span.count) if span else None,
-                                 lora_slot=lora))
-        return rows, spans
+            else:
+                rows.append(BatchRow(known_tokens(chunk.request.all_token_ids, chunk.start, end), chunk.start,
+                                     chunk.block_ids, chunk.num_sample_rows,
+                                     score=(span.offset, span.count) if span else None, lora_slot=lora))
+            if end > chunk.request.num_tokens:
+                placeholders.append((len(rows) - 1, chunk.request.request_id))
+        return rows, spans, placeholders
+
+
+def known_tokens(tokens: Sequence[int], start: int, end: int) -> list[int]:
+    """tokens[start:end], a 0 standing in for the one past the known ones (a placeholder)."""
+    known = list(tokens[start:end])
+    if len(known) < end - start:
+        known.append(0)
+    return known
 
 
 def invariant_rows(chunk: ScheduledChunk, lora_slot: int, score: tuple[int, int] | None) -> list[BatchRow]:
@@ -414,7 +482,7 @@ def invariant_rows(chunk: ScheduledChunk, lora_slot: int, score: tuple[int, int]
         rows.append(BatchRow(tokens[start:prompt_end], start, chunk.block_ids,
                              chunk.num_sample_rows if prompt_end == end else 0, score=score,
                              lora_slot=lora_slot, decode=False))
-    rows.extend(BatchRow([tokens[position]], position, chunk.block_ids,
+    rows.extend(BatchRow(known_tokens(tokens, position, position + 1), position, chunk.block_ids,
                          chunk.num_sample_rows if position == end - 1 else 0, solo=end - prompt_end > 1,
                          lora_slot=lora_slot, decode=True)
                 for position in range(prompt_end, end))
@@ -482,8 +550,8 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     qsl = query_start_loc.tolist()
     row_in_batch = {row_index: batch_row for batch_row, row_index in enumerate(order)}
     sample_rows: list[int] = []
-    for i, row in enumerate(rows):
-        end = qsl[row_in_batch[i] + 1]
+    row_ends = [qsl[row_in_batch[i] + 1] for i in range(len(rows))]
+    for row, end in zip(rows, row_ends, strict=True):
         sample_rows.extend(range(end - row.num_sample_rows, end))
     # Then the scored positions (never a sampled one: they lie before the last prompt token).
     num_scored = 0
@@ -523,6 +591,7 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
         num_scored=num_scored,
         lora_slots=_lora_slots(rows, order, query_lens_t, dev),
+        row_ends=row_ends,
     )
 
 

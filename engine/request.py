@@ -68,6 +68,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync
     num_computed_tokens: int = field(default=0, init=False)  # tokens whose KV is in the cache
+    # Async scheduling: tokens a step still on the device is sampling for this request. The next
+    # step is scheduled as if they were known (its input is filled on the device).
+    num_output_placeholders: int = field(default=0, init=False)
     num_cached_tokens: int = field(default=0, init=False)  # prompt tokens hit on first admission
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     finish_reason: FinishReason | None = field(default=None, init=False)
@@ -112,6 +115,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_incl_placeholders(self) -> int:
+        """Known tokens and those still being sampled: what the scheduler catches up with."""
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:

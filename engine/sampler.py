@@ -113,7 +113,8 @@ class SamplingBatch:
                 random_rows.append(i)
             if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
                 penalty_rows.append(i)
-            if p.min_tokens and len(row.output_token_ids) < p.min_tokens:
+            if p.min_tokens and len(row.output_token_ids) + getattr(row, "num_output_placeholders", 0) \
+                    < p.min_tokens:
                 min_token_rows.append(i)
             if p.logprobs is not None:
                 logprob_rows.append(i)
@@ -146,6 +147,8 @@ class SamplerOutput:
     logprobs: list[RowLogprobs | None]  # one per row (None where the row did not ask)
     # Rows whose logits held NaN or +inf, or allowed no token at all: their token is meaningless.
     invalid_rows: list[int] = field(default_factory=list)
+    # The sampled ids where the logits were (the next step's placeholder inputs read them there).
+    device_token_ids: torch.Tensor | None = None
 
 
 def _invalid_rows(logits: torch.Tensor, tokens: torch.Tensor, random_rows: torch.Tensor | None) -> list[int]:
@@ -170,7 +173,7 @@ class Sampler:
         if batch.plain_greedy:
             tokens = argmax_rows(logits)
             return SamplerOutput(tokens.tolist(), [None] * batch.num_rows,
-                                 _invalid_rows(logits, tokens, None))
+                                 _invalid_rows(logits, tokens, None), tokens)
         logits = logits.float()
         raw_logprobs = None
         if batch.logprob_rows:
@@ -195,7 +198,7 @@ class Sampler:
                 tokens[random_rows] = _sample_random(logits[random_rows], random)
         token_list = tokens.tolist()
         return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, batch, token_list),
-                             _invalid_rows(logits, tokens, random_rows))
+                             _invalid_rows(logits, tokens, random_rows), tokens)
 
 
 # ---- building the batch ---------------------------------------------------------------------------
@@ -212,7 +215,7 @@ def _random_rows(rows: Sequence[SampledRow], indices: list[int]) -> RandomRows:
         seed_lo.append(lo)
         seed_hi.append(hi)
         sample_index.append(row.sample_index)
-        position.append(len(row.output_token_ids))
+        position.append(len(row.output_token_ids) + getattr(row, "num_output_placeholders", 0))
         # Any k past the vocabulary keeps every token; clamped so a huge k fits the int64 tensor.
         top_k.append(min(p.top_k, INT64_MAX) if p.top_k > 0 else 0)
         top_p.append(p.top_p)

@@ -48,7 +48,7 @@ class ScheduledChunk:
         """The chunk of `num_new_tokens` (drafts included) from where the request stands now."""
         start = request.num_computed_tokens
         num_known = num_new_tokens - len(spec_token_ids)
-        return cls(request, start, num_new_tokens, start + num_known == request.num_tokens,
+        return cls(request, start, num_new_tokens, start + num_known == request.num_tokens_incl_placeholders,
                    tuple(request.block_ids), spec_token_ids)
 
     @property
@@ -144,7 +144,7 @@ class _PriorityQueue:
 
 def _is_decode(request: Request) -> bool:
     """One token left to compute: a decode (or a finished prefill's first sample), not a prompt chunk."""
-    return request.num_tokens - request.num_computed_tokens <= 1
+    return request.num_tokens_incl_placeholders - request.num_computed_tokens <= 1
 
 
 class _StepBudget:
@@ -337,14 +337,26 @@ class Scheduler:
         headroom = -(-budget // self.config.block_size) + len(self.running) + 2 * admitted
         return self.kv_cache_manager.num_free_blocks >= headroom + self._growth_reserve()
 
+    def commit_in_flight(self, output: SchedulerOutput) -> None:
+        """Async scheduling: a launched step's tokens count as computed now, and each sampling
+        chunk's coming token as a placeholder, so the next schedule() runs while this step is on
+        the device. Its `update_from_output(..., committed=True)` then only adds the tokens."""
+        for chunk in output.chunks:
+            if chunk.spec_token_ids:
+                raise ValueError("a step verifying drafts cannot run ahead of its outputs")
+            chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            if chunk.samples:
+                chunk.request.num_output_placeholders += 1
+
     def update_from_output(
-        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]]
+        self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]], committed: bool = False
     ) -> list[Request]:
         """Apply a finished forward pass. `sampled` maps each sampling chunk's request id to its
         new token, or to its new tokens when the chunk verified drafts (the accepted drafts, then
         the token sampled after them). Tokens are taken one at a time and stop as decoding one
         by one would: a stop on the i-th drops the rest. Returns the requests that finished
-        this step (their blocks are already freed)."""
+        this step (their blocks are already freed). `committed`: the step went through
+        `commit_in_flight` (a request may have been preempted since: its token still counts)."""
         now = time.monotonic()
         finished: list[Request] = []
         for chunk in output.chunks:
@@ -353,10 +365,13 @@ class Scheduler:
                 continue
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
-            request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
+            if not committed:
+                request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
+            elif chunk.samples:
+                request.num_output_placeholders -= 1
             if chunk.samples and request.sampling_params.max_tokens == 0:
                 # Score only: the prompt is computed (its logprobs taken); no token is generated.
-                self._finish(request, FinishReason.LENGTH, now)
+                self._finish_from_output(request, FinishReason.LENGTH, now)
                 finished.append(request)
                 continue
             if chunk.samples:
@@ -374,7 +389,7 @@ class Scheduler:
                     if reason is not None:
                         break
                 if reason is not None:
-                    self._finish(request, reason, now)
+                    self._finish_from_output(request, reason, now)
                     finished.append(request)
                     continue
                 if chunk.spec_token_ids:  # rejected drafts' slots go back to the pool
@@ -383,6 +398,11 @@ class Scheduler:
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
         return finished
+
+    def _finish_from_output(self, request: Request, reason: FinishReason, now: float) -> None:
+        if request.status is not RequestStatus.RUNNING:  # preempted after its step was launched
+            self.waiting.discard(request)
+        self._finish(request, reason, now)
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -393,7 +413,11 @@ class Scheduler:
             if not with_decodes and _is_decode(request):
                 index += 1
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.token_budget)
+            if request.num_output_placeholders and self._ends_in_flight(request):
+                index += 1  # its last token is being sampled: nothing more to compute
+                continue
+            num_new = min(request.num_tokens_incl_placeholders - request.num_computed_tokens,
+                          step.token_budget)
             spec = self._drafts_that_fit(request, num_new, step.token_budget)
             if spec and self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) is None:
                 spec = ()  # drafts never preempt anyone: verify nothing this step instead
@@ -402,6 +426,13 @@ class Scheduler:
             self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new + len(spec), spec)
             index += 1
+
+    def _ends_in_flight(self, request: Request) -> bool:
+        """Whether the tokens still being sampled for the request take it to max_tokens or
+        max_model_len (async scheduling: no step is scheduled past its end)."""
+        coming = request.num_output_placeholders
+        return (request.num_output_tokens + coming >= request.sampling_params.max_tokens
+                or request.num_tokens + coming >= self.max_model_len)
 
     def _drafts_that_fit(self, request: Request, num_new: int, token_budget: int) -> tuple[int, ...]:
         """The request's drafts (`request.spec_token_ids`, set by the engine) this step verifies:

@@ -1,0 +1,104 @@
+"""Async scheduling (engine/device_step.py) gives every row exactly the tokens the synchronous loop
+gives: step N+1 is scheduled and launched while step N runs, its decode inputs filled from step N's
+sampled ids, across preemption, chunked prefill, prefix-cache hits, aborts, stops and every
+sampling option (fp32; the CPU default is batch invariant, so the different step compositions of
+the two loops cannot change a bit)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+
+
+def prompts(seed: int = 0, vocab: int = 2048) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(5, vocab) for _ in range(40)]
+    out = [shared + [rng.randrange(5, vocab) for _ in range(n)] for n in (1, 9, 17, 30)]
+    out += [[rng.randrange(5, vocab) for _ in range(n)] for n in (2, 5, 24, 47, 70)]
+    return out
+
+
+PROMPTS = prompts()
+
+
+def params_for(i: int, stop_ids: list[int], penalties: bool = False) -> SamplingParams:
+    """A mix: greedy and seeded sampling, varied lengths, stop ids the model does emit,
+    min_tokens, logprobs; with `penalties`, rows whose next input waits for their last token."""
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=5 + i),
+        SamplingParams(temperature=0.9, top_p=0.8, seed=i, max_tokens=12),
+        SamplingParams(temperature=1.0, top_k=20, min_p=0.05, seed=100 + i, max_tokens=9, logprobs=2),
+        SamplingParams(temperature=0.0, max_tokens=14, min_tokens=2, stop_token_ids=stop_ids),
+    ]
+    if penalties:
+        kinds.append(SamplingParams(temperature=0.7, seed=7 * i, max_tokens=10, presence_penalty=0.5,
+                                    repetition_penalty=1.2))
+    return kinds[i % len(kinds)]
+
+
+def run(checkpoint: str, asynchronous: bool, penalties: bool = False,
+        **options: object) -> list[tuple[list[int], str | None]]:
+    llm = LLM(model=checkpoint, dtype="float32", async_scheduling=asynchronous, **options)
+    assert llm.engine.async_scheduling is asynchronous
+    # Stop ids each greedy stop row emits after min_tokens: those rows end early, on a stop.
+    greedy = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=6))
+    stop_ids = [output.outputs[0].token_ids[4] for output in greedy]
+    outputs = llm.generate(PROMPTS, [params_for(i, stop_ids, penalties) for i in range(len(PROMPTS))])
+    llm.engine.shutdown()
+    return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs]
+
+
+@pytest.mark.parametrize("options", [
+    {"num_kv_blocks": 128},
+    # Preemption (a pool too small for every row) and chunked prefill (8-token steps).
+    {"num_kv_blocks": 12, "kv_growth_reserve_tokens": 0, "max_num_batched_tokens": 8},
+    # Penalty rows: the step in flight is taken before scheduling while one of them runs.
+    {"num_kv_blocks": 128, "penalties": True},
+], ids=["plain", "preempt-chunked", "penalties"])
+def test_async_rows_get_the_synchronous_tokens(tiny_checkpoint, options):
+    expected = run(str(tiny_checkpoint), False, **options)
+    assert "stop" in {reason for _, reason in expected}
+    assert run(str(tiny_checkpoint), True, **options) == expected
+
+
+def test_async_engine_aborts_and_logprobs(tiny_checkpoint):
+    """An abort while a step is in flight ends the row with what it had; logprobs and prompt
+    logprobs come back as in the synchronous loop."""
+
+    def generate(asynchronous: bool) -> dict[str, object]:
+        engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128,
+                                        async_scheduling=asynchronous))
+        params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=3, prompt_logprobs=2)
+        for i, prompt in enumerate(PROMPTS[:5]):
+            engine.add_request(str(i), prompt, params)
+        results: dict[str, object] = {}
+        steps = 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                completion = output.outputs[0]
+                chosen = [(p.chosen.token_id, round(p.chosen.logprob, 5)) for p in completion.logprobs or []]
+                results[output.request_id] = (completion.token_ids, completion.finish_reason, chosen,
+                                              len(output.prompt_logprobs or []))
+            steps += 1
+            if steps == 4:
+                engine.abort_request("2")
+        engine.shutdown()
+        return results
+
+    synchronous, asynchronous = generate(False), generate(True)
+    assert synchronous["2"][1] == asynchronous["2"][1] == "abort"
+    for request_id in ("0", "1", "3", "4"):
+        assert asynchronous[request_id] == synchronous[request_id]
+
+
+def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoint):
+    with pytest.raises(ValueError, match="async_scheduling cannot be used with speculative decoding"):
+        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True,
+                     speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
+    with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size"):
+        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
+    assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
