@@ -133,8 +133,11 @@ class KVCacheManager:
         blocks, or None when the pool is short, in which case nothing changed but the release of
         blocks behind every layer's window (never read again).
         """
-        computed_blocks = computed_blocks or ()
         table = self._tables.get(request.request_id)
+        if (table and not computed_blocks and self.sliding_window is None
+                and request.num_computed_tokens + num_new_tokens <= len(table) * self.block_size):
+            return []  # the common decode step: its slot is in a block it holds
+        computed_blocks = computed_blocks or ()
         if computed_blocks and table:
             raise ValueError(f"request {request.request_id} holds blocks; computed blocks are for admission")
         if table and self.sliding_window is not None:
@@ -194,7 +197,7 @@ class KVCacheManager:
             return
         surplus = table[num_keep:]
         del table[num_keep:]
-        del request.block_ids[num_keep:]
+        request.block_ids = request.block_ids[:num_keep]  # a new list: only growth keeps the list
         self.block_pool.free_blocks(reversed(surplus))
 
     def free(self, request: Request) -> None:

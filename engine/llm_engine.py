@@ -397,21 +397,27 @@ class LLMEngine:
         returns the requests it finished."""
         finished: list[Request] = []
         scheduled, sampling = step.scheduled, step.sampling
-        prefill_tokens = sum(
-            max(0, min(c.start + c.num_new_tokens, c.request.num_prompt_tokens) - c.start)
-            for c in scheduled.chunks
-        )
-        first_tokens = sum(c.request.num_prompt_tokens for c in sampling
-                           if not c.request.output_token_ids and not c.request.is_finished)
-        outputs_before = {c.request.request_id: c.request.num_output_tokens for c in sampling}
+        prefill_tokens = 0
+        for chunk in scheduled.chunks:
+            if chunk.start < chunk.request.num_prompt_tokens:
+                prefill_tokens += min(chunk.start + chunk.num_new_tokens, chunk.request.num_prompt_tokens) \
+                    - chunk.start
+        first_tokens = 0
+        outputs_before = {}
+        for chunk in sampling:
+            request = chunk.request
+            outputs_before[request.request_id] = before = len(request.output_token_ids)
+            if not before and not request.is_finished:
+                first_tokens += request.num_prompt_tokens
         self._keep_prompt_logprobs(result.prompt_logprobs)
         sampled, logprobs = self._take_sampled(result, step, finished)
         finished += self.scheduler.update_from_output(scheduled, sampled, committed=step.future is not None)
         if self._post_ids:
             finished += self._after_sampling(sampling, outputs_before, logprobs)
-        self.counters.generation_tokens += sum(
-            c.request.num_output_tokens - outputs_before[c.request.request_id] for c in sampling
-        )
+        generated = 0
+        for chunk in sampling:
+            generated += len(chunk.request.output_token_ids) - outputs_before[chunk.request.request_id]
+        self.counters.generation_tokens += generated
         self.counters.prompt_tokens += first_tokens
         if self.kv_connector is not None:
             self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
@@ -454,7 +460,10 @@ class LLMEngine:
         rows: list[Any] = []
         spans: list[tuple[int, int]] = []
         drafts_before: list[tuple[int, ...]] = []
-        for chunk in chunks:
+        if self._speculator is None:  # one row a chunk
+            rows = [chunk.request for chunk in chunks]
+            spans = [(i, 1) for i in range(len(chunks))]
+        for chunk in chunks if self._speculator is not None else ():
             positions = sampled_positions(chunk.request, chunk.spec_token_ids)
             spans.append((len(rows), len(positions)))
             rows.extend(positions)
@@ -474,6 +483,10 @@ class LLMEngine:
         logits are not finite at a kept position (NaN/inf: a numerical fault in the model or its
         dtype) ends with an error instead of emitting junk (added to `finished`, left out)."""
         invalid = set(result.invalid_rows)
+        if not invalid and self._speculator is None:  # one token a chunk, every one kept
+            token_ids, row_logprobs = result.token_ids, result.logprobs
+            return ({chunk.request.request_id: [token_ids[i]] for i, chunk in enumerate(step.sampling)},
+                    {chunk.request.request_id: [row_logprobs[i]] for i, chunk in enumerate(step.sampling)})
         sampled: dict[str, list[int]] = {}
         logprobs: dict[str, list[RowLogprobs | None]] = {}
         for chunk, (first, count) in zip(step.sampling, step.spans, strict=True):

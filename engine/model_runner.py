@@ -36,6 +36,7 @@ from bulkinfer.engine.kv_connector.connector import KVLoad, load_blocks
 from bulkinfer.engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
 from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
+from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
 from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
@@ -137,6 +138,9 @@ class ModelRunner:
             # A graph's step cannot pair its collectives with the other ranks (engine/config.py).
             self.use_decode_graphs = False
         self.sampler = Sampler()
+        # Plain decode rows' block tables, kept across steps (engine/persistent_batch.py).
+        self.block_tables = BlockTables(2 * config.max_num_seqs,
+                                        -(-config.max_model_len // self.block_size) + 1)
         if self.device.type == "cpu":
             keep_freed_memory_for_reuse()
 
@@ -305,16 +309,20 @@ class ModelRunner:
         return self.forward_prepared(self.prepare_step(output))
 
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
-        """Host work of a step: its rows flattened into input tensors (on the device)."""
-        rows, spans, placeholders = self.batch_rows_with_placeholders(output)
-        batch = prepare_rows(rows, self.block_size, self.device)
-        if batch is not None:
-            batch.score_spans = spans
+        """Host work of a step: its rows flattened into input tensors (on the device). Plain decode
+        rows go through the persistent block tables, except where the other tensor-parallel ranks
+        need every row as an object or adapters order the rows."""
+        columns = self.parallel is None and self.lora is None
+        step = self.batch_rows_with_placeholders(output, columns=columns)
+        batch = prepare_rows(step.rows, self.block_size, self.device, step.decodes, step.units,
+                             self.block_tables if columns else None)
         filled = None
-        if placeholders and batch is not None:
-            filled = PlaceholderInputs([batch.row_ends[i] - 1 for i, _ in placeholders],
-                                       [request_id for _, request_id in placeholders])
-        return PreparedStep(batch, rows, output.kv_loads, filled)
+        if batch is not None:
+            batch.score_spans = step.spans
+            places = step.column_placeholders + [(batch.row_ends[i] - 1, r) for i, r in step.placeholders]
+            if places:
+                filled = PlaceholderInputs([flat for flat, _ in places], [r for _, r in places])
+        return PreparedStep(batch, step.rows, output.kv_loads, filled)
 
     @torch.inference_mode()
     def forward_prepared(self, prepared: PreparedStep, previous: SampledStep | None = None) -> StepResult:
@@ -417,47 +425,73 @@ class ModelRunner:
 
     def batch_rows(self, output: SchedulerOutput) -> tuple[list[BatchRow], list[ScoreSpan]]:
         """A SchedulerOutput's rows (what ``prepare_rows`` flattens) and its scored prompt spans."""
-        rows, spans, _ = self.batch_rows_with_placeholders(output)
-        return rows, spans
+        step = self.batch_rows_with_placeholders(output)
+        return step.rows, step.spans
 
-    def batch_rows_with_placeholders(
-        self, output: SchedulerOutput
-    ) -> tuple[list[BatchRow], list[ScoreSpan], list[tuple[int, str]]]:
+    def batch_rows_with_placeholders(self, output: SchedulerOutput, columns: bool = False) -> StepRows:
         """A SchedulerOutput's rows (what ``prepare_rows`` flattens), its scored prompt spans, and
-        the rows whose last input token is a placeholder (row index, request id): a token the
-        step still in flight is sampling (async scheduling), written as 0 here and filled on the
-        device.
+        the rows whose last input token is a placeholder: a token the step still in flight is
+        sampling (async scheduling), written as 0 here and filled on the device. With `columns`,
+        plain decode rows go into `StepRows.decodes` instead (the persistent batch).
 
         A chunk that verifies drafts (its last known token, then k drafts) becomes 1 + k solo decode
         rows over the same block table, each attending up to its own position: every position is
         computed as decoding it alone is (the decode kernel, not the prefill one; not grouped over
         the shared blocks), so in bf16 too verification gives the logits a lone decode gets.
         """
-        rows: list[BatchRow] = []
-        spans: list[ScoreSpan] = []
-        placeholders: list[tuple[int, str]] = []
+        step = StepRows(decodes=DecodeColumns() if columns else None, units=[] if columns else None)
+        rows, decodes, units = step.rows, step.decodes, step.units
         if self.lora is not None:
             self.lora.begin_step()
+        invariant = self.config.batch_invariant_on
         for chunk in output.chunks:
-            lora = self.lora.slot_of(chunk.request.lora_request) if self.lora is not None else NO_ADAPTER
+            request = chunk.request
+            if decodes is not None and chunk.num_new_tokens == 1 and not chunk.spec_token_ids \
+                    and (not invariant or chunk.start >= request.num_prompt_tokens) \
+                    and not request.needs_prompt_logprobs:
+                assert units is not None
+                known = chunk.start < len(request.all_token_ids)
+                if not known:
+                    step.column_placeholders.append((len(decodes), request.request_id))
+                units.append(len(decodes))
+                decodes.add(request.request_id, chunk.block_ids, chunk.start,
+                            request.all_token_ids[chunk.start] if known else 0, chunk.samples)
+                continue
+            first_row = len(rows)
+            lora = self.lora.slot_of(request.lora_request) if self.lora is not None else NO_ADAPTER
             if chunk.spec_token_ids:
-                tokens = [chunk.request.all_token_ids[chunk.start], *chunk.spec_token_ids]
+                tokens = [request.all_token_ids[chunk.start], *chunk.spec_token_ids]
                 rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True, lora_slot=lora)
                             for j, token in enumerate(tokens))
-                continue
-            end = chunk.start + chunk.num_new_tokens
-            span = score_span(chunk)
-            if span is not None:
-                spans.append(span)
-            if self.config.batch_invariant_on:
-                rows.extend(invariant_rows(chunk, lora, (span.offset, span.count) if span else None))
             else:
-                rows.append(BatchRow(known_tokens(chunk.request.all_token_ids, chunk.start, end), chunk.start,
-                                     chunk.block_ids, chunk.num_sample_rows,
-                                     score=(span.offset, span.count) if span else None, lora_slot=lora))
-            if end > chunk.request.num_tokens:
-                placeholders.append((len(rows) - 1, chunk.request.request_id))
-        return rows, spans, placeholders
+                end = chunk.start + chunk.num_new_tokens
+                span = score_span(chunk)
+                if span is not None:
+                    step.spans.append(span)
+                if invariant:
+                    rows.extend(invariant_rows(chunk, lora, (span.offset, span.count) if span else None))
+                else:
+                    rows.append(BatchRow(known_tokens(request.all_token_ids, chunk.start, end), chunk.start,
+                                         chunk.block_ids, chunk.num_sample_rows,
+                                         score=(span.offset, span.count) if span else None, lora_slot=lora))
+                if end > request.num_tokens:
+                    step.placeholders.append((len(rows) - 1, request.request_id))
+            if units is not None:
+                units.extend(~r for r in range(first_row, len(rows)))
+        return step
+
+
+@dataclass
+class StepRows:
+    """A step's rows before they are flattened (ModelRunner.batch_rows_with_placeholders)."""
+
+    rows: list[BatchRow] = field(default_factory=list)
+    spans: list[ScoreSpan] = field(default_factory=list)
+    # (row index, request id) of rows whose last input token is a placeholder.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
+    decodes: DecodeColumns | None = None  # plain decode rows as columns (the persistent batch)
+    units: list[int] | None = None  # the rows' own order over columns (d) and rows (~r)
+    column_placeholders: list[tuple[int, str]] = field(default_factory=list)
 
 
 def known_tokens(tokens: Sequence[int], start: int, end: int) -> list[int]:
@@ -509,50 +543,87 @@ class BatchRow:
         return len(self.token_ids) == 1 if self.decode is None else self.decode
 
 
-def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device) -> StepBatch | None:
+def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device,
+                 decodes: DecodeColumns | None = None, units: Sequence[int] | None = None,
+                 tables: BlockTables | None = None) -> StepBatch | None:
     """Flatten rows into one batch (no padding between them): single-token rows first so attention
-    batches them; the sampled positions come back in the rows' own order."""
-    if not rows:
+    batches them; the sampled positions come back in the rows' own order.
+
+    `decodes`: plain decode rows as columns, their tables in `tables` (the persistent batch); they
+    come first. `units` then gives the rows' own order over both: d >= 0 is decode column d, ~r
+    (negative) is rows[r]."""
+    num_columns = len(decodes) if decodes is not None else 0
+    if not rows and not num_columns:
         return None
     bs = block_size
     # Decode (single-token) rows first; within each kind, rows by adapter, so each adapter's rows are one
     # slice of the batch (engine/lora/rows.py). Stable: without LoRA rows the order is the given one.
     order = sorted(range(len(rows)), key=lambda i: (not rows[i].is_decode, rows[i].lora_slot))
-    num_decodes = sum(1 for row in rows if row.is_decode)
+    num_decodes = num_columns + sum(1 for row in rows if row.is_decode)
 
     starts: list[int] = []
     query_lens: list[int] = []
-    tables: list[list[int]] = []
+    row_tables: list[list[int]] = []
     for i in order:
         row = rows[i]
         start, n = row.start, len(row.token_ids)
         starts.append(start)
         query_lens.append(n)
-        tables.append(list(row.block_ids[: -(-(start + n) // bs)]))
+        row_tables.append(list(row.block_ids[: -(-(start + n) // bs)]))
 
     dev = device
-    num_rows = len(order)
-    query_lens_t = torch.tensor(query_lens)
-    seq_lens_t = torch.tensor(starts) + query_lens_t
-    query_start_loc = torch.zeros(num_rows + 1, dtype=torch.long)
-    torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
-    num_tokens = int(query_start_loc[-1])
-
-    row_of_token = torch.repeat_interleave(torch.arange(num_rows), query_lens_t)
-    positions = (
-        torch.arange(num_tokens) - query_start_loc[row_of_token] + torch.tensor(starts)[row_of_token]
-    )
-    max_blocks = max(len(t) for t in tables)
-    block_tables = padded_block_tables(tables, max_blocks)
-    slot_mapping = block_tables[row_of_token, positions // bs] * bs + positions % bs
+    num_rows = num_columns + len(order)
+    starts_np = np.array(starts, dtype=np.int64)
+    query_lens_np = np.array(query_lens, dtype=np.int64)
+    if num_columns:
+        assert decodes is not None and tables is not None, "decode columns need their block tables"
+        starts_np = np.concatenate([np.array(decodes.starts, dtype=np.int64), starts_np])
+        query_lens_np = np.concatenate([np.ones(num_columns, dtype=np.int64), query_lens_np])
+    seq_lens_np = starts_np + query_lens_np
+    query_start_loc_np = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(query_lens_np, out=query_start_loc_np[1:])
+    num_tokens = int(query_start_loc_np[-1])
+    if num_tokens == num_rows:  # one token a row: a decode step
+        row_of_token = np.arange(num_rows)
+        positions_np = starts_np
+    else:
+        row_of_token = np.repeat(np.arange(num_rows), query_lens_np)
+        positions_np = np.arange(num_tokens) - query_start_loc_np[row_of_token] + starts_np[row_of_token]
+    width = int(-(-seq_lens_np.max() // bs))
+    if num_columns:
+        assert decodes is not None and tables is not None
+        block_tables_np = np.zeros((num_rows, width), dtype=np.int64)
+        slots = tables.rows(decodes.request_ids, decodes.block_lists)
+        usable = min(width, tables.table.shape[1])
+        block_tables_np[:num_columns, :usable] = tables.table[slots, :usable]
+        if row_tables:
+            block_tables_np[num_columns:] = padded_block_tables(row_tables, width).numpy()
+        block_tables = torch.from_numpy(block_tables_np)
+    else:
+        block_tables = padded_block_tables(row_tables, width)
+        block_tables_np = block_tables.numpy()
+    slot_mapping_np = block_tables_np[row_of_token, positions_np // bs] * bs + positions_np % bs
 
     # Sampled positions, in the rows' own order: the last num_sample_rows of each.
-    qsl = query_start_loc.tolist()
-    row_in_batch = {row_index: batch_row for batch_row, row_index in enumerate(order)}
-    sample_rows: list[int] = []
+    qsl = query_start_loc_np.tolist()
+    row_in_batch = {row_index: num_columns + batch_row for batch_row, row_index in enumerate(order)}
     row_ends = [qsl[row_in_batch[i] + 1] for i in range(len(rows))]
-    for row, end in zip(rows, row_ends, strict=True):
-        sample_rows.extend(range(end - row.num_sample_rows, end))
+    sample_rows: list[int] = []
+    if units is None:
+        for row, end in zip(rows, row_ends, strict=True):
+            sample_rows.extend(range(end - row.num_sample_rows, end))
+    elif not rows:
+        assert decodes is not None
+        sample_rows = [d for d, samples in enumerate(decodes.samples) if samples]
+    else:
+        assert decodes is not None
+        for unit in units:
+            if unit >= 0:
+                if decodes.samples[unit]:
+                    sample_rows.append(unit)
+            else:
+                end = row_ends[~unit]
+                sample_rows.extend(range(end - rows[~unit].num_sample_rows, end))
     # Then the scored positions (never a sampled one: they lie before the last prompt token).
     num_scored = 0
     for i, row in enumerate(rows):
@@ -561,36 +632,40 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
             sample_rows.extend(range(begin, begin + row.score[1]))
             num_scored += row.score[1]
 
-    decode_blocks = max((len(t) for t in tables[:num_decodes]), default=1)
-    solo = torch.tensor([rows[i].solo for i in order[:num_decodes]], dtype=torch.bool)
+    seq_lens_t = torch.from_numpy(seq_lens_np)
+    decode_blocks = int(-(-seq_lens_np[:num_decodes].max() // bs)) if num_decodes else 1
+    row_solo = [rows[i].solo for i in order[: num_decodes - num_columns]]
+    solo = torch.tensor([False] * num_columns + row_solo, dtype=torch.bool) if any(row_solo) else None
+    prefill_tables = row_tables[num_decodes - num_columns:]
     metadata = AttentionMetadata(
         block_size=bs,
-        slot_mapping=slot_mapping.to(dev),
+        slot_mapping=torch.from_numpy(slot_mapping_np).to(dev),
         num_decodes=num_decodes,
         decode_seq_lens=seq_lens_t[:num_decodes],
         decode_block_tables=block_tables[:num_decodes, :decode_blocks],
-        decode_solo=solo if bool(solo.any()) else None,
+        decode_solo=solo,
         prefill_query_starts=qsl[num_decodes:-1],
-        prefill_query_lens=query_lens[num_decodes:],
-        prefill_seq_lens=seq_lens_t[num_decodes:].tolist(),
-        prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in tables[num_decodes:]],
-        prefill_block_lists=tables[num_decodes:],
-        query_start_loc=query_start_loc,
+        prefill_query_lens=query_lens_np[num_decodes:].tolist(),
+        prefill_seq_lens=seq_lens_np[num_decodes:].tolist(),
+        prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in prefill_tables],
+        prefill_block_lists=prefill_tables,
+        query_start_loc=torch.from_numpy(query_start_loc_np),
         seq_lens=seq_lens_t,
         block_tables=block_tables,
     )
+    token_ids = list(itertools.chain.from_iterable(rows[i].token_ids for i in order))
+    if num_columns:
+        assert decodes is not None
+        token_ids = decodes.token_ids + token_ids
     return StepBatch(
-        input_ids=torch.tensor(
-            list(itertools.chain.from_iterable(rows[i].token_ids for i in order)),
-            dtype=torch.long,
-            device=dev,
-        ),
-        positions=positions.to(dev),
+        input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
+        positions=torch.from_numpy(positions_np).to(dev),
         metadata=metadata,
         sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
         final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
         num_scored=num_scored,
-        lora_slots=_lora_slots(rows, order, query_lens_t, dev),
+        lora_slots=_lora_slots(rows, order, torch.from_numpy(query_lens_np[num_columns:]), dev)
+        if rows else None,
         row_ends=row_ends,
     )
 

@@ -30,7 +30,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def is_finished(self) -> bool:
-        return self in _FINISHED_STATUS_BY_REASON.values()
+        return self in _FINISHED_STATUSES
 
 
 _FINISHED_STATUS_BY_REASON = {
@@ -39,6 +39,7 @@ _FINISHED_STATUS_BY_REASON = {
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
     FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
+_FINISHED_STATUSES = frozenset(_FINISHED_STATUS_BY_REASON.values())
 
 
 @dataclass(eq=False)  # identity equality: requests are compared and hashed as objects
@@ -123,7 +124,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.is_finished
+        return self.status in _FINISHED_STATUSES  # per row per step: one set lookup
 
     @property
     def needs_prompt_logprobs(self) -> bool:

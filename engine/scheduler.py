@@ -25,10 +25,11 @@ from bulkinfer.engine.prefix_hash import BlockHash
 from bulkinfer.engine.request import FinishReason, Request, RequestStatus
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)  # not frozen: a frozen init costs 4x, for every row of every step
 class ScheduledChunk:
     """One request's work in a step, fixed when it was scheduled (vLLM's NewRequestData /
-    CachedRequestData): what the runner computes does not move when the request is updated."""
+    CachedRequestData): what the runner computes does not move when the request is updated.
+    Never changed after it is made."""
 
     request: Request  # for its token ids and sampling state
     start: int  # the first token computed this step (num_computed_tokens when scheduled)
@@ -36,7 +37,9 @@ class ScheduledChunk:
     # True when the chunk catches the request up with every known token, so the forward pass
     # yields its next token; False for a partial (chunked) prefill.
     samples: bool
-    block_ids: tuple[int, ...]  # the request's whole block table after this step's allocation
+    # The request's whole block table after this step's allocation: its live list (not a copy per
+    # row per step), read when the step is prepared, before anything schedules again.
+    block_ids: Sequence[int]
     # Draft tokens (speculative decoding) computed after the request's last known token; the
     # last len + 1 positions are verified. Counted in num_new_tokens.
     spec_token_ids: tuple[int, ...] = ()
@@ -49,7 +52,7 @@ class ScheduledChunk:
         start = request.num_computed_tokens
         num_known = num_new_tokens - len(spec_token_ids)
         return cls(request, start, num_new_tokens, start + num_known == request.num_tokens_incl_placeholders,
-                   tuple(request.block_ids), spec_token_ids)
+                   request.block_ids, spec_token_ids)
 
     @property
     def num_sample_rows(self) -> int:
