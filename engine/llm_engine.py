@@ -151,7 +151,7 @@ class LLMEngine:
         self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
         self._step_queue = StepQueue() if self.async_scheduling else None
         self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
-        # Samples whose next step needs their last token on the host (grammar, penalties).
+        # Samples whose next step needs their last token on the host (penalties: token counts).
         self._host_token_ids: set[str] = set()
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
@@ -286,7 +286,7 @@ class LLMEngine:
                 self.lora.acquire(lora_request)  # kept in host memory until the sample ends
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
-            if sample.structured or params.uses_penalties:
+            if params.uses_penalties:
                 self._host_token_ids.add(child.request_id)
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
@@ -354,9 +354,11 @@ class LLMEngine:
 
     def _step_async(self) -> list[RequestOutput]:
         """One step with async scheduling: step N+1 is scheduled, prepared and launched while step N
-        runs on the device; then step N's outputs are taken. Rows whose next input needs their last
-        token on the host (a grammar's bitmask, penalties) wait for it first: the step in flight is
-        completed before scheduling when one of its rows is such a row."""
+        runs on the device; then step N's outputs are taken. Grammar rows' bitmask for step N+1
+        needs their step-N token: it is filled once step N's outputs are taken and handed to step
+        N+1, whose forward pass has been running meanwhile (only its sampling waits: vLLM's way).
+        Penalty rows read their tokens on the host: the step in flight is completed before
+        scheduling while one of them is in it."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
@@ -368,28 +370,46 @@ class LLMEngine:
         if self.kv_connector is not None:
             self.kv_connector.flush_saves()
         scheduled = self.scheduler.schedule()
+        launched = None
         if scheduled.chunks:
-            step = self._prepare(scheduled, started)
-            step.future = self._step_queue.submit(self.device, step.prepared, step.batch, step.row_ids)
+            launched = self._prepare(scheduled, started, defer_bitmask=in_flight is not None)
+            launched.future = self._step_queue.submit(self.device, launched.prepared, launched.batch,
+                                                      launched.row_ids)
             self.scheduler.commit_in_flight(scheduled)
-            self._in_flight = step
+            self._in_flight = launched
         if in_flight is not None:
-            finished += self._complete(in_flight)
+            try:
+                finished += self._complete(in_flight)
+            finally:
+                if launched is not None and launched.batch.pending_bitmask is not None:
+                    self._hand_bitmask(launched)
         elif self._in_flight is None and (self._grammars.compiling or self._kv_loads_pending()) \
                 and not outputs and not finished:
             time.sleep(GRAMMAR_WAIT_S)
         return outputs + self._finished_outputs(finished)
+
+    def _hand_bitmask(self, step: _Step) -> None:
+        """Fill a launched step's grammar bitmask (its rows' grammars now hold every token sampled
+        before it) and hand it to the step's sampling."""
+        pending = step.batch.pending_bitmask
+        assert pending is not None
+        try:
+            pending.set_result(self._grammars.bitmask(step.row_ids))
+        except BaseException as error:  # the step fails with it instead of waiting forever
+            pending.set_exception(error)
+            raise
 
     def _complete(self, step: _Step) -> list[Request]:
         """Wait for a launched step's sampled ids and apply them."""
         assert step.future is not None
         return self._apply(step, step.future.result())
 
-    def _prepare(self, scheduled: SchedulerOutput, started: float) -> _Step:
-        """Host work before a step's forward pass: its input tensors and its sampling settings."""
+    def _prepare(self, scheduled: SchedulerOutput, started: float, defer_bitmask: bool = False) -> _Step:
+        """Host work before a step's forward pass: its input tensors and its sampling settings
+        (with `defer_bitmask`, a grammar bitmask comes later: `_hand_bitmask`)."""
         sampling = [c for c in scheduled.chunks if c.samples]
         prepared = self.device.prepare_step(scheduled)
-        batch, spans, row_ids = self._sampling_batch(sampling)
+        batch, spans, row_ids = self._sampling_batch(sampling, defer_bitmask and bool(self._grammars.ids))
         return _Step(scheduled, sampling, prepared, batch, spans, row_ids, started)
 
     def _apply(self, step: _Step, result: SampledStep) -> list[Request]:
@@ -453,10 +473,11 @@ class LLMEngine:
             sample.request.num_prompt_logprobs += len(rows)
 
     def _sampling_batch(
-        self, chunks: list[ScheduledChunk]
+        self, chunks: list[ScheduledChunk], defer_bitmask: bool = False
     ) -> tuple[SamplingBatch, list[tuple[int, int]], list[str]]:
         """The sampling settings of a step's sampled rows (one per sampling chunk, 1 + drafts for a
-        chunk verifying drafts), each chunk's (first row, count), and each row's request id."""
+        chunk verifying drafts), each chunk's (first row, count), and each row's request id.
+        `defer_bitmask`: the grammar bitmask is handed over later (`SamplingBatch.pending_bitmask`)."""
         rows: list[Any] = []
         spans: list[tuple[int, int]] = []
         drafts_before: list[tuple[int, ...]] = []
@@ -470,6 +491,10 @@ class LLMEngine:
             drafts_before.extend(chunk.spec_token_ids[:j] for j in range(len(positions)))
         verifying = len(rows) > len(chunks)
         row_ids = [row.request_id for row in rows]
+        if defer_bitmask:
+            batch = SamplingBatch.build(rows, self.eos_token_ids)
+            batch.pending_bitmask = concurrent.futures.Future()
+            return batch, spans, row_ids
         bitmask, apply_bitmask = self._grammars.bitmask(row_ids, drafts_before if verifying else None) \
             if rows else (None, None)
         batch = SamplingBatch.build(rows, self.eos_token_ids, bitmask=bitmask, apply_bitmask=apply_bitmask)

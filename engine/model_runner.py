@@ -347,6 +347,7 @@ class ModelRunner:
         """Forward a prepared step and sample its rows on the device: only the sampled ids (and
         logprobs where asked) come back to the host."""
         result = self.forward_prepared(prepared, previous)
+        batch.resolve_bitmask()  # async scheduling: the forward pass ran while the host filled it
         if not batch.num_rows:
             return SampledStep([], [], prompt_logprobs=result.prompt_logprobs)
         sampled = self.sampler.sample(result.logits, batch)

@@ -15,6 +15,7 @@ all-greedy step is one argmax and a plain-temperature step is softmax + cumsum +
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ class SampledRow(Protocol):
 
 
 BitmaskApplier = Callable[[torch.Tensor, torch.Tensor], None]
+PendingBitmask = tuple[torch.Tensor | None, BitmaskApplier | None]
 
 
 @dataclass
@@ -84,6 +86,14 @@ class SamplingBatch:
     num_logprobs: list[int]  # top-k size for each of those rows
     bitmask: torch.Tensor | None = None  # grammar bitmask [num_rows, ceil(vocab / 32)] int32
     apply_bitmask: BitmaskApplier | None = None
+    # Async scheduling: (bitmask, applier) still to come from the host; `resolve_bitmask` waits.
+    pending_bitmask: concurrent.futures.Future[PendingBitmask] | None = None
+
+    def resolve_bitmask(self) -> None:
+        """Wait for a bitmask the host is still filling (the device's sampling needs it now)."""
+        if self.pending_bitmask is not None:
+            self.bitmask, self.apply_bitmask = self.pending_bitmask.result()
+            self.pending_bitmask = None
 
     @property
     def plain_greedy(self) -> bool:

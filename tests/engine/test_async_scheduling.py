@@ -6,6 +6,7 @@ the two loops cannot change a bit)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -102,3 +103,34 @@ def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoin
         EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
     assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "ok": {"type": "boolean"}}, "required": ["name", "ok"],
+          "additionalProperties": False}
+
+
+def test_grammar_rows_get_the_synchronous_tokens_with_their_bitmask_handed_over_late(tiny_checkpoint):
+    """Grammar rows run ahead too: step N+1's forward pass is launched before step N's tokens are
+    known, and its bitmask is handed to its sampling once they are; every token is the one the
+    synchronous loop samples, and every finished output parses."""
+    params = [SamplingParams(json_schema=SCHEMA, temperature=1.0, seed=i, max_tokens=60) if i % 2 == 0
+              else SamplingParams(temperature=0.8, seed=i, max_tokens=20) for i in range(len(PROMPTS))]
+
+    def generate(asynchronous: bool) -> list[tuple[list[int], str | None, str]]:
+        llm = LLM(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128,
+                  async_scheduling=asynchronous)
+        handed = []
+        fill = llm.engine._hand_bitmask
+        llm.engine._hand_bitmask = lambda step: (handed.append(step), fill(step))
+        outputs = llm.generate(PROMPTS, params)
+        llm.engine.shutdown()
+        assert bool(handed) is asynchronous  # the late hand-over did happen
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in outputs]
+
+    expected = generate(False)
+    assert generate(True) == expected
+    finished = [text for i, (_, reason, text) in enumerate(expected) if i % 2 == 0 and reason == "stop"]
+    assert finished, "no grammar row finished: the test checks nothing"
+    for text in finished:
+        assert set(json.loads(text)) == {"name", "ok"}
