@@ -31,7 +31,7 @@ CATEGORIES = {
                   "_scaled_dot_product_flash_attention_for_cpu", "scaled_dot_product_attention",
                   "index_select"),
     "layer ops": ("add_rms_norm", "rope_", "silu_and_mul", "store_kv"),
-    "sampling": ("sample", "argmax_rows", "amax", "argmax", "_invalid_rows"),
+    "sampling": ("sample", "argmax_rows", "amax", "argmax", "_invalid_mask", "_to_host"),
     "scheduling": ("schedule", "update_from_output", "prepare_batch"),
 }
 WHOLE_CALLS = {"scheduling"}

@@ -57,6 +57,7 @@ class Penalties:
     output_ids: torch.Tensor
     prompt_rows: torch.Tensor  # flat pairs of prompt tokens (only rows with repetition_penalty != 1)
     prompt_ids: torch.Tensor
+    any_repetition: bool = True  # some row's repetition_penalty != 1
 
 
 @dataclass
@@ -72,6 +73,7 @@ class RandomRows:
     top_k: torch.Tensor | None  # [R] int (vocab-sized = off); None when no row uses top-k
     top_p: torch.Tensor | None  # [R] float; None when no row uses top-p
     min_p: torch.Tensor | None  # [R] float; None when no row uses min-p
+    max_top_k: int = 0  # the largest top_k asked (0: none)
 
 
 @dataclass
@@ -161,17 +163,47 @@ class SamplerOutput:
     device_token_ids: torch.Tensor | None = None
 
 
-def _invalid_rows(logits: torch.Tensor, tokens: torch.Tensor, random_rows: torch.Tensor | None) -> list[int]:
+def _invalid_mask(logits: torch.Tensor, tokens: torch.Tensor,
+                  random_rows: torch.Tensor | None) -> torch.Tensor:
     """Rows whose chosen logit is not finite (an argmax lands on a NaN or +inf, and on -inf when
     every token is masked), and sampled rows whose largest logit is not (a softmax over NaN draws
-    junk). A cheap gather per step where all is well."""
+    junk), as a bool per row on the device. A cheap gather per step where all is well."""
     chosen = logits.gather(1, tokens[:, None].to(logits.device))[:, 0]
     bad = ~torch.isfinite(chosen)
     if random_rows is not None:  # the row maxima of the whole batch: a pass, not a copy of the rows
         bad[random_rows] |= ~torch.isfinite(logits.amax(dim=-1)[random_rows])
-    if not bool(bad.any()):
-        return []
-    return bad.nonzero()[:, 0].tolist()
+    return bad
+
+
+def _to_host(tokens: torch.Tensor, invalid: torch.Tensor,
+             logprobs: LogprobTensors | None) -> tuple[list[int], list[int], list[list[float]] | None]:
+    """The step's one device-to-host copy: the sampled ids with each row's invalid flag (and, only
+    where logprobs are asked, one more: their values). Nothing else in a step reads the device."""
+    ints = [tokens, invalid.to(torch.int64)]
+    if logprobs is not None:
+        ints += [logprobs.ranks, logprobs.top_ids.reshape(-1)]
+    host = torch.cat(ints).cpu().numpy()
+    n = len(tokens)
+    flags = host[n : 2 * n]
+    floats = None
+    if logprobs is not None:
+        values = torch.cat([logprobs.chosen[:, None], logprobs.top_values], dim=1).cpu()
+        floats = values.tolist()
+        rows = len(logprobs.chosen)
+        ranks, top_ids = host[2 * n : 2 * n + rows], host[2 * n + rows :].reshape(rows, -1)
+        logprobs.host = (ranks.tolist(), top_ids.tolist())
+    return host[:n].tolist(), flags.nonzero()[0].tolist(), floats
+
+
+@dataclass
+class LogprobTensors:
+    """Logprobs of the rows that ask, on the device until the step's copy."""
+
+    chosen: torch.Tensor  # [R] the sampled token's logprob
+    ranks: torch.Tensor  # [R] int64
+    top_ids: torch.Tensor  # [R, max k] int64
+    top_values: torch.Tensor  # [R, max k]
+    host: tuple[list[int], list[list[int]]] | None = None  # (ranks, top ids) once copied
 
 
 class Sampler:
@@ -182,8 +214,8 @@ class Sampler:
         dtype: rounding to fp32 is exact and monotone, so the argmax (ties included) is the same."""
         if batch.plain_greedy:
             tokens = argmax_rows(logits)
-            return SamplerOutput(tokens.tolist(), [None] * batch.num_rows,
-                                 _invalid_rows(logits, tokens, None), tokens)
+            token_list, invalid, _ = _to_host(tokens, _invalid_mask(logits, tokens, None), None)
+            return SamplerOutput(token_list, [None] * batch.num_rows, invalid, tokens)
         logits = logits.float()
         raw_logprobs = None
         if batch.logprob_rows:
@@ -206,9 +238,9 @@ class Sampler:
             tokens = argmax_rows(logits)
             if random is not None:
                 tokens[random_rows] = _sample_random(logits[random_rows], random)
-        token_list = tokens.tolist()
-        return SamplerOutput(token_list, _gather_logprobs(raw_logprobs, batch, token_list),
-                             _invalid_rows(logits, tokens, random_rows), tokens)
+        wanted = _logprob_tensors(raw_logprobs, batch, tokens) if raw_logprobs is not None else None
+        token_list, invalid, values = _to_host(tokens, _invalid_mask(logits, tokens, random_rows), wanted)
+        return SamplerOutput(token_list, _row_logprobs(wanted, values, batch, token_list), invalid, tokens)
 
 
 # ---- building the batch ---------------------------------------------------------------------------
@@ -240,6 +272,7 @@ def _random_rows(rows: Sequence[SampledRow], indices: list[int]) -> RandomRows:
         top_k=torch.tensor(top_k, dtype=torch.int64) if any(top_k) else None,
         top_p=torch.tensor(top_p, dtype=torch.float32) if any(x < 1.0 for x in top_p) else None,
         min_p=torch.tensor(min_p, dtype=torch.float32) if any(min_p) else None,
+        max_top_k=max(top_k),
     )
 
 
@@ -260,6 +293,7 @@ def _penalties(rows: Sequence[SampledRow], indices: list[int]) -> Penalties:
         output_ids=torch.tensor(list(itertools.chain.from_iterable(outputs)), dtype=torch.int64),
         prompt_rows=_row_ids(prompts),
         prompt_ids=torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.int64),
+        any_repetition=any(p.repetition_penalty != 1.0 for p in params),
     )
 
 
@@ -297,8 +331,8 @@ def _mask_until_min_tokens(logits: torch.Tensor, mask_rows: torch.Tensor, mask_i
     saved = logits[rows, ids]
     logits[rows, ids] = float("-inf")
     dead = ~torch.isfinite(logits[rows].amax(dim=-1))  # one entry per (row, id) pair
-    if bool(dead.any()):
-        logits[rows[dead], ids[dead]] = saved[dead]
+    # Unconditionally (no read of `dead` on the host): a dead row gets its logits back.
+    logits[rows, ids] = torch.where(dead, saved, torch.full_like(saved, float("-inf")))
 
 
 def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
@@ -314,7 +348,7 @@ def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
         )
     seen = counts > 0
     repetition = pen.repetition.to(device)[:, None]
-    if bool((pen.repetition != 1.0).any()):
+    if pen.any_repetition:
         in_prompt = torch.zeros_like(seen)
         if pen.prompt_ids.numel():
             in_prompt[pen.prompt_rows.to(device), pen.prompt_ids.to(device)] = True
@@ -338,8 +372,9 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
         x = _top_k_top_p_by_sort(x, random.top_k, random.top_p.to(device))
     elif random.top_k is not None:
         # topk of the largest k asked for (not a full sort); rows without top-k keep everything.
+        # The largest k comes from the settings on the host, not from the device.
         k = random.top_k.to(device).clamp(max=vocab)
-        kth = x.topk(int(k.max()), dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
+        kth = x.topk(min(random.max_top_k, vocab), dim=-1).values.gather(1, (k.clamp(min=1) - 1)[:, None])
         kth = torch.where(k[:, None] > 0, kth, torch.full_like(kth, neg_inf))
         x = x.masked_fill(x < kth, neg_inf)
 
@@ -348,10 +383,8 @@ def _sample_random(logits: torch.Tensor, random: RandomRows) -> torch.Tensor:
     u = uniforms(random.seed_lo, random.seed_hi, random.sample_index, random.position).to(device)
     target = u[:, None] * cdf[:, -1:]
     index = torch.searchsorted(cdf, target, right=True)[:, 0]
-    overflow = index >= vocab  # rounding put u at the very top of the cdf: take the likeliest
-    if bool(overflow.any()):
-        index = torch.where(overflow, probs.argmax(dim=-1), index)
-    return index
+    # Rounding put u at the very top of the cdf: take the likeliest (always computed: no host read).
+    return torch.where(index >= vocab, probs.argmax(dim=-1), index)
 
 
 def _top_k_top_p_by_sort(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
@@ -374,22 +407,27 @@ def _top_k_top_p_by_sort(x: torch.Tensor, top_k: torch.Tensor | None, top_p: tor
     return x.masked_fill(x < threshold, float("-inf"))
 
 
-def _gather_logprobs(
-    raw: torch.Tensor | None, batch: SamplingBatch, tokens: list[int]
-) -> list[RowLogprobs | None]:
-    result: list[RowLogprobs | None] = [None] * batch.num_rows
-    if raw is None:
-        return result
-    chosen_ids = torch.tensor([tokens[i] for i in batch.logprob_rows], device=raw.device)
-    chosen_t = raw.gather(1, chosen_ids[:, None])
-    chosen = chosen_t[:, 0].tolist()
-    ranks = ((raw > chosen_t).sum(dim=-1) + 1).tolist()
+def _logprob_tensors(raw: torch.Tensor, batch: SamplingBatch, tokens: torch.Tensor) -> LogprobTensors:
+    """The asked rows' logprobs, from the sampled ids on the device."""
+    rows = torch.tensor(batch.logprob_rows, device=raw.device)
+    chosen = raw.gather(1, tokens[rows][:, None])
+    ranks = (raw > chosen).sum(dim=-1) + 1
     max_k = max(batch.num_logprobs)
     if max_k:
         top = raw.topk(max_k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+        top_ids, top_values = top.indices, top.values
     else:
-        top_ids = top_values = [[] for _ in batch.logprob_rows]
+        top_ids = torch.empty(len(rows), 0, dtype=torch.int64, device=raw.device)
+        top_values = torch.empty(len(rows), 0, dtype=raw.dtype, device=raw.device)
+    return LogprobTensors(chosen[:, 0], ranks, top_ids, top_values)
+
+
+def _row_logprobs(wanted: LogprobTensors | None, values: list[list[float]] | None, batch: SamplingBatch,
+                  tokens: list[int]) -> list[RowLogprobs | None]:
+    result: list[RowLogprobs | None] = [None] * batch.num_rows
+    if wanted is None or values is None or wanted.host is None:
+        return result
+    ranks, top_ids = wanted.host
     for j, (row, k) in enumerate(zip(batch.logprob_rows, batch.num_logprobs, strict=True)):
-        result[row] = RowLogprobs(tokens[row], chosen[j], top_ids[j][:k], top_values[j][:k], ranks[j])
+        result[row] = RowLogprobs(tokens[row], values[j][0], top_ids[j][:k], values[j][1 : 1 + k], ranks[j])
     return result

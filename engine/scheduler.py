@@ -421,12 +421,14 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens_incl_placeholders - request.num_computed_tokens,
                           step.token_budget)
-            spec = self._drafts_that_fit(request, num_new, step.token_budget)
+            spec = self._drafts_that_fit(request, num_new, step.token_budget) \
+                if request.spec_token_ids else ()
             if spec and self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) is None:
                 spec = ()  # drafts never preempt anyone: verify nothing this step instead
             if not spec and not self._allocate_or_preempt(request, num_new, step):
                 break  # the request preempted itself: it was the last one running
-            self._note_blocks_in_flight(request, num_new, step)
+            if self.waiting:
+                self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new + len(spec), spec)
             index += 1
 
@@ -455,7 +457,7 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepBudget) -> bool:
         """Allocate, preempting from the back of `running` until it fits. False if `request`
         itself had to go. The victims come after `request`, so none was scheduled this step."""
-        while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+        while self.kv_cache_manager.allocate_slots(request, num_new) is None:  # [] when none are needed
             victim = self.running.pop()
             self._preempt(victim, step)
             if victim is request:

@@ -310,3 +310,49 @@ def test_seeded_request_in_the_engine_is_independent_of_its_neighbours(tiny_chec
     assert crowd[1].token_ids == alone.token_ids
     again = llm.generate([PROMPTS[3]], SamplingParams(temperature=1.0, top_k=50, seed=8, max_tokens=12))
     assert again[0].token_ids != alone.token_ids  # the seed matters
+
+
+# ---- what crosses to the host ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_a_step_reads_the_device_once_and_logprobs_once_more(monkeypatch, with_logprobs):
+    """Sampling with every option on (temperature, top-k, top-p, min-p, penalties, min_tokens, a NaN
+    row) reads nothing back from the device but one copy of the sampled ids and flags, and one of
+    the logprob values where asked: a GPU step waits for the device once, not per option."""
+    reads: list[str] = []
+    copies: list[int] = []
+    inside = []
+    for name in ("item", "tolist", "numpy", "__bool__", "__int__", "__float__", "nonzero"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _name=name, _original=original, **kwargs):
+            if not inside:
+                reads.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    original_cpu = torch.Tensor.cpu
+
+    def cpu(self, *args, **kwargs):
+        copies.append(self.numel())
+        inside.append(True)  # what is read from the host copy is not a device read
+        return original_cpu(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cpu", cpu)
+    logprobs = 2 if with_logprobs else None
+    rows = [
+        row(SamplingParams(temperature=0.0, logprobs=logprobs)),
+        row(SamplingParams(temperature=0.8, top_k=2, seed=1, logprobs=logprobs)),
+        row(SamplingParams(temperature=1.0, top_p=0.9, min_p=0.1, seed=2)),
+        row(SamplingParams(temperature=0.0, presence_penalty=0.5, repetition_penalty=1.3), output=[1, 2]),
+        row(SamplingParams(temperature=0.7, min_tokens=3, seed=3), output=[1]),
+        row(SamplingParams(temperature=0.0)),
+    ]
+    logits = PROBS.log().repeat(len(rows), 1)
+    logits[5, 2] = float("nan")
+    batch = SamplingBatch.build(rows, eos_token_id=3)
+    output = Sampler().sample(logits, batch)
+    assert reads == [] and len(copies) == (2 if with_logprobs else 1)
+    assert output.invalid_rows == [5] and output.token_ids[0] == 0
+    assert (output.logprobs[0] is not None) is with_logprobs
