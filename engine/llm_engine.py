@@ -151,8 +151,6 @@ class LLMEngine:
         self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
         self._step_queue = StepQueue() if self.async_scheduling else None
         self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
-        # Samples whose next step needs their last token on the host (penalties: token counts).
-        self._host_token_ids: set[str] = set()
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
         self.counters = EngineCounters()
@@ -286,8 +284,6 @@ class LLMEngine:
                 self.lora.acquire(lora_request)  # kept in host memory until the sample ends
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
-            if params.uses_penalties:
-                self._host_token_ids.add(child.request_id)
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
 
@@ -357,16 +353,11 @@ class LLMEngine:
         runs on the device; then step N's outputs are taken. Grammar rows' bitmask for step N+1
         needs their step-N token: it is filled once step N's outputs are taken and handed to step
         N+1, whose forward pass has been running meanwhile (only its sampling waits: vLLM's way).
-        Penalty rows read their tokens on the host: the step in flight is completed before
-        scheduling while one of them is in it."""
+        Penalty rows' step-N token is counted on the device, from step N's sampled ids."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None and any(c.request.request_id in self._host_token_ids
-                                         for c in in_flight.sampling):
-            finished += self._complete(in_flight)
-            in_flight = None
         if self.kv_connector is not None:
             self.kv_connector.flush_saves()
         scheduled = self.scheduler.schedule()
@@ -598,7 +589,6 @@ class LLMEngine:
         if sample is None:
             return None
         self._post_ids.discard(request.request_id)
-        self._host_token_ids.discard(request.request_id)
         if request.lora_request is not None and self.lora is not None:
             self.lora.release(request.lora_request)
         if self._speculator is not None:

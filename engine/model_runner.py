@@ -348,6 +348,8 @@ class ModelRunner:
         logprobs where asked) come back to the host."""
         result = self.forward_prepared(prepared, previous)
         batch.resolve_bitmask()  # async scheduling: the forward pass ran while the host filled it
+        if previous is not None:
+            batch.fill_placeholders(previous.device_token_ids, previous.row_of_request)
         if not batch.num_rows:
             return SampledStep([], [], prompt_logprobs=result.prompt_logprobs)
         sampled = self.sampler.sample(result.logits, batch)

@@ -58,6 +58,11 @@ class Penalties:
     prompt_rows: torch.Tensor  # flat pairs of prompt tokens (only rows with repetition_penalty != 1)
     prompt_ids: torch.Tensor
     any_repetition: bool = True  # some row's repetition_penalty != 1
+    # Async scheduling: output tokens the previous step is still sampling, (row-in-R, request id);
+    # `fill_placeholders` turns them into (row, id) pairs read from that step's ids on the device.
+    placeholders: list[tuple[int, str]] = field(default_factory=list)
+    placeholder_rows: torch.Tensor | None = None
+    placeholder_ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -90,6 +95,17 @@ class SamplingBatch:
     apply_bitmask: BitmaskApplier | None = None
     # Async scheduling: (bitmask, applier) still to come from the host; `resolve_bitmask` waits.
     pending_bitmask: concurrent.futures.Future[PendingBitmask] | None = None
+
+    def fill_placeholders(self, previous_ids: torch.Tensor | None, row_of_request: dict[str, int]) -> None:
+        """Penalty rows' tokens still being sampled when this step was built (async scheduling):
+        taken from the previous step's sampled ids where they are, on the device (no host read)."""
+        pen = self.penalties
+        if pen is None or not pen.placeholders:
+            return
+        assert previous_ids is not None, "placeholder tokens need the previous step's sampled ids"
+        source = torch.tensor([row_of_request[request_id] for _, request_id in pen.placeholders])
+        pen.placeholder_rows = torch.tensor([row for row, _ in pen.placeholders]).to(previous_ids.device)
+        pen.placeholder_ids = previous_ids[source.to(previous_ids.device)]
 
     def resolve_bitmask(self) -> None:
         """Wait for a bitmask the host is still filling (the device's sampling needs it now)."""
@@ -279,6 +295,9 @@ def _random_rows(rows: Sequence[SampledRow], indices: list[int]) -> RandomRows:
 def _penalties(rows: Sequence[SampledRow], indices: list[int]) -> Penalties:
     params = [rows[i].sampling_params for i in indices]
     outputs = [rows[i].output_token_ids for i in indices]
+    # A request's token still being sampled (async scheduling: at most the one in flight).
+    placeholders = [(j, rows[i].request_id) for j, i in enumerate(indices)  # type: ignore[attr-defined]
+                    if getattr(rows[i], "num_output_placeholders", 0)]
     # Prompt tokens only count for the repetition penalty (vLLM / HF semantics).
     prompts = [
         rows[i].prompt_token_ids if p.repetition_penalty != 1.0 else []
@@ -294,6 +313,7 @@ def _penalties(rows: Sequence[SampledRow], indices: list[int]) -> Penalties:
         prompt_rows=_row_ids(prompts),
         prompt_ids=torch.tensor(list(itertools.chain.from_iterable(prompts)), dtype=torch.int64),
         any_repetition=any(p.repetition_penalty != 1.0 for p in params),
+        placeholders=placeholders,
     )
 
 
@@ -340,12 +360,13 @@ def _apply_penalties(logits: torch.Tensor, pen: Penalties) -> None:
     rows = pen.rows.to(device)
     sub = logits[rows]
     counts = torch.zeros_like(sub)
-    if pen.output_ids.numel():
-        counts.index_put_(
-            (pen.output_rows.to(device), pen.output_ids.to(device)),
-            torch.ones(pen.output_ids.numel(), device=device),
-            accumulate=True,
-        )
+    output_rows, output_ids = pen.output_rows.to(device), pen.output_ids.to(device)
+    if pen.placeholder_ids is not None and pen.placeholder_rows is not None:
+        output_rows = torch.cat([output_rows, pen.placeholder_rows])
+        output_ids = torch.cat([output_ids, pen.placeholder_ids])
+    if output_ids.numel():
+        counts.index_put_((output_rows, output_ids), torch.ones(output_ids.numel(), device=device),
+                          accumulate=True)
     seen = counts > 0
     repetition = pen.repetition.to(device)[:, None]
     if pen.any_repetition:

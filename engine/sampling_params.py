@@ -82,11 +82,6 @@ class SamplingParams:
 
     # ---- validation ----------------------------------------------------------------------------
 
-    @property
-    def uses_penalties(self) -> bool:
-        """Whether sampling reads the tokens generated so far (presence, frequency, repetition)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
-
     def validate(self) -> None:
         """Raise `SamplingParamsError` (a ValueError) with a message naming the field, the rule and
         the value, and its kind: `STRUCTURED_OUTPUT` for the constraint fields, else `INVALID_SAMPLING`."""

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine.sampler import SamplingBatch
 
 
 def prompts(seed: int = 0, vocab: int = 2048) -> list[list[int]]:
@@ -27,7 +28,7 @@ PROMPTS = prompts()
 
 def params_for(i: int, stop_ids: list[int], penalties: bool = False) -> SamplingParams:
     """A mix: greedy and seeded sampling, varied lengths, stop ids the model does emit,
-    min_tokens, logprobs; with `penalties`, rows whose next input waits for their last token."""
+    min_tokens, logprobs; with `penalties`, rows whose counts take a token still on the device."""
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=5 + i),
         SamplingParams(temperature=0.9, top_p=0.8, seed=i, max_tokens=12),
@@ -56,13 +57,22 @@ def run(checkpoint: str, asynchronous: bool, penalties: bool = False,
     {"num_kv_blocks": 128},
     # Preemption (a pool too small for every row) and chunked prefill (8-token steps).
     {"num_kv_blocks": 12, "kv_growth_reserve_tokens": 0, "max_num_batched_tokens": 8},
-    # Penalty rows: the step in flight is taken before scheduling while one of them runs.
+    # Penalty rows: their counts take the token the step in flight samples, on the device.
     {"num_kv_blocks": 128, "penalties": True},
 ], ids=["plain", "preempt-chunked", "penalties"])
-def test_async_rows_get_the_synchronous_tokens(tiny_checkpoint, options):
+def test_async_rows_get_the_synchronous_tokens(tiny_checkpoint, options, monkeypatch):
     expected = run(str(tiny_checkpoint), False, **options)
     assert "stop" in {reason for _, reason in expected}
+    filled = []
+    fill = SamplingBatch.fill_placeholders
+
+    def counted(batch, *args):
+        filled.append(bool(batch.penalties and batch.penalties.placeholders))
+        return fill(batch, *args)
+
+    monkeypatch.setattr(SamplingBatch, "fill_placeholders", counted)
     assert run(str(tiny_checkpoint), True, **options) == expected
+    assert any(filled) is bool(options.get("penalties"))  # penalty rows ran ahead with the rest
 
 
 def test_async_engine_aborts_and_logprobs(tiny_checkpoint):
