@@ -5,7 +5,8 @@
 # their decode steps replayed as CUDA graphs, and the same steps eager in step_profile's A/B), the
 # Triton kernels' tests (where this tree has them), the engine benchmark on the `small` preset in
 # fp32 and bf16, and, given a model folder, a decode step on it (under torch.profiler too: where a
-# GPU step's host time goes), its roofline (decode steps at 128 and 512 rows of 1,024 tokens beside
+# GPU step's host time goes), its roofline (with async scheduling, then the synchronous loop to show
+# what overlapping the host buys; decode steps at 128 and 512 rows of 1,024 tokens beside
 # bytes / copy bandwidth and FLOPs / matmul rate, a 4k-token prefill's MFU) and the benchmark suite,
 # then the roofline and suite on a 1B-class model under its tokenizer, every new figure beside the
 # 2026-12-04 ones (benchmarks/gpu_baseline_2026-12-04.json); MoE decode steps as CUDA graphs (grouped_mm
@@ -98,6 +99,9 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
     echo; echo "== roofline on $DEVICE: $MODEL"
     run 60 "$PY" -m bulkinfer.benchmarks.roofline --model "$bench_model" --device "$DEVICE" \
       "${ROOFLINE_ARGS[@]}" --json "$REPORT_DIR/gpu_roofline.json"
+    echo; echo "== roofline on $DEVICE, the synchronous loop (async_scheduling off): $MODEL"
+    run 60 "$PY" -m bulkinfer.benchmarks.roofline --model "$bench_model" --device "$DEVICE" \
+      "${ROOFLINE_ARGS[@]}" --async-scheduling off --json "$REPORT_DIR/gpu_roofline_sync.json"
     echo; echo "== roofline on $DEVICE, PyTorch attention (triton_kernels off): $MODEL"
     run 60 "$PY" -m bulkinfer.benchmarks.roofline --model "$bench_model" --device "$DEVICE" \
       "${ROOFLINE_ARGS[@]}" --triton-kernels off --json "$REPORT_DIR/gpu_roofline_torch.json"

@@ -157,7 +157,7 @@ def run_case(engine: Any, device: SimulatedDevice, kind: str, rows: int, steps: 
     bitmask_wait = (device.bitmask_wait_s - bitmask_before) / steps * 1e3
     for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(request.request_id)
-    while engine.has_unfinished_requests() or engine._in_flight is not None:
+    while engine.has_unfinished_requests():
         engine.step()
     return Case(kind, rows, device.device_ms, mode, round(host, 3), round(wall, 3),
                 round(max(0.0, wall - busy), 3), round(busy, 3), round(bitmask_wait, 3), steps)

@@ -151,6 +151,7 @@ class LLMEngine:
         self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
         self._step_queue = StepQueue() if self.async_scheduling else None
         self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
+        self._last_applied = 0.0  # when the last step's outputs were taken (time.monotonic())
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
         self.counters = EngineCounters()
@@ -320,7 +321,9 @@ class LLMEngine:
             self.kv_connector.shutdown()  # its queued saves are written first
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_unfinished_requests()
+        """Whether a step() has anything to do: requests, outputs to report, or a launched step to
+        take (so a caller stepping until this is False leaves nothing running on the device)."""
+        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -432,7 +435,11 @@ class LLMEngine:
         self.counters.prompt_tokens += first_tokens
         if self.kv_connector is not None:
             self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
-        duration = time.monotonic() - step.started
+        # The step's share of the wall: since it started, or since the step before it was taken where
+        # it was launched before that (async scheduling: steps overlap; none is counted twice).
+        now = time.monotonic()
+        duration = now - max(step.started, self._last_applied)
+        self._last_applied = now
         self.counters.record_step(duration, scheduled.num_scheduled_tokens, prefill_tokens)
         _attribute_step(scheduled.chunks, duration, scheduled.num_scheduled_tokens)
         return finished

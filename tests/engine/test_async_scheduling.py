@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 
 import pytest
 
@@ -144,3 +145,23 @@ def test_grammar_rows_get_the_synchronous_tokens_with_their_bitmask_handed_over_
     assert finished, "no grammar row finished: the test checks nothing"
     for text in finished:
         assert set(json.loads(text)) == {"name", "ok"}
+
+
+def test_overlapping_steps_are_charged_once(tiny_checkpoint):
+    """Usage accounting splits each step's time over its rows; with steps overlapping, a step's
+    time is its share of the wall, so the rows together are never charged more than the run took,
+    and nothing is left on the device when the engine says it is done."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), dtype="float32", num_kv_blocks=128,
+                                    async_scheduling=True))
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, SamplingParams(temperature=0.0, max_tokens=8 + i))
+    charged = 0.0
+    started = time.monotonic()
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            assert output.metrics is not None
+            charged += output.metrics.engine_seconds
+    wall = time.monotonic() - started
+    assert engine._in_flight is None
+    assert 0 < charged <= wall * 1.001
+    engine.shutdown()

@@ -25,11 +25,14 @@ def test_decode_cost_counts_the_weights_once_and_a_shared_prefix_once() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_a_tiny_roofline_run_prints_and_writes_every_figure(tiny_checkpoint, tmp_path, capsys) -> None:
+@pytest.mark.parametrize("async_scheduling", ["auto", "on"])  # on: what a GPU runs by default
+def test_a_tiny_roofline_run_prints_and_writes_every_figure(tiny_checkpoint, tmp_path, capsys,
+                                                            async_scheduling) -> None:
     out = tmp_path / "roofline.json"
     assert main(["--model", str(tiny_checkpoint), "--device", "cpu", "--dtype", "float32", "--rows", "2,4",
                  "--context", "32", "--prefill-tokens", "64", "--warmup", "1", "--steps", "2",
-                 "--prefill-reps", "1", "--copy-mib", "8", "--gemm-size", "128", "--json", str(out)]) == 0
+                 "--prefill-reps", "1", "--copy-mib", "8", "--gemm-size", "128", "--json", str(out),
+                 "--async-scheduling", async_scheduling]) == 0
     printed = capsys.readouterr().out
     assert re.search(r"^device: cpu \(.+\)", printed, re.M)
     assert re.search(r"copy bandwidth [\d.,]+ GB/s .* float32 matmul [\d.,]+ [GT]FLOP/s", printed)
