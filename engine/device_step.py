@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -101,12 +101,17 @@ class StepQueue:
         self._last = self._thread.submit(run)
         return self._last
 
+    def call(self, work: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """Run `work` on the step thread after every step submitted so far, before any later one."""
+        return self._thread.submit(work)
+
     def shutdown(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
 
 def resolve_async_scheduling(config: EngineConfig, speculative: bool) -> bool:
-    """The async_scheduling setting, or by default: on a GPU with one rank and no speculation."""
+    """The async_scheduling setting, or by default: on a GPU with one rank, no speculation, no LoRA."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return config.device.startswith("cuda") and config.tensor_parallel_size == 1 and not speculative
+    return (config.device.startswith("cuda") and config.tensor_parallel_size == 1 and not speculative
+            and not config.enable_lora)

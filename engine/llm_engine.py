@@ -152,6 +152,7 @@ class LLMEngine:
         self._step_queue = StepQueue() if self.async_scheduling else None
         self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
         self._last_applied = 0.0  # when the last step's outputs were taken (time.monotonic())
+        self._saving: concurrent.futures.Future[None] | None = None  # KV store copies on the step thread
         # Seeds of unseeded requests: reproducible per engine run (config.seed), not per request.
         self._seed_rng = random.Random(config.seed)
         self.counters = EngineCounters()
@@ -321,9 +322,11 @@ class LLMEngine:
             self.kv_connector.shutdown()  # its queued saves are written first
 
     def has_unfinished_requests(self) -> bool:
-        """Whether a step() has anything to do: requests, outputs to report, or a launched step to
-        take (so a caller stepping until this is False leaves nothing running on the device)."""
-        return bool(self._pending) or self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        """Whether a step() has anything to do: requests, outputs to report, a launched step to take
+        or a KV store copy to see through (so a caller stepping until this is False leaves nothing
+        running on the device)."""
+        return (bool(self._pending) or self._in_flight is not None or self._saving is not None
+                or self.scheduler.has_unfinished_requests())
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -361,8 +364,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         in_flight, self._in_flight = self._in_flight, None
-        if self.kv_connector is not None:
-            self.kv_connector.flush_saves()
+        self._flush_saves()
         scheduled = self.scheduler.schedule()
         launched = None
         if scheduled.chunks:
@@ -381,6 +383,22 @@ class LLMEngine:
                 and not outputs and not finished:
             time.sleep(GRAMMAR_WAIT_S)
         return outputs + self._finished_outputs(finished)
+
+    def _flush_saves(self) -> None:
+        """Copy the blocks offered to the KV store out of the cache. With async scheduling the copy
+        runs on the step thread, after the step in flight (whose chunk may still be writing a block
+        the scheduler counts as computed) and before any later step can reuse the block."""
+        if self.kv_connector is None:
+            return
+        if self._step_queue is None:
+            self.kv_connector.flush_saves()
+            return
+        if self._saving is not None:
+            self._saving.result()  # a copy that failed fails the engine here, not silently
+            self._saving = None
+        if self.kv_connector.has_offers:
+            offers = self.kv_connector.take_offers()  # the connector's books stay on this thread
+            self._saving = self._step_queue.call(lambda: self.kv_connector.save_offers(offers))
 
     def _hand_bitmask(self, step: _Step) -> None:
         """Fill a launched step's grammar bitmask (its rows' grammars now hold every token sampled
@@ -433,8 +451,7 @@ class LLMEngine:
             generated += len(chunk.request.output_token_ids) - outputs_before[chunk.request.request_id]
         self.counters.generation_tokens += generated
         self.counters.prompt_tokens += first_tokens
-        if self.kv_connector is not None:
-            self.kv_connector.flush_saves()  # this step's shared blocks, copied before reuse
+        self._flush_saves()  # this step's shared blocks, copied before reuse
         # The step's share of the wall: since it started, or since the step before it was taken where
         # it was launched before that (async scheduling: steps overlap; none is counted twice).
         now = time.monotonic()

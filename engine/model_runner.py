@@ -642,7 +642,7 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     prefill_tables = row_tables[num_decodes - num_columns:]
     metadata = AttentionMetadata(
         block_size=bs,
-        slot_mapping=torch.from_numpy(slot_mapping_np).to(dev),
+        slot_mapping=to_device(torch.from_numpy(slot_mapping_np), dev),
         num_decodes=num_decodes,
         decode_seq_lens=seq_lens_t[:num_decodes],
         decode_block_tables=block_tables[:num_decodes, :decode_blocks],
@@ -650,7 +650,7 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         prefill_query_starts=qsl[num_decodes:-1],
         prefill_query_lens=query_lens_np[num_decodes:].tolist(),
         prefill_seq_lens=seq_lens_np[num_decodes:].tolist(),
-        prefill_block_tables=[torch.tensor(t, dtype=torch.long, device=dev) for t in prefill_tables],
+        prefill_block_tables=[to_device(torch.tensor(t, dtype=torch.long), dev) for t in prefill_tables],
         prefill_block_lists=prefill_tables,
         query_start_loc=torch.from_numpy(query_start_loc_np),
         seq_lens=seq_lens_t,
@@ -661,10 +661,10 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
         assert decodes is not None
         token_ids = decodes.token_ids + token_ids
     return StepBatch(
-        input_ids=torch.tensor(token_ids, dtype=torch.long, device=dev),
-        positions=torch.from_numpy(positions_np).to(dev),
+        input_ids=to_device(torch.tensor(token_ids, dtype=torch.long), dev),
+        positions=to_device(torch.from_numpy(positions_np), dev),
         metadata=metadata,
-        sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        sample_rows=to_device(torch.tensor(sample_rows, dtype=torch.long), dev),
         final_rows=final_rows_of(sample_rows, num_tokens, num_decodes, dev),
         num_scored=num_scored,
         lora_slots=_lora_slots(rows, order, torch.from_numpy(query_lens_np[num_columns:]), dev)
@@ -673,13 +673,22 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     )
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A step input on its device. On a GPU through pinned memory without waiting: a copy from pageable
+    memory waits for the stream's queued kernels, which, with async scheduling, are the previous
+    step's (the host would stall on the device it is meant to run ahead of)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def _lora_slots(rows: Sequence[BatchRow], order: Sequence[int], query_lens: torch.Tensor,
                 device: torch.device) -> torch.Tensor | None:
     """Each token's adapter slot in batch order; None when every row runs the base model."""
     slots = [rows[i].lora_slot for i in order]
     if all(slot == NO_ADAPTER for slot in slots):
         return None
-    return torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), query_lens).to(device)
+    return to_device(torch.repeat_interleave(torch.tensor(slots, dtype=torch.long), query_lens), device)
 
 
 def final_rows_of(sample_rows: Sequence[int], num_tokens: int, num_single: int,
@@ -691,9 +700,9 @@ def final_rows_of(sample_rows: Sequence[int], num_tokens: int, num_single: int,
     ascending = sorted(sample_rows)
     index = {row: i for i, row in enumerate(ascending)}
     return FinalRows(
-        rows=torch.tensor(ascending, dtype=torch.long, device=device),
+        rows=to_device(torch.tensor(ascending, dtype=torch.long), device),
         num_single=sum(1 for row in ascending if row < num_single),
-        order=torch.tensor([index[row] for row in sample_rows], dtype=torch.long, device=device),
+        order=to_device(torch.tensor([index[row] for row in sample_rows], dtype=torch.long), device),
     )
 
 

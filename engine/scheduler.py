@@ -67,6 +67,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Prefix blocks fetched from the KV store, copied into their blocks before the forward pass.
     kv_loads: list[KVLoad] = field(default_factory=list)
+    # Hashes of the full blocks this step computes or loads (cached once its outputs are taken).
+    blocks_in_flight: set[BlockHash] = field(default_factory=set)
 
 
 class _FcfsQueue:
@@ -209,6 +211,9 @@ class Scheduler:
         self.lora_admission = LoRAAdmission(config.max_loras) if config.enable_lora else None
         # Set by the engine with a KV store: prefix blocks fetched from it (engine/kv_connector/).
         self.kv_connector: KVConnector | None = None
+        # Full blocks the step launched ahead of its outputs computes or loads (async scheduling:
+        # commit_in_flight), until its outputs are taken.
+        self._committed_blocks: set[BlockHash] = set()
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -303,6 +308,7 @@ class Scheduler:
             self._schedule_running(step)
             if not step.output.preempted_ids:
                 self._schedule_waiting(step)
+        step.output.blocks_in_flight = step.blocks_in_flight
         return step.output
 
     def _prefill_only_step(self) -> bool:
@@ -344,6 +350,9 @@ class Scheduler:
         """Async scheduling: a launched step's tokens count as computed now, and each sampling
         chunk's coming token as a placeholder, so the next schedule() runs while this step is on
         the device. Its `update_from_output(..., committed=True)` then only adds the tokens."""
+        # Blocks it computes or loads are cached when its outputs are taken, after the next schedule():
+        # that one holds back requests waiting on them as it does for its own (then they hit them).
+        self._committed_blocks = output.blocks_in_flight
         for chunk in output.chunks:
             if chunk.spec_token_ids:
                 raise ValueError("a step verifying drafts cannot run ahead of its outputs")
@@ -362,6 +371,8 @@ class Scheduler:
         `commit_in_flight` (a request may have been preempted since: its token still counts)."""
         now = time.monotonic()
         finished: list[Request] = []
+        if committed and self._committed_blocks is output.blocks_in_flight:
+            self._committed_blocks = set()  # cached below: no later step waits on them
         for chunk in output.chunks:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
@@ -606,12 +617,16 @@ class Scheduler:
     def _first_uncached_block_in_flight(
         self, request: Request, num_hit_blocks: int, step: _StepBudget
     ) -> bool:
-        """Whether another chunk of this step computes the request's first uncached block.
-        Only ever true when something else is scheduled, so holding back cannot stall."""
-        if not step.blocks_in_flight or request.needs_prompt_logprobs:
+        """Whether another chunk of this step, or of the step still in flight (async scheduling),
+        computes the request's first uncached block. Only ever true when something else is
+        scheduled or running, so holding back cannot stall."""
+        if not (step.blocks_in_flight or self._committed_blocks) or request.needs_prompt_logprobs:
             return False  # a request scoring its prompt recomputes those blocks anyway
         hashes = self.kv_cache_manager.block_hashes(request)
-        return num_hit_blocks < len(hashes) and hashes[num_hit_blocks] in step.blocks_in_flight
+        if num_hit_blocks >= len(hashes):
+            return False
+        first = hashes[num_hit_blocks]
+        return first in step.blocks_in_flight or first in self._committed_blocks
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params

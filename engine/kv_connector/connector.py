@@ -270,17 +270,32 @@ class KVConnector:
         self._stored.add(block_hash)  # queued once
         self._offers.append((block_hash, block))
 
+    @property
+    def has_offers(self) -> bool:
+        """Whether blocks offered since the last `flush_saves` wait to be copied out."""
+        return bool(self._offers)
+
     def flush_saves(self) -> None:
         """Copy the offered blocks out of the cache (before anything can overwrite them) and hand
         them to the pool to write. A block evicted since it was offered has lost its hash: skipped."""
-        offers = [(block_hash, block) for block_hash, block in self._offers if block.block_hash == block_hash]
+        self.save_offers(self.take_offers())
+
+    def take_offers(self) -> list[tuple[BlockHash, int]]:
+        """The offered blocks still holding their hash, as (hash, block id); the offers are cleared.
+        On the scheduler's thread (`save_offers` may run on another, after the step in flight)."""
+        offers = [(block_hash, block.block_id) for block_hash, block in self._offers
+                  if block.block_hash == block_hash]
         for block_hash, block in self._offers:
             if block.block_hash != block_hash:
                 self._stored.discard(block_hash)
         self._offers = []
+        return offers
+
+    def save_offers(self, offers: list[tuple[BlockHash, int]]) -> None:
+        """Copy these blocks out of the cache and hand them to the pool to write."""
         if not offers or not self.kv_caches:
             return
-        ids = torch.tensor([block.block_id for _, block in offers], device=self.kv_caches[0].device)
+        ids = torch.tensor([block_id for _, block_id in offers], device=self.kv_caches[0].device)
         with torch.inference_mode():
             # [n, layers, 2, heads, block_size, head_dim]: a copy the step loop no longer touches,
             # each block's bytes contiguous, so the I/O threads need no torch op.

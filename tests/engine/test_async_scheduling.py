@@ -6,6 +6,7 @@ the two loops cannot change a bit)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
+from bulkinfer.engine.device_step import resolve_async_scheduling
 from bulkinfer.engine.sampler import SamplingBatch
 
 
@@ -112,6 +114,12 @@ def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoin
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
     with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size"):
         EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
+    with pytest.raises(ValueError, match="async_scheduling cannot be used with enable_lora"):
+        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, enable_lora=True).validate()
+    config = EngineConfig(model=str(tiny_checkpoint), device="cuda", enable_lora=True)
+    assert resolve_async_scheduling(config, speculative=False) is False  # a GPU's default gives way
+    assert resolve_async_scheduling(dataclasses.replace(config, enable_lora=False), speculative=False)
+    assert not resolve_async_scheduling(dataclasses.replace(config, enable_lora=False), speculative=True)
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
     assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
 

@@ -280,3 +280,16 @@ def test_a_second_process_loads_what_the_first_computed_from_another_folder(tiny
     reader = engine(tiny_checkpoint, LocalFolderBlobStore(store_dir))
     assert generate(reader) == computed["float32"]
     assert reader.engine.kv_store_stats()["hits_blocks"] == len(PREFIX) // BLOCK
+
+
+def test_async_scheduling_saves_and_loads_the_blocks_the_synchronous_loop_does(tiny_checkpoint, tmp_path,
+                                                                                computed) -> None:
+    """With async scheduling a block can count as computed while the step writing it still runs: its
+    copy to the store waits for that step (the step thread makes it), so what is saved, and what a
+    second engine loads from it, gives the tokens computed without a store."""
+    store = LocalFolderBlobStore(tmp_path)
+    assert fill(tiny_checkpoint, store, async_scheduling=True) == computed["float32"]
+    assert len(block_files(tmp_path)) == len(PREFIX) // BLOCK
+    reader = engine(tiny_checkpoint, store, async_scheduling=True)
+    assert generate(reader) == computed["float32"]
+    assert reader.engine.kv_store_stats()["hits_blocks"] == len(PREFIX) // BLOCK
