@@ -46,7 +46,7 @@ COMMANDS: dict[str, Command] = {
                     "write the fastest for its workers", "worker"),
     "bench": Command("bulkinfer.benchmarks.cli:main",
                      "Benchmarks: `bench engine` | `suite` | `step` | `service` | `faults` | `spec` | "
-                     "`batch-apis` | `embed` | `lora`",
+                     "`batch-apis` | `embed` | `lora` | `kvstore` | `host`",
                      "worker"),
     "serve api": Command("bulkinfer.api.cli.serve:serve_api",
                          "Serve the HTTP API alone (BULKINFER_* settings)",
