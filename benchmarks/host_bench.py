@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 
 from bulkinfer.engine.device_step import SampledStep
-from bulkinfer.engine.model_runner import ModelRunner, PreparedStep
+from bulkinfer.engine.model_runner import ModelRunner
 from bulkinfer.engine.sampler import RowLogprobs, SamplingBatch
 from bulkinfer.engine.scheduler import SchedulerOutput
+from bulkinfer.engine.step_batch import PreparedStep
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 KINDS = ("decode", "mixed", "structured", "ngram")

@@ -12,7 +12,7 @@ import torch
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.gpu_kernels.paged_attention import StepLayout, store_kv, unified_attention
-from bulkinfer.engine.model_runner import padded_block_tables
+from bulkinfer.engine.step_batch import padded_block_tables
 
 _STEP_KEY = ("triton_step", None)
 

@@ -19,9 +19,9 @@ import torch
 from bulkinfer.engine.argmax import argmax_rows
 from bulkinfer.engine.attention import AttentionBackend, TorchPagedAttention
 from bulkinfer.engine.kv_memory import allocate_kv_caches
-from bulkinfer.engine.model_runner import BatchRow, prepare_rows
 from bulkinfer.engine.models.loader import load_model, model_config_from_dir
 from bulkinfer.engine.request import Request
+from bulkinfer.engine.step_batch import BatchRow, prepare_rows
 
 
 @dataclass

@@ -13,12 +13,13 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen3
 
 from bulkinfer.engine.attention import TorchPagedAttention, attention_with_lse, decode_chunk_rows
 from bulkinfer.engine.config import EngineConfig
-from bulkinfer.engine.model_runner import BatchRow, ModelRunner, padded_block_tables, prepare_rows
+from bulkinfer.engine.model_runner import ModelRunner
 from bulkinfer.engine.models import load_model
 from bulkinfer.engine.models.llama import rope_inverse_frequencies
 from bulkinfer.engine.request import Request
 from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
+from bulkinfer.engine.step_batch import BatchRow, padded_block_tables, prepare_rows
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_same_greedy,
