@@ -37,10 +37,15 @@ class SampledStep:
     logprobs: list[RowLogprobs | None]
     invalid_rows: list[int] = field(default_factory=list)
     prompt_logprobs: dict[str, list[RowLogprobs]] = field(default_factory=dict)
-    # The sampled ids on the device, and the row of each sampling request's token: where the next
-    # step's placeholder inputs come from (async scheduling).
+    # The sampled ids on the device and each sampled row's request id: where the next step's
+    # placeholder inputs come from (async scheduling).
     device_token_ids: torch.Tensor | None = None
-    row_of_request: dict[str, int] = field(default_factory=dict)
+    row_ids: Sequence[str] = ()
+
+    def rows_of(self, request_ids: Sequence[str]) -> torch.Tensor:
+        """The rows of these requests' sampled tokens (built only when a next step asks)."""
+        row_of = {request_id: row for row, request_id in enumerate(self.row_ids)}
+        return torch.tensor([row_of[request_id] for request_id in request_ids], dtype=torch.long)
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class PlaceholderInputs:
     def fill(self, input_ids: torch.Tensor, previous: SampledStep) -> None:
         """Write the previous step's sampled ids into their places (on the device, no sync)."""
         assert previous.device_token_ids is not None, "the previous step kept no sampled ids"
-        rows = torch.tensor([previous.row_of_request[r] for r in self.request_ids], dtype=torch.long)
+        rows = previous.rows_of(self.request_ids)
         index = torch.tensor(self.flat_index, dtype=torch.long)
         device = input_ids.device
         input_ids[index.to(device)] = previous.device_token_ids[rows.to(device)].to(input_ids.dtype)

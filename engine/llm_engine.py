@@ -499,11 +499,12 @@ class LLMEngine:
         if self._speculator is None:  # one row a chunk
             rows = [chunk.request for chunk in chunks]
             spans = [(i, 1) for i in range(len(chunks))]
-        for chunk in chunks if self._speculator is not None else ():
-            positions = sampled_positions(chunk.request, chunk.spec_token_ids)
-            spans.append((len(rows), len(positions)))
-            rows.extend(positions)
-            drafts_before.extend(chunk.spec_token_ids[:j] for j in range(len(positions)))
+        else:
+            for chunk in chunks:
+                positions = sampled_positions(chunk.request, chunk.spec_token_ids)
+                spans.append((len(rows), len(positions)))
+                rows.extend(positions)
+                drafts_before.extend(chunk.spec_token_ids[:j] for j in range(len(positions)))
         verifying = len(rows) > len(chunks)
         row_ids = [row.request_id for row in rows]
         if defer_bitmask:

@@ -313,13 +313,13 @@ class ModelRunner:
         result = self.forward_prepared(prepared, previous)
         batch.resolve_bitmask()  # async scheduling: the forward pass ran while the host filled it
         if previous is not None:
-            batch.fill_placeholders(previous.device_token_ids, previous.row_of_request)
+            batch.fill_placeholders(previous)
         if not batch.num_rows:
             return SampledStep([], [], prompt_logprobs=result.prompt_logprobs)
         sampled = self.sampler.sample(result.logits, batch)
         return SampledStep(sampled.token_ids, sampled.logprobs, sampled.invalid_rows, result.prompt_logprobs,
                            device_token_ids=sampled.device_token_ids,
-                           row_of_request={request_id: i for i, request_id in enumerate(sampled_rows)})
+                           row_ids=sampled_rows)
 
     @torch.inference_mode()
     def forward_rows(self, rows: list[BatchRow]) -> None:

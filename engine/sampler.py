@@ -41,6 +41,14 @@ class SampledRow(Protocol):
     output_token_ids: list[int]
 
 
+class PreviousStep(Protocol):
+    """The step before (engine/device_step.py's SampledStep): its sampled ids on the device."""
+
+    device_token_ids: torch.Tensor | None
+
+    def rows_of(self, request_ids: Sequence[str]) -> torch.Tensor: ...
+
+
 BitmaskApplier = Callable[[torch.Tensor, torch.Tensor], None]
 PendingBitmask = tuple[torch.Tensor | None, BitmaskApplier | None]
 
@@ -96,14 +104,15 @@ class SamplingBatch:
     # Async scheduling: (bitmask, applier) still to come from the host; `resolve_bitmask` waits.
     pending_bitmask: concurrent.futures.Future[PendingBitmask] | None = None
 
-    def fill_placeholders(self, previous_ids: torch.Tensor | None, row_of_request: dict[str, int]) -> None:
+    def fill_placeholders(self, previous: PreviousStep) -> None:
         """Penalty rows' tokens still being sampled when this step was built (async scheduling):
         taken from the previous step's sampled ids where they are, on the device (no host read)."""
         pen = self.penalties
         if pen is None or not pen.placeholders:
             return
+        previous_ids = previous.device_token_ids
         assert previous_ids is not None, "placeholder tokens need the previous step's sampled ids"
-        source = torch.tensor([row_of_request[request_id] for _, request_id in pen.placeholders])
+        source = previous.rows_of([request_id for _, request_id in pen.placeholders])
         pen.placeholder_rows = torch.tensor([row for row, _ in pen.placeholders]).to(previous_ids.device)
         pen.placeholder_ids = previous_ids[source.to(previous_ids.device)]
 

@@ -67,7 +67,8 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     # Prefix blocks fetched from the KV store, copied into their blocks before the forward pass.
     kv_loads: list[KVLoad] = field(default_factory=list)
-    # Hashes of the full blocks this step computes or loads (cached once its outputs are taken).
+    # Hashes of the full blocks this step computes or loads (cached once its outputs are taken): a
+    # waiting request whose first uncached block is among them waits a step and then hits it.
     blocks_in_flight: set[BlockHash] = field(default_factory=set)
 
 
@@ -158,9 +159,6 @@ class _StepBudget:
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.output = SchedulerOutput()
-        # Hashes of full blocks that this step's chunks compute: a waiting request whose first
-        # uncached block is among them waits one step and then hits the cache instead.
-        self.blocks_in_flight: set[BlockHash] = set()
 
     def add(self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> None:
         self.output.chunks.append(ScheduledChunk.of(request, num_new_tokens, spec_token_ids))
@@ -308,7 +306,6 @@ class Scheduler:
             self._schedule_running(step)
             if not step.output.preempted_ids:
                 self._schedule_waiting(step)
-        step.output.blocks_in_flight = step.blocks_in_flight
         return step.output
 
     def _prefill_only_step(self) -> bool:
@@ -588,7 +585,7 @@ class Scheduler:
         assert self.kv_connector is not None
         block_ids = tuple(request.block_ids[first: first + len(loads.blocks)])
         step.output.kv_loads.append(KVLoad(block_ids, loads.blocks))
-        step.blocks_in_flight.update(loads.hashes)
+        step.output.blocks_in_flight.update(loads.hashes)
         self.kv_connector.loaded(request.request_id)
 
     def _admit(self, request: Request, num_computed: int) -> None:
@@ -612,7 +609,7 @@ class Scheduler:
         if first_block * block_size + block_size > request.num_tokens:
             return  # the chunk touches no full block (the common decode case): nothing to hash
         hashes = self.kv_cache_manager.block_hashes(request)
-        step.blocks_in_flight.update(hashes[first_block:end_block])
+        step.output.blocks_in_flight.update(hashes[first_block:end_block])
 
     def _first_uncached_block_in_flight(
         self, request: Request, num_hit_blocks: int, step: _StepBudget
@@ -620,13 +617,13 @@ class Scheduler:
         """Whether another chunk of this step, or of the step still in flight (async scheduling),
         computes the request's first uncached block. Only ever true when something else is
         scheduled or running, so holding back cannot stall."""
-        if not (step.blocks_in_flight or self._committed_blocks) or request.needs_prompt_logprobs:
+        if not (step.output.blocks_in_flight or self._committed_blocks) or request.needs_prompt_logprobs:
             return False  # a request scoring its prompt recomputes those blocks anyway
         hashes = self.kv_cache_manager.block_hashes(request)
         if num_hit_blocks >= len(hashes):
             return False
         first = hashes[num_hit_blocks]
-        return first in step.blocks_in_flight or first in self._committed_blocks
+        return first in step.output.blocks_in_flight or first in self._committed_blocks
 
     def _stop_reason(self, request: Request, token_id: int) -> FinishReason | None:
         params = request.sampling_params
