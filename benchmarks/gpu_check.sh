@@ -71,7 +71,8 @@ has_weights() { [ -e "$1/model.safetensors" ] || [ -e "$1/model.safetensors.inde
   # replaced), then throughput beside 2026-12-04's, then the rest.
   echo; echo "== Triton kernels on $DEVICE"
   triton_tests=()
-  for file in tests/engine/test_triton_attention.py tests/engine/test_gpu_layer_ops.py tests/engine/test_triton_engine.py; do
+  for file in tests/engine/test_triton_attention.py tests/engine/test_gpu_layer_ops.py tests/engine/test_triton_engine.py \
+      tests/engine/test_mixed_graphs.py; do
     [ -e "$file" ] && triton_tests+=("$file")
   done
   if [ "${#triton_tests[@]}" -gt 0 ]; then

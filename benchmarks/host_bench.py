@@ -172,20 +172,23 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--device-ms", type=float, default=5.0, help="the stand-in device's time per step")
     parser.add_argument("--rows", default="64,256,512", help="comma-separated row counts")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
-    parser.add_argument("--modes", default="sync,async", help="sync (today's loop), async, or both")
+    parser.add_argument("--modes", default="sync,async", help="comma-separated: sync (today's loop), async")
     parser.add_argument("--steps", type=int, default=30, help="steps timed per case")
     parser.add_argument("--json", action="store_true", help="print one JSON record per case instead")
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
     if unknown := set(kinds) - set(KINDS):
         parser.error(f"unknown kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    modes_asked = args.modes.split(",")
+    if unknown := set(modes_asked) - {"sync", "async"}:
+        parser.error(f"unknown modes {sorted(unknown)}; choose from sync, async")
     row_counts = [int(r) for r in args.rows.split(",")]
     model_dir = resolve_model(args.model) if resolve_model else args.model
     cases = []
     for kind in kinds:
         engine, device = build_engine(model_dir, kind, max(row_counts), args.device_ms)
         prompt = prompt_maker(engine.tokenizer, seed=0)
-        modes = ["sync"] if kind == "ngram" else args.modes.split(",")
+        modes = ["sync"] if kind == "ngram" else modes_asked
         for rows in row_counts:
             for mode in modes:
                 case = run_case(engine, device, kind, rows, args.steps, mode, prompt, seed=rows)

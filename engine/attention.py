@@ -66,6 +66,12 @@ class AttentionMetadata:
     # them on the device (every row gathered to the tables' width, masked by its length) with no
     # host planning, so the step's kernels are the same every time.
     static_decode: bool = False
+    # A step of fixed shapes with prefill chunks (engine/mixed_graphs.py, a CUDA graph's): its
+    # whole-step layout below (query_start_loc, seq_lens, block_tables) is device buffers, padded
+    # sequences included, and attention reads only that; `static_max_query_len` stands for the
+    # step's longest chunk where a kernel picks its tile shape (the same for every replay).
+    static_step: bool = False
+    static_max_query_len: int = 1
     # Every row in batch order (decodes, then prefill chunks), on the host: what a backend that attends
     # the whole step in one launch reads (engine/gpu_kernels/). None: derived from the fields above.
     query_start_loc: torch.Tensor | None = None  # [rows + 1]
@@ -77,6 +83,11 @@ class AttentionMetadata:
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_query_lens)
+
+    @property
+    def fixed_shape(self) -> bool:
+        """Whether this step's shapes are fixed (a CUDA graph's): no host planning, no host reads."""
+        return self.static_decode or self.static_step
 
     def prefill_mask(self, index: int, sliding_window: int | None) -> torch.Tensor | None:
         """[q_len, seq_len] causal-with-offset mask, or None when plain causal applies."""

@@ -51,7 +51,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"
     seed: int = 0
-    # Pure decode steps through fixed-shape buffers, replayed as CUDA graphs (engine/decode_graphs.py).
+    # Pure decode steps through fixed-shape buffers, replayed as CUDA graphs (engine/decode_graphs.py),
+    # and steps with prefill chunks too where attention runs on the Triton kernels (mixed_graphs.py).
     # None: on a GPU (where a step is otherwise bound by kernel launches), off on CPU (whose native
     # decode path is faster); True on CPU runs the same fixed-shape path without capture.
     decode_graphs: bool | None = None

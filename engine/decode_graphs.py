@@ -22,15 +22,13 @@ tests check its results there; the CPU's native decode path stays its default (f
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 
 import torch
 
 from bulkinfer.engine.attention import AttentionMetadata
-
-logger = logging.getLogger(__name__)
+from bulkinfer.engine.graph_capture import FixedShapeGraphs
 
 # Batch sizes a graph is captured for: each step pads up to the next (at most a third of its rows).
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -62,18 +60,20 @@ def decode_graph_mode(device_type: str, wanted: bool | None, capturable: bool) -
     return use, use and device_type == "cuda" and capturable
 
 
-class DecodeGraphs:
+class DecodeGraphs(FixedShapeGraphs):
     """Runs a runner's pure decode steps through fixed-shape buffers; `capture`: as CUDA graphs."""
+
+    what = "a decode step"
 
     def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, max_rows: int, capture: bool, gathers_kv: bool = True) -> None:
+        super().__init__(capture)
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.max_blocks = math.ceil(max_model_len / block_size)
         self.buckets = tuple(size for size in BATCH_BUCKETS if size < max_rows) + (
             batch_bucket(max_rows) or max_rows,)
-        self.capture = capture
         self.gathers_kv = gathers_kv  # False: attention reads the cache in place, no gather to bound
         config = model.config
         cache = kv_caches[0]
@@ -86,10 +86,6 @@ class DecodeGraphs:
         self.slot_mapping = torch.zeros(rows, dtype=torch.long, device=device)
         self.seq_lens = torch.ones(rows, dtype=torch.long, device=device)
         self.block_tables = torch.zeros(rows, width, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool: tuple[int, int] | None = None
-        self.failed: set[tuple[int, int]] = set()  # shapes whose capture ran out of memory
-        self.broken = False  # a capture failed otherwise: every step runs eagerly from then on
 
     def shape_for(self, num_rows: int, num_blocks: int) -> tuple[int, int] | None:
         """(padded rows, padded width) of a decode step, or None where it runs eagerly instead."""
@@ -114,15 +110,9 @@ class DecodeGraphs:
             return None
         rows, width = shape
         self._write_inputs(input_ids, positions, metadata, rows, width)
-        if not self.capture:
-            logits = self._forward(rows, width)
-        else:
-            entry = self.graphs.get(shape) or self._capture(rows, width)
-            if entry is None:
-                return None
-            graph, logits = entry
-            with torch.cuda.device(logits.device):  # replays on that device's current stream
-                graph.replay()
+        logits = self._replay(shape)
+        if logits is None:
+            return None
         return logits.index_select(0, sample_rows)  # a copy: the next replay overwrites the buffer
 
     def _write_inputs(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
@@ -153,44 +143,5 @@ class DecodeGraphs:
         hidden = self.model(self.input_ids[:rows], self.positions[:rows], metadata, self.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def _capture(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """The graph of this shape and its logits buffer, recorded now; None where recording failed
-        (that shape, or every shape, then runs eagerly: the engine keeps serving)."""
-        try:
-            graph, logits = self._record(rows, width)
-        except torch.cuda.OutOfMemoryError:
-            logger.warning("no GPU memory to capture a decode step of %d rows x %d blocks: it runs eagerly",
-                           rows, width)
-            self.failed.add((rows, width))
-            torch.cuda.empty_cache()
-            return None
-        except RuntimeError:
-            # An op the capture cannot record (a bug: the forward must not read the device from the
-            # host): the engine keeps serving, eagerly, and says so once.
-            logger.exception("capturing a decode step as a CUDA graph failed: decode steps run eagerly")
-            self.broken = True
-            return None
-        if self.pool is None:
-            self.pool = graph.pool()
-        self.graphs[(rows, width)] = (graph, logits)
-        logger.debug("captured a decode step of %d rows x %d blocks (%d graphs)", rows, width,
-                     len(self.graphs))
-        return graph, logits
-
-    def _record(self, rows: int, width: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Capture the forward of this shape, after one eager run on a side stream (lazy
-        initialisations stay out of the graph). The run writes the step's K/V, which the replay
-        writes again, the same values."""
-        device = self.input_ids.device
-        with torch.cuda.device(device):  # the engine's GPU, whichever is current
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                self._forward(rows, width)
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: other threads of the worker (uploads, grammar compiles) stay free to run
-            # while this one captures
-            with torch.cuda.graph(graph, pool=self.pool, stream=side, capture_error_mode="thread_local"):
-                logits = self._forward(rows, width)
-        return graph, logits
+    def _device(self) -> torch.device:
+        return self.input_ids.device

@@ -34,6 +34,7 @@ from bulkinfer.engine.host_memory import available_memory_bytes, read_proc_kib, 
 from bulkinfer.engine.kv_connector.connector import load_blocks
 from bulkinfer.engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from bulkinfer.engine.lora.rows import NO_ADAPTER
+from bulkinfer.engine.mixed_graphs import MixedGraphs
 from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
@@ -93,6 +94,7 @@ class ModelRunner:
         self.use_decode_graphs, self.capture_decode_graphs = decode_graph_mode(
             self.device.type, config.decode_graphs, getattr(model, "graph_capturable", True))
         self.decode_graphs: DecodeGraphs | None = None
+        self.mixed_graphs: MixedGraphs | None = None
         # Rank 0 of a tensor-parallel engine: the other ranks, which run every forward it runs.
         self.parallel: TensorParallelGroup | None = None
         # Set by the engine with enable_lora: the adapters' slots each row's LoRA slot comes from.
@@ -334,6 +336,9 @@ class ModelRunner:
         graphs = self._decode_graphs() if not batch.num_scored and batch.lora_slots is None else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
+            mixed = self._mixed_graphs() if logits is None else None
+            if mixed is not None:
+                logits = mixed.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             if logits is not None:
                 return StepResult(logits)
         hidden = batch.sampled_hidden(self.model, self.kv_caches)
@@ -381,6 +386,19 @@ class ModelRunner:
                                               capture=self.capture_decode_graphs,
                                               gathers_kv=attention_gathers_kv(self.model))
         return self.decode_graphs
+
+    def _mixed_graphs(self) -> MixedGraphs | None:
+        """The fixed-shape path of steps with prefill chunks, beside the decode graphs: where the
+        attention reads its whole layout from the device (the Triton kernels) and rows need not
+        keep their bits across batches (batch invariance splits rows by a host count)."""
+        if self.mixed_graphs is None and self.kv_caches and not self.config.batch_invariant_on \
+                and not attention_gathers_kv(self.model):
+            assert self.config.max_model_len is not None
+            self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.block_size,
+                                            self.config.max_model_len, self.config.max_num_seqs,
+                                            self.config.max_num_batched_tokens,
+                                            capture=self.capture_decode_graphs)
+        return self.mixed_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:
         """Flatten a SchedulerOutput: decodes (one new token) first, then prefill chunks."""

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import functools
 
+# A step whose longest prefill chunk has at least this many tokens takes the attention kernel's
+# larger tile (paged_attention.tile_shape); a fixed-shape step (mixed_graphs.py) stands for its
+# chunks as this long or as one token.
+LONG_QUERY = 64
+
 
 @functools.cache
 def triton_available() -> bool:

@@ -48,6 +48,12 @@ def step_layout(metadata: AttentionMetadata, device: torch.device) -> StepLayout
 
 
 def _build_layout(metadata: AttentionMetadata, device: torch.device) -> StepLayout:
+    if metadata.static_step:
+        # A fixed-shape step with prefill chunks: its whole layout is device buffers already.
+        assert metadata.query_start_loc is not None and metadata.seq_lens is not None \
+            and metadata.block_tables is not None
+        return StepLayout(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                          metadata.static_max_query_len)
     max_query_len = max(metadata.prefill_query_lens, default=1)
     if metadata.static_decode:
         # A fixed-shape decode step (a CUDA graph's): its lengths and tables are device buffers

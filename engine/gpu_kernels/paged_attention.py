@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from bulkinfer.engine.gpu_kernels import LONG_QUERY
+
 # Triton 3.9's interpreter computes tl.dot of bf16/fp16 operands wrongly (numpy has no bf16): under
 # it the operands are widened to fp32 first. Compiled kernels keep 16-bit operands (tensor cores).
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -226,7 +228,7 @@ def tile_shape(group: int, head_dim: int, max_query_len: int, fixed: bool) -> tu
     unless the shapes must be fixed (batch invariance), when every step uses the smaller one. TILE
     depends on head_dim alone: 64 keys at head_dim <= 128, else 32 (registers)."""
     block_m = max(16, triton.next_power_of_2(group))
-    if not fixed and max_query_len >= 64 and block_m < 64:
+    if not fixed and max_query_len >= LONG_QUERY and block_m < 64:
         block_m = 64
     return block_m, 64 if head_dim <= 128 else 32
 

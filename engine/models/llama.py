@@ -568,7 +568,7 @@ class LlamaForCausalLM(nn.Module):
         self.step_rows.single = metadata.num_decodes
         lora = self.step_rows.lora
         # A step with adapter rows runs here where decode_layers.c has the adapters' slots.
-        if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.static_decode \
+        if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.fixed_shape \
                 and (lora is None or self.native_decode.has_lora):
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches,
                                                 lora.slots if lora is not None else None)

@@ -67,7 +67,7 @@ _MIXTRAL_NAMES = ("block_sparse_moe", ("w1", "w3", "w2"))
 
 @dataclass
 class StepShape:
-    """Whether the current forward is a decode step on the fixed-shape path (decode_graphs.py),
+    """Whether the current forward is a step on the fixed-shape path (decode_graphs.py, mixed_graphs.py),
     where every op must keep its shapes and never read the device from the host. Set by the model
     at the start of each forward, read by its sparse blocks."""
 
@@ -290,7 +290,7 @@ class MoeForCausalLM(LlamaForCausalLM):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[torch.Tensor], num_layers: int | None = None,
                 final_rows: FinalRows | None = None) -> torch.Tensor:
-        self.step_shape.fixed = metadata.static_decode
+        self.step_shape.fixed = metadata.fixed_shape
         return super().forward(input_ids, positions, metadata, kv_caches, num_layers, final_rows)
 
     def tensor_parallel_plan(self) -> dict[str, Split]:

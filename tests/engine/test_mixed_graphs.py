@@ -1,0 +1,93 @@
+"""Steps with prefill chunks on the fixed-shape path (engine/mixed_graphs.py; CUDA graphs on a GPU):
+padded tokens and sequences change no real row's tokens, chunked prefill beside decode rows and
+prefix-cache hits included, and steps the graphs cannot hold run eagerly.
+
+On CPU the Triton kernels run under the interpreter (slow): the scenario is small."""
+
+from __future__ import annotations
+
+import os
+
+if os.environ.get("BULKINFER_TEST_DEVICE", "cpu") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import random  # noqa: E402
+
+import pytest  # noqa: E402
+
+from bulkinfer.engine import LLM, SamplingParams  # noqa: E402
+from bulkinfer.engine.mixed_graphs import TOKEN_BUCKETS, MixedGraphs  # noqa: E402
+from tests.engine.hf_reference import TEST_DEVICE, assert_greedy_by_teacher_forcing  # noqa: E402
+
+
+def prompts() -> list[list[int]]:
+    """Two rows sharing a 2-block instruction, and rows of their own, of lengths that chunk."""
+    rng = random.Random(7)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(5, 2048) for _ in range(n)]
+
+    shared = tokens(32)
+    return [shared + tokens(5), tokens(3), shared + tokens(11), tokens(29)]
+
+
+def test_token_buckets_grow_by_at_most_half():
+    assert TOKEN_BUCKETS[0] == 16
+    assert all(b > a and b <= 1.5 * a for a, b in zip(TOKEN_BUCKETS, TOKEN_BUCKETS[1:], strict=False))
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3", "mixtral"])
+def mixed_run(request, checkpoint_factory):
+    """One engine on the kernels with fixed-shape steps, rows of different lengths joining while
+    others decode, and a count of the mixed steps the fixed-shape path ran. Gemma 3: sliding-window
+    layers; Mixtral: the experts' fixed-shape path."""
+    model_dir = str(checkpoint_factory(arch=request.param))
+    llm = LLM(model_dir, device=TEST_DEVICE, dtype="float32", num_kv_blocks=64,
+              triton_kernels=True, decode_graphs=True, batch_invariant=False, max_num_batched_tokens=24,
+              kv_populate_seconds=0)
+    ran: list[tuple[int, int, int]] = []
+    original = MixedGraphs._replay
+
+    def counting(self, key):
+        ran.append(key)
+        return original(self, key)
+
+    MixedGraphs._replay = counting
+    try:
+        batch = prompts()
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 5, 3)]
+        first = llm.generate(batch[:1], params[0])  # cached: the third row hits its instruction
+        rest = llm.generate(batch[1:], params[1:])
+    finally:
+        MixedGraphs._replay = original
+    return llm, batch, first + rest, ran, model_dir
+
+
+def test_mixed_steps_on_the_fixed_shape_path_give_transformers_tokens(mixed_run):
+    llm, batch, outputs, ran, model_dir = mixed_run
+    assert ran, "no step with a prefill chunk took the fixed-shape path"
+    assert all(tokens in TOKEN_BUCKETS and seqs >= 2 for tokens, seqs, _ in ran)
+    assert outputs[2].num_cached_tokens >= 32  # the shared instruction came from the cache
+    for output in outputs:
+        assert output.error is None, output.error
+    assert_greedy_by_teacher_forcing([(prompt, output.token_ids) for prompt, output in
+                                      zip(batch, outputs, strict=True)], model_dir, llm.engine.model)
+
+
+def test_steps_pad_to_buckets_and_too_large_ones_run_eagerly(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), device=TEST_DEVICE, dtype="float32", num_kv_blocks=16,
+              triton_kernels=True, decode_graphs=True, batch_invariant=False, max_num_batched_tokens=24,
+              kv_populate_seconds=0)
+    graphs = llm.engine.runner._mixed_graphs()
+    assert graphs is not None
+    assert graphs.shape_for(TOKEN_BUCKETS[-1] * 64, 1, 1) is None  # past the largest token bucket
+    tokens, seqs, long = graphs.shape_for(20, 3, 70)
+    assert (tokens, seqs, long) == (24, 4, 1)
+
+
+def test_batch_invariant_engines_keep_mixed_steps_eager(tiny_checkpoint):
+    llm = LLM(str(tiny_checkpoint), device=TEST_DEVICE, dtype="float32", num_kv_blocks=16,
+              triton_kernels=True, decode_graphs=True, batch_invariant=True, max_num_batched_tokens=16,
+              kv_populate_seconds=0)
+    assert llm.engine.runner._decode_graphs() is not None
+    assert llm.engine.runner._mixed_graphs() is None
