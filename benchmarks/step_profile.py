@@ -8,6 +8,8 @@ multiplications (oneDNN / BLAS linear layers and the LM head), attention (the na
 prefix kernels, SDPA), the fused layer ops (norms, rotary, SiLU, K/V stores), sampling, scheduling
 and batch preparation, and the rest (Python between the ops, the model's own glue). cProfile adds
 its own cost per Python call, so the shares are of the profiled step, printed beside the plain one.
+On a GPU it times the plain step, then the same steps eagerly (what the CUDA graphs gain), then
+steps that each carry a new 256-token prompt beside the decode rows, with graphs and eagerly.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -102,6 +105,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
             failed = " (capture failed)" if graphs.broken else ""
             print(f"CUDA graphs: {len(graphs.graphs)} captured{failed}; eager decode step {eager_ms:.1f} ms: "
                   f"graphs {eager_ms / plain_ms:.2f}x faster")
+            print_mixed_steps(engine, len(tokenizer), args.steps)
         return 0
     # The native decode path runs every layer in one C call, which cProfile cannot split: the parts
     # are those of the Python path (the same kernels, one call each), timed plainly too.
@@ -163,6 +167,40 @@ def start_decoding(engine: Any, prompts: Sequence[Sequence[int]], params: Any, p
     while engine.scheduler.num_waiting or any(r.num_computed_tokens < r.num_prompt_tokens
                                               for r in engine.scheduler.running):
         engine.step()
+
+
+MIXED_PROMPT_TOKENS = 256  # the prefill chunk beside the decode rows in a timed mixed step
+
+
+def mixed_step_ms(engine: Any, vocab_size: int, steps: int, seed: int) -> float:
+    """Mean wall ms of `steps` steps that each carry a new 256-token prompt (its own tokens: no
+    prefix hit) beside the decode rows: the steady state of a batch job admitting rows."""
+    from bulkinfer.engine import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=1)  # done at its prefill: the decode set stays
+    sync_device()
+    started = time.perf_counter()
+    for index in range(steps):
+        prompt = [rng.randrange(10, vocab_size) for _ in range(MIXED_PROMPT_TOKENS)]
+        engine.add_request(f"mixed{seed}-{index}", prompt, params)
+        engine.step()
+    sync_device()
+    return (time.perf_counter() - started) / steps * 1e3
+
+
+def print_mixed_steps(engine: Any, vocab_size: int, steps: int) -> None:
+    """Mixed steps (decode rows and a prefill chunk) with the fixed-shape graphs and eagerly."""
+    mixed_step_ms(engine, vocab_size, 3, seed=0)  # untimed: captures the shapes it meets
+    with_graphs = mixed_step_ms(engine, vocab_size, steps, seed=1)
+    engine.runner.use_decode_graphs = False
+    eager = mixed_step_ms(engine, vocab_size, steps, seed=2)
+    engine.runner.use_decode_graphs = True
+    graphs = engine.runner.mixed_graphs
+    captured = "none (the PyTorch attention path, or batch invariance)" if graphs is None else (
+        f"{len(graphs.graphs)} captured" + (" (capture failed)" if graphs.broken else ""))
+    print(f"mixed step (the decode rows and a {MIXED_PROMPT_TOKENS}-token prompt): {with_graphs:.1f} ms "
+          f"with graphs ({captured}), {eager:.1f} ms eager: {eager / with_graphs:.2f}x")
 
 
 def step_ms(engine: Any, steps: int) -> float:
