@@ -63,8 +63,8 @@ class EngineConfig:
     # Async scheduling (engine/device_step.py): the host schedules and prepares step N+1 and takes
     # step N-1's outputs while step N runs on the device. None: on a GPU, off on CPU (where the
     # "device" is the same cores). Not with speculative decoding or tensor parallel (their steps
-    # need the last tokens on the host before they are built), nor LoRA (the next step's adapter
-    # slots are loaded while the step in flight reads them).
+    # need the last tokens on the host before they are built). With LoRA, the step in flight's
+    # adapter slots are not reloaded for the next one (engine/lora/manager.py).
     async_scheduling: bool | None = None
     # Speculative decoding, with vLLM's keys: {"method": "ngram" | "draft_model", ...}
     # (engine/speculative/config.py); None = off.
@@ -146,9 +146,6 @@ class EngineConfig:
             raise ValueError("async_scheduling cannot be used with tensor_parallel_size > 1")
         if self.async_scheduling and self.speculative_config is not None:
             raise ValueError("async_scheduling cannot be used with speculative decoding (speculative_config)")
-        if self.async_scheduling and self.enable_lora:
-            # A step's adapter slots would be reloaded for the next step while it still reads them.
-            raise ValueError("async_scheduling cannot be used with enable_lora")
         SpeculativeConfig.from_value(self.speculative_config)
         self._validate_lora()
         self._validate_kv_store()

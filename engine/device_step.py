@@ -115,8 +115,7 @@ class StepQueue:
 
 
 def resolve_async_scheduling(config: EngineConfig, speculative: bool) -> bool:
-    """The async_scheduling setting, or by default: on a GPU with one rank, no speculation, no LoRA."""
+    """The async_scheduling setting, or by default: on a GPU with one rank and no speculation."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return (config.device.startswith("cuda") and config.tensor_parallel_size == 1 and not speculative
-            and not config.enable_lora)
+    return config.device.startswith("cuda") and config.tensor_parallel_size == 1 and not speculative

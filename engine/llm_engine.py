@@ -150,6 +150,8 @@ class LLMEngine:
         self.device: StepDevice = self.runner
         self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
         self._step_queue = StepQueue() if self.async_scheduling else None
+        if self.lora is not None:
+            self.lora.keep_in_flight_slots = self.async_scheduling  # the step in flight still reads its slots
         self._in_flight: _Step | None = None  # the launched step whose outputs are not taken yet
         self._last_applied = 0.0  # when the last step's outputs were taken (time.monotonic())
         self._saving: concurrent.futures.Future[None] | None = None  # KV store copies on the step thread

@@ -49,7 +49,11 @@ class LoRAManager:
         self._slot_adapter: list[int | None] = [None] * max_loras
         self._slot_used: list[int] = [0] * max_loras  # step number of its last use (slot LRU)
         self._step = 0
-        self._step_ids: set[int] = set()
+        self._step_slots: set[int] = set()  # slots this step's rows read
+        # Async scheduling: the step in flight still reads its slots while the next one is prepared,
+        # so those are not reloaded either (the engine sets this where steps overlap).
+        self.keep_in_flight_slots = False
+        self._in_flight_slots: set[int] = set()
 
     # ---- host memory -----------------------------------------------------------------------------
 
@@ -106,18 +110,20 @@ class LoRAManager:
 
     def begin_step(self) -> None:
         self._step += 1
-        self._step_ids.clear()
+        self._in_flight_slots = self._step_slots if self.keep_in_flight_slots else set()
+        self._step_slots = set()
 
     def slot_of(self, request: LoRARequest | None) -> int:
         """This step's slot for the adapter (loading it into the least recently used slot not used
-        by this step where it has none); NO_ADAPTER for the base model."""
+        by this step, nor by the step in flight, where it has none); NO_ADAPTER for the base model."""
         if request is None:
             return NO_ADAPTER
         lora_id = request.lora_int_id
         slot = self._slot_of.get(lora_id)
         if slot is None:
-            free = [s for s in range(self.max_loras) if self._slot_adapter[s] not in self._step_ids]
-            if not free:  # the scheduler admits at most max_loras adapters: a bug if reached
+            busy = self._step_slots | self._in_flight_slots
+            free = [s for s in range(self.max_loras) if s not in busy]
+            if not free:  # the scheduler admits at most max_loras adapters (in flight counted): a bug
                 raise RuntimeError(f"more than max_loras={self.max_loras} adapters in one step")
             slot = min(free, key=lambda s: (self._slot_adapter[s] is not None, self._slot_used[s]))
             previous = self._slot_adapter[slot]
@@ -127,7 +133,7 @@ class LoRAManager:
             for path, slots in self.slots.items():
                 slots.load(slot, adapter.projections.get(path))
             self._slot_of[lora_id], self._slot_adapter[slot] = slot, lora_id
-        self._step_ids.add(lora_id)
+        self._step_slots.add(slot)
         self._slot_used[slot] = self._step
         return slot
 

@@ -109,17 +109,18 @@ def test_async_engine_aborts_and_logprobs(tiny_checkpoint):
 
 
 def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoint):
+    """Speculation and tensor parallel build a step from the last tokens on the host; LoRA does
+    not (the step in flight keeps its adapter slots), so a GPU engine with adapters runs async."""
     with pytest.raises(ValueError, match="async_scheduling cannot be used with speculative decoding"):
         EngineConfig(model=str(tiny_checkpoint), async_scheduling=True,
                      speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
     with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size"):
         EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
-    with pytest.raises(ValueError, match="async_scheduling cannot be used with enable_lora"):
-        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, enable_lora=True).validate()
     config = EngineConfig(model=str(tiny_checkpoint), device="cuda", enable_lora=True)
-    assert resolve_async_scheduling(config, speculative=False) is False  # a GPU's default gives way
-    assert resolve_async_scheduling(dataclasses.replace(config, enable_lora=False), speculative=False)
-    assert not resolve_async_scheduling(dataclasses.replace(config, enable_lora=False), speculative=True)
+    assert resolve_async_scheduling(config, speculative=False)  # a GPU's default, adapters or not
+    assert not resolve_async_scheduling(config, speculative=True)
+    two_ranks = dataclasses.replace(config, tensor_parallel_size=2)
+    assert not resolve_async_scheduling(two_ranks, speculative=False)
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
     assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
 
@@ -173,3 +174,49 @@ def test_overlapping_steps_are_charged_once(tiny_checkpoint):
     assert engine._in_flight is None
     assert 0 < charged <= wall * 1.001
     engine.shutdown()
+
+
+def test_lora_rows_get_the_synchronous_tokens_with_more_adapters_than_slots(checkpoint_factory):
+    """Three adapters and the base through 2 slots: adapters are swapped in while a step that reads
+    the others is in flight (never into its slots), and rows finish while their adapter's step is
+    still in flight (its slot stays held until that step is taken)."""
+    from bulkinfer.engine import LoRARequest
+    from tests.engine.lora_adapters import make_adapter
+
+    base = str(checkpoint_factory(arch="llama"))
+    adapters = [LoRARequest(f"a{i}", i + 1, str(make_adapter(base, 30 + i)[0])) for i in range(3)]
+    rows = PROMPTS[:8]
+    loras = [adapters[i % 3] if i % 4 != 3 else None for i in range(len(rows))]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=3 + i % 5)
+              for i in range(len(rows))]
+
+    def generate(asynchronous: bool) -> tuple[list[list[int]], list[tuple[int, set[int]]]]:
+        llm = LLM(model=base, dtype="float32", num_kv_blocks=128, enable_lora=True, max_loras=2,
+                  async_scheduling=asynchronous, max_num_batched_tokens=32)
+        manager = llm.engine.lora
+        # Each slot loaded, beside the slots the step before it (in flight, async) reads.
+        loads: list[tuple[int, set[int]]] = []
+        begin, slot_of = manager.begin_step, manager.slot_of
+        previous: list[set[int]] = [set()]
+
+        def begin_step():
+            previous[0] = set(manager._step_slots)
+            begin()
+
+        def watched_slot_of(request):
+            had = request is not None and request.lora_int_id in manager._slot_of
+            slot = slot_of(request)
+            if request is not None and not had:
+                loads.append((slot, previous[0]))
+            return slot
+
+        manager.begin_step, manager.slot_of = begin_step, watched_slot_of
+        outputs = llm.generate(rows, params, lora_request=loras)
+        llm.engine.shutdown()
+        return [output.outputs[0].token_ids for output in outputs], loads
+
+    expected, _ = generate(False)
+    tokens, loads = generate(True)
+    assert tokens == expected
+    assert len(loads) > 2  # adapters were swapped in mid-run
+    assert all(slot not in in_flight for slot, in_flight in loads), loads

@@ -88,3 +88,44 @@ def test_host_memory_keeps_the_least_recently_used_up_to_max_cpu_loras(three_ada
     while llm.engine.has_unfinished_requests():
         llm.engine.step()
     assert len(manager.host_adapter_ids) == 2  # back within the limit once it finished
+
+
+def test_with_async_scheduling_a_finished_rows_adapter_keeps_its_slot_while_its_step_is_in_flight():
+    """Step N+1 is scheduled before step N's outputs are taken; a row that step N-1 finished may
+    still be in step N, reading its adapter's slot: no new adapter takes that slot until step N is
+    taken."""
+    scheduler = make_scheduler(enable_lora=True, max_loras=1)
+    # x stops at its first token, which the second step runs ahead of.
+    stops_first = SamplingParams(max_tokens=4, stop_token_ids=[1003])
+    scheduler.add_request(make_request("x", [5, 6, 7], params=stops_first, lora_request=lora(1)))
+    first = scheduler.schedule()
+    scheduler.commit_in_flight(first)
+    scheduler.add_request(make_request("y", [8, 9, 10], max_tokens=2, lora_request=lora(2)))
+    second = scheduler.schedule()  # x runs ahead (its first token still on the device); y waits
+    assert [c.request.request_id for c in second.chunks] == ["x"]
+    scheduler.commit_in_flight(second)
+    finished = scheduler.update_from_output(first, {"x": 1003}, committed=True)
+    assert [r.request_id for r in finished] == ["x"]  # stopped at its first token; still in `second`
+    third = scheduler.schedule()
+    assert not third.chunks  # adapter 2 waits for `second`, which reads adapter 1's slot
+    scheduler.update_from_output(second, {"x": 1004}, committed=True)
+    fourth = scheduler.schedule()
+    assert [c.request.request_id for c in fourth.chunks] == ["y"]
+
+
+def test_a_slot_the_step_in_flight_reads_is_never_reloaded(three_adapters):
+    """The manager's own guard behind the scheduler's: with steps overlapping, a new adapter may
+    not take a slot of the step in flight (a bug upstream fails loudly instead of corrupting it)."""
+    base, (a, b, c) = three_adapters
+    llm = LLM(model=base, dtype="float32", num_kv_blocks=32, enable_lora=True, max_loras=2)
+    manager = llm.engine.lora
+    manager.begin_step()
+    assert {manager.slot_of(a), manager.slot_of(b)} == {0, 1}
+    manager.keep_in_flight_slots = True
+    manager.begin_step()  # a and b's step is in flight now
+    assert manager.slot_of(a) in (0, 1)  # loaded already: reading is fine
+    with pytest.raises(RuntimeError, match="more than max_loras"):
+        manager.slot_of(c)
+    manager.keep_in_flight_slots = False
+    manager.begin_step()  # synchronous: the step before is done, its slots free to reload
+    assert manager.slot_of(c) in (0, 1)
