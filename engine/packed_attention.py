@@ -68,6 +68,8 @@ class PackedBatch:
     # per sequence, nothing cached.
     num_decodes = 0
     static_decode = False
+    static_step = False
+    fixed_shape = False
 
     @property
     def num_prefills(self) -> int:
