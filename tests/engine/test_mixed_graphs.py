@@ -36,11 +36,12 @@ def test_token_buckets_grow_by_at_most_half():
     assert all(b > a and b <= 1.5 * a for a, b in zip(TOKEN_BUCKETS, TOKEN_BUCKETS[1:], strict=False))
 
 
-@pytest.fixture(scope="module", params=["llama", "gemma3", "mixtral"])
+# Gemma 3: sliding-window layers beside global ones; Mixtral: Llama's attention, with the experts'
+# fixed-shape path (plain Llama adds nothing these two do not run, under a slow interpreter).
+@pytest.fixture(scope="module", params=["gemma3", "mixtral"])
 def mixed_run(request, checkpoint_factory):
     """One engine on the kernels with fixed-shape steps, rows of different lengths joining while
-    others decode, and a count of the mixed steps the fixed-shape path ran. Gemma 3: sliding-window
-    layers; Mixtral: the experts' fixed-shape path."""
+    others decode, and a count of the mixed steps the fixed-shape path ran."""
     model_dir = str(checkpoint_factory(arch=request.param))
     llm = LLM(model_dir, device=TEST_DEVICE, dtype="float32", num_kv_blocks=64,
               triton_kernels=True, decode_graphs=True, batch_invariant=False, max_num_batched_tokens=24,
@@ -55,7 +56,7 @@ def mixed_run(request, checkpoint_factory):
     MixedGraphs._replay = counting
     try:
         batch = prompts()
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 2, 5, 3)]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 2, 3, 2)]
         first = llm.generate(batch[:1], params[0])  # cached: the third row hits its instruction
         rest = llm.generate(batch[1:], params[1:])
     finally:
