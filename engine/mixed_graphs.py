@@ -101,7 +101,7 @@ class MixedGraphs(FixedShapeGraphs):
                       sample_rows: torch.Tensor, tokens: int, seqs: int) -> None:
         assert metadata.query_start_loc is not None and metadata.seq_lens is not None \
             and metadata.block_tables is not None
-        n, s, width = input_ids.shape[0], metadata.seq_lens.shape[0], metadata.block_tables.shape[1]
+        n, s, tables = input_ids.shape[0], metadata.seq_lens.shape[0], metadata.block_tables
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(metadata.slot_mapping)
@@ -112,9 +112,9 @@ class MixedGraphs(FixedShapeGraphs):
         # One copy to the device of the sequences' layout: [tables | length | start] per sequence
         # and the step's end. Padded sequences: the null block's tables, starting where the real
         # tokens end, the last one holding the padded tokens.
-        width = max(width, -(-(tokens - n) // self.block_size))
+        width = max(tables.shape[1], -(-(tokens - n) // self.block_size))
         host = torch.zeros(seqs + 1, width + 2, dtype=torch.long)
-        host[:s, :metadata.block_tables.shape[1]] = metadata.block_tables
+        host[:s, :tables.shape[1]] = tables
         host[:s, width] = metadata.seq_lens
         host[seqs - 1, width] = tokens - n
         host[:s + 1, width + 1] = metadata.query_start_loc

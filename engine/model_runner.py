@@ -95,6 +95,7 @@ class ModelRunner:
             self.device.type, config.decode_graphs, getattr(model, "graph_capturable", True))
         self.decode_graphs: DecodeGraphs | None = None
         self.mixed_graphs: MixedGraphs | None = None
+        self.mixed_graphs_apply: bool | None = None  # whether they can (None: not decided yet)
         # Rank 0 of a tensor-parallel engine: the other ranks, which run every forward it runs.
         self.parallel: TensorParallelGroup | None = None
         # Set by the engine with enable_lora: the adapters' slots each row's LoRA slot comes from.
@@ -391,8 +392,11 @@ class ModelRunner:
         """The fixed-shape path of steps with prefill chunks, beside the decode graphs: where the
         attention reads its whole layout from the device (the Triton kernels) and rows need not
         keep their bits across batches (batch invariance splits rows by a host count)."""
-        if self.mixed_graphs is None and self.kv_caches and not self.config.batch_invariant_on \
-                and not attention_gathers_kv(self.model):
+        if self.mixed_graphs_apply is None and self.kv_caches:
+            # Decided once: the backend and batch invariance do not change while the engine runs.
+            self.mixed_graphs_apply = (not self.config.batch_invariant_on
+                                       and not attention_gathers_kv(self.model))
+        if self.mixed_graphs is None and self.mixed_graphs_apply:
             assert self.config.max_model_len is not None
             self.mixed_graphs = MixedGraphs(self.model, self.kv_caches, self.block_size,
                                             self.config.max_model_len, self.config.max_num_seqs,

@@ -212,9 +212,9 @@ class Scheduler:
         # Full blocks the step launched ahead of its outputs computes or loads (async scheduling:
         # commit_in_flight), until its outputs are taken.
         self._committed_blocks: set[BlockHash] = set()
-        # Async scheduling: the requests of the step in flight (a row it finishes still holds its
+        # Async scheduling: the chunks of the step in flight (a row it finishes still holds its
         # adapter's slot until the step is taken).
-        self._in_flight_rows: list[Request] = []
+        self._in_flight_chunks: list[ScheduledChunk] = []
 
     # ---- requests in and out -------------------------------------------------------------------
 
@@ -353,7 +353,7 @@ class Scheduler:
         # Blocks it computes or loads are cached when its outputs are taken, after the next schedule():
         # that one holds back requests waiting on them as it does for its own (then they hit them).
         self._committed_blocks = output.blocks_in_flight
-        self._in_flight_rows = [chunk.request for chunk in output.chunks]
+        self._in_flight_chunks = output.chunks
         for chunk in output.chunks:
             if chunk.spec_token_ids:
                 raise ValueError("a step verifying drafts cannot run ahead of its outputs")
@@ -374,7 +374,7 @@ class Scheduler:
         finished: list[Request] = []
         if committed and self._committed_blocks is output.blocks_in_flight:
             self._committed_blocks = set()  # cached below: no later step waits on them
-            self._in_flight_rows = []
+            self._in_flight_chunks = []
         for chunk in output.chunks:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
@@ -530,7 +530,8 @@ class Scheduler:
         if lora is not None:
             running = {id(request) for request in self.running}
             # The step in flight's rows hold their adapters' slots until it is taken, ended or not.
-            lora.begin([*self.running, *(r for r in self._in_flight_rows if id(r) not in running)])
+            lora.begin([*self.running, *(chunk.request for chunk in self._in_flight_chunks
+                                         if id(chunk.request) not in running)])
         while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if self.can_admit is not None and not self.can_admit(request):
