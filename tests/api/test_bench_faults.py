@@ -24,9 +24,10 @@ def test_bench_faults_kills_stalls_fills_cuts_off_and_poisons_workers_redis_and_
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "300", "--json",
                       "--home", str(tmp_path)])
-    lines = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    lines = captured.out.strip().splitlines()
+    assert code == 0, (lines, captured.err[-4000:])  # before parsing: a failed run prints no figures
     figures = json.loads(lines[-1])
-    assert code == 0, lines
     assert figures["faults"] == ["worker-kill", "redis-restart", "worker-stall", "redis-pause", "disk-full",
                                  "redis-oom", "redis-outage-long", "worker-term", "poison-row"]
     assert figures["faults_injected"] == 9
