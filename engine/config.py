@@ -144,8 +144,6 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
         if self.async_scheduling and self.tensor_parallel_size > 1:
             raise ValueError("async_scheduling cannot be used with tensor_parallel_size > 1")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling cannot be used with speculative decoding (speculative_config)")
         SpeculativeConfig.from_value(self.speculative_config)
         self._validate_lora()
         self._validate_kv_store()

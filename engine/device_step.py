@@ -114,8 +114,9 @@ class StepQueue:
         self._thread.shutdown(wait=True, cancel_futures=True)
 
 
-def resolve_async_scheduling(config: EngineConfig, speculative: bool) -> bool:
-    """The async_scheduling setting, or by default: on a GPU with one rank and no speculation."""
+def resolve_async_scheduling(config: EngineConfig) -> bool:
+    """The async_scheduling setting, or by default: on a GPU with one rank (with speculation too:
+    the steps that verify drafts run synchronously, the others ahead)."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return config.device.startswith("cuda") and config.tensor_parallel_size == 1 and not speculative
+    return config.device.startswith("cuda") and config.tensor_parallel_size == 1

@@ -148,7 +148,7 @@ class LLMEngine:
         self.scheduler.can_admit = self._grammars.can_admit
         # The device side of a step: the model runner, or a stand-in (benchmarks/host_bench.py).
         self.device: StepDevice = self.runner
-        self.async_scheduling = resolve_async_scheduling(config, self._speculator is not None)
+        self.async_scheduling = resolve_async_scheduling(config)
         self._step_queue = StepQueue() if self.async_scheduling else None
         if self.lora is not None:
             self.lora.keep_in_flight_slots = self.async_scheduling  # the step in flight still reads its slots
@@ -361,15 +361,30 @@ class LLMEngine:
         runs on the device; then step N's outputs are taken. Grammar rows' bitmask for step N+1
         needs their step-N token: it is filled once step N's outputs are taken and handed to step
         N+1, whose forward pass has been running meanwhile (only its sampling waits: vLLM's way).
-        Penalty rows' step-N token is counted on the device, from step N's sampled ids."""
+        Penalty rows' step-N token is counted on the device, from step N's sampled ids.
+        A step where requests propose drafts runs synchronously: drafts are read from every token
+        sampled so far, and how many a step accepts decides where the next one starts."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         in_flight, self._in_flight = self._in_flight, None
+        proposers = self._speculator.plan(len(self.scheduler.running)) if self._speculator is not None else 0
+        if proposers and in_flight is not None:
+            finished += self._complete(in_flight)
+            in_flight = None
+        if proposers:
+            assert self._speculator is not None
+            self._speculator.before_schedule(self.scheduler.running, proposers)
         self._flush_saves()
         scheduled = self.scheduler.schedule()
+        if self._speculator is not None:
+            self._speculator.after_schedule(scheduled)
         launched = None
-        if scheduled.chunks:
+        if any(chunk.spec_token_ids for chunk in scheduled.chunks):
+            step = self._prepare(scheduled, started)  # nothing in flight: the drafts' step waited
+            finished += self._apply(step, self._step_queue.submit(self.device, step.prepared, step.batch,
+                                                                  step.row_ids).result())
+        elif scheduled.chunks:
             launched = self._prepare(scheduled, started, defer_bitmask=in_flight is not None)
             launched.future = self._step_queue.submit(self.device, launched.prepared, launched.batch,
                                                       launched.row_ids)

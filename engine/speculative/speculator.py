@@ -1,6 +1,6 @@
 """The engine's speculative decoding: who proposes drafts each step, the proposals, the outcome.
 
-Per step: `before_schedule` lets the gate decide and sets each decoding request's drafts (n-gram:
+Per step: `plan` lets the gate decide, `before_schedule` sets each decoding request's drafts (n-gram:
 the lookup itself; draft model: how many it wants, filled in once scheduled); the scheduler fits
 them into the token budget and KV pool; `after_schedule` runs the draft model for the chunks that
 verify; the engine verifies (engine/speculative/verify.py) and reports each outcome to `record`.
@@ -30,15 +30,25 @@ class Speculator:
         self.stats = SpeculationStats(config.num_speculative_tokens)
         self._marked: list[Request] = []
 
-    def before_schedule(self, running: list[Request]) -> None:
-        """Set `spec_token_ids` on the running requests that decode and propose this step."""
-        if not running:
-            return
-        budget = self.gate.proposers(len(running))
-        if not budget:
+    def plan(self, num_running: int) -> int:
+        """How many of the running requests may propose drafts this step (0: none): the gate's
+        decision, made once per step (async scheduling asks before it takes the step in flight,
+        which drafts must wait for)."""
+        if not num_running:
+            return 0
+        budget = self.gate.proposers(num_running)
+        if budget:
+            self.stats.steps_on += 1
+        else:
             self.stats.steps_off += 1
+        return budget
+
+    def before_schedule(self, running: list[Request], budget: int | None = None) -> None:
+        """Set `spec_token_ids` on the running requests that decode and propose this step, at most
+        `budget` of them (None: `plan` decides now)."""
+        budget = self.plan(len(running)) if budget is None else budget
+        if not budget or not running:
             return
-        self.stats.steps_on += 1
         config = self.config
         for request in running:
             if len(self._marked) >= budget:

@@ -16,6 +16,7 @@ import pytest
 from bulkinfer.engine import LLM, EngineConfig, LLMEngine, SamplingParams
 from bulkinfer.engine.device_step import resolve_async_scheduling
 from bulkinfer.engine.sampler import SamplingBatch
+from bulkinfer.engine.scheduler import Scheduler
 
 
 def prompts(seed: int = 0, vocab: int = 2048) -> list[list[int]]:
@@ -109,20 +110,62 @@ def test_async_engine_aborts_and_logprobs(tiny_checkpoint):
 
 
 def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoint):
-    """Speculation and tensor parallel build a step from the last tokens on the host; LoRA does
-    not (the step in flight keeps its adapter slots), so a GPU engine with adapters runs async."""
-    with pytest.raises(ValueError, match="async_scheduling cannot be used with speculative decoding"):
-        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True,
-                     speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
+    """Tensor parallel builds a step from the last tokens on the host; LoRA does not (the step in
+    flight keeps its adapter slots) and speculation runs its drafting steps synchronously, so a
+    GPU engine with adapters or speculation runs async."""
+    EngineConfig(model=str(tiny_checkpoint), async_scheduling=True,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
     with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size"):
         EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
-    config = EngineConfig(model=str(tiny_checkpoint), device="cuda", enable_lora=True)
-    assert resolve_async_scheduling(config, speculative=False)  # a GPU's default, adapters or not
-    assert not resolve_async_scheduling(config, speculative=True)
+    config = EngineConfig(model=str(tiny_checkpoint), device="cuda", enable_lora=True,
+                          speculative_config={"method": "ngram"})
+    assert resolve_async_scheduling(config)  # a GPU's default, adapters and speculation or not
     two_ranks = dataclasses.replace(config, tensor_parallel_size=2)
-    assert not resolve_async_scheduling(two_ranks, speculative=False)
+    assert not resolve_async_scheduling(two_ranks)
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
     assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculating_rows_get_the_synchronous_tokens_with_steps_without_drafts_run_ahead(
+        tiny_checkpoint, method, monkeypatch):
+    """Speculation with async scheduling: while more than 3 requests run the gate keeps drafts off
+    and steps run ahead; for the tail every step verifies drafts, synchronously (its drafts are read
+    from every token sampled so far). Greedy, seeded and stopping rows get the tokens of the
+    synchronous loop, and both kinds of step ran."""
+    from tests.engine.test_speculative import copy_heavy_prompts
+
+    model = str(tiny_checkpoint)
+    speculative = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} \
+        if method == "ngram" else {"method": "draft_model", "model": model, "num_speculative_tokens": 3}
+    rows = copy_heavy_prompts() + PROMPTS[:6]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 3 * i) if i % 3 else
+              SamplingParams(temperature=0.8, seed=i, max_tokens=8 + 2 * i) for i in range(len(rows))]
+    ran_ahead = []
+    commit = Scheduler.commit_in_flight
+
+    def counted(scheduler, output):
+        ran_ahead.append(len(output.chunks))
+        return commit(scheduler, output)
+
+    monkeypatch.setattr(Scheduler, "commit_in_flight", counted)
+
+    def generate(asynchronous: bool) -> tuple[list[tuple[list[int], str | None]], dict]:
+        llm = LLM(model=model, dtype="float32", num_kv_blocks=256, async_scheduling=asynchronous,
+                  speculative_config={**speculative, "disable_by_batch_size": 3})
+        outputs = llm.generate(rows, params)
+        stats = llm.get_metrics()["speculative_decoding"]
+        llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outputs], stats
+
+    expected, _ = generate(False)
+    assert not ran_ahead
+    got, stats = generate(True)
+    assert got == expected
+    assert ran_ahead, "no step ran ahead"
+    assert stats["steps_on"] > 0 and stats["steps_off"] > 0 and stats["num_draft_tokens"] > 0
+    if method == "draft_model":  # the target as its own draft: greedy drafts are accepted
+        assert stats["num_accepted_tokens"] > 0
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
