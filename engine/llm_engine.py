@@ -382,8 +382,7 @@ class LLMEngine:
         launched = None
         if any(chunk.spec_token_ids for chunk in scheduled.chunks):
             step = self._prepare(scheduled, started)  # nothing in flight: the drafts' step waited
-            finished += self._apply(step, self._step_queue.submit(self.device, step.prepared, step.batch,
-                                                                  step.row_ids).result())
+            finished += self._apply(step, self._run_now(step))
         elif scheduled.chunks:
             launched = self._prepare(scheduled, started, defer_bitmask=in_flight is not None)
             launched.future = self._step_queue.submit(self.device, launched.prepared, launched.batch,
@@ -400,6 +399,16 @@ class LLMEngine:
                 and not outputs and not finished:
             time.sleep(GRAMMAR_WAIT_S)
         return outputs + self._finished_outputs(finished)
+
+    def _run_now(self, step: _Step) -> SampledStep:
+        """Run a step with none in flight before it and wait for it: on this thread (the step
+        thread's hop each way cost more than the step's host work here, bench host) unless a KV
+        store copy queued there must go first. No later step reads its sampled ids on the device:
+        the next one is prepared after its tokens are on the host."""
+        if self._saving is None:
+            return self.device.sample_step(step.prepared, step.batch, step.row_ids)
+        assert self._step_queue is not None
+        return self._step_queue.submit(self.device, step.prepared, step.batch, step.row_ids).result()
 
     def _flush_saves(self) -> None:
         """Copy the blocks offered to the KV store out of the cache. With async scheduling the copy

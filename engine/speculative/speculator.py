@@ -16,7 +16,7 @@ from bulkinfer.engine.scheduler import SchedulerOutput
 from bulkinfer.engine.speculative.config import SpeculativeConfig
 from bulkinfer.engine.speculative.draft_model import DraftModel
 from bulkinfer.engine.speculative.gate import SpeculationGate
-from bulkinfer.engine.speculative.ngram import propose_ngram
+from bulkinfer.engine.speculative.ngram import TokenArrays, propose_ngram
 from bulkinfer.engine.speculative.stats import SpeculationStats
 
 
@@ -29,6 +29,7 @@ class Speculator:
         self.draft = draft
         self.stats = SpeculationStats(config.num_speculative_tokens)
         self._marked: list[Request] = []
+        self._tokens = TokenArrays()  # the n-gram lookup's view of each request's tokens
 
     def plan(self, num_running: int) -> int:
         """How many of the running requests may propose drafts this step (0: none): the gate's
@@ -60,7 +61,8 @@ class Speculator:
             if wanted < 1:
                 continue
             if self.draft is None:
-                drafts = propose_ngram(request.all_token_ids, wanted, config.prompt_lookup_min,
+                tokens = self._tokens.of(request.request_id, request.all_token_ids)
+                drafts = propose_ngram(tokens, wanted, config.prompt_lookup_min,
                                        config.prompt_lookup_max)
             else:
                 drafts = [0] * wanted  # placeholders: the draft model fills the scheduled ones
@@ -89,6 +91,7 @@ class Speculator:
 
     def release(self, request_id: str) -> None:
         self.gate.release(request_id)
+        self._tokens.release(request_id)
         if self.draft is not None:
             self.draft.release(request_id)
 

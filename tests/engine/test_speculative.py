@@ -16,7 +16,7 @@ import torch
 
 from bulkinfer.engine import LLM, EngineConfig, SamplingParams
 from bulkinfer.engine.speculative.layer_skip import write_layer_skip_draft
-from bulkinfer.engine.speculative.ngram import propose_ngram
+from bulkinfer.engine.speculative.ngram import TokenArrays, propose_ngram
 from tests.engine.hf_reference import assert_greedy_within_noise
 from tests.engine.test_llm_correctness import ARCHS, DTYPES, MOE_ARCHS, MOE_PROMPTS, NEWER_FAMILIES, PROMPTS
 
@@ -71,6 +71,21 @@ def test_ngram_takes_the_longest_most_recent_match() -> None:
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []  # the last token never occurred before
     assert propose_ngram([7, 1, 9, 1], 3, 2, 3) == []  # only a 1-gram matches, below the minimum
     assert propose_ngram([3, 3, 3, 3], 2, 1, 3) == [3]  # the most recent match ends just before the end
+
+
+def test_the_lookups_token_arrays_follow_each_sequence_as_it_grows_and_start_over_if_it_changed() -> None:
+    arrays = TokenArrays()
+    tokens = list(range(50))
+    for grown in (50, 51, 130, 131):  # appended to, past the buffer's first size
+        tokens += [7] * (grown - len(tokens))
+        assert arrays.of("a", tokens).tolist() == tokens
+    assert arrays.of("b", [1, 2]).tolist() == [1, 2]  # each request its own
+    shorter = tokens[:100] + [9, 9]  # a sequence cut back and grown again (never while it runs)
+    assert arrays.of("a", shorter).tolist() == shorter
+    changed = shorter[:-1] + [8, 4]  # a reused id whose tokens differ where the array ended
+    assert arrays.of("a", changed).tolist() == changed
+    arrays.release("a")
+    assert arrays.of("a", [3]).tolist() == [3]
 
 
 @pytest.mark.parametrize("bad, message", [
