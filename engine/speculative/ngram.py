@@ -11,32 +11,28 @@ def propose_ngram(token_ids: Sequence[int] | np.ndarray, num_tokens: int, n_min:
                   n_max: int) -> list[int]:
     """Up to `num_tokens` drafts: for the longest n in [n_min, n_max] whose last-n-token suffix
     occurred earlier in `token_ids`, the tokens after its most recent earlier occurrence.
-    Empty when nothing matches. O(len) per call: candidates are the earlier positions of the
-    last token, checked backwards."""
+    Empty when nothing matches. Each n is one backwards byte search (C speed) over the tokens as
+    int32: a per-row lookup sits on the critical path of every drafting step."""
     length = len(token_ids)
     if num_tokens < 1 or length < n_min + 1:
         return []
-    tokens = np.asarray(token_ids, dtype=np.int64)
-    # Ends of earlier occurrences: positions p < length - 1 holding the last token.
-    ends = np.flatnonzero(tokens[:-1] == tokens[-1])
-    if ends.size == 0:
-        return []
-    # matched[i]: how many tokens match backwards from ends[i] (capped at n_max).
-    matched = np.ones(ends.size, dtype=np.int64)
-    alive = np.ones(ends.size, dtype=bool)
-    for back in range(1, min(n_max, length - 1)):
-        prev = ends - back
-        ok = alive & (prev >= 0)
-        ok[ok] = tokens[prev[ok]] == tokens[length - 1 - back]
-        matched += ok
-        alive = ok
-        if not alive.any():
-            break
-    best = int(matched.max())
-    if best < n_min:
-        return []
-    end = int(ends[np.flatnonzero(matched == best)[-1]])  # the most recent of the longest
-    return tokens[end + 1 : end + 1 + num_tokens].tolist()
+    tokens = np.asarray(token_ids)
+    if tokens.dtype != np.int32:
+        tokens = tokens.astype(np.int32)
+    before_last = tokens[: length - 1].tobytes()  # an earlier occurrence ends before the last token
+    width = tokens.itemsize
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        pattern = tokens[length - n :].tobytes()
+        end = len(before_last)
+        while True:
+            found = before_last.rfind(pattern, 0, end)
+            if found < 0 or found % width == 0:
+                break
+            end = found + len(pattern) - 1  # a match across token boundaries: look further back
+        if found >= 0:
+            after = found // width + n
+            return tokens[after : after + num_tokens].tolist()
+    return []
 
 
 class TokenArrays:
@@ -53,9 +49,9 @@ class TokenArrays:
         buffer, known = self._arrays.get(request_id, (None, 0))
         # Tokens are only appended while a request runs; anything else (or a stale id) starts over.
         if buffer is None or known > length or (known and buffer[known - 1] != token_ids[known - 1]):
-            buffer, known = np.empty(max(64, 2 * length), dtype=np.int64), 0
+            buffer, known = np.empty(max(64, 2 * length), dtype=np.int32), 0
         if length > buffer.size:
-            grown = np.empty(2 * length, dtype=np.int64)
+            grown = np.empty(2 * length, dtype=np.int32)
             grown[:known] = buffer[:known]
             buffer = grown
         if length > known:

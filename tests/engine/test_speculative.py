@@ -73,6 +73,27 @@ def test_ngram_takes_the_longest_most_recent_match() -> None:
     assert propose_ngram([3, 3, 3, 3], 2, 1, 3) == [3]  # the most recent match ends just before the end
 
 
+def test_ngram_matches_a_plain_search_on_any_tokens() -> None:
+    """The byte search against the definition, on small vocabularies (many overlapping and
+    misaligned matches) and ids near 2**31."""
+    def plain(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+        for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+            for start in range(len(tokens) - 1 - n, -1, -1):  # most recent first, ending before the last
+                if tokens[start:start + n] == tokens[len(tokens) - n:]:
+                    return tokens[start + n:start + n + k]
+        return []
+
+    rng = random.Random(3)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 300, 2**20, 2**31 - 1])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+        k, n_min = rng.randint(1, 5), rng.randint(1, 3)
+        n_max = rng.randint(n_min, 6)
+        assert propose_ngram(tokens, k, n_min, n_max) == plain(tokens, k, n_min, n_max), tokens
+    # Bytes across a token boundary are no match: 0x01000000 then 0 hold 1's bytes (01 00 00 00).
+    assert propose_ngram([1, 5, 0x01000000, 0, 1], 1, 1, 1) == [5]
+
+
 def test_the_lookups_token_arrays_follow_each_sequence_as_it_grows_and_start_over_if_it_changed() -> None:
     arrays = TokenArrays()
     tokens = list(range(50))
