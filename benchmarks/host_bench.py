@@ -15,8 +15,9 @@ first token a row's grammar allows), and logprobs where asked. Per case it print
 Kinds: `decode` (every row decoding), `mixed` (rows finish and new prompts of ~220 tokens take
 their place, so steps carry prefill chunks), `structured` (every row under a JSON schema: its
 bitmask needs its last token), `ngram` (n-gram speculation on in every step, as where verifying
-drafts costs the device little: drafts need every token sampled so far, so with async scheduling a
-step verifying drafts still runs synchronously). `--json` prints one record per case.
+drafts costs the device little; a copy task: the text the outputs follow is in each prompt, so
+drafts are accepted). tokens / step counts the tokens a step gives (accepted drafts included).
+`--json` prints one record per case.
 """
 
 from __future__ import annotations
@@ -59,17 +60,25 @@ class SimulatedDevice:
         self.text_ids = list(text_ids)
         self.busy_s = 0.0  # device time spent
         self.bitmask_wait_s = 0.0  # time the device waited for a grammar bitmask from the host
-        self._next: dict[str, int] = {}
+        self._start: dict[str, int] = {}  # each request's first output token, in the text
+        self._prompt_len: dict[str, int] = {}
         self._lock = threading.Lock()
 
     def prepare_step(self, output: SchedulerOutput) -> PreparedStep:
+        for chunk in output.chunks:
+            self._prompt_len[chunk.request.request_id] = chunk.request.num_prompt_tokens
         return self.runner.prepare_step(output)
 
     def sample_step(self, prepared: PreparedStep, batch: SamplingBatch, sampled_rows: Sequence[str],
                     previous: SampledStep | None = None) -> SampledStep:
         started = time.perf_counter()
-        # What the device will hand back, chosen before it "runs" (the GIL held only briefly).
-        tokens = [self._token(request_id) for request_id in sampled_rows]
+        # What the device will hand back, chosen before it "runs" (the GIL held only briefly): as a
+        # model would, the token at each sampled position (a drafted one included) is the text's
+        # token at that output position, so n-gram drafts are accepted where they follow the text.
+        assert prepared.batch is not None
+        positions = prepared.batch.positions[prepared.batch.sample_rows[: len(sampled_rows)]].tolist()
+        tokens = [self._token(request_id, position + 1 - self._prompt_len[request_id])
+                  for request_id, position in zip(sampled_rows, positions, strict=True)]
         time.sleep(max(0.0, self.device_ms / 1e3 - (time.perf_counter() - started)))
         waited = time.perf_counter()
         batch.resolve_bitmask()  # a grammar bitmask the host fills while the "forward pass" runs
@@ -84,10 +93,9 @@ class SimulatedDevice:
             self.bitmask_wait_s += waited
         return SampledStep(tokens, logprobs)
 
-    def _token(self, request_id: str) -> int:
-        offset = self._next.get(request_id, hash(request_id) % len(self.text_ids))
-        self._next[request_id] = offset + 1
-        return self.text_ids[offset % len(self.text_ids)]
+    def _token(self, request_id: str, output_position: int) -> int:
+        start = self._start.setdefault(request_id, hash(request_id) % len(self.text_ids))
+        return self.text_ids[(start + output_position) % len(self.text_ids)]
 
 
 def allowed_tokens(bitmask: np.ndarray, preferred: list[int]) -> list[int]:
@@ -115,6 +123,7 @@ class Case:
     busy_ms: float  # the stand-in's measured time per step (D, and its sleep's overshoot)
     bitmask_wait_ms: float  # of the exposed time, waiting for grammar bitmasks (structured)
     steps: int
+    tokens_per_step: float = 0.0  # tokens generated per step (n-gram: accepted drafts included)
 
     @property
     def ratio(self) -> float:
@@ -148,6 +157,7 @@ def run_case(engine: Any, device: SimulatedDevice, kind: str, rows: int, steps: 
             add()
     engine.step()  # the pipeline full
     busy_before, bitmask_before = device.busy_s, device.bitmask_wait_s
+    tokens_before = engine.counters.generation_tokens
     cpu_before, wall_before = time.thread_time(), time.perf_counter()
     for _ in range(steps):
         for _ in engine.step():
@@ -157,12 +167,14 @@ def run_case(engine: Any, device: SimulatedDevice, kind: str, rows: int, steps: 
     host = (time.thread_time() - cpu_before) / steps * 1e3
     busy = (device.busy_s - busy_before) / steps * 1e3
     bitmask_wait = (device.bitmask_wait_s - bitmask_before) / steps * 1e3
+    tokens = (engine.counters.generation_tokens - tokens_before) / steps
     for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
         engine.abort_request(request.request_id)
     while engine.has_unfinished_requests():
         engine.step()
     return Case(kind, rows, device.device_ms, mode, round(host, 3), round(wall, 3),
-                round(max(0.0, wall - busy), 3), round(busy, 3), round(bitmask_wait, 3), steps)
+                round(max(0.0, wall - busy), 3), round(busy, 3), round(bitmask_wait, 3), steps,
+                round(tokens, 2))
 
 
 def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str] | None = None) -> int:
@@ -189,6 +201,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     for kind in kinds:
         engine, device = build_engine(model_dir, kind, max(row_counts), args.device_ms)
         prompt = prompt_maker(engine.tokenizer, seed=0)
+        if kind == "ngram":  # a copy task: the text the outputs follow is in the prompt, to be looked up
+            prompt = _with_text(prompt, device.text_ids)
         for rows in row_counts:
             for mode in modes_asked:
                 case = run_case(engine, device, kind, rows, args.steps, mode, prompt, seed=rows)
@@ -229,12 +243,17 @@ def prompt_maker(tokenizer: Any, seed: int) -> Callable[[], list[int]]:
     return lambda: instructions[rng.randrange(4)] + [rng.choice(ordinary) for _ in range(rng.randint(10, 30))]
 
 
+def _with_text(prompt: Callable[[], list[int]], text_ids: list[int]) -> Callable[[], list[int]]:
+    return lambda: prompt() + text_ids
+
+
 def print_table(cases: list[Case], model_dir: str) -> None:
     print(f"bench host: tokenizer and shapes of {model_dir}; simulated device; "
           "host ms = the engine thread's CPU time")
     print("| kind | rows | device ms (measured) | loop | host ms / step | exposed ms / step "
-          "| of which bitmask wait | wall ms / step | wall / max(device, host) |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+          "| of which bitmask wait | wall ms / step | wall / max(device, host) | tokens / step |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for c in cases:
         print(f"| {c.kind} | {c.rows} | {c.device_ms:g} ({c.busy_ms:.2f}) | {c.mode} | {c.host_ms:.2f} "
-              f"| {c.exposed_ms:.2f} | {c.bitmask_wait_ms:.2f} | {c.wall_ms:.2f} | {c.ratio:.2f} |")
+              f"| {c.exposed_ms:.2f} | {c.bitmask_wait_ms:.2f} | {c.wall_ms:.2f} | {c.ratio:.2f} "
+              f"| {c.tokens_per_step:.1f} |")

@@ -192,7 +192,9 @@ class KVCacheManager:
         table = self._tables.get(request.request_id)
         if not table:
             return
-        num_keep = max(-(-request.num_tokens // self.block_size), self._num_cached_blocks[request.request_id])
+        # A step in flight (async scheduling) writes up to num_computed_tokens: its blocks stay.
+        num_tokens = max(request.num_tokens, request.num_computed_tokens)
+        num_keep = max(-(-num_tokens // self.block_size), self._num_cached_blocks[request.request_id])
         if len(table) <= num_keep:
             return
         surplus = table[num_keep:]

@@ -362,14 +362,18 @@ class LLMEngine:
         needs their step-N token: it is filled once step N's outputs are taken and handed to step
         N+1, whose forward pass has been running meanwhile (only its sampling waits: vLLM's way).
         Penalty rows' step-N token is counted on the device, from step N's sampled ids.
-        A step where requests propose drafts runs synchronously: drafts are read from every token
-        sampled so far, and how many a step accepts decides where the next one starts."""
+        N-gram drafts run ahead too (`_drafts_run_ahead`): step N+1 verifies drafts looked up as if
+        step N's were all accepted, after the token step N samples (a placeholder); where step N
+        rejects a draft, the request's chunk in step N+1 is void and it goes on from its accepted
+        tokens in step N+2. Other drafts (a draft model's; rows whose sampling or grammar reads
+        their last tokens on the host) run synchronously: the step in flight is taken first."""
         started = time.monotonic()
         outputs, self._pending = self._pending, []
         finished: list[Request] = self._poll_grammars() if self._grammars.compiling else []
         in_flight, self._in_flight = self._in_flight, None
         proposers = self._speculator.plan(len(self.scheduler.running)) if self._speculator is not None else 0
-        if proposers and in_flight is not None:
+        ahead = bool(proposers) and self._drafts_run_ahead()
+        if proposers and not ahead and in_flight is not None:
             finished += self._complete(in_flight)
             in_flight = None
         if proposers:
@@ -380,7 +384,7 @@ class LLMEngine:
         if self._speculator is not None:
             self._speculator.after_schedule(scheduled)
         launched = None
-        if any(chunk.spec_token_ids for chunk in scheduled.chunks):
+        if not ahead and any(chunk.spec_token_ids for chunk in scheduled.chunks):
             step = self._prepare(scheduled, started)  # nothing in flight: the drafts' step waited
             finished += self._apply(step, self._run_now(step))
         elif scheduled.chunks:
@@ -399,6 +403,22 @@ class LLMEngine:
                 and not outputs and not finished:
             time.sleep(GRAMMAR_WAIT_S)
         return outputs + self._finished_outputs(finished)
+
+    def _drafts_run_ahead(self) -> bool:
+        """Whether this step's drafts can be proposed and verified while the step before it runs:
+        n-gram drafts (a lookup the host makes from the tokens it has), and no running request
+        whose sampling or grammar reads its last tokens on the host (penalties count every
+        accepted draft; a bitmask follows them)."""
+        assert self._speculator is not None
+        if self._speculator.draft is not None:
+            return False
+        for request in self.scheduler.running:
+            params = request.sampling_params
+            if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
+                return False
+            if request.request_id in self._grammars.ids:
+                return False
+        return True
 
     def _run_now(self, step: _Step) -> SampledStep:
         """Run a step with none in flight before it and wait for it: on this thread (the step
@@ -558,6 +578,8 @@ class LLMEngine:
         logprobs: dict[str, list[RowLogprobs | None]] = {}
         for chunk, (first, count) in zip(step.sampling, step.spans, strict=True):
             request_id = chunk.request.request_id
+            if chunk.void:  # continued from drafts the step before rejected: nothing of it is kept
+                continue
             tokens = accepted_tokens(result.token_ids[first : first + count], chunk.spec_token_ids)
             if self._speculator is not None and chunk.spec_token_ids:
                 self._speculator.record(request_id, len(chunk.spec_token_ids), len(tokens) - 1)

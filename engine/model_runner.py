@@ -435,6 +435,18 @@ class ModelRunner:
         invariant = self.config.batch_invariant_on
         for chunk in output.chunks:
             request = chunk.request
+            if decodes is not None and chunk.spec_token_ids and chunk.samples:
+                # Verifying drafts: 1 + k solo columns over the request's table, the first a
+                # placeholder where the step in flight is still sampling it.
+                assert units is not None
+                known = chunk.start < len(request.all_token_ids)
+                if not known:
+                    step.column_placeholders.append((len(decodes), request.request_id))
+                tokens = [request.all_token_ids[chunk.start] if known else 0, *chunk.spec_token_ids]
+                for j, token in enumerate(tokens):
+                    units.append(len(decodes))
+                    decodes.add(request.request_id, chunk.block_ids, chunk.start + j, token, True, solo=True)
+                continue
             if decodes is not None and chunk.num_new_tokens == 1 and not chunk.spec_token_ids \
                     and (not invariant or chunk.start >= request.num_prompt_tokens) \
                     and not request.needs_prompt_logprobs:
@@ -449,7 +461,11 @@ class ModelRunner:
             first_row = len(rows)
             lora = self.lora.slot_of(request.lora_request) if self.lora is not None else NO_ADAPTER
             if chunk.spec_token_ids:
-                tokens = [request.all_token_ids[chunk.start], *chunk.spec_token_ids]
+                # Its first token is a placeholder where the step in flight is still sampling it.
+                known = chunk.start < len(request.all_token_ids)
+                tokens = [request.all_token_ids[chunk.start] if known else 0, *chunk.spec_token_ids]
+                if not known:
+                    step.placeholders.append((first_row, request.request_id))
                 rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True, lora_slot=lora)
                             for j, token in enumerate(tokens))
             else:

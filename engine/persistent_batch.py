@@ -93,12 +93,19 @@ class DecodeColumns:
     starts: list[int] = field(default_factory=list)  # each row's position
     token_ids: list[int] = field(default_factory=list)  # 0 for a placeholder
     samples: list[bool] = field(default_factory=list)
+    # Computed as if alone (not grouped over shared prefix blocks): a drafted position's column,
+    # so verification gets the logits a lone decode gets. None: no such column.
+    solo: list[bool] | None = None
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
     def add(self, request_id: str, block_ids: Sequence[int], start: int, token_id: int,
-            samples: bool) -> None:
+            samples: bool, solo: bool = False) -> None:
+        if solo and self.solo is None:
+            self.solo = [False] * len(self.request_ids)
+        if self.solo is not None:
+            self.solo.append(solo)
         self.request_ids.append(request_id)
         self.block_lists.append(block_ids)
         self.starts.append(start)

@@ -90,6 +90,11 @@ class Request:
     # Drafts this request verified / had accepted, by draft position (grown as needed).
     spec_drafted_per_position: list[int] = field(default_factory=list, init=False)
     spec_accepted_per_position: list[int] = field(default_factory=list, init=False)
+    # Async scheduling with drafts: the drafts of the request's step in flight (valid while it has
+    # placeholders), and an epoch bumped when a step rejects drafts that a step launched after it
+    # built on: that later step's chunk (scheduled in an older epoch) is void.
+    drafts_in_flight: tuple[int, ...] = field(default=(), init=False)
+    spec_epoch: int = field(default=0, init=False)
 
     # Owned by the KVCacheManager: the block table and the chained hashes of full blocks.
     block_ids: list[int] = field(default_factory=list, init=False)

@@ -43,6 +43,7 @@ class ScheduledChunk:
     # Draft tokens (speculative decoding) computed after the request's last known token; the
     # last len + 1 positions are verified. Counted in num_new_tokens.
     spec_token_ids: tuple[int, ...] = ()
+    epoch: int = 0  # the request's spec_epoch when scheduled
 
     @classmethod
     def of(
@@ -52,7 +53,12 @@ class ScheduledChunk:
         start = request.num_computed_tokens
         num_known = num_new_tokens - len(spec_token_ids)
         return cls(request, start, num_new_tokens, start + num_known == request.num_tokens_incl_placeholders,
-                   request.block_ids, spec_token_ids)
+                   request.block_ids, spec_token_ids, request.spec_epoch)
+
+    @property
+    def void(self) -> bool:
+        """Built on drafts a step before it rejected (async scheduling): its rows are not the request's."""
+        return self.epoch != self.request.spec_epoch
 
     @property
     def num_sample_rows(self) -> int:
@@ -348,18 +354,20 @@ class Scheduler:
 
     def commit_in_flight(self, output: SchedulerOutput) -> None:
         """Async scheduling: a launched step's tokens count as computed now, and each sampling
-        chunk's coming token as a placeholder, so the next schedule() runs while this step is on
-        the device. Its `update_from_output(..., committed=True)` then only adds the tokens."""
+        chunk's coming tokens as placeholders (its next token, and each draft it verifies: counted
+        as accepted), so the next schedule() runs while this step is on the device. Its
+        `update_from_output(..., committed=True)` then adds the tokens, and where drafts were
+        rejected steps back to the tokens accepted (`spec_epoch`)."""
         # Blocks it computes or loads are cached when its outputs are taken, after the next schedule():
         # that one holds back requests waiting on them as it does for its own (then they hit them).
         self._committed_blocks = output.blocks_in_flight
         self._in_flight_chunks = output.chunks
         for chunk in output.chunks:
-            if chunk.spec_token_ids:
-                raise ValueError("a step verifying drafts cannot run ahead of its outputs")
-            chunk.request.num_computed_tokens = chunk.start + chunk.num_new_tokens
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_new_tokens
             if chunk.samples:
-                chunk.request.num_output_placeholders += 1
+                request.num_output_placeholders += chunk.num_sample_rows
+                request.drafts_in_flight = chunk.spec_token_ids
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: Mapping[str, int | Sequence[int]], committed: bool = False
@@ -379,12 +387,14 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
                 continue
+            if chunk.void:  # a step before it rejected the drafts it continued from
+                continue
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
             if not committed:
                 request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
             elif chunk.samples:
-                request.num_output_placeholders -= 1
+                request.num_output_placeholders -= chunk.num_sample_rows
             if chunk.samples and request.sampling_params.max_tokens == 0:
                 # Score only: the prompt is computed (its logprobs taken); no token is generated.
                 self._finish_from_output(request, FinishReason.LENGTH, now)
@@ -398,8 +408,9 @@ class Scheduler:
                                      f"which verified {len(chunk.spec_token_ids)} drafts")
                 reason = None
                 for index, token_id in enumerate(token_ids):
-                    # An accepted draft's KV was written by this step: it counts as computed.
-                    request.num_computed_tokens += 1 if index else 0
+                    # An accepted draft's KV was written by this step: it counts as computed
+                    # (committed: all its drafts were counted at launch).
+                    request.num_computed_tokens += 1 if index and not committed else 0
                     request.append_output_token(token_id, now)
                     reason = self._stop_reason(request, token_id)
                     if reason is not None:
@@ -408,12 +419,24 @@ class Scheduler:
                     self._finish_from_output(request, reason, now)
                     finished.append(request)
                     continue
+                if committed and len(token_ids) < chunk.num_sample_rows:
+                    self._step_back(request, chunk.start + len(token_ids))
                 if chunk.spec_token_ids:  # rejected drafts' slots go back to the pool
                     self.kv_cache_manager.trim(request)
             self.kv_cache_manager.cache_blocks(request)
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
         return finished
+
+    @staticmethod
+    def _step_back(request: Request, num_valid: int) -> None:
+        """Drafts of a step that ran ahead were rejected: the request's KV is valid for its first
+        `num_valid` tokens only (never more than computed: it may have been preempted since), and
+        a step launched after this one continued from the rejected drafts: its chunk is void."""
+        request.num_computed_tokens = min(request.num_computed_tokens, num_valid)
+        if request.num_output_placeholders:
+            request.spec_epoch += 1
+            request.num_output_placeholders = 0
 
     def _finish_from_output(self, request: Request, reason: FinishReason, now: float) -> None:
         if request.status is not RequestStatus.RUNNING:  # preempted after its step was launched
@@ -457,13 +480,15 @@ class Scheduler:
         only for a decode, and no more than the token budget, max_tokens and max_model_len leave
         room for (verifying k drafts can emit k + 1 tokens)."""
         drafts = request.spec_token_ids
-        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != request.num_tokens:
+        coming = request.num_output_placeholders  # a step in flight counts its drafts accepted
+        known = request.num_tokens + coming
+        if not drafts or num_new != 1 or request.num_computed_tokens + 1 != known:
             return ()
         room = min(
             len(drafts),
             token_budget - 1,
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
-            self.max_model_len - request.num_tokens - 1,
+            request.sampling_params.max_tokens - request.num_output_tokens - coming - 1,
+            self.max_model_len - known - 1,
         )
         return tuple(drafts[:room]) if room > 0 else ()
 

@@ -223,7 +223,9 @@ def prepare_rows(rows: Sequence[BatchRow], block_size: int, device: torch.device
     seq_lens_t = torch.from_numpy(seq_lens_np)
     decode_blocks = int(-(-seq_lens_np[:num_decodes].max() // bs)) if num_decodes else 1
     row_solo = [rows[i].solo for i in order[: num_decodes - num_columns]]
-    solo = torch.tensor([False] * num_columns + row_solo, dtype=torch.bool) if any(row_solo) else None
+    column_solo = decodes.solo if decodes is not None and decodes.solo is not None else [False] * num_columns
+    any_solo = any(row_solo) or any(column_solo)
+    solo = torch.tensor(column_solo + row_solo, dtype=torch.bool) if any_solo else None
     prefill_tables = row_tables[num_decodes - num_columns:]
     metadata = AttentionMetadata(
         block_size=bs,

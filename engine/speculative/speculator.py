@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
+
 from bulkinfer.engine.request import Request
 from bulkinfer.engine.scheduler import SchedulerOutput
 from bulkinfer.engine.speculative.config import SpeculativeConfig
@@ -50,25 +52,35 @@ class Speculator:
         budget = self.plan(len(running)) if budget is None else budget
         if not budget or not running:
             return
-        config = self.config
         for request in running:
             if len(self._marked) >= budget:
                 break
-            if request.num_computed_tokens + 1 != request.num_tokens:
+            coming = request.num_output_placeholders  # tokens a step in flight is sampling
+            if request.num_computed_tokens + 1 != request.num_tokens + coming:
                 continue  # still prefilling
             wanted = min(self.gate.num_drafts(request.request_id),
-                         request.sampling_params.max_tokens - request.num_output_tokens - 1)
+                         request.sampling_params.max_tokens - request.num_output_tokens - coming - 1)
             if wanted < 1:
                 continue
             if self.draft is None:
-                tokens = self._tokens.of(request.request_id, request.all_token_ids)
-                drafts = propose_ngram(tokens, wanted, config.prompt_lookup_min,
-                                       config.prompt_lookup_max)
+                drafts = self._ngram(request, wanted)
             else:
                 drafts = [0] * wanted  # placeholders: the draft model fills the scheduled ones
             if drafts:
                 request.spec_token_ids = drafts
                 self._marked.append(request)
+
+    def _ngram(self, request: Request, wanted: int) -> list[int]:
+        """The lookup's drafts. With a step in flight (async scheduling) the request's last token
+        is not known yet: the lookup continues from the drafts that step verifies (as if accepted)
+        and its first token, a guess at that unknown one, is dropped."""
+        config = self.config
+        tokens = self._tokens.of(request.request_id, request.all_token_ids)
+        if not request.num_output_placeholders:
+            return propose_ngram(tokens, wanted, config.prompt_lookup_min, config.prompt_lookup_max)
+        if request.drafts_in_flight:
+            tokens = np.concatenate([tokens, np.asarray(request.drafts_in_flight, dtype=tokens.dtype)])
+        return propose_ngram(tokens, wanted + 1, config.prompt_lookup_min, config.prompt_lookup_max)[1:]
 
     def after_schedule(self, output: SchedulerOutput) -> None:
         """Clear the proposals; with a draft model, decode the drafts of the chunks that verify."""

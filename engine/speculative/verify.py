@@ -31,6 +31,7 @@ class DraftedPosition:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     num_drafts_before: int
+    num_output_placeholders: int = 0  # the request's tokens a step in flight is sampling
 
 
 def sampled_positions(request: Request, drafts: Sequence[int]) -> list[Request | DraftedPosition]:
@@ -41,6 +42,7 @@ def sampled_positions(request: Request, drafts: Sequence[int]) -> list[Request |
         rows.append(DraftedPosition(
             request.request_id, request.sampling_params, request.sample_seed, request.sample_index,
             request.prompt_token_ids, request.output_token_ids + list(drafts[:j]), j,
+            request.num_output_placeholders,
         ))
     return rows
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -166,6 +168,84 @@ def test_speculating_rows_get_the_synchronous_tokens_with_steps_without_drafts_r
     assert stats["steps_on"] > 0 and stats["steps_off"] > 0 and stats["num_draft_tokens"] > 0
     if method == "draft_model":  # the target as its own draft: greedy drafts are accepted
         assert stats["num_accepted_tokens"] > 0
+
+
+def echoing_checkpoint(base: Path, folder: Path, scale: float = 0.1) -> str:
+    """The tiny checkpoint made to repeat itself: lm_head tied to the embeddings and every layer's
+    output projections scaled down, so greedy mostly emits its last token again (n-gram drafts
+    are accepted) while attention, and so every KV write, still moves the logits a little."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(base, folder)
+    weights = load_file(str(folder / "model.safetensors"))
+    for name, tensor in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            weights[name] = tensor * scale
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"].clone()
+    save_file(weights, str(folder / "model.safetensors"))
+    return str(folder)
+
+
+@pytest.mark.parametrize("options", [
+    {"num_kv_blocks": 256},
+    {"num_kv_blocks": 14, "kv_growth_reserve_tokens": 0, "max_num_batched_tokens": 12},
+], ids=["plain", "preempt-chunked"])
+def test_ngram_drafts_run_ahead_and_rows_get_the_synchronous_tokens(tiny_checkpoint, tmp_path, options,
+                                                                    monkeypatch):
+    """Step N+1 verifies drafts looked up as if step N's were accepted: where they were, the row
+    goes on; where step N rejected one, step N+1's chunk of that row is void and it goes on from
+    its accepted tokens. On a model that repeats itself (drafts accepted) and the random one
+    (drafts rejected), with greedy, seeded, stopping and min_tokens rows, preemption and chunked
+    prefill: the synchronous loop's tokens and logprobs, with drafting steps run ahead."""
+    from tests.engine.test_speculative import copy_heavy_prompts
+
+    echo = echoing_checkpoint(tiny_checkpoint, tmp_path / "echo")
+    rows = copy_heavy_prompts() + PROMPTS[:5]
+    ahead, stepped_back = [], []
+    commit, step_back = Scheduler.commit_in_flight, Scheduler._step_back
+
+    def counted_commit(scheduler, output):
+        ahead.append(sum(bool(chunk.spec_token_ids) for chunk in output.chunks))
+        return commit(scheduler, output)
+
+    def counted_step_back(request, num_valid):
+        stepped_back.append(request.request_id)
+        return step_back(request, num_valid)
+
+    monkeypatch.setattr(Scheduler, "commit_in_flight", counted_commit)
+    monkeypatch.setattr(Scheduler, "_step_back", staticmethod(counted_step_back))
+
+    def generate(model: str, asynchronous: bool) -> tuple[list, dict]:
+        llm = LLM(model=model, dtype="float32", async_scheduling=asynchronous, **options,
+                  speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                      "disable_by_batch_size": 64})
+        greedy = llm.generate(rows, SamplingParams(temperature=0.0, max_tokens=8))
+        stop_ids = [output.outputs[0].token_ids[4] for output in greedy]
+        params = [
+            [SamplingParams(temperature=0.0, max_tokens=20 + i, logprobs=1),
+             SamplingParams(temperature=0.8, seed=i, max_tokens=16),
+             SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[stop_ids[i]]),
+             # min_tokens keeps the stop id out of the first 3 tokens (drafted positions included).
+             SamplingParams(temperature=0.0, max_tokens=24, min_tokens=3,
+                            stop_token_ids=[stop_ids[i]])][i % 4]
+            for i in range(len(rows))]
+        outputs = llm.generate(rows, params)
+        stats = llm.get_metrics()["speculative_decoding"]
+        llm.engine.shutdown()
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason,
+                 [round(lp.chosen.logprob, 4) for lp in o.outputs[0].logprobs or []]) for o in outputs], stats
+
+    for model in (echo, str(tiny_checkpoint)):
+        expected, _ = generate(model, False)
+        ahead.clear()
+        stepped_back.clear()
+        got, stats = generate(model, True)
+        assert got == expected
+        assert sum(ahead) > 0, "no drafts were verified ahead"
+        assert stepped_back, "no rejected draft voided a step launched after it"
+        if model == echo:  # drafts verified ahead were accepted, and the rows went on from them
+            assert stats["num_accepted_tokens"] > 0 and sum(ahead) > len(stepped_back)
+            assert {reason for _, reason, _ in got} == {"stop", "length"}, got
 
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
