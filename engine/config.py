@@ -142,8 +142,6 @@ class EngineConfig:
             raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
-        if self.async_scheduling and self.tensor_parallel_size > 1:
-            raise ValueError("async_scheduling cannot be used with tensor_parallel_size > 1")
         SpeculativeConfig.from_value(self.speculative_config)
         self._validate_lora()
         self._validate_kv_store()

@@ -56,6 +56,11 @@ class PlaceholderInputs:
     flat_index: list[int]
     request_ids: list[str]
 
+    def values(self, previous: SampledStep) -> list[int]:
+        """The tokens that go into `flat_index`, from the previous step's ids on the host (read back
+        once it ended): what the other tensor-parallel ranks are sent with the step's rows."""
+        return [previous.token_ids[row] for row in previous.rows_of(self.request_ids).tolist()]
+
     def fill(self, input_ids: torch.Tensor, previous: SampledStep) -> None:
         """Write the previous step's sampled ids into their places (on the device, no sync)."""
         assert previous.device_token_ids is not None, "the previous step kept no sampled ids"
@@ -115,8 +120,8 @@ class StepQueue:
 
 
 def resolve_async_scheduling(config: EngineConfig) -> bool:
-    """The async_scheduling setting, or by default: on a GPU with one rank (with speculation too:
-    the steps that verify drafts run synchronously, the others ahead)."""
+    """The async_scheduling setting, or by default: on a GPU (with speculation and tensor parallel
+    too)."""
     if config.async_scheduling is not None:
         return config.async_scheduling
-    return config.device.startswith("cuda") and config.tensor_parallel_size == 1
+    return config.device.startswith("cuda")

@@ -301,10 +301,13 @@ class ModelRunner:
         if batch is None:
             return StepResult(torch.empty(0, self.model.config.vocab_size, dtype=torch.float32,
                                           device=self.device))
+        fills = None
         if prepared.placeholders is not None:
             assert previous is not None, "placeholder inputs need the previous step's sampled ids"
             prepared.placeholders.fill(batch.input_ids, previous)
-        self._send("step", prepared.rows)
+            if self.parallel is not None:  # the other ranks take the same tokens, from the host
+                fills = (prepared.placeholders.flat_index, prepared.placeholders.values(previous))
+        self._send("step", prepared.rows, fills)
         with self._collectives("a step"):
             return self.forward_batch(batch)
 
@@ -325,10 +328,15 @@ class ModelRunner:
                            row_ids=sampled_rows)
 
     @torch.inference_mode()
-    def forward_rows(self, rows: list[BatchRow]) -> None:
-        """Another rank's share of rank 0's step over `rows` (its outputs stay with rank 0)."""
+    def forward_rows(self, rows: list[BatchRow], fills: tuple[list[int], list[int]] | None = None) -> None:
+        """Another rank's share of rank 0's step over `rows` (its outputs stay with rank 0); `fills`:
+        (flat index, token) of the inputs rank 0 filled from its previous step's sampled ids."""
         batch = prepare_rows(rows, self.block_size, self.device)
         assert batch is not None
+        if fills is not None:
+            index, tokens = fills
+            batch.input_ids[torch.tensor(index, device=self.device)] = torch.tensor(
+                tokens, dtype=batch.input_ids.dtype, device=self.device)
         self.forward_batch(batch)
 
     def forward_batch(self, batch: StepBatch) -> StepResult:

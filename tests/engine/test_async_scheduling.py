@@ -111,21 +111,19 @@ def test_async_engine_aborts_and_logprobs(tiny_checkpoint):
         assert asynchronous[request_id] == synchronous[request_id]
 
 
-def test_async_scheduling_is_refused_where_steps_need_host_tokens(tiny_checkpoint):
-    """Tensor parallel builds a step from the last tokens on the host; LoRA does not (the step in
-    flight keeps its adapter slots) and speculation runs its drafting steps synchronously, so a
-    GPU engine with adapters or speculation runs async."""
-    EngineConfig(model=str(tiny_checkpoint), async_scheduling=True,
+def test_async_scheduling_is_the_gpu_default_with_adapters_speculation_and_ranks(tiny_checkpoint):
+    """LoRA (the step in flight keeps its adapter slots), speculation (n-gram drafts run ahead,
+    others synchronously) and tensor parallel (the other ranks are sent the filled tokens) all
+    run async on a GPU by default; on a CPU the "device" is the same cores: off."""
+    EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2,
                  speculative_config={"method": "ngram", "num_speculative_tokens": 2}).validate()
-    with pytest.raises(ValueError, match="async_scheduling cannot be used with tensor_parallel_size"):
-        EngineConfig(model=str(tiny_checkpoint), async_scheduling=True, tensor_parallel_size=2).validate()
     config = EngineConfig(model=str(tiny_checkpoint), device="cuda", enable_lora=True,
                           speculative_config={"method": "ngram"})
-    assert resolve_async_scheduling(config)  # a GPU's default, adapters and speculation or not
-    two_ranks = dataclasses.replace(config, tensor_parallel_size=2)
-    assert not resolve_async_scheduling(two_ranks)
+    assert resolve_async_scheduling(config)
+    assert resolve_async_scheduling(dataclasses.replace(config, enable_lora=False, tensor_parallel_size=2))
+    assert not resolve_async_scheduling(dataclasses.replace(config, async_scheduling=False))
     engine = LLMEngine(EngineConfig(model=str(tiny_checkpoint), num_kv_blocks=16))
-    assert engine.async_scheduling is False  # CPU default: the "device" is the same cores
+    assert engine.async_scheduling is False
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])

@@ -92,6 +92,36 @@ def test_native_decode_is_off_for_a_tensor_parallel_rank(pair: tuple[LLM, LLM]) 
             del model.tensor_parallel_size
 
 
+def test_two_ranks_run_steps_ahead_with_the_tokens_one_rank_gives(tiny_checkpoint, monkeypatch) -> None:  # noqa: ANN001
+    """Async scheduling with 2 ranks: rank 0 fills a step's placeholder inputs from the step before
+    on the device and sends the other ranks the same tokens from the host, so every rank embeds
+    the same ids; with preemption, chunked prefill, seeded rows and n-gram drafts verified ahead
+    (rejected: steps voided), the tokens one synchronous rank gives."""
+    from bulkinfer.engine.scheduler import Scheduler
+
+    model = str(tiny_checkpoint)
+    params = [SamplingParams(temperature=0.0, max_tokens=10) if i % 2 else
+              SamplingParams(temperature=0.9, seed=i, max_tokens=10) for i in range(len(PROMPTS))]
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1,
+             "disable_by_batch_size": 64}
+    single = LLM(model, speculative_config=ngram, **OPTIONS)
+    expected = token_ids(single.generate(PROMPTS, params))
+    committed, commit = [], Scheduler.commit_in_flight
+
+    def counted(scheduler, output):  # noqa: ANN001, ANN202
+        committed.append(sum(bool(chunk.spec_token_ids) for chunk in output.chunks))
+        return commit(scheduler, output)
+
+    monkeypatch.setattr(Scheduler, "commit_in_flight", counted)
+    parallel = LLM(model, tensor_parallel_size=2, async_scheduling=True, speculative_config=ngram, **OPTIONS)
+    try:
+        assert token_ids(parallel.generate(PROMPTS, params)) == expected
+        assert parallel.engine.get_metrics()["num_preemptions"] > 0
+    finally:
+        parallel.engine.shutdown()
+    assert len(committed) > 10 and sum(committed) > 0  # steps ran ahead, drafts among them
+
+
 def test_decode_graphs_are_refused_with_tensor_parallel(tiny_checkpoint) -> None:  # noqa: ANN001
     with pytest.raises(ValueError, match="decode_graphs cannot be used with tensor_parallel_size"):
         EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=2, decode_graphs=True).validate()
