@@ -137,9 +137,6 @@ class EngineConfig:
             )
         _require_int(self.seed, "seed", minimum=0)
         _require_int(self.tensor_parallel_size, "tensor_parallel_size", minimum=1)
-        if self.tensor_parallel_size > 1 and self.decode_graphs:
-            # A replayed graph cannot pair its collectives with the other ranks' steps.
-            raise ValueError("decode_graphs cannot be used with tensor_parallel_size > 1")
         if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
             raise ValueError(f"async_scheduling must be true, false or null, got {self.async_scheduling!r}")
         SpeculativeConfig.from_value(self.speculative_config)

@@ -23,6 +23,9 @@ class FixedShapeGraphs(ABC):
     """The graphs of `_forward` (a subclass's), one per key, with what failed to capture."""
 
     what = "a step"  # for the log: which steps these graphs run
+    # A failed capture raises instead of leaving its steps eager: under tensor parallel every rank
+    # must run the same padded shapes, or their collectives stop pairing up.
+    strict = False
 
     def __init__(self, capture: bool) -> None:
         self.capture = capture
@@ -58,11 +61,15 @@ class FixedShapeGraphs(ABC):
         try:
             graph, output = self._record(*key)
         except torch.cuda.OutOfMemoryError:
+            if self.strict:
+                raise
             logger.warning("no GPU memory to capture %s of shape %s: it runs eagerly", self.what, key)
             self.failed.add(key)
             torch.cuda.empty_cache()
             return None
         except RuntimeError:
+            if self.strict:
+                raise
             # An op the capture cannot record (a bug: the forward must not read the device from the
             # host): the engine keeps serving, eagerly, and says so once.
             logger.exception("capturing %s as a CUDA graph failed: those steps run eagerly", self.what)

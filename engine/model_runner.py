@@ -100,10 +100,9 @@ class ModelRunner:
         self.parallel: TensorParallelGroup | None = None
         # Set by the engine with enable_lora: the adapters' slots each row's LoRA slot comes from.
         self.lora: LoRAManager | None = None
+        # Under tensor parallel every rank builds the same step from the same rows, so each takes the
+        # same padded shape (graph or eager) in the same order: their collectives pair up.
         self.tensor_parallel_size = config.tensor_parallel_size
-        if self.tensor_parallel_size > 1:
-            # A graph's step cannot pair its collectives with the other ranks (engine/config.py).
-            self.use_decode_graphs = False
         self.sampler = Sampler()
         # Plain decode rows' block tables, kept across steps (engine/persistent_batch.py).
         self.block_tables = BlockTables(2 * config.max_num_seqs,
@@ -394,6 +393,7 @@ class ModelRunner:
                                               self.config.max_model_len, self.config.max_num_seqs,
                                               capture=self.capture_decode_graphs,
                                               gathers_kv=attention_gathers_kv(self.model))
+            self.decode_graphs.strict = self.tensor_parallel_size > 1
         return self.decode_graphs
 
     def _mixed_graphs(self) -> MixedGraphs | None:
@@ -410,6 +410,7 @@ class ModelRunner:
                                             self.config.max_model_len, self.config.max_num_seqs,
                                             self.config.max_num_batched_tokens,
                                             capture=self.capture_decode_graphs)
+            self.mixed_graphs.strict = self.tensor_parallel_size > 1
         return self.mixed_graphs
 
     def prepare_batch(self, output: SchedulerOutput) -> StepBatch | None:

@@ -92,3 +92,33 @@ def test_batch_invariant_engines_keep_mixed_steps_eager(tiny_checkpoint):
               kv_populate_seconds=0)
     assert llm.engine.runner._decode_graphs() is not None
     assert llm.engine.runner._mixed_graphs() is None
+
+
+def test_two_ranks_run_decode_and_mixed_steps_on_the_fixed_shape_path_with_one_ranks_tokens(tiny_checkpoint,
+                                                                                        monkeypatch):
+    """Tensor parallel with fixed-shape steps: every rank builds the same step from the same rows,
+    so each pads it to the same shape and their collectives pair up (a rank left eager would
+    all-reduce other sizes and fail the step); the tokens are one rank's."""
+    from bulkinfer.engine.decode_graphs import DecodeGraphs
+
+    options = dict(device=TEST_DEVICE, dtype="float32", num_kv_blocks=64, triton_kernels=True,
+                   decode_graphs=True, batch_invariant=False, max_num_batched_tokens=24,
+                   kv_populate_seconds=0)
+    batch = prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 2, 3, 2)]
+    single = LLM(str(tiny_checkpoint), **options)
+    expected = [output.outputs[0].token_ids for output in single.generate(batch, params)]
+    ran: list[str] = []
+    for graphs in (DecodeGraphs, MixedGraphs):
+        monkeypatch.setattr(graphs, "_replay", lambda self, key, replay=graphs._replay: (
+            ran.append(type(self).__name__), replay(self, key))[1])
+    parallel = LLM(str(tiny_checkpoint), tensor_parallel_size=2, **options)
+    try:
+        got = [output.outputs[0].token_ids for output in parallel.generate(batch, params)]
+        runner = parallel.engine.runner
+        assert runner.decode_graphs is not None and runner.decode_graphs.strict
+        assert runner.mixed_graphs is not None and runner.mixed_graphs.strict
+    finally:
+        parallel.engine.shutdown()
+    assert got == expected
+    assert {"DecodeGraphs", "MixedGraphs"} <= set(ran)  # rank 0 ran both kinds of fixed-shape step

@@ -122,9 +122,10 @@ def test_two_ranks_run_steps_ahead_with_the_tokens_one_rank_gives(tiny_checkpoin
     assert len(committed) > 10 and sum(committed) > 0  # steps ran ahead, drafts among them
 
 
-def test_decode_graphs_are_refused_with_tensor_parallel(tiny_checkpoint) -> None:  # noqa: ANN001
-    with pytest.raises(ValueError, match="decode_graphs cannot be used with tensor_parallel_size"):
-        EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=2, decode_graphs=True).validate()
+def test_fixed_shape_steps_are_allowed_with_tensor_parallel_and_a_rank_count_below_one_is_not(
+        tiny_checkpoint) -> None:  # noqa: ANN001
+    # Two ranks on the fixed-shape path: tests/engine/test_mixed_graphs.py.
+    EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=2, decode_graphs=True).validate()
     with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1"):
         EngineConfig(model=str(tiny_checkpoint), tensor_parallel_size=0).validate()
 
