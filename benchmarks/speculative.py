@@ -216,6 +216,9 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--tail-rows", type=int, default=48, help="rows of the mixed-length job (0: skip it)")
     parser.add_argument("--json", type=Path, help="also write the figures here as JSON")
     args = parser.parse_args(argv)
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if unknown := sorted(set(tasks) - set(TASKS)):
+        parser.error(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
     model_dir = resolve_model(args.model) if resolve_model else args.model
     from transformers import AutoTokenizer
 
@@ -247,7 +250,7 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     figures: dict[str, Any] = {"levels": {}, "tail": None}
     seed = 0
-    for task in [t.strip() for t in args.tasks.split(",") if t.strip()]:
+    for task in tasks:
         for level in levels:
             sets = []
             for _ in range(args.rounds):

@@ -94,6 +94,14 @@ def test_bench_spec_prints_each_level_the_tail_job_and_the_cost_curve(
     assert "mixed-length job (2 rows of 1-10 sentences, run twice): off " in out
 
 
+def test_bench_spec_refuses_an_unknown_task(capsys: pytest.CaptureFixture[str]) -> None:
+    from bulkinfer.benchmarks.speculative import bench_cli as spec_cli
+
+    with pytest.raises(SystemExit):
+        spec_cli(["--tasks", "copy-heavy,typos"])
+    assert "unknown tasks ['typos']" in capsys.readouterr().err
+
+
 def test_bench_spec_keeps_n_requests_running_and_returns_rows_in_order(tiny_checkpoint) -> None:
     from bulkinfer.benchmarks.speculative import generate_keeping
     from bulkinfer.engine import LLM, SamplingParams
