@@ -387,14 +387,14 @@ class Scheduler:
             request = chunk.request
             if request.is_finished:  # aborted after schedule()
                 continue
-            if chunk.void:  # a step before it rejected the drafts it continued from
+            if chunk.epoch != request.spec_epoch:  # void (`ScheduledChunk.void`), inlined: per row per step
                 continue
             if chunk.samples and request.request_id not in sampled:
                 raise ValueError(f"no sampled token for request {request.request_id!r}, whose chunk samples")
             if not committed:
                 request.num_computed_tokens = chunk.start + chunk.num_new_tokens - len(chunk.spec_token_ids)
             elif chunk.samples:
-                request.num_output_placeholders -= chunk.num_sample_rows
+                request.num_output_placeholders -= 1 + len(chunk.spec_token_ids)
             if chunk.samples and request.sampling_params.max_tokens == 0:
                 # Score only: the prompt is computed (its logprobs taken); no token is generated.
                 self._finish_from_output(request, FinishReason.LENGTH, now)
@@ -419,10 +419,10 @@ class Scheduler:
                     self._finish_from_output(request, reason, now)
                     finished.append(request)
                     continue
-                if committed and len(token_ids) < chunk.num_sample_rows:
-                    self._step_back(request, chunk.start + len(token_ids))
-                if chunk.spec_token_ids:  # rejected drafts' slots go back to the pool
-                    self.kv_cache_manager.trim(request)
+                if chunk.spec_token_ids:
+                    if committed and len(token_ids) <= len(chunk.spec_token_ids):  # a draft rejected
+                        self._step_back(request, chunk.start + len(token_ids))
+                    self.kv_cache_manager.trim(request)  # rejected drafts' slots go back to the pool
             self.kv_cache_manager.cache_blocks(request)
         if finished:
             self.running = [request for request in self.running if not request.is_finished]
