@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import redis
 from botocore.exceptions import ClientError, EndpointConnectionError
+from celery.exceptions import Retry
 from kombu.exceptions import OperationalError
 
 from bulkinfer.jobs.object_store.local import LocalObjectStore
@@ -18,7 +19,15 @@ from bulkinfer.jobs.settings import Settings
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.state.status import JobState
 from bulkinfer.worker.process.context import WorkerContext
-from bulkinfer.worker.process.tasks import retry_published, run_step
+from bulkinfer.worker.process.tasks import (
+    finalize_job,
+    plan_job,
+    retry_published,
+    run_next_shard,
+    run_shard,
+    run_step,
+)
+from bulkinfer.worker.process.webhook_delivery import deliver_webhook
 from bulkinfer.worker.shards.job_lifecycle import JobCannotRun, resolved_spec
 from bulkinfer.worker.transient import is_transient, retry_delay_s
 from tests.fixtures.services import S3Server, free_port
@@ -221,3 +230,22 @@ def test_a_step_waits_out_redis_out_of_memory_but_a_wrong_command_counts(context
             run_step(RecordingTask(0), context, job_id, "shard 2", wrong_type)  # type: ignore[arg-type]
     summary = run_step(RecordingTask(0), context, job_id, "shard 2", wrong_type)  # type: ignore[arg-type]
     assert summary["status"] == "failed" and "WRONGTYPE" in str(repository.get(job_id).error)
+
+
+@pytest.mark.parametrize("task", [plan_job, run_next_shard, run_shard, finalize_job, deliver_webhook],
+                         ids=lambda task: task.name)
+def test_a_step_is_retried_past_celerys_default_limit_of_three(task, monkeypatch) -> None:  # noqa: ANN001
+    """Celery's retry(max_retries=None) falls back to the task's own limit, 3 unless set, and past it
+    raises the error instead of scheduling a retry: a fourth transient failure (a disk full for
+    longer than three retries) then read as a retry that could not be sent, and its shard sat for
+    15 minutes. Our steps count their own attempts (run_step; webhooks theirs), so no task has a
+    Celery limit."""
+    from celery.canvas import Signature
+
+    monkeypatch.setattr(Signature, "apply_async", lambda self, *args, **options: None)  # the publish
+    task.push_request(id="attempt-11", retries=10, args=["job-a"], kwargs={}, called_directly=False)
+    try:
+        with pytest.raises(Retry):
+            task.retry(exc=OSError(errno.ENOSPC, "No space left on device"), countdown=1, max_retries=None)
+    finally:
+        task.pop_request()

@@ -165,14 +165,14 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str, work: C
     return summary
 
 
-@app.task(name=PLAN_JOB, bind=True)
+@app.task(name=PLAN_JOB, bind=True, max_retries=None)
 def plan_job(self: Task, job_id: str) -> dict[str, Any]:
     context = worker_context()
     return run_step(self, context, job_id, "plan",
                     lambda: job_lifecycle.plan_job(context, job_id, ShardOffers(context)))
 
 
-@app.task(name=RUN_NEXT_SHARD, bind=True)
+@app.task(name=RUN_NEXT_SHARD, bind=True, max_retries=None)
 def run_next_shard(self: Task, queue: str, job_id: str | None = None,
                    shard_index: int | None = None) -> dict[str, Any]:
     """A ticket: run the fair queue's next shard for this queue (or, when a run of one is retried,
@@ -207,7 +207,7 @@ def take_next_shard(task: Task, context: WorkerContext, queue: str) -> TakenShar
         raise retry_published(task, error, delay, kwargs={}) from error
 
 
-@app.task(name=RUN_SHARD, bind=True)
+@app.task(name=RUN_SHARD, bind=True, max_retries=None)
 def run_shard(self: Task, job_id: str, shard_index: int) -> dict[str, Any]:
     """One named shard: sent by the reaper and by a worker handing a shard back."""
     return _run_shard_step(self, worker_context(), job_id, shard_index)
@@ -236,7 +236,7 @@ def _run_shard_step(self: Task, context: WorkerContext, job_id: str, shard_index
     return run_step(self, context, job_id, f"shard {shard_index}", work, retry_kwargs)
 
 
-@app.task(name=FINALIZE_JOB, bind=True)
+@app.task(name=FINALIZE_JOB, bind=True, max_retries=None)
 def finalize_job(self: Task, job_id: str) -> dict[str, Any]:
     context = worker_context()
     return run_step(self, context, job_id, "finalize", lambda: job_lifecycle.finalize_job(context, job_id))

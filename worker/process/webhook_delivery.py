@@ -154,7 +154,7 @@ def _give_up(context: WorkerContext, job_id: str, reason: str) -> dict[str, Any]
     return {"job_id": job_id, "status": "failed", "error": reason}
 
 
-@app.task(name=DELIVER_WEBHOOK, bind=True)
+@app.task(name=DELIVER_WEBHOOK, bind=True, max_retries=None)
 def deliver_webhook(self: Task, job_id: str) -> dict[str, Any]:
     context = worker_context()
     attempts = context.settings.webhook_max_attempts or DEFAULT_MAX_ATTEMPTS
