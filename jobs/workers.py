@@ -67,19 +67,24 @@ def live_workers(client: redis.Redis, namespace: str) -> list[WorkerBeat]:
 
 
 # How the engine's load error begins for a checkpoint whose architecture it does not implement
-# (engine/models/loader.py; it goes on to name the supported ones). A failure of this kind is the
-# checkpoint's, so it holds on every worker: the API refuses jobs for the model (api/submission.py).
+# (engine/models/loader.py; it goes on to name the supported ones), and what it says of a quantized
+# checkpoint (naming its scheme). A failure of these kinds is the checkpoint's, so it holds on every
+# worker: the API refuses jobs for the model (api/submission.py).
 UNSUPPORTED_ARCHITECTURE = "unsupported architecture"
+QUANTIZED_CHECKPOINT = "is a quantized checkpoint"
+CHECKPOINT_REFUSALS = (UNSUPPORTED_ARCHITECTURE, QUANTIZED_CHECKPOINT)
 
 
 def unservable_reason(beats: list[WorkerBeat], model: str) -> str | None:
     """Why `model` cannot run here, where live workers know: one reports it failed to load because
-    of its architecture and none reports it loaded. None otherwise (unknown is not unservable)."""
+    of its checkpoint (its architecture, or quantized weights) and none reports it loaded. None
+    otherwise (unknown is not unservable)."""
     states = [hosted.state for beat in beats for hosted in beat.models if hosted.name == model]
     if "loaded" in states:
         return None
-    return next((state.removeprefix("failed: ") for state in states
-                 if state.startswith("failed: ") and UNSUPPORTED_ARCHITECTURE in state), None)
+    refused = [state for state in states
+               if state.startswith("failed: ") and any(refusal in state for refusal in CHECKPOINT_REFUSALS)]
+    return refused[0].removeprefix("failed: ") if refused else None
 
 
 MIN_MEASURED_BUSY_S = 1.0  # less engine time than this measures start-up more than throughput

@@ -25,6 +25,7 @@ from bulkinfer.engine.models.llama import (
 )
 from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
+from bulkinfer.engine.models.quantization import quantization_scheme
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -59,6 +60,11 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
     """Parse ``config.json`` into the model config, rejecting architectures we do not implement."""
     cfg = read_hf_config(model_dir)
+    scheme = quantization_scheme(cfg)
+    if scheme is not None:
+        raise UnsupportedModelError(
+            f"{Path(model_dir) / 'config.json'} is a quantized checkpoint ({scheme}): bulkinfer "
+            "loads unquantized weights (safetensors in fp32, bf16 or fp16) or a GGUF file")
     architectures = cfg.get("architectures") or []
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:

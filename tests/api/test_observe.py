@@ -135,3 +135,24 @@ def test_a_model_whose_architecture_the_workers_cannot_load_is_refused_at_submit
     beat("a", f"failed: {load_error.value}")
     beat("b", "loaded")  # another worker serves it (another copy of the folder)
     assert submit(local_api, "served.jsonl")
+
+
+def test_a_quantized_checkpoint_the_workers_cannot_load_is_refused_at_submit_by_its_scheme(
+        local_api, tmp_path) -> None:
+    from bulkinfer.api.client import ApiError
+    from bulkinfer.engine.models import UnsupportedModelError, model_config_from_dir
+
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"],
+                                                      "quantization_config": quant}))
+    with pytest.raises(UnsupportedModelError) as load_error:
+        model_config_from_dir(tmp_path)
+    now = datetime.now(UTC)
+    write_beat(local_api.redis, local_api.repository.namespace, WorkerBeat(
+        hostname="a", pid=1, started_at=now, updated_at=now,
+        models=[WorkerModel(name="tiny", state=f"failed: {load_error.value}")]))
+    with pytest.raises(ApiError) as refused:
+        submit(local_api, "quantized.jsonl")
+    assert refused.value.status_code == 400
+    assert "model 'tiny' cannot run here:" in refused.value.message
+    assert "is a quantized checkpoint (gptq 4-bit)" in refused.value.message
