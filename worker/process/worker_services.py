@@ -57,6 +57,45 @@ def _start_schedule_ticker(sender: Any = None, **_: Any) -> None:
     start_ticker(process_settings())
 
 
+_activity = None  # this process's ConsumerActivity, once the worker is up (consumer_watchdog.py)
+
+
+@signals.task_received.connect
+def _note_received(**_: Any) -> None:
+    if _activity is not None:
+        _activity.received()
+
+
+@signals.task_prerun.connect
+def _note_started(**_: Any) -> None:
+    if _activity is not None:
+        _activity.started()
+
+
+@signals.task_postrun.connect
+def _note_finished(**_: Any) -> None:
+    if _activity is not None:
+        _activity.finished()
+
+
+@signals.worker_ready.connect
+def _start_consumer_watchdog(sender: Any = None, **_: Any) -> None:
+    """A worker whose broker consumer stalled stops itself, to be replaced (consumer_watchdog.py)."""
+    global _activity
+    if sender is None or getattr(sender, "app", None) is not app:
+        return
+    import threading
+
+    from bulkinfer.worker.process.consumer_watchdog import ConsumerActivity, watch
+    from bulkinfer.worker.process.tasks import broker_ticket_count
+
+    _activity = ConsumerActivity()
+    queues = sorted(app.amqp.queues.consume_from or app.amqp.queues)
+    concurrency = int(getattr(sender, "concurrency", 0) or app.conf.worker_concurrency or 1)
+    threading.Thread(target=watch, name="consumer-watchdog", daemon=True,
+                     args=(_activity, queues, concurrency, broker_ticket_count, threading.Event())).start()
+
+
 _status_server = None  # this process's StatusServer, once the worker is up
 
 
