@@ -90,8 +90,9 @@ def _start_consumer_watchdog(sender: Any = None, **_: Any) -> None:
     from bulkinfer.worker.process.tasks import broker_ticket_count
 
     _activity = ConsumerActivity()
-    queues = sorted(app.amqp.queues.consume_from or app.amqp.queues)
-    concurrency = int(getattr(sender, "concurrency", 0) or app.conf.worker_concurrency or 1)
+    queues = sorted(app.amqp.queues.consume_from)  # the queues this worker consumes (-Q)
+    controller = getattr(sender, "controller", None)  # sender: the worker's consumer
+    concurrency = int(getattr(controller, "concurrency", 0) or app.conf.worker_concurrency or 1)
     threading.Thread(target=watch, name="consumer-watchdog", daemon=True,
                      args=(_activity, queues, concurrency, broker_ticket_count, threading.Event())).start()
 
