@@ -58,6 +58,7 @@ def _start_schedule_ticker(sender: Any = None, **_: Any) -> None:
 
 
 _activity = None  # this process's ConsumerActivity, once the worker is up (consumer_watchdog.py)
+_watchdog_stop = None  # set when the worker shuts down: it stops consuming on purpose then
 
 
 @signals.task_received.connect
@@ -81,7 +82,7 @@ def _note_finished(**_: Any) -> None:
 @signals.worker_ready.connect
 def _start_consumer_watchdog(sender: Any = None, **_: Any) -> None:
     """A worker whose broker consumer stalled stops itself, to be replaced (consumer_watchdog.py)."""
-    global _activity
+    global _activity, _watchdog_stop
     if sender is None or getattr(sender, "app", None) is not app:
         return
     import threading
@@ -89,12 +90,12 @@ def _start_consumer_watchdog(sender: Any = None, **_: Any) -> None:
     from bulkinfer.worker.process.consumer_watchdog import ConsumerActivity, watch
     from bulkinfer.worker.process.tasks import broker_ticket_count
 
-    _activity = ConsumerActivity()
+    _activity, _watchdog_stop = ConsumerActivity(), threading.Event()
     queues = sorted(app.amqp.queues.consume_from)  # the queues this worker consumes (-Q)
     controller = getattr(sender, "controller", None)  # sender: the worker's consumer
     concurrency = int(getattr(controller, "concurrency", 0) or app.conf.worker_concurrency or 1)
     threading.Thread(target=watch, name="consumer-watchdog", daemon=True,
-                     args=(_activity, queues, concurrency, broker_ticket_count, threading.Event())).start()
+                     args=(_activity, queues, concurrency, broker_ticket_count, _watchdog_stop)).start()
 
 
 _status_server = None  # this process's StatusServer, once the worker is up
@@ -125,6 +126,8 @@ def _hand_back_running_shards(**_: Any) -> None:
     """SIGTERM (or Ctrl-C): running shards hand themselves back (worker/process/shutdown.py)."""
     from bulkinfer.worker.process import shutdown
 
+    if _watchdog_stop is not None:
+        _watchdog_stop.set()  # no longer consuming, on purpose
     logger.info("worker stopping: running shards are handed back to their queues")
     shutdown.begin()
 
