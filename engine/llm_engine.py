@@ -163,6 +163,7 @@ class LLMEngine:
         self._samples: dict[str, Sample] = {}  # by scheduler request id
         # Samples that need per-token work after sampling (stop strings, grammar, logprobs).
         self._post_ids: set[str] = set()
+        self._penalty_ids: set[str] = set()  # live samples with penalties (drafts cannot run ahead of them)
         self._assembler = OutputAssembler(self.tokenizer)
         self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
 
@@ -288,6 +289,8 @@ class LLMEngine:
                 self.lora.acquire(lora_request)  # kept in host memory until the sample ends
             if sample.detokenizer is not None or sample.logprobs is not None or sample.structured:
                 self._post_ids.add(child.request_id)
+            if params.has_penalties:
+                self._penalty_ids.add(child.request_id)
         if spec is not None:
             self._grammars.register([child.request_id for child in children], spec)
 
@@ -412,13 +415,11 @@ class LLMEngine:
         assert self._speculator is not None
         if self._speculator.draft is not None:
             return False
-        for request in self.scheduler.running:
-            params = request.sampling_params
-            if params.presence_penalty or params.frequency_penalty or params.repetition_penalty != 1.0:
-                return False
-            if request.request_id in self._grammars.ids:
-                return False
-        return True
+        penalties, grammars = self._penalty_ids, self._grammars.ids
+        if not penalties and not grammars:  # the common case: no walk over the running rows
+            return True
+        return not any(request.request_id in penalties or request.request_id in grammars
+                       for request in self.scheduler.running)
 
     def _run_now(self, step: _Step) -> SampledStep:
         """Run a step with none in flight before it and wait for it: on this thread (the step
@@ -662,6 +663,7 @@ class LLMEngine:
         if sample is None:
             return None
         self._post_ids.discard(request.request_id)
+        self._penalty_ids.discard(request.request_id)
         if request.lora_request is not None and self.lora is not None:
             self.lora.release(request.lora_request)
         if self._speculator is not None:

@@ -39,7 +39,7 @@ from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
-from bulkinfer.engine.scheduler import SchedulerOutput
+from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput
 from bulkinfer.engine.step_batch import (
     BatchRow,
     PreparedStep,
@@ -448,10 +448,9 @@ class ModelRunner:
                 # Verifying drafts: 1 + k solo columns over the request's table, the first a
                 # placeholder where the step in flight is still sampling it.
                 assert units is not None
-                known = chunk.start < len(request.all_token_ids)
+                tokens, known = verified_tokens(chunk)
                 if not known:
                     step.column_placeholders.append((len(decodes), request.request_id))
-                tokens = [request.all_token_ids[chunk.start] if known else 0, *chunk.spec_token_ids]
                 for j, token in enumerate(tokens):
                     units.append(len(decodes))
                     decodes.add(request.request_id, chunk.block_ids, chunk.start + j, token, True, solo=True)
@@ -470,9 +469,7 @@ class ModelRunner:
             first_row = len(rows)
             lora = self.lora.slot_of(request.lora_request) if self.lora is not None else NO_ADAPTER
             if chunk.spec_token_ids:
-                # Its first token is a placeholder where the step in flight is still sampling it.
-                known = chunk.start < len(request.all_token_ids)
-                tokens = [request.all_token_ids[chunk.start] if known else 0, *chunk.spec_token_ids]
+                tokens, known = verified_tokens(chunk)
                 if not known:
                     step.placeholders.append((first_row, request.request_id))
                 rows.extend(BatchRow([token], chunk.start + j, chunk.block_ids, 1, solo=True, lora_slot=lora)
@@ -493,6 +490,14 @@ class ModelRunner:
             if units is not None:
                 units.extend(~r for r in range(first_row, len(rows)))
         return step
+
+
+def verified_tokens(chunk: ScheduledChunk) -> tuple[list[int], bool]:
+    """A chunk verifying drafts: its input tokens (the last token, then the drafts) and whether that
+    last token is known; a 0 stands in for it where the step in flight is still sampling it."""
+    tokens = chunk.request.all_token_ids
+    known = chunk.start < len(tokens)
+    return [tokens[chunk.start] if known else 0, *chunk.spec_token_ids], known
 
 
 def attention_gathers_kv(model: torch.nn.Module) -> bool:

@@ -64,6 +64,11 @@ class SamplingParams:
     # ---- derived -------------------------------------------------------------------------------
 
     @property
+    def has_penalties(self) -> bool:
+        """Presence, frequency or repetition penalty: sampling reads every token generated so far."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
     def structured(self) -> StructuredSpec | None:
         """The output constraint as the structured-output manager's spec (its cache key), or None."""
         if self.json_schema is None and self.regex is None and self.choice is None and self.grammar is None:
