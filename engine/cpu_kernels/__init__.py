@@ -29,17 +29,19 @@ from pathlib import Path
 import torch
 
 from bulkinfer.cpu_isa import active_cap, compiler_flags, describe_cap
+from bulkinfer.engine.cpu_kernels.quant import QuantKernels
 
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
-                        "kv_store.c", "row_gemm.c", "moe_ops.c", "lora_ops.c", "decode_layers.c")]
+                        "kv_store.c", "row_gemm.c", "moe_ops.c", "lora_ops.c", "decode_layers.c",
+                        "quant_gemm.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared"]
-ABI_VERSION = 18
+ABI_VERSION = 19
 HEAD_DIMS = (16, 32, 64, 80, 96, 128)  # the head sizes decode_attention.c is specialised for
 PREFIX_HEAD_DIMS = (32, 64, 96, 128)  # prefix_attention.c: whole 32-dim AMX tiles
 CAUSAL_HEAD_DIMS = (32, 64, 96, 128)  # causal_attention.c: at most 16 vectors a row
@@ -122,6 +124,8 @@ class CpuKernels:
         # bf16 rows with fp32 results: the LM head's logits (row_gemm_bf16_f32).
         self._row_gemm_to_f32 = _declare(library.row_gemm_bf16_f32,
                                          [_POINTER, _INT, _POINTER, _POINTER, _POINTER] + [_INT] * 4)
+        # Quantized checkpoints' projections (quant_gemm.c, engine/quant/).
+        self.quant = QuantKernels(library, self)
 
     def _scratch_buffer(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """This thread's scratch `name` of at least `numel` elements, grown as inputs grow."""

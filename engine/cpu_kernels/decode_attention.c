@@ -294,5 +294,5 @@ void decode_attention_bf16(const void* q, const void* kc, const void* vc, const 
                            float* lse, int nt) {
     attend(q, kc, vc, t, ts, n, f, R, H, Q, D, BS, sc, init_out, init_lse, o, lse, nt, 1);
 }
-int kernel_abi_version(void) { return 18; }
+int kernel_abi_version(void) { return 19; }
 int kernel_vector_lanes(void) { return VL; }

@@ -26,6 +26,7 @@ from bulkinfer.engine.invariant import LOGIT_BLOCK_ROWS, in_row_blocks, in_step_
 from bulkinfer.engine.models.native_decode import NativeDecode
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import llama_plan
+from bulkinfer.engine.quant.linear import QuantizedLinear
 
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
@@ -609,6 +610,8 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 # The LM head's rows are the sampled positions: every one a row of its own.
                 module.use_row_gemm(kernels, None if module is self.lm_head else self.step_rows)
+            if isinstance(module, QuantizedLinear):
+                module.use_kernels(kernels, self.step_rows)
         self.cpu_kernels = kernels
         self.native_decode = NativeDecode.for_model(self, kernels)
 
@@ -645,6 +648,28 @@ class LlamaForCausalLM(nn.Module):
     def tensor_parallel_plan(self) -> dict[str, Split]:
         """How each checkpoint tensor splits over tensor-parallel ranks (engine/parallel/plan.py)."""
         return llama_plan(self.config)
+
+    def projection_sources(self) -> dict[str, tuple[str, ...]]:
+        """Each projection module (our path) and the checkpoint's linear layers it concatenates, in
+        order: what a quantized checkpoint's layers become (engine/models/loader.py)."""
+        sources: dict[str, tuple[str, ...]] = {"lm_head": ("lm_head",)}
+        for i, layer in enumerate(self.layers):
+            ours, hf = f"layers.{i}.", f"model.layers.{i}."
+            qkv = tuple(f"{hf}self_attn.{n}_proj" for n in self.qkv_sources())
+            sources[ours + "self_attn.qkv_proj"] = qkv
+            sources[ours + "self_attn.o_proj"] = (hf + "self_attn.o_proj",)
+            if isinstance(layer.mlp, MLP):
+                gate_up = tuple(f"{hf}mlp.{n}_proj" for n in self.gate_up_sources())
+                sources[ours + "mlp.gate_up_proj"] = gate_up
+                sources[ours + "mlp.down_proj"] = (hf + "mlp.down_proj",)
+        return sources
+
+    def qkv_sources(self) -> tuple[str, ...]:
+        """The checkpoint's attention input projections (x in "self_attn.x_proj"), fused in this order."""
+        return ("q", "k", "v")
+
+    def gate_up_sources(self) -> tuple[str, ...]:
+        return ("gate", "up")
 
     # ---- loading from Hugging Face tensor names -------------------------------------------------
 

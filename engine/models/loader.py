@@ -25,7 +25,14 @@ from bulkinfer.engine.models.llama import (
 )
 from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
-from bulkinfer.engine.models.quantization import quantization_scheme
+from bulkinfer.engine.quant.checkpoint import (
+    QuantizedCheckpointError,
+    QuantizedParts,
+    fuse_parts,
+    split_quantized,
+)
+from bulkinfer.engine.quant.linear import QuantizedLinear
+from bulkinfer.quant_scheme import CheckpointQuantization, UnsupportedQuantization, read_quantization
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -60,11 +67,7 @@ def read_hf_config(model_dir: str | Path) -> dict[str, Any]:
 def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
     """Parse ``config.json`` into the model config, rejecting architectures we do not implement."""
     cfg = read_hf_config(model_dir)
-    scheme = quantization_scheme(cfg)
-    if scheme is not None:
-        raise UnsupportedModelError(
-            f"{Path(model_dir) / 'config.json'} is a quantized checkpoint ({scheme}): bulkinfer "
-            "loads unquantized weights (safetensors in fp32, bf16 or fp16) or a GGUF file")
+    checkpoint_quantization(model_dir, cfg)
     architectures = cfg.get("architectures") or []
     supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
     if not supported:
@@ -74,6 +77,18 @@ def model_config_from_dir(model_dir: str | Path) -> LlamaFamilyConfig:
             f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
         )
     return SUPPORTED_ARCHITECTURES[supported[0]].parse_config(supported[0], cfg)
+
+
+def checkpoint_quantization(model_dir: str | Path, cfg: dict[str, Any] | None = None
+                            ) -> CheckpointQuantization | None:
+    """The checkpoint's quantization (None: unquantized); a scheme the engine does not run is refused
+    by name (UnsupportedModelError), before any tensor is read."""
+    try:
+        return read_quantization(read_hf_config(model_dir) if cfg is None else cfg)
+    except UnsupportedQuantization as error:
+        raise UnsupportedModelError(
+            f"{Path(model_dir) / 'config.json'} is a quantized checkpoint ({error}); unquantized weights "
+            "(safetensors in fp32, bf16 or fp16) and GGUF files load too") from None
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: Any, config_ids: tuple[int, ...] = ()) -> list[int]:
@@ -162,15 +177,63 @@ def load_model(
     """
     config = model_config_from_dir(model_dir)
     model_cls = SUPPORTED_ARCHITECTURES[config.architecture]
-    tensors = read_safetensors(model_dir, dtype)
+    quantization = checkpoint_quantization(model_dir)
+    parts: dict[str, QuantizedParts] = {}
+    if quantization is None:
+        tensors = read_safetensors(model_dir, dtype)
+    else:
+        stored = {name: f.get_tensor(name) for _, f, name in each_checkpoint_tensor(Path(model_dir))}
+        try:
+            tensors, parts = split_quantized(stored, quantization, dtype)
+        except QuantizedCheckpointError as error:
+            raise CheckpointError(f"{model_dir}: {error}") from None
     # Built on the meta device and given uninitialized memory: every parameter is filled from the
     # checkpoint below (check_tensors), so nn's random init would be wasted (0.8 s of a SmolLM2 start).
     with torch.device("meta"):
         model = model_cls(config, backend).to(dtype)
+        fused = install_quantized_projections(model, parts)
     model = model.to_empty(device=device)
     model.tie_weights()
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
+    for path, layers in fused.items():
+        model.get_submodule(path).attach(fuse_parts(path, layers, parts))
     if onednn_linear_available(torch.device(device), dtype):
         model.pack_linear_weights(batch_hint)
     return model.eval()
+
+
+def install_quantized_projections(model: torch.nn.Module,
+                                  parts: dict[str, QuantizedParts]) -> dict[str, list[str]]:
+    """Replace each projection whose checkpoint layers are quantized with a QuantizedLinear (on the
+    meta device, before the weights are loaded); returns each one's layers, in concatenation order.
+    Quantized layers the model has no quantized projection for are refused by name."""
+    if not parts:
+        return {}
+    if not hasattr(model, "projection_sources"):
+        raise CheckpointError(f"{type(model).__name__} does not load quantized checkpoints")
+    fused: dict[str, list[str]] = {}
+    for path, layers in model.projection_sources().items():
+        quantized = [layer in parts for layer in layers]
+        if not any(quantized):
+            continue
+        if not all(quantized):
+            raise CheckpointError(f"{path}: {', '.join(layers)} mix quantized and unquantized weights")
+        if path == "lm_head":
+            raise CheckpointError("lm_head is quantized: bulkinfer computes logits from a float LM head "
+                                  "(llm-compressor's recipes leave it out: ignore: [lm_head])")
+        linear = model.get_submodule(path)
+        parent, _, name = path.rpartition(".")
+        replacement = QuantizedLinear(linear.in_features, linear.out_features, linear.bias is not None,
+                                      parts[layers[0]].scheme)
+        setattr(model.get_submodule(parent), name, replacement.to(linear.weight.dtype))  # its bias
+        fused[path] = list(layers)
+    covered = {layer for layers in fused.values() for layer in layers}
+    left = sorted(set(parts) - covered)
+    if left:
+        experts = [layer for layer in left if ".experts." in layer or "shared_expert" in layer]
+        what = ("quantized MoE experts are not supported yet (keep them unquantized: add them to the "
+                "ignore list)" if experts else "bulkinfer runs no quantized projection for them")
+        named = ", ".join(left[:4]) + (" ..." if len(left) > 4 else "")
+        raise CheckpointError(f"quantized layers {named}: {what}")
+    return fused

@@ -167,6 +167,12 @@ class Phi3ForCausalLM(LlamaForCausalLM):
         """The checkpoint's fused qkv and gate_up split section by section (engine/parallel/plans.py)."""
         return phi3_plan(self.config)
 
+    def qkv_sources(self) -> tuple[str, ...]:
+        return ("qkv",)  # the checkpoint's own fused projections
+
+    def gate_up_sources(self) -> tuple[str, ...]:
+        return ("gate_up",)
+
     def fits_native_decode(self) -> bool:
         # decode_layers.c rotates whole heads; cos/sin come from self.rotary, so longrope fits.
         return self.config.rotary_dim == self.config.head_dim

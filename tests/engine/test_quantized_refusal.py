@@ -11,7 +11,8 @@ import pytest
 
 from bulkinfer.engine import LLM
 from bulkinfer.engine.models.llama import UnsupportedModelError
-from bulkinfer.engine.models.quantization import quantization_scheme
+from bulkinfer.engine.models.loader import CheckpointError
+from bulkinfer.quant_scheme import quantization_scheme
 
 # What llm-compressor writes for W8A8 int8 (its preset), and for W4A16 with groups of 128.
 W8A8 = {"quant_method": "compressed-tensors", "format": "int-quantized", "config_groups": {"group_0": {
@@ -26,8 +27,6 @@ AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemm"}
 
 
 @pytest.mark.parametrize("quant, named", [
-    (W8A8, "compressed-tensors W8A8 int8 (int-quantized: channel weights, dynamic token activations)"),
-    (W4A16, "compressed-tensors W4A16 int4 (pack-quantized: group 128 weights)"),
     (AWQ, "awq 4-bit"),
     ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "fp8"),
 ])
@@ -43,6 +42,22 @@ def test_a_quantized_checkpoint_is_refused_by_its_scheme(tiny_checkpoint: Path, 
     with pytest.raises(UnsupportedModelError, match=QUANTIZED_CHECKPOINT) as refused:
         LLM(model=str(folder), num_kv_blocks=16)
     assert named in str(refused.value)
+
+
+@pytest.mark.parametrize("quant, named", [
+    (W8A8, "compressed-tensors W8A8 int8 (int-quantized: channel weights, dynamic token activations)"),
+    (W4A16, "compressed-tensors W4A16 int4 (pack-quantized: group 128 weights)"),
+])
+def test_schemes_it_runs_are_named_and_need_their_quantized_tensors(tiny_checkpoint: Path, tmp_path: Path,
+                                                                    quant: dict, named: str) -> None:
+    assert quantization_scheme({"quantization_config": quant}) == named
+    folder = tmp_path / "declared"
+    shutil.copytree(tiny_checkpoint, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    declared = "_proj is targeted by the quantization config .* stored unquantized"
+    with pytest.raises(CheckpointError, match=declared):
+        LLM(model=str(folder), num_kv_blocks=16)
 
 
 def test_an_unquantized_config_names_no_scheme() -> None:

@@ -1,0 +1,139 @@
+"""quant_gemm.c from Python: the checks before raw pointers, and torch tensors in and out."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_F = ctypes.c_float
+
+# quantize_rows_u8's modes
+SYMMETRIC_PER_ROW, ASYMMETRIC_PER_ROW, STATIC = 0, 1, 2
+
+
+def _declare(function: Any, arguments: list[Any]) -> Any:
+    function.argtypes = [*arguments, ctypes.c_int]  # the thread count last, as every kernel
+    function.restype = None
+    return function
+
+
+def _check(condition: bool, what: str) -> None:
+    if not condition:
+        raise ValueError(f"{what}: unsupported or inconsistent inputs")
+
+
+class QuantKernels:
+    def __init__(self, library: ctypes.CDLL, owner: Any) -> None:
+        self.vector_lanes: int = owner.vector_lanes
+        self._scratch_buffer = owner._scratch_buffer
+        self._quantize = _declare(library.quantize_rows_u8, [_P, _I, _I, _I, _F, _I, _P, _P, _P])
+        self._int8_gemm = _declare(library.int8_gemm, [_P, _I, _I, _P, _I, _P, _P])
+        self._epilogue = _declare(library.int8_epilogue, [_P, _I, _I, _P, _P, _P, _P, _P, _P])
+        self._wq_gemm = _declare(library.wq_gemm, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P])
+        self._wq_dequantize = _declare(library.wq_dequantize, [_P, _I, _I, _I, _I, _I, _P, _P, _P])
+
+    def quantize_rows(self, x: torch.Tensor, mode: int, scale: float = 1.0,
+                      zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """fp32 ``x [rows, cols]`` as uint8, with each row's scale (fp32) and zero point (int32)."""
+        _check(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "quantize_rows")
+        rows, cols = x.shape
+        out = torch.empty(rows, cols, dtype=torch.uint8)
+        scales = torch.empty(rows, dtype=torch.float32)
+        zero_points = torch.empty(rows, dtype=torch.int32)
+        self._quantize(x.data_ptr(), rows, cols, mode, scale, zero_point, out.data_ptr(), scales.data_ptr(),
+                       zero_points.data_ptr(), torch.get_num_threads())
+        return out, scales, zero_points
+
+    def int8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """``x (uint8 [rows, k]) @ weight (int8 [n, k]).T``: the exact integer sums, as fp32."""
+        _check(x.dtype == torch.uint8 and weight.dtype == torch.int8 and x.dim() == weight.dim() == 2
+                and x.shape[1] == weight.shape[1] and x.is_contiguous() and weight.is_contiguous(),
+               "int8_gemm")
+        rows, k = x.shape
+        raw = torch.empty(rows, weight.shape[0], dtype=torch.float32)
+        widened = self._scratch_buffer("int8_gemm_x16", rows * k, torch.int16)
+        self._int8_gemm(x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], raw.data_ptr(),
+                        widened.data_ptr(), torch.get_num_threads())
+        return raw
+
+    def int8_epilogue(self, raw: torch.Tensor, row_scales: torch.Tensor, row_zero_points: torch.Tensor,
+                      col_scales: torch.Tensor, col_sums: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+        """``(raw - zp[m] * col_sum[n]) * scale[m] * col_scale[n] + bias[n]`` in fp32."""
+        rows, n = raw.shape
+        _check(raw.dtype == torch.float32 and raw.is_contiguous() and row_scales.shape == (rows,)
+               and row_zero_points.shape == (rows,) and row_zero_points.dtype == torch.int32
+               and col_scales.shape == (n,) and col_scales.dtype == torch.float32
+               and col_sums.shape == (n,) and col_sums.dtype == torch.int32
+               and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)), "int8_epilogue")
+        out = torch.empty_like(raw)
+        self._epilogue(raw.data_ptr(), rows, n, row_scales.contiguous().data_ptr(),
+                       row_zero_points.contiguous().data_ptr(), col_scales.data_ptr(), col_sums.data_ptr(),
+                       bias.data_ptr() if bias is not None else None, out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def weight_only_gemm(self, x: torch.Tensor, packed: torch.Tensor, bits: int, k: int, group: int,
+                         scales: torch.Tensor, zeros: torch.Tensor | None,
+                         bias: torch.Tensor | None) -> torch.Tensor:
+        """fp32 ``x [rows, k]`` times the packed weights (``pack_weights``), fp32 ``[rows, n]``."""
+        n = packed.shape[0]
+        self._check_packed(packed, bits, k, group, scales, zeros)
+        _check(x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
+               and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)), "weight_only_gemm")
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        x_sums = self._scratch_buffer("wq_x_sums", x.shape[0] * scales.shape[1], torch.float32)
+        self._wq_gemm(x.data_ptr(), x.shape[0], k, packed.data_ptr(), packed.shape[1], bits, n, group,
+                      scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+                      bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                      x_sums.data_ptr(),
+                      torch.get_num_threads())
+        return out
+
+    def dequantize(self, packed: torch.Tensor, bits: int, k: int, group: int, scales: torch.Tensor,
+                   zeros: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The fp32 weights ``[n, k]`` of packed ones; ``out``: where to write them."""
+        n = packed.shape[0]
+        self._check_packed(packed, bits, k, group, scales, zeros)
+        if out is None:  # kept between calls: a fresh one would fault in its pages every call
+            out = self._scratch_buffer("wq_dequantized", n * k, torch.float32)[:n * k].view(n, k)
+        _check(out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous(), "dequantize")
+        self._wq_dequantize(packed.data_ptr(), packed.shape[1], bits, n, k, group, scales.data_ptr(),
+                            zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
+                            torch.get_num_threads())
+        return out
+
+    def _check_packed(self, packed: torch.Tensor, bits: int, k: int, group: int, scales: torch.Tensor,
+                      zeros: torch.Tensor | None) -> None:
+        n, groups = packed.shape[0], -(-k // group)
+        _check(packed.dtype == torch.uint8 and packed.dim() == 2 and packed.is_contiguous()
+               and packed.shape[1] == packed_row_bytes(k, bits, self.vector_lanes)
+               and scales.shape == (n, groups) and scales.dtype == torch.float32 and scales.is_contiguous()
+               and (zeros is None or (zeros.shape == scales.shape and zeros.dtype == torch.float32
+                                      and zeros.is_contiguous())), "packed weights")
+
+
+def packed_row_bytes(k: int, bits: int, vector_lanes: int) -> int:
+    """Bytes per weight row in quant_gemm.c's layout: k padded to blocks of 2 * lanes inputs."""
+    block = 2 * vector_lanes
+    padded = -(-k // block) * block
+    return padded if bits == 8 else padded // 2
+
+
+def pack_weights(values: torch.Tensor, bits: int, vector_lanes: int) -> torch.Tensor:
+    """int8 values ``[n, k]`` (-8..7 for 4 bits) in quant_gemm.c's layout (uint8 ``[n, row bytes]``):
+    8-bit as they are; 4-bit as + 8 in nibbles, each block of 2 * lanes inputs in lanes bytes, byte
+    i holding input i (low nibble) and input lanes + i (high). Padding weights are zero."""
+    n, k = values.shape
+    block = 2 * vector_lanes
+    padded = -(-k // block) * block
+    wide = torch.zeros(n, padded, dtype=torch.int16)
+    wide[:, :k] = values.to(torch.int16)
+    if bits == 8:
+        return wide.to(torch.int8).view(torch.uint8).contiguous()
+    nibbles = (wide + 8).view(n, padded // block, 2, vector_lanes)
+    packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
+    return packed.to(torch.uint8).reshape(n, padded // 2).contiguous()

@@ -1,0 +1,260 @@
+/* Projections of quantized checkpoints (compressed-tensors W8A8, W8A16, W4A16; engine/quant/).
+ *
+ * W8A8: each row of activations is quantized to uint8 with its own scale and zero point
+ * (quantize_rows_u8: symmetric int8 is stored as q + 128), multiplied with the int8 weights in
+ * integers (int8_gemm: exact int32 sums; oneDNN computes the same sums where the CPU has VNNI or
+ * AMX-INT8) and scaled back by int8_epilogue. Integer sums do not depend on their order, so every
+ * path gives a row the same bits whatever else its step holds (batch invariance for free).
+ *
+ * W8A16 / W4A16: weights stay 8- or 4-bit in memory and are widened to fp32 inside the product
+ * (wq_gemm: each row against every weight row, the group's scale applied once per group), or
+ * dequantized for a prefill chunk's GEMM (wq_dequantize). Decode rows read 4-8x fewer weight
+ * bytes than fp32's.
+ *
+ * Weight layout (packed by engine/quant/linear.py): 8-bit: int8 [N, Kp]; 4-bit: [N, Kp / 2] bytes,
+ * each block of 2 * VL inputs in VL bytes, byte i holding input i (low nibble) and input VL + i
+ * (high nibble), stored + 8. Kp: K rounded up to 2 * VL (padding weights are zero).
+ */
+#include "simd.h"
+#include <omp.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+static inline float round_even(float v) { return nearbyintf(v); }  /* default mode: half to even */
+
+/* mode 0: dynamic symmetric per row (scale absmax / 127, zero point 128); 1: dynamic asymmetric per
+ * row (range widened to hold 0, 255 levels); 2: static (static_scale, static_zp in uint8 terms). */
+void quantize_rows_u8(const float* x, int64_t rows, int64_t cols, int64_t mode, float static_scale,
+                      int64_t static_zp, uint8_t* out, float* scales, int32_t* zero_points, int nt) {
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t r = 0; r < rows; r++) {
+        const float* row = x + r * cols;
+        float scale = static_scale;
+        float zp = (float)static_zp;
+        int lo_q = 0, hi_q = 255;
+        if (mode == 0) {
+            float absmax = 0.0f;
+            for (int64_t c = 0; c < cols; c++) absmax = fmaxf(absmax, fabsf(row[c]));
+            scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+            zp = 128.0f;
+            lo_q = 1;  /* -127..127, as symmetric int8 quantization clamps */
+        } else if (mode == 1) {
+            float lo = 0.0f, hi = 0.0f;
+            for (int64_t c = 0; c < cols; c++) { lo = fminf(lo, row[c]); hi = fmaxf(hi, row[c]); }
+            scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+            zp = fminf(fmaxf(round_even(-lo / scale), 0.0f), 255.0f);
+        }
+        for (int64_t c = 0; c < cols; c++) {
+            float q = round_even(row[c] / scale) + zp;
+            q = fminf(fmaxf(q, (float)lo_q), (float)hi_q);
+            out[r * cols + c] = (uint8_t)q;
+        }
+        scales[r] = scale;
+        zero_points[r] = (int32_t)zp;
+    }
+}
+
+/* One output's integer sum of x (uint8, widened to int16 by the caller) and w (int8) over k. */
+static inline int32_t dot_u8_s8(const int16_t* x, const int8_t* w, int64_t k) {
+    int64_t i = 0;
+    int32_t sum = 0;
+#if defined(__AVX2__)
+    __m256i acc = _mm256_setzero_si256();
+    for (; i + 16 <= k; i += 16) {
+        __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + i)));
+        __m256i xv = _mm256_loadu_si256((const __m256i*)(x + i));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(xv, wv));  /* exact: |pair| < 2^16 */
+    }
+    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+    sum = _mm_cvtsi128_si32(half);
+#endif
+    for (; i < k; i++) sum += (int32_t)x[i] * (int32_t)w[i];
+    return sum;
+}
+
+/* raw[m, n] = sum_k x[m, k] * w[n, k] in int32, stored as float (rounded as oneDNN's fp32 output is).
+ * x: uint8 [rows, k]; w: int8 [n_out, k]. Columns in blocks that stay in L2, rows four at a time. */
+void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out, float* raw,
+               int16_t* x16, int nt) {
+    for (int64_t i = 0; i < rows * k; i++) x16[i] = x[i];
+    const int64_t column_block = 64;
+    int64_t blocks = (n_out + column_block - 1) / column_block;
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t b = 0; b < blocks; b++) {
+        int64_t n_end = (b + 1) * column_block < n_out ? (b + 1) * column_block : n_out;
+        for (int64_t m = 0; m < rows; m++) {
+            for (int64_t n = b * column_block; n < n_end; n++) {
+                raw[m * n_out + n] = (float)dot_u8_s8(x16 + m * k, w + n * k, k);
+            }
+        }
+    }
+}
+
+/* out[m, n] = (raw[m, n] - zp[m] * col_sum[n]) * row_scale[m] * col_scale[n] + bias[n], the same
+ * float operations in the same order on every path (oneDNN's raw sums or int8_gemm's). */
+void int8_epilogue(const float* raw, int64_t rows, int64_t n_out, const float* row_scale,
+                   const int32_t* row_zp, const float* col_scale, const int32_t* col_sum,
+                   const float* bias, float* out, int nt) {
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t m = 0; m < rows; m++) {
+        float s = row_scale[m];
+        int64_t zp = row_zp[m];
+        for (int64_t n = 0; n < n_out; n++) {
+            float corrected = raw[m * n_out + n] - (float)(zp * (int64_t)col_sum[n]);
+            float scaled = corrected * s;
+            float v = scaled * col_scale[n];
+            out[m * n_out + n] = bias ? v + bias[n] : v;
+        }
+    }
+}
+
+/* VL int8 (or uint8) values widened to int32 lanes: one vpmovsxbd / vpmovzxbd (GCC's generic
+ * conversion of a byte vector goes through scalar registers). */
+static inline vi32 widen_s8(const int8_t* p) {
+#if defined(__AVX512F__)
+    return (vi32)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+    return (vi32)_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+    vi32 v; for (int i = 0; i < VL; i++) v[i] = p[i]; return v;
+#endif
+}
+static inline vi32 widen_u8(const uint8_t* p) {
+#if defined(__AVX512F__)
+    return (vi32)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif defined(__AVX2__)
+    return (vi32)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+    vi32 v; for (int i = 0; i < VL; i++) v[i] = p[i]; return v;
+#endif
+}
+
+/* Weight-only: one weight row's next block of 2 * VL inputs as two fp32 vectors (unscaled, zero
+ * point not taken off). */
+static inline __attribute__((always_inline)) void weight_block(const uint8_t* w, int64_t block, int bits,
+                                                               vf* first, vf* second) {
+    if (bits == 8) {
+        const int8_t* p = (const int8_t*)w + block * 2 * VL;
+        *first = __builtin_convertvector(widen_s8(p), vf);
+        *second = __builtin_convertvector(widen_s8(p + VL), vf);
+    } else {
+        vi32 wide = widen_u8(w + block * VL);
+        *first = __builtin_convertvector((wide & 15) - 8, vf);
+        *second = __builtin_convertvector((wide >> 4) - 8, vf);
+    }
+}
+
+/* One weight value (any k, for groups that do not start on a block). */
+static inline float weight_at(const uint8_t* w, int64_t k, int bits) {
+    if (bits == 8) return (float)((const int8_t*)w)[k];
+    int64_t block = k / (2 * VL), lane = k % (2 * VL);
+    uint8_t byte = w[block * VL + lane % VL];
+    return (float)((lane < VL ? byte & 15 : byte >> 4) - 8);
+}
+
+#define WQ_ROWS 4
+
+/* mr rows (a compile-time count once inlined, so the sums stay in registers) against one weight row:
+ * sums[r] = sum over groups g of scale[g] * (sum_{k in g} x[r, k] * q[k] - zero[g] * x_sums[r, g]). */
+static inline __attribute__((always_inline)) void wq_rows(
+        const float* x, int64_t k_in, const uint8_t* wn, int bits, int64_t groups, int64_t group,
+        int aligned, const float* scale, const float* zero, const float* x_sums, int mr, float* sums) {
+    vf acc[WQ_ROWS];
+    float tail[WQ_ROWS];
+    for (int r = 0; r < mr; r++) { acc[r] = splat(0.0f); tail[r] = 0.0f; }
+    for (int64_t g = 0; g < groups; g++) {
+        int64_t k0 = g * group, k1 = k0 + group < k_in ? k0 + group : k_in;
+        vf part[WQ_ROWS];
+        float part_tail[WQ_ROWS];
+        for (int r = 0; r < mr; r++) { part[r] = splat(0.0f); part_tail[r] = 0.0f; }
+        int64_t k = k0;
+        if (aligned) {
+            for (; k + 2 * VL <= k1; k += 2 * VL) {
+                vf w0, w1;
+                weight_block(wn, k / (2 * VL), bits, &w0, &w1);
+                for (int r = 0; r < mr; r++) {
+                    const float* xr = x + r * k_in + k;
+                    part[r] += load_f32(xr) * w0;
+                    part[r] += load_f32(xr + VL) * w1;
+                }
+            }
+        }
+        for (; k < k1; k++) {
+            float wk = weight_at(wn, k, bits);
+            for (int r = 0; r < mr; r++) part_tail[r] += x[r * k_in + k] * wk;
+        }
+        vf s = splat(scale[g]);
+        for (int r = 0; r < mr; r++) {
+            acc[r] += s * part[r];
+            tail[r] += scale[g] * (part_tail[r] - (zero ? zero[g] * x_sums[r * groups + g] : 0.0f));
+        }
+    }
+    for (int r = 0; r < mr; r++) sums[r] = hsum(acc[r]) + tail[r];
+}
+
+/* out[m, n] = sum over groups g of scale[n, g] * sum_{k in g} x[m, k] * (q[n, k] - zero[n, g]), + bias.
+ * x fp32 [rows, k_in]; w packed (above), `row_bytes` per weight row; scales, zeros fp32 [n, groups]
+ * (zeros NULL: symmetric); group: inputs per group (k_in for one scale per channel); x_sums: fp32
+ * [rows, groups] scratch. Each row's sums run in the same order whatever the other rows are. */
+void wq_gemm(const float* x, int64_t rows, int64_t k_in, const uint8_t* w, int64_t row_bytes,
+             int64_t bits, int64_t n_out, int64_t group, const float* scales, const float* zeros,
+             const float* bias, float* out, float* x_sums, int nt) {
+    int64_t groups = (k_in + group - 1) / group;
+    int aligned = group % (2 * VL) == 0;
+    if (zeros) {
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t k1 = (g + 1) * group < k_in ? (g + 1) * group : k_in;
+                float sum = 0.0f;
+                for (int64_t k = g * group; k < k1; k++) sum += x[m * k_in + k];
+                x_sums[m * groups + g] = sum;
+            }
+    }
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t* wn = w + n * row_bytes;
+        const float* scale = scales + n * groups;
+        const float* zero = zeros ? zeros + n * groups : NULL;
+        for (int64_t m0 = 0; m0 < rows; m0 += WQ_ROWS) {
+            int64_t mr = rows - m0 < WQ_ROWS ? rows - m0 : WQ_ROWS;
+            const float* xm = x + m0 * k_in;
+            const float* sm = zeros ? x_sums + m0 * groups : NULL;
+            float sums[WQ_ROWS];
+            switch (mr) {
+                case 1: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 1, sums); break;
+                case 2: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 2, sums); break;
+                case 3: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 3, sums); break;
+                default: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 4, sums); break;
+            }
+            for (int r = 0; r < mr; r++) out[(m0 + r) * n_out + n] = bias ? sums[r] + bias[n] : sums[r];
+        }
+    }
+}
+
+/* The fp32 weights [n_out, k_in] of packed ones: (q - zero) * scale, as a reference dequantizes. */
+void wq_dequantize(const uint8_t* w, int64_t row_bytes, int64_t bits, int64_t n_out, int64_t k_in,
+                   int64_t group, const float* scales, const float* zeros, float* out, int nt) {
+    int64_t groups = (k_in + group - 1) / group;
+    #pragma omp parallel for schedule(static) num_threads(nt)
+    for (int64_t n = 0; n < n_out; n++) {
+        const uint8_t* wn = w + n * row_bytes;
+        float* on = out + n * k_in;
+        int64_t k = 0;
+        for (; k + 2 * VL <= k_in; k += 2 * VL) {
+            vf w0, w1;
+            weight_block(wn, k / (2 * VL), (int)bits, &w0, &w1);
+            store_f32(on + k, w0);
+            store_f32(on + k + VL, w1);
+        }
+        for (; k < k_in; k++) on[k] = weight_at(wn, k, (int)bits);
+        for (int64_t g = 0; g < groups; g++) {
+            int64_t k1 = (g + 1) * group < k_in ? (g + 1) * group : k_in;
+            float zero = zeros ? zeros[n * groups + g] : 0.0f, scale = scales[n * groups + g];
+            for (int64_t j = g * group; j < k1; j++) on[j] = (on[j] - zero) * scale;
+        }
+    }
+}

@@ -1,0 +1,201 @@
+"""A projection whose weights stay quantized in memory (next to ``Linear`` in engine/models/llama.py).
+
+W8A8 int8: every row's activations are quantized to 8 bits (per token, or with the checkpoint's
+static scale) and multiplied with the int8 weights in integers. The sums are exact, so where the
+CPU multiplies int8 without saturating (VNNI or AMX-INT8) oneDNN computes a prefill chunk's rows and
+the native kernel the rest, and a row's bits do not depend on its step. Without VNNI, oneDNN's
+int8 GEMM adds pairs of products in 16 bits, which overflow (measured on AVX2: sums off by 10^5),
+so the native kernel, which widens to 32 bits first, computes every row there.
+
+W8A16 / W4A16: decode rows (up to ``ROW_KERNEL_ROWS``, or every row under batch invariance)
+through the native kernel, which reads the 8- or 4-bit weights and widens them in registers; more
+rows dequantize the weights once into a scratch buffer and take the library GEMM.
+
+Without the native kernels (or off CPU) the same arithmetic runs in PyTorch: correct, not fast.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from bulkinfer.cpu_isa import active_cap, masked_flags, read_cpu_flags
+from bulkinfer.engine.cpu_kernels.quant import ASYMMETRIC_PER_ROW, STATIC, SYMMETRIC_PER_ROW, pack_weights
+from bulkinfer.engine.quant.checkpoint import QuantizedParts
+from bulkinfer.quant_scheme import LayerScheme
+
+if TYPE_CHECKING:
+    from bulkinfer.engine.cpu_kernels import CpuKernels
+    from bulkinfer.engine.models.llama import StepRows
+
+ROW_KERNEL_ROWS = 16  # weight-only: more rows than this dequantize once and take the GEMM (measured)
+ONEDNN_INT8_ROWS = 8  # W8A8 with VNNI/AMX: from this many rows oneDNN's GEMM, below it the row kernel
+
+
+@functools.cache
+def onednn_int8_exact() -> bool:
+    """Whether oneDNN's int8 GEMM sums without 16-bit overflow here (VNNI or AMX-INT8, under the
+    project's ISA cap); AVX-VNNI alone is not counted (a cap at AVX2 leaves oneDNN on plain AVX2)."""
+    flags = masked_flags(read_cpu_flags(), active_cap())
+    return bool(flags & {"avx512_vnni", "amx_int8"}) and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with W stored as integers and scales (``QuantizedParts``)."""
+
+    row_weight = None  # no float row-kernel weight: the native decode path leaves this model to Python
+    fixed_row_blocks = False  # batch invariance: the kernels here compute each row alone already
+    blocks_by_step: StepRows | None = None
+    lora_slots = None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: LayerScheme) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        # The integer values, loaded by name as a float Linear's weight is (then packed by attach()).
+        values = torch.empty(out_features, in_features, dtype=torch.int8)
+        self.weight = nn.Parameter(values, requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.parts: QuantizedParts | None = None
+        self.kernels: CpuKernels | None = None
+        self.step_rows: StepRows | None = None
+        self._packed: torch.Tensor | None = None  # weight-only: quant_gemm.c's layout
+        self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
+        self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
+
+    def attach(self, parts: QuantizedParts) -> None:
+        """The layer's scales and zero points, after its integer weights are loaded."""
+        self.parts = parts
+        self._prepare()
+
+    def use_kernels(self, kernels: CpuKernels | None, step_rows: StepRows | None) -> None:
+        """Run through the native kernels (None: PyTorch); `step_rows`: the model's (batch invariance)."""
+        self.kernels, self.step_rows = kernels, step_rows
+        self._prepare()
+
+    def _prepare(self) -> None:
+        if self.parts is None:
+            return
+        values = self.weight.detach()
+        if self.scheme.activations is not None:
+            self._col_sums = values.sum(dim=1, dtype=torch.int32).contiguous()
+            if onednn_int8_exact() and values.device.type == "cpu" and self._onednn_weight is None:
+                self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
+        elif self.kernels is not None and values.device.type == "cpu":
+            self._packed = pack_weights(values, self.scheme.weights.bits, self.kernels.quant.vector_lanes)
+        else:
+            self._packed = None
+
+    # ---- forward ------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.parts is not None, "QuantizedLinear used before attach()"
+        flat = x.reshape(-1, self.in_features)
+        if self.scheme.activations is not None:
+            out = self._int8_rows(flat)
+        else:
+            out = self._weight_only_rows(flat)
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _bias_f32(self) -> torch.Tensor | None:
+        return self.bias.detach().float() if self.bias is not None else None
+
+    def _int8_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        parts, kernels = self.parts, self.kernels
+        assert parts is not None and self._col_sums is not None
+        x = flat.float().contiguous()
+        mode, scale, zero = self._activation_quantization(x)
+        col_scales = parts.scales[:, 0].contiguous()
+        if kernels is None or x.device.type != "cpu":
+            return self._int8_in_torch(x, mode, scale, zero, col_scales)
+        quantized, row_scales, row_zeros = kernels.quant.quantize_rows(x, mode, scale, zero)
+        if self._onednn_weight is not None and x.shape[0] >= ONEDNN_INT8_ROWS:
+            # unit scales, no zero points: fp32 of the integer sums, as int8_gemm gives them
+            ones, zeros = torch.ones(self.out_features), torch.zeros(self.out_features, dtype=torch.int64)
+            raw = torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 0, self._onednn_weight, ones, zeros,
+                                                     None, 1.0, 0, torch.float32, "none", [None], "")
+        else:
+            raw = kernels.quant.int8_gemm(quantized, self.weight.detach())
+        return kernels.quant.int8_epilogue(raw, row_scales, row_zeros, col_scales, self._col_sums,
+                                           self._bias_f32())
+
+    def _activation_quantization(self, x: torch.Tensor) -> tuple[int, float, int]:
+        """quantize_rows' mode, and the scale and uint8 zero point of a per-tensor one."""
+        parts = self.parts
+        assert parts is not None and parts.scheme.activations is not None
+        activations = parts.scheme.activations
+        if not activations.dynamic:
+            assert parts.input_scale is not None
+            return STATIC, parts.input_scale, parts.input_zero_point + 128
+        if activations.per_token:
+            return (SYMMETRIC_PER_ROW if activations.symmetric else ASYMMETRIC_PER_ROW), 1.0, 0
+        # dynamic per tensor: one scale over the call's rows
+        if activations.symmetric:
+            absmax = float(x.abs().max()) if x.numel() else 0.0
+            return STATIC, (absmax / 127.0 if absmax > 0 else 1.0), 128
+        low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
+        scale = (high - low) / 255.0 if high > low else 1.0
+        return STATIC, scale, int(min(max(round(-low / scale), 0), 255))
+
+    def _int8_in_torch(self, x: torch.Tensor, mode: int, scale: float, zero: int,
+                       col_scales: torch.Tensor) -> torch.Tensor:
+        """The same quantization and integer sums in PyTorch (no native kernels, or not a CPU)."""
+        if mode == SYMMETRIC_PER_ROW:
+            absmax = x.abs().amax(dim=1, keepdim=True)
+            scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+            zeros = torch.full_like(scales, 128.0)
+            low = 1.0
+        elif mode == ASYMMETRIC_PER_ROW:
+            low_v = x.amin(dim=1, keepdim=True).clamp(max=0)
+            high_v = x.amax(dim=1, keepdim=True).clamp(min=0)
+            scales = torch.where(high_v > low_v, (high_v - low_v) / 255.0, torch.ones_like(high_v))
+            zeros = torch.round(-low_v / scales).clamp(0, 255)
+            low = 0.0
+        else:
+            scales = torch.full((x.shape[0], 1), scale, device=x.device)
+            zeros = torch.full_like(scales, float(zero))
+            low = 0.0
+        quantized = (torch.round(x / scales) + zeros).clamp(low, 255.0)
+        weights = self.weight.detach().to(x.device).float() * col_scales.to(x.device)[:, None]
+        out = ((quantized - zeros) * scales) @ weights.t()
+        bias = self._bias_f32()
+        return out + bias.to(x.device) if bias is not None else out
+
+    def _weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        parts, kernels = self.parts, self.kernels
+        assert parts is not None
+        bits = self.scheme.weights.bits
+        every_row = self.step_rows is not None and self.step_rows.every_row
+        if kernels is None or self._packed is None or flat.device.type != "cpu":
+            weight = self._dequantized_in_torch().to(flat.device, flat.dtype)
+            bias = self.bias.detach() if self.bias is not None else None
+            return F.linear(flat, weight, bias)
+        if every_row or flat.shape[0] <= ROW_KERNEL_ROWS:
+            return kernels.quant.weight_only_gemm(flat.float().contiguous(), self._packed, bits,
+                                                  self.in_features, parts.group_size, parts.scales,
+                                                  parts.zero_points, self._bias_f32())
+        weight = kernels.quant.dequantize(self._packed, bits, self.in_features, parts.group_size,
+                                          parts.scales, parts.zero_points)
+        bias = self.bias.detach() if self.bias is not None else None
+        if flat.dtype == torch.float32:
+            return F.linear(flat, weight, bias)
+        return F.linear(flat, weight.to(flat.dtype), bias)
+
+    def _dequantized_in_torch(self) -> torch.Tensor:
+        parts = self.parts
+        assert parts is not None
+        columns = torch.arange(self.in_features, device=parts.scales.device) // parts.group_size
+        values = self.weight.detach().float()
+        if parts.zero_points is not None:
+            values = values - parts.zero_points[:, columns]
+        return values * parts.scales[:, columns]
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float weights these integers and scales stand for (tests, references)."""
+        return self._dequantized_in_torch()

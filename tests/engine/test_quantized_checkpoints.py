@@ -1,0 +1,173 @@
+"""compressed-tensors checkpoints (W8A16, W4A16, W8A8 int8) load and run with their weights kept
+quantized, against transformers in fp32 on the same dequantized weights (tests/support/
+quantized_checkpoints.py writes both with compressed-tensors' own functions)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
+from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.models import load_model
+from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.loader import CheckpointError
+from bulkinfer.engine.quant.linear import QuantizedLinear
+from tests.engine.hf_reference import assert_same_greedy, engine_last_logits, hf_greedy, hf_model
+from tests.support.quantized_checkpoints import (
+    activation_args,
+    calibrate_input_scales,
+    fake_quantize_inputs,
+    write_quantized_checkpoint,
+)
+
+PROMPTS = [[1, 17, 254, 1021, 33, 7, 400], [5, 900, 12, 12, 77], [300, 301, 302, 1800, 4, 9, 61, 2000, 150]]
+NEW_TOKENS = 8
+
+WEIGHT_ONLY = {
+    "W8A16 channel": dict(bits=8),
+    # groups of 8: compressed-tensors needs the group to divide the inputs (the tiny model's MLP has 344)
+    "W4A16 group 8": dict(bits=4, group_size=8),
+    "W4A16 group 8 asymmetric": dict(bits=4, group_size=8, symmetric=False),
+    "W8A16 group 8 asymmetric, packed": dict(bits=8, group_size=8, symmetric=False, packed=True),
+}
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory: pytest.TempPathFactory, checkpoint_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quantized")
+    source = checkpoint_factory()
+    folders = {name: write_quantized_checkpoint(source, root / re.sub(r"\W+", "_", name), **options)
+               for name, options in WEIGHT_ONLY.items()}
+    folders["W8A8 dynamic token"] = write_quantized_checkpoint(
+        source, root / "w8a8", activations=activation_args(static=False, symmetric=True))
+    scales = calibrate_input_scales(source, PROMPTS)
+    folders["W8A8 static tensor"] = write_quantized_checkpoint(
+        source, root / "w8a8_static", activations=activation_args(static=True, symmetric=True),
+        input_scales=scales)
+    folders["static scales"] = scales  # type: ignore[assignment]
+    return folders
+
+
+@pytest.mark.parametrize("scheme", list(WEIGHT_ONLY))
+def test_weight_only_schemes_give_transformers_greedy_tokens(quantized_dirs: dict[str, Path],
+                                                             scheme: str) -> None:
+    folder = quantized_dirs[scheme]
+    twin = folder.with_name(folder.name + "-float")
+    llm = LLM(model=str(folder), num_kv_blocks=64, dtype="float32")
+    outputs = llm.generate(PROMPTS,
+                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True))
+    model = load_model(folder, TorchPagedAttention(kernels=cpu_kernels.load()))
+    model.use_cpu_kernels(cpu_kernels.load())
+    for prompt, output in zip(PROMPTS, outputs, strict=True):
+        reference = hf_greedy(twin, prompt, NEW_TOKENS)
+        assert_same_greedy(list(output.outputs[0].token_ids), reference, prompt, twin, model)
+    projections = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
+    assert len(projections) == 4 * 4  # qkv, o, gate_up, down in each of the tiny model's 4 layers
+    assert all(m.weight.dtype == torch.int8 for m in projections)  # the weights stay integers
+
+
+@pytest.mark.parametrize("scheme", ["W8A8 dynamic token", "W8A8 static tensor"])
+def test_w8a8_logits_match_transformers_with_the_same_activation_rounding(quantized_dirs,
+                                                                         scheme: str) -> None:
+    folder = quantized_dirs[scheme]
+    twin = folder.with_name(folder.name + "-float")
+    static = scheme.endswith("static tensor")
+    reference = hf_model(str(twin))
+    quantized_reference = type(reference).from_pretrained(str(twin), dtype=torch.float32).eval()
+    fake_quantize_inputs(quantized_reference, activation_args(static, True),
+                         quantized_dirs["static scales"] if static else None)  # type: ignore[arg-type]
+    kernels = cpu_kernels.load()
+    model = load_model(folder, TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    agree = 0
+    for prompt in PROMPTS:
+        ours = engine_last_logits(model, prompt)
+        with torch.inference_mode():
+            theirs = quantized_reference(torch.tensor([prompt])).logits[0, -1]
+            unquantized = reference(torch.tensor([prompt])).logits[0, -1]
+        # The same activation rounding on both sides: what is left is float summation order, and
+        # the rare input that lands on the other side of a rounding boundary (one level of 255).
+        assert (ours - theirs).abs().max() <= 2e-3 * theirs.abs().max() + 1e-4
+        # Against unquantized activations the error is the int8 rounding's own: no more than the
+        # reference's with the same rounding (measured on this model: 5.7% of the largest logit).
+        rounding_error = float((theirs - unquantized).abs().max())
+        assert float((ours - unquantized).abs().max()) <= 1.1 * rounding_error + 1e-3
+        agree += int(ours.argmax() == unquantized.argmax())
+    assert agree >= len(PROMPTS) - 1
+
+
+def test_int8_rows_are_batch_invariant_and_match_the_pytorch_path(quantized_dirs) -> None:
+    kernels = cpu_kernels.load()
+    model = load_model(quantized_dirs["W8A8 dynamic token"], TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    projection = model.layers[0].mlp.gate_up_proj
+    assert isinstance(projection, QuantizedLinear)
+    torch.manual_seed(0)
+    rows = torch.randn(64, projection.in_features)
+    batched = projection(rows)
+    alone = torch.cat([projection(rows[i:i + 1]) for i in range(rows.shape[0])])
+    assert torch.equal(batched, alone)  # integer sums: the same bits at 1 row and at 64
+    projection.use_kernels(None, None)
+    in_torch = projection(rows)
+    assert torch.allclose(batched, in_torch, rtol=1e-4, atol=1e-4)
+
+
+def test_asymmetric_per_token_activations_match_the_pytorch_path(quantized_dirs, tmp_path: Path) -> None:
+    source = quantized_dirs["W8A8 dynamic token"]
+    folder = tmp_path / "asym"
+    write_quantized_checkpoint(source.with_name(source.name + "-float"), folder,
+                               activations=activation_args(static=False, symmetric=False))
+    kernels = cpu_kernels.load()
+    model = load_model(folder, TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    projection = model.layers[1].self_attn.qkv_proj
+    rows = torch.randn(5, projection.in_features) + 0.7  # off-centre: the zero point matters
+    with_kernels = projection(rows)
+    projection.use_kernels(None, None)
+    assert torch.allclose(with_kernels, projection(rows), rtol=1e-4, atol=1e-4)
+
+
+def _with_quantization(folder: Path, tmp_path: Path, quant: dict) -> Path:
+    import shutil
+
+    target = tmp_path / "edited"
+    shutil.copytree(folder, target)
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quant}))
+    return target
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(num_bits=2), "int2 weights"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(type="float"), "float8 weights"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(strategy="block"), "block weight strategy"),
+    (lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "kv cache scheme is not supported"),
+])
+def test_schemes_it_does_not_run_are_refused_by_name(quantized_dirs, tmp_path: Path, change,
+                                                     named: str) -> None:
+    folder = quantized_dirs["W8A16 channel"]
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    change(quant)
+    with pytest.raises(UnsupportedModelError, match=named):
+        LLM(model=str(_with_quantization(folder, tmp_path, quant)), num_kv_blocks=16)
+
+
+def test_a_quantized_lm_head_is_refused(quantized_dirs, tmp_path: Path) -> None:
+    folder = quantized_dirs["W8A16 channel"]
+    float_twin = folder.with_name(folder.name + "-float")
+    target = write_quantized_checkpoint(float_twin, tmp_path / "head", ignore=())
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(target / "model.safetensors"))
+    head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else tensors["model.embed_tokens.weight"]
+    scale = head.abs().amax(1, keepdim=True) / 127
+    tensors["lm_head.weight"] = torch.round(head / scale).clamp(-128, 127).to(torch.int8)
+    tensors["lm_head.weight_scale"] = scale
+    save_file(tensors, str(target / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="lm_head is quantized"):
+        load_model(target, TorchPagedAttention())
