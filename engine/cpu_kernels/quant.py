@@ -137,3 +137,13 @@ def pack_weights(values: torch.Tensor, bits: int, vector_lanes: int) -> torch.Te
     nibbles = (wide + 8).view(n, padded // block, 2, vector_lanes)
     packed = nibbles[:, :, 0, :] | (nibbles[:, :, 1, :] << 4)
     return packed.to(torch.uint8).reshape(n, padded // 2).contiguous()
+
+
+def unpack_weights(packed: torch.Tensor, bits: int, k: int, vector_lanes: int) -> torch.Tensor:
+    """``pack_weights`` undone: the int8 values ``[n, k]``."""
+    n = packed.shape[0]
+    if bits == 8:
+        return packed.view(torch.int8)[:, :k].contiguous()
+    blocks = packed.view(n, -1, vector_lanes).to(torch.int16)
+    values = torch.stack([blocks & 15, blocks >> 4], dim=2) - 8  # [n, blocks, 2, lanes]
+    return values.reshape(n, -1)[:, :k].to(torch.int8).contiguous()

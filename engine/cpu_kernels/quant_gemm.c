@@ -14,7 +14,11 @@
  * Weight layout (packed by engine/quant/linear.py): 8-bit: int8 [N, Kp]; 4-bit: [N, Kp / 2] bytes,
  * each block of 2 * VL inputs in VL bytes, byte i holding input i (low nibble) and input VL + i
  * (high nibble), stored + 8. Kp: K rounded up to 2 * VL (padding weights are zero).
+ *
+ * No fused multiply-adds formed by the compiler here: it fuses differently in the code it specializes
+ * for one row and for four, and a row's bits must not depend on how many rows came with it.
  */
+#pragma GCC optimize("fp-contract=off")
 #include "simd.h"
 #include <omp.h>
 

@@ -24,7 +24,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.cpu_isa import active_cap, masked_flags, read_cpu_flags
-from bulkinfer.engine.cpu_kernels.quant import ASYMMETRIC_PER_ROW, STATIC, SYMMETRIC_PER_ROW, pack_weights
+from bulkinfer.engine.cpu_kernels.quant import (
+    ASYMMETRIC_PER_ROW,
+    STATIC,
+    SYMMETRIC_PER_ROW,
+    pack_weights,
+    unpack_weights,
+)
 from bulkinfer.engine.quant.checkpoint import QuantizedParts
 from bulkinfer.quant_scheme import LayerScheme
 
@@ -63,6 +69,7 @@ class QuantizedLinear(nn.Module):
         self.kernels: CpuKernels | None = None
         self.step_rows: StepRows | None = None
         self._packed: torch.Tensor | None = None  # weight-only: quant_gemm.c's layout
+        self._packed_lanes = 0  # the vector lanes it was packed for
         self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
 
@@ -82,15 +89,28 @@ class QuantizedLinear(nn.Module):
     def _prepare(self) -> None:
         if self.parts is None:
             return
-        values = self.weight.detach()
         if self.scheme.activations is not None:
+            values = self.weight.detach()
             self._col_sums = values.sum(dim=1, dtype=torch.int32).contiguous()
             if onednn_int8_exact() and values.device.type == "cpu" and self._onednn_weight is None:
                 self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
-        elif self.kernels is not None and values.device.type == "cpu":
-            self._packed = pack_weights(values, self.scheme.weights.bits, self.kernels.quant.vector_lanes)
-        else:
+            return
+        bits = self.scheme.weights.bits
+        if self.kernels is not None and self.weight.device.type == "cpu":
+            if self._packed is None:
+                # The packed weights are the only copy: 4-bit ones take half the int8 values' memory.
+                self._packed = pack_weights(self._integer_values(), bits, self.kernels.quant.vector_lanes)
+                self._packed_lanes = self.kernels.quant.vector_lanes
+                self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)
+        elif self._packed is not None:  # back to PyTorch: the values again
+            self.weight = nn.Parameter(self._integer_values(), requires_grad=False)
             self._packed = None
+
+    def _integer_values(self) -> torch.Tensor:
+        """The int8 values ``[out, in]``, from wherever they are kept now."""
+        if self._packed is None:
+            return self.weight.detach()
+        return unpack_weights(self._packed, self.scheme.weights.bits, self.in_features, self._packed_lanes)
 
     # ---- forward ------------------------------------------------------------------------------
 
@@ -191,7 +211,7 @@ class QuantizedLinear(nn.Module):
         parts = self.parts
         assert parts is not None
         columns = torch.arange(self.in_features, device=parts.scales.device) // parts.group_size
-        values = self.weight.detach().float()
+        values = self._integer_values().float()
         if parts.zero_points is not None:
             values = values - parts.zero_points[:, columns]
         return values * parts.scales[:, columns]

@@ -18,7 +18,7 @@ from bulkinfer.engine.models.llama import UnsupportedModelError
 from bulkinfer.engine.models.loader import CheckpointError
 from bulkinfer.engine.quant.linear import QuantizedLinear
 from tests.engine.hf_reference import assert_same_greedy, engine_last_logits, hf_greedy, hf_model
-from tests.support.quantized_checkpoints import (
+from bulkinfer.benchmarks.quant_checkpoints import (
     activation_args,
     calibrate_input_scales,
     fake_quantize_inputs,
@@ -68,7 +68,11 @@ def test_weight_only_schemes_give_transformers_greedy_tokens(quantized_dirs: dic
         assert_same_greedy(list(output.outputs[0].token_ids), reference, prompt, twin, model)
     projections = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(projections) == 4 * 4  # qkv, o, gate_up, down in each of the tiny model's 4 layers
-    assert all(m.weight.dtype == torch.int8 for m in projections)  # the weights stay integers
+    bits = WEIGHT_ONLY[scheme]["bits"]
+    for projection in projections:  # the weights stay integers, packed: 4-bit in half the bytes
+        stored = sum(t.numel() * t.element_size() for t in (projection.weight, projection._packed)
+                     if t is not None)
+        assert stored <= projection.out_features * (projection.in_features + 32) * bits / 8
 
 
 @pytest.mark.parametrize("scheme", ["W8A8 dynamic token", "W8A8 static tensor"])

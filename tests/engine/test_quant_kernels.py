@@ -1,0 +1,98 @@
+"""The quantized projections' native kernels (engine/cpu_kernels/quant_gemm.c) against PyTorch, and
+the checkpoint unpacking against compressed-tensors' own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32, unpack_from_int32
+
+from bulkinfer.engine import cpu_kernels
+from bulkinfer.engine.cpu_kernels.quant import (
+    ASYMMETRIC_PER_ROW,
+    SYMMETRIC_PER_ROW,
+    pack_weights,
+    unpack_weights,
+)
+from bulkinfer.engine.quant.checkpoint import unpack_int32
+
+
+@pytest.fixture(scope="module")
+def quant():
+    kernels = cpu_kernels.load()
+    assert kernels is not None, "the native kernels build on every CI machine"
+    return kernels.quant
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [0, 1])
+def test_unpacking_matches_compressed_tensors(bits: int, dim: int) -> None:
+    torch.manual_seed(bits)
+    low, high = -(1 << (bits - 1)), 1 << (bits - 1)
+    values = torch.randint(low, high, (37, 45), dtype=torch.int8)
+    packed = pack_to_int32(values, bits, packed_dim=dim)
+    length = values.shape[dim]
+    ours = unpack_int32(packed, bits, length, dim=dim)
+    assert torch.equal(ours, unpack_from_int32(packed, bits, values.shape, packed_dim=dim))
+    assert torch.equal(ours, values)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_for_the_kernel_round_trips(quant, bits: int) -> None:
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (9, 77), dtype=torch.int8)
+    packed = pack_weights(values, bits, quant.vector_lanes)
+    assert torch.equal(unpack_weights(packed, bits, 77, quant.vector_lanes), values)
+
+
+@pytest.mark.parametrize("bits, group, k, symmetric", [
+    (4, 32, 256, True), (4, 64, 256, False), (8, 256, 256, True),  # whole vector blocks per group
+    (4, 24, 120, False), (8, 120, 120, False),  # groups off the blocks: the scalar path
+])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_weight_only_rows_and_dequantization_match_pytorch(quant, bits, group, k, symmetric, rows) -> None:
+    torch.manual_seed(rows * k + bits)
+    n, groups = 40, -(-k // group)
+    values = torch.randint(-(1 << (bits - 1)), 1 << (bits - 1), (n, k), dtype=torch.int8)
+    scales = torch.rand(n, groups) * 0.02 + 0.001
+    zeros = None if symmetric else torch.randint(-3, 4, (n, groups)).float()
+    columns = torch.arange(k) // group
+    reference = values.float() - (zeros[:, columns] if zeros is not None else 0.0)
+    reference = reference * scales[:, columns]
+    packed = pack_weights(values, bits, quant.vector_lanes)
+    assert torch.equal(quant.dequantize(packed, bits, k, group, scales, zeros), reference)
+    x, bias = torch.randn(rows, k), torch.randn(n)
+    out = quant.weight_only_gemm(x, packed, bits, k, group, scales, zeros, bias)
+    torch.testing.assert_close(out, x @ reference.t() + bias, rtol=1e-5, atol=1e-5)
+    alone = torch.cat([quant.weight_only_gemm(x[i:i + 1].contiguous(), packed, bits, k, group, scales, zeros, bias)
+                       for i in range(rows)])
+    assert torch.equal(out, alone)  # each row's sums in the same order whatever the others are
+
+
+def test_int8_sums_are_exact_over_the_whole_range(quant) -> None:
+    """uint8 255 times int8 -128 in every pair: where oneDNN's AVX2 kernel overflows 16-bit sums."""
+    x = torch.full((3, 1000), 255, dtype=torch.uint8)
+    x[1] = torch.randint(0, 256, (1000,), dtype=torch.uint8)
+    w = torch.full((5, 1000), -128, dtype=torch.int8)
+    w[2] = torch.randint(-128, 128, (1000,), dtype=torch.int8)
+    raw = quant.int8_gemm(x, w)
+    assert torch.equal(raw, (x.long() @ w.long().t()).float())
+
+
+@pytest.mark.parametrize("mode", [SYMMETRIC_PER_ROW, ASYMMETRIC_PER_ROW])
+def test_rows_quantize_as_compressed_tensors_defines_it(quant, mode: int) -> None:
+    torch.manual_seed(mode)
+    x = torch.randn(4, 300) * torch.tensor([[1.0], [0.01], [30.0], [0.0]]) + (0.5 if mode else 0.0)
+    q, scales, zeros = quant.quantize_rows(x, mode)
+    if mode == SYMMETRIC_PER_ROW:
+        absmax = x.abs().amax(1)
+        expected_scales = torch.where(absmax > 0, absmax / 127, torch.ones_like(absmax))
+        assert torch.equal(zeros, torch.full((4,), 128, dtype=torch.int32))
+        assert int(q.min()) >= 1  # -127..127: symmetric int8 never takes -128
+    else:
+        low, high = x.amin(1).clamp(max=0), x.amax(1).clamp(min=0)
+        expected_scales = torch.where(high > low, (high - low) / 255, torch.ones_like(high))
+    torch.testing.assert_close(scales, expected_scales)
+    expected = (torch.round(x / scales[:, None]) + zeros[:, None]).clamp(0, 255)
+    assert torch.equal(q.long(), expected.long())
+    dequantized = (q.float() - zeros[:, None]) * scales[:, None]
+    assert bool(((dequantized - x).abs() <= scales[:, None] / 2 + 1e-6).all())  # half a step at most
