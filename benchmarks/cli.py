@@ -1,4 +1,4 @@
-"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed|lora|kvstore|host`: which
+"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed|lora|kvstore|host|quant`: which
 benchmark a `bench` command line runs."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ TARGETS = {"engine": "bulkinfer.benchmarks.engine", "suite": "bulkinfer.benchmar
            "spec": "bulkinfer.benchmarks.speculative",
            "batch-apis": "bulkinfer.benchmarks.batch_apis", "embed": "bulkinfer.benchmarks.embed",
            "lora": "bulkinfer.benchmarks.lora",
-           "kvstore": "bulkinfer.benchmarks.kvstore", "host": "bulkinfer.benchmarks.host_bench"}
+           "kvstore": "bulkinfer.benchmarks.kvstore", "host": "bulkinfer.benchmarks.host_bench",
+           "quant": "bulkinfer.benchmarks.quant"}
 
 
 def main(argv: list[str]) -> int:
@@ -20,7 +21,7 @@ def main(argv: list[str]) -> int:
         return 0 if argv and argv[0] in {"-h", "--help"} else 2
     module = importlib.import_module(TARGETS[argv[0]])
     # --model: also a catalog model or a .gguf file
-    if argv[0] in {"engine", "suite", "step", "spec", "embed", "lora", "kvstore", "host"}:
+    if argv[0] in {"engine", "suite", "step", "spec", "embed", "lora", "kvstore", "host", "quant"}:
         from bulkinfer.worker.models.model_files import local_model_dir
 
         return module.bench_cli(argv[1:], resolve_model=lambda location: str(local_model_dir(location)))

@@ -26,6 +26,17 @@
 #include <immintrin.h>
 #endif
 
+/* a * b + c in one rounding, spelled out (the pragma above keeps the compiler from choosing). */
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 static inline float round_even(float v) { return nearbyintf(v); }  /* default mode: half to even */
 
 /* mode 0: dynamic symmetric per row (scale absmax / 127, zero point 128); 1: dynamic asymmetric per
@@ -80,6 +91,42 @@ static inline int32_t dot_u8_s8(const int16_t* x, const int8_t* w, int64_t k) {
     return sum;
 }
 
+#if defined(__AVX2__)
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+    half = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0xb1));
+    return _mm_cvtsi128_si32(half);
+}
+
+/* mr rows (compile-time once inlined) by two weight rows: each weight block widened once for every
+ * row, eight accumulators in registers. */
+static inline __attribute__((always_inline)) void dot_rows_by_two(
+        const int16_t* x, int64_t k, const int8_t* w0, const int8_t* w1, int mr, float* raw, int64_t n_out) {
+    __m256i acc0[4], acc1[4];
+    for (int r = 0; r < mr; r++) { acc0[r] = _mm256_setzero_si256(); acc1[r] = _mm256_setzero_si256(); }
+    int64_t i = 0;
+    for (; i + 16 <= k; i += 16) {
+        __m256i a = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w0 + i)));
+        __m256i b = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w1 + i)));
+        for (int r = 0; r < mr; r++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i*)(x + r * k + i));
+            acc0[r] = _mm256_add_epi32(acc0[r], _mm256_madd_epi16(xv, a));
+            acc1[r] = _mm256_add_epi32(acc1[r], _mm256_madd_epi16(xv, b));
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        int32_t s0 = hsum_epi32(acc0[r]), s1 = hsum_epi32(acc1[r]);
+        for (int64_t j = i; j < k; j++) {
+            s0 += (int32_t)x[r * k + j] * (int32_t)w0[j];
+            s1 += (int32_t)x[r * k + j] * (int32_t)w1[j];
+        }
+        raw[r * n_out] = (float)s0;
+        raw[r * n_out + 1] = (float)s1;
+    }
+}
+#endif
+
 /* raw[m, n] = sum_k x[m, k] * w[n, k] in int32, stored as float (rounded as oneDNN's fp32 output is).
  * x: uint8 [rows, k]; w: int8 [n_out, k]. Columns in blocks that stay in L2, rows four at a time. */
 void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out, float* raw,
@@ -89,11 +136,26 @@ void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64
     int64_t blocks = (n_out + column_block - 1) / column_block;
     #pragma omp parallel for schedule(static) num_threads(nt)
     for (int64_t b = 0; b < blocks; b++) {
-        int64_t n_end = (b + 1) * column_block < n_out ? (b + 1) * column_block : n_out;
-        for (int64_t m = 0; m < rows; m++) {
-            for (int64_t n = b * column_block; n < n_end; n++) {
-                raw[m * n_out + n] = (float)dot_u8_s8(x16 + m * k, w + n * k, k);
+        int64_t n0 = b * column_block, n_end = n0 + column_block < n_out ? n0 + column_block : n_out;
+        for (int64_t m0 = 0; m0 < rows; m0 += 4) {
+            int64_t mr = rows - m0 < 4 ? rows - m0 : 4;
+            int64_t n = n0;
+#if defined(__AVX2__)
+            for (; n + 2 <= n_end; n += 2) {
+                const int16_t* xm = x16 + m0 * k;
+                float* out = raw + m0 * n_out + n;
+                const int8_t *w0 = w + n * k, *w1 = w + (n + 1) * k;
+                switch (mr) {
+                    case 1: dot_rows_by_two(xm, k, w0, w1, 1, out, n_out); break;
+                    case 2: dot_rows_by_two(xm, k, w0, w1, 2, out, n_out); break;
+                    case 3: dot_rows_by_two(xm, k, w0, w1, 3, out, n_out); break;
+                    default: dot_rows_by_two(xm, k, w0, w1, 4, out, n_out); break;
+                }
             }
+#endif
+            for (; n < n_end; n++)
+                for (int64_t r = 0; r < mr; r++)
+                    raw[(m0 + r) * n_out + n] = (float)dot_u8_s8(x16 + (m0 + r) * k, w + n * k, k);
         }
     }
 }
@@ -182,8 +244,8 @@ static inline __attribute__((always_inline)) void wq_rows(
                 weight_block(wn, k / (2 * VL), bits, &w0, &w1);
                 for (int r = 0; r < mr; r++) {
                     const float* xr = x + r * k_in + k;
-                    part[r] += load_f32(xr) * w0;
-                    part[r] += load_f32(xr + VL) * w1;
+                    part[r] = vfma(load_f32(xr), w0, part[r]);
+                    part[r] = vfma(load_f32(xr + VL), w1, part[r]);
                 }
             }
         }
@@ -193,7 +255,7 @@ static inline __attribute__((always_inline)) void wq_rows(
         }
         vf s = splat(scale[g]);
         for (int r = 0; r < mr; r++) {
-            acc[r] += s * part[r];
+            acc[r] = vfma(s, part[r], acc[r]);
             tail[r] += scale[g] * (part_tail[r] - (zero ? zero[g] * x_sums[r * groups + g] : 0.0f));
         }
     }

@@ -7,9 +7,10 @@ the native kernel the rest, and a row's bits do not depend on its step. Without 
 int8 GEMM adds pairs of products in 16 bits, which overflow (measured on AVX2: sums off by 10^5),
 so the native kernel, which widens to 32 bits first, computes every row there.
 
-W8A16 / W4A16: decode rows (up to ``ROW_KERNEL_ROWS``, or every row under batch invariance)
-through the native kernel, which reads the 8- or 4-bit weights and widens them in registers; more
-rows dequantize the weights once into a scratch buffer and take the library GEMM.
+W8A16 / W4A16: decode rows through the native kernel, which reads the 8- or 4-bit weights and widens
+them in registers (4-8x fewer bytes than fp32's); a prefill chunk's rows dequantize the weights once
+into a scratch buffer and take the library GEMM (in fixed row blocks under batch invariance). Without
+batch invariance a step of up to ``ROW_KERNEL_ROWS`` rows takes the row kernel whole.
 
 Without the native kernels (or off CPU) the same arithmetic runs in PyTorch: correct, not fast.
 """
@@ -31,6 +32,7 @@ from bulkinfer.engine.cpu_kernels.quant import (
     pack_weights,
     unpack_weights,
 )
+from bulkinfer.engine.invariant.row_blocks import PREFILL_BLOCK_ROWS, in_row_blocks
 from bulkinfer.engine.quant.checkpoint import QuantizedParts
 from bulkinfer.quant_scheme import LayerScheme
 
@@ -188,24 +190,43 @@ class QuantizedLinear(nn.Module):
         return out + bias.to(x.device) if bias is not None else out
 
     def _weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
+        """Single-token rows through the row kernel (all rows where there are few), the rest through
+        the weights dequantized once and the library GEMM; under batch invariance always so split, the
+        prefill rows in fixed blocks (as ``Linear`` does: a row's bits never follow its step)."""
         parts, kernels = self.parts, self.kernels
         assert parts is not None
-        bits = self.scheme.weights.bits
-        every_row = self.step_rows is not None and self.step_rows.every_row
-        if kernels is None or self._packed is None or flat.device.type != "cpu":
-            weight = self._dequantized_in_torch().to(flat.device, flat.dtype)
-            bias = self.bias.detach() if self.bias is not None else None
-            return F.linear(flat, weight, bias)
-        if every_row or flat.shape[0] <= ROW_KERNEL_ROWS:
-            return kernels.quant.weight_only_gemm(flat.float().contiguous(), self._packed, bits,
-                                                  self.in_features, parts.group_size, parts.scales,
-                                                  parts.zero_points, self._bias_f32())
-        weight = kernels.quant.dequantize(self._packed, bits, self.in_features, parts.group_size,
-                                          parts.scales, parts.zero_points)
         bias = self.bias.detach() if self.bias is not None else None
-        if flat.dtype == torch.float32:
-            return F.linear(flat, weight, bias)
-        return F.linear(flat, weight.to(flat.dtype), bias)
+        if kernels is None or self._packed is None or flat.device.type != "cpu":
+            return F.linear(flat, self._dequantized_in_torch().to(flat.device, flat.dtype), bias)
+        rows = flat.shape[0]
+        invariant = self.step_rows is not None and self.step_rows.every_row
+        single = rows if self.step_rows is None else min(self.step_rows.single, rows)
+        if not invariant and rows <= ROW_KERNEL_ROWS:
+            single = rows
+        elif not invariant:
+            single = 0
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if single:
+            out[:single] = self._row_kernel(flat[:single])
+        if single < rows:
+            chunk = flat[single:]
+            weight = kernels.quant.dequantize(self._packed, self.scheme.weights.bits, self.in_features,
+                                              parts.group_size, parts.scales, parts.zero_points)
+            weight = weight if chunk.dtype == torch.float32 else weight.to(chunk.dtype)
+
+            def gemm(x: torch.Tensor) -> torch.Tensor:
+                return F.linear(x, weight, bias)
+
+            out[single:] = in_row_blocks(gemm, chunk, PREFILL_BLOCK_ROWS) if invariant else gemm(chunk)
+        return out
+
+    def _row_kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        parts, kernels = self.parts, self.kernels
+        assert parts is not None and kernels is not None and self._packed is not None
+        bits = self.scheme.weights.bits
+        return kernels.quant.weight_only_gemm(rows.float().contiguous(), self._packed, bits, self.in_features,
+                                              parts.group_size, parts.scales, parts.zero_points,
+                                              self._bias_f32())
 
     def _dequantized_in_torch(self) -> torch.Tensor:
         parts = self.parts
