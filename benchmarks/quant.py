@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-TARGETS = {("W8A8", "bf16", "prefill"): 1.6, ("W8A8", "vllm", "prefill"): 1.25, ("W4A16", "bf16", "decode-1"): 1.5}
+TARGETS = {("W8A8", "bf16", "prefill"): 1.6, ("W8A8", "vllm", "prefill"): 1.25,
+           ("W4A16", "bf16", "decode-1"): 1.5}
 
 
 @dataclass
@@ -70,7 +71,8 @@ def workloads(vocab: int, rows: int, prompt_len: int, decode_tokens: int, seed: 
             Workload("decode-64", prompts(64, 16), decode_tokens)]
 
 
-def time_workloads(model: str, loads: list[Workload], rounds: int, dtype: str = "auto") -> tuple[dict[str, float], str]:
+def time_workloads(model: str, loads: list[Workload], rounds: int,
+                   dtype: str = "auto") -> tuple[dict[str, float], str]:
     """Best wall seconds of each workload on one engine, and the dtype it ran in."""
     from bulkinfer.engine import LLM, SamplingParams
 
@@ -128,10 +130,10 @@ def run(model_dir: Path, cache: Path, rows: int, prompt_len: int, decode_tokens:
         for scheme, folder in copies.items():
             figures = run_vllm(vllm_venv, str(folder), "bfloat16", loads, cache / "vllm-logs")
             for load, theirs in zip(loads, figures, strict=True):
-                ratio = theirs.wall_s / walls[scheme][load.name]
-                out(f"{scheme} {load.name}: vLLM {theirs.wall_s:.3f} s, bulkinfer {walls[scheme][load.name]:.3f} s, "
-                    f"{ratio:.2f}x")
-                records.append(_record(scheme, "vllm", load.name, theirs.wall_s, walls[scheme][load.name], kind))
+                ours = walls[scheme][load.name]
+                out(f"{scheme} {load.name}: vLLM {theirs.wall_s:.3f} s, bulkinfer {ours:.3f} s, "
+                    f"{theirs.wall_s / ours:.2f}x")
+                records.append(_record(scheme, "vllm", load.name, theirs.wall_s, ours, kind))
     else:
         out("vLLM: not run (--with-vllm VENV runs it on the same quantized checkpoints)")
     for record in records:
@@ -144,7 +146,8 @@ def run(model_dir: Path, cache: Path, rows: int, prompt_len: int, decode_tokens:
 
 def _record(scheme: str, against: str, workload: str, baseline_s: float, quantized_s: float,
             kind: str | None) -> dict:
-    return {"scheme": scheme, "against": against, "workload": workload, "ratio": round(baseline_s / quantized_s, 3),
+    return {"scheme": scheme, "against": against, "workload": workload,
+            "ratio": round(baseline_s / quantized_s, 3),
             "baseline_s": round(baseline_s, 4), "quantized_s": round(quantized_s, 4), "cpu_kind": kind,
             "int8_path": int8_path() if scheme == "W8A8" else None}
 
@@ -165,8 +168,8 @@ def bench_cli(argv: list[str] | None = None, resolve_model: Callable[[str], str]
     parser.add_argument("--json", action="store_true", help="print one JSON record per comparison at the end")
     args = parser.parse_args(argv)
     model_dir = Path(resolve_model(args.model) if resolve_model is not None else args.model)
-    records = run(model_dir, args.cache, args.rows, args.prompt_len, args.decode_tokens, args.rounds, args.seed,
-                  args.with_vllm)
+    records = run(model_dir, args.cache, args.rows, args.prompt_len, args.decode_tokens, args.rounds,
+                  args.seed, args.with_vllm)
     if args.json:
         for record in records:
             print(json.dumps(record))

@@ -18,7 +18,13 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize, quanti
 from compressed_tensors.quantization.utils import calculate_qparams
 from safetensors.torch import load_file, save_file
 
-PROJECTION = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
+PROJECTION = re.compile(
+    r"model\.layers\.\d+\.(self_attn|mlp)\.(experts\.\d+\.|shared_expert\.)?\w+_proj\.weight$")
+
+
+def ignored(layer: str, ignore: tuple[str, ...]) -> bool:
+    """compressed-tensors' matching: "re:<regex>" over the layer name, else the name (or its end)."""
+    return any(re.match(p[3:], layer) if p.startswith("re:") else layer.endswith(p) for p in ignore)
 
 
 def weight_args(bits: int, group_size: int | None, symmetric: bool) -> QuantizationArgs:
@@ -59,7 +65,7 @@ def write_quantized_checkpoint(source: Path, target: Path, bits: int = 8, group_
     dequantized: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         layer = name.removesuffix(".weight")
-        if not PROJECTION.match(name) or any(layer.endswith(skip) for skip in ignore):
+        if not PROJECTION.match(name) or ignored(layer, ignore):
             quantized[name] = dequantized[name] = tensor
             continue
         weight = tensor.float()

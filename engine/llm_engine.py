@@ -36,7 +36,12 @@ from bulkinfer.engine.lora.request import LoRARequest
 from bulkinfer.engine.lora.weights import LoadedAdapter
 from bulkinfer.engine.metrics import EngineCounters
 from bulkinfer.engine.model_runner import ModelRunner
-from bulkinfer.engine.models.loader import eos_token_ids, load_model, model_config_from_dir
+from bulkinfer.engine.models.loader import (
+    checkpoint_quantization,
+    eos_token_ids,
+    load_model,
+    model_config_from_dir,
+)
 from bulkinfer.engine.output_assembly import (
     OutputAssembler,
     Parent,
@@ -78,6 +83,19 @@ GRAMMAR_WAIT_S = 0.002
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request; no token was emitted"
 
 
+
+def refuse_with_quantized_weights(config: EngineConfig) -> None:
+    """What a quantized checkpoint does not run with yet, refused by name before loading."""
+    quantization = checkpoint_quantization(config.model)
+    if quantization is None:
+        return
+    what = f"{config.model} is quantized ({', '.join(quantization.schemes)})"
+    if config.tensor_parallel_size > 1:
+        raise ValueError(f"{what}: tensor parallel runs unquantized checkpoints only "
+                         "(tensor_parallel_size 1)")
+    if config.enable_lora:
+        raise ValueError(f"{what}: LoRA adapters run over unquantized base models only (enable_lora false)")
+
 class LLMEngine:
     """Loads the model and tokenizer from ``config.model``, sizes the KV cache, serves requests.
 
@@ -91,6 +109,7 @@ class LLMEngine:
 
         config.validate()
         model_config = model_config_from_dir(config.model)
+        refuse_with_quantized_weights(config)
         self.dtype_choice: DtypeChoice = resolve_dtype(
             config.dtype, config.device, checkpoint_dtype(config.model), verdicts=config.dtype_verdicts,
             remeasure=config.remeasure_dtype,

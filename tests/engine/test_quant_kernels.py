@@ -63,8 +63,8 @@ def test_weight_only_rows_and_dequantization_match_pytorch(quant, bits, group, k
     x, bias = torch.randn(rows, k), torch.randn(n)
     out = quant.weight_only_gemm(x, packed, bits, k, group, scales, zeros, bias)
     torch.testing.assert_close(out, x @ reference.t() + bias, rtol=1e-5, atol=1e-5)
-    alone = torch.cat([quant.weight_only_gemm(x[i:i + 1].contiguous(), packed, bits, k, group, scales, zeros, bias)
-                       for i in range(rows)])
+    alone = torch.cat([quant.weight_only_gemm(x[i:i + 1].contiguous(), packed, bits, k, group, scales, zeros,
+                                              bias) for i in range(rows)])
     assert torch.equal(out, alone)  # each row's sums in the same order whatever the others are
 
 

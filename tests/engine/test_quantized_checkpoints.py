@@ -11,6 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from bulkinfer.benchmarks.quant_checkpoints import (
+    activation_args,
+    calibrate_input_scales,
+    fake_quantize_inputs,
+    write_quantized_checkpoint,
+)
 from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.models import load_model
@@ -18,12 +24,6 @@ from bulkinfer.engine.models.llama import UnsupportedModelError
 from bulkinfer.engine.models.loader import CheckpointError
 from bulkinfer.engine.quant.linear import QuantizedLinear
 from tests.engine.hf_reference import assert_same_greedy, engine_last_logits, hf_greedy, hf_model
-from bulkinfer.benchmarks.quant_checkpoints import (
-    activation_args,
-    calibrate_input_scales,
-    fake_quantize_inputs,
-    write_quantized_checkpoint,
-)
 
 PROMPTS = [[1, 17, 254, 1021, 33, 7, 400], [5, 900, 12, 12, 77], [300, 301, 302, 1800, 4, 9, 61, 2000, 150]]
 NEW_TOKENS = 8
@@ -175,3 +175,40 @@ def test_a_quantized_lm_head_is_refused(quantized_dirs, tmp_path: Path) -> None:
     save_file(tensors, str(target / "model.safetensors"))
     with pytest.raises(CheckpointError, match="lm_head is quantized"):
         load_model(target, TorchPagedAttention())
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(enable_lora=True), "LoRA adapters run over unquantized base models only"),
+    (dict(tensor_parallel_size=2), "tensor parallel runs unquantized checkpoints only"),
+])
+def test_what_quantized_weights_do_not_run_with_yet_is_refused(quantized_dirs, options: dict,
+                                                                named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        LLM(model=str(quantized_dirs["W4A16 group 8"]), num_kv_blocks=16, **options)
+
+
+EXPERTS = ("lm_head", "re:.*experts.*", "re:.*shared_expert.*")
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "phi3", "gemma3", "mistral", "qwen2_moe"])
+def test_every_dense_family_runs_quantized(checkpoint_factory, tmp_path: Path, arch: str) -> None:
+    """Qwen2's q/k/v biases, Phi-3's own fused projections, Gemma 3's extra norms, Mistral's window;
+    an MoE model with its attention quantized and its experts in the ignore list."""
+    folder = write_quantized_checkpoint(checkpoint_factory(arch=arch), tmp_path / arch, bits=4, group_size=8,
+                                        ignore=EXPERTS if arch == "qwen2_moe" else ("lm_head",))
+    twin = folder.with_name(folder.name + "-float")
+    llm = LLM(model=str(folder), num_kv_blocks=64, dtype="float32")
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
+    kernels = cpu_kernels.load()
+    model = load_model(folder, TorchPagedAttention(kernels=kernels))
+    model.use_cpu_kernels(kernels)
+    for prompt, output in zip(PROMPTS[:2], llm.generate(PROMPTS[:2], params), strict=True):
+        reference = hf_greedy(twin, prompt, NEW_TOKENS)
+        assert_same_greedy(list(output.outputs[0].token_ids), reference, prompt, twin, model)
+    assert any(isinstance(m, QuantizedLinear) for m in llm.engine.model.modules())
+
+
+def test_quantized_moe_experts_are_refused_by_name(checkpoint_factory, tmp_path: Path) -> None:
+    folder = write_quantized_checkpoint(checkpoint_factory(arch="qwen2_moe"), tmp_path / "moe", bits=8)
+    with pytest.raises(CheckpointError, match="quantized MoE experts are not supported yet"):
+        load_model(folder, TorchPagedAttention())
