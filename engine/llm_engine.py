@@ -110,6 +110,9 @@ class LLMEngine:
         config.validate()
         model_config = model_config_from_dir(config.model)
         refuse_with_quantized_weights(config)
+        quantization = checkpoint_quantization(config.model)
+        # The checkpoint's quantization scheme in words (None: unquantized), for manifests and logs.
+        self.quantization: str | None = quantization.description if quantization is not None else None
         self.dtype_choice: DtypeChoice = resolve_dtype(
             config.dtype, config.device, checkpoint_dtype(config.model), verdicts=config.dtype_verdicts,
             remeasure=config.remeasure_dtype,

@@ -32,10 +32,21 @@ class ModelSize:
     active_parameters: int
     num_experts: int = 0
     experts_per_token: int = 0
+    # A quantized checkpoint: its scheme in words, the bytes its quantized weights take as the engine
+    # keeps them (integers at their bits, fp32 scales and zero points), and how many parameters those are.
+    scheme: str | None = None
+    quantized_bytes: int = 0
+    quantized_parameters: int = 0
 
     def weight_bytes(self, dtype: str, tensor_parallel_size: int = 1) -> int:
-        """Bytes of weights one device holds at this dtype and tensor-parallel size."""
-        return math.ceil(self.parameters * DTYPE_BYTES[dtype] / tensor_parallel_size)
+        """Bytes of weights one device holds at this dtype (of its unquantized ones) and tensor-parallel
+        size."""
+        plain = (self.parameters - self.quantized_parameters) * DTYPE_BYTES[dtype]
+        return math.ceil((plain + self.quantized_bytes) / tensor_parallel_size)
+
+    def unquantized_bytes(self, dtype: str) -> int:
+        """What the same weights take unquantized at this dtype."""
+        return self.parameters * DTYPE_BYTES[dtype]
 
 
 def safetensors_shapes(model_dir: str | Path) -> dict[str, tuple[int, ...]]:
@@ -65,6 +76,7 @@ def model_size(model_dir: str | Path) -> ModelSize:
     shapes = safetensors_shapes(model_dir)
     if config.get("tie_word_embeddings") and "model.embed_tokens.weight" in shapes:
         shapes.pop("lm_head.weight", None)  # a tied copy: one tensor's memory once loaded
+    scheme, quantized_parameters, quantized_bytes = _quantized(config, shapes)
     total = sum(math.prod(shape) for shape in shapes.values())
     routed = sum(math.prod(shape) for name, shape in shapes.items() if ".experts." in name)
     experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
@@ -72,7 +84,45 @@ def model_size(model_dir: str | Path) -> ModelSize:
     active = total
     if routed and experts and 0 < per_token <= experts:
         active = total - routed + routed * per_token // experts
-    return ModelSize(architecture, total, active, experts if routed else 0, per_token if routed else 0)
+    return ModelSize(architecture, total, active, experts if routed else 0, per_token if routed else 0,
+                     scheme, quantized_bytes, quantized_parameters)
+
+
+_QUANT_PARTS = ("weight_scale", "weight_zero_point", "weight_g_idx", "weight_shape", "input_scale",
+                "input_zero_point")
+
+
+def _quantized(config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> tuple[str | None, int, int]:
+    """(scheme, parameters stored quantized, their bytes as the engine keeps them: integers at their
+    bits, fp32 scales and zero points). Rewrites `shapes` in place to count parameters: the scales and
+    the like out, each packed weight (int32 words) as its unpacked [rows, columns]."""
+    from bulkinfer.quant_scheme import UnsupportedQuantization, quantization_scheme, read_quantization
+
+    scheme = quantization_scheme(config)
+    if scheme is None:
+        return None, 0, 0
+    try:
+        quant = read_quantization(config)
+    except UnsupportedQuantization:
+        quant = None
+    count = size = 0
+    for name in [n for n in shapes if n.endswith(".weight_scale")]:
+        layer = name.removesuffix(".weight_scale")
+        layer_scheme = quant.scheme_for(layer) if quant is not None else None
+        bits = layer_scheme.weights.bits if layer_scheme is not None else 8
+        packed = shapes.pop(layer + ".weight_packed", None)
+        weight = shapes.get(layer + ".weight")
+        if packed is not None:  # 32 // bits values a word (the last word may be part padding)
+            weight = shapes[layer + ".weight"] = (packed[0], packed[1] * 32 // bits)
+        if weight is None or len(weight) != 2:
+            continue
+        count += weight[0] * weight[1]
+        size += weight[0] * weight[1] * bits // 8
+    for name in [n for n in shapes if n.rpartition(".")[2] in _QUANT_PARTS]:
+        shape = shapes.pop(name)
+        if name.endswith((".weight_scale", ".weight_zero_point")):
+            size += math.prod(shape) * 4  # kept as fp32 (a packed zero point unpacks to more: close enough)
+    return scheme, count, size
 
 
 def format_parameters(count: int) -> str:
@@ -91,8 +141,13 @@ def describe_size(size: ModelSize, tensor_parallel_sizes: tuple[int, ...] = (1, 
     active = ("all active" if size.active_parameters == size.parameters else
               f"{format_parameters(size.active_parameters)} active: {size.experts_per_token} of "
               f"{size.num_experts} experts a token")
-    lines = [f"{size.architecture}: {format_parameters(size.parameters)} parameters ({active})",
-             "weights per device  " + "".join(f"{f'TP={tp}':>12}" for tp in tensor_parallel_sizes)]
+    lines = [f"{size.architecture}: {format_parameters(size.parameters)} parameters ({active})"]
+    if size.scheme is not None:
+        saved = 1 - size.weight_bytes("bfloat16") / size.unquantized_bytes("bfloat16")
+        count, held = format_parameters(size.quantized_parameters), format_bytes(size.quantized_bytes)
+        quantized = f"{count} parameters in {held}"
+        lines.append(f"quantized: {size.scheme}; {quantized}: the weights take {saved:.0%} less than in bf16")
+    lines.append("weights per device  " + "".join(f"{f'TP={tp}':>12}" for tp in tensor_parallel_sizes))
     for dtype in DTYPE_BYTES:
         cells = "".join(f"{format_bytes(size.weight_bytes(dtype, tp)):>12}" for tp in tensor_parallel_sizes)
         lines.append(f"  {dtype:<18}{cells}")

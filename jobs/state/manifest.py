@@ -39,6 +39,7 @@ class ManifestPart(BaseModel):
     output: PartFile
     errors: PartFile
     dtype: str | None = None  # the engine's compute dtype for this part
+    quantization: str | None = None  # the model's quantization scheme (None: unquantized weights)
     prompt_formats: list[str] = []  # how its rows' prompts were rendered (ShardResult.prompt_formats)
 
 
@@ -62,6 +63,9 @@ class Manifest(BaseModel):
     timings: Timings
     # The dtypes the engines computed in (one, unless workers on different hardware chose differently).
     dtypes: list[str] = []
+    # The quantization schemes of the weights the engines ran (empty: unquantized), e.g.
+    # "compressed-tensors W4A16 int4 (pack-quantized: group 128 weights)".
+    quantizations: list[str] = []
     # How the rows' prompts were rendered: chat_template (the model's own), chatml (the fallback for a
     # model without one) or raw (completion prompts as they are); a job of plain rows on an instruct
     # model says chat_template unless it asked apply_chat_template false.
@@ -76,6 +80,10 @@ class Manifest(BaseModel):
         data = self.model_dump(mode="json")
         if not data["usage_by_lora"]:  # a job without adapters: the same bytes as before they existed
             del data["usage_by_lora"]
+        if not data["quantizations"]:  # unquantized weights: likewise
+            del data["quantizations"]
+            for part in data["parts"]:
+                del part["quantization"]
         return json.dumps(data, sort_keys=True, indent=1, ensure_ascii=False).encode() + b"\n"
 
 
@@ -109,7 +117,8 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
         parts.append(ManifestPart(shard_index=result.shard_index, first_row=first_row,
                                   rows_succeeded=result.rows_succeeded, rows_failed=result.rows_failed,
                                   usage=result.usage, output=result.output, errors=result.errors,
-                                  dtype=result.dtype, prompt_formats=result.prompt_formats))
+                                  dtype=result.dtype, prompt_formats=result.prompt_formats,
+                                  quantization=result.quantization))
         first_row += result.rows
     return Manifest(
         job_id=job_id, spec_hash=spec_hash, output_format=output_format,
@@ -120,6 +129,7 @@ def manifest_of(job_id: str, spec_hash: str, output_format: str, ordered: Sequen
         usage_by_lora=add_usage_by_name([result.usage_by_lora for result in ordered]),
         parts=parts,
         dtypes=sorted({result.dtype for result in ordered if result.dtype}),
+        quantizations=sorted({result.quantization for result in ordered if result.quantization}),
         prompt_formats=sorted({name for result in ordered for name in result.prompt_formats}),
         speculation=SpeculationUsage.of(
             [r.speculation.drafted_per_position for r in ordered if r.speculation],

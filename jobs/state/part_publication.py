@@ -51,7 +51,7 @@ class CommitRefused(Exception):
 def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard: ShardPlan,
                  outputs: Sequence[OutputRow], *, fence: str, created: int, started_at: datetime,
                  dtype: str | None = None, may_commit: Callable[[], bool] | None = None,
-                 embedding_dimension: int | None = None) -> ShardResult:
+                 embedding_dimension: int | None = None, quantization: str | None = None) -> ShardResult:
     """Stage a shard's parts under `fence` and commit its result (for a resolved spec); returns the
     result that stands: an earlier run's if one committed first, this run's staged parts then
     dropped. Publishing is the caller's next step (`publish_parts`, before counting).
@@ -66,7 +66,8 @@ def write_fenced(job_store: ObjectStore, layout: JobLayout, spec: JobSpec, shard
     output = output.model_copy(update={"key": output_key, "uri": location.store.uri(output_key)})
     errors = errors.model_copy(update={"key": errors_key, "uri": job_store.uri(errors_key)})
     ours = ShardResult.from_outputs(shard, outputs, output=output, errors=errors, started_at=started_at,
-                                    finished_at=datetime.now(UTC), dtype=dtype, fence=fence)
+                                    finished_at=datetime.now(UTC), dtype=dtype, fence=fence,
+                                    quantization=quantization)
     if may_commit is not None and not may_commit():
         discard_staged(job_store, ours)
         raise CommitRefused(f"job {layout.job_id} shard {shard.index}: not committed")

@@ -118,6 +118,8 @@ class ShardResult(BaseModel):
     started_at: datetime
     finished_at: datetime
     dtype: str | None = Field(None, description="the dtype the engine computed this shard in")
+    quantization: str | None = Field(None, description="the model checkpoint's quantization scheme "
+                                     "(None: unquantized weights)")
     rows_deduplicated: int = Field(0, description="rows that took an identical deterministic row's output "
                                    "instead of running")
     error_codes: dict[str, int] = Field(default_factory=dict,
@@ -140,7 +142,8 @@ class ShardResult(BaseModel):
     @classmethod
     def from_outputs(cls, shard: ShardPlan, outputs: Sequence[OutputRow], *, output: PartFile,
                      errors: PartFile, started_at: datetime, finished_at: datetime,
-                     dtype: str | None = None, fence: str | None = None) -> ShardResult:
+                     dtype: str | None = None, fence: str | None = None,
+                     quantization: str | None = None) -> ShardResult:
         """The result of a shard whose `outputs` were written as `output` and `errors`."""
         failed = sum(row.failed for row in outputs)
         codes = Counter(row.error_code for row in outputs if row.error_code is not None)
@@ -152,6 +155,7 @@ class ShardResult(BaseModel):
         return cls(shard_index=shard.index, planned_rows=shard.estimated_rows,
                    rows_succeeded=len(outputs) - failed, rows_failed=failed, usage=usage, output=output,
                    errors=errors, started_at=started_at, finished_at=finished_at, dtype=dtype,
+                   quantization=quantization,
                    rows_deduplicated=sum(row.deduplicated for row in outputs),
                    error_codes=dict(sorted(codes.items())), fence=fence, usage_by_lora=by_lora,
                    prompt_formats=sorted({row.prompt_format for row in outputs if row.prompt_format}),

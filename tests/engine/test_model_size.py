@@ -57,3 +57,20 @@ def test_a_sharded_checkpoint_and_a_tied_copy_of_the_embedding(checkpoint_factor
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     shutil.copy(source / "config.json", tmp_path / "config.json")
     assert model_size(tmp_path).parameters == num_parameters("tiny", "qwen2")
+
+
+def test_a_quantized_checkpoint_counts_its_unpacked_parameters_and_the_memory_it_saves(checkpoint_factory,
+                                                                                       tmp_path):
+    from bulkinfer.benchmarks.quant_checkpoints import write_quantized_checkpoint
+
+    source = checkpoint_factory()
+    folder = write_quantized_checkpoint(source, tmp_path / "w4a16", bits=4, group_size=8)
+    size, plain = model_size(folder), model_size(source)
+    assert size.parameters == plain.parameters  # packed int32 words counted as the values they hold
+    assert size.scheme is not None and "W4A16" in size.scheme
+    # 4-bit values plus fp32 scales per 8 inputs (1 byte per weight in all): a third of bf16's memory
+    # for the projections; the embedding and LM head stay bf16
+    assert size.quantized_bytes == size.quantized_parameters // 2 + size.quantized_parameters // 8 * 4
+    assert size.weight_bytes("bfloat16") < plain.weight_bytes("bfloat16")
+    assert any(line.startswith("quantized: compressed-tensors W4A16") and "less than in bf16" in line
+               for line in describe_size(size))

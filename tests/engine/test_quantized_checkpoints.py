@@ -66,6 +66,7 @@ def test_weight_only_schemes_give_transformers_greedy_tokens(quantized_dirs: dic
     for prompt, output in zip(PROMPTS, outputs, strict=True):
         reference = hf_greedy(twin, prompt, NEW_TOKENS)
         assert_same_greedy(list(output.outputs[0].token_ids), reference, prompt, twin, model)
+    assert llm.engine.quantization is not None and llm.engine.quantization.startswith("compressed-tensors W")
     projections = [m for m in llm.engine.model.modules() if isinstance(m, QuantizedLinear)]
     assert len(projections) == 4 * 4  # qkv, o, gate_up, down in each of the tiny model's 4 layers
     bits = WEIGHT_ONLY[scheme]["bits"]

@@ -72,6 +72,7 @@ class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
     def __init__(self, load_engine: Callable[[], LLMEngine], name: str = "engine") -> None:
         super().__init__(load_engine, name)
         self.dtype_choice: DtypeChoice | None = None  # the engine's dtype and why, once it is loaded
+        self.quantization: str | None = None  # its checkpoint's quantization scheme, once loaded
 
     def submit(self, requests: Sequence[EngineRequest]) -> Submission:
         """Queue `requests` for the engine, in this order; returns their futures at once."""
@@ -82,6 +83,7 @@ class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
     def _on_loaded(self, engine: LLMEngine) -> None:
         self.device = str(engine.config.device)
         self.dtype_choice = engine.dtype_choice
+        self.quantization = engine.quantization
         logger.info("engine %s ready (dtype %s: %s)", self.name, engine.dtype_choice.dtype,
                     engine.dtype_choice.reason)
 

@@ -29,6 +29,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -142,7 +143,7 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
         try:
             with timings.phase("read"):
                 spec = resolved_spec(context, repository.get_spec(job_id))
-            outputs, dtype, dimension = _infer(context, job_id, spec, plan[shard_index], timings,
+            outputs, engine_facts, dimension = _infer(context, job_id, spec, plan[shard_index], timings,
                                                job.expires_at, crashed, lease.fence, progress)
         except JobCannotRun as error:
             fail_job(repository, job_id, str(error))
@@ -171,7 +172,8 @@ def _run_holding_lease(context: WorkerContext, job_id: str, shard_index: int, le
                 # cut from it.
                 result = write_fenced(repository.store, layout, spec, plan[shard_index], outputs,
                                       fence=lease.fence, created=int(job.created_at.timestamp()),
-                                      started_at=started_at, dtype=dtype,
+                                      started_at=started_at, dtype=engine_facts.dtype,
+                                      quantization=engine_facts.quantization,
                                       may_commit=lambda: not cancel.before_commit(),
                                       embedding_dimension=dimension)
         except CommitRefused:
@@ -205,10 +207,10 @@ def committed_result(repository: JobRepository, layout: JobLayout, shard_index: 
 
 def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan, timings: PhaseTimings,
            expires_at: datetime | None, crashed: tuple[ShardCrashes, CrashHistory], fence: str,
-           progress: ShardProgress) -> tuple[list[OutputRow] | None, str | None, int | None]:
+           progress: ShardProgress) -> tuple[list[OutputRow] | None, EngineFacts, int | None]:
     """Every row's outcome in input order (None when the job was cancelled meanwhile; rows still
-    running at `expires_at` come back `expired`), the dtype the engine computed them in and, for an
-    embed job, the vectors' size.
+    running at `expires_at` come back `expired`), the dtype the engine computed them in and its
+    weights' quantization, and, for an embed job, the vectors' size.
     `fence`: this run's fencing token, under which it writes its exports."""
     history = crashed[1]
     if history.outside_pieces >= history.split_after:
@@ -229,7 +231,16 @@ def _infer(context: WorkerContext, job_id: str, spec: JobSpec, shard: ShardPlan,
                                        context.settings.max_schemas_per_job)
         outputs = _outcomes(context, hosted, job_id, spec, shard, items, expires_at, crashed, fence, progress)
     choice = hosted.host.dtype_choice
-    return outputs, choice.dtype if choice else None, embedding_dimension(spec, hosted)
+    facts = EngineFacts(choice.dtype if choice else None, getattr(hosted.host, "quantization", None))
+    return outputs, facts, embedding_dimension(spec, hosted)
+
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What a shard's result says of the engine that ran it."""
+
+    dtype: str | None
+    quantization: str | None  # the checkpoint's scheme, e.g. "compressed-tensors W4A16 int4 (...)"
 
 
 def _check_task(spec: JobSpec, hosted: HostedModel, timings: PhaseTimings) -> None:
