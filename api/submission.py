@@ -35,6 +35,7 @@ from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
 from bulkinfer.jobs.formats.lines import iter_lines_in_range
 from bulkinfer.jobs.limits import in_flight_message, jobs_in_flight
 from bulkinfer.jobs.lora_adapters import ADAPTER_CONFIG, is_adapter_location
+from bulkinfer.jobs.model_checkpoint import checkpoint_refusal
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 from bulkinfer.jobs.object_store.factory import split_uri
 from bulkinfer.jobs.output_tokens import max_tokens_problem
@@ -86,7 +87,10 @@ def check_model(context: ApiContext, spec: JobSpec) -> JobSpec:
     if served != spec.model:
         spec = spec.model_copy(update={"model": served})
     repository = context.repository
-    reason = unservable_reason(live_workers(repository.redis, repository.namespace), spec.model)
+    # Read from the checkpoint itself where the API can (a quantized scheme the engine does not run),
+    # else what a worker's load error said (its architecture, say).
+    reason = checkpoint_refusal(context.registry.location(spec.model), context.s3_store) or \
+        unservable_reason(live_workers(repository.redis, repository.namespace), spec.model)
     if reason is not None:  # the workers' load error names the architectures the engine serves
         raise HttpError(400, f"model {spec.model!r} cannot run here: {reason}", param="model")
     check_lora(context, spec)

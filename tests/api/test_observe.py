@@ -155,4 +155,4 @@ def test_a_quantized_checkpoint_the_workers_cannot_load_is_refused_at_submit_by_
         submit(local_api, "quantized.jsonl")
     assert refused.value.status_code == 400
     assert "model 'tiny' cannot run here:" in refused.value.message
-    assert "is a quantized checkpoint (gptq 4-bit)" in refused.value.message
+    assert "is a quantized checkpoint (gptq 4-bit is not a scheme bulkinfer runs" in refused.value.message
