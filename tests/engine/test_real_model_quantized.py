@@ -19,7 +19,7 @@ from tests.engine.hf_reference import assert_same_greedy, hf_greedy, hf_model
 
 QUESTIONS = {"What is the capital of France? Answer in one sentence.": "Paris",
              "What is the capital of Japan?": "Tokyo"}
-NEW_TOKENS = 12
+NEW_TOKENS = 10
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +30,17 @@ def quantized(real_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dic
                                                activations=activation_args(static=False, symmetric=True))}
 
 
-def _prompts(llm: LLM) -> list[list[int]]:
-    return [chat_token_ids(llm.engine.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+def _answers(folder: Path) -> tuple[Path, list[list[int]], list]:
+    """(the float twin, the questions' prompt ids, the engine's greedy outputs) of one quantized copy."""
+    llm = LLM(str(folder), dtype="float32")
+    prompts = [chat_token_ids(llm.engine.tokenizer, [{"role": "user", "content": q}]) for q in QUESTIONS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    return folder.with_name(folder.name + "-float"), prompts, outputs
 
 
 def test_w4a16_smollm2_gives_transformers_greedy_tokens_and_answers(quantized: dict[str, Path]) -> None:
     folder = quantized["W4A16"]
-    twin = folder.with_name(folder.name + "-float")
-    llm = LLM(str(folder), dtype="float32")
-    prompts = _prompts(llm)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    twin, prompts, outputs = _answers(folder)
     kernels = cpu_kernels.load()
     model = load_model(folder, TorchPagedAttention(kernels=kernels))
     model.use_cpu_kernels(kernels)
@@ -50,11 +51,7 @@ def test_w4a16_smollm2_gives_transformers_greedy_tokens_and_answers(quantized: d
 
 
 def test_w8a8_smollm2_answers_and_agrees_with_the_unquantized_activations(quantized: dict[str, Path]) -> None:
-    folder = quantized["W8A8"]
-    twin = folder.with_name(folder.name + "-float")
-    llm = LLM(str(folder), dtype="float32")
-    prompts = _prompts(llm)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    twin, prompts, outputs = _answers(quantized["W8A8"])
     reference = hf_model(str(twin))
     agreeing = total = 0
     for prompt, output, answer in zip(prompts, outputs, QUESTIONS.values(), strict=True):
