@@ -18,7 +18,8 @@
  * once per step), the weighted sum of each row's k outputs in slot order, and Qwen2-MoE's shared
  * expert with its sigmoid gate. The projections are the row kernel's (row_gemm.c). Where the step
  * has LoRA rows, each dense projection's output gets its rows' adapter updates (lora_ops.c) right
- * after the projection, as the Python path's Linear adds them.
+ * after the projection, as the Python path's Linear adds them. A quantized checkpoint's projections
+ * run quant_gemm.c's kernels instead, as QuantizedLinear runs single-token rows.
  */
 #include <stdint.h>
 #include <string.h>
@@ -58,6 +59,12 @@ void lora_update_f32(const float*, int64_t, float*, int64_t, const int64_t*, int
                      const int64_t*, int64_t, int64_t, int);
 void causal_attention_f32(const float*, const float*, const float*, const int64_t*, int64_t, int64_t, int64_t,
                           int64_t, int64_t, int64_t, int64_t, int64_t, float, float*, float*, float*, int);
+void quantize_rows_u8(const float*, int64_t, int64_t, int64_t, float, int64_t, uint8_t*, float*, int32_t*, int);
+void int8_gemm(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, float*, int16_t*, int);
+void int8_epilogue(const float*, int64_t, int64_t, const float*, const int32_t*, const float*, const int32_t*,
+                   const float*, float*, int);
+void wq_gemm(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
+             const float*, const float*, float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
 __attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*,
                                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
@@ -83,6 +90,23 @@ typedef struct {
     const int64_t* widths;
 } decode_lora;
 
+/* A quantized projection (engine/quant/linear.py, quant_gemm.c): kind 1 W8A8 (int8 weights [width, in],
+ * each output's scale and weight sum, the activations' quantize_rows_u8 mode, scale and zero point),
+ * kind 2 weight-only (packed 8/4-bit weights, `row_bytes` a row, fp32 scales and zero points (NULL:
+ * symmetric) per `group` inputs); the bias in fp32 (NULL: none). */
+typedef struct {
+    int64_t kind;
+    const void* weight;
+    int64_t row_bytes, bits, group;
+    const float* scales;
+    const float* zeros;
+    const int32_t* col_sums;
+    const float* bias;
+    int64_t act_mode;
+    float act_scale;
+    int64_t act_zero;
+} decode_quant;
+
 /* One layer's weights: norm weights, the row kernel's packed projections and their biases (NULL:
  * none), and the layer's K and V caches ([blocks, kv_heads, block_size, head_dim] each); q/k norm
  * weights [head_dim] (NULL: none) and the sparse MLP (NULL: a dense layer, gate_up and down). */
@@ -107,6 +131,11 @@ typedef struct {
     const decode_lora* o_lora;
     const decode_lora* gate_up_lora;
     const decode_lora* down_lora;
+    /* each projection's quantization (NULL: its float weights above) */
+    const decode_quant* qkv_quant;
+    const decode_quant* o_quant;
+    const decode_quant* gate_up_quant;
+    const decode_quant* down_quant;
 } decode_layer;
 
 /* The step: shapes, the rows' rotary, cache slots and attention plan, and the buffers. */
@@ -166,6 +195,17 @@ typedef struct {
      * (their MLPs, the weighted sum, the shared expert). */
     double* moe_seconds;
     const int64_t* lora_slots; /* [rows]: each row's adapter slot (-1: the base); NULL: no LoRA rows */
+    /* Quantized projections' scratch (unused without): fp32 rows in and out [rows, widest], the
+     * activations as uint8 and int16 [rows, widest input], their scales and zero points [rows], the
+     * integer sums [rows, widest output], the weight-only kernel's group sums [rows, most groups]. */
+    float* quant_in;
+    float* quant_out;
+    uint8_t* quant_u8;
+    int16_t* quant_x16;
+    float* quant_row_scales;
+    int32_t* quant_row_zeros;
+    float* quant_raw;
+    float* quant_x_sums;
 } decode_step;
 
 static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
@@ -174,17 +214,54 @@ static void norm(const decode_step* s, const void* x, void* residual, const void
     else add_rms_norm_f32(x, residual, weight, out, s->rows, s->hidden_size, s->eps, nt);
 }
 
-/* out[rows, width] = x[rows, in] W^T (+ bias) through the row kernel. */
-static void project_rows(const decode_step* s, int64_t rows, const void* x, int64_t in, const void* packed,
-                         const void* bias, void* out, int64_t width) {
+/* bf16 -> fp32 is exact; fp32 -> bf16 rounds to nearest even, as torch's .to(torch.bfloat16). */
+static inline uint16_t to_bf16(float v) {
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40);  /* NaN stays NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* A quantized projection of `rows` rows, as QuantizedLinear.forward computes its single-token rows:
+ * the rows in fp32, quant_gemm.c's kernels, the fp32 results in the model's dtype. */
+static void project_quantized(const decode_step* s, int64_t rows, const void* x, int64_t in,
+                              const decode_quant* q, void* out, int64_t width) {
     const int nt = (int)s->threads;
-    if (s->bf16) row_gemm_bf16(x, in, packed, bias, out, width, rows, width, in, nt);
+    const float* rows_in = (const float*)x;
+    if (s->bf16) {
+        for (int64_t i = 0; i < rows * in; i++) {
+            uint32_t bits = (uint32_t)((const uint16_t*)x)[i] << 16;
+            memcpy(s->quant_in + i, &bits, 4);
+        }
+        rows_in = s->quant_in;
+    }
+    float* result = s->bf16 ? s->quant_out : (float*)out;
+    if (q->kind == 1) {
+        quantize_rows_u8(rows_in, rows, in, q->act_mode, q->act_scale, q->act_zero, s->quant_u8,
+                         s->quant_row_scales, s->quant_row_zeros, nt);
+        int8_gemm(s->quant_u8, rows, in, (const int8_t*)q->weight, width, s->quant_raw, s->quant_x16, nt);
+        int8_epilogue(s->quant_raw, rows, width, s->quant_row_scales, s->quant_row_zeros, q->scales,
+                      q->col_sums, q->bias, result, nt);
+    } else {
+        wq_gemm(rows_in, rows, in, (const uint8_t*)q->weight, q->row_bytes, q->bits, width, q->group,
+                q->scales, q->zeros, q->bias, result, s->quant_x_sums, nt);
+    }
+    if (s->bf16)
+        for (int64_t i = 0; i < rows * width; i++) ((uint16_t*)out)[i] = to_bf16(s->quant_out[i]);
+}
+
+/* out[rows, width] = x[rows, in] W^T (+ bias) through the row kernel (or `quant`'s kernels). */
+static void project_rows(const decode_step* s, int64_t rows, const void* x, int64_t in, const void* packed,
+                         const void* bias, void* out, int64_t width, const decode_quant* quant) {
+    const int nt = (int)s->threads;
+    if (quant != NULL) project_quantized(s, rows, x, in, quant, out, width);
+    else if (s->bf16) row_gemm_bf16(x, in, packed, bias, out, width, rows, width, in, nt);
     else row_gemm_f32(x, in, packed, bias, out, width, rows, width, in, nt);
 }
 
 static void project(const decode_step* s, const void* x, int64_t in, const void* packed, const void* bias,
-                    void* out, int64_t width) {
-    project_rows(s, s->rows, x, in, packed, bias, out, width);
+                    void* out, int64_t width, const decode_quant* quant) {
+    project_rows(s, s->rows, x, in, packed, bias, out, width, quant);
 }
 
 /* out[rows, width] += each row's adapter update of x[rows, in], where the step has LoRA rows. */
@@ -200,13 +277,14 @@ static void add_lora(const decode_step* s, const decode_lora* l, const void* x, 
  * (LoRA slots only for a dense layer's, with rows the step's rows; NULL elsewhere). */
 static void mlp_rows(const decode_step* s, int64_t rows, const void* x, const void* gate_up, const void* gate_up_bias,
                      const void* down, const void* down_bias, int64_t width, void* gate_up_out, void* act,
-                     void* out, const decode_lora* gate_up_lora, const decode_lora* down_lora) {
+                     void* out, const decode_lora* gate_up_lora, const decode_lora* down_lora,
+                     const decode_quant* gate_up_quant, const decode_quant* down_quant) {
     const int nt = (int)s->threads;
-    project_rows(s, rows, x, s->hidden_size, gate_up, gate_up_bias, gate_up_out, 2 * width);
+    project_rows(s, rows, x, s->hidden_size, gate_up, gate_up_bias, gate_up_out, 2 * width, gate_up_quant);
     add_lora(s, gate_up_lora, x, s->hidden_size, gate_up_out, 2 * width);
     if (s->bf16) silu_and_mul_bf16(gate_up_out, act, rows, width, nt);
     else silu_and_mul_f32(gate_up_out, act, rows, width, nt);
-    project_rows(s, rows, act, width, down, down_bias, out, s->hidden_size);
+    project_rows(s, rows, act, width, down, down_bias, out, s->hidden_size, down_quant);
     add_lora(s, down_lora, act, width, out, s->hidden_size);
 }
 
@@ -222,7 +300,7 @@ static void sparse_mlp(const decode_step* s, const decode_moe* m) {
     const int nt = (int)s->threads;
     const int64_t E = s->experts, k = s->top_k, pairs = s->rows * k, H = s->hidden_size;
     const int64_t I = s->expert_intermediate, size = s->bf16 ? 2 : 4;
-    project(s, s->normed, H, m->router, NULL, s->router_logits, E);
+    project(s, s->normed, H, m->router, NULL, s->router_logits, E, NULL);
     if (s->bf16)
         moe_route_bf16(s->router_logits, s->rows, E, k, s->normalize_top_k, s->round_weights, s->pair_expert,
                        s->pair_weight, nt);
@@ -247,14 +325,14 @@ static void sparse_mlp(const decode_step* s, const decode_moe* m) {
         if (rows == 0) continue;
         mlp_rows(s, rows, (const char*)s->pair_in + at * H * size, m->gate_up[e], NULL, m->down[e], NULL, I,
                  (char*)s->pair_gate_up + at * 2 * I * size, (char*)s->pair_act + at * I * size,
-                 (char*)s->pair_out + at * H * size, NULL, NULL);
+                 (char*)s->pair_out + at * H * size, NULL, NULL, NULL, NULL);
     }
     if (s->bf16) moe_combine_bf16(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
     else moe_combine_f32(s->pair_out, s->pair_position, s->pair_weight, s->hidden, s->rows, k, H, nt);
     if (m->shared_gate_up != NULL) {
-        project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1);
+        project(s, s->normed, H, m->shared_gate, NULL, s->shared_gate_out, 1, NULL);
         mlp_rows(s, s->rows, s->normed, m->shared_gate_up, NULL, m->shared_down, NULL, s->shared_intermediate,
-                 s->shared_gate_up, s->shared_act, s->shared_out, NULL, NULL);
+                 s->shared_gate_up, s->shared_act, s->shared_out, NULL, NULL, NULL, NULL);
         if (s->bf16) moe_shared_add_bf16(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
         else moe_shared_add_f32(s->hidden, s->shared_gate_out, s->shared_out, s->rows, H, nt);
     }
@@ -321,7 +399,7 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
         /* the residual add lives in the norm after it (vLLM's layout): layer 0 has none */
         if (l == 0) norm(s, s->residual, NULL, w->input_norm, s->normed);
         else norm(s, s->hidden, s->residual, w->input_norm, s->normed);
-        project(s, s->normed, s->hidden_size, w->qkv, w->qkv_bias, qkv, width);
+        project(s, s->normed, s->hidden_size, w->qkv, w->qkv_bias, qkv, width, w->qkv_quant);
         add_lora(s, w->qkv_lora, s->normed, s->hidden_size, qkv, width);
         if (w->q_norm) {  /* per head, before rotary (Qwen3) */
             if (s->bf16) {
@@ -346,11 +424,12 @@ void decode_layers(const decode_layer* layers, const decode_step* s) {
         for (int64_t r = 0; r < s->rows; r++)
             memcpy((char*)s->q + r * q_size * size, qkv + r * width * size, (size_t)(q_size * size));
         attend(s, w);
-        project(s, s->attn, q_size, w->o, w->o_bias, s->hidden, s->hidden_size);
+        project(s, s->attn, q_size, w->o, w->o_bias, s->hidden, s->hidden_size, w->o_quant);
         add_lora(s, w->o_lora, s->attn, q_size, s->hidden, s->hidden_size);
         norm(s, s->hidden, s->residual, w->post_norm, s->normed);
         if (w->moe) sparse_mlp(s, w->moe);
         else mlp_rows(s, s->rows, s->normed, w->gate_up, w->gate_up_bias, w->down, w->down_bias, s->intermediate,
-                      s->gate_up_out, s->act, s->hidden, w->gate_up_lora, w->down_lora);
+                      s->gate_up_out, s->act, s->hidden, w->gate_up_lora, w->down_lora, w->gate_up_quant,
+                      w->down_quant);
     }
 }

@@ -3,7 +3,8 @@
 A decode step drives a dozen kernels per layer; from Python that is 5-8 ms of interpreter and ctypes
 work per step on a 30-layer model, a fifth of a small batch's step. Where the model fits the native
 path (CPU, the Llama layout without sliding windows, every projection on the row
-kernel, the native decode kernel, and the prefix kernel when the step has shared-prefix groups),
+kernel or a quantized checkpoint's kernels, the native decode kernel, and the prefix kernel when the
+step has shared-prefix groups),
 the layers run from C with the same kernels in the same order, so the outputs are the bits the
 Python path gives (tested); everything else keeps the Python path.
 """
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from bulkinfer.engine.lora.slots import LoRASlots
     from bulkinfer.engine.models.llama import LlamaForCausalLM
     from bulkinfer.engine.models.moe import SparseMoeBlock
+    from bulkinfer.engine.quant.linear import QuantizedLinear
 
 _P = ctypes.c_void_p
 _MOE_BUFFERS = ("router_logits", "pair_expert", "pair_weight", "pair_position", "pair_in", "pair_gate_up",
@@ -40,11 +42,25 @@ class _Lora(ctypes.Structure):
 _LORA_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
+class _Quant(ctypes.Structure):
+    """decode_layers.c's decode_quant: a quantized projection (QuantizedLinear.native_fields)."""
+
+    _fields_ = [("kind", ctypes.c_int64), ("weight", _P), ("row_bytes", ctypes.c_int64),
+                ("bits", ctypes.c_int64), ("group", ctypes.c_int64), ("scales", _P), ("zeros", _P),
+                ("col_sums", _P), ("bias", _P),
+                ("act_mode", ctypes.c_int64), ("act_scale", ctypes.c_float), ("act_zero", ctypes.c_int64)]
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [*[(name, _P) for name in (
         "input_norm", "post_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias", "down",
         "down_bias", "k_cache", "v_cache", "q_norm", "k_norm")], ("moe", ctypes.POINTER(_Moe)),
-        *[(f"{name}_lora", ctypes.POINTER(_Lora)) for name in _LORA_PROJECTIONS]]
+        *[(f"{name}_lora", ctypes.POINTER(_Lora)) for name in _LORA_PROJECTIONS],
+        *[(f"{name}_quant", ctypes.POINTER(_Quant)) for name in _LORA_PROJECTIONS]]
+
+
+_QUANT_BUFFERS = ("quant_in", "quant_out", "quant_u8", "quant_x16", "quant_row_scales", "quant_row_zeros",
+                  "quant_raw", "quant_x_sums")
 
 
 class _Step(ctypes.Structure):
@@ -64,6 +80,7 @@ class _Step(ctypes.Structure):
         *[(name, _P) for name in _MOE_BUFFERS],
         ("moe_seconds", _P),
         ("lora_slots", _P),
+        *[(name, _P) for name in _QUANT_BUFFERS],
     ]
 
 
@@ -87,13 +104,13 @@ class NativeDecode:
         # (benchmarks/moe_profile.py).
         self.moe_seconds: torch.Tensor | None = None
         self.has_lora = False  # attach_lora: steps with adapter rows take this path too
+        self.quantized: list[QuantizedLinear] = []  # a quantized checkpoint's projections
         for entry, layer in zip(self.layers, model.layers, strict=True):
             attn, mlp = layer.self_attn, layer.mlp
             entry.input_norm = layer.input_layernorm.weight.data_ptr()
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
-                setattr(entry, name, linear.row_weight.data_ptr())
-                setattr(entry, f"{name}_bias", _pointer(linear.bias))
+                self._point_at(entry, name, linear)
             if attn.q_norm is not None:
                 entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
             if _is_sparse(mlp):
@@ -101,8 +118,23 @@ class NativeDecode:
                 self.sparse = mlp
                 continue
             for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
-                setattr(entry, name, linear.row_weight.data_ptr())
-                setattr(entry, f"{name}_bias", _pointer(linear.bias))
+                self._point_at(entry, name, linear)
+
+    def _point_at(self, entry: _Layer, name: str, linear: torch.nn.Module) -> None:
+        """The layer's entry for one projection: the row kernel's packed weights and bias, or a
+        quantized projection's table."""
+        from bulkinfer.engine.quant.linear import QuantizedLinear
+
+        if isinstance(linear, QuantizedLinear):
+            fields = linear.native_fields()
+            assert fields is not None
+            table = _Quant(**fields)
+            self._tables.append(table)
+            self.quantized.append(linear)
+            setattr(entry, f"{name}_quant", ctypes.pointer(table))
+            return
+        setattr(entry, name, linear.row_weight.data_ptr())
+        setattr(entry, f"{name}_bias", _pointer(linear.bias))
 
     def attach_lora(self, slots: dict[str, LoRASlots]) -> bool:
         """Point each projection at its LoRA slots (engine/lora/slots.py; by module path, e.g.
@@ -166,7 +198,7 @@ class NativeDecode:
             if config.qk_norm and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm):
                 return None  # decode_layers.c applies the Llama RMSNorm per head (Qwen3's q/k norm)
             linears = [attn.qkv_proj, attn.o_proj, *_mlp_linears(mlp)]
-            if any(linear.row_weight is None for linear in linears) or attn.backend is not backend:
+            if not all(map(_runs_natively, linears)) or attn.backend is not backend:
                 return None
         return NativeDecode(model, kernels, backend)
 
@@ -181,6 +213,8 @@ class NativeDecode:
         block_size = k_cache.shape[-2]
         if metadata.num_prefills or block_size != metadata.block_size or not backend._uses_kernel(k_cache):
             return None
+        if not all(linear.native_rows_match(int(input_ids.shape[0])) for linear in self.quantized):
+            return None  # the Python path takes these rows through a dequantized GEMM
         group = config.num_heads // config.num_kv_heads
         plan, _ = backend.plan_for_decode(metadata, None, k_cache, self.dtype, group)
         if plan.prefix_batches and not self._attends_groups(k_cache):
@@ -220,6 +254,8 @@ class NativeDecode:
                    "attn": buffer(rows, q_size), "lse": buffer(rows, config.num_heads, dtype=torch.float32),
                    "gate_up_out": buffer(rows, 2 * config.intermediate_size),
                    "act": buffer(rows, config.intermediate_size)}
+        if self.quantized:
+            buffers.update(self._quant_buffers(rows))
         if self.sparse is not None:
             buffers.update(self._moe_buffers(step, rows))
             if self.moe_seconds is not None:
@@ -232,6 +268,18 @@ class NativeDecode:
         self.kernels.decode_layers(self.layers, step)
         del keep
         return hidden, residual
+
+    def _quant_buffers(self, rows: int) -> dict[str, torch.Tensor]:
+        """decode_layers.c's scratch for the quantized projections, by field name."""
+        sizes = [linear.native_scratch() for linear in self.quantized]
+        inputs, outputs, groups = (max(size[i] for size in sizes) for i in range(3))
+        widest = max(inputs, outputs)
+        return {"quant_in": torch.empty(rows, widest), "quant_out": torch.empty(rows, widest),
+                "quant_u8": torch.empty(rows, inputs, dtype=torch.uint8),
+                "quant_x16": torch.empty(rows, inputs, dtype=torch.int16),
+                "quant_row_scales": torch.empty(rows),
+                "quant_row_zeros": torch.empty(rows, dtype=torch.int32),
+                "quant_raw": torch.empty(rows, outputs), "quant_x_sums": torch.empty(rows, groups)}
 
     def _moe_buffers(self, step: _Step, rows: int) -> dict[str, torch.Tensor]:
         """Fill the step's sparse-layer shapes; returns its sparse-layer buffers by field name."""
@@ -304,6 +352,15 @@ class NativeDecode:
             step.group_lse = group_lse.data_ptr()
             keep += [group_q, group_out, group_lse]
         return keep
+
+
+def _runs_natively(linear: torch.nn.Module) -> bool:
+    """A projection decode_layers.c can run: on the row kernel, or a quantized one with its tables."""
+    from bulkinfer.engine.quant.linear import QuantizedLinear
+
+    if isinstance(linear, QuantizedLinear):
+        return linear.native_fields() is not None
+    return linear.row_weight is not None
 
 
 def _is_sparse(mlp: torch.nn.Module) -> bool:

@@ -74,6 +74,8 @@ class QuantizedLinear(nn.Module):
         self._packed_lanes = 0  # the vector lanes it was packed for
         self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
+        self._bias32: torch.Tensor | None = None  # the bias in fp32, as the kernels add it
+        self._col_scales: torch.Tensor | None = None  # W8A8: each output's weight scale [out]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
@@ -91,9 +93,11 @@ class QuantizedLinear(nn.Module):
     def _prepare(self) -> None:
         if self.parts is None:
             return
+        self._bias32 = self.bias.detach().float().contiguous() if self.bias is not None else None
         if self.scheme.activations is not None:
             values = self.weight.detach()
             self._col_sums = values.sum(dim=1, dtype=torch.int32).contiguous()
+            self._col_scales = self.parts.scales[:, 0].contiguous()
             if onednn_int8_exact() and values.device.type == "cpu" and self._onednn_weight is None:
                 self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
             return
@@ -126,14 +130,15 @@ class QuantizedLinear(nn.Module):
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _bias_f32(self) -> torch.Tensor | None:
-        return self.bias.detach().float() if self.bias is not None else None
+        return self._bias32
 
     def _int8_rows(self, flat: torch.Tensor) -> torch.Tensor:
         parts, kernels = self.parts, self.kernels
         assert parts is not None and self._col_sums is not None
         x = flat.float().contiguous()
         mode, scale, zero = self._activation_quantization(x)
-        col_scales = parts.scales[:, 0].contiguous()
+        col_scales = self._col_scales
+        assert col_scales is not None
         if kernels is None or x.device.type != "cpu":
             return self._int8_in_torch(x, mode, scale, zero, col_scales)
         quantized, row_scales, row_zeros = kernels.quant.quantize_rows(x, mode, scale, zero)
@@ -240,3 +245,47 @@ class QuantizedLinear(nn.Module):
     def dequantized_weight(self) -> torch.Tensor:
         """The float weights these integers and scales stand for (tests, references)."""
         return self._dequantized_in_torch()
+
+    # ---- the native decode path (engine/models/native_decode.py) --------------------------------
+
+    def native_fields(self) -> dict[str, object] | None:
+        """decode_layers.c's description of this projection (its ``decode_quant`` fields, pointers as
+        ints into tensors this module keeps), or None where decode steps must keep the Python path:
+        no native kernels, or activations quantized per call (one scale over the step's rows, which
+        the Python path computes in PyTorch)."""
+        parts = self.parts
+        if parts is None or self.kernels is None or self.weight.device.type != "cpu":
+            return None
+        bias = self._bias32.data_ptr() if self._bias32 is not None else None
+        if self.scheme.activations is None:
+            if self._packed is None:
+                return None
+            zeros = parts.zero_points.data_ptr() if parts.zero_points is not None else None
+            return dict(kind=2, weight=self._packed.data_ptr(), row_bytes=self._packed.shape[1],
+                        bits=self.scheme.weights.bits, group=parts.group_size, scales=parts.scales.data_ptr(),
+                        zeros=zeros, bias=bias)
+        activations = self.scheme.activations
+        if activations.dynamic and not activations.per_token:
+            return None
+        assert self._col_sums is not None and self._col_scales is not None
+        if activations.dynamic:
+            mode, scale, zero = (SYMMETRIC_PER_ROW if activations.symmetric else ASYMMETRIC_PER_ROW), 1.0, 0
+        else:
+            assert parts.input_scale is not None
+            mode, scale, zero = STATIC, parts.input_scale, parts.input_zero_point + 128
+        return dict(kind=1, weight=self.weight.data_ptr(), scales=self._col_scales.data_ptr(),
+                    col_sums=self._col_sums.data_ptr(), bias=bias, act_mode=mode, act_scale=scale,
+                    act_zero=zero)
+
+    def native_rows_match(self, rows: int) -> bool:
+        """Whether a decode step of `rows` rows takes the row kernel in the Python path too (so the
+        native path gives its bits): always for W8A8 (exact integer sums on every path) and under batch
+        invariance; else up to ROW_KERNEL_ROWS rows (more take the dequantized GEMM)."""
+        if self.scheme.activations is not None:
+            return True
+        return (self.step_rows is not None and self.step_rows.every_row) or rows <= ROW_KERNEL_ROWS
+
+    def native_scratch(self) -> tuple[int, int, int]:
+        """(inputs, outputs, groups) a row of this projection needs in decode_layers.c's scratch."""
+        groups = -(-self.in_features // self.parts.group_size) if self.parts is not None else 1
+        return self.in_features, self.out_features, groups

@@ -213,3 +213,26 @@ def test_quantized_moe_experts_are_refused_by_name(checkpoint_factory, tmp_path:
     folder = write_quantized_checkpoint(checkpoint_factory(arch="qwen2_moe"), tmp_path / "moe", bits=8)
     with pytest.raises(CheckpointError, match="quantized MoE experts are not supported yet"):
         load_model(folder, TorchPagedAttention())
+
+
+# each scheme once, each dtype twice (bf16 is emulated, slowly, on CPUs without it)
+NATIVE_CASES = [("W8A8 dynamic token", "float32"), ("W8A8 static tensor", "bfloat16"),
+                ("W4A16 group 8 asymmetric", "float32"), ("W8A16 channel", "bfloat16")]
+
+
+@pytest.mark.parametrize("scheme, dtype", NATIVE_CASES)
+def test_native_decode_steps_give_the_python_paths_tokens_and_logprobs(quantized_dirs, monkeypatch,
+                                                                      scheme: str, dtype: str) -> None:
+    from tests.engine.test_native_decode import native_runs
+
+    folder = str(quantized_dirs[scheme])
+    native = LLM(model=folder, dtype=dtype, num_kv_blocks=64)
+    assert native.engine.model.native_decode is not None  # the quantized kernels run from C
+    python = LLM(model=folder, dtype=dtype, num_kv_blocks=64)
+    python.engine.model.native_decode = None
+    counts = native_runs(native, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=3)
+    for ours, theirs in zip(native.generate(PROMPTS, params), python.generate(PROMPTS, params), strict=True):
+        assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
+        assert ours.outputs[0].logprobs == theirs.outputs[0].logprobs  # the same bits
+    assert counts["steps"] >= NEW_TOKENS - 1
