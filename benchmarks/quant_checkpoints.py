@@ -52,9 +52,10 @@ def _qparams(weight: torch.Tensor, args: QuantizationArgs) -> tuple[torch.Tensor
 def write_quantized_checkpoint(source: Path, target: Path, bits: int = 8, group_size: int | None = None,
                                symmetric: bool = True, activations: QuantizationArgs | None = None,
                                packed: bool | None = None, input_scales: dict[str, float] | None = None,
-                               ignore: tuple[str, ...] = ("lm_head",)) -> Path:
+                               ignore: tuple[str, ...] = ("lm_head",), input_zero_point: int = 0) -> Path:
     """`source`'s projections quantized into `target` (a folder), and their dequantized twin in
-    `target`-float; returns `target`. `input_scales`: static activation scales by layer."""
+    `target`-float; returns `target`. `input_scales`: static activation scales by layer (and, for
+    asymmetric ones, `input_zero_point` for every layer)."""
     packed = bits < 8 if packed is None else packed
     twin = target.with_name(target.name + "-float")
     for folder in (target, twin):
@@ -85,7 +86,7 @@ def write_quantized_checkpoint(source: Path, target: Path, bits: int = 8, group_
         if input_scales is not None:
             quantized[layer + ".input_scale"] = torch.tensor([input_scales[layer]], dtype=tensor.dtype)
             if activations is not None and not activations.symmetric:
-                quantized[layer + ".input_zero_point"] = torch.tensor([0], dtype=torch.int8)
+                quantized[layer + ".input_zero_point"] = torch.tensor([input_zero_point], dtype=torch.int8)
     save_file(quantized, str(target / "model.safetensors"))
     save_file(dequantized, str(twin / "model.safetensors"))
     scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=activations)

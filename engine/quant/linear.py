@@ -81,7 +81,12 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
 
     def attach(self, parts: QuantizedParts) -> None:
-        """The layer's scales and zero points, after its integer weights are loaded."""
+        """The layer's scales and zero points, after its integer weights are loaded (moved to the
+        weights' device)."""
+        device = self.weight.device
+        parts.scales = parts.scales.to(device)
+        if parts.zero_points is not None:
+            parts.zero_points = parts.zero_points.to(device)
         self.parts = parts
         self._prepare()
 

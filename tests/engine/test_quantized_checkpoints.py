@@ -122,11 +122,28 @@ def test_int8_rows_are_batch_invariant_and_match_the_pytorch_path(quantized_dirs
     assert torch.allclose(batched, in_torch, rtol=1e-4, atol=1e-4)
 
 
-def test_asymmetric_per_token_activations_match_the_pytorch_path(quantized_dirs, tmp_path: Path) -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_asymmetric_activations_match_the_pytorch_path(quantized_dirs, tmp_path: Path, static: bool) -> None:
+    """Per-token zero points at run time, or the checkpoint's static scale and zero point."""
     source = quantized_dirs["W8A8 dynamic token"]
-    folder = tmp_path / "asym"
-    write_quantized_checkpoint(source.with_name(source.name + "-float"), folder,
-                               activations=activation_args(static=False, symmetric=False))
+    folder = write_quantized_checkpoint(source.with_name(source.name + "-float"), tmp_path / "asym",
+                                        activations=activation_args(static=static, symmetric=False),
+                                        input_scales=quantized_dirs["static scales"] if static else None,
+                                        input_zero_point=-9)
+    _assert_kernels_match_pytorch(folder)
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_activations_quantized_per_call_match_the_pytorch_path(quantized_dirs, tmp_path: Path,
+                                                               symmetric: bool) -> None:
+    """dynamic per-tensor activations: one scale over the call's rows (no batch invariance there)."""
+    folder = quantized_dirs["W8A8 dynamic token"]
+    quant = json.loads((folder / "config.json").read_text())["quantization_config"]
+    quant["config_groups"]["group_0"]["input_activations"].update(strategy="tensor", symmetric=symmetric)
+    _assert_kernels_match_pytorch(_with_quantization(folder, tmp_path, quant))
+
+
+def _assert_kernels_match_pytorch(folder: Path) -> None:
     kernels = cpu_kernels.load()
     model = load_model(folder, TorchPagedAttention(kernels=kernels))
     model.use_cpu_kernels(kernels)
