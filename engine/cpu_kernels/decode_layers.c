@@ -64,7 +64,7 @@ void int8_gemm(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, float*,
 void int8_epilogue(const float*, int64_t, int64_t, const float*, const int32_t*, const float*, const int32_t*,
                    const float*, float*, int);
 void wq_gemm(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
-             const float*, const float*, float*, float*, int);
+             const float*, const float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
 __attribute__((weak)) void prefix_attention_bf16(const uint16_t*, const uint16_t*, const uint16_t*,
                                                  const int64_t*, const int64_t*, int64_t, int64_t, int64_t,
@@ -197,7 +197,7 @@ typedef struct {
     const int64_t* lora_slots; /* [rows]: each row's adapter slot (-1: the base); NULL: no LoRA rows */
     /* Quantized projections' scratch (unused without): fp32 rows in and out [rows, widest], the
      * activations as uint8 and int16 [rows, widest input], their scales and zero points [rows], the
-     * integer sums [rows, widest output], the weight-only kernel's group sums [rows, most groups]. */
+     * integer sums [rows, widest output]. */
     float* quant_in;
     float* quant_out;
     uint8_t* quant_u8;
@@ -205,7 +205,6 @@ typedef struct {
     float* quant_row_scales;
     int32_t* quant_row_zeros;
     float* quant_raw;
-    float* quant_x_sums;
 } decode_step;
 
 static void norm(const decode_step* s, const void* x, void* residual, const void* weight, void* out) {
@@ -244,7 +243,7 @@ static void project_quantized(const decode_step* s, int64_t rows, const void* x,
                       q->col_sums, q->bias, result, nt);
     } else {
         wq_gemm(rows_in, rows, in, (const uint8_t*)q->weight, q->row_bytes, q->bits, width, q->group,
-                q->scales, q->zeros, q->bias, result, s->quant_x_sums, nt);
+                q->scales, q->zeros, q->bias, result, nt);
     }
     if (s->bf16)
         for (int64_t i = 0; i < rows * width; i++) ((uint16_t*)out)[i] = to_bf16(s->quant_out[i]);

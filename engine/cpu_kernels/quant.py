@@ -33,7 +33,7 @@ class QuantKernels:
         self._quantize = _declare(library.quantize_rows_u8, [_P, _I, _I, _I, _F, _I, _P, _P, _P])
         self._int8_gemm = _declare(library.int8_gemm, [_P, _I, _I, _P, _I, _P, _P])
         self._epilogue = _declare(library.int8_epilogue, [_P, _I, _I, _P, _P, _P, _P, _P, _P])
-        self._wq_gemm = _declare(library.wq_gemm, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, _P])
+        self._wq_gemm = _declare(library.wq_gemm, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P])
         self._wq_dequantize = _declare(library.wq_dequantize, [_P, _I, _I, _I, _I, _I, _P, _P, _P])
 
     def quantize_rows(self, x: torch.Tensor, mode: int, scale: float = 1.0,
@@ -85,11 +85,9 @@ class QuantKernels:
         _check(x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
                and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)), "weight_only_gemm")
         out = torch.empty(x.shape[0], n, dtype=torch.float32)
-        x_sums = self._scratch_buffer("wq_x_sums", x.shape[0] * scales.shape[1], torch.float32)
         self._wq_gemm(x.data_ptr(), x.shape[0], k, packed.data_ptr(), packed.shape[1], bits, n, group,
                       scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
                       bias.data_ptr() if bias is not None else None, out.data_ptr(),
-                      x_sums.data_ptr(),
                       torch.get_num_threads())
         return out
 

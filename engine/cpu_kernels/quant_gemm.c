@@ -7,7 +7,7 @@
  * path gives a row the same bits whatever else its step holds (batch invariance for free).
  *
  * W8A16 / W4A16: weights stay 8- or 4-bit in memory and are widened to fp32 inside the product
- * (wq_gemm: each row against every weight row, the group's scale applied once per group), or
+ * (wq_gemm: (q - zero) * scale in registers, two weight rows by up to four rows a pass), or
  * dequantized for a prefill chunk's GEMM (wq_dequantize). Decode rows read 4-8x fewer weight
  * bytes than fp32's.
  *
@@ -223,80 +223,96 @@ static inline float weight_at(const uint8_t* w, int64_t k, int bits) {
 }
 
 #define WQ_ROWS 4
+#define WQ_COLS 2
 
-/* mr rows (a compile-time count once inlined, so the sums stay in registers) against one weight row:
- * sums[r] = sum over groups g of scale[g] * (sum_{k in g} x[r, k] * q[k] - zero[g] * x_sums[r, g]). */
-static inline __attribute__((always_inline)) void wq_rows(
-        const float* x, int64_t k_in, const uint8_t* wn, int bits, int64_t groups, int64_t group,
-        int aligned, const float* scale, const float* zero, const float* x_sums, int mr, float* sums) {
-    vf acc[WQ_ROWS];
-    float tail[WQ_ROWS];
-    for (int r = 0; r < mr; r++) { acc[r] = splat(0.0f); tail[r] = 0.0f; }
+/* mr rows by nc weight rows (compile-time counts once inlined, so the sums stay in registers):
+ * sums[r * nc + c] = sum_k x[r, k] * w[c, k], each weight dequantized first, (q - zero) * scale, as a
+ * reference dequantizes it; a weight block is widened once for every row and an input block loaded
+ * once for every weight row. Each (row, weight row) pair's FMAs run in the same order whatever mr
+ * and nc are, so a row's bits do not depend on the rows or columns computed with it. */
+static inline __attribute__((always_inline)) void wq_tile(
+        const float* x, int64_t k_in, const uint8_t* w, int64_t row_bytes, int bits, int64_t groups,
+        int64_t group, int aligned, const float* scales, const float* zeros, int mr, int nc, float* sums) {
+    vf acc[WQ_ROWS][WQ_COLS];
+    float tail[WQ_ROWS][WQ_COLS];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) { acc[r][c] = splat(0.0f); tail[r][c] = 0.0f; }
     for (int64_t g = 0; g < groups; g++) {
         int64_t k0 = g * group, k1 = k0 + group < k_in ? k0 + group : k_in;
-        vf part[WQ_ROWS];
-        float part_tail[WQ_ROWS];
-        for (int r = 0; r < mr; r++) { part[r] = splat(0.0f); part_tail[r] = 0.0f; }
+        vf scale[WQ_COLS], zero[WQ_COLS];
+        for (int c = 0; c < nc; c++) {
+            scale[c] = splat(scales[c * groups + g]);
+            zero[c] = splat(zeros ? zeros[c * groups + g] : 0.0f);
+        }
         int64_t k = k0;
         if (aligned) {
             for (; k + 2 * VL <= k1; k += 2 * VL) {
-                vf w0, w1;
-                weight_block(wn, k / (2 * VL), bits, &w0, &w1);
+                vf w0[WQ_COLS], w1[WQ_COLS];
+                for (int c = 0; c < nc; c++) {
+                    weight_block(w + c * row_bytes, k / (2 * VL), bits, &w0[c], &w1[c]);
+                    w0[c] = (w0[c] - zero[c]) * scale[c];
+                    w1[c] = (w1[c] - zero[c]) * scale[c];
+                }
                 for (int r = 0; r < mr; r++) {
-                    const float* xr = x + r * k_in + k;
-                    part[r] = vfma(load_f32(xr), w0, part[r]);
-                    part[r] = vfma(load_f32(xr + VL), w1, part[r]);
+                    const vf x0 = load_f32(x + r * k_in + k), x1 = load_f32(x + r * k_in + k + VL);
+                    for (int c = 0; c < nc; c++) {
+                        acc[r][c] = vfma(x0, w0[c], acc[r][c]);
+                        acc[r][c] = vfma(x1, w1[c], acc[r][c]);
+                    }
                 }
             }
         }
         for (; k < k1; k++) {
-            float wk = weight_at(wn, k, bits);
-            for (int r = 0; r < mr; r++) part_tail[r] += x[r * k_in + k] * wk;
-        }
-        vf s = splat(scale[g]);
-        for (int r = 0; r < mr; r++) {
-            acc[r] = vfma(s, part[r], acc[r]);
-            tail[r] += scale[g] * (part_tail[r] - (zero ? zero[g] * x_sums[r * groups + g] : 0.0f));
+            for (int c = 0; c < nc; c++) {
+                float wk = (weight_at(w + c * row_bytes, k, bits) - zero[c][0]) * scale[c][0];
+                for (int r = 0; r < mr; r++) tail[r][c] += x[r * k_in + k] * wk;
+            }
         }
     }
-    for (int r = 0; r < mr; r++) sums[r] = hsum(acc[r]) + tail[r];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) sums[r * WQ_COLS + c] = hsum(acc[r][c]) + tail[r][c];
 }
 
-/* out[m, n] = sum over groups g of scale[n, g] * sum_{k in g} x[m, k] * (q[n, k] - zero[n, g]), + bias.
- * x fp32 [rows, k_in]; w packed (above), `row_bytes` per weight row; scales, zeros fp32 [n, groups]
- * (zeros NULL: symmetric); group: inputs per group (k_in for one scale per channel); x_sums: fp32
- * [rows, groups] scratch. Each row's sums run in the same order whatever the other rows are. */
+#define WQ_TILE(MR, NC) wq_tile(xm, k_in, wn, row_bytes, (int)bits, groups, group, aligned, scale, zero, MR, NC, sums)
+
+/* out[m, n] = sum_k x[m, k] * (q[n, k] - zero[n, g(k)]) * scale[n, g(k)], + bias. x fp32 [rows, k_in];
+ * w packed (above), `row_bytes` per weight row; scales, zeros fp32 [n, groups] (zeros NULL:
+ * symmetric); group: inputs per group (k_in for one scale per channel). */
 void wq_gemm(const float* x, int64_t rows, int64_t k_in, const uint8_t* w, int64_t row_bytes,
              int64_t bits, int64_t n_out, int64_t group, const float* scales, const float* zeros,
-             const float* bias, float* out, float* x_sums, int nt) {
+             const float* bias, float* out, int nt) {
     int64_t groups = (k_in + group - 1) / group;
     int aligned = group % (2 * VL) == 0;
-    if (zeros) {
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t g = 0; g < groups; g++) {
-                int64_t k1 = (g + 1) * group < k_in ? (g + 1) * group : k_in;
-                float sum = 0.0f;
-                for (int64_t k = g * group; k < k1; k++) sum += x[m * k_in + k];
-                x_sums[m * groups + g] = sum;
-            }
-    }
+    int64_t pairs = (n_out + WQ_COLS - 1) / WQ_COLS;
     #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t n = 0; n < n_out; n++) {
+    for (int64_t p = 0; p < pairs; p++) {
+        int64_t n = p * WQ_COLS;
+        int nc = n_out - n < WQ_COLS ? (int)(n_out - n) : WQ_COLS;
         const uint8_t* wn = w + n * row_bytes;
         const float* scale = scales + n * groups;
         const float* zero = zeros ? zeros + n * groups : NULL;
         for (int64_t m0 = 0; m0 < rows; m0 += WQ_ROWS) {
             int64_t mr = rows - m0 < WQ_ROWS ? rows - m0 : WQ_ROWS;
             const float* xm = x + m0 * k_in;
-            const float* sm = zeros ? x_sums + m0 * groups : NULL;
-            float sums[WQ_ROWS];
-            switch (mr) {
-                case 1: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 1, sums); break;
-                case 2: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 2, sums); break;
-                case 3: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 3, sums); break;
-                default: wq_rows(xm, k_in, wn, (int)bits, groups, group, aligned, scale, zero, sm, 4, sums); break;
+            float sums[WQ_ROWS * WQ_COLS];
+            if (nc == 2) {
+                switch (mr) {
+                    case 1: WQ_TILE(1, 2); break;
+                    case 2: WQ_TILE(2, 2); break;
+                    case 3: WQ_TILE(3, 2); break;
+                    default: WQ_TILE(4, 2); break;
+                }
+            } else {
+                switch (mr) {
+                    case 1: WQ_TILE(1, 1); break;
+                    case 2: WQ_TILE(2, 1); break;
+                    case 3: WQ_TILE(3, 1); break;
+                    default: WQ_TILE(4, 1); break;
+                }
             }
-            for (int r = 0; r < mr; r++) out[(m0 + r) * n_out + n] = bias ? sums[r] + bias[n] : sums[r];
+            for (int r = 0; r < mr; r++)
+                for (int c = 0; c < nc; c++)
+                    out[(m0 + r) * n_out + n + c] = bias ? sums[r * WQ_COLS + c] + bias[n + c] : sums[r * WQ_COLS + c];
         }
     }
 }

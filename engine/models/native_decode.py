@@ -60,7 +60,7 @@ class _Layer(ctypes.Structure):
 
 
 _QUANT_BUFFERS = ("quant_in", "quant_out", "quant_u8", "quant_x16", "quant_row_scales", "quant_row_zeros",
-                  "quant_raw", "quant_x_sums")
+                  "quant_raw")
 
 
 class _Step(ctypes.Structure):
@@ -272,14 +272,14 @@ class NativeDecode:
     def _quant_buffers(self, rows: int) -> dict[str, torch.Tensor]:
         """decode_layers.c's scratch for the quantized projections, by field name."""
         sizes = [linear.native_scratch() for linear in self.quantized]
-        inputs, outputs, groups = (max(size[i] for size in sizes) for i in range(3))
+        inputs, outputs = (max(size[i] for size in sizes) for i in range(2))
         widest = max(inputs, outputs)
         return {"quant_in": torch.empty(rows, widest), "quant_out": torch.empty(rows, widest),
                 "quant_u8": torch.empty(rows, inputs, dtype=torch.uint8),
                 "quant_x16": torch.empty(rows, inputs, dtype=torch.int16),
                 "quant_row_scales": torch.empty(rows),
                 "quant_row_zeros": torch.empty(rows, dtype=torch.int32),
-                "quant_raw": torch.empty(rows, outputs), "quant_x_sums": torch.empty(rows, groups)}
+                "quant_raw": torch.empty(rows, outputs)}
 
     def _moe_buffers(self, step: _Step, rows: int) -> dict[str, torch.Tensor]:
         """Fill the step's sparse-layer shapes; returns its sparse-layer buffers by field name."""

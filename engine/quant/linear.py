@@ -290,7 +290,6 @@ class QuantizedLinear(nn.Module):
             return True
         return (self.step_rows is not None and self.step_rows.every_row) or rows <= ROW_KERNEL_ROWS
 
-    def native_scratch(self) -> tuple[int, int, int]:
-        """(inputs, outputs, groups) a row of this projection needs in decode_layers.c's scratch."""
-        groups = -(-self.in_features // self.parts.group_size) if self.parts is not None else 1
-        return self.in_features, self.out_features, groups
+    def native_scratch(self) -> tuple[int, int]:
+        """(inputs, outputs) a row of this projection needs in decode_layers.c's scratch."""
+        return self.in_features, self.out_features
