@@ -83,10 +83,6 @@ class CheckpointQuantization:
         """The distinct scheme names, e.g. ["W4A16"]."""
         return sorted({scheme.name for _, scheme in self.groups})
 
-    def weight_bits(self) -> int:
-        """The fewest bits any group stores a weight in (what a catalog's memory estimate uses)."""
-        return min(scheme.weights.bits for _, scheme in self.groups)
-
 
 class UnsupportedQuantization(ValueError):
     """The checkpoint is quantized in a scheme the engine does not run; the message names it."""

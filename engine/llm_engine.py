@@ -63,6 +63,7 @@ from bulkinfer.engine.speculative.gate import SpeculationGate, cost_curve_or_non
 from bulkinfer.engine.speculative.speculator import Speculator
 from bulkinfer.engine.speculative.stats import add_outcome
 from bulkinfer.engine.speculative.verify import accepted_tokens, sampled_positions
+from bulkinfer.quant_scheme import CheckpointQuantization
 
 logger = logging.getLogger(__name__)
 
@@ -83,10 +84,8 @@ GRAMMAR_WAIT_S = 0.002
 NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request; no token was emitted"
 
 
-
-def refuse_with_quantized_weights(config: EngineConfig) -> None:
+def refuse_with_quantized_weights(config: EngineConfig, quantization: CheckpointQuantization | None) -> None:
     """What a quantized checkpoint does not run with yet, refused by name before loading."""
-    quantization = checkpoint_quantization(config.model)
     if quantization is None:
         return
     what = f"{config.model} is quantized ({', '.join(quantization.schemes)})"
@@ -95,6 +94,7 @@ def refuse_with_quantized_weights(config: EngineConfig) -> None:
                          "(tensor_parallel_size 1)")
     if config.enable_lora:
         raise ValueError(f"{what}: LoRA adapters run over unquantized base models only (enable_lora false)")
+
 
 class LLMEngine:
     """Loads the model and tokenizer from ``config.model``, sizes the KV cache, serves requests.
@@ -109,8 +109,8 @@ class LLMEngine:
 
         config.validate()
         model_config = model_config_from_dir(config.model)
-        refuse_with_quantized_weights(config)
         quantization = checkpoint_quantization(config.model)
+        refuse_with_quantized_weights(config, quantization)
         # The checkpoint's quantization scheme in words (None: unquantized), for manifests and logs.
         self.quantization: str | None = quantization.description if quantization is not None else None
         self.dtype_choice: DtypeChoice = resolve_dtype(

@@ -210,8 +210,6 @@ def install_quantized_projections(model: torch.nn.Module,
     Quantized layers the model has no quantized projection for are refused by name."""
     if not parts:
         return {}
-    if not hasattr(model, "projection_sources"):
-        raise CheckpointError(f"{type(model).__name__} does not load quantized checkpoints")
     fused: dict[str, list[str]] = {}
     for path, layers in model.projection_sources().items():
         quantized = [layer in parts for layer in layers]

@@ -65,19 +65,19 @@ def split_quantized(tensors: dict[str, torch.Tensor], quant: CheckpointQuantizat
         values = _integer_weights(layer, found, plain, scheme)
         plain[f"{layer}.weight"] = values
         parts[layer] = _parts(layer, found, scheme, values.shape)
-    for name, tensor in plain.items():
-        layer = name.removesuffix(".weight")
-        if (name.endswith("_proj.weight") and tensor.dim() == 2 and layer not in parts
-                and quant.scheme_for(layer) is not None):
-            raise QuantizedCheckpointError(
-                f"{layer} is targeted by the quantization config ({quant.scheme_for(layer).name}) but "
-                "stored unquantized (no weight_scale beside it)")
     for name in list(plain):
         layer = name.removesuffix(".weight")
-        if name.endswith(".weight") and layer not in parts and plain[name].dtype in (torch.int8, torch.int32):
+        if name.endswith(".weight") and layer in parts:
+            continue  # a quantized layer's integer values, kept as they are
+        tensor = plain[name]
+        targeted = quant.scheme_for(layer) if name.endswith("_proj.weight") and tensor.dim() == 2 else None
+        if targeted is not None:
+            raise QuantizedCheckpointError(
+                f"{layer} is targeted by the quantization config ({targeted.name}) but stored unquantized "
+                "(no weight_scale beside it)")
+        if name.endswith(".weight") and tensor.dtype in (torch.int8, torch.int32):
             raise QuantizedCheckpointError(f"{name} is stored as integers but has no weight_scale")
-        if layer not in parts or not name.endswith(".weight"):
-            plain[name] = plain[name].to(float_dtype)
+        plain[name] = tensor.to(float_dtype)
     return plain, parts
 
 

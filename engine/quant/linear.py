@@ -55,11 +55,6 @@ def onednn_int8_exact() -> bool:
 class QuantizedLinear(nn.Module):
     """``y = x W^T + b`` with W stored as integers and scales (``QuantizedParts``)."""
 
-    row_weight = None  # no float row-kernel weight: the native decode path leaves this model to Python
-    fixed_row_blocks = False  # batch invariance: the kernels here compute each row alone already
-    blocks_by_step: StepRows | None = None
-    lora_slots = None
-
     def __init__(self, in_features: int, out_features: int, bias: bool, scheme: LayerScheme) -> None:
         super().__init__()
         self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
@@ -76,6 +71,7 @@ class QuantizedLinear(nn.Module):
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
         self._bias32: torch.Tensor | None = None  # the bias in fp32, as the kernels add it
         self._col_scales: torch.Tensor | None = None  # W8A8: each output's weight scale [out]
+        self._unit_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # W8A8 via oneDNN: ones, zeros
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.scheme.name}"
@@ -105,6 +101,8 @@ class QuantizedLinear(nn.Module):
             self._col_scales = self.parts.scales[:, 0].contiguous()
             if onednn_int8_exact() and values.device.type == "cpu" and self._onednn_weight is None:
                 self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
+                self._unit_scales = (torch.ones(self.out_features),
+                                     torch.zeros(self.out_features, dtype=torch.int64))
             return
         bits = self.scheme.weights.bits
         if self.kernels is not None and self.weight.device.type == "cpu":
@@ -134,9 +132,6 @@ class QuantizedLinear(nn.Module):
             out = self._weight_only_rows(flat)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _bias_f32(self) -> torch.Tensor | None:
-        return self._bias32
-
     def _int8_rows(self, flat: torch.Tensor) -> torch.Tensor:
         parts, kernels = self.parts, self.kernels
         assert parts is not None and self._col_sums is not None
@@ -149,16 +144,18 @@ class QuantizedLinear(nn.Module):
         quantized, row_scales, row_zeros = kernels.quant.quantize_rows(x, mode, scale, zero)
         if self._onednn_weight is not None and x.shape[0] >= ONEDNN_INT8_ROWS:
             # unit scales, no zero points: fp32 of the integer sums, as int8_gemm gives them
-            ones, zeros = torch.ones(self.out_features), torch.zeros(self.out_features, dtype=torch.int64)
+            assert self._unit_scales is not None
+            ones, zeros = self._unit_scales
             raw = torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 0, self._onednn_weight, ones, zeros,
                                                      None, 1.0, 0, torch.float32, "none", [None], "")
         else:
             raw = kernels.quant.int8_gemm(quantized, self.weight.detach())
         return kernels.quant.int8_epilogue(raw, row_scales, row_zeros, col_scales, self._col_sums,
-                                           self._bias_f32())
+                                           self._bias32)
 
-    def _activation_quantization(self, x: torch.Tensor) -> tuple[int, float, int]:
-        """quantize_rows' mode, and the scale and uint8 zero point of a per-tensor one."""
+    def _fixed_activation_quantization(self) -> tuple[int, float, int] | None:
+        """quantize_rows' mode, scale and uint8 zero point where they do not depend on the call's rows
+        (per token, or the checkpoint's static scale); None for a scale per call."""
         parts = self.parts
         assert parts is not None and parts.scheme.activations is not None
         activations = parts.scheme.activations
@@ -167,8 +164,16 @@ class QuantizedLinear(nn.Module):
             return STATIC, parts.input_scale, parts.input_zero_point + 128
         if activations.per_token:
             return (SYMMETRIC_PER_ROW if activations.symmetric else ASYMMETRIC_PER_ROW), 1.0, 0
+        return None
+
+    def _activation_quantization(self, x: torch.Tensor) -> tuple[int, float, int]:
+        """quantize_rows' mode, and the scale and uint8 zero point of a per-tensor one."""
+        fixed = self._fixed_activation_quantization()
+        if fixed is not None:
+            return fixed
         # dynamic per tensor: one scale over the call's rows
-        if activations.symmetric:
+        assert self.scheme.activations is not None
+        if self.scheme.activations.symmetric:
             absmax = float(x.abs().max()) if x.numel() else 0.0
             return STATIC, (absmax / 127.0 if absmax > 0 else 1.0), 128
         low, high = min(float(x.min()), 0.0), max(float(x.max()), 0.0)
@@ -196,7 +201,7 @@ class QuantizedLinear(nn.Module):
         quantized = (torch.round(x / scales) + zeros).clamp(low, 255.0)
         weights = self.weight.detach().to(x.device).float() * col_scales.to(x.device)[:, None]
         out = ((quantized - zeros) * scales) @ weights.t()
-        bias = self._bias_f32()
+        bias = self._bias32
         return out + bias.to(x.device) if bias is not None else out
 
     def _weight_only_rows(self, flat: torch.Tensor) -> torch.Tensor:
@@ -236,7 +241,7 @@ class QuantizedLinear(nn.Module):
         bits = self.scheme.weights.bits
         return kernels.quant.weight_only_gemm(rows.float().contiguous(), self._packed, bits, self.in_features,
                                               parts.group_size, parts.scales, parts.zero_points,
-                                              self._bias_f32())
+                                              self._bias32)
 
     def _dequantized_in_torch(self) -> torch.Tensor:
         parts = self.parts
@@ -246,10 +251,6 @@ class QuantizedLinear(nn.Module):
         if parts.zero_points is not None:
             values = values - parts.zero_points[:, columns]
         return values * parts.scales[:, columns]
-
-    def dequantized_weight(self) -> torch.Tensor:
-        """The float weights these integers and scales stand for (tests, references)."""
-        return self._dequantized_in_torch()
 
     # ---- the native decode path (engine/models/native_decode.py) --------------------------------
 
@@ -269,15 +270,11 @@ class QuantizedLinear(nn.Module):
             return dict(kind=2, weight=self._packed.data_ptr(), row_bytes=self._packed.shape[1],
                         bits=self.scheme.weights.bits, group=parts.group_size, scales=parts.scales.data_ptr(),
                         zeros=zeros, bias=bias)
-        activations = self.scheme.activations
-        if activations.dynamic and not activations.per_token:
+        fixed = self._fixed_activation_quantization()
+        if fixed is None:
             return None
         assert self._col_sums is not None and self._col_scales is not None
-        if activations.dynamic:
-            mode, scale, zero = (SYMMETRIC_PER_ROW if activations.symmetric else ASYMMETRIC_PER_ROW), 1.0, 0
-        else:
-            assert parts.input_scale is not None
-            mode, scale, zero = STATIC, parts.input_scale, parts.input_zero_point + 128
+        mode, scale, zero = fixed
         return dict(kind=1, weight=self.weight.data_ptr(), scales=self._col_scales.data_ptr(),
                     col_sums=self._col_sums.data_ptr(), bias=bias, act_mode=mode, act_scale=scale,
                     act_zero=zero)
