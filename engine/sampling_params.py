@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # Temperatures below this are greedy: dividing logits by ~0 overflows (vLLM uses the same epsilon).
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
-STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar")
+STRUCTURED_FIELDS = ("json_schema", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass
@@ -26,7 +26,9 @@ class SamplingParams:
     `min_p=0` disables min-p. `seed` makes a request's tokens reproducible whatever else runs in
     the batch. `stop` strings end the text (cut before the match unless
     `include_stop_str_in_output`); `stop_token_ids` and EOS end it on a token. At most one of
-    `json_schema` / `regex` / `choice` / `grammar` constrains the output.
+    `json_schema` / `regex` / `choice` / `grammar` / `structural_tag` constrains the output
+    (`structural_tag`: xgrammar's structural-tag format, e.g. free text until a tool call's trigger,
+    then the call's JSON arguments; what tool calls and thinking models are constrained with).
     """
 
     n: int = 1
@@ -52,6 +54,7 @@ class SamplingParams:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    structural_tag: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -71,9 +74,7 @@ class SamplingParams:
     @property
     def structured(self) -> StructuredSpec | None:
         """The output constraint as the structured-output manager's spec (its cache key), or None."""
-        if self.json_schema is None and self.regex is None and self.choice is None and self.grammar is None:
-            return None
-        if self.json_schema is False:
+        if all(getattr(self, name) is None for name in STRUCTURED_FIELDS) or self.json_schema is False:
             return None
         from bulkinfer.engine.structured_output import StructuredSpec  # lazy: xgrammar only when used
 
@@ -83,6 +84,8 @@ class SamplingParams:
             return StructuredSpec.regex(self.regex)
         if self.choice is not None:
             return StructuredSpec.choice(list(self.choice))
+        if self.structural_tag is not None:
+            return StructuredSpec.structural_tag(self.structural_tag)
         return StructuredSpec.grammar(self.grammar)  # type: ignore[arg-type]
 
     # ---- validation ----------------------------------------------------------------------------
@@ -155,6 +158,10 @@ class SamplingParams:
             except (TypeError, ValueError) as exc:
                 raise _invalid_structured(
                     f"json_schema must be JSON-serializable, got {schema!r}: {exc}") from None
+        tag = self.structural_tag
+        if tag is not None and (not isinstance(tag, dict) or tag.get("type") != "structural_tag"):
+            raise _invalid_structured(
+                f"structural_tag must be a dict of type 'structural_tag', got {tag!r}"[:300])
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -13,7 +13,7 @@ MAX_SCHEMA_BYTES = 64 * 1024
 MAX_SCHEMA_DEPTH = 32
 
 
-def _depth(value: Any) -> int:
+def schema_depth(value: Any) -> int:
     """Nesting depth of JSON containers (a flat object is 1), without recursion."""
     deepest, stack = 0, [(value, 1)]
     while stack:
@@ -43,7 +43,7 @@ class JsonSchemaSpec(BaseModel):
         size = len(json.dumps(schema, separators=(",", ":"), ensure_ascii=False).encode())
         if size > MAX_SCHEMA_BYTES:
             raise ValueError(f"the schema is {size:,} bytes; at most {MAX_SCHEMA_BYTES:,} are allowed")
-        depth = _depth(schema)
+        depth = schema_depth(schema)
         if depth > MAX_SCHEMA_DEPTH:
             raise ValueError(f"the schema nests {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
         return schema

@@ -105,6 +105,8 @@ ENVIRONMENT_NAMES = {
     "output_tokens_estimate": "BULKINFER_OUTPUT_TOKENS_ESTIMATE",
     # LoRA adapters (jobs/lora_adapters.py) and the engines' LoRA limits (vLLM's names).
     "lora_adapters": "BULKINFER_LORA_ADAPTERS",
+    # Tool-call formats for models whose chat template has none (worker/tools/formats.py).
+    "tool_call_formats": "BULKINFER_TOOL_CALL_FORMATS",
     "enable_lora": "BULKINFER_ENABLE_LORA",
     "max_loras": "BULKINFER_MAX_LORAS",
     "max_lora_rank": "BULKINFER_MAX_LORA_RANK",
@@ -225,6 +227,9 @@ class Settings(BaseModel):
     # the engines' LoRA settings over engine_options' own. enable_lora None: on when adapters are
     # registered (a job may then also give an adapter by location).
     lora_adapters: str | None = None
+    # The tool-call format of each model whose chat template has none of its own, or to override it
+    # (JSON {model: hermes | llama3_json | mistral}), as vLLM's --tool-call-parser.
+    tool_call_formats: str | None = None
     enable_lora: bool | None = None
     max_loras: int | None = Field(None, ge=1)  # adapters in one engine step
     max_lora_rank: int | None = Field(None, ge=1)
@@ -263,6 +268,14 @@ class Settings(BaseModel):
         parse_tenant_max_priority(value)
         return value
 
+    @field_validator("tool_call_formats")
+    @classmethod
+    def _tool_call_formats_parse(cls, value: str | None) -> str | None:
+        from bulkinfer.jobs.tool_calls import parse_tool_call_formats
+
+        parse_tool_call_formats(value)
+        return value
+
     @field_validator("lora_adapters")
     @classmethod
     def _adapters_parse(cls, value: str | None) -> str | None:
@@ -272,7 +285,8 @@ class Settings(BaseModel):
         return value
 
     @field_validator("models", "engine_options", "speculative_config", "tenant_prefixes",
-                     "tenant_max_priority", "model_aliases", "lora_adapters", mode="before")
+                     "tenant_max_priority", "model_aliases", "lora_adapters", "tool_call_formats",
+                     mode="before")
     @classmethod
     def _tables_become_json(cls, value: Any) -> Any:
         # A TOML table (or a dict from code) is kept as the JSON text the variable would hold.
@@ -376,6 +390,12 @@ class Settings(BaseModel):
         if self.enable_lora is not None:
             return self.enable_lora
         return bool(AdapterRegistry.parse(self.lora_adapters))
+
+    def tool_call_formats_dict(self) -> dict[str, str]:
+        """`tool_call_formats` as {model: format}."""
+        from bulkinfer.jobs.tool_calls import parse_tool_call_formats
+
+        return parse_tool_call_formats(self.tool_call_formats)
 
     def engine_options_dict(self) -> dict[str, Any]:
         """`engine_options` with the `dtype`, `remeasure_dtype`, `speculative_config`,

@@ -49,6 +49,8 @@ HELP = {
     "tenant_prefixes": "JSON {tenant: [s3:// prefixes its inputs and outputs must lie under]}",
     "max_upload_bytes": "largest file a submit (or POST /v1/files) may upload (413 beyond)",
     "model_aliases": "JSON {alias: served model}: names a batch file may use for a served model",
+    "tool_call_formats": "JSON {model: hermes|llama3_json|mistral}: how a model whose chat template has no "
+                         "tool format writes calls",
     "max_message_batch_bytes": "largest POST /v1/messages/batches body (default 64 MiB; 413 beyond)",
     "max_rows_per_job": "rows a job may have (the job fails at planning beyond)",
     "max_shards_per_job": "shards a job may plan into (the job fails at planning beyond)",
@@ -108,7 +110,7 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
                    "max_shard_size", "max_shard_tokens", "max_tokens_cap", "output_tokens_estimate",
-                   *LORA_SETTINGS, *KV_STORE_SETTINGS)
+                   "tool_call_formats", *LORA_SETTINGS, *KV_STORE_SETTINGS)
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -18,6 +18,7 @@ from bulkinfer.jobs.object_store.factory import split_uri
 from bulkinfer.jobs.response_format import ResponseFormat
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.template import PromptTemplate
+from bulkinfer.jobs.tool_calls import ToolProblem, ToolRequest, openai_template_kwargs, openai_tool_request
 from bulkinfer.jobs.webhooks import check_webhook_url
 
 MAX_METADATA_PAIRS = 16
@@ -168,6 +169,19 @@ class JobSpec(BaseModel):
     lora_column: str | None = Field(None, description="per-row LoRA adapter: a registered name; null or "
                                     "empty: the job's lora, else the base model. An unknown name is that "
                                     "row's unknown_lora error")
+    tools: list[dict[str, Any]] | None = Field(
+        None, description="functions every row may call, in OpenAI's shape ({type: function, function: "
+        "{name, description, parameters}}); rows run as chat and calls come back in tool_calls")
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description="auto (default: text or calls), none, required (calls only), or {type: function, "
+        "function: {name}} (a call of that function only)")
+    parallel_tool_calls: bool | None = Field(None, description="more than one call per answer (default true)")
+    enable_thinking: bool | None = Field(None, description="a thinking model's chat template switch "
+                                         "(Qwen3's enable_thinking); default: the template's")
+    reasoning_effort: str | None = Field(None, description="minimal, low, medium or high, for templates that "
+                                         "read it")
+    thinking_token_budget: int | None = Field(None, ge=1, description="the most tokens a thinking model's "
+                                              "thinking may take before its answer (the grammar closes it)")
 
     output_uri: str | None = Field(None, description="where output parts go; default: the job's folder",
                                    json_schema_extra={"pattern": URI_PATTERN})
@@ -338,6 +352,11 @@ class JobSpec(BaseModel):
             "sampling_column": "an embed job samples nothing",
             "lora": "an embed job runs no LoRA adapter",
             "lora_column": "an embed job runs no LoRA adapter",
+            "tools": "an embed job calls no functions",
+            "tool_choice": "an embed job calls no functions",
+            "enable_thinking": "an embed job does not think",
+            "reasoning_effort": "an embed job does not think",
+            "thinking_token_budget": "an embed job does not think",
         }
         for name, why in refused.items():
             if getattr(self, name) is not None:
@@ -345,6 +364,34 @@ class JobSpec(BaseModel):
         if self.sampling.as_dict():
             raise ValueError(f"sampling: an embed job samples nothing; omit sampling "
                              f"({', '.join(sorted(self.sampling.as_dict()))} given)")
+
+    @model_validator(mode="after")
+    def _tools_run(self) -> JobSpec:
+        self.tool_request()  # raises naming the field
+        self.template_kwargs()
+        if self.tools and self.apply_chat_template is False:
+            raise ValueError("tools: calls need the chat template; apply_chat_template false runs "
+                             "raw prompts")
+        return self
+
+    def tool_request(self) -> ToolRequest | None:
+        """The job's `tools` as every row offers them (None: none); raises ValueError naming the field."""
+        body = {"tools": self.tools, "tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
+        try:
+            return openai_tool_request(body, where="spec")
+        except ToolProblem as problem:
+            raise ValueError(str(problem).removeprefix("spec.")) from None
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """`enable_thinking` and `reasoning_effort` for every row's chat template."""
+        body: dict[str, Any] = {"reasoning_effort": self.reasoning_effort}
+        if self.enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": self.enable_thinking}
+        try:
+            return openai_template_kwargs(body, where="spec")
+        except ToolProblem as problem:
+            raise ValueError(str(problem).removeprefix("spec.")) from None
 
     @property
     def is_embed(self) -> bool:

@@ -29,6 +29,8 @@ def compile_spec(compiler: xgr.GrammarCompiler, spec: StructuredSpec) -> xgr.Com
             return compiler.compile_regex(safe_regex(spec.value, ANY_CHAR_CLASS))
         if spec.kind == "choice":
             return compiler.compile_grammar(choice_ebnf(json.loads(spec.value)))
+        if spec.kind == "structural_tag":
+            return compiler.compile_structural_tag(structural_tag_text(spec))
         return compiler.compile_grammar(spec.value, root_rule_name="root")
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
         raise _grammar_error(spec, exc) from exc
@@ -44,6 +46,8 @@ def check_spec(spec: StructuredSpec) -> None:
             xgr.Grammar.from_regex(safe_regex(spec.value, ANY_CHAR_CLASS))
         elif spec.kind == "choice":
             xgr.Grammar.from_ebnf(choice_ebnf(json.loads(spec.value)))
+        elif spec.kind == "structural_tag":
+            xgr.Grammar.from_structural_tag(structural_tag_text(spec))
         else:
             xgr.Grammar.from_ebnf(spec.value, root_rule_name="root")
     except Exception as exc:  # noqa: BLE001 - as in compile_spec
@@ -53,6 +57,21 @@ def check_spec(spec: StructuredSpec) -> None:
 def _schema_text(spec: StructuredSpec) -> str:
     schema = ANY_JSON_OBJECT if spec.value == "" else json.loads(spec.value)
     return json.dumps(prepare_json_schema(schema), ensure_ascii=False)
+
+
+def structural_tag_text(spec: StructuredSpec) -> str:
+    """The structural tag with every JSON schema in it made safe as `json_schema` specs are."""
+    return json.dumps(_safe_schemas(json.loads(spec.value)), ensure_ascii=False)
+
+
+def _safe_schemas(node: object) -> object:
+    if isinstance(node, list):
+        return [_safe_schemas(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if node.get("type") == "json_schema" and isinstance(node.get("json_schema"), dict):
+        return {**node, "json_schema": prepare_json_schema(node["json_schema"])}
+    return {key: _safe_schemas(value) for key, value in node.items()}
 
 
 def _grammar_error(spec: StructuredSpec, exc: Exception) -> GrammarError:

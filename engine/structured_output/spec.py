@@ -6,12 +6,13 @@ import json
 from dataclasses import dataclass
 from typing import Literal
 
-Kind = Literal["json", "regex", "choice", "grammar"]
-KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar")
+Kind = Literal["json", "regex", "choice", "grammar", "structural_tag"]
+KINDS: tuple[Kind, ...] = ("json", "regex", "choice", "grammar", "structural_tag")
 
 # The names users know these kinds by (SamplingParams fields), for error messages.
 KIND_NAMES: dict[str, str] = {
     "json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar",
+    "structural_tag": "structural_tag",
 }
 
 
@@ -20,7 +21,8 @@ class StructuredSpec:
     """``kind`` and ``value`` are the compile cache key.
 
     json: the schema as canonical JSON text ("" = any JSON object); regex: the pattern;
-    choice: the choices as a JSON list text; grammar: EBNF text (xgrammar dialect, rule ``root``).
+    choice: the choices as a JSON list text; grammar: EBNF text (xgrammar dialect, rule ``root``);
+    structural_tag: xgrammar's structural tag as canonical JSON text.
     """
 
     kind: Kind
@@ -50,6 +52,12 @@ class StructuredSpec:
         if not choices or not all(isinstance(c, str) for c in choices):
             raise ValueError(f"choice must be a non-empty list of strings, got {choices!r}")
         return StructuredSpec("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @staticmethod
+    def structural_tag(tag: dict) -> StructuredSpec:
+        if not isinstance(tag, dict):
+            raise ValueError(f"structural_tag must be a dict, got {tag!r}")
+        return StructuredSpec("structural_tag", canonical_json(tag))
 
     @staticmethod
     def grammar(ebnf: str) -> StructuredSpec:

@@ -6,8 +6,13 @@ Their `body` is a Messages request (`params` of an Anthropic batch request), tur
 `temperature`, `top_p`, `top_k` and `stop_sequences` (→ `stop`) map onto the sampling knobs, and
 `metadata` / `service_tier` change nothing. A batch runs one base model: `model` names the job's, or a
 LoRA adapter registered on it (that request then runs on the adapter).
-What we cannot serve (tools, images and documents, thinking, streaming, a prefilled assistant turn,
-any field we do not know) is that request's error naming it, never the job's.
+`tools` and `tool_choice` offer functions (jobs/tool_calls.py); earlier turns may carry `tool_use`
+blocks (an assistant's calls) and `tool_result` blocks (a user turn's answers to them), rendered as
+the chat template renders OpenAI's `tool_calls` and `tool` messages; `thinking` turns a thinking
+model's thinking on and returns it as `thinking` blocks (earlier turns' thinking blocks are dropped,
+as Anthropic's API drops them). What we cannot serve (server tools, images and documents,
+streaming, a prefilled assistant turn, any field we do not know) is that request's error naming it,
+never the job's.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from bulkinfer.jobs.formats.rows import (
 )
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.tokenizer_files import TEXT_PARTS_SEPARATOR
+from bulkinfer.jobs.tool_calls import ToolProblem, anthropic_thinking, anthropic_tool_request
 
 MESSAGES_URL = "/v1/messages"
 WHERE = "params"  # how an Anthropic user names the request: a batch request's `params`
@@ -36,13 +42,11 @@ SAMPLING_FIELDS = {"max_tokens": "max_tokens", "temperature": "temperature", "to
                    "top_k": "top_k"}
 # Fields that change nothing here: `metadata.user_id` is for Anthropic's abuse checks; a batch has one tier.
 IGNORED_FIELDS = frozenset({"model", "metadata", "service_tier"})
-REQUEST_FIELDS = frozenset({"messages", "system", "stop_sequences", "stream"})
+REQUEST_FIELDS = frozenset({"messages", "system", "stop_sequences", "stream", "tools", "tool_choice",
+                            "thinking"})
 KNOWN_FIELDS = frozenset(SAMPLING_FIELDS) | IGNORED_FIELDS | REQUEST_FIELDS
 # Known Messages fields we do not serve, and why (any other unknown field gets the generic message).
 NOT_SERVED = {
-    "tools": "tool use is not supported by this server",
-    "tool_choice": "tool use is not supported by this server",
-    "thinking": "extended thinking is not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
     "container": "containers (code execution) are not supported by this server",
 }
@@ -64,12 +68,18 @@ class AnthropicMessagesRowBuilder:
             messages = [{"role": "system", "content": _text(params["system"], f"{WHERE}.system")}, *messages]
         messages = with_instructions_messages(self.spec.instructions, messages)
         try:
+            tools = anthropic_tool_request(params)
+            thinking = anthropic_thinking(params)
+        except ToolProblem as problem:
+            raise RowProblem(RowErrorCode.INVALID_ROW, str(problem)) from None
+        try:
             sampling = self.spec.sampling.merged(_sampling_overrides(params))
         except ValidationError as error:
             message = f"{WHERE}: {first_error_message(error)}"
             raise RowProblem(RowErrorCode.INVALID_SAMPLING, message) from None
         return Row(index, custom_id, None, messages, sampling, self.default_response_format, {}, line,
-                   lora=lora, lora_names_model=True)
+                   lora=lora, lora_names_model=True, tools=tools, template_kwargs=thinking.template_kwargs,
+                   hide_reasoning=not thinking.shown, thinking_budget=thinking.budget)
 
 
 def _refuse_unserved(params: dict[str, Any]) -> None:
@@ -97,7 +107,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     where = f"{WHERE}.messages"
     if not isinstance(value, list) or not value:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a non-empty list of messages")
-    messages = []
+    messages: list[dict[str, Any]] = []
     for position, message in enumerate(value):
         role = message.get("role") if isinstance(message, Mapping) else None
         if role not in ROLES:
@@ -106,13 +116,68 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                              f"goes in {WHERE}.system)")
         if message.get("content") is None:
             raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}] has no content")
-        messages.append({"role": role, "content": _text(message["content"], f"{where}[{position}].content")})
-    if messages[-1]["role"] == "assistant":
+        messages.extend(_turn(role, message["content"], f"{where}[{position}].content"))
+    if value[-1]["role"] == "assistant":
         # The chat template opens a new assistant turn: we cannot continue the given one.
         raise RowProblem(RowErrorCode.INVALID_ROW,
                          f"{where} ends with an assistant message (a prefill to continue), which is not "
                          "supported here; end with a user message")
     return messages
+
+
+def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic turn as chat messages: an assistant's text and `tool_use` calls as one message
+    with OpenAI's `tool_calls`; a user's `tool_result` blocks as `tool` messages, then its text."""
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a string or a list of content blocks")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    for position, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, Mapping) else None
+        here = f"{where}[{position}]"
+        if kind == "text":
+            texts.append(_block_text(block, here))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier turns' thinking is not shown to the model again
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(_tool_use(block, here))
+        elif kind == "tool_result" and role == "user":
+            results.append(_tool_result(block, here))
+        else:
+            described = f"a block of type {kind!r}" if isinstance(kind, str) else "not a content block"
+            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
+            raise RowProblem(RowErrorCode.INVALID_ROW,
+                             f"{here} is {described}: only {allowed} blocks are supported in a {role} turn")
+    text = TEXT_PARTS_SEPARATOR.join(texts)
+    if role == "assistant":
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if calls:
+            message["tool_calls"] = calls
+        return [message]
+    return [*results, *([{"role": "user", "content": text}] if texts or not results else [])]
+
+
+def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} needs an id and a name")
+    arguments = block.get("input")
+    if not isinstance(arguments, Mapping):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.input must be an object")
+    function = {"name": block["name"], "arguments": dict(arguments)}
+    return {"id": block["id"], "type": "function", "function": function}
+
+
+def _tool_result(block: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.tool_use_id must be a string")
+    content = block.get("content")
+    text = "" if content is None else _text(content, f"{where}.content")
+    if block.get("is_error"):
+        text = f"Error: {text}"
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": text}
 
 
 def _text(content: Any, where: str) -> str:
@@ -128,10 +193,14 @@ def _text(content: Any, where: str) -> str:
             described = f"a block of type {kind!r}" if isinstance(kind, str) else "not a content block"
             raise RowProblem(RowErrorCode.INVALID_ROW,
                              f"{where}[{position}] is {described}: only text blocks are supported here")
-        if not isinstance(block.get("text"), str):
-            raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}].text must be a string")
-        texts.append(block["text"])  # cache_control needs nothing: prefixes are cached automatically
+        texts.append(_block_text(block, f"{where}[{position}]"))
     return TEXT_PARTS_SEPARATOR.join(texts)
+
+
+def _block_text(block: Mapping[str, Any], where: str) -> str:
+    if not isinstance(block.get("text"), str):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.text must be a string")
+    return block["text"]  # cache_control needs nothing: prefixes are cached automatically
 
 
 def _sampling_overrides(params: dict[str, Any]) -> dict[str, Any]:

@@ -5,10 +5,13 @@ An Anthropic batch runs as an OpenAI-batch job of `/v1/messages` lines
 (`jobs/formats/openai_batch_writer.openai_batch_record`) in Anthropic's shape,
 `{"custom_id", "result": {...}}` (the SDK's `MessageBatchIndividualResponse`):
 
-- a completed request → `succeeded` with a `Message`: one text block, `stop_reason` `end_turn` (EOS
-  or a stop token), `stop_sequence` (one of the stop strings matched: vLLM's `stop_reason` in the
-  choice) or `max_tokens`, and `usage` counted as Anthropic does (`input_tokens` excludes the prompt
-  tokens read from the prefix cache, which are `cache_read_input_tokens`);
+- a completed request → `succeeded` with a `Message`: a `thinking` block when the request asked for
+  thinking and the model thought, a text block (left out when the answer only calls functions), a
+  `tool_use` block per call; `stop_reason` `tool_use` (it called), `end_turn` (EOS or a stop
+  token), `stop_sequence` (one of the stop strings matched: vLLM's `stop_reason` in the choice) or
+  `max_tokens`, and `usage` counted as Anthropic does (`input_tokens` excludes the prompt tokens
+  read from the prefix cache, which are `cache_read_input_tokens`; `output_tokens` includes the
+  thinking's);
 - a failed one → `errored`, `invalid_request_error` for what the request itself got wrong and
   `api_error` for our failures (the engine's, a crashed worker);
 - one the job's deadline caught → `expired`; one a cancel kept from running → `canceled`.
@@ -16,6 +19,8 @@ An Anthropic batch runs as an OpenAI-batch job of `/v1/messages` lines
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 from bulkinfer.jobs.formats.rows import RowErrorCode
@@ -65,17 +70,36 @@ def _failed(error: dict[str, Any]) -> dict[str, Any]:
 
 def _message(record_id: str, body: dict[str, Any], model: str) -> dict[str, Any]:
     choice = body["choices"][0]
-    text = choice["message"]["content"] if "message" in choice else choice.get("text")
+    message = choice.get("message") or {}
+    text = message["content"] if "message" in choice else choice.get("text")
     stop_reason, stop_sequence = _stop(choice.get("finish_reason"), choice.get("stop_reason"))
     usage = body.get("usage") or {}
     prompt_tokens = usage.get("prompt_tokens") or 0
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"id": f"msg_{record_id.removeprefix(RECORD_ID_PREFIX)}", "type": "message", "role": "assistant",
-            "model": body.get("model") or model, "content": [{"type": "text", "text": text or ""}],
+            "model": body.get("model") or model, "content": _content(message, text),
             "stop_reason": stop_reason, "stop_sequence": stop_sequence,
             "usage": {"input_tokens": prompt_tokens - cached,
                       "output_tokens": usage.get("completion_tokens") or 0,
                       "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}}
+
+
+def _content(message: dict[str, Any], text: str | None) -> list[dict[str, Any]]:
+    """The Message's content blocks: thinking, text, then one `tool_use` per call."""
+    blocks: list[dict[str, Any]] = []
+    thinking = message.get("reasoning_content")
+    if thinking is not None:
+        # Anthropic signs thinking so it can be sent back verbatim; ours is a digest of the text.
+        signature = hashlib.sha256(thinking.encode("utf-8", "surrogatepass")).hexdigest()
+        blocks.append({"type": "thinking", "thinking": thinking, "signature": signature})
+    calls = message.get("tool_calls") or []
+    if text or not calls:
+        blocks.append({"type": "text", "text": text or ""})
+    for call in calls:
+        function = call["function"]
+        blocks.append({"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"),
+                       "name": function["name"], "input": json.loads(function["arguments"])})
+    return blocks
 
 
 def _stop(finish_reason: str | None, matched: str | int | None) -> tuple[str, str | None]:
@@ -83,6 +107,8 @@ def _stop(finish_reason: str | None, matched: str | int | None) -> tuple[str, st
     stop_reason (a stop string, a stop token id, or null at EOS)."""
     if finish_reason == "length":
         return "max_tokens", None
+    if finish_reason == "tool_calls":
+        return "tool_use", None
     if isinstance(matched, str):
         return "stop_sequence", matched
     return "end_turn", None

@@ -16,7 +16,9 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
     for them: one `{token, token_id, logprob, bytes, top_logprobs: [...]}` per output token. `choices`
     is there when the row has more than one sample (`n` > 1): `{index, text, [json,] finish_reason,
     [logprobs]}` each, choice 0 included. `prompt_logprobs` is there when the row asked: null for the
-    first prompt token, then one record (as in `logprobs`) per later prompt token.
+    first prompt token, then one record (as in `logprobs`) per later prompt token. `reasoning` (a
+    thinking model's thinking) and `tool_calls` (`[{id, name, arguments}]`) are there when the
+    sample has them, and `usage.reasoning_tokens` when it thought.
     """
     record: dict[str, Any] = {"id": row.row_id, **_sample_fields(row, include_json)}
     if len(row.choices) > 1:
@@ -26,6 +28,8 @@ def jsonl_output_record(row: OutputRow, include_json: bool) -> dict[str, Any]:
     record["usage"] = None if row.prompt_tokens is None else {
         "prompt_tokens": row.prompt_tokens, "cached_tokens": row.cached_tokens,
         "completion_tokens": row.completion_tokens}
+    if record["usage"] is not None and row.reasoning_tokens:
+        record["usage"]["reasoning_tokens"] = row.reasoning_tokens
     if record["usage"] is not None and row.lora is not None:  # the adapter these tokens ran on
         record["usage"]["lora"] = row.lora
     record["error"] = None if not row.failed else {"code": row.error_code, "message": row.error_message}
@@ -42,6 +46,10 @@ def _sample_fields(sample: Choice | OutputRow, include_json: bool) -> dict[str, 
     fields: dict[str, Any] = {"text": sample.text}
     if include_json:
         fields["json"] = sample.json_value
+    if sample.reasoning is not None:
+        fields["reasoning"] = sample.reasoning
+    if sample.tool_calls:
+        fields["tool_calls"] = [call.as_record() for call in sample.tool_calls]
     fields["finish_reason"] = sample.finish_reason
     if sample.logprobs is not None:
         fields["logprobs"] = logprobs_records(sample.logprobs)

@@ -41,6 +41,12 @@ from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.output_tokens import COMPLETIONS_DEFAULT_MAX_TOKENS
 from bulkinfer.jobs.response_format import engine_response_format
 from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.tool_calls import (
+    ToolProblem,
+    openai_template_kwargs,
+    openai_tool_request,
+    thinking_budget,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -50,15 +56,18 @@ SAMPLING_FIELDS = frozenset({"n", "temperature", "top_p", "top_k", "min_p", "max
                              "seed", "stop", "stop_token_ids", "presence_penalty", "frequency_penalty",
                              "repetition_penalty", "ignore_eos", "include_stop_str_in_output",
                              "skip_special_tokens", "prompt_logprobs"})
+# Tools and thinking (jobs/tool_calls.py): chat lines only.
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs",
+                    "thinking_token_budget")
 # Body fields that change nothing here (or only at their default value, checked below).
 IGNORED_FIELDS = frozenset({"model", "user", "metadata", "store", "service_tier", "stream_options",
-                            "parallel_tool_calls", "stream", "echo", "best_of"})
+                            "stream", "echo", "best_of"})
 DEFAULT_ONLY = {"stream": False, "echo": False, "best_of": 1}
 # Completions take `echo` (the legacy API's: the prompt, and with `logprobs` its tokens' logprobs,
 # come back before the completion); chat has no such field.
 COMPLETIONS_DEFAULT_ONLY = {name: value for name, value in DEFAULT_ONLY.items() if name != "echo"}
 REQUEST_FIELDS = frozenset({"messages", "prompt", "response_format", "max_completion_tokens", "logprobs",
-                            "top_logprobs"})
+                            "top_logprobs", *CHAT_ONLY_FIELDS})
 KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
 
 
@@ -103,6 +112,19 @@ class OpenAIBatchRowBuilder:
             if name not in KNOWN_FIELDS or (name in default_only and value not in (default_only[name], None)))
         if unsupported:
             raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{unsupported[0]} is not supported here")
+        tools, template_kwargs, budget = None, {}, None
+        if url == CHAT_URL:
+            try:
+                tools = openai_tool_request(body)
+                template_kwargs = openai_template_kwargs(body)
+                budget = thinking_budget(body.get("thinking_token_budget"), "body.thinking_token_budget")
+            except ToolProblem as problem:
+                raise RowProblem(RowErrorCode.INVALID_ROW, str(problem)) from None
+        else:
+            given = [name for name in CHAT_ONLY_FIELDS if body.get(name) is not None]
+            if given:
+                raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{given[0]} needs a chat line ({CHAT_URL}); "
+                                 f"{COMPLETIONS_URL} continues a prompt as it is")
         if url == CHAT_URL:
             messages = with_instructions_messages(instructions, validate_messages(body.get("messages"),
                                                                                   "body.messages"))
@@ -136,7 +158,8 @@ class OpenAIBatchRowBuilder:
             parsed = parse_response_format(body["response_format"], "body.response_format")
             response_format = engine_response_format(parsed)
         return Row(line.offset, custom_id, prompt, messages, sampling, response_format, {}, line.number,
-                   echo=echo, lora=_line_adapter(body.get("model"), self.spec.model), lora_required=False)
+                   echo=echo, lora=_line_adapter(body.get("model"), self.spec.model), lora_required=False,
+                   tools=tools, template_kwargs=template_kwargs, thinking_budget=budget)
 
 
 def _line_adapter(model: Any, job_model: str) -> str | None:

@@ -2,14 +2,16 @@
 
 Completed rows carry `response.body` shaped like a `chat.completion` or `text_completion`
 object with `usage` and one entry in `choices` per sample (`n`), each with vLLM's `stop_reason` (the
-stop string or stop token id that ended it, else null) and its `logprobs` in
-OpenAI's shape when the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`;
-completions: `{tokens, token_logprobs, top_logprobs, text_offset}`, which with `echo` cover the
-prompt's tokens first, the first one's logprob null, as the legacy API did); failed rows carry
-`response: null` and `error: {code, message}`, except a row that produced text and then failed (its
-JSON cut off at max_tokens): it keeps its `response` (text, finish_reason, usage) beside the `error`.
-An embed row's body is OpenAI's embeddings `list`
-(jobs/formats/embedding_writer.py).
+stop string or stop token id that ended it, else null) and its `logprobs` in OpenAI's shape when
+the request asked (chat: `{"content": [{token, logprob, bytes, top_logprobs}]}`; completions:
+`{tokens, token_logprobs, top_logprobs, text_offset}`, which with `echo` cover the prompt's tokens
+first, the first one's logprob null, as the legacy API did). A chat answer that calls functions has
+`message.tool_calls` (arguments as JSON text) and finish_reason `tool_calls`; a thinking model's
+thinking is `message.reasoning_content` (vLLM's field) and its tokens
+`usage.completion_tokens_details.reasoning_tokens`. Failed rows carry `response: null` and
+`error: {code, message}`, except a row that produced text and then failed (its JSON or a call cut
+off at max_tokens): it keeps its `response` (text, finish_reason, usage) beside the `error`.
+An embed row's body is OpenAI's embeddings `list` (jobs/formats/embedding_writer.py).
 Ids derive from the job and the custom_id, so a rerun writes the same ids.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import json
 from typing import Any
 
 from bulkinfer.jobs.formats.embedding_writer import embeddings_body
@@ -48,9 +51,11 @@ def openai_batch_record(row: OutputRow, *, job_id: str, model: str, created: int
 def completion_body(row: OutputRow, request_id: str, model: str, created: int) -> dict[str, Any]:
     prompt_tokens = row.prompt_tokens or 0
     completion_tokens = row.completion_tokens or 0
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-             "total_tokens": prompt_tokens + completion_tokens,
-             "prompt_tokens_details": {"cached_tokens": row.cached_tokens or 0}}
+    usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                             "total_tokens": prompt_tokens + completion_tokens,
+                             "prompt_tokens_details": {"cached_tokens": row.cached_tokens or 0}}
+    if row.reasoning_tokens:
+        usage["completion_tokens_details"] = {"reasoning_tokens": row.reasoning_tokens}
     choices = row.choices or (Choice(0, row.text or "", row.finish_reason or "stop"),)
     if row.is_chat:
         return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
@@ -66,8 +71,17 @@ def chat_choice(choice: Choice) -> dict[str, Any]:
                                  "top_logprobs": [_chat_token(entry) for entry in position.top]}
                                 for position in choice.logprobs],
                     "refusal": None}
-    return {"index": choice.index, "message": {"role": "assistant", "content": choice.text, "refusal": None},
-            "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text, "refusal": None}
+    if choice.tool_calls:
+        message["content"] = choice.text or None  # OpenAI's shape for an answer that only calls
+        message["tool_calls"] = [{"id": call.id, "type": "function",
+                                  "function": {"name": call.name,
+                                               "arguments": json.dumps(call.arguments, ensure_ascii=False)}}
+                                 for call in choice.tool_calls]
+    if choice.reasoning is not None:
+        message["reasoning_content"] = choice.reasoning  # vLLM's field for the thinking
+    return {"index": choice.index, "message": message, "logprobs": logprobs,
+            "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}
 
 
 def _chat_token(entry: TokenLogprob) -> dict[str, Any]:

@@ -56,10 +56,25 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A function call the model made: `id` is stable for the row (OpenAI's `call_…`; Anthropic's
+    `tool_use` block takes it as `toolu_…`), `arguments` the parsed object."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    def as_record(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "arguments": self.arguments}
+
+
+@dataclass(frozen=True, slots=True)
 class Choice:
     """One sample of a row. `json_value` is the parsed text when the row asked for JSON.
     `stop_reason`: the stop string or stop token id that ended it (None at EOS or max_tokens), as
-    vLLM reports it; it tells an Anthropic `stop_sequence` from an `end_turn`."""
+    vLLM reports it; it tells an Anthropic `stop_sequence` from an `end_turn`. `text` is the answer:
+    a thinking model's thinking is `reasoning`, and calls are `tool_calls` (finish_reason
+    `tool_calls`)."""
 
     index: int
     text: str
@@ -67,6 +82,8 @@ class Choice:
     logprobs: list[PositionLogprobs] | None = None
     json_value: Any = None
     stop_reason: str | int | None = None
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +120,17 @@ class OutputRow:
     lora: str | None = None  # the LoRA adapter the row ran on (its usage is that adapter's); None: the base
     # How its prompt was rendered: chat_template, chatml or raw (None: it never reached the engine).
     prompt_format: str | None = None
+    reasoning_tokens: int = 0  # of completion_tokens, those a thinking model spent thinking
+
+    @property
+    def reasoning(self) -> str | None:
+        """Choice 0's thinking (None: the model did not think, or the request did not ask for it)."""
+        return self.choices[0].reasoning if self.choices else None
+
+    @property
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        """Choice 0's calls."""
+        return self.choices[0].tool_calls if self.choices else ()
 
     @property
     def failed(self) -> bool:
@@ -141,6 +169,9 @@ class OutputRow:
         if wants_json:
             parsed = []
             for choice in choices:
+                if choice.tool_calls and not choice.text:  # it called a function instead of answering
+                    parsed.append(choice)
+                    continue
                 value, problem = _parse_json(choice.text)
                 if problem is not None and error_code is None:
                     error_code = RowErrorCode.INVALID_OUTPUT_JSON.value

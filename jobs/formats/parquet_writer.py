@@ -41,12 +41,26 @@ def may_have_lora(spec: JobSpec) -> bool:
     return bool(spec.lora or spec.lora_column)
 
 
+def may_have_tool_calls(spec: JobSpec) -> bool:
+    """Whether a row of this job can offer tools (the job's, or an OpenAI line's own)."""
+    return bool(spec.tools or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
+def may_have_reasoning(spec: JobSpec) -> bool:
+    """Whether a row of this job can run as chat, where a thinking model's thinking comes apart."""
+    return bool(spec.messages_column or spec.apply_chat_template is not False
+                or spec.input_format == InputFormat.OPENAI_BATCH)
+
+
 def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns: list[str], *,
                  include_logprobs: bool = False, include_choices: bool = False,
-                 include_prompt_logprobs: bool = False, include_lora: bool = False) -> pa.Table:
-    """Columns: id, text, [json (JSON text),] finish_reason, [logprobs,] [choices,] [prompt_logprobs,]
-    prompt/cached/completion_tokens, [lora (the adapter the row ran on, null: the base),] error_code,
-    error, then the passthrough columns with the types pyarrow infers.
+                 include_prompt_logprobs: bool = False, include_lora: bool = False,
+                 include_tool_calls: bool = False, include_reasoning: bool = False) -> pa.Table:
+    """Columns: id, text, [json (JSON text),] [reasoning,] [tool_calls,] finish_reason, [logprobs,]
+    [choices,] [prompt_logprobs,] prompt/cached/completion_tokens, [reasoning_tokens,] [lora (the
+    adapter the row ran on, null: the base),] error_code, error, then the passthrough columns with
+    the types pyarrow infers. `reasoning`: a thinking model's thinking (null: none); `tool_calls`:
+    the calls as JSON text, `[{id, name, arguments}]` (null: none).
 
     `text`, `json`, `finish_reason` and `logprobs` are the first sample's. `logprobs`: a list per row
     (null when the row did not ask) of structs `{token, token_id, logprob, bytes (binary),
@@ -63,6 +77,11 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
     if include_json:
         # Outputs of one job may follow different schemas, so JSON stays text here.
         columns["json"] = pa.array([_json_text(row.json_value) for row in rows], pa.string())
+    if include_reasoning:
+        columns["reasoning"] = pa.array([row.reasoning for row in rows], pa.string())
+    if include_tool_calls:
+        columns["tool_calls"] = pa.array([_json_text([call.as_record() for call in row.tool_calls])
+                                          if row.tool_calls else None for row in rows], pa.string())
     columns["finish_reason"] = pa.array([row.finish_reason for row in rows], pa.string())
     if include_logprobs:
         columns["logprobs"] = pa.array([_logprobs_value(row.logprobs) for row in rows], _logprobs_type())
@@ -73,6 +92,9 @@ def output_table(rows: list[OutputRow], include_json: bool, passthrough_columns:
         columns["prompt_logprobs"] = pa.array([_prompt_logprobs_value(row) for row in rows], _logprobs_type())
     for name in ("prompt_tokens", "cached_tokens", "completion_tokens"):
         columns[name] = pa.array([getattr(row, name) for row in rows], pa.int64())
+    if include_reasoning:
+        spent = [row.reasoning_tokens if row.prompt_tokens is not None else None for row in rows]
+        columns["reasoning_tokens"] = pa.array(spent, pa.int64())
     if include_lora:
         columns["lora"] = pa.array([row.lora for row in rows], pa.string())
     columns["error_code"] = pa.array([row.error_code for row in rows], pa.string())

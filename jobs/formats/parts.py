@@ -20,6 +20,8 @@ from bulkinfer.jobs.formats.parquet_writer import (
     may_have_logprobs,
     may_have_lora,
     may_have_prompt_logprobs,
+    may_have_reasoning,
+    may_have_tool_calls,
     output_table,
 )
 from bulkinfer.jobs.object_store.base import ObjectStore, ObjectWriter
@@ -102,10 +104,16 @@ def _output_table(rows: list[OutputRow], spec: JobSpec, embedding_dimension: int
     """The part's columns, as Parquet has them (a CSV part writes the same ones)."""
     if spec.is_embed:
         return embedding_table(rows, spec, embedding_dimension)
+    return generated_table(rows, spec)
+
+
+def generated_table(rows: list[OutputRow], spec: JobSpec) -> pa.Table:
+    """A generate job's columns for `rows`: the same for every part of the job (its spec decides)."""
     return output_table(rows, includes_json_column(spec), spec.passthrough_columns,
                         include_logprobs=may_have_logprobs(spec), include_choices=may_have_choices(spec),
                         include_prompt_logprobs=may_have_prompt_logprobs(spec),
-                        include_lora=may_have_lora(spec))
+                        include_lora=may_have_lora(spec), include_tool_calls=may_have_tool_calls(spec),
+                        include_reasoning=may_have_reasoning(spec))
 
 
 def write_error_part(store: ObjectStore, key: str, rows: Iterable[OutputRow], *,

@@ -16,6 +16,7 @@ from bulkinfer.jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, e
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.template import MissingColumn
+from bulkinfer.jobs.tool_calls import ToolRequest
 
 # Between the shared instructions and a row's own text; identical for every row, so the
 # instructions stay one cacheable prefix.
@@ -79,6 +80,13 @@ class Row:
     # None: the row runs as `prompt` or `messages` say (OpenAI lines, apply_chat_template false).
     as_chat: list[dict[str, Any]] | None = None
     chat_required: bool = False
+    # Functions the model may call, and how (jobs/tool_calls.py); None: none offered.
+    tools: ToolRequest | None = None
+    # Keyword arguments for the chat template (enable_thinking, reasoning_effort).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The model's thinking is left out of the answer (an Anthropic request that did not ask for it).
+    hide_reasoning: bool = False
+    thinking_budget: int | None = None  # the most tokens a thinking model's thinking may take
 
     @property
     def is_chat(self) -> bool:
@@ -175,7 +183,7 @@ def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
         if not isinstance(role, str) or role not in CHAT_ROLES:
             raise RowProblem(RowErrorCode.INVALID_ROW,
                              f"{where}[{position}] needs a role (one of {', '.join(sorted(CHAT_ROLES))})")
-        if "content" not in message:
+        if "content" not in message and not message.get("tool_calls"):  # a call alone needs no content
             raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}] has no content")
     # Parquet structs carry every field; drop the nulls so messages look like the JSON a user wrote.
     return [{key: item for key, item in message.items() if item is not None} for message in value]
@@ -227,6 +235,8 @@ class RowBuilder:
         self.spec = spec
         self.template = spec.prompt_template
         self.default_response_format = engine_response_format(spec.response_format)
+        self.tools = spec.tool_request()
+        self.template_kwargs = spec.template_kwargs()
 
     def build(self, index: int, record: Mapping[str, Any], line: int | None = None) -> Row | RowError:
         spec = self.spec
@@ -258,7 +268,9 @@ class RowBuilder:
                                  spec.normalize, spec.max_length)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line, lora=lora,
-                   as_chat=as_chat, chat_required=spec.apply_chat_template is True)
+                   as_chat=as_chat, chat_required=spec.apply_chat_template is True or self.tools is not None,
+                   tools=self.tools, template_kwargs=self.template_kwargs,
+                   thinking_budget=spec.thinking_token_budget)
 
     def _lora(self, record: Mapping[str, Any]) -> str | None:
         """The row's adapter: its `lora_column` name, else the job's `lora`, else None (the base)."""

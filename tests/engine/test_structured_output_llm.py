@@ -194,3 +194,37 @@ def test_the_newer_families_complete_schemas_and_choices(checkpoint_factory, arc
     assert [c.finish_reason for c in json_output.outputs] == ["stop"] * 3
     assert_valid(LENGTH_LIMITED, [c.text for c in json_output.outputs])
     assert choice_output.outputs[0].text in ("red", "green", "blue")
+
+
+CALL_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+               "required": ["city", "days"], "additionalProperties": False}
+
+
+def test_structural_tags_force_calls_whose_arguments_validate(llm: LLM) -> None:
+    """`structural_tag`: only `<call name="…">{arguments}</call>` blocks (one or more, newline
+    apart), the arguments held to the schema; a random model at temperature 1 still writes them."""
+    calls = [{"type": "tag", "begin": f'<call name="{name}">',
+              "content": {"type": "json_schema", "json_schema": CALL_SCHEMA, "max_whitespace_cnt": 1},
+              "end": "</call>"} for name in ("forecast", "history")]
+    tag = {"type": "structural_tag",
+           "format": {"type": "tags_with_separator", "tags": calls, "separator": "\n", "at_least_one": True}}
+    outputs = llm.generate([f"Call {i}:" for i in range(6)],
+                           SamplingParams(structural_tag=tag, temperature=1.0, seed=3, max_tokens=150))
+    finished = [o.text for o in outputs if o.finish_reason == "stop"]
+    assert len(finished) >= 4, [o.text for o in outputs]
+    block = re.compile(r'<call name="(forecast|history)">(.*?)</call>', re.S)
+    for text in finished:
+        found = block.findall(text)
+        assert found and "\n".join(m.group(0) for m in block.finditer(text)) == text, text
+        for _, arguments in found:
+            assert not list(validator(CALL_SCHEMA).iter_errors(json.loads(arguments))), arguments
+
+
+def test_a_structural_tag_that_does_not_compile_fails_its_row(llm: LLM) -> None:
+    nonsense = {"type": "tag", "begin": "<a>", "content": {"type": "nonsense"}, "end": "</a>"}
+    bad = {"type": "structural_tag", "format": nonsense}
+    bad_output, good = llm.generate(["x", "y"], [SamplingParams(structural_tag=bad, max_tokens=8),
+                                                 SamplingParams(max_tokens=4)])
+    assert bad_output.error_kind == ErrorKind.STRUCTURED_OUTPUT and "structural_tag" in bad_output.error
+    assert good.error is None

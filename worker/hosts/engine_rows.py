@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from bulkinfer.engine import ErrorKind, LoRARequest, RequestOutput, SamplingParams, SamplingParamsError
-from bulkinfer.engine.chat import ChatTemplateError, chat_token_ids
+from bulkinfer.engine.chat import ChatTemplateError, prompt_token_ids, render_chat
 from bulkinfer.engine.token_bytes import TokenBytes
 from bulkinfer.jobs.formats.output import (
     Choice,
@@ -33,6 +33,7 @@ from bulkinfer.jobs.formats.output import (
     PositionLogprobs,
     PromptLogprobs,
     TokenLogprob,
+    ToolCall,
     expired_row,
 )
 from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
@@ -45,6 +46,16 @@ from bulkinfer.worker.hosts.engine_host import LORA_REFUSED, EngineRequest, Subm
 from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 from bulkinfer.worker.hosts.lora_requests import AdapterRefused
 from bulkinfer.worker.process import metrics
+from bulkinfer.worker.tools.answers import PLAIN, ChatPlan, read_answer
+from bulkinfer.worker.tools.formats import (
+    ToolCallsUnreadable,
+    ToolFormat,
+    template_renders_tools,
+    template_tool_format,
+    tool_format_named,
+)
+from bulkinfer.worker.tools.prompting import messages_with_tools
+from bulkinfer.worker.tools.reasoning import template_thinks, thinking_state
 
 if TYPE_CHECKING:
     from bulkinfer.worker.hosts.lora_requests import AdapterRequests
@@ -141,10 +152,18 @@ class PromptRenderer:
     Rust tokenizer is not safe to share between threads.
     """
 
-    def __init__(self, tokenizer: Any) -> None:  # a transformers tokenizer
+    def __init__(self, tokenizer: Any, tool_format: str | None = None) -> None:  # a transformers tokenizer
+        """`tool_format`: the deployment's tool-call format for this model (`tool_call_formats`), for
+        a template without one of its own or to override it."""
         self._tokenizer = tokenizer
         self._lock = threading.Lock()
         self._token_bytes: TokenBytes | None = None  # built for the first row that scores its prompt
+        template = getattr(tokenizer, "chat_template", None)
+        template = template if isinstance(template, str) else None
+        self.tool_format: ToolFormat | None = (tool_format_named(tool_format) if tool_format
+                                               else template_tool_format(template))
+        self._renders_tools = template_renders_tools(template)
+        self.thinks = template_thinks(template)
 
     def token_text(self, token_id: int) -> tuple[str, list[int]]:
         """A token's text and exact bytes, as the engine's logprobs give them."""
@@ -177,17 +196,56 @@ class PromptRenderer:
 
     def token_ids(self, row: Row) -> list[int]:
         """Raises `RowRejected` when the row's messages cannot be rendered or its text tokenized."""
+        return self.prepare(row)[0]
+
+    def prepare(self, row: Row) -> tuple[list[int], ChatPlan]:
+        """The row's prompt token ids, and how its output is held and read (tools, thinking);
+        raises `RowRejected`."""
         with self._lock:
             try:
                 messages = self._messages(row)
                 if messages is None:
-                    return list(self._tokenizer.encode(row.prompt or ""))
-                return chat_token_ids(self._tokenizer, messages)
+                    if row.tools is not None:
+                        raise RowRejected(RowErrorCode.INVALID_ROW, "tools need a chat row (messages)")
+                    return list(self._tokenizer.encode(row.prompt or "")), PLAIN
+                text = self._render(row, messages)
+                thinking = thinking_state(text, self.thinks)
+                plan = ChatPlan(row.tools, self.tool_format, thinking, row.hide_reasoning,
+                                row.thinking_budget)
+                return prompt_token_ids(self._tokenizer, text), plan
             except ChatTemplateError as error:
                 raise RowRejected(RowErrorCode.INVALID_ROW, str(error)) from None
+            except RowRejected:
+                raise
             except Exception as error:  # noqa: BLE001 - a tokenizer may raise anything on odd text
                 raise RowRejected(RowErrorCode.TOKENIZE_ERROR, "the model's tokenizer failed on this row: "
                                   f"{type(error).__name__}: {str(error)[:200]}") from None
+
+    def _render(self, row: Row, messages: list[dict[str, Any]]) -> str:
+        if row.tools is None:
+            return render_chat(self._tokenizer, messages, **row.template_kwargs)
+        if self.tool_format is None:
+            raise RowRejected(RowErrorCode.INVALID_ROW, NO_TOOL_FORMAT)
+        tools = row.tools.openai_tools()
+        if self._renders_tools:
+            return render_chat(self._tokenizer, messages, tools=tools, **row.template_kwargs)
+        return render_chat(self._tokenizer, messages_with_tools(messages, tools, self.tool_format),
+                           **row.template_kwargs)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Text as token ids, without special tokens added."""
+        with self._lock:
+            return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Output tokens as text, special tokens kept (how thinking and calls are read back)."""
+        with self._lock:
+            return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+NO_TOOL_FORMAT = ("this model's chat template has no tool-call format, so the row's tools cannot be offered; "
+                  "the deployment can give the model one (the tool_call_formats setting, e.g. "
+                  '{"<model>": "hermes"}; formats: hermes, llama3_json, mistral)')
 
 
 def engine_error_code(kind: ErrorKind | str | None) -> RowErrorCode:
@@ -212,6 +270,7 @@ class PreparedRow:
     row: Row
     request: EngineRequest
     prompt_format: str  # how its prompt was rendered (PromptRenderer.prompt_format)
+    plan: ChatPlan = PLAIN  # how its output is held and read (tools, thinking)
 
 
 def deterministic(params: SamplingParams) -> bool:
@@ -270,7 +329,8 @@ class PreparedBatch:
             try:
                 params = engine_sampling(item.sampling, item.response_format, max_tokens_cap)
                 lora = row_adapter(item, adapters)
-                request = EngineRequest(renderer.token_ids(item), params, priority, cache_salt, lora)
+                token_ids, plan = renderer.prepare(item)
+                request = EngineRequest(token_ids, plan.sampling(params), priority, cache_salt, lora)
             except (RowRejected, AdapterRefused) as rejected:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
@@ -285,7 +345,7 @@ class PreparedBatch:
                     continue
                 if len(first_of) < MAX_REMEMBERED_REQUESTS:
                     first_of[digest] = offset + position
-            prepared.append(PreparedRow(position, item, request, renderer.prompt_format(item)))
+            prepared.append(PreparedRow(position, item, request, renderer.prompt_format(item), plan))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
         prepared.sort(key=lambda entry: list(entry.request.prompt))
         self._prepared = prepared
@@ -311,16 +371,16 @@ class PreparedBatch:
         outputs = list(self._outputs)
         result_at: dict[int, RequestOutput] = {}
         lora_at: dict[int, str | None] = {}
-        format_at: dict[int, str] = {}
+        entry_at: dict[int, PreparedRow] = {}
         for entry, result in zip(self._prepared, results, strict=True):
             lora = entry.request.lora_request.lora_name if entry.request.lora_request is not None else None
             outputs[entry.position] = output_row(entry.row, result, expired, self._renderer, lora,
-                                                 entry.prompt_format)
+                                                 entry.prompt_format, entry.plan)
             result_at[entry.position], lora_at[entry.position] = result, lora
-            format_at[entry.position] = entry.prompt_format
+            entry_at[entry.position] = entry
         for position, row, source in self._copies:
             copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source],
-                              format_at[source])
+                              entry_at[source].prompt_format, entry_at[source].plan)
             outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         for position, row, source in self._earlier_copies:
@@ -334,12 +394,12 @@ class PreparedBatch:
 
 def output_row(row: Row, result: RequestOutput, expired: bool = False,
                renderer: PromptRenderer | None = None, lora: str | None = None,
-               prompt_format: str | None = None) -> OutputRow:
+               prompt_format: str | None = None, plan: ChatPlan = PLAIN) -> OutputRow:
     """The row's outcome: every sample as a choice, or the engine's error when any sample failed
     (a grammar that does not compile fails them all; an aborted request aborts them all, and is
     `expired` when the job's deadline aborted it). `renderer` names the first prompt token of a
     row that scored its prompt; `lora`: the adapter it ran on, for its usage; `prompt_format`: how
-    its prompt was rendered."""
+    its prompt was rendered; `plan`: how its thinking and calls are read from its text."""
     outputs = list(getattr(result, "outputs", None) or [])
     reasons = [result.finish_reason, *(output.finish_reason for output in outputs)]
     failed = next((reason for reason in reasons if reason in FAILED), None)
@@ -354,6 +414,10 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False,
                    for out in sorted(outputs, key=lambda out: out.index)]
     else:  # an engine that reports one sample only on the request itself
         choices = [Choice(0, result.text, result.finish_reason or "stop")]
+    reasoning_tokens, problem = 0, None
+    if plan.reads_output and renderer is not None:
+        token_ids = {out.index: out.token_ids for out in outputs} or {0: result.token_ids}
+        choices, reasoning_tokens, problem = _read_choices(row, choices, token_ids, plan, renderer)
     metrics_ = getattr(result, "metrics", None)
     drafted = tuple(getattr(metrics_, "spec_drafted_per_position", ()))
     accepted = tuple(getattr(metrics_, "spec_accepted_per_position", ()))
@@ -363,7 +427,41 @@ def output_row(row: Row, result: RequestOutput, expired: bool = False,
                                        engine_seconds=getattr(metrics_, "engine_seconds", 0.0) or 0.0,
                                        drafted_per_position=drafted, accepted_per_position=accepted,
                                        prompt_logprobs=_prompt_logprobs(result, renderer))
-    return dataclasses.replace(completed, lora=lora, prompt_format=prompt_format)
+    completed = dataclasses.replace(completed, lora=lora, prompt_format=prompt_format,
+                                    reasoning_tokens=reasoning_tokens)
+    if problem is not None and not completed.failed:
+        completed = dataclasses.replace(completed, error_code=RowErrorCode.INVALID_OUTPUT_JSON.value,
+                                        error_message=problem)
+    return completed
+
+
+def _read_choices(row: Row, choices: list[Choice], token_ids: dict[int, list[int]], plan: ChatPlan,
+                  renderer: PromptRenderer) -> tuple[list[Choice], int, str | None]:
+    """Each sample's thinking and calls read apart (worker/tools/answers.py): the choices, the
+    thinking's tokens over all samples, and the first sample's problem (a call cut off)."""
+    read, spent, problem = [], 0, None
+    for choice in choices:
+        try:
+            answer = read_answer(plan, choice.text, token_ids.get(choice.index, []), renderer.decode,
+                                 cut=choice.finish_reason == "length")
+        except ToolCallsUnreadable as error:
+            where = f"choice {choice.index}: " if len(choices) > 1 else ""
+            problem = problem or f"{where}{error} (finish_reason={choice.finish_reason})"
+            read.append(choice)
+            continue
+        spent += answer.reasoning_tokens
+        calls = tuple(ToolCall(call_id(row.row_id, choice.index, number), call.name, call.arguments)
+                      for number, call in enumerate(answer.calls))
+        finish = "tool_calls" if calls and choice.finish_reason == "stop" else choice.finish_reason
+        read.append(dataclasses.replace(choice, text=answer.text, reasoning=answer.reasoning,
+                                        tool_calls=calls, finish_reason=finish))
+    return read, spent, problem
+
+
+def call_id(row_id: str, choice: int, number: int) -> str:
+    """A call's id: stable for the row (a rerun writes the same), distinct per sample and call."""
+    digest = hashlib.sha256(f"{row_id}\x00{choice}\x00{number}".encode("utf-8", "surrogatepass")).hexdigest()
+    return f"call_{digest[:24]}"
 
 
 def request_figures(results: Sequence[RequestOutput]) -> LiveFigures:

@@ -71,13 +71,16 @@ class ModelHosts:
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None,
                  on_tokenizer: Callable[[str, Any], None] | None = None,
                  kv_store_options: Mapping[str, Any] | None = None,
-                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> None:
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
+                 tool_call_formats: Mapping[str, str] | None = None) -> None:
         """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
         that model's jobs with the reason instead of every task before it can say why.
         `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded. `kv_store_options`:
         the prefix KV tier's engine fields (worker/kv/store.py), shared by every model's engine.
-        `max_tokens_cap`: the most a row may generate (the `max_tokens_cap` setting)."""
+        `max_tokens_cap`: the most a row may generate (the `max_tokens_cap` setting);
+        `tool_call_formats`: {model: format} for templates without one (the `tool_call_formats` setting)."""
         self.on_tokenizer = on_tokenizer
+        self.tool_call_formats = dict(tool_call_formats or {})
         self.max_tokens_cap = max_tokens_cap
         self.registry = registry
         self.engine_options = engine_options
@@ -115,7 +118,7 @@ class ModelHosts:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         if self.on_tokenizer is not None:
             self.on_tokenizer(name, tokenizer)
-        renderer = PromptRenderer(tokenizer)
+        renderer = PromptRenderer(tokenizer, self.tool_call_formats.get(name))
         from bulkinfer.engine.embedder import Embedder, is_embedding_model
 
         embedding_model = is_embedding_model(directory)

@@ -45,7 +45,8 @@ class WorkerContext:
                           s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
                           on_tokenizer=self._publish_tokenizer,
                           kv_store_options=kv_store_options(settings, deployment=True),
-                          max_tokens_cap=settings.tokens_cap)
+                          max_tokens_cap=settings.tokens_cap,
+                          tool_call_formats=settings.tool_call_formats_dict())
 
     def _publish_tokenizer(self, name: str, tokenizer: Any) -> None:
         """Put a loaded model's tokenizer where the API's dry runs read it (jobs/tokenizer_files.py)."""

@@ -28,7 +28,8 @@ from bulkinfer.jobs.task_args import TASK_FIELDS, add_task_arguments
 
 RUN_SETTINGS = ("models", "engine_options", "dtype", "remeasure_dtype", "cpu_isa", "speculative_config",
                 "tensor_parallel_size",
-                "batch_invariant", "model_cache", "s3_endpoint_url", "max_tokens_cap", *LORA_SETTINGS,
+                "batch_invariant", "model_cache", "s3_endpoint_url", "max_tokens_cap", "tool_call_formats",
+                *LORA_SETTINGS,
                 *KV_STORE_SETTINGS)
 FORMATS = [value.value for value in InputFormat]
 

@@ -136,6 +136,13 @@ def _finish(batch: EngineRun | EmbedRun, output: ResumableOutput, progress: RunP
     progress.advance(rows)
 
 
+def _run_tool_format(settings: Settings, spec: JobSpec) -> dict[str, str]:
+    """The run's one model takes the format the settings give its name (or, with one entry, that one)."""
+    formats = settings.tool_call_formats_dict()
+    chosen = formats.get(spec.model) or (next(iter(formats.values())) if len(formats) == 1 else None)
+    return {LOCAL_MODEL: chosen} if chosen else {}
+
+
 def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_location: str,
              batch_rows: int = DEFAULT_BATCH_ROWS, overwrite: bool = False, show_progress: bool = True,
              say: Callable[[str], None] = print) -> RunSummary:
@@ -160,7 +167,7 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
                        settings.engine_options_dict(),
                        s3_endpoint_url=settings.s3_endpoint_url, cache_dir=settings.model_cache_dir,
                        kv_store_options=kv_store_options(settings, deployment=False),
-                       max_tokens_cap=settings.tokens_cap)
+                       max_tokens_cap=settings.tokens_cap, tool_call_formats=_run_tool_format(settings, spec))
     try:
         hosted = hosts.get(LOCAL_MODEL, embed=spec.is_embed)
         for _ in ("before", "after"):  # the task at once; the model's size once it is loaded

@@ -218,13 +218,10 @@ def combine_parquet(parts: Sequence[Path], output: Path, spec: JobSpec) -> None:
     import pyarrow.parquet as pq
 
     from bulkinfer.jobs.formats.embedding_writer import embedding_table
-    from bulkinfer.jobs.formats.parquet_writer import may_have_lora, output_table
-    from bulkinfer.jobs.formats.parts import includes_json_column
+    from bulkinfer.jobs.formats.parts import generated_table
 
     schemas = [pq.read_schema(part) for part in parts]
-    empty = (embedding_table([], spec) if spec.is_embed else
-             output_table([], includes_json_column(spec), spec.passthrough_columns,
-                          include_lora=may_have_lora(spec)))
+    empty = embedding_table([], spec) if spec.is_embed else generated_table([], spec)
     schema = pa.unify_schemas(schemas, promote_options="permissive") if schemas else empty.schema
     descriptor, temp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.close(descriptor)
