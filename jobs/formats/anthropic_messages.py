@@ -148,9 +148,9 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
             results.append(_tool_result(block, here))
         else:
             described = f"a block of type {kind!r}" if isinstance(kind, str) else "not a content block"
-            allowed = "text and tool_use" if role == "assistant" else "text and tool_result"
-            raise RowProblem(RowErrorCode.INVALID_ROW,
-                             f"{here} is {described}: only {allowed} blocks are supported in a {role} turn")
+            allowed = "text and tool_use blocks are supported in an assistant turn" if role == "assistant" \
+                else "text and tool_result blocks are supported in a user turn"
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"{here} is {described}: only {allowed}")
     text = TEXT_PARTS_SEPARATOR.join(texts)
     if role == "assistant":
         message: dict[str, Any] = {"role": "assistant", "content": text}

@@ -17,7 +17,7 @@ from bulkinfer.jobs.formats.csv_records import blocks, stream_records
 if TYPE_CHECKING:
     import pyarrow as pa
 
-INTEGER_COLUMNS = frozenset({"prompt_tokens", "cached_tokens", "completion_tokens"})
+INTEGER_COLUMNS = frozenset({"prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens"})
 JSON_COLUMNS = frozenset({"logprobs", "choices", "prompt_logprobs", "embedding", "embeddings"})
 
 

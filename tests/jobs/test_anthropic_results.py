@@ -110,7 +110,7 @@ def test_a_refused_parameter_is_an_invalid_request_naming_it(local_store) -> Non
     [error] = iter_openai_batch_rows(local_store, "batch.jsonl", 0, len(data), SPEC)
     _, parsed = translated(OutputRow.from_error(error))
     assert parsed.result.type == "errored" and parsed.result.error.error.type == "invalid_request_error"
-    assert parsed.result.error.error.message == "params.tools: tool use is not supported by this server"
+    assert parsed.result.error.error.message == "params.tools[0].input_schema is required"
 
 
 def test_an_unknown_code_is_ours_and_a_missing_message_says_the_code() -> None:

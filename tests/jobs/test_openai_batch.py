@@ -82,7 +82,7 @@ def test_invalid_lines_are_row_errors_in_place(local_store) -> None:
     assert codes[8] == ("i", RowErrorCode.INVALID_SAMPLING)
     assert items[9].message.startswith("body: logprobs: Input should be a valid integer")
     assert "url '/v1/moderations' is not supported" in items[2].message
-    assert items[3].message == "body.tools is not supported here"
+    assert items[3].message == "body.tools[0].function must be an object with a name"
     assert items[4].message == "body: n: Input should be less than or equal to 16"
     assert "appears more than once (line 2 of the shard)" in items[1].message
     assert [item.line for item in items] == list(range(1, 11))

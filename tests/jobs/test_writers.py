@@ -61,8 +61,10 @@ def test_parquet_part_has_flat_typed_columns(store) -> None:
     data = store.get_bytes("out/part-00000.parquet")
     assert part.sha256 == hashlib.sha256(data).hexdigest() and part.bytes == len(data)
     table = pq.read_table(io.BytesIO(data))
-    assert table.column_names == ["id", "text", "json", "finish_reason", "prompt_tokens", "cached_tokens",
-                                  "completion_tokens", "error_code", "error", "src"]
+    # `reasoning` and `reasoning_tokens`: the rows may run as chat, where a thinking model thinks.
+    assert table.column_names == ["id", "text", "json", "reasoning", "finish_reason", "prompt_tokens",
+                                  "cached_tokens", "completion_tokens", "reasoning_tokens", "error_code",
+                                  "error", "src"]
     assert str(table.schema.field("prompt_tokens").type) == "int64"
     columns = table.to_pydict()
     assert columns["id"] == ["0", "1", "2", "3"]
@@ -166,8 +168,9 @@ def test_parquet_logprobs_and_choices_columns_are_typed_and_fixed_per_job(store)
     rows = [sampled(job, ["a", "b"]), OutputRow.from_error(RowBuilder(job).build(1, {}))]
     write_output_part(store, "p.parquet", rows, job, job_id="j")
     table = pq.read_table(io.BytesIO(store.get_bytes("p.parquet")))
-    assert table.column_names == ["id", "text", "finish_reason", "logprobs", "choices", "prompt_tokens",
-                                  "cached_tokens", "completion_tokens", "error_code", "error"]
+    assert table.column_names == ["id", "text", "reasoning", "finish_reason", "logprobs", "choices",
+                                  "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens",
+                                  "error_code", "error"]
     logprobs, choices = table.column("logprobs").to_pylist(), table.column("choices").to_pylist()
     assert logprobs[0][1]["token"] == "}" and logprobs[0][1]["bytes"] == b"}"
     assert logprobs[0][1]["top_logprobs"][1] == {"token": " ", "token_id": 32, "logprob": -1.9, "bytes": b" "}
@@ -189,7 +192,7 @@ def test_csv_part_has_the_parquet_columns_and_reads_back_as_the_parquet_part_doe
     write_output_part(store, "out/part-00000.parquet", rows, as_parquet, job_id="j")
     data = store.get_bytes("out/part-00000.csv")
     expected = pq.read_table(io.BytesIO(store.get_bytes("out/part-00000.parquet")))
-    assert data.startswith(b'"id","text","json","finish_reason","prompt_tokens","cached_tokens",')
+    assert data.startswith(b'"id","text","json","reasoning","finish_reason","prompt_tokens","cached_tokens",')
     read_back = [row for rows in part_rows(io.BytesIO(data), "csv") for row in rows]
     assert read_back == expected.to_pylist()
     assert read_back[3]["text"] == "" and read_back[2]["text"] is None  # an empty output, a failed row
@@ -204,7 +207,7 @@ def test_csv_cells_hold_nested_values_as_the_json_a_jsonl_line_has(store) -> Non
     line = json.loads(store.get_bytes("p.jsonl").splitlines()[0])
     data = store.get_bytes("p.tsv")
     header = data.split(b"\n")[0].split(b"\t")
-    assert header[:5] == [b'"id"', b'"text"', b'"finish_reason"', b'"logprobs"', b'"choices"']
+    assert header[:6] == [b'"id"', b'"text"', b'"reasoning"', b'"finish_reason"', b'"logprobs"', b'"choices"']
     [first, failed] = [row for rows in part_rows(io.BytesIO(data), "tsv") for row in rows]
     assert first["logprobs"] == line["logprobs"]  # token bytes as numbers, as in JSONL
     assert [(c["index"], c["text"]) for c in first["choices"]] == [(0, "a"), (1, "b")]

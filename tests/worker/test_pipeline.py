@@ -402,7 +402,7 @@ def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthrop
     assert full.stop_reason == {"length": "max_tokens", "stop": "end_turn"}[greedy.finish_reason]
     refused = results["m-tools"].result
     assert refused.type == "errored" and refused.error.error.type == "invalid_request_error"
-    assert refused.error.error.message == "params.tools: tool use is not supported by this server"
+    assert "no tool-call format" in refused.error.error.message  # tiny's template has none
 
     # A retry of the failed requests runs the refused /v1/messages line again, and only it.
     inputs = S3ObjectStore(INPUTS_BUCKET, client=pipeline.s3.client())
