@@ -76,8 +76,9 @@ class PublishedTokenizer:
     def completion_tokens(self, prompt: str) -> list[int]:
         return list(self.backend.encode(prompt, add_special_tokens=True).ids)
 
-    def chat_tokens(self, messages: list[dict[str, Any]]) -> list[int]:
-        text = render_chat(self.chat_template, messages, self.special_tokens)
+    def chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        text = render_chat(self.chat_template, messages, self.special_tokens, tools, template_kwargs)
         return list(self.backend.encode(text, add_special_tokens=False).ids)
 
 
@@ -102,12 +103,15 @@ def _parse(raw: bytes) -> PublishedTokenizer:
                               str(wrapped.get("published_at")), bool(document.get("chat_template")))
 
 
-def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str]) -> str:
-    """The prompt text for `messages`, ready for the reply (as transformers renders it)."""
+def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str],
+                tools: list[dict[str, Any]] | None = None,
+                template_kwargs: dict[str, Any] | None = None) -> str:
+    """The prompt text for `messages`, ready for the reply (as transformers renders it), with the
+    row's `tools` and template switches (`enable_thinking`, `reasoning_effort`)."""
     normalized = [{**message, "content": _content_text(message.get("content"))} for message in messages]
     try:
-        return _compiled(template).render(messages=normalized, add_generation_prompt=True, tools=None,
-                                          documents=None, **special_tokens)
+        return _compiled(template).render(messages=normalized, add_generation_prompt=True, tools=tools,
+                                          documents=None, **special_tokens, **(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - a template may raise anything (jinja, its raise_exception)
         raise ChatRenderError(f"the chat template failed on these messages: {error}") from None
 

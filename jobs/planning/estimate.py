@@ -129,11 +129,14 @@ class _Counts:
                 encode = self.tokenizer.completion_tokens
                 return [token for value in row.embed.inputs
                         for token in (list(value) if isinstance(value, tuple) else encode(value))]
+            # Tools and template switches render as the worker renders them for a template that reads
+            # them (a deployment's tool format for one that does not is the worker's: not counted).
+            tools = row.tools.openai_tools() if row.tools is not None else None
             if row.messages is not None:
-                return self.tokenizer.chat_tokens(row.messages)
+                return self.tokenizer.chat_tokens(row.messages, tools, row.template_kwargs)
             # A plain row runs as chat where the worker renders it so (PromptRenderer._messages).
             if row.as_chat is not None and (row.chat_required or self.tokenizer.has_own_template):
-                return self.tokenizer.chat_tokens(row.as_chat)
+                return self.tokenizer.chat_tokens(row.as_chat, tools, row.template_kwargs)
             return self.tokenizer.completion_tokens(row.prompt or "")
         except Exception:  # noqa: BLE001 - a chat template or the tokenizer failed on this row: it fails there too
             return None

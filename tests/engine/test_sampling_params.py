@@ -57,7 +57,8 @@ def test_a_single_stop_string_becomes_a_list():
         ({"grammar": 5}, "grammar must be a non-empty string or None, got 5"),
         (
             {"regex": "a+", "choice": ["a"]},
-            "at most one of json_schema, regex, choice, grammar may be set, got ['regex', 'choice']",
+            "at most one of json_schema, regex, choice, grammar, structural_tag may be set, got "
+            "['regex', 'choice']",
         ),
     ],
 )

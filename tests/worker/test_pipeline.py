@@ -408,4 +408,4 @@ def test_anthropic_messages_lines_run_beside_chat_lines_and_translate_to_anthrop
     inputs = S3ObjectStore(INPUTS_BUCKET, client=pipeline.s3.client())
     retried = [item for shard in retry_plan(pipeline.repository, status.job_id)
                for item in read_shard_rows(inputs, "anthropic.jsonl", spec, shard)]
-    assert [(item.row_id, item.message) for item in retried] == [("m-tools", refused.error.error.message)]
+    assert [item.row_id for item in retried] == ["m-tools"]  # read again; the worker refuses its tools again
