@@ -1,6 +1,7 @@
 """Tool calls and thinking on a live deployment (Redis, moto S3, a real worker, the API over HTTP), with
 the official `openai` and `anthropic` SDKs and our own: `tiny` (random weights, a template without
-tools) is given the Hermes format by the deployment (`tool_call_formats`); `thinker` is a Qwen3-shaped
+tools) and the real SmolLM2 are given the Hermes format by the deployment (`tool_call_formats`);
+`thinker` is a Qwen3-shaped
 checkpoint whose template thinks and renders tools itself (tests/support/thinking_checkpoint.py).
 Forced calls come back on every row with arguments that validate; `auto` rows are text or valid
 calls; thinking comes apart, and the answer's JSON schema holds after it."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anthropic
 import jsonschema
@@ -37,17 +39,17 @@ TIMEOUT_S = 240
 
 
 @pytest.fixture(scope="module")
-def stack(redis_server: RedisServer, s3_server: S3Server, checkpoint_factory,
+def stack(redis_server: RedisServer, s3_server: S3Server, checkpoint_factory, real_model: Path,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveStack]:
     tiny = checkpoint_factory()
     thinker = thinking_checkpoint(checkpoint_factory(arch="qwen3"), tmp_path_factory.mktemp("q3") / "thinker")
-    models = {"tiny": str(tiny), "thinker": str(thinker)}
-    settings = {"tool_call_formats": {"tiny": "hermes"},
+    models = {"tiny": str(tiny), "thinker": str(thinker), "smollm2": str(real_model)}
+    settings = {"tool_call_formats": {"tiny": "hermes", "smollm2": "hermes"},
                 "model_aliases": {"gpt-4o-mini": "tiny", "claude-haiku-4-5": "thinker"}}
     # The functions' descriptions make prompts of ~400 tokens: room for them and an answer.
     engine = {**ENGINE_OPTIONS, "max_model_len": 1024}
     with live_stack(redis_server, s3_server, tiny, tmp_path_factory.mktemp("model-cache"), models=models,
-                    worker_served=("tiny", "thinker"), settings_fields=settings,
+                    worker_served=("tiny", "thinker", "smollm2"), settings_fields=settings,
                     engine_options=engine) as live:
         yield live
 
@@ -170,3 +172,31 @@ def test_a_job_with_tools_writes_each_rows_calls(stack: LiveStack) -> None:
         [call] = row["tool_calls"]
         assert call["id"].startswith("call_")
         assert_valid_call(call["name"], call["arguments"])
+
+
+QUESTIONS = ["What's the weather in Paris?", "Is it cold in Oslo right now?", "Weather in Tokyo, please.",
+             "How hot is Cairo today?", "Do I need an umbrella in London?", "Temperature in Lima?"]
+
+
+def test_smollm2_given_the_hermes_format_calls_on_every_forced_row(stack: LiveStack) -> None:
+    """The real model, whose template has no tools: every forced row is a call whose arguments
+    validate, and its greedy calls name the cities asked about."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    lines = [{"custom_id": f"q{number}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "smollm2", "messages": [{"role": "user", "content": question}],
+                       "tools": TOOLS, "tool_choice": "required" if number % 2 else named,
+                       "parallel_tool_calls": False, "max_tokens": 64, "temperature": 0}}
+             for number, question in enumerate(QUESTIONS)]
+    records = openai_outputs(stack, lines)
+    named_city = []
+    for number, question in enumerate(QUESTIONS):
+        record = records[f"q{number}"]
+        assert record["error"] is None, record["error"]
+        choice = ChatCompletion.model_validate(record["response"]["body"]).choices[0]
+        [call] = choice.message.tool_calls
+        arguments = json.loads(call.function.arguments)
+        assert choice.finish_reason == "tool_calls"
+        assert_valid_call(call.function.name, arguments)
+        if call.function.name == "get_weather":
+            named_city.append(arguments["city"].lower() in question.lower())
+    assert sum(named_city) >= 4, records

@@ -1,13 +1,13 @@
 """Rows with tools and thinking, through a hosted engine as a shard runs them (EngineRun), on random
 weights: a forced call always parses and its arguments validate; `auto` rows are text or valid calls;
 a Qwen3-shaped thinking model has its thinking apart on every row, bounded by its budget, with the
-answer's JSON schema holding after it; a model without a tool format refuses tools by row."""
+answer's JSON schema holding after it; a model without a tool format refuses tools by row. (SmolLM2
+given Hermes: tests/api/test_tool_calls_live.py.)"""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 
 import jsonschema
 import pytest
@@ -148,33 +148,3 @@ def test_anthropic_thinking_is_returned_only_when_asked(hosts: ModelHosts) -> No
     shown, hidden = run(ready(hosts, "thinker"), [asked, unasked])
     assert shown.reasoning is not None and shown.reasoning_tokens > 0
     assert hidden.reasoning is None  # enable_thinking off: Qwen3's template closes an empty block
-
-
-QUESTIONS = ["What's the weather in Paris?", "Is it cold in Oslo right now?", "Weather in Tokyo, please.",
-             "How hot is Cairo today?", "Do I need an umbrella in London?", "Temperature in Lima?"]
-
-
-def test_smollm2_given_the_hermes_format_calls_on_every_forced_row(real_model: Path) -> None:
-    """The real model, whose template has no tools, given Hermes by the deployment: every forced row
-    is a call whose arguments validate (its greedy answers name the cities asked about)."""
-    hosts = ModelHosts(ModelRegistry({"smollm2": str(real_model)}), {"dtype": "float32"},
-                       tool_call_formats={"smollm2": "hermes"})
-    try:
-        hosted = ready(hosts, "smollm2")
-        named = {"type": "function", "function": {"name": "get_weather"}}
-        builder = OpenAIBatchRowBuilder(JobSpec(model="smollm2", input_uri="s3://b/in.jsonl"))
-        rows = [builder.build(Line(number, number + 1, b""), {
-            "custom_id": f"r{number}", "url": "/v1/chat/completions",
-            "body": {"messages": [{"role": "user", "content": question}], "tools": TOOLS, "temperature": 0,
-                     "max_tokens": 64, "tool_choice": "required" if number % 2 else named,
-                     "parallel_tool_calls": False}})
-            for number, question in enumerate(QUESTIONS)]
-        outputs = run(hosted, rows)
-    finally:
-        hosts.stop()
-    for row in outputs:
-        assert_valid_calls(row, count=1)
-    named_city = [row.tool_calls[0].arguments["city"].lower() in question.lower()
-                  for row, question in zip(outputs, QUESTIONS, strict=True)
-                  if row.tool_calls[0].name == "get_weather"]
-    assert sum(named_city) >= 4, [row.tool_calls for row in outputs]
