@@ -94,3 +94,28 @@ def test_gemma3s_template_folds_the_system_message_into_the_first_user_turn(chec
     assert ids.count(gemma.bos_token_id) == 1 and ids[0] == gemma.bos_token_id
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         render_chat(gemma, [{"role": "assistant", "content": "hi"}])
+
+
+def test_earlier_calls_reach_the_template_with_their_arguments_as_objects() -> None:
+    """OpenAI sends a call's arguments as JSON text; templates write them with `tojson` (as vLLM
+    passes them): the template sees an object, and the row's tools and switches reach it."""
+    seen = {}
+
+    class Recorder:
+        chat_template = "{{ messages }}"
+
+        def apply_chat_template(self, messages, **kwargs):
+            seen.update(messages=messages, **kwargs)
+            return "rendered"
+
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}
+    broken = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": "{not json"}}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    render_chat(Recorder(), [{"role": "assistant", "content": None, "tool_calls": [call, broken]},
+                             {"role": "tool", "tool_call_id": "c1", "content": "4C"}],
+                tools=tools, enable_thinking=False)
+    assistant = seen["messages"][0]
+    assert assistant["content"] == ""
+    assert assistant["tool_calls"][0]["function"]["arguments"] == {"city": "Oslo"}
+    assert assistant["tool_calls"][1] == broken  # left as written: the template decides what to do with it
+    assert seen["tools"] == tools and seen["enable_thinking"] is False
