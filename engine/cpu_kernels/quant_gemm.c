@@ -3,7 +3,10 @@
  * W8A8: each row of activations is quantized to uint8 with its own scale and zero point
  * (quantize_rows_u8: symmetric int8 is stored as q + 128), multiplied with the int8 weights in
  * integers (int8_gemm: exact int32 sums; oneDNN computes the same sums where the CPU has VNNI or
- * AMX-INT8) and scaled back by int8_epilogue. Integer sums do not depend on their order, so every
+ * AMX-INT8) and scaled back by int8_epilogue. int8_gemm takes a few rows (decode) in the dot-product
+ * form and a prefill chunk in the broadcast form over weight panels widened once per call (on AVX2
+ * vpmaddwd multiplies 16 pairs a cycle, fp32's two FMAs 16 lanes: the two peak alike, so W8A8 on
+ * AVX2 saves memory, not prefill time). Integer sums do not depend on their order, so every
  * path gives a row the same bits whatever else its step holds (batch invariance for free).
  *
  * W8A16 / W4A16: weights stay 8- or 4-bit in memory and are widened to fp32 inside the product
@@ -39,6 +42,60 @@ static inline vf vfma(vf a, vf b, vf c) {
 
 static inline float round_even(float v) { return nearbyintf(v); }  /* default mode: half to even */
 
+#if defined(__AVX2__)
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+    return _mm_cvtss_f32(m);
+}
+#endif
+
+/* The row's absmax (mode 0) or its range widened to hold 0 (mode 1), eight lanes at a time: max and
+ * min are exact, so the lanes' order does not change the result. */
+static void row_range(const float* row, int64_t cols, float* lo_out, float* hi_out) {
+    float lo = 0.0f, hi = 0.0f;
+    int64_t c = 0;
+#if defined(__AVX2__)
+    __m256 vlo = _mm256_setzero_ps(), vhi = _mm256_setzero_ps();
+    for (; c + 8 <= cols; c += 8) {
+        __m256 v = _mm256_loadu_ps(row + c);
+        vlo = _mm256_min_ps(vlo, v);
+        vhi = _mm256_max_ps(vhi, v);
+    }
+    hi = hmax8(vhi);
+    lo = -hmax8(_mm256_sub_ps(_mm256_setzero_ps(), vlo));
+#endif
+    for (; c < cols; c++) { lo = fminf(lo, row[c]); hi = fmaxf(hi, row[c]); }
+    *lo_out = lo;
+    *hi_out = hi;
+}
+
+/* out = clamp(round_half_even(x / scale) + zp, lo_q, 255): a true division, as PyTorch's path divides. */
+static void quantize_row(const float* row, int64_t cols, float scale, float zp, int lo_q, uint8_t* out) {
+    int64_t c = 0;
+#if defined(__AVX2__)
+    const __m256 vs = _mm256_set1_ps(scale), vz = _mm256_set1_ps(zp);
+    const __m256 vlo = _mm256_set1_ps((float)lo_q), vhi = _mm256_set1_ps(255.0f);
+    for (; c + 16 <= cols; c += 16) {
+        __m256i q[2];
+        for (int h = 0; h < 2; h++) {
+            __m256 v = _mm256_div_ps(_mm256_loadu_ps(row + c + 8 * h), vs);
+            v = _mm256_add_ps(_mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), vz);
+            q[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(v, vlo), vhi));
+        }
+        __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(q[0], q[1]), 0xd8);  /* 16 x u16 */
+        __m128i bytes = _mm_packus_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+        _mm_storeu_si128((__m128i*)(out + c), bytes);
+    }
+#endif
+    for (; c < cols; c++) {
+        float q = round_even(row[c] / scale) + zp;
+        q = fminf(fmaxf(q, (float)lo_q), 255.0f);
+        out[c] = (uint8_t)q;
+    }
+}
+
 /* mode 0: dynamic symmetric per row (scale absmax / 127, zero point 128); 1: dynamic asymmetric per
  * row (range widened to hold 0, 255 levels); 2: static (static_scale, static_zp in uint8 terms). */
 void quantize_rows_u8(const float* x, int64_t rows, int64_t cols, int64_t mode, float static_scale,
@@ -48,24 +105,21 @@ void quantize_rows_u8(const float* x, int64_t rows, int64_t cols, int64_t mode, 
         const float* row = x + r * cols;
         float scale = static_scale;
         float zp = (float)static_zp;
-        int lo_q = 0, hi_q = 255;
-        if (mode == 0) {
-            float absmax = 0.0f;
-            for (int64_t c = 0; c < cols; c++) absmax = fmaxf(absmax, fabsf(row[c]));
-            scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
-            zp = 128.0f;
-            lo_q = 1;  /* -127..127, as symmetric int8 quantization clamps */
-        } else if (mode == 1) {
-            float lo = 0.0f, hi = 0.0f;
-            for (int64_t c = 0; c < cols; c++) { lo = fminf(lo, row[c]); hi = fmaxf(hi, row[c]); }
-            scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
-            zp = fminf(fmaxf(round_even(-lo / scale), 0.0f), 255.0f);
+        int lo_q = 0;
+        if (mode == 0 || mode == 1) {
+            float lo, hi;
+            row_range(row, cols, &lo, &hi);
+            if (mode == 0) {
+                float absmax = fmaxf(hi, -lo);
+                scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+                zp = 128.0f;
+                lo_q = 1;  /* -127..127, as symmetric int8 quantization clamps */
+            } else {
+                scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+                zp = fminf(fmaxf(round_even(-lo / scale), 0.0f), 255.0f);
+            }
         }
-        for (int64_t c = 0; c < cols; c++) {
-            float q = round_even(row[c] / scale) + zp;
-            q = fminf(fmaxf(q, (float)lo_q), (float)hi_q);
-            out[r * cols + c] = (uint8_t)q;
-        }
+        quantize_row(row, cols, scale, zp, lo_q, out + r * cols);
         scales[r] = scale;
         zero_points[r] = (int32_t)zp;
     }
@@ -127,10 +181,135 @@ static inline __attribute__((always_inline)) void dot_rows_by_two(
 }
 #endif
 
+#if defined(__AVX2__)
+/* Many rows (a prefill chunk): the broadcast form. Sixteen outputs' weights are widened once per
+ * call into a panel of int16 pairs, panel[kp][o] = (w[o][2kp], w[o][2kp + 1]) as one 32-bit word,
+ * and each row's pair of inputs is broadcast against it: vpmaddwd gives eight outputs' pair sums at
+ * once, twelve accumulators (six rows by sixteen outputs) stay in registers, and no horizontal sums
+ * are needed. Integer sums: the same values as the dot-product form above, whatever the tiling. */
+#define PANEL_OUTPUTS 16
+#define PANEL_ROWS 6
+#define PACKED_MIN_ROWS 16
+
+/* 8 x 8 words: rows[i] holds output i's words for 8 kp; out[j] gets kp j's words for the 8 outputs. */
+static inline void transpose8(__m256i rows[8]) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_epi32(rows[i], rows[i + 1]);
+        t[i + 1] = _mm256_unpackhi_epi32(rows[i], rows[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+        u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+        u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+        u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {
+        rows[i] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x20);
+        rows[i + 4] = _mm256_permute2x128_si256(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* The panel of outputs [n0, n0 + 16): kp_count words per output, zero past k and past n_out. */
+static void pack_panel(const int8_t* w, int64_t k, int64_t n_out, int64_t n0, int64_t kp_count,
+                       int32_t* panel) {
+    for (int half = 0; half < 2; half++) {
+        int64_t base = n0 + 8 * half;
+        int64_t kp = 0;
+        for (; 2 * kp + 16 <= k; kp += 8) {  /* eight kp (16 inputs) of eight outputs at a time */
+            __m256i rows[8];
+            for (int o = 0; o < 8; o++)
+                rows[o] = base + o < n_out
+                    ? _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(w + (base + o) * k + 2 * kp)))
+                    : _mm256_setzero_si256();
+            transpose8(rows);  /* rows[j]: kp + j's words of the eight outputs */
+            for (int j = 0; j < 8; j++)
+                _mm256_store_si256((__m256i*)(panel + (kp + j) * PANEL_OUTPUTS + 8 * half), rows[j]);
+        }
+        for (; kp < kp_count; kp++)
+            for (int o = 0; o < 8; o++) {
+                int64_t n = base + o;
+                int16_t pair[2] = {0, 0};
+                if (n < n_out) {
+                    if (2 * kp < k) pair[0] = w[n * k + 2 * kp];
+                    if (2 * kp + 1 < k) pair[1] = w[n * k + 2 * kp + 1];
+                }
+                memcpy(panel + kp * PANEL_OUTPUTS + 8 * half + o, pair, sizeof pair);
+            }
+    }
+}
+
+/* mr rows (compile-time once inlined) by the panel's sixteen outputs. */
+static inline __attribute__((always_inline)) void panel_rows(
+        const int16_t* x, int64_t stride, int64_t kp_count, const int32_t* panel, int mr, float* raw,
+        int64_t n_out, int64_t valid) {
+    __m256i acc[PANEL_ROWS][2];
+    for (int r = 0; r < mr; r++) { acc[r][0] = _mm256_setzero_si256(); acc[r][1] = _mm256_setzero_si256(); }
+    for (int64_t kp = 0; kp < kp_count; kp++) {
+        __m256i w0 = _mm256_load_si256((const __m256i*)(panel + kp * PANEL_OUTPUTS));
+        __m256i w1 = _mm256_load_si256((const __m256i*)(panel + kp * PANEL_OUTPUTS + 8));
+        for (int r = 0; r < mr; r++) {
+            int32_t pair;
+            memcpy(&pair, x + r * stride + 2 * kp, sizeof pair);
+            __m256i xb = _mm256_set1_epi32(pair);
+            acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(xb, w0));
+            acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(xb, w1));
+        }
+    }
+    for (int r = 0; r < mr; r++) {
+        float sums[PANEL_OUTPUTS];
+        _mm256_storeu_ps(sums, _mm256_cvtepi32_ps(acc[r][0]));
+        _mm256_storeu_ps(sums + 8, _mm256_cvtepi32_ps(acc[r][1]));
+        memcpy(raw + r * n_out, sums, (size_t)valid * sizeof(float));
+    }
+}
+
+static void int8_gemm_packed(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out,
+                             float* raw, int nt) {
+    int64_t kp_count = (k + 1) / 2, stride = 2 * kp_count;
+    int16_t* x16 = aligned_alloc(64, (size_t)((rows * stride * 2 + 63) / 64 * 64));
+    for (int64_t m = 0; m < rows; m++) {
+        for (int64_t i = 0; i < k; i++) x16[m * stride + i] = x[m * k + i];
+        if (stride > k) x16[m * stride + k] = 0;
+    }
+    int64_t panels = (n_out + PANEL_OUTPUTS - 1) / PANEL_OUTPUTS;
+    #pragma omp parallel num_threads(nt)
+    {
+        int32_t* panel = aligned_alloc(64, (size_t)((kp_count * PANEL_OUTPUTS * 4 + 63) / 64 * 64));
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t n0 = p * PANEL_OUTPUTS;
+            int64_t valid = n_out - n0 < PANEL_OUTPUTS ? n_out - n0 : PANEL_OUTPUTS;
+            pack_panel(w, k, n_out, n0, kp_count, panel);
+            for (int64_t m0 = 0; m0 < rows; m0 += PANEL_ROWS) {
+                const int16_t* xm = x16 + m0 * stride;
+                float* out = raw + m0 * n_out + n0;
+                switch (rows - m0 < PANEL_ROWS ? rows - m0 : PANEL_ROWS) {
+                    case 1: panel_rows(xm, stride, kp_count, panel, 1, out, n_out, valid); break;
+                    case 2: panel_rows(xm, stride, kp_count, panel, 2, out, n_out, valid); break;
+                    case 3: panel_rows(xm, stride, kp_count, panel, 3, out, n_out, valid); break;
+                    case 4: panel_rows(xm, stride, kp_count, panel, 4, out, n_out, valid); break;
+                    case 5: panel_rows(xm, stride, kp_count, panel, 5, out, n_out, valid); break;
+                    default: panel_rows(xm, stride, kp_count, panel, 6, out, n_out, valid); break;
+                }
+            }
+        }
+        free(panel);
+    }
+    free(x16);
+}
+#endif
+
 /* raw[m, n] = sum_k x[m, k] * w[n, k] in int32, stored as float (rounded as oneDNN's fp32 output is).
  * x: uint8 [rows, k]; w: int8 [n_out, k]. Columns in blocks that stay in L2, rows four at a time. */
 void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out, float* raw,
                int16_t* x16, int nt) {
+#if defined(__AVX2__)
+    if (rows >= PACKED_MIN_ROWS) {
+        int8_gemm_packed(x, rows, k, w, n_out, raw, nt);
+        return;
+    }
+#endif
     for (int64_t i = 0; i < rows * k; i++) x16[i] = x[i];
     const int64_t column_block = 64;
     int64_t blocks = (n_out + column_block - 1) / column_block;

@@ -78,6 +78,20 @@ def test_int8_sums_are_exact_over_the_whole_range(quant) -> None:
     assert torch.equal(raw, (x.long() @ w.long().t()).float())
 
 
+@pytest.mark.parametrize(("rows", "k", "n"), [(16, 1000, 5), (23, 33, 37), (70, 576, 48)])
+def test_many_rows_take_the_packed_kernel_and_its_sums_are_as_exact(quant, rows: int, k: int, n: int) -> None:
+    """From 16 rows the weights are widened into panels and each row's pairs broadcast against them
+    (odd k, outputs past a panel, rows past a tile): the same exact sums, extremes included."""
+    torch.manual_seed(rows)
+    x = torch.randint(0, 256, (rows, k), dtype=torch.uint8)
+    x[0] = 255
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    w[1] = -128
+    raw = quant.int8_gemm(x, w)
+    assert torch.equal(raw, (x.long() @ w.long().t()).float())
+    assert torch.equal(raw[:3], quant.int8_gemm(x[:3], w))  # the few-row kernel: the same bits
+
+
 @pytest.mark.parametrize("mode", [SYMMETRIC_PER_ROW, ASYMMETRIC_PER_ROW])
 def test_rows_quantize_as_compressed_tensors_defines_it(quant, mode: int) -> None:
     torch.manual_seed(mode)
