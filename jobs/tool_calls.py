@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,22 +92,28 @@ def openai_tool_request(body: Mapping[str, Any], where: str = "body") -> ToolReq
         if choice not in (None, "none", "auto"):
             raise ToolProblem(f"{where}.tool_choice {_shown(choice)} needs {where}.tools")
         return None
+    request = ToolRequest(_functions(tools, where, _openai_function), parallel=parallel)
+    return _with_openai_choice(request, choice, f"{where}.tool_choice")
+
+
+def _functions(tools: Any, where: str, read: Callable[[Any, str], Function]) -> tuple[Function, ...]:
+    """Each of a request's tools read by `read` (one API's shape), checked as a set."""
     if not isinstance(tools, list):
         raise ToolProblem(f"{where}.tools must be a list of tools")
-    functions = []
-    for position, tool in enumerate(tools):
-        here = f"{where}.tools[{position}]"
-        if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
-            kind = tool.get("type") if isinstance(tool, Mapping) else None
-            raise ToolProblem(f"{here} is {_shown(kind)}: only function tools "
-                              '({"type": "function", "function": {...}}) run here')
-        function = tool.get("function")
-        if not isinstance(function, Mapping):
-            raise ToolProblem(f"{here}.function must be an object with a name")
-        functions.append(_function(function.get("name"), function.get("description"),
-                                   function.get("parameters"), f"{here}.function"))
-    request = ToolRequest(tuple(_unique(functions, f"{where}.tools")), parallel=parallel)
-    return _with_openai_choice(request, choice, f"{where}.tool_choice")
+    functions = [read(tool, f"{where}.tools[{position}]") for position, tool in enumerate(tools)]
+    return tuple(_unique(functions, f"{where}.tools"))
+
+
+def _openai_function(tool: Any, here: str) -> Function:
+    if not isinstance(tool, Mapping) or tool.get("type", "function") != "function":
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        raise ToolProblem(f"{here} is {_shown(kind)}: only function tools "
+                          '({"type": "function", "function": {...}}) run here')
+    function = tool.get("function")
+    if not isinstance(function, Mapping):
+        raise ToolProblem(f"{here}.function must be an object with a name")
+    return _function(function.get("name"), function.get("description"), function.get("parameters"),
+                     f"{here}.function")
 
 
 def _with_openai_choice(request: ToolRequest, choice: Any, where: str) -> ToolRequest:
@@ -128,22 +134,7 @@ def anthropic_tool_request(params: Mapping[str, Any], where: str = "params") -> 
         if choice is not None and not harmless:
             raise ToolProblem(f"{where}.tool_choice needs {where}.tools")
         return None
-    if not isinstance(tools, list):
-        raise ToolProblem(f"{where}.tools must be a list of tools")
-    functions = []
-    for position, tool in enumerate(tools):
-        here = f"{where}.tools[{position}]"
-        if not isinstance(tool, Mapping):
-            raise ToolProblem(f"{here} must be an object")
-        kind = tool.get("type")
-        if kind not in (None, "custom"):
-            raise ToolProblem(f"{here} is the server tool {_shown(kind)}, which this server does not run; "
-                              "give client tools ({name, description, input_schema})")
-        if "input_schema" not in tool:
-            raise ToolProblem(f"{here}.input_schema is required")
-        functions.append(_function(tool.get("name"), tool.get("description"), tool.get("input_schema"), here,
-                                   schema_field="input_schema"))
-    request = ToolRequest(tuple(_unique(functions, f"{where}.tools")))
+    request = ToolRequest(_functions(tools, where, _anthropic_function))
     if choice is None:
         return request
     if not isinstance(choice, Mapping):
@@ -158,6 +149,19 @@ def anthropic_tool_request(params: Mapping[str, Any], where: str = "params") -> 
         forced = _forced(request, choice.get("name"), f"{where}.tool_choice.name")
         return ToolRequest(forced.functions, forced.choice, forced.forced, parallel)
     raise ToolProblem(f"{where}.tool_choice.type must be auto, any, tool or none, got {_shown(kind)}")
+
+
+def _anthropic_function(tool: Any, here: str) -> Function:
+    if not isinstance(tool, Mapping):
+        raise ToolProblem(f"{here} must be an object")
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise ToolProblem(f"{here} is the server tool {_shown(kind)}, which this server does not run; "
+                          "give client tools ({name, description, input_schema})")
+    if "input_schema" not in tool:
+        raise ToolProblem(f"{here}.input_schema is required")
+    return _function(tool.get("name"), tool.get("description"), tool.get("input_schema"), here,
+                     schema_field="input_schema")
 
 
 def _forced(request: ToolRequest, name: Any, where: str) -> ToolRequest:
