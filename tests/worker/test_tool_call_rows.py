@@ -54,10 +54,10 @@ def ready(hosts: ModelHosts, name: str) -> HostedModel:
     return hosted
 
 
-def chat_rows(model: str, bodies: list[dict]) -> list[Row | RowError]:
+def chat_rows(model: str, bodies: list[dict], prefix: str = "r") -> list[Row | RowError]:
     builder = OpenAIBatchRowBuilder(JobSpec(model=model, input_uri="s3://b/in.jsonl"))
     return [builder.build(Line(number, number + 1, b""), {
-        "custom_id": f"r{number}", "url": "/v1/chat/completions",
+        "custom_id": f"{prefix}{number}", "url": "/v1/chat/completions",
         "body": {"messages": [{"role": "user", "content": f"Question {number}?"}], "temperature": 0,
                  "max_tokens": 96, **body}}) for number, body in enumerate(bodies)]
 
@@ -148,3 +148,23 @@ def test_anthropic_thinking_is_returned_only_when_asked(hosts: ModelHosts) -> No
     shown, hidden = run(ready(hosts, "thinker"), [asked, unasked])
     assert shown.reasoning is not None and shown.reasoning_tokens > 0
     assert hidden.reasoning is None  # enable_thinking off: Qwen3's template closes an empty block
+
+
+def test_identical_rows_share_a_run_but_each_has_its_own_call_ids(hosts: ModelHosts) -> None:
+    """Greedy rows with the same prompt run once (deduplication), in the same window or a later one;
+    each copy's calls get the copy's own ids."""
+    hosted = ready(hosts, "tiny")
+    body = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+            "messages": [{"role": "user", "content": "Same question?"}]}
+    first_rows, later_rows = chat_rows("tiny", [body, body]), chat_rows("tiny", [body], prefix="later")
+    known: dict[bytes, int] = {}
+    first = EngineRun(hosted, first_rows, known=known)
+    first.wait(300)
+    first_outputs = first.outputs()
+    later = EngineRun(hosted, later_rows, known=known, offset=len(first_rows))
+    later.wait(300)
+    [copy] = later.outputs(earlier=first_outputs)
+    rows = [*first_outputs, copy]
+    assert [row.deduplicated for row in rows] == [False, True, True]
+    assert len({row.tool_calls[0].id for row in rows}) == 3
+    assert len({json.dumps(row.tool_calls[0].arguments) for row in rows}) == 1

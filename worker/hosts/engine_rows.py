@@ -379,14 +379,18 @@ class PreparedBatch:
             result_at[entry.position], lora_at[entry.position] = result, lora
             entry_at[entry.position] = entry
         for position, row, source in self._copies:
+            # The copy's own plan: whether its thinking is shown is its request's (an Anthropic
+            # request that did not ask may share a prompt with one that did).
+            plan = dataclasses.replace(entry_at[source].plan, hide_reasoning=row.hide_reasoning)
             copy = output_row(row, result_at[source], expired, self._renderer, lora_at[source],
-                              entry_at[source].prompt_format, entry_at[source].plan)
+                              entry_at[source].prompt_format, plan)
             outputs[position] = dataclasses.replace(copy, deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         for position, row, source in self._earlier_copies:
             outputs[position] = dataclasses.replace(earlier[source], index=row.index, row_id=row.row_id,
                                                     passthrough=row.passthrough, line=row.line,
                                                     echo_prompt=row.prompt if row.echo else None,
+                                                    choices=_choices_for(row, earlier[source].choices),
                                                     deduplicated=True, engine_seconds=0.0,
                                                     drafted_per_position=(), accepted_per_position=())
         return [output for output in outputs if output is not None]
@@ -456,6 +460,14 @@ def _read_choices(row: Row, choices: list[Choice], token_ids: dict[int, list[int
         read.append(dataclasses.replace(choice, text=answer.text, reasoning=answer.reasoning,
                                         tool_calls=calls, finish_reason=finish))
     return read, spent, problem
+
+
+def _choices_for(row: Row, choices: tuple[Choice, ...]) -> tuple[Choice, ...]:
+    """Another row's samples as this row's: its own call ids, and its thinking only where it asked."""
+    return tuple(dataclasses.replace(
+        choice, reasoning=None if row.hide_reasoning else choice.reasoning,
+        tool_calls=tuple(dataclasses.replace(call, id=call_id(row.row_id, choice.index, number))
+                         for number, call in enumerate(choice.tool_calls))) for choice in choices)
 
 
 def call_id(row_id: str, choice: int, number: int) -> str:
