@@ -21,7 +21,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from bulkinfer.jobs.embedding import base64_vector, vector_from_base64
-from bulkinfer.jobs.formats.output import Choice, OutputRow, PositionLogprobs, PromptLogprobs, TokenLogprob
+from bulkinfer.jobs.formats.output import (
+    Choice,
+    OutputRow,
+    PositionLogprobs,
+    PromptLogprobs,
+    TokenLogprob,
+    ToolCall,
+)
 from bulkinfer.jobs.formats.readers import read_shard_rows
 from bulkinfer.jobs.formats.rows import Row
 from bulkinfer.jobs.lora_adapters import UnknownAdapter
@@ -135,7 +142,8 @@ def load_outputs(data: bytes) -> dict[int, OutputRow]:
 
 
 def _output_row(fields: dict[str, Any]) -> OutputRow:
-    choices = tuple(Choice(**{**choice, "logprobs": _positions(choice.get("logprobs"))})
+    choices = tuple(Choice(**{**choice, "logprobs": _positions(choice.get("logprobs")),
+                              "tool_calls": tuple(ToolCall(**call) for call in choice.get("tool_calls", ()))})
                     for choice in fields.get("choices") or ())
     embeddings = fields.get("embeddings")
     if embeddings is not None:

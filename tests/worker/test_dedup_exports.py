@@ -128,3 +128,21 @@ def test_a_copy_keeps_the_stop_string_that_ended_its_source() -> None:
 
     assert loaded[0].choices == outputs[0].choices
     assert [choice.stop_reason for choice in loaded[0].choices] == ["END", 7]
+
+
+def test_a_copy_keeps_its_sources_calls_and_thinking() -> None:
+    """Cross-shard copies read calls and thinking back from the exports as the source wrote them."""
+    import dataclasses
+
+    from bulkinfer.jobs.formats.output import Choice, ToolCall
+    from bulkinfer.jobs.planning.job_dedup import dump_outputs, load_outputs
+    from bulkinfer.jobs.sampling import JobSampling
+
+    row = Row(0, "r0", None, [{"role": "user", "content": "Weather?"}], JobSampling(), None)
+    call = ToolCall("call_1", "get_weather", {"city": "Oslo", "days": [1, 2]})
+    source = OutputRow.with_choices(row, [Choice(0, "", "tool_calls", reasoning="Oslo.", tool_calls=(call,))],
+                                    prompt_tokens=9, cached_tokens=0, completion_tokens=20)
+    outputs = {0: dataclasses.replace(source, reasoning_tokens=6)}
+    [loaded] = load_outputs(dump_outputs(outputs)).values()
+    assert loaded.choices == outputs[0].choices and loaded.tool_calls == (call,)
+    assert (loaded.reasoning, loaded.reasoning_tokens) == ("Oslo.", 6)
