@@ -173,6 +173,28 @@ def test_openai_batch_in_and_out(tiny_checkpoint: Path, tmp_path: Path,
     assert duplicate["error"]["code"] == "duplicate_custom_id"
 
 
+def test_a_run_offers_tools_in_the_format_its_settings_give_the_model(
+        tiny_checkpoint: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--tool-call-formats` with one entry gives the run's model its format (tiny's template has
+    none): a forced call comes back as OpenAI's tool_calls, its arguments held to the schema."""
+    schema = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+              "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": schema}}]
+    line = {"custom_id": "c", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "gpt-x", "messages": [{"role": "user", "content": "Time?"}], "tools": tools,
+                     "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 60,
+                     "temperature": 0}}
+    out = tmp_path / "results.jsonl"
+    code, _, stderr = _run(capsys, _write_jsonl(tmp_path / "batch.jsonl", [line]), "-o", out, "--model",
+                           tiny_checkpoint, "--tool-call-formats", '{"tiny": "hermes"}')
+    assert code == 0, stderr
+    [result] = [json.loads(text) for text in out.read_text().splitlines()]
+    [choice] = result["response"]["body"]["choices"]
+    [call] = choice["message"]["tool_calls"]
+    assert choice["finish_reason"] == "tool_calls" and call["function"]["name"] == "get_time"
+    assert json.loads(call["function"]["arguments"])["zone"] in ("UTC", "CET")
+
+
 def test_a_bad_model_or_mapping_is_a_usage_error(tiny_checkpoint: Path, tmp_path: Path,
                                                  capsys: pytest.CaptureFixture[str]) -> None:
     source = _write_jsonl(tmp_path / "in.jsonl", [{"q": "x"}])
