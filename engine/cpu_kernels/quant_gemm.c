@@ -264,10 +264,11 @@ static inline __attribute__((always_inline)) void panel_rows(
     }
 }
 
+/* x16: the caller's scratch of rows * k int16 (a fresh buffer where k is odd: rows take k + 1). */
 static void int8_gemm_packed(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out,
-                             float* raw, int nt) {
+                             float* raw, int16_t* scratch, int nt) {
     int64_t kp_count = (k + 1) / 2, stride = 2 * kp_count;
-    int16_t* x16 = aligned_alloc(64, (size_t)((rows * stride * 2 + 63) / 64 * 64));
+    int16_t* x16 = stride == k ? scratch : aligned_alloc(64, (size_t)((rows * stride * 2 + 63) / 64 * 64));
     for (int64_t m = 0; m < rows; m++) {
         for (int64_t i = 0; i < k; i++) x16[m * stride + i] = x[m * k + i];
         if (stride > k) x16[m * stride + k] = 0;
@@ -296,7 +297,7 @@ static void int8_gemm_packed(const uint8_t* x, int64_t rows, int64_t k, const in
         }
         free(panel);
     }
-    free(x16);
+    if (x16 != scratch) free(x16);
 }
 #endif
 
@@ -306,7 +307,7 @@ void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64
                int16_t* x16, int nt) {
 #if defined(__AVX2__)
     if (rows >= PACKED_MIN_ROWS) {
-        int8_gemm_packed(x, rows, k, w, n_out, raw, nt);
+        int8_gemm_packed(x, rows, k, w, n_out, raw, x16, nt);
         return;
     }
 #endif
