@@ -4,10 +4,13 @@
   engine encodes text, chat messages through the model's chat template), its merged sampling and
   `response_format` become `engine.SamplingParams` (`engine_sampling`: every job knob has an engine
   field of the same name, vLLM's; a `json_schema` format becomes the engine's `json_schema`, a
-  `json_object` one `True`), and a batch of rows is readied for the engine (`PreparedBatch`).
+  `json_object` one `True`), and a batch of rows is readied for the engine (`PreparedBatch`). A row
+  with tools, or on a thinking model, gets a `ChatPlan` as it is rendered (worker/tools/): its tools
+  in the model's format, where its thinking starts, the structural tag that holds its output.
 - Rows out: an engine `RequestOutput` becomes a job `OutputRow` (`output_row`: one choice per
-  sample, logprobs in the jobs' form), and an engine rejection the row error its `error_kind` maps
-  to (`ROW_CODES`: the one table between the engine's codes and the jobs').
+  sample, logprobs in the jobs' form, thinking and calls read apart by the row's plan), and an
+  engine rejection the row error its `error_kind` maps to (`ROW_CODES`: the one table between the
+  engine's codes and the jobs').
 - In between: `EngineRun` submits a batch to a hosted engine, waits, and collects every row's
   outcome in input order; the shard runner (`worker/hosts/row_window.py`, a window of rows at a time) and
   `bulkinfer run` both go through it.
