@@ -24,6 +24,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bulkinfer.benchmarks.vllm_compare import VllmRunError
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 TARGETS = {("W8A8", "bf16", "prefill"): 1.6, ("W8A8", "vllm", "prefill"): 1.25,
@@ -94,9 +98,9 @@ def time_workloads(model: str, loads: list[Workload], rounds: int,
     return best, ran
 
 
-def first_error(error: Exception) -> str:
-    """The first `…Error: …` line of a failed vLLM run's log (its message names the log)."""
-    log = Path(str(error).rsplit("its output: ", 1)[-1])
+def first_error(error: VllmRunError) -> str:
+    """The first `…Error: …` line of a failed vLLM run's log."""
+    log = Path(error.log_path)
     lines = log.read_text(errors="replace").splitlines() if log.is_file() else []
     found = next((line.split("] ", 1)[-1] for line in lines if "Error: " in line), str(error))
     return found.strip()[:200]

@@ -24,7 +24,11 @@ SIDE_SCRIPT = Path(__file__).with_name("vllm_side.py")
 
 
 class VllmRunError(RuntimeError):
-    """The vLLM child process failed; the message names its log."""
+    """The vLLM child process failed; the message names its log (`log_path`)."""
+
+    def __init__(self, message: str, log_path: Path) -> None:
+        super().__init__(message)
+        self.log_path = log_path
 
 
 @dataclass
@@ -130,7 +134,7 @@ class VllmSession:
                     self._child.kill()
                     self._child.wait()
                 what = f"exited with {code}" if code is not None else f"took over {self.timeout_s:.0f} s"
-                raise VllmRunError(f"vLLM ({self.dtype}) {what}; its output: {self.log_path}")
+                raise VllmRunError(f"vLLM ({self.dtype}) {what}; its output: {self.log_path}", self.log_path)
             time.sleep(0.05)
         return json.loads(path.read_text())
 

@@ -67,15 +67,12 @@ class ToolFormat:
 
     def text_or_calls(self, tags: list[JsonFormat], parallel: bool) -> JsonFormat:
         """Free text, and once the trigger is written, calls held to their functions."""
-        several = parallel and self.parallel
-        if self.list_begin:
-            listed = {"type": "tags_with_separator", "tags": tags, "separator": self.separator,
-                      "at_least_one": True, "stop_after_first": not several}
-            triggered = [{"type": "tag", "begin": self.list_begin, "end": self.list_end, "content": listed}]
-            return {"type": "triggered_tags", "triggers": [self.trigger], "tags": triggered,
+        if self.list_begin:  # one list of calls, opened by the trigger: `calls` is that list's tag
+            listed = self.calls(tags, parallel)
+            return {"type": "triggered_tags", "triggers": [self.trigger], "tags": [listed],
                     "stop_after_first": True}
         return {"type": "triggered_tags", "triggers": [self.trigger], "tags": tags,
-                "stop_after_first": not several}
+                "stop_after_first": not (parallel and self.parallel)}
 
     def text_only(self) -> JsonFormat:
         """Free text that never starts a call (`tool_choice: none`)."""
