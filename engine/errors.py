@@ -19,6 +19,7 @@ class ErrorKind(enum.StrEnum):
     # grammar rejected the model's token.
     STRUCTURED_OUTPUT = "structured_output"
     NON_FINITE_LOGITS = "non_finite_logits"  # NaN/inf logits: a numerical fault of the model or dtype
+    INVALID_IMAGE = "invalid_image"  # an image that cannot be read, or a model that takes none
     ENGINE_FAILURE = "engine_failure"  # the engine itself failed while running the request
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from bulkinfer.engine.block_pool import NULL_BLOCK_ID, BlockPool, KVBlock
+from bulkinfer.engine.multimodal.block_keys import image_block_keys
 from bulkinfer.engine.prefix_hash import BlockHash, extend_block_hashes
 from bulkinfer.engine.request import Request, RequestStatus
 
@@ -80,7 +81,8 @@ class KVCacheManager:
         """Hashes of the request's full blocks, hashing only blocks that filled since the last call."""
         if self.enable_prefix_caching:
             extend_block_hashes(
-                request.block_hashes, request.all_token_ids, self.block_size, self._extra_keys(request)
+                request.block_hashes, request.all_token_ids, self.block_size, self._extra_keys(request),
+                image_block_keys(request.mm_items, self.block_size) if request.mm_items else None,
             )
         return request.block_hashes
 

@@ -42,6 +42,9 @@ from bulkinfer.engine.models.loader import (
     load_model,
     model_config_from_dir,
 )
+from bulkinfer.engine.multimodal.engine_images import ImageInputs, no_images
+from bulkinfer.engine.multimodal.images import ImageError, ImageLike
+from bulkinfer.engine.multimodal.inputs import MultiModalItem, MultiModalPrompt
 from bulkinfer.engine.output_assembly import (
     OutputAssembler,
     Parent,
@@ -188,6 +191,12 @@ class LLMEngine:
         self._penalty_ids: set[str] = set()  # live samples with penalties (drafts cannot run ahead of them)
         self._assembler = OutputAssembler(self.tokenizer)
         self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
+        # A model that takes images: its processor and encoder cache (None: text only).
+        self.images = ImageInputs.for_model(config.model, self.model, self.tokenizer)
+        if self.images is not None:
+            if self.parallel is not None:
+                raise ValueError("a vision-language model runs on one rank (tensor_parallel_size 1)")
+            self.runner.encoder_cache = self.scheduler.encoder_cache = self.images.cache
 
     def _load_model(self, config: EngineConfig, model_config: Any,
                     kernels: Any) -> tuple[SpeculativeConfig | None, DraftModel | None, int]:
@@ -234,29 +243,54 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
+    def process_prompt(self, prompt: str | Sequence[int], images: Sequence[ImageLike],
+                       details: Sequence[str | None] | None = None) -> MultiModalPrompt:
+        """A prompt with its images (one placeholder token each, as the chat template writes it)
+        expanded for the model: what `add_request` takes. Safe to call from any thread (image decoding
+        and resizing then stay off the engine's loop); raises ImageError naming the problem."""
+        if self.images is None:
+            raise no_images(self.config.model)
+        token_ids, error = self._tokenize(prompt)
+        if error is not None:
+            raise ImageError(error)
+        return self.images.prompt(token_ids, images, details)
+
     def add_request(
         self,
         request_id: str,
-        prompt: str | Sequence[int],
+        prompt: str | Sequence[int] | MultiModalPrompt,
         params: SamplingParams | None = None,
         priority: int = 0,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        images: Sequence[ImageLike] | None = None,
     ) -> None:
         """Queue a request. ``arrival_time`` is ``time.monotonic()`` seconds (default: now).
         ``cache_salt``: the request reuses (and leaves) prefix-cache blocks only for requests with
         the same salt, so one user's prompts neither hit nor reveal another's (None: unsalted).
         ``lora_request``: the adapter it runs with (None: the base model); an adapter that cannot
         be served raises LoRAAdapterError, and any adapter on an engine without ``enable_lora``
-        ValueError."""
+        ValueError. ``images``: the prompt's images (PIL images, bytes, paths or data: URLs), one per
+        placeholder; or pass a prompt from ``process_prompt``. A bad image fails the request alone."""
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         lora_digest = self.load_lora(lora_request).digest if lora_request is not None else None
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
+        mm_items: tuple[MultiModalItem, ...] = ()
+        image_problem = None
+        if images:
+            try:
+                prompt = self.process_prompt(prompt, images)  # type: ignore[arg-type]
+            except ImageError as image_error:
+                prompt, image_problem = [], str(image_error)
+        if isinstance(prompt, MultiModalPrompt):
+            prompt, mm_items = prompt.token_ids, prompt.items
         token_ids, error = self._tokenize(prompt)
         kind = ErrorKind.INVALID_PROMPT if error is not None else None
+        if image_problem is not None:
+            kind, error = ErrorKind.INVALID_IMAGE, image_problem
         arrival = time.monotonic() if arrival_time is None else arrival_time
         params_error = _params_error(params)  # the one place SamplingParams are validated
         if error is None and params_error is not None:
@@ -279,6 +313,7 @@ class LLMEngine:
                 sample_index=i,
                 lora_request=lora_request,
                 lora_digest=lora_digest,
+                mm_items=mm_items,
             )
             for i in range(n if error is None else 1)
         ]

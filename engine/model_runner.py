@@ -36,6 +36,8 @@ from bulkinfer.engine.kv_memory import allocate_kv_caches, populate_kv_caches
 from bulkinfer.engine.lora.rows import NO_ADAPTER
 from bulkinfer.engine.mixed_graphs import MixedGraphs
 from bulkinfer.engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
+from bulkinfer.engine.multimodal.step_embeds import ImageChunk, StepImageEmbeds, step_image_embeds
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
@@ -100,6 +102,8 @@ class ModelRunner:
         self.parallel: TensorParallelGroup | None = None
         # Set by the engine with enable_lora: the adapters' slots each row's LoRA slot comes from.
         self.lora: LoRAManager | None = None
+        # Set by the engine for a model that takes images: encoder outputs by image digest.
+        self.encoder_cache: EncoderCache | None = None
         # Under tensor parallel every rank builds the same step from the same rows, so each takes the
         # same padded shape (graph or eager) in the same order: their collectives pair up.
         self.tensor_parallel_size = config.tensor_parallel_size
@@ -283,12 +287,21 @@ class ModelRunner:
         batch = prepare_rows(step.rows, self.block_size, self.device, step.decodes, step.units,
                              self.block_tables if columns else None)
         filled = None
+        if batch is not None and step.image_rows:
+            batch.image_embeds = self._image_embeds(step, batch)
         if batch is not None:
             batch.score_spans = step.spans
             places = step.column_placeholders + [(batch.row_ends[i] - 1, r) for i, r in step.placeholders]
             if places:
                 filled = PlaceholderInputs([flat for flat, _ in places], [r for _, r in places])
         return PreparedStep(batch, step.rows, output.kv_loads, filled)
+
+    def _image_embeds(self, step: StepRows, batch: StepBatch) -> StepImageEmbeds | None:
+        """The encoder rows of the step's image tokens, at their flat positions."""
+        assert self.encoder_cache is not None, "image rows on a model without an image encoder"
+        chunks = [ImageChunk(items, start, end, batch.row_ends[row] - len(step.rows[row].token_ids))
+                  for row, items, start, end in step.image_rows]
+        return step_image_embeds(chunks, self.model, self.encoder_cache, self.device)
 
     @torch.inference_mode()
     def forward_prepared(self, prepared: PreparedStep, previous: SampledStep | None = None) -> StepResult:
@@ -341,7 +354,8 @@ class ModelRunner:
     def forward_batch(self, batch: StepBatch) -> StepResult:
         """The sampled rows' logits of a prepared batch, and its scored prompt positions'."""
         # Graphs hold no LoRA update: a step with adapter rows runs eagerly.
-        graphs = self._decode_graphs() if not batch.num_scored and batch.lora_slots is None else None
+        graphs = self._decode_graphs() if not batch.num_scored and batch.lora_slots is None \
+            and batch.image_embeds is None else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             mixed = self._mixed_graphs() if logits is None else None
@@ -455,8 +469,9 @@ class ModelRunner:
                     units.append(len(decodes))
                     decodes.add(request.request_id, chunk.block_ids, chunk.start + j, token, True, solo=True)
                 continue
+            in_prompt = chunk.start < request.num_prompt_tokens
             if decodes is not None and chunk.num_new_tokens == 1 and not chunk.spec_token_ids \
-                    and (not invariant or chunk.start >= request.num_prompt_tokens) \
+                    and (not (invariant or request.mm_items) or not in_prompt) \
                     and not request.needs_prompt_logprobs:
                 assert units is not None
                 known = chunk.start < len(request.all_token_ids)
@@ -479,6 +494,8 @@ class ModelRunner:
                 span = score_span(chunk)
                 if span is not None:
                     step.spans.append(span)
+                if request.mm_items and in_prompt:  # its first row starts at chunk.start in every case
+                    step.image_rows.append((len(rows), request.mm_items, chunk.start, end))
                 if invariant:
                     rows.extend(invariant_rows(chunk, lora, (span.offset, span.count) if span else None))
                 else:

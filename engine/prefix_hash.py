@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NewType
 
 BlockHash = NewType("BlockHash", bytes)
@@ -38,11 +38,16 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     extra_keys: Sequence[str] = (),
+    block_keys: Callable[[int], Sequence[str]] | None = None,
 ) -> None:
-    """Append the hashes of full blocks of `token_ids` not hashed yet (each block is hashed once)."""
+    """Append the hashes of full blocks of `token_ids` not hashed yet (each block is hashed once).
+    `block_keys(index)`: keys of that block alone (the images whose tokens it holds)."""
     num_full_blocks = len(token_ids) // block_size
     for index in range(len(block_hashes), num_full_blocks):
         parent = block_hashes[index - 1] if index > 0 else None
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
-        block_hashes.append(hash_block_tokens(parent, block_tokens, extra_keys if index == 0 else ()))
+        keys = tuple(extra_keys) if index == 0 else ()
+        if block_keys is not None:
+            keys = (*keys, *block_keys(index))
+        block_hashes.append(hash_block_tokens(parent, block_tokens, keys))

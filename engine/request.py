@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from bulkinfer.engine.errors import ErrorKind
 from bulkinfer.engine.lora.request import LoRARequest
+from bulkinfer.engine.multimodal.inputs import MultiModalItem
 from bulkinfer.engine.prefix_hash import BlockHash
 from bulkinfer.engine.sampling_params import SamplingParams
 
@@ -65,6 +66,8 @@ class Request:
     # The adapter's content digest (set by LLMEngine when it loads the adapter): its KV blocks' key,
     # so replaced adapter files never match blocks of the old ones (engine/lora/identity.py).
     lora_digest: str | None = None
+    # The prompt's images (engine/multimodal/inputs.py): their spans take encoder rows, not token embeddings.
+    mm_items: tuple[MultiModalItem, ...] = ()
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync

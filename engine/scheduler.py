@@ -21,6 +21,7 @@ from bulkinfer.engine.errors import ErrorKind
 from bulkinfer.engine.kv_cache_manager import KVCacheManager
 from bulkinfer.engine.kv_connector.connector import NOTHING, KVConnector, KVLoad, LoadDecision
 from bulkinfer.engine.lora.admission import LoRAAdmission
+from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
 from bulkinfer.engine.prefix_hash import BlockHash
 from bulkinfer.engine.request import FinishReason, Request, RequestStatus
 
@@ -165,6 +166,7 @@ class _StepBudget:
     def __init__(self, token_budget: int) -> None:
         self.token_budget = token_budget
         self.output = SchedulerOutput()
+        self.encoded_images: set[str] = set()  # digests whose encoder work this step is charged
 
     def add(self, request: Request, num_new_tokens: int, spec_token_ids: tuple[int, ...] = ()) -> None:
         self.output.chunks.append(ScheduledChunk.of(request, num_new_tokens, spec_token_ids))
@@ -211,6 +213,8 @@ class Scheduler:
         # Set by the engine: False for a waiting request that may not start yet (its grammar is
         # still compiling). It is skipped, keeping its place, and the requests behind it run.
         self.can_admit: Callable[[Request], bool] | None = None
+        # A model that takes images: encoder outputs already computed (their work is not charged again).
+        self.encoder_cache: EncoderCache | None = None
         # At most max_loras adapters among running requests (engine/lora/admission.py).
         self.lora_admission = LoRAAdmission(config.max_loras) if config.enable_lora else None
         # Set by the engine with a KV store: prefix blocks fetched from it (engine/kv_connector/).
@@ -457,6 +461,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens_incl_placeholders - request.num_computed_tokens,
                           step.token_budget)
+            if request.mm_items and request.num_computed_tokens < request.num_prompt_tokens:
+                num_new = self._fit_encoder_work(request, request.num_computed_tokens, num_new, step)
             spec = self._drafts_that_fit(request, num_new, step.token_budget) \
                 if request.spec_token_ids else ()
             if spec and self.kv_cache_manager.allocate_slots(request, num_new + len(spec)) is None:
@@ -467,6 +473,23 @@ class Scheduler:
                 self._note_blocks_in_flight(request, num_new, step)
             step.add(request, num_new + len(spec), spec)
             index += 1
+
+    def _fit_encoder_work(self, request: Request, start: int, num_new: int, step: _StepBudget) -> int:
+        """Charge the encoder work of the chunk's images that are not cached (their encoder rows)
+        to the step's budget; a chunk that is not the step's first stops before an image whose work
+        does not fit, which then starts the next step's chunk."""
+        cache = self.encoder_cache
+        charged: set[str] = step.encoded_images
+        for item in request.mm_items:
+            if not (item.offset < start + num_new and item.end > start):
+                continue
+            if item.digest in charged or (cache is not None and item.digest in cache):
+                continue
+            if step.output.chunks and item.offset > start and num_new + item.num_embeds > step.token_budget:
+                return item.offset - start
+            charged.add(item.digest)
+            step.token_budget -= item.num_embeds
+        return num_new
 
     def _ends_in_flight(self, request: Request) -> bool:
         """Whether the tokens still being sampled for the request take it to max_tokens or
@@ -588,6 +611,8 @@ class Scheduler:
             num_loaded = len(loads.blocks) * self.config.block_size
             # chunked prefill
             num_new = min(request.num_tokens - num_computed - num_loaded, step.token_budget)
+            if request.mm_items:
+                num_new = self._fit_encoder_work(request, num_computed + num_loaded, num_new, step)
             growth = self._growth_blocks(request, len(computed_blocks) + len(loads.blocks))
             spoken_for = self._growth_reserve(request.priority) if by_priority else reserve
             if self.running and growth + spoken_for > self.kv_cache_manager.num_free_blocks:

@@ -20,6 +20,8 @@ from bulkinfer.engine.device_step import PlaceholderInputs
 from bulkinfer.engine.kv_connector.connector import KVLoad
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
 from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
+from bulkinfer.engine.multimodal.inputs import MultiModalItem
+from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan
 from bulkinfer.engine.scheduler import ScheduledChunk
@@ -55,15 +57,19 @@ class StepBatch:
     lora_slots: torch.Tensor | None = None
     # Each given row's end in the flat batch (exclusive), in the rows' own order.
     row_ends: list[int] = field(default_factory=list)
+    # Image encoder rows in place of image tokens' embeddings (engine/multimodal/step_embeds.py).
+    image_embeds: StepImageEmbeds | None = None
 
     def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Forward the batch: the final hidden states of its sampled positions, in their order."""
         model.step_rows.lora = LoRARows(self.lora_slots) if self.lora_slots is not None else None
+        model.step_rows.images = self.image_embeds
         try:
             hidden = model(self.input_ids, self.positions, self.metadata, kv_caches,
                            final_rows=self.final_rows)
         finally:
             model.step_rows.lora = None  # other forwards (profiling, probes) run the base model
+            model.step_rows.images = None
         if self.final_rows is None:
             return hidden[self.sample_rows]
         return hidden[self.final_rows.order]
@@ -80,6 +86,8 @@ class StepRows:
     decodes: DecodeColumns | None = None  # plain decode rows as columns (the persistent batch)
     units: list[int] | None = None  # the rows' own order over columns (d) and rows (~r)
     column_placeholders: list[tuple[int, str]] = field(default_factory=list)
+    # (row index, the request's images, prompt start, end) of rows that compute image positions.
+    image_rows: list[tuple[int, tuple[MultiModalItem, ...], int, int]] = field(default_factory=list)
 
 
 def known_tokens(tokens: Sequence[int], start: int, end: int) -> list[int]:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps
     from bulkinfer.engine.lora.rows import LoRARows
     from bulkinfer.engine.lora.slots import LoRASlots
+    from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds
 
 
 class UnsupportedModelError(ValueError):
@@ -241,6 +242,8 @@ class StepRows:
     every_row: bool = False
     # The step's LoRA rows (engine/lora/rows.py), set by the model runner; None: no row has an adapter.
     lora: LoRARows | None = None
+    # Image encoder rows for the step's image tokens (engine/multimodal/step_embeds.py); None: none.
+    images: StepImageEmbeds | None = None
 
 
 @dataclass(frozen=True)
@@ -569,14 +572,17 @@ class LlamaForCausalLM(nn.Module):
         self.step_rows.single = metadata.num_decodes
         lora = self.step_rows.lora
         # A step with adapter rows runs here where decode_layers.c has the adapters' slots.
+        images = self.step_rows.images
         if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.fixed_shape \
-                and (lora is None or self.native_decode.has_lora):
+                and (lora is None or self.native_decode.has_lora) and images is None:
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches,
                                                 lora.slots if lora is not None else None)
             if layers_out is not None:
                 hidden = self.norm(*layers_out)[0]
                 return hidden if final_rows is None else hidden.index_select(0, final_rows.rows)
         hidden = self.embed_tokens(input_ids)
+        if images is not None:
+            hidden.index_copy_(0, images.flat_index, images.embeds.to(hidden.dtype))
         rope = self.rotary(positions, hidden.dtype)
         residual = None
         layers = self.layers if num_layers is None else self.layers[:num_layers]

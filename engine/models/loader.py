@@ -17,6 +17,7 @@ from safetensors import safe_open
 
 from bulkinfer.engine.attention import AttentionBackend
 from bulkinfer.engine.models.gemma3 import Gemma3ForCausalLM
+from bulkinfer.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from bulkinfer.engine.models.llama import (
     LlamaFamilyConfig,
     LlamaForCausalLM,
@@ -44,6 +45,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).

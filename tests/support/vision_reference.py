@@ -1,0 +1,65 @@
+"""transformers' Idefics3 as the reference for the engine's vision tests: its processor (the prompt
+span and pixels) and its model (greedy tokens) over a random checkpoint of engine/vision_checkpoints.py."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from bulkinfer.engine.vision_checkpoints import image_seq_len
+
+
+def picture(seed: int, height: int, width: int) -> Image.Image:
+    """A deterministic RGB noise image."""
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+@functools.lru_cache(maxsize=2)
+def hf_processor(model_dir: str, preset: str = "tiny") -> Any:
+    from transformers import AutoTokenizer, Idefics3ImageProcessorPil, Idefics3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return Idefics3Processor(Idefics3ImageProcessorPil.from_pretrained(model_dir), tokenizer,
+                             image_seq_len=image_seq_len(preset), chat_template=tokenizer.chat_template)
+
+
+@functools.lru_cache(maxsize=4)
+def hf_vision_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import Idefics3ForConditionalGeneration
+
+    return Idefics3ForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def chat_text(model_dir: str, question: str, num_images: int = 1) -> str:
+    """SmolVLM's chat prompt for one user turn: the images first, then the question."""
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return hf_processor(model_dir).apply_chat_template([{"role": "user", "content": content}],
+                                                       add_generation_prompt=True)
+
+
+def hf_inputs(model_dir: str, text: str, images: list[Image.Image], **kwargs: Any) -> dict[str, torch.Tensor]:
+    return dict(hf_processor(model_dir)(text=text, images=images or None, return_tensors="pt", **kwargs))
+
+
+def hf_logits(model_dir: str, text: str, images: list[Image.Image], tokens: list[int],
+              dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' logits at the positions that predict `tokens` after the prompt (teacher forcing:
+    where the engine's greedy tokens are these rows' argmax, transformers' greedy decoding gives them)."""
+    inputs = hf_inputs(model_dir, text, images)
+    prompt = inputs["input_ids"]
+    inputs["input_ids"] = torch.cat([prompt, torch.tensor([tokens])], dim=1)
+    inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    with torch.inference_mode():
+        logits = hf_vision_model(model_dir, dtype)(**inputs).logits[0]
+    return logits[prompt.shape[1] - 1:-1].float()
+
+
+def hf_greedy_check(model_dir: str, text: str, images: list[Image.Image], tokens: list[int]) -> list[int]:
+    """transformers' fp32 argmax at each of `tokens`' positions (compare with `tokens`)."""
+    return hf_logits(model_dir, text, images, tokens).argmax(dim=-1).tolist()
