@@ -3,7 +3,11 @@
 Messages are checked and normalized before the template sees them, so every template gets the same
 simple shape: `{"role": str, "content": str, ...}`. Content may be a string, a list of OpenAI text parts
 (`{"type": "text", "text": ...}`, joined with "\\n" as vLLM does) or null (an assistant message that only
-calls tools: rendered as ""). Other parts (images, audio) are refused: the engine is text-only.
+calls tools: rendered as ""). Image parts (OpenAI's `image_url`, or `{"type": "image", "image": ...}`)
+become `{"type": "image"}` parts, where the template writes its image placeholder; a message with one
+keeps its content as a list of parts, as does every message for a template that only reads lists
+(SmolVLM's). `chat_images` gives the images, in the order the placeholders are written. Audio and
+other parts are refused.
 
 The rendered text places the template's special tokens itself; encode it with `add_special_tokens=False`.
 """
@@ -11,7 +15,9 @@ The rendered text places the template's special tokens itself; encode it with `a
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 # ChatML, as Qwen and many instruction-tuned models use it:
@@ -36,7 +42,10 @@ def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]], *, add_ge
     """The prompt text for `messages` (see the module docstring); raises ChatTemplateError.
     `tools`: functions in OpenAI's shape, for a template that renders them; `template_kwargs`: the
     template's own switches (`enable_thinking`, `reasoning_effort`)."""
-    normalized = normalize_messages(messages)
+    own = getattr(tokenizer, "chat_template", None)
+    as_parts = template_reads_parts(own if isinstance(own, str) else None)
+    chat_images(messages)  # every image part has its image
+    normalized = normalize_messages(messages, as_parts=as_parts)
     # None makes transformers use the tokenizer's own template (a named-template dict included).
     template = None if getattr(tokenizer, "chat_template", None) else DEFAULT_CHAT_TEMPLATE
     try:
@@ -60,8 +69,9 @@ def prompt_token_ids(tokenizer: Any, rendered: str) -> list[int]:
     return list(tokenizer.encode(rendered, add_special_tokens=False))
 
 
-def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Checked copies with string content; raises ChatTemplateError naming the message and the problem."""
+def normalize_messages(messages: Sequence[Mapping[str, Any]], as_parts: bool = False) -> list[dict[str, Any]]:
+    """Checked copies, content as a string (a list of parts where it holds an image, or for every
+    message with `as_parts`); raises ChatTemplateError naming the message and the problem."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ChatTemplateError("messages must be a non-empty list of chat messages")
     normalized = []
@@ -71,7 +81,7 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{position}] needs a role (a non-empty string)")
-        content = _content_text(message.get("content"), f"messages[{position}]")
+        content = _content(message.get("content"), f"messages[{position}]", as_parts)
         entry = {**message, "role": role, "content": content}
         if isinstance(message.get("tool_calls"), Sequence):
             entry["tool_calls"] = [_call_with_object_arguments(call) for call in message["tool_calls"]]
@@ -92,20 +102,71 @@ def _call_with_object_arguments(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def _content_text(content: Any, where: str) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+def _content(content: Any, where: str, as_parts: bool) -> str | list[dict[str, Any]]:
+    if content is None or isinstance(content, str):
+        text = content or ""
+        return [{"type": "text", "text": text}] if as_parts else text
     if not isinstance(content, Sequence) or isinstance(content, bytes):
-        raise ChatTemplateError(f"{where}.content must be text or a list of text parts, "
+        raise ChatTemplateError(f"{where}.content must be text or a list of content parts, "
                                 f"got {type(content).__name__}")
-    texts = []
+    parts: list[dict[str, Any]] = []
     for index, part in enumerate(content):
         kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
+        if kind in IMAGE_PART_TYPES:
+            parts.append({"type": "image"})
+        elif kind == "text" and isinstance(part.get("text"), str):
+            parts.append({"type": "text", "text": part["text"]})
+        else:
             raise ChatTemplateError(f"{where}.content[{index}] must be a text part "
-                                    f"({{\"type\": \"text\", \"text\": ...}}); got type {kind!r}: "
-                                    "this engine reads text only")
-        texts.append(part["text"])
-    return TEXT_PARTS_SEPARATOR.join(texts)
+                                    f"({{\"type\": \"text\", \"text\": ...}}) or an image part "
+                                    f"(image_url); got type {kind!r}")
+    if as_parts or any(part["type"] == "image" for part in parts):
+        return parts
+    return TEXT_PARTS_SEPARATOR.join(part["text"] for part in parts)
+
+
+IMAGE_PART_TYPES = ("image_url", "image")
+
+
+@dataclass(frozen=True)
+class ChatImage:
+    """An image part's image: a URL or path (`data:`, a file, `s3://`...) or an image object, and
+    OpenAI's `detail` (None: not given)."""
+
+    source: Any
+    detail: str | None = None
+
+
+def chat_images(messages: Sequence[Mapping[str, Any]]) -> list[ChatImage]:
+    """Every image part's image, in message and part order; raises ChatTemplateError for a part
+    without one."""
+    images = []
+    for position, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str) or not isinstance(content, Sequence):
+            continue
+        for index, part in enumerate(content):
+            if not isinstance(part, Mapping) or part.get("type") not in IMAGE_PART_TYPES:
+                continue
+            where = f"messages[{position}].content[{index}]"
+            if part["type"] == "image":
+                if part.get("image") is None:
+                    raise ChatTemplateError(f"{where} is an image part without its image")
+                images.append(ChatImage(part["image"]))
+                continue
+            value = part.get("image_url")
+            url, detail = (value.get("url"), value.get("detail")) if isinstance(value, Mapping) \
+                else (value, None)
+            if not isinstance(url, str) or not url:
+                raise ChatTemplateError(f"{where}.image_url.url must be a string (a data: URL or a location)")
+            images.append(ChatImage(url, detail))
+    return images
+
+
+def template_reads_parts(template: str | None) -> bool:
+    """Whether a chat template loops over `message['content']` without a case for text content
+    (SmolVLM's): every message must then come as a list of parts."""
+    if not template:
+        return False
+    loops = re.search(r"for\s+\w+\s+in\s+message(\[['\"]content['\"]\]|\.content)", template)
+    return loops is not None and "is string" not in template

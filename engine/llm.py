@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bulkinfer.engine.chat import ChatTemplateError, chat_token_ids
+from bulkinfer.engine.chat import ChatTemplateError, chat_images, chat_token_ids
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.dtype_choice import DtypeChoice
 from bulkinfer.engine.embedder import Embedder, EmbeddingOutput, is_embedding_model
@@ -87,7 +87,9 @@ class LLM:
         use_tqdm: bool = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in prompt order. Prompts are strings or token-id lists; ``params``
+        """One output per prompt, in prompt order. Prompts are strings or token-id lists, or vLLM's
+        ``{"prompt": ..., "multi_modal_data": {"image": image or [images]}}`` for a model that takes
+        images (the prompt holds one image placeholder per image, e.g. ``<image>``); ``params``
         is one SamplingParams for all, or one per prompt. Bad prompts come back with
         ``finish_reason="error"``; the others are generated normally. ``lora_request``: one adapter
         for all prompts, or one (or None: the base model) per prompt; every adapter is validated
@@ -111,7 +113,8 @@ class LLM:
 
         ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
         for request_id, prompt, sampling, lora in zip(ids, prompt_list, params_list, lora_list, strict=True):
-            self.engine.add_request(request_id, prompt, sampling, lora_request=lora)
+            text_or_ids, images = prompt_and_images(prompt)
+            self.engine.add_request(request_id, text_or_ids, sampling, lora_request=lora, images=images)
 
         results: dict[str, RequestOutput] = {}
         progress = _progress_bar(len(ids)) if use_tqdm else None
@@ -136,22 +139,39 @@ class LLM:
         that cannot be rendered raises ChatTemplateError naming it, before anything runs."""
         if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]  # type: ignore[list-item]
-        prompts = []
+        prompts: list[Any] = []
         for index, messages in enumerate(conversations):
             try:
-                prompts.append(chat_token_ids(self.tokenizer, messages))  # type: ignore[arg-type]
+                ids = chat_token_ids(self.tokenizer, messages)  # type: ignore[arg-type]
+                images = [image.source for image in chat_images(messages)]  # type: ignore[arg-type]
             except ChatTemplateError as error:
                 raise ChatTemplateError(f"conversation {index}: {error}") from None
+            prompts.append({"prompt": ids, "multi_modal_data": {"image": images}} if images else ids)
         return self.generate(prompts, params, use_tqdm=use_tqdm)
 
     def get_metrics(self) -> dict[str, Any]:
         return self.engine.get_metrics()
 
 
+def prompt_and_images(prompt: Any) -> tuple[Any, list[Any] | None]:
+    """A prompt as the engine takes it, and its images (vLLM's dict form; None: no images)."""
+    if not isinstance(prompt, Mapping):
+        return prompt, None
+    text = prompt.get("prompt", prompt.get("prompt_token_ids"))
+    data = prompt.get("multi_modal_data") or {}
+    unknown = sorted(set(data) - {"image"})
+    if unknown:
+        raise ValueError(f"multi_modal_data {unknown} not supported (images only: 'image')")
+    images = data.get("image")
+    if images is None:
+        return text, None
+    return text, list(images) if isinstance(images, (list, tuple)) else [images]
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """A single prompt (a string, or a flat list of token ids) becomes a one-element list."""
-    if isinstance(prompts, str):
-        return [prompts]
+    """A single prompt (a string, a flat list of token ids, or a prompt dict) becomes a one-element list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]  # type: ignore[list-item]
     prompts = list(prompts)
     if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
         return [prompts]

@@ -31,6 +31,9 @@ def load_image(image: ImageLike, max_pixels: int = DEFAULT_MAX_PIXELS) -> Image.
         return _decode(bytes(image), "the image bytes", max_pixels)
     if isinstance(image, str) and image.startswith("data:"):
         return _decode(data_url_bytes(image), "the data: URL", max_pixels)
+    if isinstance(image, str) and "://" in image and not image.startswith("file://"):
+        raise ImageError(f"image {image[:100]}: the engine reads images from data: URLs and local files "
+                         "(a bulkinfer job's worker fetches s3:// and http(s) ones)")
     if isinstance(image, (str, Path)):
         path = Path(str(image).removeprefix("file://"))
         if not path.is_file():

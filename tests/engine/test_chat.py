@@ -53,8 +53,10 @@ def test_text_parts_are_joined_and_null_content_is_empty(tokenizer):
     (["hi"], r"messages\[0\] must be an object"),
     ([{"content": "hi"}], r"messages\[0\] needs a role"),
     ([{"role": "user", "content": 3}], r"messages\[0\].content must be text"),
-    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
-     r"content\[0\] must be a text part .* 'image_url'"),
+    ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}],
+     r"content\[0\] must be a text part .* 'input_audio'"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"detail": "low"}}]}],
+     r"content\[0\].image_url.url must be a string"),
 ])
 def test_invalid_messages_raise_with_the_reason(tokenizer, messages, reason):
     with pytest.raises(ChatTemplateError, match=reason):

@@ -153,3 +153,19 @@ def test_bad_images_fail_their_request_alone(vlm, tiny_checkpoint):
     text_only.add_request("x", "hello", GREEDY, images=[PICTURES[0]])
     (output,) = text_only.step()
     assert output.error_kind == ErrorKind.INVALID_IMAGE and "takes no images" in output.error
+
+
+def test_offline_llm_generate_and_chat_take_images(vlm, tmp_path):
+    from bulkinfer.engine.llm import LLM
+
+    llm = LLM(vlm, dtype="float32", num_kv_blocks=128)
+    text = chat_text(vlm, "What is this?")
+    expected = run(engine(vlm), {"x": (text, [PICTURES[0]])})["x"]
+    [generated] = llm.generate({"prompt": text, "multi_modal_data": {"image": PICTURES[0]}}, GREEDY)
+    assert generated.outputs[0].token_ids == expected
+    path = tmp_path / "picture.png"
+    PICTURES[0].save(path)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": str(path)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    [chatted] = llm.chat(messages, GREEDY)
+    assert chatted.outputs[0].token_ids == expected  # a PNG keeps the pixels: the same image
