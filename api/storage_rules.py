@@ -14,7 +14,9 @@ local path resolved, `..` and links followed), for every caller, admins included
   lists for it (a setting: JSON `{"acme": ["s3://acme-data/", "s3://shared/acme/"], ...}`).
   Admin keys and an open API have no such rule.
 
-Anything else is a 403 naming the rule. Whatever the rules, an `output_uri` folder belongs to one
+Anything else is a 403 naming the rule. The rules themselves are jobs/storage_rules.py's (a worker
+applies them to the image locations rows name); this module answers them as HTTP errors. Whatever
+the rules, an `output_uri` folder belongs to one
 job: the first job to use it writes `<folder>/.bulkinfer-job` (write-once, holding its id), and
 another job naming the same folder is refused with 409, so no job's parts are written over another's.
 A claim no job stands behind (its submit failed after claiming: the job was never created, or its id
@@ -24,149 +26,42 @@ takes a void one over (once per void owner, so two racing claims cannot both win
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 from bulkinfer.api.errors import HttpError
-from bulkinfer.jobs.layout import STORE_AREAS, TENANTS_FOLDER
 from bulkinfer.jobs.object_store.base import AlreadyExists, ObjectNotFound, ObjectStore
-from bulkinfer.jobs.object_store.factory import split_uri
-from bulkinfer.jobs.settings import KV_STORE_AREA, Settings
+from bulkinfer.jobs.storage_rules import (
+    Kind,
+    LocationProblem,
+    StorageRules,
+    location_problem,
+    store_base,
+    tenant_prefixes,
+    where,
+)
+
+# Names callers import from here, the rules' among them.
+__all__ = ["OWNER_MARKER", "UNCREATED_CLAIM_GRACE_S", "Kind", "LocationProblem", "StorageRules",
+           "check_location", "claim_output_folder", "release_output_folder", "store_base", "tenant_prefixes",
+           "where"]
 
 OWNER_MARKER = ".bulkinfer-job"
 # A claim whose job does not exist yet may be a submit between its claim and its create: void only
 # when older than any submit takes.
 UNCREATED_CLAIM_GRACE_S = 600.0
-_NO_JOB = "\0no job"  # never a tenant's name
 _RELEASED = "released-"  # a claim's owner after its job's submit released it (never a job id)
-# object: a file (input_uri); folder: a directory of parts (output_uri); prefix: a listing's literal
-# prefix (input_prefix), which also covers names that merely begin with it ("in" lists "inputs/").
-Kind = Literal["object", "folder", "prefix"]
-
-
-def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
-    """The parsed setting, each prefix in the form `where` gives (a local one resolved) and ending
-    in '/', so `s3://acme` never matches `s3://acme-x`."""
-    if not setting:
-        return None
-    try:
-        rules = json.loads(setting)
-    except ValueError as error:
-        raise HttpError(500, f"the tenant_prefixes setting is not JSON: {error}") from None
-    if not isinstance(rules, dict) or not all(isinstance(v, list) for v in rules.values()):
-        raise HttpError(500, "the tenant_prefixes setting must be a JSON object of tenant → list of prefixes")
-    return {tenant: [_canonical_prefix(str(p)) for p in prefixes] for tenant, prefixes in rules.items()}
-
-
-def _canonical_prefix(prefix: str) -> str:
-    try:
-        scheme, bucket, key = split_uri(prefix)
-    except ValueError as error:
-        raise HttpError(500, f"the tenant_prefixes setting: {error}") from None
-    if scheme == "s3":
-        return f"s3://{bucket}/{key}".rstrip("/") + "/"
-    return Path("/", key).resolve().as_posix().rstrip("/") + "/"
-
-
-def where(store: ObjectStore, key: str) -> str:
-    """One comparable string for (store, key): `s3://bucket/key`, or a local key's absolute path
-    (a local key from `submission.locate` is already resolved)."""
-    from bulkinfer.jobs.object_store.local import LocalObjectStore
-
-    if isinstance(store, LocalObjectStore):
-        return (store.root / key).as_posix() if key else store.root.as_posix()
-    return store.uri(key)
-
-
-def store_base(settings: Settings) -> str:
-    """The job store, in the form `where` gives, ending in '/'."""
-    return _store_root(settings.store_uri)
-
-
-def _store_root(uri: str) -> str:
-    if not uri.startswith("s3://"):
-        return Path(uri.removeprefix("file://")).expanduser().resolve().as_posix().rstrip("/") + "/"
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    prefix = prefix.strip("/")
-    return f"s3://{bucket}/{prefix}/" if prefix else f"s3://{bucket}/"
-
-
-@dataclass(frozen=True)
-class StorageRules:
-    base: str  # the job store, ending in '/'
-    prefixes: dict[str, list[str]] | None  # tenant_prefixes, parsed
-    kv_base: str | None = None  # the prefix KV store (kv_store_uri) when it is not the job store
-
-    @classmethod
-    def of(cls, settings: Settings) -> StorageRules:
-        kv_base = _store_root(settings.kv_store_uri) if settings.kv_store_uri else None
-        return cls(store_base(settings), tenant_prefixes(settings.tenant_prefixes), kv_base)
-
-    def area(self, location: str, kind: Kind) -> str | None:
-        """The store area `location` lies in, or (a folder or prefix) holds; None when neither."""
-        areas = [(name, f"{self.base}{name}/") for name in STORE_AREAS]
-        if self.kv_base is not None:  # every tenant's prefix KV blocks, wherever they are kept
-            areas.append((KV_STORE_AREA, f"{self.kv_base}{KV_STORE_AREA}/"))
-        for name, area in areas:
-            if (location.rstrip("/") + "/").startswith(area):
-                return name
-            holder = location if kind == "prefix" else location.rstrip("/") + "/"
-            if kind != "object" and area.startswith(holder):
-                return name
-        return None
-
-    def upload_job(self, location: str) -> str | None:
-        """The job whose upload `location` is (`<store>/jobs/<id>/input/<name>`), if it is one."""
-        jobs = f"{self.base}jobs/"
-        if not location.startswith(jobs):
-            return None
-        parts = location[len(jobs):].split("/")
-        return parts[0] if len(parts) == 3 and parts[1] == "input" and parts[0] and parts[2] else None
-
-    def allowed(self, tenant: str) -> list[str]:
-        """Where a tenant's key may read and write (besides its uploads)."""
-        return [f"{self.base}{TENANTS_FOLDER}/{tenant}/", *(self.prefixes or {}).get(tenant, [])]
 
 
 def check_location(rules: StorageRules, tenant: str | None, uri: str, field: str, location: str,
                    kind: Kind, upload_owner: Callable[[str], str | None] | None = None) -> None:
-    """403 unless a caller of `tenant` (None: an admin or an open API) may use `location` as `field`.
-    `upload_owner(job_id)` gives the tenant of a job whose upload an input names (JobNotFound if none).
+    """403 (400 for a malformed location) unless a caller of `tenant` (None: an admin or an open API)
+    may use `location` as `field`. `upload_owner(job_id)` gives the tenant of a job whose upload an
+    input names (JobNotFound if none).
     """
-    if location.startswith("s3://") and {".", ".."} & set(location[len("s3://"):].split("/")[1:]):
-        # `<acme's folder>/../globex/x` starts with acme's prefix, and an S3 client that tidies
-        # paths (or a proxy) reads globex's object.
-        raise HttpError(400, f"{field} {uri!r} has a '.' or '..' segment; name the object by its own path")
-    job_id = rules.upload_job(location) if kind == "object" else None
-    if job_id is not None and upload_owner is not None:
-        try:
-            owner = upload_owner(job_id)
-        except (LookupError, ValueError):  # no such job (or not a job id)
-            owner = _NO_JOB
-        if owner != _NO_JOB and (tenant is None or owner == tenant):
-            return
-        raise HttpError(403, f"{field} {uri!r} is inside the job store's jobs/ folder; of what is there, "
-                             "only the upload of one of your own jobs may be read")
-    area = rules.area(location, kind)
-    if area is not None:
-        raise HttpError(403, f"{field} {uri!r} is inside or holds the job store's {area}/ folder, where "
-                             "the service keeps its own files (jobs' outputs and state, schedules, model "
-                             "files, /v1 files and batches, prefix KV blocks): it is no job's input or "
-                             "output")
-    if tenant is None:
-        return
-    allowed = rules.allowed(tenant)
-    if kind == "prefix" and location + "/" in allowed:
-        raise HttpError(400, f"{field} {uri!r}: end it with '/' (without it, it also lists the folders "
-                             "beside it whose names start the same)")
-    if not any(location.startswith(prefix) or location + "/" == prefix for prefix in allowed):
-        raise HttpError(403, f"{field} {uri!r} is outside the prefixes tenant {tenant!r} may use "
-                             f"({', '.join(allowed)}; and its own uploads); the deployment's "
-                             "tenant_prefixes setting says where else each tenant's data may be")
+    problem = location_problem(rules, tenant, uri, field, location, kind, upload_owner)
+    if problem is not None:
+        raise HttpError(problem.status, problem.message)
 
 
 def claim_output_folder(store: ObjectStore, folder_key: str, uri: str, job_id: str,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -50,6 +49,7 @@ from bulkinfer.jobs.spec import (
 )
 from bulkinfer.jobs.state.repository import JobNotFound, JobRepository
 from bulkinfer.jobs.state.status import JobState, JobStatus
+from bulkinfer.jobs.storage_rules import local_path_problem
 from bulkinfer.jobs.webhooks import destination_problem
 from bulkinfer.jobs.workers import live_workers, unservable_reason
 
@@ -66,15 +66,9 @@ def locate(context: ApiContext, uri: str, field: str) -> tuple[ObjectStore, str]
     scheme, bucket, key = split_uri(uri)
     if scheme == "s3":
         return context.s3_store(bucket), key
-    settings = context.settings
-    if not settings.is_local_store:
-        raise HttpError(400, f"{field} {uri!r} is a local path, but this deployment keeps jobs in S3, "
-                            "where its workers read them; use an s3:// URI or upload the file")
-    root = settings.local_store_root()
-    path = Path("/", key).resolve()
-    if path != root and root not in path.parents:
-        raise HttpError(400, f"{field} {uri!r} is outside the store directory (the one the store_uri "
-                            "setting names); put the file there, or upload it")
+    path, problem = local_path_problem(context.settings, uri, field, key)
+    if path is None:
+        raise HttpError(400, str(problem))
     from bulkinfer.jobs.object_store.local import LocalObjectStore
 
     return LocalObjectStore("/"), path.as_posix().lstrip("/")

@@ -1,5 +1,5 @@
-"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed|lora|kvstore|host|quant`: which
-benchmark a `bench` command line runs."""
+"""`bulkinfer bench engine|suite|step|service|faults|spec|batch-apis|embed|lora|kvstore|host|quant|vision`:
+which benchmark a `bench` command line runs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ TARGETS = {"engine": "bulkinfer.benchmarks.engine", "suite": "bulkinfer.benchmar
            "batch-apis": "bulkinfer.benchmarks.batch_apis", "embed": "bulkinfer.benchmarks.embed",
            "lora": "bulkinfer.benchmarks.lora",
            "kvstore": "bulkinfer.benchmarks.kvstore", "host": "bulkinfer.benchmarks.host_bench",
-           "quant": "bulkinfer.benchmarks.quant"}
+           "quant": "bulkinfer.benchmarks.quant", "vision": "bulkinfer.benchmarks.vision"}
 
 
 def main(argv: list[str]) -> int:

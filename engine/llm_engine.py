@@ -192,7 +192,7 @@ class LLMEngine:
         self._assembler = OutputAssembler(self.tokenizer)
         self._pending: list[RequestOutput] = []  # rejected / aborted, reported by the next step()
         # A model that takes images: its processor and encoder cache (None: text only).
-        self.images = ImageInputs.for_model(config.model, self.model, self.tokenizer)
+        self.images = ImageInputs.for_model(config.model, self.tokenizer)
         if self.images is not None:
             if self.parallel is not None:
                 raise ValueError("a vision-language model runs on one rank (tensor_parallel_size 1)")

@@ -19,6 +19,11 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from bulkinfer.jobs.deadlines import DEFAULT_MAX_WINDOW, window_seconds
+from bulkinfer.jobs.image_limits import (
+    DEFAULT_IMAGE_MAX_BYTES,
+    DEFAULT_IMAGE_MAX_PIXELS,
+    DEFAULT_IMAGES_PER_ROW,
+)
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP, DEFAULT_OUTPUT_TOKENS_ESTIMATE
 from bulkinfer.jobs.priority_caps import (
@@ -107,6 +112,11 @@ ENVIRONMENT_NAMES = {
     "lora_adapters": "BULKINFER_LORA_ADAPTERS",
     # Tool-call formats for models whose chat template has none (worker/tools/formats.py).
     "tool_call_formats": "BULKINFER_TOOL_CALL_FORMATS",
+    # Images in rows (jobs/image_limits.py, worker/images/).
+    "image_max_bytes": "BULKINFER_IMAGE_MAX_BYTES",
+    "image_max_pixels": "BULKINFER_IMAGE_MAX_PIXELS",
+    "image_max_per_row": "BULKINFER_IMAGE_MAX_PER_ROW",
+    "image_http_hosts": "BULKINFER_IMAGE_HTTP_HOSTS",
     "enable_lora": "BULKINFER_ENABLE_LORA",
     "max_loras": "BULKINFER_MAX_LORAS",
     "max_lora_rank": "BULKINFER_MAX_LORA_RANK",
@@ -230,6 +240,13 @@ class Settings(BaseModel):
     # The tool-call format of each model whose chat template has none of its own, or to override it
     # (JSON {model: hermes | llama3_json | mistral}), as vLLM's --tool-call-parser.
     tool_call_formats: str | None = None
+    # Images in rows: an image's bytes and pixels, images per row (each past it: that row's
+    # invalid_image error), and the hosts http(s):// image URLs may name (comma-separated; none: no
+    # http fetches). Store locations follow the input_uri rules (jobs/storage_rules.py).
+    image_max_bytes: int = Field(DEFAULT_IMAGE_MAX_BYTES, ge=1)
+    image_max_pixels: int = Field(DEFAULT_IMAGE_MAX_PIXELS, ge=1)
+    image_max_per_row: int = Field(DEFAULT_IMAGES_PER_ROW, ge=1)
+    image_http_hosts: str | None = None
     enable_lora: bool | None = None
     max_loras: int | None = Field(None, ge=1)  # adapters in one engine step
     max_lora_rank: int | None = Field(None, ge=1)
@@ -274,6 +291,15 @@ class Settings(BaseModel):
         from bulkinfer.jobs.tool_calls import parse_tool_call_formats
 
         parse_tool_call_formats(value)
+        return value
+
+    @field_validator("tenant_prefixes")
+    @classmethod
+    def _tenant_prefixes_parse(cls, value: str | None) -> str | None:
+        # Refused at start, not at the first submit or image a worker reads.
+        from bulkinfer.jobs.storage_rules import tenant_prefixes
+
+        tenant_prefixes(value)
         return value
 
     @field_validator("lora_adapters")

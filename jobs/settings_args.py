@@ -51,6 +51,12 @@ HELP = {
     "model_aliases": "JSON {alias: served model}: names a batch file may use for a served model",
     "tool_call_formats": "JSON {model: hermes|llama3_json|mistral}: how a model whose chat template has no "
                          "tool format writes calls",
+    "image_max_bytes": "largest image a row may give, in bytes (default 20 MiB; that row's invalid_image "
+                       "beyond)",
+    "image_max_pixels": "most pixels (width x height) of a row's image (default 40000000)",
+    "image_max_per_row": "most images one row may give (default 16)",
+    "image_http_hosts": "comma-separated hosts http(s):// image URLs may name (default: none, no http "
+                        "fetches)",
     "max_message_batch_bytes": "largest POST /v1/messages/batches body (default 64 MiB; 413 beyond)",
     "max_rows_per_job": "rows a job may have (the job fails at planning beyond)",
     "max_shards_per_job": "shards a job may plan into (the job fails at planning beyond)",
@@ -98,6 +104,10 @@ LORA_SETTINGS = ("lora_adapters", "enable_lora", "max_loras", "max_lora_rank", "
 # The prefix KV tier (worker/kv/store.py), taken by every command that runs engines.
 KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_budget_bytes",
                      "kv_store_cache_dir", "kv_store_cache_bytes")
+# Images in rows (jobs/image_limits.py), read where rows are read and images fetched; a worker
+# applies the tenant rules of input_uri (tenant_prefixes) to every image location.
+IMAGE_SETTINGS = ("image_max_bytes", "image_max_pixels", "image_max_per_row", "image_http_hosts",
+                  "tenant_prefixes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "remeasure_dtype", "cpu_isa",
@@ -110,7 +120,7 @@ WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engi
                    "webhook_allow_private", "worker_metrics_port", "log_format",
                    "share_prefix_cache_across_tenants", "tenant_max_priority", "default_tenant_max_priority",
                    "max_shard_size", "max_shard_tokens", "max_tokens_cap", "output_tokens_estimate",
-                   "tool_call_formats", *LORA_SETTINGS, *KV_STORE_SETTINGS)
+                   "tool_call_formats", *LORA_SETTINGS, *KV_STORE_SETTINGS, *IMAGE_SETTINGS)
 # Flags older than the settings names; kept so existing command lines work.
 ALIASES = {"api_host": ["--host"], "api_port": ["--port"], "worker_concurrency": ["--concurrency"]}
 

@@ -101,7 +101,7 @@ def _task_schema(schema: dict[str, Any]) -> None:
     schema["if"] = {"properties": {"task": {"const": JobTask.EMBED.value}}, "required": ["task"]}
     schema["then"] = {"properties": {
         "messages_column": nothing, "response_format": nothing, "response_format_column": nothing,
-        "apply_chat_template": nothing,
+        "apply_chat_template": nothing, "image_column": nothing,
         "sampling_column": nothing, "lora": nothing, "lora_column": nothing,
         "sampling": {"type": "object", "additionalProperties": nothing}}}
     schema["else"] = {"properties": {"dimensions": nothing, "truncate": {"const": False},
@@ -151,6 +151,11 @@ class JobSpec(BaseModel):
     messages_column: str | None = Field(None, description="a list of {role, content} chat messages")
     template: str | None = Field(None, description="text with {column} placeholders ({{ and }}: literal "
                                                    "braces)", json_schema_extra={"pattern": TEMPLATE_PATTERN})
+    image_column: str | None = Field(
+        None, description="prompt_column / template rows: the column of each row's images (Parquet bytes, "
+        "a data: URL, s3://bucket/key, a path as input_uri takes it or an http(s):// URL the deployment "
+        "allows; or a list of those); a row with images runs as chat, its images before its text in the "
+        "user turn; null or empty: a text-only row")
     instructions: str | None = Field(None, description="shared text placed first in every prompt")
     apply_chat_template: bool | None = Field(
         None, description="prompt_column / template rows: null (default) renders each through the model's "
@@ -317,6 +322,7 @@ class JobSpec(BaseModel):
             raise ValueError(f"csv_encoding: only CSV or TSV input has a text encoding to choose, not "
                              f"{self.input_format.value}")
         self._fits_the_task()
+        self._images_fit_the_rows()
         if self.apply_chat_template is not None and not (self.prompt_column or self.template):
             openai = self.input_format == InputFormat.OPENAI_BATCH
             source = "OpenAI batch lines say it by their url" if openai else "messages_column rows are chat"
@@ -328,6 +334,20 @@ class JobSpec(BaseModel):
         if self.effective_output_format == InputFormat.OPENAI_BATCH and self.passthrough_columns:
             raise ValueError("passthrough_columns: OpenAI batch output lines have no room for extra columns")
         return self
+
+    def _images_fit_the_rows(self) -> None:
+        """`image_column` adds images to prompt_column or template rows, which then run as chat."""
+        if self.image_column is None:
+            return
+        if not (self.prompt_column or self.template):
+            raise ValueError("image_column: only prompt_column or template rows take their images from a "
+                             "column; chat messages (messages_column, OpenAI batch lines) carry image_url "
+                             "parts in their content")
+        if self.image_column == self.prompt_column:
+            raise ValueError("image_column: it is the prompt_column; give the images a column of their own")
+        if self.apply_chat_template is False:
+            raise ValueError("image_column: rows with images run as chat; apply_chat_template false runs "
+                             "raw prompts")
 
     def _fits_the_task(self) -> None:
         """An embed job has no sampling and no chat; a generate job has no vector to shorten, pool or
@@ -347,6 +367,7 @@ class JobSpec(BaseModel):
         refused = {
             "messages_column": "an embed job embeds text: use prompt_column or template",
             "apply_chat_template": "an embed job embeds each row's text as it is",
+            "image_column": "an embed job embeds text",
             "response_format": "an embed job writes vectors, not JSON text",
             "response_format_column": "an embed job writes vectors, not JSON text",
             "sampling_column": "an embed job samples nothing",
@@ -407,8 +428,8 @@ class JobSpec(BaseModel):
 
     def input_columns(self) -> list[str]:
         """Every column a row is read from (for reading only those columns of a Parquet file)."""
-        columns = [self.id_column, self.prompt_column, self.messages_column, self.sampling_column,
-                   self.response_format_column, self.lora_column]
+        columns = [self.id_column, self.prompt_column, self.messages_column, self.image_column,
+                   self.sampling_column, self.response_format_column, self.lora_column]
         template = self.prompt_template
         named = [c for c in columns if c] + (template.columns if template else []) + self.passthrough_columns
         return list(dict.fromkeys(named))

@@ -204,6 +204,9 @@ def submit(argv: list[str]) -> int:
     mapping.add_argument("--prompt-column", help="the column holding each row's prompt")
     mapping.add_argument("--template", help="a prompt template with {column} placeholders")
     mapping.add_argument("--messages-column", help="the column holding each row's chat messages")
+    parser.add_argument("--image-column", help="with --prompt-column or --template: the column holding each "
+                        "row's images (bytes, a data: URL, an s3:// or store path, or a list of those); rows "
+                        "with images run as chat")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column holding row ids (default: the row's index)")
     parser.add_argument("--lora", help="the LoRA adapter every row runs on: a name registered on the model "
@@ -323,8 +326,8 @@ def _spec_from(args: argparse.Namespace) -> dict[str, Any]:
                                    "json_schema": {"name": "output", "schema": args.json_schema}}
     elif args.json_object:
         spec["response_format"] = {"type": "json_object"}
-    for field in ("model", "prompt_column", "template", "messages_column", "instructions", "id_column",
-                  "lora", "lora_column", "output_uri", "output_format", "shard_size", "priority",
+    for field in ("model", "prompt_column", "template", "messages_column", "image_column", "instructions",
+                  "id_column", "lora", "lora_column", "output_uri", "output_format", "shard_size", "priority",
                   "idempotency_key", "webhook_url", "completion_window", *TASK_FIELDS):
         value = getattr(args, field)
         if value is not None:

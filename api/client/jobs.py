@@ -122,9 +122,9 @@ class Jobs:
 
         The input: an `s3://` (or `file://`) URI the server reads; a local file path or binary file
         object, uploaded; or rows in memory (pyarrow Table, pandas DataFrame, list of dicts), written
-        to a temp file and uploaded. `fields` (model=, prompt_column=, template=, instructions=,
-        sampling=, task="embed", dimensions=, max_length=, pooling=, normalize=, ...) add to or
-        override `spec`.
+        to a temp file and uploaded. `fields` (model=, prompt_column=, template=, image_column=,
+        instructions=, sampling=, task="embed", dimensions=, max_length=, pooling=, normalize=, ...) add
+        to or override `spec`.
         With `idempotency_key`, calling again with the same key and spec returns the same job (and is
         retried on errors); another spec is `ApiError` 409.
         """

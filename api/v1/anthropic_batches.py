@@ -2,7 +2,7 @@
 
 A batch's requests arrive inline; each becomes a line `{custom_id, method, url: "/v1/messages",
 body: params}` of the job's input (OpenAI-batch JSONL, the format whose row builder reads Messages
-bodies: jobs/formats/anthropic_messages.py), so a request we cannot serve (tools, images, another
+bodies: jobs/formats/anthropic_messages.py), so a request we cannot serve (server tools, documents, another
 model) is that request's `errored` result and never fails the batch. The job runs one model: the
 first request's (a name in `model_aliases` counts as the model it names, a LoRA adapter's as the
 model it is registered on); a request naming an adapter of it runs on that adapter.

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
+from bulkinfer.engine.multimodal.families import image_family
 from bulkinfer.engine.multimodal.images import ImageError, ImageLike
 from bulkinfer.engine.multimodal.inputs import MultiModalPrompt
 from bulkinfer.engine.multimodal.processing import ImageProcessorFamily, expand_prompt
@@ -23,18 +24,10 @@ class ImageInputs:
         self.cache = EncoderCache(cache_rows)
 
     @staticmethod
-    def for_model(model_dir: str | Path, model: Any, tokenizer: Any) -> ImageInputs | None:
+    def for_model(model_dir: str | Path, tokenizer: Any) -> ImageInputs | None:
         """None for a text-only model."""
-        from bulkinfer.engine.models.idefics3 import Idefics3ForConditionalGeneration
-        from bulkinfer.engine.models.idefics3_processing import Idefics3ImageProcessing
-
-        if not isinstance(model, Idefics3ForConditionalGeneration):
-            return None
-        vision = model.config.vision
-        assert vision is not None
-        return ImageInputs(Idefics3ImageProcessing(model_dir, tokenizer, model.image_token_id,
-                                                   vision.image_size, vision.patch_size,
-                                                   model.config.scale_factor))
+        family = image_family(model_dir, tokenizer)
+        return None if family is None else ImageInputs(family)
 
     def prompt(self, token_ids: Sequence[int], images: Sequence[ImageLike],
                details: Sequence[str | None] | None = None) -> MultiModalPrompt:

@@ -10,9 +10,11 @@ LoRA adapter registered on it (that request then runs on the adapter).
 blocks (an assistant's calls) and `tool_result` blocks (a user turn's answers to them), rendered as
 the chat template renders OpenAI's `tool_calls` and `tool` messages; `thinking` turns a thinking
 model's thinking on and returns it as `thinking` blocks (earlier turns' thinking blocks are dropped,
-as Anthropic's API drops them). What we cannot serve (server tools, images and documents,
-streaming, a prefilled assistant turn, any field we do not know) is that request's error naming it,
-never the job's.
+as Anthropic's API drops them). `image` blocks in a user turn (a `base64` or `url` source) become
+`image_url` parts (jobs/formats/image_parts.py), and that turn's content stays a list of parts in
+order, its text blocks as text parts. What we cannot serve (server tools, documents, images from the
+Files API, streaming, a prefilled assistant turn, any field we do not know) is that request's error
+naming it, never the job's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from bulkinfer.jobs.formats.image_parts import (
+    ImagePartError,
+    check_image_count,
+    checked_url,
+    image_part,
+    text_part,
+)
 from bulkinfer.jobs.formats.rows import (
     Row,
     RowErrorCode,
@@ -31,6 +40,7 @@ from bulkinfer.jobs.formats.rows import (
     requested_adapter,
     with_instructions_messages,
 )
+from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.tokenizer_files import TEXT_PARTS_SEPARATOR
 from bulkinfer.jobs.tool_calls import ToolProblem, anthropic_thinking, anthropic_tool_request
@@ -51,19 +61,26 @@ NOT_SERVED = {
     "container": "containers (code execution) are not supported by this server",
 }
 ROLES = ("user", "assistant")
+IMAGE_SOURCES = ("base64", "url")
 
 
 class AnthropicMessagesRowBuilder:
     """Builds the chat `Row` of one `/v1/messages` line (raises `RowProblem` for what cannot run)."""
 
-    def __init__(self, spec: JobSpec, default_response_format: dict[str, Any] | None) -> None:
+    def __init__(self, spec: JobSpec, default_response_format: dict[str, Any] | None, *,
+                 limits: ImageLimits | None = None) -> None:
         self.spec = spec
         self.default_response_format = default_response_format
+        self.limits = limits or ImageLimits()
 
     def row(self, index: int, custom_id: str, params: dict[str, Any], line: int | None) -> Row:
         _refuse_unserved(params)
         lora = _requested_adapter(params.get("model"), self.spec.model)
-        messages = _messages(params.get("messages"))
+        try:
+            messages = _messages(params.get("messages"), self.limits)
+            check_image_count(messages, self.limits)
+        except ImagePartError as error:
+            raise RowProblem.of_image(error) from None
         if params.get("system") is not None:
             messages = [{"role": "system", "content": _text(params["system"], f"{WHERE}.system")}, *messages]
         messages = with_instructions_messages(self.spec.instructions, messages)
@@ -103,7 +120,7 @@ def _requested_adapter(model: Any, job_model: str) -> str | None:
     return requested_adapter(model, f"{WHERE}.model")
 
 
-def _messages(value: Any) -> list[dict[str, Any]]:
+def _messages(value: Any, limits: ImageLimits) -> list[dict[str, Any]]:
     where = f"{WHERE}.messages"
     if not isinstance(value, list) or not value:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a non-empty list of messages")
@@ -116,7 +133,7 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                              f"goes in {WHERE}.system)")
         if message.get("content") is None:
             raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}] has no content")
-        messages.extend(_turn(role, message["content"], f"{where}[{position}].content"))
+        messages.extend(_turn(role, message["content"], f"{where}[{position}].content", limits))
     if value[-1]["role"] == "assistant":
         # The chat template opens a new assistant turn: we cannot continue the given one.
         raise RowProblem(RowErrorCode.INVALID_ROW,
@@ -125,14 +142,16 @@ def _messages(value: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
+def _turn(role: str, content: Any, where: str, limits: ImageLimits) -> list[dict[str, Any]]:
     """One Anthropic turn as chat messages: an assistant's text and `tool_use` calls as one message
-    with OpenAI's `tool_calls`; a user's `tool_result` blocks as `tool` messages, then its text."""
+    with OpenAI's `tool_calls`; a user's `tool_result` blocks as `tool` messages, then its text (with
+    images: its text and image blocks as parts, in order)."""
     if isinstance(content, str):
         return [{"role": role, "content": content}]
     if not isinstance(content, list):
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a string or a list of content blocks")
     texts: list[str] = []
+    parts: list[dict[str, Any]] = []  # the user's text and images in order
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
     for position, block in enumerate(content):
@@ -140,6 +159,9 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         here = f"{where}[{position}]"
         if kind == "text":
             texts.append(_block_text(block, here))
+            parts.append(text_part(texts[-1]))
+        elif kind == "image" and role == "user":
+            parts.append(_image(block, here, limits))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             continue  # earlier turns' thinking is not shown to the model again
         elif kind == "tool_use" and role == "assistant":
@@ -149,7 +171,7 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         else:
             described = f"a block of type {kind!r}" if isinstance(kind, str) else "not a content block"
             allowed = "text and tool_use blocks are supported in an assistant turn" if role == "assistant" \
-                else "text and tool_result blocks are supported in a user turn"
+                else "text, image and tool_result blocks are supported in a user turn"
             raise RowProblem(RowErrorCode.INVALID_ROW, f"{here} is {described}: only {allowed}")
     text = TEXT_PARTS_SEPARATOR.join(texts)
     if role == "assistant":
@@ -157,7 +179,36 @@ def _turn(role: str, content: Any, where: str) -> list[dict[str, Any]]:
         if calls:
             message["tool_calls"] = calls
         return [message]
+    if len(parts) > len(texts):  # images: the turn's blocks as parts, in order
+        return [*results, {"role": "user", "content": parts}]
     return [*results, *([{"role": "user", "content": text}] if texts or not results else [])]
+
+
+def _image(block: Mapping[str, Any], where: str, limits: ImageLimits) -> dict[str, Any]:
+    """An image block as an `image_url` part: base64 data as a data: URL, a url source as it is."""
+    source = block.get("source")
+    if not isinstance(source, Mapping):
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.source must be an object")
+    kind = source.get("type")
+    if kind not in IMAGE_SOURCES:
+        described = repr(kind) if isinstance(kind, str) else "missing"
+        raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.source.type {described} is not supported here: "
+                         "give the image as base64 data or a url")
+    try:
+        if kind == "url":
+            url = source.get("url")
+            if not isinstance(url, str):
+                raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.source.url must be a string")
+            return image_part(checked_url(url, f"{where}.source.url", limits))
+        media_type, data = source.get("media_type"), source.get("data")
+        if not isinstance(media_type, str) or not media_type.startswith("image/"):
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.source.media_type must be an image type "
+                             "such as image/png")
+        if not isinstance(data, str) or not data:
+            raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}.source.data must be base64 text")
+        return image_part(checked_url(f"data:{media_type};base64,{data}", f"{where}.source", limits))
+    except ImagePartError as error:
+        raise RowProblem.of_image(error) from None
 
 
 def _tool_use(block: Mapping[str, Any], where: str) -> dict[str, Any]:

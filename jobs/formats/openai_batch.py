@@ -37,6 +37,7 @@ from bulkinfer.jobs.formats.rows import (
     with_instructions_messages,
     with_instructions_prompt,
 )
+from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.output_tokens import COMPLETIONS_DEFAULT_MAX_TOKENS
 from bulkinfer.jobs.response_format import engine_response_format
@@ -72,10 +73,11 @@ KNOWN_FIELDS = SAMPLING_FIELDS | IGNORED_FIELDS | REQUEST_FIELDS
 
 
 class OpenAIBatchRowBuilder:
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, *, limits: ImageLimits | None = None) -> None:
         self.spec = spec
+        self.limits = limits or ImageLimits()  # images: read_shard_rows passes the deployment's
         self.default_response_format = engine_response_format(spec.response_format)
-        self.messages = AnthropicMessagesRowBuilder(spec, self.default_response_format)
+        self.messages = AnthropicMessagesRowBuilder(spec, self.default_response_format, limits=self.limits)
 
     def build(self, line: Line, record: dict[str, Any]) -> Row | RowError:
         custom_id = record.get("custom_id")
@@ -126,8 +128,8 @@ class OpenAIBatchRowBuilder:
                 raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{given[0]} needs a chat line ({CHAT_URL}); "
                                  f"{COMPLETIONS_URL} continues a prompt as it is")
         if url == CHAT_URL:
-            messages = with_instructions_messages(instructions, validate_messages(body.get("messages"),
-                                                                                  "body.messages"))
+            given = validate_messages(body.get("messages"), "body.messages", self.limits)
+            messages = with_instructions_messages(instructions, given)
             prompt = None
         else:
             prompt = with_instructions_prompt(instructions, _completion_prompt(body.get("prompt")))
@@ -201,11 +203,13 @@ def _logprobs(body: dict[str, Any], chat: bool) -> Any:
 
 
 def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int, spec: JobSpec,
-                           repeated: dict[int, int] | None = None) -> Iterator[Row | RowError]:
+                           repeated: dict[int, int] | None = None, *,
+                           limits: ImageLimits | None = None) -> Iterator[Row | RowError]:
     """Rows for the lines starting in `[start, end)`; a repeated custom_id fails the later line.
     `repeated`: byte offset -> file line number of the first use, for lines repeating a custom_id
-    first used before this range (the plan's whole-file check)."""
-    builder = OpenAIBatchRowBuilder(spec)
+    first used before this range (the plan's whole-file check). `limits`: the images' (default:
+    `ImageLimits()`'s)."""
+    builder = OpenAIBatchRowBuilder(spec, limits=limits)
     seen: set[str] = set()
     repeated = repeated or {}
     for line in iter_lines_in_range(store, key, start, end):

@@ -10,7 +10,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from bulkinfer.jobs.embedding import EmbedRequest
+from bulkinfer.jobs.formats.image_parts import (
+    ImagePartError,
+    cell_image_parts,
+    check_image_count,
+    checked_content,
+    text_part,
+)
 from bulkinfer.jobs.formats.json_text import UnreadableJson, loads_untrusted
+from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.lora_adapters import is_adapter_location
 from bulkinfer.jobs.response_format import RESPONSE_FORMAT, AnyResponseFormat, engine_response_format
 from bulkinfer.jobs.sampling import JobSampling
@@ -33,6 +41,9 @@ class RowErrorCode(StrEnum):
     TOO_MANY_SCHEMAS = "too_many_schemas"  # past the deployment's max_schemas_per_job
     DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
     UNSUPPORTED_URL = "unsupported_url"
+    # A row's image is missing, corrupt, too large, of a form or format we cannot read, or the row has
+    # too many (jobs/formats/image_parts.py when read, worker/images/ when fetched): that row's error.
+    INVALID_IMAGE = "invalid_image"
     UNKNOWN_LORA = "unknown_lora"  # the row names a LoRA adapter the model does not have registered
     UNKNOWN_MODEL = "unknown_model"  # a request's model is not the job's, an alias of it or its adapter
     INVALID_LORA = "invalid_lora"  # its adapter cannot be fetched, or the engine refuses it (rank, shapes)
@@ -128,6 +139,10 @@ class RowProblem(ValueError):
         super().__init__(message)
         self.code = code
 
+    @classmethod
+    def of_image(cls, error: ImagePartError) -> RowProblem:
+        return cls(RowErrorCode(error.code), str(error))
+
 
 def _decode_json_cell(value: Any, where: str, code: RowErrorCode) -> Any:
     # Parquet users often store objects as JSON text; accept both forms.
@@ -174,7 +189,9 @@ def first_error_message(error: ValidationError) -> str:
     return f"{where}: {text}" if where else text
 
 
-def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
+def validate_messages(value: Any, where: str, limits: ImageLimits = ImageLimits()) -> list[dict[str, Any]]:
+    """Chat messages with roles and content, their `image_url` parts checked (jobs/formats/image_parts.py)
+    within `limits`; raises `RowProblem` naming the field."""
     value = _decode_json_cell(value, where, RowErrorCode.INVALID_ROW)
     if not isinstance(value, list) or not value:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"{where} must be a non-empty list of chat messages")
@@ -186,7 +203,16 @@ def validate_messages(value: Any, where: str) -> list[dict[str, Any]]:
         if "content" not in message and not message.get("tool_calls"):  # a call alone needs no content
             raise RowProblem(RowErrorCode.INVALID_ROW, f"{where}[{position}] has no content")
     # Parquet structs carry every field; drop the nulls so messages look like the JSON a user wrote.
-    return [{key: item for key, item in message.items() if item is not None} for message in value]
+    messages = [{key: item for key, item in message.items() if item is not None} for message in value]
+    try:
+        for position, message in enumerate(messages):
+            if "content" in message:
+                message["content"] = checked_content(message["role"], message["content"],
+                                                     f"{where}[{position}].content", limits)
+        check_image_count(messages, limits)
+    except ImagePartError as error:
+        raise RowProblem.of_image(error) from None
+    return messages
 
 
 def requested_adapter(value: Any, where: str) -> str:
@@ -231,8 +257,9 @@ def with_instructions_messages(instructions: str | None,
 class RowBuilder:
     """Builds `Row`s from raw records (dicts of column → value) by a job's column mapping."""
 
-    def __init__(self, spec: JobSpec) -> None:
+    def __init__(self, spec: JobSpec, *, limits: ImageLimits | None = None) -> None:
         self.spec = spec
+        self.limits = limits or ImageLimits()  # images: read_shard_rows passes the deployment's
         self.template = spec.prompt_template
         self.default_response_format = engine_response_format(spec.response_format)
         self.tools = spec.tool_request()
@@ -244,7 +271,7 @@ class RowBuilder:
         row_id = str(index)
         try:
             row_id = self._row_id(index, record)
-            prompt, messages, as_chat = self._request(record)
+            prompt, messages, as_chat, has_images = self._request(record)
             overrides = {}
             if spec.sampling_column:
                 overrides = parse_sampling_overrides(record.get(spec.sampling_column),
@@ -268,7 +295,8 @@ class RowBuilder:
                                  spec.normalize, spec.max_length)
             return Row(index, row_id, prompt, None, sampling, None, passthrough, line, embed)
         return Row(index, row_id, prompt, messages, sampling, response_format, passthrough, line, lora=lora,
-                   as_chat=as_chat, chat_required=spec.apply_chat_template is True or self.tools is not None,
+                   as_chat=as_chat,
+                   chat_required=spec.apply_chat_template is True or self.tools is not None or has_images,
                    tools=self.tools, template_kwargs=self.template_kwargs,
                    thinking_budget=spec.thinking_token_budget)
 
@@ -284,19 +312,32 @@ class RowBuilder:
         column = self.spec.id_column
         return str(_required(record, column, "id_column")) if column else str(index)
 
-    def _request(self, record: Mapping[str, Any]
-                 ) -> tuple[str | None, list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
-        """(raw prompt, chat messages, the raw prompt's chat form) of the row."""
+    def _request(self, record: Mapping[str, Any]) -> tuple[str | None, list[dict[str, Any]] | None,
+                                                           list[dict[str, Any]] | None, bool]:
+        """(raw prompt, chat messages, the raw prompt's chat form, whether its image_column gave
+        images: such a row runs as chat) of the row."""
         spec = self.spec
         if self.template is not None or spec.prompt_column:
             text = self._plain_text(record)
-            return with_instructions_prompt(spec.instructions, text), None, self._as_chat(text)
+            images = self._images(record)
+            return with_instructions_prompt(spec.instructions, text), None, self._as_chat(text, images), \
+                bool(images)
         column = spec.messages_column
         if column is None:
             raise RowProblem(RowErrorCode.INVALID_ROW, "the job maps no column to a prompt")
         value = _required(record, column, "messages_column")
-        messages = validate_messages(value, f"messages_column {column!r}")
-        return None, with_instructions_messages(spec.instructions, messages), None
+        messages = validate_messages(value, f"messages_column {column!r}", self.limits)
+        return None, with_instructions_messages(spec.instructions, messages), None, False
+
+    def _images(self, record: Mapping[str, Any]) -> list[dict[str, Any]]:
+        """The image parts of the row's `image_column` cell (none: a text-only row)."""
+        column = self.spec.image_column
+        if not column:
+            return []
+        try:
+            return cell_image_parts(record.get(column), f"image_column {column!r}", self.limits)
+        except ImagePartError as error:
+            raise RowProblem.of_image(error) from None
 
     def _plain_text(self, record: Mapping[str, Any]) -> str:
         """The row's own text: its filled-in template, or its prompt_column."""
@@ -312,12 +353,13 @@ class RowBuilder:
                              f"{type(value).__name__}")
         return value
 
-    def _as_chat(self, text: str) -> list[dict[str, Any]] | None:
+    def _as_chat(self, text: str, images: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
         """The plain row as chat (the user's turn under the instructions), unless the job wants raw
-        prompts only."""
+        prompts only; with images, the user's turn is the images, then the text, as parts."""
         if self.spec.apply_chat_template is False:
             return None
-        return with_instructions_messages(self.spec.instructions, [{"role": "user", "content": text}])
+        content: str | list[dict[str, Any]] = [*images, text_part(text)] if images else text
+        return with_instructions_messages(self.spec.instructions, [{"role": "user", "content": content}])
 
 
 def _required(record: Mapping[str, Any], column: str, role: str) -> Any:

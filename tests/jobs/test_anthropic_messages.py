@@ -93,18 +93,18 @@ def test_the_jobs_sampling_and_instructions_apply_as_to_every_other_row(local_st
      "end with a user message"),
     ({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "What is this?"},
-        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBOR"}}]}]},
+        {"type": "image", "source": {"type": "file", "file_id": "file_011"}}]}]},
      RowErrorCode.INVALID_ROW,
-     "params.messages[0].content[1] is a block of type 'image': only text and tool_result blocks are "
-     "supported in a user turn"),
+     "params.messages[0].content[1].source.type 'file' is not supported here: give the image as base64 data "
+     "or a url"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      RowErrorCode.INVALID_ROW,
-     "params.messages[0].content[0] is a block of type 'document': only text and tool_result blocks are "
-     "supported in a user turn"),
+     "params.messages[0].content[0] is a block of type 'document': only text, image and tool_result blocks "
+     "are supported in a user turn"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, RowErrorCode.INVALID_ROW,
-     "params.messages[0].content[0] is a block of type 'tool_use': only text and tool_result blocks are "
-     "supported in a user turn"),
+     "params.messages[0].content[0] is a block of type 'tool_use': only text, image and tool_result blocks "
+     "are supported in a user turn"),
     ({"messages": [USER, {"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t1"}]},
                    USER]},
      RowErrorCode.INVALID_ROW,
@@ -114,8 +114,8 @@ def test_the_jobs_sampling_and_instructions_apply_as_to_every_other_row(local_st
                                                            "input": "x"}]}, USER]},
      RowErrorCode.INVALID_ROW, "params.messages[1].content[0].input must be an object"),
     ({"messages": [{"role": "user", "content": ["bare"]}]}, RowErrorCode.INVALID_ROW,
-     "params.messages[0].content[0] is not a content block: only text and tool_result blocks are supported "
-     "in a user turn"),
+     "params.messages[0].content[0] is not a content block: only text, image and tool_result blocks are "
+     "supported in a user turn"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, RowErrorCode.INVALID_ROW,
      "params.messages[0].content[0].text must be a string"),
     ({"system": {"text": "x"}}, RowErrorCode.INVALID_ROW,

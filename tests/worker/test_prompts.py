@@ -88,10 +88,14 @@ def test_prompts_are_encoded_as_the_engine_encodes_text_and_chat_goes_through_th
 def test_chat_without_a_template_uses_chatml_and_content_it_cannot_render_is_a_row_error(
         tiny_checkpoint: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
-    images = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    audio = [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "x"}}]}]
     with pytest.raises(RowRejected, match="must be a text part") as rejected:
-        PromptRenderer(tokenizer).token_ids(row(messages=images))
+        PromptRenderer(tokenizer).token_ids(row(messages=audio))
     assert rejected.value.code == RowErrorCode.INVALID_ROW
+    images = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    with pytest.raises(RowRejected, match="this model takes no images") as rejected:
+        PromptRenderer(tokenizer).token_ids(row(messages=images))
+    assert rejected.value.code == RowErrorCode.INVALID_IMAGE
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     with_template = PromptRenderer(tokenizer).token_ids(row(messages=parts))
     tokenizer.chat_template = None

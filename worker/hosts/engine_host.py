@@ -22,6 +22,7 @@ import torch
 
 from bulkinfer.engine import ErrorKind, LLMEngine, LoRARequest, RequestOutput, SamplingParams
 from bulkinfer.engine.dtype_choice import DtypeChoice
+from bulkinfer.engine.multimodal.inputs import MultiModalPrompt
 from bulkinfer.engine.outputs import CompletionOutput
 from bulkinfer.worker.hosts.crash_isolation import CrashIsolation
 from bulkinfer.worker.hosts.model_host import (
@@ -42,7 +43,7 @@ __all__ = ["EngineHost", "EngineRequest", "EngineUnavailable", "Submission", "re
 class EngineRequest:
     """One prompt for the engine: text, or token ids already rendered by the caller."""
 
-    prompt: str | Sequence[int]
+    prompt: str | Sequence[int] | MultiModalPrompt  # with images: expanded by the model's processor
     params: SamplingParams
     priority: int = 0  # lower runs sooner (the engine's convention), with scheduling_policy="priority"
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
@@ -241,7 +242,9 @@ class _Requests:
 def _unrun_output(request_id: str, request: EngineRequest, reason: str, error: str | None,
                   kind: ErrorKind | str | None = None) -> RequestOutput:
     """The output of a request that ended outside the engine: failed (`error`, of `kind`) or aborted."""
-    prompt_ids = [] if isinstance(request.prompt, str) else list(request.prompt)
+    prompt = request.prompt
+    prompt_ids = [] if isinstance(prompt, str) else \
+        prompt.token_ids if isinstance(prompt, MultiModalPrompt) else list(prompt)
     samples = [CompletionOutput(index, "", [], reason) for index in range(request.params.n)]
     text = request.prompt if isinstance(request.prompt, str) else None
     if kind is None and error is not None:  # it crashed the engine, or it died

@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 from bulkinfer.engine import ErrorKind, LoRARequest, RequestOutput, SamplingParams, SamplingParamsError
 from bulkinfer.engine.chat import ChatTemplateError, prompt_token_ids, render_chat
+from bulkinfer.engine.multimodal.inputs import MultiModalPrompt
+from bulkinfer.engine.multimodal.processing import ImageProcessorFamily
 from bulkinfer.engine.token_bytes import TokenBytes
 from bulkinfer.jobs.formats.output import (
     Choice,
@@ -48,6 +50,8 @@ from bulkinfer.jobs.state.live_progress import LiveFigures
 from bulkinfer.worker.hosts.engine_host import LORA_REFUSED, EngineRequest, Submission
 from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 from bulkinfer.worker.hosts.lora_requests import AdapterRefused
+from bulkinfer.worker.hosts.row_images import ImageRowRejected, has_images, image_prompt, no_images_message
+from bulkinfer.worker.images.fetcher import ImageFetcher
 from bulkinfer.worker.process import metrics
 from bulkinfer.worker.tools.answers import PLAIN, ChatPlan, read_answer
 from bulkinfer.worker.tools.formats import (
@@ -74,6 +78,7 @@ ROW_CODES = {
     ErrorKind.INVALID_SAMPLING: RowErrorCode.INVALID_SAMPLING,
     ErrorKind.STRUCTURED_OUTPUT: RowErrorCode.INVALID_RESPONSE_FORMAT,  # e.g. a schema that does not compile
     ErrorKind.NON_FINITE_LOGITS: RowErrorCode.ENGINE_ERROR,
+    ErrorKind.INVALID_IMAGE: RowErrorCode.INVALID_IMAGE,
     ErrorKind.ENGINE_FAILURE: RowErrorCode.ENGINE_ERROR,
 }
 
@@ -155,10 +160,14 @@ class PromptRenderer:
     Rust tokenizer is not safe to share between threads.
     """
 
-    def __init__(self, tokenizer: Any, tool_format: str | None = None) -> None:  # a transformers tokenizer
+    def __init__(self, tokenizer: Any, tool_format: str | None = None,
+                 image_family: ImageProcessorFamily | None = None, model: str = "") -> None:
         """`tool_format`: the deployment's tool-call format for this model (`tool_call_formats`), for
-        a template without one of its own or to override it."""
+        a template without one of its own or to override it. `image_family`: the model's image
+        processor (None: a text-only model, which refuses rows with images)."""
         self._tokenizer = tokenizer
+        self.image_family = image_family
+        self.model = model
         self._lock = threading.Lock()
         self._token_bytes: TokenBytes | None = None  # built for the first row that scores its prompt
         template = getattr(tokenizer, "chat_template", None)
@@ -179,6 +188,10 @@ class PromptRenderer:
     def has_chat_template(self) -> bool:
         """Whether the model's tokenizer has a chat template of its own."""
         return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def chat_messages(self, row: Row) -> list[dict[str, Any]] | None:
+        """The messages the row's prompt is rendered from (None: a raw prompt)."""
+        return self._messages(row)
 
     def _messages(self, row: Row) -> list[dict[str, Any]] | None:
         """The chat messages the row's prompt is rendered from; None: its raw `prompt`. A plain row
@@ -211,6 +224,8 @@ class PromptRenderer:
                     if row.tools is not None:
                         raise RowRejected(RowErrorCode.INVALID_ROW, "tools need a chat row (messages)")
                     return list(self._tokenizer.encode(row.prompt or "")), PLAIN
+                if self.image_family is None and has_images(messages):
+                    raise RowRejected(RowErrorCode.INVALID_IMAGE, no_images_message(self.model))
                 text = self._render(row, messages)
                 thinking = thinking_state(text, self.thinks)
                 plan = ChatPlan(row.tools, self.tool_format, thinking, row.hide_reasoning,
@@ -285,7 +300,19 @@ def request_key(request: EngineRequest) -> str:
     """Two requests with the same key compute the same output (when `deterministic`)."""
     params = json.dumps(dataclasses.asdict(request.params), sort_keys=True, default=repr)
     lora = request.lora_request
-    return f"{list(request.prompt)!r}|{params}" + (f"|lora:{lora.lora_name}" if lora is not None else "")
+    # An image's tokens are the same whatever the picture: its content digest tells rows apart.
+    images = request.prompt.items if isinstance(request.prompt, MultiModalPrompt) else ()
+    pictures = "".join(f"|image:{item.digest}@{item.offset}" for item in images)
+    return f"{prompt_token_ids_of(request)!r}{pictures}|{params}" + \
+        (f"|lora:{lora.lora_name}" if lora is not None else "")
+
+
+def prompt_token_ids_of(request: EngineRequest) -> list[int]:
+    """The request's prompt tokens (its text's characters for a text prompt: an ordering key)."""
+    prompt = request.prompt
+    if isinstance(prompt, MultiModalPrompt):
+        return prompt.token_ids
+    return [ord(c) for c in prompt] if isinstance(prompt, str) else list(prompt)
 
 
 def request_digest(request: EngineRequest) -> bytes:
@@ -315,7 +342,8 @@ class PreparedBatch:
     def __init__(self, renderer: PromptRenderer, items: Sequence[Row | RowError], priority: int = 0,
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
                  cache_salt: str | None = None, adapters: AdapterRequests | None = None,
-                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP) -> None:
+                 max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP, images: ImageFetcher | None = None) -> None:
+        """`images`: reads the rows' images (the job's limits and location rules)."""
         self._outputs: list[OutputRow | None] = [None] * len(items)
         self._renderer = renderer
         prepared: list[PreparedRow] = []
@@ -333,8 +361,13 @@ class PreparedBatch:
                 params = engine_sampling(item.sampling, item.response_format, max_tokens_cap)
                 lora = row_adapter(item, adapters)
                 token_ids, plan = renderer.prepare(item)
-                request = EngineRequest(token_ids, plan.sampling(params), priority, cache_salt, lora)
-            except (RowRejected, AdapterRefused) as rejected:
+                prompt: list[int] | MultiModalPrompt = token_ids
+                chat = renderer.chat_messages(item)
+                if has_images(chat):
+                    prompt = image_prompt(token_ids, chat, renderer.image_family, images,  # type: ignore[arg-type]
+                                          renderer.model)
+                request = EngineRequest(prompt, plan.sampling(params), priority, cache_salt, lora)
+            except (RowRejected, AdapterRefused, ImageRowRejected) as rejected:
                 self._outputs[position] = OutputRow.engine_failed(item, rejected.code, str(rejected))
                 continue
             if deduplicate and deterministic(params):
@@ -350,7 +383,7 @@ class PreparedBatch:
                     first_of[digest] = offset + position
             prepared.append(PreparedRow(position, item, request, renderer.prompt_format(item), plan))
         # Rows sharing a prefix enter the engine together, so later ones hit the prefix cache.
-        prepared.sort(key=lambda entry: list(entry.request.prompt))
+        prepared.sort(key=lambda entry: prompt_token_ids_of(entry.request))
         self._prepared = prepared
 
     @property
@@ -518,10 +551,10 @@ class EngineRun:
 
     def __init__(self, hosted: HostedModel, items: Sequence[Row | RowError], priority: int = 0,
                  deduplicate: bool = True, known: dict[bytes, int] | None = None, offset: int = 0,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, images: ImageFetcher | None = None) -> None:
         self._prepared = PreparedBatch(hosted.renderer, items, priority, deduplicate, known, offset,
                                        cache_salt=cache_salt, adapters=hosted.adapters,
-                                       max_tokens_cap=hosted.max_tokens_cap)
+                                       max_tokens_cap=hosted.max_tokens_cap, images=images)
         self.rows = len(items)
         self._model = hosted.name
         requests = self._prepared.requests

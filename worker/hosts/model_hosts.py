@@ -20,6 +20,7 @@ from typing import Any
 
 from bulkinfer.engine import EngineConfig, LLMEngine
 from bulkinfer.engine.dtype_verdict import VERDICTS_FILE_NAME
+from bulkinfer.engine.multimodal.families import image_family
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP
 from bulkinfer.jobs.spec import JobSpec
@@ -118,11 +119,12 @@ class ModelHosts:
         tokenizer = AutoTokenizer.from_pretrained(directory)
         if self.on_tokenizer is not None:
             self.on_tokenizer(name, tokenizer)
-        renderer = PromptRenderer(tokenizer, self.tool_call_formats.get(name))
         from bulkinfer.engine.embedder import Embedder, is_embedding_model
 
         embedding_model = is_embedding_model(directory)
         self._embedding_models[name] = embedding_model
+        family = None if embedding_model or embed else image_family(directory, tokenizer)
+        renderer = PromptRenderer(tokenizer, self.tool_call_formats.get(name), family, name)
         if embedding_model or embed:
             options = {"dtype": config.dtype, "device": config.device,
                        "dtype_verdicts": config.dtype_verdicts, "remeasure_dtype": config.remeasure_dtype}

@@ -24,6 +24,7 @@ from bulkinfer.jobs.formats.rows import Row, RowError
 from bulkinfer.jobs.state.live_progress import LiveFigures, total
 from bulkinfer.worker.hosts.embed_rows import EmbedRun
 from bulkinfer.worker.hosts.engine_rows import EngineRun
+from bulkinfer.worker.images.fetcher import ImageFetcher
 
 if TYPE_CHECKING:
     from bulkinfer.worker.hosts.model_hosts import HostedModel
@@ -60,13 +61,15 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
              should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5,
              deduplicate: bool = True, expires_in_s: float | None = None,
              window_rows: int = DEFAULT_WINDOW_ROWS, cache_salt: str | None = None,
-             stats: WindowStats | None = None, progress: RowProgress | None = None) -> list[OutputRow] | None:
+             stats: WindowStats | None = None, progress: RowProgress | None = None,
+             images: ImageFetcher | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order, or None if `should_stop()` (checked every `poll_s`
     while rows run, and as each window finishes) said to stop: the rows in the engine are then
     aborted and no more are read.
     When `expires_in_s` seconds pass first (the job's deadline), the rows not finished by then come
     back `expired`, the finished ones as they are. `cache_salt`: the rows share prefix-cache blocks
-    only with requests of the same salt (worker/hosts/prefix_cache_salt.py)."""
+    only with requests of the same salt (worker/hosts/prefix_cache_salt.py). `images`: reads the
+    rows' images (worker/images/)."""
     stats = stats or WindowStats()
     progress = progress or _NoProgress()
     source = _windows(items, window_rows, stats)
@@ -83,7 +86,7 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
         while True:
             while len(in_flight) < WINDOWS_IN_FLIGHT and (window := next(source, None)) is not None:
                 in_flight.append(start_run(hosted, window, priority, deduplicate, known, offset=submitted,
-                                           cache_salt=cache_salt))
+                                           cache_salt=cache_salt, images=images))
                 submitted += len(window)
             if not in_flight:
                 return outputs
@@ -118,10 +121,12 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
 
 def start_run(hosted: HostedModel, items: list[Row | RowError], priority: int = 0, deduplicate: bool = True,
               known: dict[bytes, int] | None = None, offset: int = 0,
-              cache_salt: str | None = None) -> EngineRun | EmbedRun:
+              cache_salt: str | None = None, images: ImageFetcher | None = None) -> EngineRun | EmbedRun:
     """The rows submitted to the model's host: an `EmbedRun` on an embedding model, else an `EngineRun`."""
-    run = EmbedRun if hosted.is_embedding else EngineRun
-    return run(hosted, items, priority, deduplicate, known, offset, cache_salt=cache_salt)
+    if hosted.is_embedding:
+        return EmbedRun(hosted, items, priority, deduplicate, known, offset, cache_salt=cache_salt)
+    return EngineRun(hosted, items, priority, deduplicate, known, offset, cache_salt=cache_salt,
+                     images=images)
 
 
 def _abort(runs: Iterable[EngineRun | EmbedRun]) -> None:

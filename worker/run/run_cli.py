@@ -80,6 +80,8 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
     mapping.add_argument("--prompt-column", help="the column holding each row's prompt")
     mapping.add_argument("--messages-column", help="the column holding each row's chat messages")
     mapping.add_argument("--template", help="prompt text with {column} placeholders")
+    parser.add_argument("--image-column", help="with --prompt-column or --template: the column of each row's "
+                        "images (bytes, a data: URL, a path or s3:// URI, or a list of those)")
     parser.add_argument("--instructions", help="shared text placed first in every prompt")
     parser.add_argument("--id-column", help="the column of row ids (default: the row number for Parquet, "
                         "CSV and TSV, the line's byte offset for JSONL, as in jobs)")
@@ -113,7 +115,7 @@ def spec_from_args(args: argparse.Namespace, model_name: str) -> JobSpec:
     data = _spec_data(args.spec)
     data["input_uri"] = args.input if "://" in args.input else str(Path(args.input).expanduser().resolve())
     data["model"] = model_name
-    for name in ("prompt_column", "messages_column", "template", "instructions", "id_column",
+    for name in ("prompt_column", "messages_column", "template", "image_column", "instructions", "id_column",
                  "passthrough_columns", "input_format", "lora", "lora_column", *TASK_FIELDS):
         if getattr(args, name) is not None:
             data[name] = getattr(args, name)

@@ -20,6 +20,7 @@ from bulkinfer.jobs.formats.batch_task import task_given, with_task_of_lines
 from bulkinfer.jobs.formats.detect import resolve_spec
 from bulkinfer.jobs.formats.readers import read_shard_rows
 from bulkinfer.jobs.formats.rows import Row, RowError
+from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.lora_adapters import Adapter, AdapterRegistry
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.object_store.base import ObjectStore
@@ -32,6 +33,8 @@ from bulkinfer.worker.hosts.embed_rows import EmbedRun
 from bulkinfer.worker.hosts.engine_rows import EngineRun, job_response_format_problem
 from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
 from bulkinfer.worker.hosts.row_window import start_run
+from bulkinfer.worker.images.fetcher import ImageFetcher
+from bulkinfer.worker.images.stores import StoreOpener
 from bulkinfer.worker.kv.store import kv_store_options
 from bulkinfer.worker.models.model_files import ModelUnavailable, local_model_dir
 from bulkinfer.worker.run.run_output import ResumableOutput, open_output
@@ -114,12 +117,12 @@ def batches(items: Iterator[Row | RowError], size: int, skip: int) -> Iterator[l
 
 
 def run_batches(hosted: HostedModel, items: Iterable[list[Row | RowError]], output: ResumableOutput,
-                progress: RunProgress) -> None:
+                progress: RunProgress, images: ImageFetcher | None = None) -> None:
     """Keep `IN_FLIGHT_BATCHES` batches in the engine; write each one, in order, as it finishes."""
     in_flight: deque[EngineRun | EmbedRun] = deque()
     try:
         for items_of_batch in items:
-            in_flight.append(start_run(hosted, items_of_batch))
+            in_flight.append(start_run(hosted, items_of_batch, images=images))
             while len(in_flight) >= IN_FLIGHT_BATCHES:
                 _finish(in_flight.popleft(), output, progress)
         while in_flight:
@@ -178,9 +181,12 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
         output.embedding_dimension = embedding_dimension(spec, hosted)
         choice = hosted.host.dtype_choice
         started = time.monotonic()  # rates count inference, not the model load
-        with RunProgress(total=max(estimated_rows, skipped), done=skipped, enabled=show_progress) as progress:
+        # A local run reads the images its rows name wherever its user can (no tenant rules).
+        images = ImageFetcher(StoreOpener(settings.s3_endpoint_url), ImageLimits.of(settings))
+        total = max(estimated_rows, skipped)
+        with RunProgress(total=total, done=skipped, enabled=show_progress) as progress, images:
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
-                        output, progress)
+                        output, progress, images)
         metrics = {} if hosted.is_embedding else hosted.host.call(lambda engine: engine.get_metrics())
         kv_stats = None
         if not hosted.is_embedding and hosts.kv_store_options:

@@ -53,6 +53,8 @@ from bulkinfer.worker.hosts.engine_host import EngineUnavailable
 from bulkinfer.worker.hosts.model_hosts import HostedModel, embedding_dimension, task_problem
 from bulkinfer.worker.hosts.prefix_cache_salt import prefix_cache_salt
 from bulkinfer.worker.hosts.row_window import run_rows
+from bulkinfer.worker.images.fetcher import ImageFetcher
+from bulkinfer.worker.images.job_fetcher import job_image_fetcher
 from bulkinfer.worker.process import metrics, shutdown
 from bulkinfer.worker.process.context import WorkerContext
 from bulkinfer.worker.process.shutdown import ShardHandedBack
@@ -279,11 +281,16 @@ def _outcomes(context: WorkerContext, hosted: HostedModel, job_id: str, spec: Jo
     def should_stop() -> bool:
         return shutdown.stopping() or cancel.while_running()
 
+    # Rows' images are read under the job's tenant rules (an upload is its own tenant's to name).
+    images = job_image_fetcher(settings, spec, upload_owner=lambda owner: repository.get_spec(owner).tenant)
+
     def on_engine(rows: Iterable[Row | RowError]) -> list[OutputRow] | None:
         expires_in_s = None if expires_at is None else (expires_at - datetime.now(UTC)).total_seconds()
-        return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - priority,
-                              deduplicate=spec.deduplicate, expires_in_s=expires_in_s, cache_salt=cache_salt,
-                              should_stop=should_stop, alone=history.split, progress=progress)
+        with images:
+            return _run_on_engine(context, hosted, job_id, rows, priority=MAX_JOB_PRIORITY - priority,
+                                  deduplicate=spec.deduplicate, expires_in_s=expires_in_s,
+                                  cache_salt=cache_salt, should_stop=should_stop, alone=history.split,
+                                  progress=progress, images=images)
 
     copy_items: dict[int, Row | RowError] = {}
     if history.split:
@@ -357,7 +364,8 @@ def _keyed(positions: Sequence[int], outputs: list[OutputRow] | None) -> dict[in
 def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, items: Iterable[Row | RowError],
                    priority: int, deduplicate: bool, expires_in_s: float | None,
                    cache_salt: str | None, should_stop: Callable[[], bool],
-                   alone: bool = False, progress: ShardProgress | None = None) -> list[OutputRow] | None:
+                   alone: bool = False, progress: ShardProgress | None = None,
+                   images: ImageFetcher | None = None) -> list[OutputRow] | None:
     """Every row's outcome in input order; None if `should_stop()` said to stop while its rows ran.
     Raises `ShardHandedBack` when the worker began to stop meanwhile (worker/process/shutdown.py).
     `alone`: the caller holds the process's engines alone (worker/shards/exclusive_runs.py)."""
@@ -367,7 +375,7 @@ def _run_on_engine(context: WorkerContext, hosted: HostedModel, job_id: str, ite
             outputs = run_rows(hosted, killing_on_marker(items), priority, poll_s=CANCEL_POLL_S,
                                deduplicate=deduplicate, expires_in_s=expires_in_s,
                                window_rows=context.settings.shard_window_rows, cache_salt=cache_salt,
-                               should_stop=should_stop, progress=progress)
+                               should_stop=should_stop, progress=progress, images=images)
     except EngineUnavailable as error:
         if shutdown.stopping():  # the engine was stopped with the worker
             raise ShardHandedBack(f"job {job_id}: the worker is stopping") from error
