@@ -15,10 +15,16 @@ The rendered text places the template's special tokens itself; encode it with `a
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from bulkinfer.chat_content import (
+    IMAGE_PART_TYPES,
+    ContentError,
+    template_content,
+    template_reads_parts,
+)
 
 # ChatML, as Qwen and many instruction-tuned models use it:
 #   <|im_start|>{role}\n{content}<|im_end|>\n ... then <|im_start|>assistant\n for the reply.
@@ -30,7 +36,6 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TEXT_PARTS_SEPARATOR = "\n"
 
 
 class ChatTemplateError(ValueError):
@@ -81,7 +86,10 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]], as_parts: bool = F
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise ChatTemplateError(f"messages[{position}] needs a role (a non-empty string)")
-        content = _content(message.get("content"), f"messages[{position}]", as_parts)
+        try:
+            content = template_content(message.get("content"), f"messages[{position}]", as_parts)
+        except ContentError as error:
+            raise ChatTemplateError(str(error)) from None
         entry = {**message, "role": role, "content": content}
         if isinstance(message.get("tool_calls"), Sequence):
             entry["tool_calls"] = [_call_with_object_arguments(call) for call in message["tool_calls"]]
@@ -100,32 +108,6 @@ def _call_with_object_arguments(call: Any) -> Any:
     except ValueError:
         return call
     return {**call, "function": {**function, "arguments": arguments}}
-
-
-def _content(content: Any, where: str, as_parts: bool) -> str | list[dict[str, Any]]:
-    if content is None or isinstance(content, str):
-        text = content or ""
-        return [{"type": "text", "text": text}] if as_parts else text
-    if not isinstance(content, Sequence) or isinstance(content, bytes):
-        raise ChatTemplateError(f"{where}.content must be text or a list of content parts, "
-                                f"got {type(content).__name__}")
-    parts: list[dict[str, Any]] = []
-    for index, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, Mapping) else None
-        if kind in IMAGE_PART_TYPES:
-            parts.append({"type": "image"})
-        elif kind == "text" and isinstance(part.get("text"), str):
-            parts.append({"type": "text", "text": part["text"]})
-        else:
-            raise ChatTemplateError(f"{where}.content[{index}] must be a text part "
-                                    f"({{\"type\": \"text\", \"text\": ...}}) or an image part "
-                                    f"(image_url); got type {kind!r}")
-    if as_parts or any(part["type"] == "image" for part in parts):
-        return parts
-    return TEXT_PARTS_SEPARATOR.join(part["text"] for part in parts)
-
-
-IMAGE_PART_TYPES = ("image_url", "image")
 
 
 @dataclass(frozen=True)
@@ -161,12 +143,3 @@ def chat_images(messages: Sequence[Mapping[str, Any]]) -> list[ChatImage]:
                 raise ChatTemplateError(f"{where}.image_url.url must be a string (a data: URL or a location)")
             images.append(ChatImage(url, detail))
     return images
-
-
-def template_reads_parts(template: str | None) -> bool:
-    """Whether a chat template loops over `message['content']` without a case for text content
-    (SmolVLM's): every message must then come as a list of parts."""
-    if not template:
-        return False
-    loops = re.search(r"for\s+\w+\s+in\s+message(\[['\"]content['\"]\]|\.content)", template)
-    return loops is not None and "is string" not in template

@@ -32,7 +32,7 @@ from bulkinfer.engine.checkpoints import (
     make_readable,
 )
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ARCHITECTURE = "Idefics3ForConditionalGeneration"
 FAKE_IMAGE_TOKEN = "<fake_token_around_image>"
 IMAGE_TOKEN = "<image>"
@@ -75,11 +75,9 @@ VISION_PRESETS = {
 }
 
 
-def vision_config(preset: str = "tiny") -> dict:
+def vision_config(preset: str, vocab: int, image_token_id: int) -> dict:
     """The checkpoint's `config.json` (an Idefics3 config as transformers writes it)."""
     p = VISION_PRESETS[preset]
-    vocab = p.vocab_base + len(IMAGE_SPECIAL_TOKENS)
-    image_token_id = p.vocab_base + IMAGE_SPECIAL_TOKENS.index(IMAGE_TOKEN)
     return {
         "architectures": [ARCHITECTURE],
         "model_type": "idefics3",
@@ -103,10 +101,9 @@ def vision_config(preset: str = "tiny") -> dict:
     }
 
 
-def vision_tensor_shapes(preset: str = "tiny") -> dict[str, tuple[int, ...]]:
+def vision_tensor_shapes(preset: str, vocab: int) -> dict[str, tuple[int, ...]]:
     """Every tensor of the checkpoint by its transformers name."""
     p = VISION_PRESETS[preset]
-    vocab = p.vocab_base + len(IMAGE_SPECIAL_TOKENS)
     h, kv = p.text_hidden, p.text_kv_heads * (p.text_hidden // p.text_heads)
     shapes: dict[str, tuple[int, ...]] = {
         "model.text_model.embed_tokens.weight": (vocab, h), "model.text_model.norm.weight": (h,),
@@ -144,10 +141,10 @@ def vision_tensor_shapes(preset: str = "tiny") -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _vision_weights(preset: str, seed: int) -> dict[str, torch.Tensor]:
+def _vision_weights(preset: str, vocab: int, seed: int) -> dict[str, torch.Tensor]:
     p = VISION_PRESETS[preset]
     out = {}
-    for name, shape in vision_tensor_shapes(preset).items():
+    for name, shape in vision_tensor_shapes(preset, vocab).items():
         gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
         # engine/checkpoints.py's scaling, under the names it knows for embeddings and the LM head.
         known = name.replace("model.text_model.", "model.")
@@ -192,14 +189,17 @@ def build_vision_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 
     tokenizer_config = json.loads(config_path.read_text())
     tokenizer_config["chat_template"] = SMOLVLM_CHAT_TEMPLATE
     _write_json(config_path, tokenizer_config)
-    config = vision_config(preset)
+    # The BPE may learn fewer merges than asked on a small corpus: the image tokens' ids are the
+    # tokenizer's, and the vocabulary at least the preset's (SmolVLM-256M's 49,280).
+    vocab = max(len(tokenizer), p.vocab_base + len(IMAGE_SPECIAL_TOKENS))
+    config = vision_config(preset, vocab, _token_id(tokenizer, IMAGE_TOKEN))
     _write_json(tmp / "config.json", config)
     _write_json(tmp / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [1, _token_id(
         tokenizer, END_OF_UTTERANCE)], "pad_token_id": 2})
     _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
     _write_json(tmp / "processor_config.json", {"processor_class": "Idefics3Processor",
                                                  "image_seq_len": image_seq_len(preset)})
-    save_file(_vision_weights(preset, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_vision_weights(preset, vocab, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     make_readable(tmp)
     try:
         _publish(tmp, target, overwrite=False)

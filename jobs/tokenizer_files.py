@@ -17,7 +17,16 @@ from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
+from bulkinfer.chat_content import (
+    IMAGE_PART_TYPES,
+    TEXT_PARTS_SEPARATOR,
+    ContentError,
+    template_content,
+    template_reads_parts,
+)
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
+
+__all__ = ["TEXT_PARTS_SEPARATOR"]  # re-exported: the Anthropic reader joins text blocks as templates do
 
 # The engine's ChatML fallback for a tokenizer without a template (engine/chat.py's
 # DEFAULT_CHAT_TEMPLATE, which tests/jobs/test_tokenizer_files.py holds equal to this).
@@ -27,23 +36,25 @@ DEFAULT_CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-TEXT_PARTS_SEPARATOR = "\n"
 
 
 def tokenizer_key(prefix: str, model: str) -> str:
     return f"{prefix.strip('/')}/models/{model}/tokenizer.json".lstrip("/")
 
 
-def publish_tokenizer(store: ObjectStore, prefix: str, model: str, tokenizer: Any, worker: str) -> bool:
+def publish_tokenizer(store: ObjectStore, prefix: str, model: str, tokenizer: Any, worker: str,
+                      image_spans: ImageSpans | None = None) -> bool:
     """Write a transformers fast tokenizer's files for `model` (again only when they changed);
-    False for a slow tokenizer, which has no JSON to publish."""
+    False for a slow tokenizer, which has no JSON to publish. `image_spans`: how many prompt tokens
+    an image takes, for a model that takes images."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return False
     template = getattr(tokenizer, "chat_template", None)
     document = {"tokenizer_json": backend.to_str(), "chat_template": template if isinstance(template, str)
                 else None, "special_tokens": {name: str(value) for name, value in
-                                              tokenizer.special_tokens_map.items() if isinstance(value, str)}}
+                                              tokenizer.special_tokens_map.items() if isinstance(value, str)},
+                "image_spans": None if image_spans is None else image_spans.as_dict()}
     body = json.dumps(document, ensure_ascii=False, sort_keys=True)
     key = tokenizer_key(prefix, model)
     try:
@@ -58,6 +69,23 @@ def publish_tokenizer(store: ObjectStore, prefix: str, model: str, tokenizer: An
 
 class ChatRenderError(ValueError):
     """The messages are invalid or the chat template failed on them."""
+
+
+@dataclass(frozen=True)
+class ImageSpans:
+    """A model's image prompt spans: the placeholder its chat template writes for an image, and the
+    tokens an image takes in place of it with `detail: "low"` and at most otherwise (the size of a
+    picture is not known before a worker reads it: a dry run counts the most)."""
+
+    placeholder: str
+    low: int
+    most: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"placeholder": self.placeholder, "low": self.low, "most": self.most}
+
+    def tokens(self, detail: str | None) -> int:
+        return self.low if detail == "low" else self.most
 
 
 @dataclass(frozen=True)
@@ -76,10 +104,25 @@ class PublishedTokenizer:
     def completion_tokens(self, prompt: str) -> list[int]:
         return list(self.backend.encode(prompt, add_special_tokens=True).ids)
 
+    # How many tokens an image takes (None: the model takes no images, or its worker predates them).
+    image_spans: ImageSpans | None = None
+
     def chat_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                     template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """The prompt's tokens, each image's placeholder repeated for the tokens the image takes."""
         text = render_chat(self.chat_template, messages, self.special_tokens, tools, template_kwargs)
-        return list(self.backend.encode(text, add_special_tokens=False).ids)
+        ids = list(self.backend.encode(text, add_special_tokens=False).ids)
+        details = image_details(messages)
+        spans = self.image_spans
+        if not details or spans is None:
+            return ids
+        placeholder = self.backend.token_to_id(spans.placeholder)
+        expanded: list[int] = []
+        images = iter(details)
+        for token in ids:
+            count = spans.tokens(next(images, None)) if token == placeholder else 1
+            expanded.extend([token] * count)
+        return expanded
 
 
 def load_tokenizer(store: ObjectStore, prefix: str, model: str) -> PublishedTokenizer | None:
@@ -97,10 +140,12 @@ def _parse(raw: bytes) -> PublishedTokenizer:
 
     wrapped = json.loads(raw)
     document = wrapped["tokenizer"]
+    spans = document.get("image_spans")
     return PublishedTokenizer(Tokenizer.from_str(document["tokenizer_json"]),
                               document.get("chat_template") or DEFAULT_CHAT_TEMPLATE,
                               dict(document.get("special_tokens") or {}), str(wrapped.get("published_by")),
-                              str(wrapped.get("published_at")), bool(document.get("chat_template")))
+                              str(wrapped.get("published_at")), bool(document.get("chat_template")),
+                              ImageSpans(**spans) if isinstance(spans, dict) else None)
 
 
 def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: dict[str, str],
@@ -108,7 +153,13 @@ def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: d
                 template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text for `messages`, ready for the reply (as transformers renders it), with the
     row's `tools` and template switches (`enable_thinking`, `reasoning_effort`)."""
-    normalized = [{**message, "content": _content_text(message.get("content"))} for message in messages]
+    as_parts = template_reads_parts(template)
+    try:
+        normalized = [{**message, "content": template_content(message.get("content"), f"messages[{i}]",
+                                                              as_parts)}
+                      for i, message in enumerate(messages)]
+    except ContentError as error:
+        raise ChatRenderError(str(error)) from None
     try:
         return _compiled(template).render(messages=normalized, add_generation_prompt=True, tools=tools,
                                           documents=None, **special_tokens, **(template_kwargs or {}))
@@ -116,15 +167,17 @@ def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: d
         raise ChatRenderError(f"the chat template failed on these messages: {error}") from None
 
 
-def _content_text(content: Any) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [part for part in content if isinstance(part, dict)]
-        return TEXT_PARTS_SEPARATOR.join(str(part.get("text", "")) for part in parts)
-    raise ChatRenderError(f"content must be text or a list of text parts, got {type(content).__name__}")
+def image_details(messages: list[dict[str, Any]]) -> list[str | None]:
+    """Each image part's `detail` (None: not given), in order."""
+    details: list[str | None] = []
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, list):
+            for part in content:
+                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
+                    value = part.get("image_url")
+                    details.append(value.get("detail") if isinstance(value, dict) else None)
+    return details
 
 
 @lru_cache(maxsize=16)

@@ -49,6 +49,12 @@ class Idefics3ImageProcessing:
     def variant(self, detail: str) -> str:
         return "low" if detail == "low" else ""
 
+    def span_bounds(self) -> tuple[int, int]:
+        """The global view alone; and the most tiles a resized image can split into, plus it."""
+        longest, tile = self._processor.size["longest_edge"], self._processor.max_image_size["longest_edge"]
+        per_side = -(-int(longest) // int(tile))
+        return len(self._span(0, 0)[0]), len(self._span(per_side, per_side)[0])
+
     def process(self, image: Image.Image, detail: str) -> ProcessedImage:
         encoded = self._processor(images=[[image]], do_image_splitting=detail != "low",
                                   return_row_col_info=True, return_tensors="np")

@@ -26,6 +26,10 @@ class ImageProcessorFamily(Protocol):
         """How `detail` changes the encoder's input ('' where it does not): part of the cache key."""
         ...
 
+    def span_bounds(self) -> tuple[int, int]:
+        """The tokens an image's span takes with `detail: "low"`, and at most (for estimates)."""
+        ...
+
 
 def expand_prompt(token_ids: Sequence[int], images: Sequence[ImageLike], family: ImageProcessorFamily,
                   details: Sequence[str | None] | None = None,

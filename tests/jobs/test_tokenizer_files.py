@@ -51,3 +51,33 @@ def test_the_published_tokenizer_counts_what_the_worker_computes(checkpoint: str
 
 def test_the_mirrored_engine_constants_are_the_engines() -> None:
     assert DEFAULT_CHAT_TEMPLATE == ENGINE_CHAT_TEMPLATE
+
+
+def test_a_vision_models_tokenizer_counts_image_tokens(tmp_path: Path) -> None:
+    """A dry run counts an image's span as the worker expands it: exactly with `detail: "low"`, and
+    at most (the largest tiling) otherwise, since the API never reads the picture."""
+    from transformers import AutoTokenizer
+
+    from bulkinfer.engine.multimodal.families import image_family
+    from bulkinfer.engine.multimodal.processing import expand_prompt
+    from bulkinfer.engine.vision_checkpoints import cached_vision_checkpoint
+    from bulkinfer.worker.hosts.model_hosts import image_spans
+    from tests.support.vision_reference import picture
+
+    model = cached_vision_checkpoint("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    family = image_family(model, tokenizer)
+    store = LocalObjectStore(tmp_path)
+    assert publish_tokenizer(store, "pre", "vlm", tokenizer, "worker-1", image_spans(family))
+    published = load_tokenizer(store, "pre", "vlm")
+    assert published is not None and published.image_spans is not None
+    renderer = PromptRenderer(tokenizer, image_family=family)
+    image = picture(3, 200, 300)  # splits into the most tiles the tiny processor makes
+    for detail in ("low", "auto"):
+        messages = [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:,", "detail": detail}},
+            {"type": "text", "text": "Caption it."}]}]
+        rendered = renderer.token_ids(_row(messages=messages))
+        expanded = expand_prompt(rendered, [image], family, [detail]).token_ids
+        counted = published.chat_tokens(messages)
+        assert len(counted) == len(expanded) and counted[:4] == expanded[:4], detail

@@ -21,9 +21,11 @@ from typing import Any
 from bulkinfer.engine import EngineConfig, LLMEngine
 from bulkinfer.engine.dtype_verdict import VERDICTS_FILE_NAME
 from bulkinfer.engine.multimodal.families import image_family
+from bulkinfer.engine.multimodal.processing import ImageProcessorFamily
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP
 from bulkinfer.jobs.spec import JobSpec
+from bulkinfer.jobs.tokenizer_files import ImageSpans
 from bulkinfer.worker.hosts.embed_host import EmbedHost
 from bulkinfer.worker.hosts.engine_host import EngineHost
 from bulkinfer.worker.hosts.engine_rows import PromptRenderer
@@ -70,13 +72,14 @@ class HostedModel:
 class ModelHosts:
     def __init__(self, registry: ModelRegistry, engine_options: dict[str, Any] | None = None, *,
                  s3_endpoint_url: str | None = None, cache_dir: Path | None = None,
-                 on_tokenizer: Callable[[str, Any], None] | None = None,
+                 on_tokenizer: Callable[[str, Any, ImageSpans | None], None] | None = None,
                  kv_store_options: Mapping[str, Any] | None = None,
                  max_tokens_cap: int = DEFAULT_MAX_TOKENS_CAP,
                  tool_call_formats: Mapping[str, str] | None = None) -> None:
         """`engine_options` are checked when a model loads (`engine_options()`), so a bad one fails
         that model's jobs with the reason instead of every task before it can say why.
-        `on_tokenizer(name, tokenizer)` sees each model's tokenizer once loaded. `kv_store_options`:
+        `on_tokenizer(name, tokenizer, image_spans)` sees each model's tokenizer once loaded (and the
+        tokens its images take, for a model that takes images). `kv_store_options`:
         the prefix KV tier's engine fields (worker/kv/store.py), shared by every model's engine.
         `max_tokens_cap`: the most a row may generate (the `max_tokens_cap` setting);
         `tool_call_formats`: {model: format} for templates without one (the `tool_call_formats` setting)."""
@@ -117,14 +120,14 @@ class ModelHosts:
         # The tokenizer first, then the engine: loading a tokenizer runs its own thread pool, and
         # a dtype verdict measured beside it (engine/dtype_benchmark.py, once per CPU) would meet it.
         tokenizer = AutoTokenizer.from_pretrained(directory)
-        if self.on_tokenizer is not None:
-            self.on_tokenizer(name, tokenizer)
         from bulkinfer.engine.embedder import Embedder, is_embedding_model
 
         embedding_model = is_embedding_model(directory)
         self._embedding_models[name] = embedding_model
         family = None if embedding_model or embed else image_family(directory, tokenizer)
         renderer = PromptRenderer(tokenizer, self.tool_call_formats.get(name), family, name)
+        if self.on_tokenizer is not None:
+            self.on_tokenizer(name, tokenizer, image_spans(family))
         if embedding_model or embed:
             options = {"dtype": config.dtype, "device": config.device,
                        "dtype_verdicts": config.dtype_verdicts, "remeasure_dtype": config.remeasure_dtype}
@@ -223,3 +226,11 @@ def embedding_dimension(spec: JobSpec, hosted: HostedModel) -> int | None:
     if not isinstance(hosted.host, EmbedHost):
         return None
     return spec.dimensions or hosted.host.dimension or checkpoint_dimension(hosted.directory)
+
+
+def image_spans(family: ImageProcessorFamily | None) -> ImageSpans | None:
+    """What a dry run needs to count a model's image tokens (None: a text-only model)."""
+    if family is None:
+        return None
+    low, most = family.span_bounds()
+    return ImageSpans(family.placeholder_text, low, most)

@@ -16,7 +16,7 @@ from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.settings import Settings, process_settings
 from bulkinfer.jobs.state.repository import JobRepository
-from bulkinfer.jobs.tokenizer_files import publish_tokenizer
+from bulkinfer.jobs.tokenizer_files import ImageSpans, publish_tokenizer
 from bulkinfer.worker.hosts.model_hosts import ModelHosts
 from bulkinfer.worker.kv.store import kv_store_options
 
@@ -48,10 +48,11 @@ class WorkerContext:
                           max_tokens_cap=settings.tokens_cap,
                           tool_call_formats=settings.tool_call_formats_dict())
 
-    def _publish_tokenizer(self, name: str, tokenizer: Any) -> None:
+    def _publish_tokenizer(self, name: str, tokenizer: Any, image_spans: ImageSpans | None = None) -> None:
         """Put a loaded model's tokenizer where the API's dry runs read it (jobs/tokenizer_files.py)."""
         try:
-            publish_tokenizer(self.store, self.repository.prefix, name, tokenizer, socket.gethostname())
+            publish_tokenizer(self.store, self.repository.prefix, name, tokenizer, socket.gethostname(),
+                              image_spans)
         except Exception:  # noqa: BLE001 - only dry runs need it: the model serves without
             logger.exception("could not publish the tokenizer of %s", name)
 
