@@ -281,7 +281,7 @@ class JobSpec(BaseModel):
     @classmethod
     def _template_parses(cls, value: str | None) -> str | None:
         if value is not None:
-            PromptTemplate.parse(value)
+            PromptTemplate.parse(value, fixed_text=True)  # placeholders: checked with image_column
         return value
 
     @field_validator("metadata")
@@ -336,8 +336,14 @@ class JobSpec(BaseModel):
         return self
 
     def _images_fit_the_rows(self) -> None:
-        """`image_column` adds images to prompt_column or template rows, which then run as chat."""
+        """`image_column` adds images to prompt_column or template rows, which then run as chat; a
+        template may then be one fixed text (every photo, the same question)."""
         if self.image_column is None:
+            if self.template is not None:
+                try:
+                    PromptTemplate.parse(self.template)
+                except ValueError as error:
+                    raise ValueError(f"template: {error}") from None
             return
         if not (self.prompt_column or self.template):
             raise ValueError("image_column: only prompt_column or template rows take their images from a "
@@ -424,7 +430,7 @@ class JobSpec(BaseModel):
 
     @property
     def prompt_template(self) -> PromptTemplate | None:
-        return PromptTemplate.parse(self.template) if self.template else None
+        return PromptTemplate.parse(self.template, fixed_text=True) if self.template else None
 
     def input_columns(self) -> list[str]:
         """Every column a row is read from (for reading only those columns of a Parquet file)."""

@@ -27,8 +27,9 @@ class PromptTemplate:
     pieces: tuple[tuple[str, str | None], ...]  # (literal text, column or None)
 
     @classmethod
-    def parse(cls, text: str) -> PromptTemplate:
-        """Raises ValueError naming the problem: no placeholders, format specs, bad braces."""
+    def parse(cls, text: str, fixed_text: bool = False) -> PromptTemplate:
+        """Raises ValueError naming the problem: no placeholders (unless `fixed_text`: the same text
+        for every row, as an image job's question), format specs, bad braces."""
         pieces = []
         try:
             parsed = list(string.Formatter().parse(text))
@@ -41,8 +42,9 @@ class PromptTemplate:
             if field == "":
                 raise ValueError("empty placeholder {}; name a column, e.g. {question}")
             pieces.append((literal, field))
-        if not any(field for _, field in pieces):
-            raise ValueError("template has no {column} placeholder")
+        if not fixed_text and not any(field for _, field in pieces):
+            raise ValueError("template has no {column} placeholder (one fixed text for every row needs "
+                             "an image_column)")
         return cls(tuple(pieces))
 
     @property

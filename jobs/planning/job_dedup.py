@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from bulkinfer.chat_content import count_image_parts
 from bulkinfer.jobs.embedding import base64_vector, vector_from_base64
 from bulkinfer.jobs.formats.output import (
     Choice,
@@ -60,6 +61,9 @@ def row_digest(row: Row) -> bytes | None:
     # Rows equal but for their adapter are not copies. Left out for the base, so keys stay as before.
     if row.lora is not None:
         content.append(["lora", row.lora])
+    # An image_column row's images are in its chat form only: rows with other images are not copies.
+    if row.as_chat is not None and count_image_parts(row.as_chat):
+        content.append(["images", row.as_chat])
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).digest()[:16]
 
 

@@ -75,6 +75,12 @@ def test_validation_errors_name_the_field_and_the_problem(changes, expected) -> 
     assert any(message.startswith(expected) for message in messages), messages
 
 
+def test_an_image_job_may_ask_every_row_the_same_question() -> None:
+    spec = JobSpec.model_validate({**BASE, "prompt_column": None, "template": "Caption this photo.",
+                                   "image_column": "photo"})
+    assert spec.prompt_template is not None and spec.prompt_template.columns == []
+
+
 def test_sampling_accepts_the_openai_and_vllm_knobs() -> None:
     sampling = {"temperature": 0.7, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "max_tokens": 64, "seed": 3,
                 "stop": "\n", "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1}
