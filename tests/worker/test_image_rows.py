@@ -24,6 +24,7 @@ from bulkinfer.worker.hosts.engine_rows import EngineRun
 from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts
 from bulkinfer.worker.images.fetcher import ImageFetcher
 from bulkinfer.worker.images.stores import StoreOpener
+from tests.support.hosted import ready
 from tests.support.vision_reference import chat_text, picture
 
 pytestmark = pytest.mark.timeout(600)
@@ -43,12 +44,6 @@ def hosts(tiny_checkpoint) -> Iterator[ModelHosts]:
     hosts = ModelHosts(registry, OPTIONS)
     yield hosts
     hosts.stop()
-
-
-def ready(hosts: ModelHosts, name: str) -> HostedModel:
-    hosted = hosts.get(name)
-    hosted.host.wait_ready(120)
-    return hosted
 
 
 def rows(model: str, contents: list) -> list:

@@ -20,6 +20,7 @@ from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.worker.hosts.engine_rows import EngineRun
 from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts
+from tests.support.hosted import ready
 from tests.support.thinking_checkpoint import thinking_checkpoint
 
 pytestmark = pytest.mark.timeout(600)
@@ -46,12 +47,6 @@ def hosts(checkpoint_factory, tmp_path_factory: pytest.TempPathFactory) -> Itera
     hosts = ModelHosts(registry, OPTIONS, tool_call_formats={"tiny": "hermes"})
     yield hosts
     hosts.stop()
-
-
-def ready(hosts: ModelHosts, name: str) -> HostedModel:
-    hosted = hosts.get(name)
-    hosted.host.wait_ready(120)
-    return hosted
 
 
 def chat_rows(model: str, bodies: list[dict], prefix: str = "r") -> list[Row | RowError]:

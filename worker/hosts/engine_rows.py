@@ -50,7 +50,13 @@ from bulkinfer.jobs.state.live_progress import LiveFigures
 from bulkinfer.worker.hosts.engine_host import LORA_REFUSED, EngineRequest, Submission
 from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 from bulkinfer.worker.hosts.lora_requests import AdapterRefused
-from bulkinfer.worker.hosts.row_images import ImageRowRejected, has_images, image_prompt, no_images_message
+from bulkinfer.worker.hosts.row_images import (
+    ImageRowRejected,
+    fetch_rows_images,
+    has_images,
+    image_prompt,
+    no_images_message,
+)
 from bulkinfer.worker.images.fetcher import ImageFetcher
 from bulkinfer.worker.process import metrics
 from bulkinfer.worker.tools.answers import PLAIN, ChatPlan, read_answer
@@ -353,6 +359,11 @@ class PreparedBatch:
         # request digest -> run position of the row that runs it; shared by a run's batches (`offset`:
         # this batch's first run position), so a row identical to one of an earlier batch runs once too.
         first_of = {} if known is None else known
+        # The rows' images are read together first (worker/hosts/row_images.py), then expanded row by row.
+        chats = {position: renderer.chat_messages(item) for position, item in enumerate(items)
+                 if isinstance(item, Row)}
+        fetched = fetch_rows_images({position: chat for position, chat in chats.items() if has_images(chat)},
+                                    images if renderer.image_family is not None else None)
         for position, item in enumerate(items):
             if isinstance(item, RowError):
                 self._outputs[position] = OutputRow.from_error(item)
@@ -362,9 +373,8 @@ class PreparedBatch:
                 lora = row_adapter(item, adapters)
                 token_ids, plan = renderer.prepare(item)
                 prompt: list[int] | MultiModalPrompt = token_ids
-                chat = renderer.chat_messages(item)
-                if has_images(chat):
-                    prompt = image_prompt(token_ids, chat, renderer.image_family, images,  # type: ignore[arg-type]
+                if has_images(chats[position]):
+                    prompt = image_prompt(token_ids, fetched.get(position), renderer.image_family,
                                           renderer.model)
                 request = EngineRequest(prompt, plan.sampling(params), priority, cache_salt, lora)
             except (RowRejected, AdapterRefused, ImageRowRejected) as rejected:

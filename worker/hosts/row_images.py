@@ -6,6 +6,7 @@ problem is the row's `invalid_image` error."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bulkinfer.engine.multimodal.images import ImageError
@@ -13,7 +14,7 @@ from bulkinfer.engine.multimodal.inputs import MultiModalPrompt
 from bulkinfer.engine.multimodal.processing import ImageProcessorFamily, expand_prompt
 from bulkinfer.jobs.formats.image_parts import iter_image_parts
 from bulkinfer.jobs.formats.rows import RowErrorCode
-from bulkinfer.worker.images.fetcher import ImageFetcher, ImageRejected
+from bulkinfer.worker.images.fetcher import ImageFetcher, ImageRejected, RowImage
 
 
 class ImageRowRejected(ValueError):
@@ -24,18 +25,41 @@ def has_images(messages: Sequence[Mapping[str, Any]] | None) -> bool:
     return bool(messages) and next(iter_image_parts(messages), None) is not None  # type: ignore[arg-type]
 
 
-def image_prompt(token_ids: list[int], messages: Sequence[Mapping[str, Any]],
-                 family: ImageProcessorFamily | None, fetcher: ImageFetcher | None,
+# Rows whose images are read at once: reads wait on the store or the network, not the CPU.
+FETCH_THREADS = 8
+
+Fetched = list[RowImage] | ImageRowRejected
+
+
+def fetch_rows_images(messages: dict[int, Sequence[Mapping[str, Any]]],
+                      fetcher: ImageFetcher | None) -> dict[int, Fetched]:
+    """Each row's images (by its position), read FETCH_THREADS rows at a time; a row whose image
+    cannot be used gets its rejection instead."""
+    if fetcher is None or not messages:
+        return {}
+
+    def fetch(row_messages: Sequence[Mapping[str, Any]]) -> Fetched:
+        try:
+            return fetcher.fetch(row_messages)
+        except ImageRejected as rejected:
+            return ImageRowRejected(str(rejected))
+
+    positions = list(messages)
+    with ThreadPoolExecutor(min(FETCH_THREADS, len(positions)), thread_name_prefix="images") as pool:
+        return dict(zip(positions, pool.map(fetch, [messages[p] for p in positions]), strict=True))
+
+
+def image_prompt(token_ids: list[int], fetched: Fetched | None, family: ImageProcessorFamily | None,
                  model: str) -> MultiModalPrompt:
-    """The rendered prompt's images read and expanded; raises ImageRowRejected naming the problem."""
+    """The rendered prompt with its images (`fetch_rows_images`) expanded; raises ImageRowRejected
+    naming the problem."""
     if family is None:
         raise ImageRowRejected(no_images_message(model))
-    if fetcher is None:
+    if fetched is None:
         raise ImageRowRejected("this run reads no images (no image fetcher was set up for it)")
-    try:
-        images = fetcher.fetch(messages)
-    except ImageRejected as rejected:
-        raise ImageRowRejected(str(rejected)) from None
+    if isinstance(fetched, ImageRowRejected):
+        raise fetched
+    images = fetched
     try:
         return expand_prompt(token_ids, [image.image for image in images], family,
                              [image.detail for image in images])
