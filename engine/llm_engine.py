@@ -279,6 +279,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
         mm_items: tuple[MultiModalItem, ...] = ()
+        rope: tuple[Any, int] = (None, 0)
         image_problem = None
         if images:
             try:
@@ -286,7 +287,8 @@ class LLMEngine:
             except ImageError as image_error:
                 prompt, image_problem = [], str(image_error)
         if isinstance(prompt, MultiModalPrompt):
-            prompt, mm_items = prompt.token_ids, prompt.items
+            mm_items, rope = prompt.items, (prompt.rope_positions, prompt.rope_delta)
+            prompt = prompt.token_ids
         token_ids, error = self._tokenize(prompt)
         kind = ErrorKind.INVALID_PROMPT if error is not None else None
         if image_problem is not None:
@@ -314,6 +316,8 @@ class LLMEngine:
                 lora_request=lora_request,
                 lora_digest=lora_digest,
                 mm_items=mm_items,
+                rope_positions=rope[0],
+                rope_delta=rope[1],
             )
             for i in range(n if error is None else 1)
         ]

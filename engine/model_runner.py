@@ -37,6 +37,7 @@ from bulkinfer.engine.lora.rows import NO_ADAPTER
 from bulkinfer.engine.mixed_graphs import MixedGraphs
 from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
+from bulkinfer.engine.multimodal.rope_steps import shifted_positions
 from bulkinfer.engine.multimodal.step_embeds import ImageChunk, StepImageEmbeds, step_image_embeds
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
@@ -289,6 +290,9 @@ class ModelRunner:
         filled = None
         if batch is not None and step.image_rows:
             batch.image_embeds = self._image_embeds(step, batch)
+        if batch is not None and (step.rope_rows or (step.decodes is not None and step.decodes.request_ids
+                                                     and any(c.request.rope_delta for c in output.chunks))):
+            shifted_positions(batch, step, output)
         if batch is not None:
             batch.score_spans = step.spans
             places = step.column_placeholders + [(batch.row_ends[i] - 1, r) for i, r in step.placeholders]
@@ -355,7 +359,7 @@ class ModelRunner:
         """The sampled rows' logits of a prepared batch, and its scored prompt positions'."""
         # Graphs hold no LoRA update: a step with adapter rows runs eagerly.
         graphs = self._decode_graphs() if not batch.num_scored and batch.lora_slots is None \
-            and batch.image_embeds is None else None
+            and batch.image_embeds is None and batch.rope_rows is None else None
         if graphs is not None:
             logits = graphs.run(batch.input_ids, batch.positions, batch.metadata, batch.sample_rows)
             mixed = self._mixed_graphs() if logits is None else None
@@ -504,6 +508,8 @@ class ModelRunner:
                                          score=(span.offset, span.count) if span else None, lora_slot=lora))
                 if end > request.num_tokens:
                     step.placeholders.append((len(rows) - 1, request.request_id))
+            if request.rope_positions is not None:
+                step.rope_rows.extend((r, request) for r in range(first_row, len(rows)))
             if units is not None:
                 units.extend(~r for r in range(first_row, len(rows)))
         return step

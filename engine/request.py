@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from bulkinfer.engine.errors import ErrorKind
 from bulkinfer.engine.lora.request import LoRARequest
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
@@ -68,6 +70,9 @@ class Request:
     lora_digest: str | None = None
     # The prompt's images (engine/multimodal/inputs.py): their spans take encoder rows, not token embeddings.
     mm_items: tuple[MultiModalItem, ...] = ()
+    # M-RoPE (Qwen2.5-VL): [3, prompt] rotary positions, and the shift after the prompt (None: the index).
+    rope_positions: np.ndarray | None = None
+    rope_delta: int = 0
 
     output_token_ids: list[int] = field(default_factory=list, init=False)
     all_token_ids: list[int] = field(init=False)  # prompt + output, appended in sync

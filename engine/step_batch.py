@@ -21,9 +21,11 @@ from bulkinfer.engine.kv_connector.connector import KVLoad
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
 from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
+from bulkinfer.engine.multimodal.mrope import StepRopeRows
 from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan
+from bulkinfer.engine.request import Request
 from bulkinfer.engine.scheduler import ScheduledChunk
 
 
@@ -59,17 +61,21 @@ class StepBatch:
     row_ends: list[int] = field(default_factory=list)
     # Image encoder rows in place of image tokens' embeddings (engine/multimodal/step_embeds.py).
     image_embeds: StepImageEmbeds | None = None
+    # M-RoPE rows: image tokens' three-part positions (engine/multimodal/mrope.py).
+    rope_rows: StepRopeRows | None = None
 
     def sampled_hidden(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Forward the batch: the final hidden states of its sampled positions, in their order."""
         model.step_rows.lora = LoRARows(self.lora_slots) if self.lora_slots is not None else None
         model.step_rows.images = self.image_embeds
+        model.step_rows.rope_rows = self.rope_rows
         try:
             hidden = model(self.input_ids, self.positions, self.metadata, kv_caches,
                            final_rows=self.final_rows)
         finally:
             model.step_rows.lora = None  # other forwards (profiling, probes) run the base model
             model.step_rows.images = None
+            model.step_rows.rope_rows = None
         if self.final_rows is None:
             return hidden[self.sample_rows]
         return hidden[self.final_rows.order]
@@ -88,6 +94,8 @@ class StepRows:
     column_placeholders: list[tuple[int, str]] = field(default_factory=list)
     # (row index, the request's images, prompt start, end) of rows that compute image positions.
     image_rows: list[tuple[int, tuple[MultiModalItem, ...], int, int]] = field(default_factory=list)
+    # (row index, request) of the rows of requests with M-RoPE positions (engine/multimodal/mrope.py).
+    rope_rows: list[tuple[int, Request]] = field(default_factory=list)
 
 
 def known_tokens(tokens: Sequence[int], start: int, end: int) -> list[int]:

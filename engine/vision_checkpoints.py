@@ -85,18 +85,34 @@ def vision_config(preset: str, vocab: int, image_token_id: int) -> dict:
         "scale_factor": p.scale_factor,
         "tie_word_embeddings": False,
         "text_config": {
-            "model_type": "llama", "vocab_size": vocab, "hidden_size": p.text_hidden,
-            "intermediate_size": p.text_intermediate, "num_hidden_layers": p.text_layers,
-            "num_attention_heads": p.text_heads, "num_key_value_heads": p.text_kv_heads,
-            "head_dim": p.text_hidden // p.text_heads, "hidden_act": "silu", "rms_norm_eps": 1e-5,
-            "rope_theta": 100000.0, "max_position_embeddings": 8192, "tie_word_embeddings": False,
-            "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2,
+            "model_type": "llama",
+            "vocab_size": vocab,
+            "hidden_size": p.text_hidden,
+            "intermediate_size": p.text_intermediate,
+            "num_hidden_layers": p.text_layers,
+            "num_attention_heads": p.text_heads,
+            "num_key_value_heads": p.text_kv_heads,
+            "head_dim": p.text_hidden // p.text_heads,
+            "hidden_act": "silu",
+            "rms_norm_eps": 1e-5,
+            "rope_theta": 100000.0,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+            "bos_token_id": 0,
+            "eos_token_id": 1,
+            "pad_token_id": 2,
         },
         "vision_config": {
-            "model_type": "idefics3_vision", "hidden_size": p.vision_hidden,
-            "intermediate_size": p.vision_intermediate, "num_hidden_layers": p.vision_layers,
-            "num_attention_heads": p.vision_heads, "num_channels": 3, "image_size": p.tile_size,
-            "patch_size": p.patch_size, "hidden_act": "gelu_pytorch_tanh", "layer_norm_eps": 1e-6,
+            "model_type": "idefics3_vision",
+            "hidden_size": p.vision_hidden,
+            "intermediate_size": p.vision_intermediate,
+            "num_hidden_layers": p.vision_layers,
+            "num_attention_heads": p.vision_heads,
+            "num_channels": 3,
+            "image_size": p.tile_size,
+            "patch_size": p.patch_size,
+            "hidden_act": "gelu_pytorch_tanh",
+            "layer_norm_eps": 1e-6,
         },
     }
 
@@ -106,27 +122,36 @@ def vision_tensor_shapes(preset: str, vocab: int) -> dict[str, tuple[int, ...]]:
     p = VISION_PRESETS[preset]
     h, kv = p.text_hidden, p.text_kv_heads * (p.text_hidden // p.text_heads)
     shapes: dict[str, tuple[int, ...]] = {
-        "model.text_model.embed_tokens.weight": (vocab, h), "model.text_model.norm.weight": (h,),
+        "model.text_model.embed_tokens.weight": (vocab, h),
+        "model.text_model.norm.weight": (h,),
         "lm_head.weight": (vocab, h),
     }
     for i in range(p.text_layers):
         pre = f"model.text_model.layers.{i}."
-        shapes.update({
-            pre + "input_layernorm.weight": (h,), pre + "post_attention_layernorm.weight": (h,),
-            pre + "self_attn.q_proj.weight": (h, h), pre + "self_attn.k_proj.weight": (kv, h),
-            pre + "self_attn.v_proj.weight": (kv, h), pre + "self_attn.o_proj.weight": (h, h),
-            pre + "mlp.gate_proj.weight": (p.text_intermediate, h),
-            pre + "mlp.up_proj.weight": (p.text_intermediate, h),
-            pre + "mlp.down_proj.weight": (h, p.text_intermediate),
-        })
+        shapes.update(
+            {
+                pre + "input_layernorm.weight": (h,),
+                pre + "post_attention_layernorm.weight": (h,),
+                pre + "self_attn.q_proj.weight": (h, h),
+                pre + "self_attn.k_proj.weight": (kv, h),
+                pre + "self_attn.v_proj.weight": (kv, h),
+                pre + "self_attn.o_proj.weight": (h, h),
+                pre + "mlp.gate_proj.weight": (p.text_intermediate, h),
+                pre + "mlp.up_proj.weight": (p.text_intermediate, h),
+                pre + "mlp.down_proj.weight": (h, p.text_intermediate),
+            }
+        )
     v, patches = p.vision_hidden, (p.tile_size // p.patch_size) ** 2
-    shapes.update({
-        "model.vision_model.embeddings.patch_embedding.weight": (v, 3, p.patch_size, p.patch_size),
-        "model.vision_model.embeddings.patch_embedding.bias": (v,),
-        "model.vision_model.embeddings.position_embedding.weight": (patches, v),
-        "model.vision_model.post_layernorm.weight": (v,), "model.vision_model.post_layernorm.bias": (v,),
-        "model.connector.modality_projection.proj.weight": (h, v * p.scale_factor ** 2),
-    })
+    shapes.update(
+        {
+            "model.vision_model.embeddings.patch_embedding.weight": (v, 3, p.patch_size, p.patch_size),
+            "model.vision_model.embeddings.patch_embedding.bias": (v,),
+            "model.vision_model.embeddings.position_embedding.weight": (patches, v),
+            "model.vision_model.post_layernorm.weight": (v,),
+            "model.vision_model.post_layernorm.bias": (v,),
+            "model.connector.modality_projection.proj.weight": (h, v * p.scale_factor**2),
+        }
+    )
     for i in range(p.vision_layers):
         pre = f"model.vision_model.encoder.layers.{i}."
         for name in ("q_proj", "k_proj", "v_proj", "out_proj"):
@@ -135,9 +160,14 @@ def vision_tensor_shapes(preset: str, vocab: int) -> dict[str, tuple[int, ...]]:
         for norm in ("layer_norm1", "layer_norm2"):
             shapes[f"{pre}{norm}.weight"] = (v,)
             shapes[f"{pre}{norm}.bias"] = (v,)
-        shapes.update({pre + "mlp.fc1.weight": (p.vision_intermediate, v),
-                       pre + "mlp.fc1.bias": (p.vision_intermediate,),
-                       pre + "mlp.fc2.weight": (v, p.vision_intermediate), pre + "mlp.fc2.bias": (v,)})
+        shapes.update(
+            {
+                pre + "mlp.fc1.weight": (p.vision_intermediate, v),
+                pre + "mlp.fc1.bias": (p.vision_intermediate,),
+                pre + "mlp.fc2.weight": (v, p.vision_intermediate),
+                pre + "mlp.fc2.bias": (v,),
+            }
+        )
     return shapes
 
 
@@ -149,8 +179,8 @@ def _vision_weights(preset: str, vocab: int, seed: int) -> dict[str, torch.Tenso
         # engine/checkpoints.py's scaling, under the names it knows for embeddings and the LM head.
         known = name.replace("model.text_model.", "model.")
         if "patch_embedding.weight" in name:
-            fan_in = 3 * p.patch_size ** 2
-            out[name] = torch.randn(shape, generator=gen) * (1.5 * fan_in ** -0.5)
+            fan_in = 3 * p.patch_size**2
+            out[name] = torch.randn(shape, generator=gen) * (1.5 * fan_in**-0.5)
         elif "position_embedding" in name:
             out[name] = torch.randn(shape, generator=gen) * 0.5
         else:
@@ -162,17 +192,26 @@ def preprocessor_config(preset: str = "tiny") -> dict:
     """transformers' Idefics3ImageProcessor settings (SmolVLM's, at this preset's sizes)."""
     p = VISION_PRESETS[preset]
     return {
-        "image_processor_type": "Idefics3ImageProcessor", "processor_class": "Idefics3Processor",
-        "do_convert_rgb": True, "do_resize": True, "size": {"longest_edge": p.longest_edge},
-        "resample": 1, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pad": True,
-        "do_image_splitting": True, "max_image_size": {"longest_edge": p.tile_size},
+        "image_processor_type": "Idefics3ImageProcessor",
+        "processor_class": "Idefics3Processor",
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": p.longest_edge},
+        "resample": 1,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+        "do_image_splitting": True,
+        "max_image_size": {"longest_edge": p.tile_size},
     }
 
 
 def image_seq_len(preset: str = "tiny") -> int:
     p = VISION_PRESETS[preset]
-    return (p.tile_size // p.patch_size) ** 2 // p.scale_factor ** 2
+    return (p.tile_size // p.patch_size) ** 2 // p.scale_factor**2
 
 
 def build_vision_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
@@ -194,11 +233,15 @@ def build_vision_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 
     vocab = max(len(tokenizer), p.vocab_base + len(IMAGE_SPECIAL_TOKENS))
     config = vision_config(preset, vocab, _token_id(tokenizer, IMAGE_TOKEN))
     _write_json(tmp / "config.json", config)
-    _write_json(tmp / "generation_config.json", {"bos_token_id": 0, "eos_token_id": [1, _token_id(
-        tokenizer, END_OF_UTTERANCE)], "pad_token_id": 2})
+    _write_json(
+        tmp / "generation_config.json",
+        {"bos_token_id": 0, "eos_token_id": [1, _token_id(tokenizer, END_OF_UTTERANCE)], "pad_token_id": 2},
+    )
     _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
-    _write_json(tmp / "processor_config.json", {"processor_class": "Idefics3Processor",
-                                                 "image_seq_len": image_seq_len(preset)})
+    _write_json(
+        tmp / "processor_config.json",
+        {"processor_class": "Idefics3Processor", "image_seq_len": image_seq_len(preset)},
+    )
     save_file(_vision_weights(preset, vocab, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     make_readable(tmp)
     try:

@@ -74,7 +74,7 @@ class ChatRenderError(ValueError):
 @dataclass(frozen=True)
 class ImageSpans:
     """A model's image prompt spans: the placeholder its chat template writes for an image, and the
-    tokens an image takes in place of it with `detail: "low"` and at most otherwise (the size of a
+    most tokens an image takes in place of it with `detail: "low"` and otherwise (the size of a
     picture is not known before a worker reads it: a dry run counts the most)."""
 
     placeholder: str

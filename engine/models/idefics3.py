@@ -10,6 +10,7 @@ transformers': `model.text_model.*`, `model.vision_model.*`, `model.connector.*`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,11 @@ from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
 from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.multimodal.inputs import MultiModalItem
 
 TEXT, OURS = "model.text_model.", "model."
+# Tiles per encoder call: bounds the tower's activations (a 512 px SigLIP tile is 1,024 patches).
+MAX_TILES_PER_CALL = 32
 
 
 @dataclass(frozen=True)
@@ -162,9 +166,12 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def image_token_id(self) -> int:
         return self.config.image_token_id
 
-    def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Encoder rows of the given tiles, in the decoder's dtype."""
-        return self.vision_tower(pixel_values)
+    def embed_images(self, items: Sequence[MultiModalItem], device: torch.device) -> torch.Tensor:
+        """The images' encoder rows, one after another, in the decoder's dtype: their tiles run
+        MAX_TILES_PER_CALL at a time."""
+        tiles = torch.cat([item.pixel_values for item in items])
+        return torch.cat([self.vision_tower(tiles[i:i + MAX_TILES_PER_CALL].to(device))
+                          for i in range(0, len(tiles), MAX_TILES_PER_CALL)])
 
     def expected_hf_tensors(self) -> dict[str, tuple[int, ...]]:
         shapes = {_text_name(name): shape for name, shape in super().expected_hf_tensors().items()}

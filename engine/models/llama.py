@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps
     from bulkinfer.engine.lora.rows import LoRARows
     from bulkinfer.engine.lora.slots import LoRASlots
+    from bulkinfer.engine.multimodal.mrope import StepRopeRows
     from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds
 
 
@@ -244,6 +245,8 @@ class StepRows:
     lora: LoRARows | None = None
     # Image encoder rows for the step's image tokens (engine/multimodal/step_embeds.py); None: none.
     images: StepImageEmbeds | None = None
+    # M-RoPE: the step's image rows and their three-part positions (engine/multimodal/mrope.py).
+    rope_rows: StepRopeRows | None = None
 
 
 @dataclass(frozen=True)
@@ -574,7 +577,8 @@ class LlamaForCausalLM(nn.Module):
         # A step with adapter rows runs here where decode_layers.c has the adapters' slots.
         images = self.step_rows.images
         if self.native_decode is not None and metadata.num_prefills == 0 and not metadata.fixed_shape \
-                and (lora is None or self.native_decode.has_lora) and images is None:
+                and (lora is None or self.native_decode.has_lora) and images is None \
+                and self.step_rows.rope_rows is None:
             layers_out = self.native_decode.run(input_ids, positions, metadata, kv_caches,
                                                 lora.slots if lora is not None else None)
             if layers_out is not None:
@@ -583,7 +587,7 @@ class LlamaForCausalLM(nn.Module):
         hidden = self.embed_tokens(input_ids)
         if images is not None:
             hidden.index_copy_(0, images.flat_index, images.embeds.to(hidden.dtype))
-        rope = self.rotary(positions, hidden.dtype)
+        rope = self.step_rope(self.rotary(positions, hidden.dtype), hidden.dtype)
         residual = None
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         last = len(layers) - 1
@@ -591,6 +595,16 @@ class LlamaForCausalLM(nn.Module):
             keep = final_rows if index == last else None
             hidden, residual = layer(hidden, residual, rope, metadata, kv_cache, keep)
         return self.norm(hidden, residual)[0]
+
+    def step_rope(self, rope: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                            torch.Tensor]:
+        """The step's cos/sin: a family with positions of its own (M-RoPE) changes some rows."""
+        return rope
+
+    @staticmethod
+    def normalize_tensor_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A family whose checkpoints name tensors two ways reads both (Qwen2.5-VL)."""
+        return tensors
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits (what sampling, penalties, grammar masks and logprobs work on), in every

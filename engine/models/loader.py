@@ -26,6 +26,7 @@ from bulkinfer.engine.models.llama import (
 )
 from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
+from bulkinfer.engine.models.qwen2_5_vl import Qwen25VLForConditionalGeneration
 from bulkinfer.engine.quant.checkpoint import (
     QuantizedCheckpointError,
     QuantizedParts,
@@ -46,6 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3MoeForCausalLM": MoeForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
+    "Qwen2_5_VLForConditionalGeneration": Qwen25VLForConditionalGeneration,
 }
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).
@@ -196,6 +198,7 @@ def load_model(
         fused = install_quantized_projections(model, parts)
     model = model.to_empty(device=device)
     model.tie_weights()
+    tensors = model.normalize_tensor_names(tensors)
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
     for path, layers in fused.items():

@@ -25,6 +25,8 @@ class MultiModalItem:
     length: int  # its span's length in tokens
     # Which span positions take an encoder row (in order); None: every one.
     is_embed: np.ndarray | None = field(default=None, repr=False)
+    # Its rows as a grid (rows, columns) after the encoder's merge, for M-RoPE (Qwen2.5-VL); None: none.
+    grid: tuple[int, int] | None = None
 
     @property
     def end(self) -> int:
@@ -53,6 +55,7 @@ class ProcessedImage:
     span_token_ids: list[int]
     is_embed: np.ndarray | None  # over the span; None: every position
     num_embeds: int
+    grid: tuple[int, int] | None = None  # M-RoPE: the rows' grid (MultiModalItem.grid)
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,10 @@ class MultiModalPrompt:
 
     token_ids: list[int]
     items: tuple[MultiModalItem, ...]
+    # M-RoPE (Qwen2.5-VL): each prompt position's (t, h, w) rotary positions, and the shift of the
+    # positions after the prompt (engine/multimodal/mrope.py); None: positions are the token index.
+    rope_positions: np.ndarray | None = field(default=None, repr=False)
+    rope_delta: int = 0
 
     @property
     def num_image_tokens(self) -> int:

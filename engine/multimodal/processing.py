@@ -10,6 +10,7 @@ from PIL import Image
 
 from bulkinfer.engine.multimodal.images import ImageError, ImageLike, image_digest, load_image
 from bulkinfer.engine.multimodal.inputs import MultiModalItem, MultiModalPrompt, ProcessedImage
+from bulkinfer.engine.multimodal.mrope import rope_positions
 
 DETAILS = ("auto", "low", "high")  # OpenAI's image_url detail levels
 
@@ -57,8 +58,12 @@ def expand_prompt(token_ids: Sequence[int], images: Sequence[ImageLike], family:
         items.append(MultiModalItem(
             digest=image_digest(decoded) + (f":{variant}" if variant else ""),
             pixel_values=processed.pixel_values, num_embeds=processed.num_embeds,
-            offset=len(out), length=len(processed.span_token_ids), is_embed=processed.is_embed))
+            offset=len(out), length=len(processed.span_token_ids), is_embed=processed.is_embed,
+            grid=processed.grid))
         out.extend(processed.span_token_ids)
         previous = place + 1
     out.extend(token_ids[previous:])
-    return MultiModalPrompt(out, tuple(items))
+    if not any(item.grid is not None for item in items):
+        return MultiModalPrompt(out, tuple(items))
+    positions, delta = rope_positions(len(out), items)
+    return MultiModalPrompt(out, tuple(items), positions, delta)

@@ -13,9 +13,6 @@ import torch
 from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
 
-# Tiles per encoder call: bounds the tower's activations (a 512 px SigLIP tile is 1,024 patches).
-MAX_TILES_PER_CALL = 32
-
 
 @dataclass(frozen=True)
 class ImageChunk:
@@ -68,13 +65,10 @@ def step_image_embeds(chunks: Sequence[ImageChunk], model: torch.nn.Module, cach
 
 def encode_images(items: Sequence[MultiModalItem], model: torch.nn.Module,
                   device: torch.device) -> dict[str, torch.Tensor]:
-    """Each item's encoder rows, the tiles of all of them run in batches of MAX_TILES_PER_CALL."""
+    """Each item's encoder rows: the model encodes them together (`embed_images`)."""
     if not items:
         return {}
-    tiles = torch.cat([item.pixel_values for item in items])
-    outputs = [model.embed_images(tiles[i:i + MAX_TILES_PER_CALL].to(device))
-               for i in range(0, len(tiles), MAX_TILES_PER_CALL)]
-    rows = torch.cat(outputs)
+    rows = model.embed_images(items, device)
     out: dict[str, torch.Tensor] = {}
     start = 0
     for item in items:

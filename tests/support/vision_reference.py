@@ -63,3 +63,54 @@ def hf_logits(model_dir: str, text: str, images: list[Image.Image], tokens: list
 def hf_greedy_check(model_dir: str, text: str, images: list[Image.Image], tokens: list[int]) -> list[int]:
     """transformers' fp32 argmax at each of `tokens`' positions (compare with `tokens`)."""
     return hf_logits(model_dir, text, images, tokens).argmax(dim=-1).tolist()
+
+
+def qwen_chat_text(model_dir: str, question: str, num_images: int = 1) -> str:
+    """Qwen2.5-VL's chat prompt for one user turn: the images first, then the question."""
+    from transformers import AutoTokenizer
+
+    content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+    return AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
+
+
+@functools.lru_cache(maxsize=4)
+def hf_qwen_model(model_dir: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    return Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+def hf_qwen_logits(model_dir: str, prompt_ids: list[int], images: list[Image.Image], tokens: list[int],
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """transformers' Qwen2.5-VL logits predicting `tokens` after the engine's expanded prompt (its
+    processor needs torchvision for videos: the image processor alone gives the pixels and grids)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    model = hf_qwen_model(model_dir, dtype)
+    ids = torch.tensor([prompt_ids + tokens])
+    inputs: dict[str, Any] = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                              "mm_token_type_ids": (ids == model.config.image_token_id).int()}
+    if images:
+        encoded = Qwen2VLImageProcessorPil.from_pretrained(model_dir)(images=images, return_tensors="pt")
+        inputs["pixel_values"] = encoded["pixel_values"].to(dtype)
+        inputs["image_grid_thw"] = encoded["image_grid_thw"]
+    with torch.inference_mode():
+        logits = model(**inputs).logits[0]
+    return logits[len(prompt_ids) - 1:-1].float()
+
+
+class PrecomputedLogits:
+    """Logits computed per sequence beforehand, called as assert_no_worse_than_reference calls a model."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[int, ...], tuple[torch.Tensor, int]] = {}
+
+    def add(self, prompt: list[int], tokens: list[int], rows: torch.Tensor) -> None:
+        self.rows[tuple(prompt + tokens)] = (rows, len(prompt))
+
+    def __call__(self, ids: torch.Tensor) -> Any:
+        rows, prompt_len = self.rows[tuple(ids[0].tolist())]
+        full = torch.zeros(1, ids.shape[1], rows.shape[1])
+        full[0, prompt_len - 1:-1] = rows
+        return type("Output", (), {"logits": full})()

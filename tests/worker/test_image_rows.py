@@ -13,6 +13,7 @@ import pytest
 
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.llm_engine import LLMEngine
+from bulkinfer.engine.qwen_vl_checkpoint import cached_qwen_vl_checkpoint
 from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.engine.vision_checkpoints import cached_vision_checkpoint
 from bulkinfer.jobs.formats.lines import Line
@@ -25,7 +26,7 @@ from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts
 from bulkinfer.worker.images.fetcher import ImageFetcher
 from bulkinfer.worker.images.stores import StoreOpener
 from tests.support.hosted import ready
-from tests.support.vision_reference import chat_text, picture
+from tests.support.vision_reference import chat_text, picture, qwen_chat_text
 
 pytestmark = pytest.mark.timeout(600)
 OPTIONS = {"dtype": "float32", "max_model_len": 1024}
@@ -40,7 +41,8 @@ def png_data_url(image) -> str:
 
 @pytest.fixture(scope="module")
 def hosts(tiny_checkpoint) -> Iterator[ModelHosts]:
-    registry = ModelRegistry({"vlm": str(cached_vision_checkpoint("tiny")), "text": str(tiny_checkpoint)})
+    registry = ModelRegistry({"vlm": str(cached_vision_checkpoint("tiny")), "text": str(tiny_checkpoint),
+                              "qwen": str(cached_qwen_vl_checkpoint())})
     hosts = ModelHosts(registry, OPTIONS)
     yield hosts
     hosts.stop()
@@ -66,11 +68,11 @@ def run(hosted: HostedModel, items: list, deduplicate: bool = False,
         return engine_run.outputs()
 
 
-def direct_text(question: str, image) -> str:
-    model = str(cached_vision_checkpoint("tiny"))
+def direct_text(question: str, image, model: str | None = None, chat=chat_text) -> str:
+    model = model or str(cached_vision_checkpoint("tiny"))
     llm = LLMEngine(EngineConfig(model=model, **OPTIONS, num_kv_blocks=64))
     params = SamplingParams(temperature=0, max_tokens=6)
-    llm.add_request("x", chat_text(model, question), params, images=[image])
+    llm.add_request("x", chat(model, question), params, images=[image])
     while True:
         for output in llm.step():
             if output.finished:
@@ -115,3 +117,11 @@ def test_limits_and_text_only_models_are_row_errors(hosts):
     text = ready(hosts, "text")
     [refused] = run(text, rows("text", [image_and_question(png_data_url(PICTURES[0]))]))
     assert refused.error_code == "invalid_image" and "takes no images" in refused.error_message
+
+
+def test_qwen2_5_vl_rows_run_as_the_engine_runs_them(hosts):
+    qwen = ready(hosts, "qwen")
+    [row] = run(qwen, rows("qwen", [image_and_question(png_data_url(PICTURES[0]))]))
+    assert not row.failed, row
+    model = str(cached_qwen_vl_checkpoint())
+    assert row.text == direct_text("What is this?", PICTURES[0], model, qwen_chat_text)

@@ -70,4 +70,4 @@ def image_prompt(token_ids: list[int], fetched: Fetched | None, family: ImagePro
 def no_images_message(model: str) -> str:
     named = f"the model {model}" if model else "this model"
     return (f"{named} takes no images (a text-only model); serve a vision-language model "
-            "(Idefics3 / SmolVLM) for rows with images")
+            "(Qwen2.5-VL, Idefics3 / SmolVLM) for rows with images")
