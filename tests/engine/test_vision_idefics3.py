@@ -166,3 +166,22 @@ def test_offline_llm_generate_and_chat_take_images(vlm, tmp_path):
                                              {"type": "text", "text": "What is this?"}]}]
     [chatted] = llm.chat(messages, GREEDY)
     assert chatted.outputs[0].token_ids == expected  # a PNG keeps the pixels: the same image
+
+
+def test_encoder_work_counts_in_the_step_budget(vlm):
+    """An uncached image costs its encoder rows in the token budget: a second row whose image does not
+    fit after the first row's prompt and image stops before its image; the same image is charged once."""
+    text = chat_text(vlm, "What is this?")
+    for second in (PICTURES[2], PICTURES[0]):
+        llm = engine(vlm, max_num_batched_tokens=100, enable_prefix_caching=False)
+        first, other = llm.process_prompt(text, [PICTURES[0]]), llm.process_prompt(text, [second])
+        llm.add_request("a", first, GREEDY)
+        llm.add_request("b", other, GREEDY)
+        chunks = {chunk.request.request_id: chunk.num_new_tokens for chunk in llm.scheduler.schedule().chunks}
+        left = 100 - len(first.token_ids) - first.items[0].num_embeds
+        assert chunks["a"] == len(first.token_ids)
+        if second is PICTURES[0]:
+            assert chunks["b"] == left  # its image is a's: charged once
+        else:
+            assert left < len(other.token_ids) + other.items[0].num_embeds
+            assert chunks["b"] == other.items[0].offset  # stops before an image that does not fit
