@@ -5,26 +5,13 @@ plus Qwen's vision tokens, Qwen2-VL's chat template, and `preprocessor_config.js
 
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from bulkinfer.engine.checkpoints import (
-    _cache_key,
-    _init_tensor,
-    _publish,
-    _save_tokenizer,
-    _tensor_seed,
-    _write_json,
-    build_tokenizer,
-    cache_dir,
-    make_readable,
-)
-from bulkinfer.engine.vision_checkpoints import FORMAT_VERSION, _token_id
+from bulkinfer.engine.checkpoints import _cache_key, _init_tensor, _tensor_seed, _write_json, cache_dir
+from bulkinfer.engine.vision_checkpoints import FORMAT_VERSION, _token_id, build_in_place, save_tokenizer_with
 
 QWEN_VL_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
 QWEN_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
@@ -114,16 +101,12 @@ def qwen_vl_shapes(vocab: int) -> dict[str, tuple[int, ...]]:
 def build_qwen_vl_checkpoint(path: str | Path, seed: int = 0) -> Path:
     """A tiny random Qwen2.5-VL folder (config in transformers 5's form, tensors in the published
     checkpoints' names), built beside `path` and renamed into place."""
-    target = Path(path).expanduser().resolve()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    return build_in_place(path, lambda tmp: _write(tmp, seed))
+
+
+def _write(tmp: Path, seed: int) -> None:
     p = QWEN_VL_TINY
-    tokenizer = build_tokenizer(p["vocab_base"])
-    tokenizer.add_tokens(list(QWEN_VL_TOKENS), special_tokens=True)
-    tokenizer.chat_template = QWEN_VL_CHAT_TEMPLATE
-    _save_tokenizer(tokenizer, tmp)
-    config_path = tmp / "tokenizer_config.json"
-    _write_json(config_path, {**json.loads(config_path.read_text()), "chat_template": QWEN_VL_CHAT_TEMPLATE})
+    tokenizer = save_tokenizer_with(tmp, p["vocab_base"], QWEN_VL_TOKENS, QWEN_VL_CHAT_TEMPLATE)
     vocab = max(len(tokenizer), p["vocab_base"] + len(QWEN_VL_TOKENS))
     ids = {token: _token_id(tokenizer, token) for token in QWEN_VL_TOKENS}
     _write_json(
@@ -204,12 +187,6 @@ def build_qwen_vl_checkpoint(path: str | Path, seed: int = 0) -> Path:
             else _init_tensor(name, shape, p["hidden"], gen)
         ).contiguous()
     save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    make_readable(tmp)
-    try:
-        _publish(tmp, target, overwrite=False)
-    except FileExistsError:  # another process built it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def cached_qwen_vl_checkpoint(seed: int = 0) -> Path:

@@ -14,8 +14,10 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -216,39 +218,51 @@ def image_seq_len(preset: str = "tiny") -> int:
 
 def build_vision_checkpoint(path: str | Path, preset: str = "tiny", seed: int = 0) -> Path:
     """Write the folder at `path` (built beside it, then renamed into place) and return it."""
+    p = VISION_PRESETS[preset]
+
+    def write(tmp: Path) -> None:
+        tokenizer = save_tokenizer_with(tmp, p.vocab_base, IMAGE_SPECIAL_TOKENS, SMOLVLM_CHAT_TEMPLATE)
+        # The BPE may learn fewer merges than asked on a small corpus: the image tokens' ids are the
+        # tokenizer's, and the vocabulary at least the preset's (SmolVLM-256M's 49,280).
+        vocab = max(len(tokenizer), p.vocab_base + len(IMAGE_SPECIAL_TOKENS))
+        _write_json(tmp / "config.json", vision_config(preset, vocab, _token_id(tokenizer, IMAGE_TOKEN)))
+        eos = [1, _token_id(tokenizer, END_OF_UTTERANCE)]
+        _write_json(tmp / "generation_config.json",
+                    {"bos_token_id": 0, "eos_token_id": eos, "pad_token_id": 2})
+        _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
+        _write_json(tmp / "processor_config.json",
+                    {"processor_class": "Idefics3Processor", "image_seq_len": image_seq_len(preset)})
+        weights = _vision_weights(preset, vocab, seed)
+        save_file(weights, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+
+    return build_in_place(path, write)
+
+
+def build_in_place(path: str | Path, write: Callable[[Path], None]) -> Path:
+    """`write` fills a folder beside `path`, which is then renamed into place (a concurrent build of
+    the same checkpoint wins or loses whole); returns `path`, resolved."""
     target = Path(path).expanduser().resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    p = VISION_PRESETS[preset]
-    tokenizer = build_tokenizer(p.vocab_base)
-    tokenizer.add_tokens(list(IMAGE_SPECIAL_TOKENS), special_tokens=True)
-    tokenizer.chat_template = SMOLVLM_CHAT_TEMPLATE
-    _save_tokenizer(tokenizer, tmp)
-    config_path = tmp / "tokenizer_config.json"
-    tokenizer_config = json.loads(config_path.read_text())
-    tokenizer_config["chat_template"] = SMOLVLM_CHAT_TEMPLATE
-    _write_json(config_path, tokenizer_config)
-    # The BPE may learn fewer merges than asked on a small corpus: the image tokens' ids are the
-    # tokenizer's, and the vocabulary at least the preset's (SmolVLM-256M's 49,280).
-    vocab = max(len(tokenizer), p.vocab_base + len(IMAGE_SPECIAL_TOKENS))
-    config = vision_config(preset, vocab, _token_id(tokenizer, IMAGE_TOKEN))
-    _write_json(tmp / "config.json", config)
-    _write_json(
-        tmp / "generation_config.json",
-        {"bos_token_id": 0, "eos_token_id": [1, _token_id(tokenizer, END_OF_UTTERANCE)], "pad_token_id": 2},
-    )
-    _write_json(tmp / "preprocessor_config.json", preprocessor_config(preset))
-    _write_json(
-        tmp / "processor_config.json",
-        {"processor_class": "Idefics3Processor", "image_seq_len": image_seq_len(preset)},
-    )
-    save_file(_vision_weights(preset, vocab, seed), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    write(tmp)
     make_readable(tmp)
     try:
         _publish(tmp, target, overwrite=False)
     except FileExistsError:  # another process built it first
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def save_tokenizer_with(folder: Path, vocab_base: int, tokens: Sequence[str], template: str) -> Any:
+    """Our byte-level BPE of `vocab_base` merges plus `tokens` as special tokens, with `template` as its
+    chat template, saved into `folder`; returns the tokenizer."""
+    tokenizer = build_tokenizer(vocab_base)
+    tokenizer.add_tokens(list(tokens), special_tokens=True)
+    tokenizer.chat_template = template
+    _save_tokenizer(tokenizer, folder)
+    config_path = folder / "tokenizer_config.json"
+    _write_json(config_path, {**json.loads(config_path.read_text()), "chat_template": template})
+    return tokenizer
 
 
 def _token_id(tokenizer: object, token: str) -> int:
