@@ -85,6 +85,11 @@ LEFT_OUT: dict[str, str] = {
         "a list of subcommands, not one command line",
     "bulkinfer up --model smollm2-135m-instruct --lora sql=s3://bucket/adapters/sql --lora "
     "fr=/srv/adapters/fr": "needs S3, SmolLM2 from PyPI and the reader's adapters (test_lora_live.py)",
+    "(echo photo; aws s3 ls s3://shop/photos/ | awk '{print \"s3://shop/photos/\" $4}') > photos.csv":
+        "lists the reader's S3 folder with the AWS CLI (tests/api/test_images_live.py reads s3:// images)",
+    "bulkinfer submit photos.csv --model smolvlm-256m --id-column photo --image-column photo --template "
+    "'Write a one-line catalog caption.' --max-tokens 48 --wait":
+        "names the reader's vision-language model (tests/api/test_images_live.py runs image_column jobs)",
 }
 # What the small preset runs in: a context short enough that every row ends within a few dozen steps.
 ENGINE_OPTIONS = {"max_model_len": 64, "num_kv_blocks": 32, "max_num_seqs": 8}
