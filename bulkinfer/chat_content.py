@@ -51,10 +51,3 @@ def template_content(content: Any, where: str, as_parts: bool) -> str | list[dic
     if as_parts or any(part["type"] == "image" for part in parts):
         return parts
     return TEXT_PARTS_SEPARATOR.join(part["text"] for part in parts)
-
-
-def count_image_parts(messages: Sequence[Mapping[str, Any]]) -> int:
-    """How many image parts the messages hold."""
-    return sum(1 for message in messages if isinstance(message.get("content"), list)
-               for part in message["content"] if isinstance(part, Mapping)
-               and part.get("type") in IMAGE_PART_TYPES)

@@ -44,7 +44,7 @@ from bulkinfer.engine.models.loader import (
 )
 from bulkinfer.engine.multimodal.engine_images import ImageInputs, no_images
 from bulkinfer.engine.multimodal.images import ImageError, ImageLike
-from bulkinfer.engine.multimodal.inputs import MultiModalItem, MultiModalPrompt
+from bulkinfer.engine.multimodal.inputs import NO_IMAGES, MultiModalPrompt
 from bulkinfer.engine.output_assembly import (
     OutputAssembler,
     Parent,
@@ -278,16 +278,14 @@ class LLMEngine:
         lora_digest = self.load_lora(lora_request).digest if lora_request is not None else None
         params = params if params is not None else SamplingParams()
         prompt_text = prompt if isinstance(prompt, str) else None
-        mm_items: tuple[MultiModalItem, ...] = ()
-        rope: tuple[Any, int] = (None, 0)
         image_problem = None
         if images:
             try:
                 prompt = self.process_prompt(prompt, images)  # type: ignore[arg-type]
             except ImageError as image_error:
                 prompt, image_problem = [], str(image_error)
+        multimodal = prompt if isinstance(prompt, MultiModalPrompt) else NO_IMAGES
         if isinstance(prompt, MultiModalPrompt):
-            mm_items, rope = prompt.items, (prompt.rope_positions, prompt.rope_delta)
             prompt = prompt.token_ids
         token_ids, error = self._tokenize(prompt)
         kind = ErrorKind.INVALID_PROMPT if error is not None else None
@@ -315,9 +313,9 @@ class LLMEngine:
                 sample_index=i,
                 lora_request=lora_request,
                 lora_digest=lora_digest,
-                mm_items=mm_items,
-                rope_positions=rope[0],
-                rope_delta=rope[1],
+                mm_items=multimodal.items,
+                rope_positions=multimodal.rope_positions,
+                rope_delta=multimodal.rope_delta,
             )
             for i in range(n if error is None else 1)
         ]

@@ -105,6 +105,8 @@ class ModelRunner:
         self.lora: LoRAManager | None = None
         # Set by the engine for a model that takes images: encoder outputs by image digest.
         self.encoder_cache: EncoderCache | None = None
+        # M-RoPE (Qwen2.5-VL): a step's positions follow its requests' position tables, not token indices.
+        self.uses_mrope = bool(getattr(model.config, "mrope_section", ()))
         # Under tensor parallel every rank builds the same step from the same rows, so each takes the
         # same padded shape (graph or eager) in the same order: their collectives pair up.
         self.tensor_parallel_size = config.tensor_parallel_size
@@ -290,8 +292,7 @@ class ModelRunner:
         filled = None
         if batch is not None and step.image_rows:
             batch.image_embeds = self._image_embeds(step, batch)
-        if batch is not None and (step.rope_rows or (step.decodes is not None and step.decodes.request_ids
-                                                     and any(c.request.rope_delta for c in output.chunks))):
+        if batch is not None and self.uses_mrope:
             shifted_positions(batch, step, output)
         if batch is not None:
             batch.score_spans = step.spans

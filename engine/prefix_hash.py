@@ -47,7 +47,7 @@ def extend_block_hashes(
         parent = block_hashes[index - 1] if index > 0 else None
         start = index * block_size
         block_tokens = token_ids[start : start + block_size]
-        keys = tuple(extra_keys) if index == 0 else ()
+        keys = extra_keys if index == 0 else ()
         if block_keys is not None:
             keys = (*keys, *block_keys(index))
         block_hashes.append(hash_block_tokens(parent, block_tokens, keys))

@@ -18,12 +18,12 @@ from functools import lru_cache
 from typing import Any
 
 from bulkinfer.chat_content import (
-    IMAGE_PART_TYPES,
     TEXT_PARTS_SEPARATOR,
     ContentError,
     template_content,
     template_reads_parts,
 )
+from bulkinfer.jobs.formats.image_parts import iter_image_parts
 from bulkinfer.jobs.object_store.base import ObjectNotFound, ObjectStore
 
 __all__ = ["TEXT_PARTS_SEPARATOR"]  # re-exported: the Anthropic reader joins text blocks as templates do
@@ -112,7 +112,7 @@ class PublishedTokenizer:
         """The prompt's tokens, each image's placeholder repeated for the tokens the image takes."""
         text = render_chat(self.chat_template, messages, self.special_tokens, tools, template_kwargs)
         ids = list(self.backend.encode(text, add_special_tokens=False).ids)
-        details = image_details(messages)
+        details = [detail for _, _, detail in iter_image_parts(messages)]
         spans = self.image_spans
         if not details or spans is None:
             return ids
@@ -165,19 +165,6 @@ def render_chat(template: str, messages: list[dict[str, Any]], special_tokens: d
                                           documents=None, **special_tokens, **(template_kwargs or {}))
     except Exception as error:  # noqa: BLE001 - a template may raise anything (jinja, its raise_exception)
         raise ChatRenderError(f"the chat template failed on these messages: {error}") from None
-
-
-def image_details(messages: list[dict[str, Any]]) -> list[str | None]:
-    """Each image part's `detail` (None: not given), in order."""
-    details: list[str | None] = []
-    for message in messages:
-        content = message.get("content")
-        if isinstance(content, list):
-            for part in content:
-                if isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES:
-                    value = part.get("image_url")
-                    details.append(value.get("detail") if isinstance(value, dict) else None)
-    return details
 
 
 @lru_cache(maxsize=16)

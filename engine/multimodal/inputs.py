@@ -74,3 +74,6 @@ class MultiModalPrompt:
     def num_image_tokens(self) -> int:
         """Prompt positions the images take (what usage counts for them)."""
         return sum(item.length for item in self.items)
+
+
+NO_IMAGES = MultiModalPrompt([], ())  # what a text prompt carries of images: nothing

@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 
 
 def shifted_positions(batch: StepBatch, step: StepRows, output: SchedulerOutput) -> None:
-    """Rewrite `batch.positions` in place of the token index, and set `batch.rope_rows`."""
-    positions = batch.positions.cpu().numpy().copy()
+    """Rewrite `batch.positions` in place of the token index, and set `batch.rope_rows` (nothing for a
+    step whose requests all have plain positions)."""
     deltas = {chunk.request.request_id: chunk.request.rope_delta for chunk in output.chunks
               if chunk.request.rope_delta}
+    if not deltas and not step.rope_rows:
+        return
+    positions = batch.positions.cpu().numpy().copy()
     if step.decodes is not None:  # decode columns come first, one token each, past the prompt
         for column, request_id in enumerate(step.decodes.request_ids):
             positions[column] += deltas.get(request_id, 0)

@@ -20,8 +20,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from bulkinfer.chat_content import count_image_parts
 from bulkinfer.jobs.embedding import base64_vector, vector_from_base64
+from bulkinfer.jobs.formats.image_parts import iter_image_parts
 from bulkinfer.jobs.formats.output import (
     Choice,
     OutputRow,
@@ -62,7 +62,7 @@ def row_digest(row: Row) -> bytes | None:
     if row.lora is not None:
         content.append(["lora", row.lora])
     # An image_column row's images are in its chat form only: rows with other images are not copies.
-    if row.as_chat is not None and count_image_parts(row.as_chat):
+    if row.as_chat is not None and next(iter_image_parts(row.as_chat), None) is not None:
         content.append(["images", row.as_chat])
     return hashlib.sha256(json.dumps(content, sort_keys=True, default=str).encode()).digest()[:16]
 

@@ -360,10 +360,9 @@ class PreparedBatch:
         # this batch's first run position), so a row identical to one of an earlier batch runs once too.
         first_of = {} if known is None else known
         # The rows' images are read together first (worker/hosts/row_images.py), then expanded row by row.
-        chats = {position: renderer.chat_messages(item) for position, item in enumerate(items)
-                 if isinstance(item, Row)}
-        fetched = fetch_rows_images({position: chat for position, chat in chats.items() if has_images(chat)},
-                                    images if renderer.image_family is not None else None)
+        image_chats = {position: chat for position, item in enumerate(items) if isinstance(item, Row)
+                       and has_images(chat := renderer.chat_messages(item))}
+        fetched = fetch_rows_images(image_chats, images if renderer.image_family is not None else None)
         for position, item in enumerate(items):
             if isinstance(item, RowError):
                 self._outputs[position] = OutputRow.from_error(item)
@@ -373,7 +372,7 @@ class PreparedBatch:
                 lora = row_adapter(item, adapters)
                 token_ids, plan = renderer.prepare(item)
                 prompt: list[int] | MultiModalPrompt = token_ids
-                if has_images(chats[position]):
+                if position in image_chats:
                     prompt = image_prompt(token_ids, fetched.get(position), renderer.image_family,
                                           renderer.model)
                 request = EngineRequest(prompt, plan.sampling(params), priority, cache_salt, lora)
