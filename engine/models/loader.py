@@ -8,6 +8,7 @@ missing tensor, an unexpected tensor, a tensor of the wrong shape.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,14 +17,17 @@ import torch
 from safetensors import safe_open
 
 from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.host_memory import available_memory_bytes
 from bulkinfer.engine.models.gemma3 import Gemma3ForCausalLM
 from bulkinfer.engine.models.idefics3 import Idefics3ForConditionalGeneration
 from bulkinfer.engine.models.llama import (
+    Linear,
     LlamaFamilyConfig,
     LlamaForCausalLM,
     UnsupportedModelError,
     onednn_linear_available,
 )
+from bulkinfer.engine.models.mapped_safetensors import mapped_tensors
 from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
 from bulkinfer.engine.models.qwen2_5_vl import Qwen25VLForConditionalGeneration
@@ -52,6 +56,8 @@ SUPPORTED_ARCHITECTURES = {
 
 # Tensors some exporters write that carry no weights we need (recomputed at load).
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+logger = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -139,8 +145,17 @@ def each_checkpoint_tensor(model_dir: Path) -> Iterator[tuple[Path, Any, str]]:
 
 
 def read_safetensors(model_dir: str | Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint, by HF name, converted to ``dtype``."""
-    return {name: f.get_tensor(name).to(dtype) for _, f, name in each_checkpoint_tensor(Path(model_dir))}
+    """Every tensor of the checkpoint, by HF name, converted to ``dtype``: views of the mapped files
+    where the checkpoint already holds ``dtype``, so a load does not hold the weights twice."""
+    tensors: dict[str, torch.Tensor] = {}
+    for path in _tensor_files(Path(model_dir)):
+        for name, tensor in mapped_tensors(path).items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if name in tensors:
+                raise CheckpointError(f"tensor {name!r} appears in more than one shard ({path.name})")
+            tensors[name] = tensor.to(dtype)
+    return tensors
 
 
 def check_tensors(expected: dict[str, tuple[int, ...]], found: dict[str, torch.Tensor], tied: bool) -> None:
@@ -203,9 +218,24 @@ def load_model(
     model.load_hf_tensors(tensors)
     for path, layers in fused.items():
         model.get_submodule(path).attach(fuse_parts(path, layers, parts))
-    if onednn_linear_available(torch.device(device), dtype):
+    if onednn_linear_available(torch.device(device), dtype) and packed_copy_fits(model, device):
         model.pack_linear_weights(batch_hint)
     return model.eval()
+
+
+def packed_copy_fits(model: torch.nn.Module, device: str | torch.device) -> bool:
+    """oneDNN keeps a packed copy of each projection's weight beside the plain one. Take it only
+    where it fits in half the memory left, so it does not starve the KV cache. Otherwise F.linear
+    runs on the plain weights: a few percent slower, but a model that fits once still loads."""
+    available = available_memory_bytes() if torch.device(device).type == "cpu" else None
+    if available is None:
+        return True
+    copy = sum(m.weight.numel() * m.weight.element_size() for m in model.modules() if isinstance(m, Linear))
+    if copy <= available // 2:
+        return True
+    logger.warning("not packing weights for oneDNN: the copy would take %.1f GiB of the %.1f GiB left",
+                   copy / 2**30, available / 2**30)
+    return False
 
 
 def install_quantized_projections(model: torch.nn.Module,
