@@ -106,8 +106,8 @@ KV_STORE_SETTINGS = ("kv_store", "kv_store_uri", "kv_store_min_hits", "kv_store_
                      "kv_store_cache_dir", "kv_store_cache_bytes")
 # Images in rows (jobs/image_limits.py), read where rows are read and images fetched; a worker
 # applies the tenant rules of input_uri (tenant_prefixes) to every image location.
-IMAGE_SETTINGS = ("image_max_bytes", "image_max_pixels", "image_max_per_row", "image_http_hosts",
-                  "tenant_prefixes")
+IMAGE_LIMIT_SETTINGS = ("image_max_bytes", "image_max_pixels", "image_max_per_row", "image_http_hosts")
+IMAGE_SETTINGS = (*IMAGE_LIMIT_SETTINGS, "tenant_prefixes")
 # The settings a worker reads: `bulkinfer serve worker`'s flags, and the worker side of `serve all`'s.
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "remeasure_dtype", "cpu_isa",

@@ -441,9 +441,10 @@ class JobSpec(BaseModel):
         return list(dict.fromkeys(named))
 
     def required_columns(self) -> list[str]:
-        """Columns every row must have: a Parquet file without one cannot run at all."""
+        """Columns the input must have: a Parquet file without one cannot run at all (every row needs
+        them, but `image_column`, where a null cell is a text-only row: its absence is a misspelling)."""
         template = self.prompt_template
-        named = [self.id_column, self.prompt_column, self.messages_column]
+        named = [self.id_column, self.prompt_column, self.messages_column, self.image_column]
         return list(dict.fromkeys([c for c in named if c] + (template.columns if template else [])))
 
     def with_formats(self, input_format: InputFormat | str) -> JobSpec:

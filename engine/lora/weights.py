@@ -22,8 +22,12 @@ from bulkinfer.engine.lora.identity import adapter_digest
 from bulkinfer.engine.lora.targets import Target
 
 # PEFT's saved names: base_model.model.<the base model's module path>.lora_A.weight
+# A vision-language model's decoder sits under `text_model.` (Idefics3) or `language_model.` (Qwen2.5-VL
+# in transformers 5); the published Qwen2.5-VL layout has it at `model.layers`, as text models do.
 _TENSOR_NAME = re.compile(
-    r"^base_model\.model\.model\.(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")
+    r"^base_model\.model\.model\.(?:text_model\.|language_model\.)?"
+    r"(layers\.\d+\.(?:self_attn|mlp)\.\w+)\.lora_([AB])\.weight$")
+_VISION_PARTS = ("vision_model.", "visual.", "connector.", "multi_modal_projector.")
 # What a PEFT adapter is saved in; others (float8, integers, complex) are no LoRA the engine runs.
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -124,6 +128,10 @@ def _read_pairs(config: AdapterConfig, where: str
 
 
 def _why(tensor_name: str) -> str:
+    if any(part in tensor_name for part in _VISION_PARTS):
+        return ("LoRA on the vision tower or its connector: adapters apply to the language model's "
+                "layers; train with target_modules limited to them, e.g. r'.*(text_model|language_model)"
+                ".*\\.(q_proj|v_proj)'")
     if "lora_magnitude_vector" in tensor_name:
         return "DoRA"
     if "lora_embedding" in tensor_name:

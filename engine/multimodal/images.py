@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 # An image is either decoded already or something to decode.
 ImageLike = Any  # PIL.Image.Image | bytes | str (path or data: URL) | pathlib.Path
@@ -70,9 +70,22 @@ def _rgb(image: Image.Image, max_pixels: int, what: str = "the image") -> Image.
         raise ImageError(f"{what} is empty ({width}x{height} pixels)")
     try:
         image.load()
+        image = upright(image)
         return image if image.mode == "RGB" else image.convert("RGB")
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise ImageError(f"{what} cannot be decoded ({error})") from None
+
+
+EXIF_ORIENTATION = 0x0112
+
+
+def upright(image: Image.Image) -> Image.Image:
+    """The picture as the camera meant it: a photo's EXIF orientation applied (as browsers and
+    transformers' `load_image` do), so a phone's portrait shot is not read lying on its side; a new
+    image where it turns, `image` itself where it has no orientation to apply."""
+    if image.getexif().get(EXIF_ORIENTATION, 1) in (1, None):
+        return image
+    return ImageOps.exif_transpose(image)
 
 
 def image_digest(image: Image.Image) -> str:

@@ -122,12 +122,15 @@ def iter_image_parts(messages: Sequence[Mapping[str, Any]]) -> Iterator[tuple[st
 
 
 def cell_image_parts(value: Any, where: str, limits: ImageLimits) -> list[dict[str, Any]]:
-    """The image parts of an `image_column` cell: bytes, a location or data: URL, or a list of those;
-    null or empty: none (a text-only row). Any other value is the row's `invalid_image` error."""
+    """The image parts of an `image_column` cell: bytes, a location or data: URL, a Hugging Face
+    `datasets` image (`{"bytes": ..., "path": ...}`: its bytes, else its path as a location), or a list
+    of those; null or empty: none (a text-only row). Any other value is the row's `invalid_image` error."""
+    if _is_empty_hf_image(value):
+        value = None
     if value is None or (isinstance(value, str | bytes | list | tuple) and len(value) == 0):
         return []
     many = isinstance(value, list | tuple)
-    items = list(value) if many else [value]
+    items = [item for item in value if not _is_empty_hf_image(item)] if many else [value]
     if len(items) > limits.max_images_per_row:
         raise ImagePartError("invalid_image", f"{where} holds {len(items)} images, over the limit of "
                                               f"{limits.max_images_per_row} per row (image_max_per_row)")
@@ -135,7 +138,21 @@ def cell_image_parts(value: Any, where: str, limits: ImageLimits) -> list[dict[s
             for position, item in enumerate(items)]
 
 
+HF_IMAGE_FIELDS = frozenset({"bytes", "path"})  # how `datasets.Image` stores a picture in Parquet
+
+
+def _is_hf_image(item: Any) -> bool:
+    return isinstance(item, Mapping) and bool(item) and set(item) <= HF_IMAGE_FIELDS
+
+
+def _is_empty_hf_image(item: Any) -> bool:
+    """`datasets` writes a missing picture as a struct of two nulls."""
+    return _is_hf_image(item) and item.get("bytes") is None and not item.get("path")
+
+
 def _cell_url(item: Any, where: str, limits: ImageLimits) -> str:
+    if _is_hf_image(item):
+        item = item["bytes"] if item.get("bytes") is not None else item["path"]
     if isinstance(item, bytes | bytearray | memoryview):
         size = len(item) if not isinstance(item, memoryview) else item.nbytes
         if size > limits.max_bytes:
@@ -146,4 +163,4 @@ def _cell_url(item: Any, where: str, limits: ImageLimits) -> str:
         return checked_url(item, where, limits)
     described = "an empty string" if isinstance(item, str) else f"a value of type {type(item).__name__}"
     raise ImagePartError("invalid_image", f"{where} holds {described}: an image is bytes, a location or "
-                                          "data: URL, or a list of those")
+                                          "data: URL, a {bytes, path} image struct, or a list of those")

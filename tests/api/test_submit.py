@@ -133,6 +133,9 @@ def test_a_parquet_input_is_checked_against_its_schema(api) -> None:
     error = refused(lambda: api.client.jobs.create(spec(uri, prompt_column="text")))
     assert (error.status_code, error.message) == (400, f"column 'text' is not in {uri} (its columns: id, q)")
     assert api.client.jobs.create(spec(uri, id_column="id")).state == JobState.QUEUED
+    misspelled = refused(lambda: api.client.jobs.create(spec(uri, image_column="photo")))
+    assert (misspelled.status_code, misspelled.message) == (
+        400, f"column 'photo' is not in {uri} (its columns: id, q)")
     broken = api.put_input("broken.parquet", b"PAR1 this is not really parquet")
     assert "not a readable Parquet file" in refused(lambda: api.client.jobs.create(spec(broken))).message
 

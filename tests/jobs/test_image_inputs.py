@@ -196,6 +196,29 @@ def test_a_parquet_binary_image_column_gives_each_row_its_images_before_its_text
     assert not text_only.chat_required  # a text-only row renders as the job says, as before
 
 
+def test_a_hugging_face_datasets_image_column_reads_its_bytes_else_its_path(local_store, tmp_path) -> None:
+    """`datasets.Image` stores pictures as struct<bytes, path>; `Sequence(Image())` as a list of those;
+    a missing picture is a null struct or one of two nulls."""
+    spec = PLAIN.model_copy(update={"input_format": "parquet"})
+    image_struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    cells = [{"bytes": PNG, "path": "photo.png"}, {"bytes": None, "path": "s3://pics/b.jpg"},
+             {"bytes": None, "path": None}, None, {"bytes": None, "path": "photo.png"}]
+    table = pa.table({"q": ["a", "b", "c", "d", "e"], "img": pa.array(cells, type=image_struct)})
+    embedded, located, empty, null, relative = parquet_shard(local_store, tmp_path, table, spec)
+    octets = "data:application/octet-stream;base64,"
+    assert embedded.as_chat[0]["content"][0]["image_url"]["url"] == octets + base64.b64encode(PNG).decode()
+    assert located.as_chat[0]["content"][0]["image_url"]["url"] == "s3://pics/b.jpg"
+    for row in (empty, null):
+        assert row.as_chat == [{"role": "user", "content": row.prompt}] and not row.chat_required
+    assert isinstance(relative, RowError) and relative.code == RowErrorCode.INVALID_IMAGE
+    assert "photo.png is not an image location this server reads" in relative.message
+    listed = pa.table({"q": ["two"], "img": pa.array([[cells[0], cells[2], cells[1]]],
+                                                     type=pa.list_(image_struct))})
+    [row] = parquet_shard(local_store, tmp_path, listed, spec)
+    assert [part["image_url"]["url"][:10] for part in row.as_chat[0]["content"][:-1]] == [
+        octets[:10], "s3://pics/"]
+
+
 def test_image_column_cells_may_be_locations_lists_or_empty(local_store) -> None:
     builder = RowBuilder(PLAIN, limits=ImageLimits(max_images_per_row=3))
     urls = ["/data/a.png", "s3://pics/b.jpg", DATA_URL]
@@ -212,12 +235,12 @@ def test_image_column_cells_may_be_locations_lists_or_empty(local_store) -> None
 
 
 @pytest.mark.parametrize(("cell", "message"), [
-    (42, "image_column 'img' holds a value of type int: an image is bytes, a location or data: URL, or a "
-         "list of those"),
-    ({"bytes": PNG}, "image_column 'img' holds a value of type dict: an image is bytes, a location or data: "
-                     "URL, or a list of those"),
+    (42, "image_column 'img' holds a value of type int: an image is bytes, a location or data: URL, a "
+         "{bytes, path} image struct, or a list of those"),
+    ({"url": "/a.png"}, "image_column 'img' holds a value of type dict: an image is bytes, a location or "
+                        "data: URL, a {bytes, path} image struct, or a list of those"),
     (["/data/a.png", None], "image_column 'img'[1] holds a value of type NoneType: an image is bytes, a "
-                            "location or data: URL, or a list of those"),
+                            "location or data: URL, a {bytes, path} image struct, or a list of those"),
     ("cat.png", "image_column 'img': cat.png is not an image location this server reads; give a data: "
                 "URL (data:<type>;base64,...), s3://bucket/key, an absolute path or file:// URL, or an "
                 "http(s):// URL"),

@@ -128,6 +128,8 @@ def test_input_columns_cover_every_column_a_row_is_read_from() -> None:
         "sampling_column": "params", "response_format_column": "schema", "passthrough_columns": ["source"]})
     assert spec.input_columns() == ["doc_id", "params", "schema", "title", "body", "source"]
     assert spec.required_columns() == ["doc_id", "title", "body"]
+    pictured = JobSpec.model_validate({**BASE, "image_column": "photo"})
+    assert pictured.required_columns() == [BASE["prompt_column"], "photo"]  # a misspelling: caught at submit
 
 
 @pytest.mark.parametrize("name, expected", [

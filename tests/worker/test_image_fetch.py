@@ -97,6 +97,32 @@ def test_images_come_decoded_as_rgb_in_order_of_appearance_with_their_detail(fil
     assert fetcher.fetch(user(octets))[0].image.getpixel((1, 1)) == (200, 30, 10)
 
 
+def sideways_photo() -> bytes:
+    """A 6 x 4 JPEG, left half red, whose EXIF says "rotate 90 degrees clockwise to view" (Orientation
+    6: a phone held upright): seen as meant, it is 4 x 6 with the red half on top."""
+    image = PIL.Image.new("RGB", (6, 4), (0, 0, 255))
+    image.paste((255, 0, 0), (0, 0, 3, 4))
+    exif = PIL.Image.Exif()
+    exif[0x0112] = 6
+    buffer = io.BytesIO()
+    image.save(buffer, "JPEG", quality=100, exif=exif.tobytes())
+    return buffer.getvalue()
+
+
+def test_a_photos_exif_orientation_is_applied_by_the_worker_and_the_engine() -> None:
+    from bulkinfer.engine.multimodal.images import image_digest, load_image
+
+    fetched = local_fetcher(RecordingStore("/")).fetch(user(data_url(sideways_photo(), "image/jpeg")))
+    engine = load_image(sideways_photo())
+    for image in (fetched[0].image, engine):
+        assert image.size == (4, 6)
+        red, green, blue = image.getpixel((2, 1))
+        assert red > 200 and blue < 60, image.getpixel((2, 1))  # the red half is on top
+    assert image_digest(fetched[0].image) == image_digest(engine)
+    upright = load_image(encoded((6, 4)))  # no orientation: as stored
+    assert upright.size == (6, 4)
+
+
 def test_a_store_image_is_read_with_one_bounded_range_and_a_bigger_one_is_refused_by_its_size(files) -> None:
     store, folder = files
     size = (folder / "red.png").stat().st_size

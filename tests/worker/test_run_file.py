@@ -388,3 +388,29 @@ def test_bf16_rows_get_the_same_bits_in_a_crowd_as_copies_and_in_a_rerun_of_a_fe
         assert crowd[f"r{n}"] == crowd[f"r{n + 2}"] and crowd[f"r{n + 1}"] == crowd[f"r{n + 3}"]
     few = run("few", [crowd_rows[4], crowd_rows[9]], 1)
     assert few == {"r4": crowd["r4"], "r9": crowd["r9"]}
+
+
+def test_a_run_captions_image_rows_within_the_image_limits_its_flags_give(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from PIL import Image
+
+    from bulkinfer.engine.vision_checkpoints import cached_vision_checkpoint
+
+    for name, color in (("red.png", (220, 20, 20)), ("blue.png", (20, 20, 220))):
+        Image.new("RGB", (40, 30), color).save(tmp_path / name)
+    red, blue = str(tmp_path / "red.png"), str(tmp_path / "blue.png")
+    source = _write_jsonl(tmp_path / "in.jsonl", [
+        {"q": "Colour?", "img": red}, {"q": "Both?", "img": [red, blue]}, {"q": "Text only."},
+        {"q": "Colour?", "img": str(tmp_path / "missing.png")}])
+    out = tmp_path / "out.jsonl"
+    code, stdout, stderr = _run(capsys, source, "-o", out, "--model", cached_vision_checkpoint(),
+                                "--prompt-column", "q", "--image-column", "img", "--max-tokens", "3",
+                                "--temperature", "0", "--dtype", "float32", "--image-max-per-row", "1")
+    assert code == 0, stderr
+    one, two, text, missing = [json.loads(line) for line in out.read_text().splitlines()]
+    assert one["error"] is None and one["usage"]["completion_tokens"] == 3
+    assert one["usage"]["prompt_tokens"] > text["usage"]["prompt_tokens"] + 16  # the image's tokens count
+    assert two["error"]["code"] == "invalid_image"
+    assert "over the limit of 1 per row" in two["error"]["message"]
+    assert missing["error"]["code"] == "invalid_image" and "missing.png" in missing["error"]["message"]
+    assert "2 failed" in stdout

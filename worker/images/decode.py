@@ -1,5 +1,6 @@
 """Bytes to a decoded RGB image, within the pixel bound: the size is read from the header
-(`PIL.Image.open` is lazy) and checked before any pixel is decoded."""
+(`PIL.Image.open` is lazy) and checked before any pixel is decoded; a photo's EXIF orientation is
+applied."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import io
 
 import PIL.Image
 
+from bulkinfer.engine.multimodal.images import upright
 from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.worker.images.problems import ImageProblem
 
@@ -35,7 +37,7 @@ def decode_image(data: bytes, limits: ImageLimits) -> PIL.Image.Image:
         _check_pixels(image, limits)
         try:
             image.load()
-            return image.convert("RGB")
+            return upright(image).convert("RGB")
         except MemoryError:
             raise
         except Exception as error:  # noqa: BLE001 - truncated or corrupt pixel data, in any plugin

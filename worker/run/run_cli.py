@@ -18,6 +18,7 @@ from bulkinfer.jobs.model_presets import PRESET_NAMES
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import (
+    IMAGE_LIMIT_SETTINGS,
     KV_STORE_SETTINGS,
     LORA_SETTINGS,
     add_settings_arguments,
@@ -30,7 +31,8 @@ RUN_SETTINGS = ("models", "engine_options", "dtype", "remeasure_dtype", "cpu_isa
                 "tensor_parallel_size",
                 "batch_invariant", "model_cache", "s3_endpoint_url", "max_tokens_cap", "tool_call_formats",
                 *LORA_SETTINGS,
-                *KV_STORE_SETTINGS)
+                *KV_STORE_SETTINGS,
+                *IMAGE_LIMIT_SETTINGS)  # `run` reads the user's own files: no tenant rules
 FORMATS = [value.value for value in InputFormat]
 
 
