@@ -5,16 +5,16 @@
 
 Installed, everything lives under this one name (`bulkinfer.api`, `bulkinfer.jobs`, `bulkinfer.worker`,
 `bulkinfer.engine`, `bulkinfer.benchmarks`), so nothing shadows a user's own `api` or `jobs` module.
-The repository keeps those packages as top-level folders: the wheel maps them (setup.py), and in a
-checkout this file puts the checkout's root on the package path, so `bulkinfer.engine` is `./engine`.
+The repository keeps those packages as top-level folders; in a checkout a link per package in this
+folder (`bulkinfer/engine -> ../engine`) makes `bulkinfer.engine` `./engine` for Python and for tools
+that read code without running it (editors, type checkers), and the wheel maps them (setup.py).
 """
 
 from __future__ import annotations
 
 import logging
 from importlib import import_module
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bulkinfer.cpu_isa import apply_cpu_isa_cap
 
@@ -25,17 +25,13 @@ try:
 except ValueError as _error:
     logging.getLogger("bulkinfer.cpu_isa").warning("%s: ignored", _error)
 
-_CHECKOUT_ROOT = Path(__file__).resolve().parent.parent
-# A checkout (not site-packages): its root has the project file and the package folders.
-if (_CHECKOUT_ROOT / "pyproject.toml").is_file() and (_CHECKOUT_ROOT / "engine" / "__init__.py").is_file():
-    __path__.append(str(_CHECKOUT_ROOT))
-
 # Imported on first use: `import bulkinfer.engine` must not load the SDK, nor `from bulkinfer import
-# Client` the engine.
-_EXPORTS = {name: "bulkinfer.api.client"
-            for name in ("Client", "AsyncClient", "JobState", "JobSpec", "ApiError", "WaitTimeout")}
+# Client` the engine. Type checkers and editors read the names from the block below.
+if TYPE_CHECKING:
+    from bulkinfer.api.client import ApiError, AsyncClient, Client, JobSpec, JobState, WaitTimeout
 
-__all__ = sorted(_EXPORTS)
+__all__ = ["ApiError", "AsyncClient", "Client", "JobSpec", "JobState", "WaitTimeout"]
+_EXPORTS = dict.fromkeys(__all__, "bulkinfer.api.client")
 
 
 def __getattr__(name: str) -> Any:
