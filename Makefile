@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint typecheck clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,13 @@ demo: $(VENV)/.installed-worker
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check .
 
-test: lint
+# mypy with no arguments checks the packages pyproject.toml's [tool.mypy] names (bulkinfer.api, .jobs,
+# .worker, .engine, .benchmarks), each file once, by its package name.
+typecheck: $(VENV)/.installed-dev
+	$(BIN)/mypy
+
+test: lint typecheck
 	$(BIN)/python -m pytest
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache

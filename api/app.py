@@ -55,7 +55,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     auth = ApiKeyCheck(parse_keys(settings.api_keys, settings.admin_api_keys), failures)
     # With keys, the schema and its page are behind them too (FastAPI's own docs routes skip app
     # dependencies): they are served below by routes that need a key.
-    docs = {} if not auth.enabled else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    hidden = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    docs: dict[str, Any] = {} if not auth.enabled else hidden
     repository = context.repository
     rate_limit = RateLimit(repository.redis, repository.namespace, settings.max_requests_per_s)
     app = FastAPI(title="bulkinfer", version=API_VERSION, description=DESCRIPTION, lifespan=lifespan,

@@ -53,6 +53,6 @@ def _swap_long_texts(value: dict[str, Any] | list[Any], long_text_chars: int, ma
             if isinstance(item, dict | list):
                 pending.append(item)
             elif isinstance(item, str) and len(item) >= long_text_chars:
-                container[place] = f"\x00{marker}:{len(long_texts)}"  # type: ignore[index]
+                container[place] = f"\x00{marker}:{len(long_texts)}"  # type: ignore[index, call-overload]
                 long_texts.append(item)
     return long_texts

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import BinaryIO, NamedTuple
+from typing import IO, NamedTuple
 
 import ijson
 
@@ -43,7 +43,7 @@ class _Limits:
         self.max_values = max_values
 
 
-def iter_array_items(body: BinaryIO, key: str, *, max_items: int, max_depth: int,
+def iter_array_items(body: IO[bytes], key: str, *, max_items: int, max_depth: int,
                      max_values_per_item: int) -> Iterator[ArrayItem]:
     """The items of the array at `key` of the JSON object in `body`, one at a time. Raises
     `JsonBodyProblem` for a body that is not such an object (another key, a second `key`, not an
@@ -140,7 +140,7 @@ def _build(event: str, value: object, events: Iterator[tuple[str, str, object]],
 class _ScannedReader:
     """`body` as ijson reads it, each piece looked through for a lone surrogate escape first."""
 
-    def __init__(self, body: BinaryIO) -> None:
+    def __init__(self, body: IO[bytes]) -> None:
         self.body = body
         self.tail = b""
 

@@ -17,12 +17,19 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 import torch
 
 from bulkinfer.benchmarks.embed_corpus import mixed_length_texts
 from bulkinfer.benchmarks.engine import describe_cpu
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
+T = TypeVar("T")
 
 DEFAULT_MODEL = "all-minilm-l6-v2"
 MIN_COSINE = {"float32": 0.99999, "bfloat16": 0.999}
@@ -50,18 +57,18 @@ def machine() -> str:
             f"with {torch.get_num_threads()} threads")
 
 
-def _timed(run: Callable[[], object]) -> tuple[float, object]:
+def _timed(run: Callable[[], T]) -> tuple[float, T]:
     started = time.perf_counter()
     result = run()
     return time.perf_counter() - started, result
 
 
-def best_batch_size(model: object, probe: list[str], batch_sizes: Sequence[int]) -> int:
+def best_batch_size(model: SentenceTransformer, probe: list[str], batch_sizes: Sequence[int]) -> int:
     """sentence-transformers' fastest batch size on ``probe`` (each size timed twice, best kept)."""
     rates = {size: 0.0 for size in batch_sizes}
     for _ in range(2):
         for size in batch_sizes:
-            seconds, _ = _timed(lambda size=size: model.encode(probe, batch_size=size))  # type: ignore[attr-defined]
+            seconds, _ = _timed(partial(model.encode, probe, batch_size=size))
             rates[size] = max(rates[size], len(probe) / seconds)
     return max(rates, key=rates.__getitem__)
 
@@ -86,10 +93,10 @@ def compare(folder: str, dtype: str, texts: Sequence[str], batch_sizes: Sequence
     size = -(-len(texts) // rounds)
     for start in range(0, len(texts), size):
         chunk = list(texts[start:start + size])
-        seconds, outputs = _timed(lambda chunk=chunk: ours.embed(chunk, truncate=True))
+        seconds, outputs = _timed(partial(ours.embed, chunk, truncate=True))
         our_seconds += seconds
-        our_vectors += [o.embedding for o in outputs]  # type: ignore[attr-defined]
-        seconds, vectors = _timed(lambda chunk=chunk: reference.encode(chunk, batch_size=batch))
+        our_vectors += [o.embedding for o in outputs]
+        seconds, vectors = _timed(partial(reference.encode, chunk, batch_size=batch))
         reference_seconds += seconds
         reference_vectors.append(np.asarray(vectors, dtype=np.float64))
     return (len(texts) / our_seconds, len(texts) / reference_seconds, batch,

@@ -30,22 +30,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bulkinfer.benchmarks.workloads import Workload, make_workload, timed_generate
 from bulkinfer.engine.checkpoints import ARCHS, cached_checkpoint
 from bulkinfer.engine.config import EngineConfig
 
 if TYPE_CHECKING:
-    from bulkinfer.engine import LLM, RequestOutput, SamplingParams
-
-
-@dataclass
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    max_tokens: int
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
+    pass
 
 
 @dataclass
@@ -65,30 +55,13 @@ class RunResult:
         return (self.prompt_tokens + self.output_tokens) / self.wall_s
 
 
-def make_workload(name: str, *, num_requests: int, vocab_size: int, special_ids: set[int],
-                  shared_len: int, tail_len: int, num_shared: int, max_tokens: int,
-                  seed: int = 0) -> Workload:
-    """Token-id prompts of exact lengths; with num_shared == 0 every prompt is unique."""
-    rng = random.Random(seed)
-    ordinary = [t for t in range(vocab_size) if t not in special_ids]
-
-    def tokens(n: int) -> list[int]:
-        return [rng.choice(ordinary) for _ in range(n)]
-
-    if num_shared:
-        instructions = [tokens(shared_len) for _ in range(num_shared)]
-        prompts = [instructions[i % num_shared] + tokens(tail_len) for i in range(num_requests)]
-    else:
-        prompts = [tokens(shared_len + tail_len) for _ in range(num_requests)]
-    return Workload(name=name, prompts=prompts, max_tokens=max_tokens)
-
-
 def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: int,
                               dtype: torch.dtype = torch.float32, device: str = "cpu") -> RunResult:
     """What a user would write: static batches, left padding, `generate`."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose typeshed _Wrapped does not bind self.
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()  # type: ignore[arg-type]
     pad_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     output_tokens = 0
     started = time.perf_counter()
@@ -107,19 +80,6 @@ def run_transformers_baseline(model_dir: str, workload: Workload, batch_size: in
     wall = time.perf_counter() - started
     label = f"transformers generate {str(dtype).removeprefix('torch.')} (batches of {batch_size})"
     return RunResult(label, wall, workload.prompt_tokens, output_tokens, {})
-
-
-def timed_generate(
-    llm: LLM, prompts: list[list[int]], params: SamplingParams
-) -> tuple[list[RequestOutput], float]:
-    """``llm.generate`` and its wall time in seconds; any failed request fails the benchmark."""
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    wall = time.perf_counter() - started
-    errors = [o.error for o in outputs if o.finish_reason == "error"]
-    if errors:
-        raise RuntimeError(f"{len(errors)} requests failed in the benchmark, first: {errors[0]}")
-    return outputs, wall
 
 
 def run_engine(model_dir: str, workload: Workload, engine_kwargs: dict) -> RunResult:

@@ -41,7 +41,7 @@ def write_rows(model_dir: str, path: Path, *, requests: int, shared_len: int, ta
     """Write the rows; returns their token counts (prompt ids as the engine will encode the text)."""
     from transformers import AutoTokenizer
 
-    from bulkinfer.benchmarks.engine import make_workload
+    from bulkinfer.benchmarks.workloads import make_workload
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     words = word_token_ids(tokenizer)

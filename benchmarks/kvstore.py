@@ -101,6 +101,7 @@ def run(model_dir: str, dtype: str, prefix_tokens: int, rows: int, row_tokens: i
                 f"tokens each; {rounds} rounds, best of each")
         first, total, computed_outputs = time_shard(computing, shard, max_tokens)
         computed.append((first, total))
+        assert computing.engine.kv_connector is not None  # fresh_engine gives it the store
         computing.engine.kv_connector.wait_saved()
         computing.engine.shutdown()
         del computing
@@ -145,6 +146,7 @@ def break_even(model_dir: str, dtype: str, lengths: Sequence[int], repeats: int,
               kv_store_min_tokens=0, seed=seed)
     engine = llm.engine
     connector = engine.kv_connector
+    assert connector is not None  # built with kv_store
     params = SamplingParams(max_tokens=1, temperature=0)
     tokenizer = llm.tokenizer
     ids = iter(range(1_000_000))

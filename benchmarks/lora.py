@@ -43,7 +43,7 @@ def build_adapters(model_dir: str, folder: Path, count: int, rank: int, seed: in
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base: torch.nn.Module = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for i, path in enumerate(paths):
         torch.manual_seed(seed + i)
         config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=PROJECTIONS, init_lora_weights=False)

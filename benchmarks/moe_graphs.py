@@ -21,6 +21,7 @@ import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bulkinfer.engine import LLM, SamplingParams
 from bulkinfer.engine.checkpoints import cached_checkpoint
@@ -45,7 +46,7 @@ def prompts(count: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 def generate(model_dir: str, device: str, dtype: str, rows: list[list[int]], max_tokens: int,
              decode_graphs: bool, num_kv_blocks: int | None = None) -> Run:
-    sizing = {} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}
+    sizing: dict[str, Any] = {} if num_kv_blocks is None else {"num_kv_blocks": num_kv_blocks}
     llm = LLM(model=model_dir, device=device, dtype=dtype, decode_graphs=decode_graphs, **sizing)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(rows[:2], params)  # warm-up: the first steps' allocations (and captures) not timed

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +47,7 @@ def _engine_layout(block: SparseMoeBlock, dtype: torch.dtype) -> None:
                 module.pack_for_onednn()
             module.use_row_gemm(kernels, block.expert_rows)
         if hasattr(module, "kernels"):
-            module.kernels = kernels
+            cast(Any, module).kernels = kernels
 
 
 def _stacked_experts(block: SparseMoeBlock, x: torch.Tensor, experts: torch.Tensor,

@@ -30,13 +30,16 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bulkinfer.benchmarks.gpu_baseline import load_baseline, shape_key
 from bulkinfer.benchmarks.step_profile import start_decoding, step_ms, sync_device
 from bulkinfer.engine.checkpoints import cached_checkpoint
+
+if TYPE_CHECKING:
+    from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 BLOCK = 16  # the engine's KV block size (EngineConfig's default, which this benchmark keeps)
 
@@ -69,7 +72,7 @@ class DecodeCase:
     earlier_step_ms: float | None = None
 
 
-def model_shape(model: torch.nn.Module, kv_dtype: torch.dtype) -> ModelShape:
+def model_shape(model: LlamaForCausalLM, kv_dtype: torch.dtype) -> ModelShape:
     config = model.config
     read = [*model.layers.parameters(), *model.norm.parameters(), model.lm_head.weight]
     return ModelShape(

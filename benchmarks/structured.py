@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from bulkinfer.engine.checkpoints import cached_checkpoint
 
@@ -63,7 +64,7 @@ def run_structured_bench(*, preset: str, arch: str, requests: int, prompt_len: i
     """Runs both sides and prints them; returns structured / unconstrained output tok/s."""
     import torch
 
-    from bulkinfer.benchmarks.engine import make_workload, timed_generate
+    from bulkinfer.benchmarks.workloads import make_workload, timed_generate
     from bulkinfer.engine import LLM, SamplingParams
 
     model_dir = str(cached_checkpoint(preset=preset, arch=arch, seed=0))
@@ -77,7 +78,7 @@ def run_structured_bench(*, preset: str, arch: str, requests: int, prompt_len: i
     out(f"\n== structured output: {requests} requests, {workload.prompt_tokens} prompt tokens, "
         f"{max_tokens} output tokens each (temperature 1.0, EOS ignored)")
 
-    def run(label: str, **constraint: object) -> StructuredRun:
+    def run(label: str, **constraint: Any) -> StructuredRun:
         params = SamplingParams(temperature=1.0, seed=0, max_tokens=max_tokens, ignore_eos=True, **constraint)
         outputs, wall = timed_generate(llm, workload.prompts, params)
         return StructuredRun(label, wall, sum(o.num_completion_tokens for o in outputs))

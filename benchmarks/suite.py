@@ -35,12 +35,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from bulkinfer.engine.checkpoints import cached_checkpoint
 from bulkinfer.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 
 @dataclass
@@ -162,7 +165,7 @@ def matmul_peak_gflops(dtype: torch.dtype, device: str) -> float:
     return matmul_gflops(dtype, seconds=0.25)
 
 
-def model_flops(model: torch.nn.Module, workload: SuiteWorkload, outputs: Sequence[Any]) -> float:
+def model_flops(model: LlamaForCausalLM, workload: SuiteWorkload, outputs: Sequence[Any]) -> float:
     """FLOPs the engine computed: the projections of every computed token, the LM head of every
     sampled one, and attention over every position each computed token attends."""
     config = model.config

@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
 from bulkinfer.benchmarks.engine import describe_cpu
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin
 
 INSTRUCTION = "You label product photos for a catalog. Answer in a few words."
 TARGET_RATIO = 2.0
@@ -63,8 +66,9 @@ def workload(model_dir: str, rows: int, distinct: int) -> tuple[list[str], list[
     for row in range(rows):
         content = [{"type": "text", "text": INSTRUCTION}, {"type": "image"},
                    {"type": "text", "text": f"Question {row // distinct}: what is shown, item {row}?"}]
-        prompts.append(tokenizer.apply_chat_template([{"role": "user", "content": content}],
-                                                     add_generation_prompt=True, tokenize=False))
+        message: dict[str, Any] = {"role": "user", "content": content}
+        prompts.append(cast(str, tokenizer.apply_chat_template([message], add_generation_prompt=True,
+                                                               tokenize=False)))  # text: tokenize=False
         row_images.append(images[row % distinct])
     return prompts, row_images
 
@@ -81,9 +85,12 @@ def run_engine(model_dir: str, dtype: str, rows: int, distinct: int, detail: str
     started = time.perf_counter()
     pairs = zip(prompts, images, strict=True)
     expanded = [engine.process_prompt(prompt, [image], [detail]) for prompt, image in pairs]
-    outputs = llm.generate(expanded, params)
+    # LLM.generate takes the engine's MultiModalPrompt too (LLMEngine.add_request does), though its
+    # Prompt type names only text and token ids.
+    outputs = llm.generate(cast(list[Any], expanded), params)
     seconds = time.perf_counter() - started
     assert all(output.outputs[0].finish_reason == "length" for output in outputs), outputs[0]
+    assert engine.images is not None  # process_prompt above raised otherwise
     cache = engine.images.cache
     metrics = engine.get_metrics()
     return seconds, {"encoder_cache_hits": cache.hits, "encoder_cache_misses": cache.misses,
@@ -93,7 +100,7 @@ def run_engine(model_dir: str, dtype: str, rows: int, distinct: int, detail: str
 BatchInputs = Callable[[list[str], list[Image.Image]], dict]
 
 
-def idefics3_side(model_dir: str, dtype: torch.dtype, detail: str) -> tuple[torch.nn.Module, BatchInputs]:
+def idefics3_side(model_dir: str, dtype: torch.dtype, detail: str) -> tuple[GenerationMixin, BatchInputs]:
     from transformers import (
         AutoTokenizer,
         Idefics3ForConditionalGeneration,
@@ -117,7 +124,7 @@ def idefics3_side(model_dir: str, dtype: torch.dtype, detail: str) -> tuple[torc
     return model, batch_inputs
 
 
-def qwen2_5_vl_side(model_dir: str, dtype: torch.dtype, detail: str) -> tuple[torch.nn.Module, BatchInputs]:
+def qwen2_5_vl_side(model_dir: str, dtype: torch.dtype, detail: str) -> tuple[GenerationMixin, BatchInputs]:
     """Qwen2.5-VL's processor needs torchvision for videos; its image processor and tokenizer do what
     it does for images: each `<|image_pad|>` repeated once per merged patch."""
     from transformers import AutoTokenizer, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil

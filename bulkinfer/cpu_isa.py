@@ -74,7 +74,7 @@ def read_cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
 def machine_kind(flags: Collection[str]) -> str | None:
     """The largest kind whose flags (and those of every kind below it) are all present; None below
     AVX2 or off x86."""
-    kind, needed = None, set()
+    kind, needed = None, set[str]()
     for name, more in KIND_FLAGS.items():
         needed |= more
         if not needed <= set(flags):

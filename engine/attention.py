@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -78,7 +78,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None  # [rows] context + new tokens
     block_tables: torch.Tensor | None = None  # [rows, max blocks], padded with block 0
     # Values derived once per step and shared by all layers (masks, the backend's decode plan).
-    step_cache: dict[tuple[str, int | None], object] = field(default_factory=dict, repr=False)
+    step_cache: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_prefills(self) -> int:
@@ -575,6 +575,7 @@ class TorchPagedAttention(AttentionBackend):
             q = q.contiguous()  # once for both kernels (the query is a view into the fused QKV output)
             # Each row's own part continues the online softmax of its prefix's partial result.
             assert self.kernels is not None and plan.own_tables is not None
+            assert plan.own_tokens is not None and plan.own_first is not None
             initial = self._prefix_partials(q, k_cache, v_cache, plan) if plan.prefix_batches else None
             out, _ = self.kernels.decode_attention(q, k_cache, v_cache, plan.own_tables, plan.own_tokens,
                                                    plan.own_first, initial)
@@ -725,7 +726,8 @@ class TorchPagedAttention(AttentionBackend):
             shared = len(group.block_ids)
             width = max(-(-metadata.prefill_seq_lens[i] // block_size) - shared for i in group.chunks)
             lists = metadata.prefill_block_lists or [t.tolist() for t in metadata.prefill_block_tables]
-            tables, counts = [], []
+            tables: list[list[int]] = []
+            counts: list[int] = []
             for i in group.chunks:
                 length, seq_len = metadata.prefill_query_lens[i], metadata.prefill_seq_lens[i]
                 own = lists[i][shared: -(-seq_len // block_size)]

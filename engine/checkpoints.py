@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -258,7 +259,7 @@ def make_config(preset: str = "tiny", arch: str = "llama") -> PretrainedConfig:
     """The transformers config of a preset/arch, with our tokenizer's special-token ids."""
     p = _preset(preset)
     config_cls, architecture, tied = _arch(arch)
-    kwargs: dict[str, object] = dict(
+    kwargs: dict[str, Any] = dict(
         vocab_size=p.vocab_size,
         hidden_size=p.hidden_size,
         intermediate_size=p.intermediate_size,

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from bulkinfer.engine.attention import AttentionMetadata
 from bulkinfer.engine.graph_capture import FixedShapeGraphs
+
+if TYPE_CHECKING:
+    from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 # Batch sizes a graph is captured for: each step pads up to the next (at most a third of its rows).
 BATCH_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -65,7 +69,7 @@ class DecodeGraphs(FixedShapeGraphs):
 
     what = "a decode step"
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, max_rows: int, capture: bool, gathers_kv: bool = True) -> None:
         super().__init__(capture)
         self.model = model
@@ -132,9 +136,10 @@ class DecodeGraphs(FixedShapeGraphs):
         self.block_tables[:rows, :width].copy_(on_device[:, :width])
         self.seq_lens[:rows].copy_(on_device[:, width])
 
-    def _forward(self, rows: int, width: int) -> torch.Tensor:
+    def _forward(self, *key: int) -> torch.Tensor:
         """Logits of every padded row, from the buffers (a fresh metadata: its step cache is
         computed inside the forward, so a capture records it)."""
+        rows, width = key
         metadata = AttentionMetadata(
             block_size=self.block_size, slot_mapping=self.slot_mapping[:rows], num_decodes=rows,
             decode_seq_lens=self.seq_lens[:rows], decode_block_tables=self.block_tables[:rows, :width],

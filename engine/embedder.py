@@ -32,6 +32,7 @@ from bulkinfer.engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
 from bulkinfer.engine.packed_attention import PackedBatch, PackedCausalBackend
 from bulkinfer.engine.pooling import (
     POOLINGS,
+    Pooling,
     PoolingConfig,
     SentenceTransformersFiles,
     pool,
@@ -114,6 +115,7 @@ class Embedder:
                                      remeasure=remeasure_dtype)
         logger.info("embedder dtype %s (%s)", dtype_choice.dtype, dtype_choice.reason)
         model: PackedModel
+        default_pooling: Pooling
         if encoder_family(hf_config) is not None:
             encoder = load_bert(folder, hf_config, dtype_choice.torch_dtype, device,
                                 batch_hint=cls.batch_tokens)

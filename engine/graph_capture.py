@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
+from typing import Any
 
 import torch
 
@@ -30,7 +31,7 @@ class FixedShapeGraphs(ABC):
     def __init__(self, capture: bool) -> None:
         self.capture = capture
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool: tuple[int, int] | None = None
+        self.pool: Any = None  # the first graph's memory pool: the others share it
         self.failed: set[Hashable] = set()  # shapes whose capture ran out of memory
         self.broken = False  # a capture failed otherwise: every step runs eagerly from then on
 

@@ -108,8 +108,8 @@ class LLM:
             lora_list = list(lora_request)
             if len(lora_list) != len(prompt_list):
                 raise ValueError(f"got {len(lora_list)} LoRA requests for {len(prompt_list)} prompts")
-        for lora in dict.fromkeys(lora for lora in lora_list if lora is not None):
-            self.engine.load_lora(lora)
+        for adapter in dict.fromkeys(lora for lora in lora_list if lora is not None):
+            self.engine.load_lora(adapter)
 
         ids = [f"generate-{next(self._ids)}" for _ in prompt_list]
         for request_id, prompt, sampling, lora in zip(ids, prompt_list, params_list, lora_list, strict=True):
@@ -137,10 +137,11 @@ class LLM:
         """``generate`` for OpenAI-style messages (one conversation or a list of them), rendered with
         the tokenizer's chat template, or ChatML when it has none (engine/chat.py). A conversation
         that cannot be rendered raises ChatTemplateError naming it, before anything runs."""
+        many: Sequence[Any] = conversations
         if conversations and isinstance(conversations[0], Mapping):
-            conversations = [conversations]  # type: ignore[list-item]
+            many = [conversations]  # one conversation
         prompts: list[Any] = []
-        for index, messages in enumerate(conversations):
+        for index, messages in enumerate(many):
             try:
                 ids = chat_token_ids(self.tokenizer, messages)  # type: ignore[arg-type]
                 images = [image.source for image in chat_images(messages)]  # type: ignore[arg-type]
@@ -172,10 +173,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     """A single prompt (a string, a flat list of token ids, or a prompt dict) becomes a one-element list."""
     if isinstance(prompts, (str, Mapping)):
         return [prompts]  # type: ignore[list-item]
-    prompts = list(prompts)
-    if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
-        return [prompts]
-    return prompts
+    listed: list[Any] = list(prompts)
+    if listed and all(isinstance(p, int) and not isinstance(p, bool) for p in listed):
+        return [listed]
+    return listed
 
 
 def _progress_bar(total: int) -> Any:

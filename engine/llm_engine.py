@@ -227,6 +227,7 @@ class LLMEngine:
         spec_config = SpeculativeConfig.from_value(config.speculative_config)
         draft = None
         if spec_config is not None and spec_config.method == "draft_model":
+            assert config.max_model_len is not None  # resolved from the model above
             draft = DraftModel(str(spec_config.model), target_vocab_size=model_config.vocab_size,
                                max_model_len=config.max_model_len, dtype=self.dtype_choice.torch_dtype,
                                device=config.device, block_size=config.block_size, kernels=kernels,
@@ -451,8 +452,9 @@ class LLMEngine:
             finished += self._apply(step, self._run_now(step))
         elif scheduled.chunks:
             launched = self._prepare(scheduled, started, defer_bitmask=in_flight is not None)
-            launched.future = self._step_queue.submit(self.device, launched.prepared, launched.batch,
-                                                      launched.row_ids)
+            queue = self._step_queue
+            assert queue is not None  # a step runs ahead only with the step queue
+            launched.future = queue.submit(self.device, launched.prepared, launched.batch, launched.row_ids)
             self.scheduler.commit_in_flight(scheduled)
             self._in_flight = launched
         if in_flight is not None:
@@ -504,7 +506,8 @@ class LLMEngine:
             self._saving = None
         if self.kv_connector.has_offers:
             offers = self.kv_connector.take_offers()  # the connector's books stay on this thread
-            self._saving = self._step_queue.call(lambda: self.kv_connector.save_offers(offers))
+            connector = self.kv_connector
+            self._saving = self._step_queue.call(lambda: connector.save_offers(offers))
 
     def _hand_bitmask(self, step: _Step) -> None:
         """Fill a launched step's grammar bitmask (its rows' grammars now hold every token sampled

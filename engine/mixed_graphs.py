@@ -27,6 +27,7 @@ decode count, a host number a graph would freeze).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,6 +35,9 @@ from bulkinfer.engine.attention import AttentionMetadata
 from bulkinfer.engine.decode_graphs import BATCH_BUCKETS, batch_bucket
 from bulkinfer.engine.gpu_kernels import LONG_QUERY
 from bulkinfer.engine.graph_capture import FixedShapeGraphs
+
+if TYPE_CHECKING:
+    from bulkinfer.engine.models.llama import LlamaForCausalLM
 
 # Token counts a mixed step pads to: each is at most 1.5x the one before.
 TOKEN_BUCKETS = tuple(sorted({size for power in range(4, 16) for size in (1 << power, 3 << (power - 1))}))
@@ -45,7 +49,7 @@ class MixedGraphs(FixedShapeGraphs):
 
     what = "a mixed step"
 
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], block_size: int,
+    def __init__(self, model: LlamaForCausalLM, kv_caches: list[torch.Tensor], block_size: int,
                  max_model_len: int, max_rows: int, max_tokens: int, capture: bool) -> None:
         super().__init__(capture)
         self.model = model
@@ -127,9 +131,10 @@ class MixedGraphs(FixedShapeGraphs):
         self.sample_index[:sample_rows.shape[0]].copy_(sample_rows)
         self.sample_index[sample_rows.shape[0]:seqs].zero_()
 
-    def _forward(self, tokens: int, seqs: int, long: int) -> torch.Tensor:
+    def _forward(self, *key: int) -> torch.Tensor:
         """Final hidden states of the padded sampled positions, from the buffers (a fresh metadata:
         its step cache is computed inside the forward, so a capture records it)."""
+        tokens, seqs, long = key
         metadata = AttentionMetadata(
             block_size=self.block_size, slot_mapping=self.slot_mapping[:tokens], num_decodes=0,
             decode_seq_lens=self.seq_lens[:0], decode_block_tables=self.block_tables[:0],

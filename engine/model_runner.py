@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -38,7 +38,12 @@ from bulkinfer.engine.mixed_graphs import MixedGraphs
 from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.multimodal.encoder_cache import EncoderCache
 from bulkinfer.engine.multimodal.rope_steps import shifted_positions
-from bulkinfer.engine.multimodal.step_embeds import ImageChunk, StepImageEmbeds, step_image_embeds
+from bulkinfer.engine.multimodal.step_embeds import (
+    ImageChunk,
+    ImageEncoder,
+    StepImageEmbeds,
+    step_image_embeds,
+)
 from bulkinfer.engine.persistent_batch import BlockTables, DecodeColumns
 from bulkinfer.engine.prompt_logprobs import ScoreSpan, score_rows, score_span
 from bulkinfer.engine.sampler import RowLogprobs, Sampler, SamplingBatch
@@ -86,6 +91,7 @@ class ModelRunner:
         if config.dtype not in DTYPES:
             raise ValueError(f"ModelRunner needs a resolved dtype, got {config.dtype!r}")
         self.config = config
+        self.max_model_len: int = config.max_model_len  # resolved (checked above)
         self.model = model
         self.device = torch.device(config.device)
         self.dtype = DTYPES[config.dtype]
@@ -131,7 +137,7 @@ class ModelRunner:
 
     def max_useful_blocks(self) -> int:
         """Blocks that max_num_seqs requests of max_model_len could ever hold, plus the null block."""
-        per_seq = math.ceil(self.config.max_model_len / self.block_size)
+        per_seq = math.ceil(self.max_model_len / self.block_size)
         return self.config.max_num_seqs * per_seq + 1
 
     def initialize_kv_cache(self) -> int:
@@ -206,7 +212,7 @@ class ModelRunner:
         c = self.model.config
         num_layers = min(PROFILE_LAYERS, c.num_layers)
         budget = self.config.max_num_batched_tokens
-        seq_len = min(budget, self.config.max_model_len)
+        seq_len = min(budget, self.max_model_len)
         query_lens = [seq_len] * (budget // seq_len) + ([budget % seq_len] if budget % seq_len else [])
         blocks_per_seq = math.ceil(seq_len / self.block_size)
         shape = (2, blocks_per_seq * len(query_lens), c.num_kv_heads, self.block_size, c.head_dim)
@@ -306,7 +312,8 @@ class ModelRunner:
         assert self.encoder_cache is not None, "image rows on a model without an image encoder"
         chunks = [ImageChunk(items, start, end, batch.row_ends[row] - len(step.rows[row].token_ids))
                   for row, items, start, end in step.image_rows]
-        return step_image_embeds(chunks, self.model, self.encoder_cache, self.device)
+        encoder = cast(ImageEncoder, self.model)  # a vision-language model (it has an encoder cache)
+        return step_image_embeds(chunks, encoder, self.encoder_cache, self.device)
 
     @torch.inference_mode()
     def forward_prepared(self, prepared: PreparedStep, previous: SampledStep | None = None) -> StepResult:
@@ -526,8 +533,8 @@ def verified_tokens(chunk: ScheduledChunk) -> tuple[list[int], bool]:
 
 def attention_gathers_kv(model: torch.nn.Module) -> bool:
     """Whether the model's attention backend copies K/V out of the cache in a fixed-shape step."""
-    backend = next((module.backend for module in model.modules()
-                    if isinstance(getattr(module, "backend", None), AttentionBackend)), None)
+    found = (getattr(module, "backend", None) for module in model.modules())
+    backend = next((b for b in found if isinstance(b, AttentionBackend)), None)
     return True if backend is None else backend.gathers_kv
 
 

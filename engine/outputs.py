@@ -55,7 +55,9 @@ class RequestOutput:
     metrics: RequestMetrics | None
     finished: bool = True
     outputs: list[CompletionOutput] = field(default_factory=list)
-    error_kind: ErrorKind | None = None  # why, as a code (engine/errors.py): what callers branch on
+    # Why, as a code (engine/errors.py): what callers branch on; a host may set its own (a worker's
+    # "lora_refused").
+    error_kind: ErrorKind | str | None = None
     # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
     # precedes it), then its logprob given the tokens before it and the top-k alternatives.
     prompt_logprobs: list[PositionLogprobs | None] | None = None

@@ -2,16 +2,12 @@
 
 The readers apply the per-row count and the size of inline bytes as they build rows (that row's
 `invalid_image` error); the worker's image fetcher applies them all as it reads and decodes
-(worker/images/). `ImageLimits.of(settings)` reads them from the `image_*` settings.
+(worker/images/). `Settings.image_limits()` reads them from the `image_*` settings.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from bulkinfer.jobs.settings import Settings
 
 DEFAULT_IMAGE_MAX_BYTES = 20 << 20  # 20 MiB, OpenAI's limit per image
 DEFAULT_IMAGE_MAX_PIXELS = 40_000_000
@@ -26,11 +22,6 @@ class ImageLimits:
     # Hosts http(s):// image URLs may name (a `host` or `host:port` entry); none by default, so a
     # worker fetches nothing from the network unless the deployment says where.
     allowed_http_hosts: tuple[str, ...] = ()
-
-    @classmethod
-    def of(cls, settings: Settings) -> ImageLimits:
-        return cls(settings.image_max_bytes, settings.image_max_pixels, settings.image_max_per_row,
-                   parse_http_hosts(settings.image_http_hosts))
 
 
 def parse_http_hosts(setting: str | None) -> tuple[str, ...]:

@@ -35,7 +35,8 @@ PART_EXTENSIONS = {
 # tenant reaches there goes through those routes and their owner checks, never through a job's URIs.
 # `kv/` holds every tenant's prefix KV blocks (worker/kv/store.py): a job reading it would read
 # another tenant's prompts' KV.
-STORE_AREAS = ("jobs", "schedules", "models", "files", "batches", "kv")
+KV_STORE_AREA = "kv"  # the engine's block keys start with it (engine/kv_connector/keys.py)
+STORE_AREAS = ("jobs", "schedules", "models", "files", "batches", KV_STORE_AREA)
 TENANTS_FOLDER = "tenants"
 # A /v1 file: `files/<owner>/<file_id>/` holds its content, then (written last) its record.
 FILE_CONTENT_NAME = "content"

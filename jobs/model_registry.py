@@ -27,12 +27,12 @@ class UnknownModel(LookupFailed):
     def __init__(self, name: str, served: list[str], aliases: Mapping[str, str] | None = None,
                  target: str | None = None) -> None:
         listed = f"served: {', '.join(served)}" if served else "served: none: set BULKINFER_MODELS"
-        help_aliases = aliases is not None and bool(served)
-        if help_aliases:
+        aliases = aliases if served else None
+        if aliases is not None:
             listed += "; aliases: " + (", ".join(f"{alias} → {model}" for alias, model in
                                                  sorted(aliases.items())) or "none")
         message = f"model {name!r} is not served here ({listed})"
-        if help_aliases:  # the setting that would make it one, keeping the aliases there are
+        if aliases is not None:  # the setting that would make it one, keeping the aliases there are
             example = json.dumps({**aliases, name: target or served[0]})
             message += (f"; to send {name!r} to a served model, add an alias: {ALIASES_ENV}='{example}' "
                         "(the model_aliases setting)")

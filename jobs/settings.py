@@ -23,7 +23,10 @@ from bulkinfer.jobs.image_limits import (
     DEFAULT_IMAGE_MAX_BYTES,
     DEFAULT_IMAGE_MAX_PIXELS,
     DEFAULT_IMAGES_PER_ROW,
+    ImageLimits,
+    parse_http_hosts,
 )
+from bulkinfer.jobs.layout import KV_STORE_AREA
 from bulkinfer.jobs.object_store.base import ObjectStore
 from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP, DEFAULT_OUTPUT_TOKENS_ESTIMATE
 from bulkinfer.jobs.priority_caps import (
@@ -32,6 +35,7 @@ from bulkinfer.jobs.priority_caps import (
     parse_tenant_max_priority,
     priority_problem,
 )
+from bulkinfer.jobs.tenant_prefixes import tenant_prefixes
 
 if TYPE_CHECKING:
     import redis
@@ -50,7 +54,6 @@ DEFAULT_MAX_SHARD_TOKENS = 1_000_000
 DEFAULT_MODEL_CACHE = Path.home() / ".cache" / "bulkinfer" / "models"
 DEFAULT_KV_STORE_MIN_HITS = 2
 DEFAULT_KV_STORE_CACHE_BYTES = 10 << 30
-KV_STORE_AREA = "kv"  # the engine's block keys start with it (engine/kv_connector/keys.py)
 CONFIG_ENV = "BULKINFER_CONFIG"
 DEFAULT_CONFIG_FILE = "bulkinfer.toml"
 # field name → environment variable (the file key is the field name)
@@ -297,8 +300,6 @@ class Settings(BaseModel):
     @classmethod
     def _tenant_prefixes_parse(cls, value: str | None) -> str | None:
         # Refused at start, not at the first submit or image a worker reads.
-        from bulkinfer.jobs.storage_rules import tenant_prefixes
-
         tenant_prefixes(value)
         return value
 
@@ -482,6 +483,11 @@ class Settings(BaseModel):
 
         bucket, _, prefix = uri[len("s3://"):].partition("/")
         return S3ObjectStore(bucket, endpoint_url=self.s3_endpoint_url, client=client), prefix.strip("/")
+
+    def image_limits(self) -> ImageLimits:
+        """The `image_*` settings as the readers and the image fetcher apply them."""
+        return ImageLimits(self.image_max_bytes, self.image_max_pixels, self.image_max_per_row,
+                           parse_http_hosts(self.image_http_hosts))
 
     def kv_store_enabled(self, *, deployment: bool) -> bool:
         """Whether engines save and load prefix KV in the store: `kv_store`, and for "auto" whether

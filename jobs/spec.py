@@ -8,7 +8,16 @@ from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import JsonDict
 
 from bulkinfer.jobs.deadlines import WINDOW_SCHEMA_PATTERN, window_seconds
 from bulkinfer.jobs.embedding import Pooling
@@ -108,6 +117,12 @@ def _task_schema(schema: dict[str, Any]) -> None:
                                      "max_length": nothing, "pooling": nothing, "normalize": nothing}}
 
 
+# Each passthrough name is a column, and none is a name the outputs already use.
+RESERVED_NAMES: list[JsonValue] = [*sorted(RESERVED_OUTPUT_COLUMNS)]
+PASSTHROUGH_SCHEMA: JsonDict = {"uniqueItems": True,
+                                "items": {"type": "string", "not": {"enum": RESERVED_NAMES}}}
+
+
 class JobSpec(BaseModel):
     """A batch job. Unknown fields are rejected, so a typo never silently falls back to a default.
 
@@ -194,8 +209,7 @@ class JobSpec(BaseModel):
     # The schema states the names the outputs already use, so a client sees the rule before it posts.
     passthrough_columns: list[str] = Field(
         default_factory=list, description="input columns copied to each output row; not an output "
-        "column's own name", json_schema_extra={"uniqueItems": True, "items": {
-            "type": "string", "not": {"enum": sorted(RESERVED_OUTPUT_COLUMNS)}}})
+        "column's own name", json_schema_extra=PASSTHROUGH_SCHEMA)
 
     shard_size: int = Field(1000, ge=1, le=1_000_000, description="rows per shard (approximate for JSONL)")
     deduplicate: bool = Field(True, description="rows of a shard whose rendered prompt and sampling are "

@@ -15,16 +15,14 @@ the same rules to every location a row names (jobs/image_rules.py).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from bulkinfer.jobs.layout import STORE_AREAS, TENANTS_FOLDER
+from bulkinfer.jobs.layout import KV_STORE_AREA, STORE_AREAS, TENANTS_FOLDER
 from bulkinfer.jobs.object_store.base import ObjectStore
-from bulkinfer.jobs.object_store.factory import split_uri
-from bulkinfer.jobs.settings import KV_STORE_AREA
+from bulkinfer.jobs.tenant_prefixes import tenant_prefixes
 
 if TYPE_CHECKING:
     from bulkinfer.jobs.settings import Settings
@@ -35,41 +33,12 @@ _NO_JOB = "\0no job"  # never a tenant's name
 Kind = Literal["object", "folder", "prefix"]
 
 
-class BadTenantPrefixes(ValueError):
-    """The `tenant_prefixes` setting cannot be parsed."""
-
-
 @dataclass(frozen=True)
 class LocationProblem:
     """Why a location may not be used: `status` as the API answers it (400 or 403) and the message."""
 
     status: int
     message: str
-
-
-def tenant_prefixes(setting: str | None) -> dict[str, list[str]] | None:
-    """The parsed setting, each prefix in the form `where` gives (a local one resolved) and ending
-    in '/', so `s3://acme` never matches `s3://acme-x`. Raises `BadTenantPrefixes`."""
-    if not setting:
-        return None
-    try:
-        rules = json.loads(setting)
-    except ValueError as error:
-        raise BadTenantPrefixes(f"the tenant_prefixes setting is not JSON: {error}") from None
-    if not isinstance(rules, dict) or not all(isinstance(v, list) for v in rules.values()):
-        raise BadTenantPrefixes("the tenant_prefixes setting must be a JSON object of tenant → list of "
-                                "prefixes")
-    return {tenant: [_canonical_prefix(str(p)) for p in prefixes] for tenant, prefixes in rules.items()}
-
-
-def _canonical_prefix(prefix: str) -> str:
-    try:
-        scheme, bucket, key = split_uri(prefix)
-    except ValueError as error:
-        raise BadTenantPrefixes(f"the tenant_prefixes setting: {error}") from None
-    if scheme == "s3":
-        return f"s3://{bucket}/{key}".rstrip("/") + "/"
-    return Path("/", key).resolve().as_posix().rstrip("/") + "/"
 
 
 def where(store: ObjectStore, key: str) -> str:

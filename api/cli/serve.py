@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import WORKER_SETTINGS, add_settings_arguments, settings_from_args
@@ -53,8 +54,9 @@ def serve_api(argv: list[str]) -> int:
     if settings is None:
         return 2
     json_logs = _use_json_logs(settings, args.log_level)
+    logs: dict[str, Any] = {"log_config": None} if json_logs else {}
     uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level=args.log_level, **({"log_config": None} if json_logs else {}))
+                log_level=args.log_level, **logs)
     return 0
 
 

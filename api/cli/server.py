@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
@@ -15,8 +16,8 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 8000,
                  log_level: str = "warning", json_logs: bool = False) -> None:
         # JSON logs: uvicorn's loggers go to the root logger's JSON handler (api/cli/serve.py).
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                **({"log_config": None} if json_logs else {}))
+        logs: dict[str, Any] = {"log_config": None} if json_logs else {}
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on", **logs)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="bulkinfer-api", daemon=True)
         self.url = f"http://{host}:{port}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO
+from typing import IO, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
@@ -41,7 +41,7 @@ class JobProgress:
         speed = f"{tokens / elapsed:,.0f} tok/s" if elapsed > 0 and tokens > 0 else ""
         failed = f"({status.rows.failed} failed)" if status.rows.failed else ""
         total = max(status.rows.total, done)  # 0 until the job is planned
-        fields = {"description": f"{status.job_id} {status.state.value}", "completed": done,
+        fields: dict[str, Any] = {"description": f"{status.job_id} {status.state.value}", "completed": done,
                   "total": total or None, "rows": f"{done}/{total or '?'} rows", "failed": failed,
                   "speed": speed}
         if self._task is None:

@@ -11,6 +11,7 @@ Each new object (key + ETag) under the prefix gets exactly one job (docs/schedul
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Mapping
 from typing import Any
 
@@ -64,7 +65,7 @@ class Schedules:
         path = f"/schedules/{schedule_id_of(schedule)}/tick"
         return TickReport.model_validate(self._transport.request("POST", path, idempotent=True).json())
 
-    def submitted(self, schedule: ScheduleRef) -> list[SubmittedObject]:
+    def submitted(self, schedule: ScheduleRef) -> builtins.list[SubmittedObject]:
         """The objects the schedule has submitted, with their job ids, oldest first."""
         path = f"/schedules/{schedule_id_of(schedule)}/jobs"
         objects = self._transport.request("GET", path, idempotent=True).json()["objects"]
@@ -112,7 +113,7 @@ class AsyncSchedules:
         response = await self._transport.request("POST", path, idempotent=True)
         return TickReport.model_validate(response.json())
 
-    async def submitted(self, schedule: ScheduleRef) -> list[SubmittedObject]:
+    async def submitted(self, schedule: ScheduleRef) -> builtins.list[SubmittedObject]:
         path = f"/schedules/{schedule_id_of(schedule)}/jobs"
         objects = (await self._transport.request("GET", path, idempotent=True)).json()["objects"]
         return [SubmittedObject.model_validate(item) for item in objects]

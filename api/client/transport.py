@@ -108,7 +108,7 @@ class _Clients(Generic[H]):
                  http_transport: Any = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.retry = retry or RetryPolicy()
-        self.http = self.HTTP(base_url=self.base_url, timeout=timeout,
+        self.http: H = self.HTTP(base_url=self.base_url, timeout=timeout,
                               headers=default_headers(api_key, headers), transport=http_transport)
         self._downloads: H | None = None
         self._timeout = timeout

@@ -20,7 +20,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, BinaryIO, NamedTuple
+from typing import IO, Any, NamedTuple
 
 from bulkinfer.api.auth import Caller
 from bulkinfer.api.dependencies import ApiContext
@@ -52,7 +52,7 @@ COUNTS_NAME = "anthropic_counts.json"
 COUNT_NAMES = ("processing", "succeeded", "errored", "canceled", "expired")
 
 
-def create_batch(context: ApiContext, caller: Caller, body: BinaryIO) -> dict[str, Any]:
+def create_batch(context: ApiContext, caller: Caller, body: IO[bytes]) -> dict[str, Any]:
     """The batch of the JSON body in `body` (a file: the request as received), read a request at a
     time: each is checked and written as a line of the job's input as it is read."""
     job_id = new_job_id()
@@ -89,7 +89,7 @@ class _Request(NamedTuple):
     longest_text: int
 
 
-def _requests(body: BinaryIO) -> Iterator[_Request]:
+def _requests(body: IO[bytes]) -> Iterator[_Request]:
     """(custom_id, params) of each request, read one at a time; 400 naming the first that is not
     `{custom_id, params}` (unique ids) or the body's problem."""
     first_index: dict[str, int] = {}

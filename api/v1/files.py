@@ -17,6 +17,7 @@ pass (api/v1/batch_lines.py). A file past its `expires_at` is gone: 404, and del
 
 from __future__ import annotations
 
+import builtins
 import re
 import secrets
 import time
@@ -153,7 +154,7 @@ class FileStore:
             if len(parts) == 3 and parts[2] == FILE_RECORD_NAME:
                 yield parts[0], parts[1]
 
-    def _owners_to_search(self) -> list[str]:
+    def _owners_to_search(self) -> builtins.list[str]:
         settings = self.context.settings
         keys = parse_keys(settings.api_keys, settings.admin_api_keys)
         tenants = {caller.tenant for _digest, caller in keys}

@@ -24,7 +24,9 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -525,7 +527,8 @@ def _rows_apart(query: torch.Tensor) -> bool:
             and (query.shape[0] == 1 or query.stride(0) >= kv_heads * queries * head_dim))
 
 
-def _declare(function: ctypes._CFuncPtr, arguments: list[type]) -> ctypes._CFuncPtr:
+def _declare(function: Any, arguments: Sequence[type[Any]]) -> Any:
+    """`function` (a ctypes function of the library) with its argument types set."""
     function.argtypes = [*arguments, ctypes.c_int]  # every kernel takes its thread count last
     function.restype = None
     return function

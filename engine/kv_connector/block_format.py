@@ -69,7 +69,7 @@ def checked_payload(data: bytes, dtype_name: str, shape: tuple[int, ...], itemsi
 def block_payload(block: torch.Tensor) -> memoryview:
     """A block tensor's bytes (a contiguous CPU copy where it is not one already)."""
     flat = block.detach().to("cpu").contiguous().reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy())
+    return flat.view(torch.uint8).numpy().data
 
 
 def payload_tensor(payload: bytearray, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:

@@ -26,6 +26,7 @@ from bulkinfer.engine.cpu_kernels import CpuKernels
 from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
 from bulkinfer.engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
 from bulkinfer.engine.models.loader import tensor_problems
+from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.packed_attention import PackedBatch, packed_attention
 
 ENCODER_ARCHITECTURES = {
@@ -173,7 +174,8 @@ class BertEncoder(nn.Module):
         self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
-        self.layers = nn.ModuleList(EncoderLayer(config) for _ in range(config.num_layers))
+        layers = (EncoderLayer(config) for _ in range(config.num_layers))
+        self.layers: ModuleSeq[EncoderLayer] = ModuleSeq(layers)
         self.kernels: CpuKernels | None = None  # native attention (engine/cpu_kernels) where built
         self.requires_grad_(False)
 

@@ -143,8 +143,8 @@ class Gemma3Attention(Attention):
     def __init__(self, config: Gemma3Config, layer_index: int, backend: AttentionBackend) -> None:
         super().__init__(config, layer_index, backend)
         scale_ratio = (config.query_pre_attn_scalar ** -0.5) * (config.head_dim ** 0.5)
-        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, output_scale=scale_ratio)
-        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps, output_scale=scale_ratio)  # type: ignore[assignment]  # Gemma's norm scales by (1 + w): RMSNorm's call and weight
+        self.k_norm = GemmaRMSNorm(config.head_dim, config.rms_norm_eps)  # type: ignore[assignment]  # Gemma's norm scales by (1 + w): RMSNorm's call and weight
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -177,7 +177,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Gemma3Config, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # type: ignore[assignment]  # Gemma's norm scales by (1 + w): RMSNorm's call and weight
         # self.rotary (from LlamaForCausalLM) is the global layers' rotary; local layers have their own.
         self.local_rotary = RotaryEmbedding(dataclasses.replace(config, rope_theta=config.local_rope_theta,
                                                                 rope_scaling=None))
@@ -206,7 +206,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return self.norm(hidden)
 
     @property
-    def final_logit_softcap(self) -> float | None:
+    def final_logit_softcap(self) -> float | None:  # type: ignore[override]  # the base: a constant
         return self.config.final_logit_softcapping
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

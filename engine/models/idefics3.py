@@ -20,6 +20,7 @@ from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
 from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
 
 TEXT, OURS = "model.text_model.", "model."
@@ -114,7 +115,7 @@ class VisionTower(nn.Module):
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
                                          stride=config.patch_size)
         self.position_embedding = nn.Embedding(config.patches_per_side ** 2, config.hidden_size)
-        self.layers = nn.ModuleList(VisionLayer(config) for _ in range(config.num_layers))
+        self.layers: ModuleSeq[VisionLayer] = ModuleSeq(VisionLayer(config) for _ in range(config.num_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.projection = nn.Linear(config.hidden_size * scale_factor ** 2, text_hidden, bias=False)
         # Not a buffer: the loader builds on the meta device, where a buffer would come back uninitialized.
@@ -201,6 +202,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         super().load_hf_tensors({_our_name(name): t for name, t in tensors.items() if not _is_vision(name)})
         tower, vision = self.vision_tower, "model.vision_model."
         tower.patch_embedding.weight.copy_(tensors[vision + "embeddings.patch_embedding.weight"])
+        assert tower.patch_embedding.bias is not None
         tower.patch_embedding.bias.copy_(tensors[vision + "embeddings.patch_embedding.bias"])
         tower.position_embedding.weight.copy_(tensors[vision + "embeddings.position_embedding.weight"])
         tower.post_layernorm.weight.copy_(tensors[vision + "post_layernorm.weight"])

@@ -35,7 +35,8 @@ class Idefics3ImageProcessing:
                  patch_size: int, scale_factor: int) -> None:
         from transformers import Idefics3ImageProcessorPil  # torchvision-free; the same numbers
 
-        self._processor = Idefics3ImageProcessorPil.from_pretrained(str(model_dir))
+        # Any: transformers types __call__ as BaseImageProcessor's, without Idefics3's own options
+        self._processor: Any = Idefics3ImageProcessorPil.from_pretrained(str(model_dir))
         tile = int(self._processor.max_image_size["longest_edge"])
         if tile != image_size:
             raise ValueError(f"{model_dir}: preprocessor max_image_size {tile} differs from the vision "

@@ -23,7 +23,9 @@ from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.invariant import LOGIT_BLOCK_ROWS, in_row_blocks, in_step_row_blocks
+from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.models.native_decode import NativeDecode
+from bulkinfer.engine.models.step_rows import StepRows
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import llama_plan
 from bulkinfer.engine.quant.linear import QuantizedLinear
@@ -31,10 +33,7 @@ from bulkinfer.engine.quant.linear import QuantizedLinear
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
     from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps
-    from bulkinfer.engine.lora.rows import LoRARows
     from bulkinfer.engine.lora.slots import LoRASlots
-    from bulkinfer.engine.multimodal.mrope import StepRopeRows
-    from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds
 
 
 class UnsupportedModelError(ValueError):
@@ -230,25 +229,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
-@dataclass
-class StepRows:
-    """How many leading rows of the current forward pass are single-token rows (decodes and
-    verified drafts come first in a step's flattened batch): those rows' projections run through
-    the row kernel, the rest through torch.mm. Set by the model at the start of each forward."""
-
-    single: int = 0
-    # Batch invariance: every row through the row kernel (each row alone), prefill rows too: oneDNN's
-    # bf16 GEMM picks its kernel by the call's row count (AMX up to 32 rows, another one at 33-600)
-    # and those round differently, so a prompt token's bits would follow the step's size.
-    every_row: bool = False
-    # The step's LoRA rows (engine/lora/rows.py), set by the model runner; None: no row has an adapter.
-    lora: LoRARows | None = None
-    # Image encoder rows for the step's image tokens (engine/multimodal/step_embeds.py); None: none.
-    images: StepImageEmbeds | None = None
-    # M-RoPE: the step's image rows and their three-part positions (engine/multimodal/mrope.py).
-    rope_rows: StepRopeRows | None = None
-
-
 @dataclass(frozen=True)
 class FinalRows:
     """The positions whose final hidden state a step uses (its sampled ones). Every row needs every
@@ -371,8 +351,8 @@ class Linear(nn.Linear):
     def _by_rows(self, x: torch.Tensor) -> torch.Tensor:
         assert self.row_kernels is not None and self.row_weight is not None
         rows = x.shape[0]
-        every_row = self.step_rows is None or self.step_rows.every_row
-        single = rows if every_row else min(self.step_rows.single, rows)
+        step_rows = self.step_rows
+        single = rows if step_rows is None or step_rows.every_row else min(step_rows.single, rows)
         if single == rows:
             return self.row_kernels.row_gemm(x, self.row_weight, self.out_features, self.bias)
         # oneDNN has no output argument: it computes the single-token rows too (few, beside a chunk),
@@ -440,7 +420,7 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q)
             k = self.k_norm(k)
         cos, sin = rope
@@ -530,12 +510,13 @@ class LlamaForCausalLM(nn.Module):
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap) where set (Gemma)
     _logits_buffer: torch.Tensor | None = None  # compute_logits' output on CPU, kept between steps
     config_class = LlamaFamilyConfig  # parses config.json for this class (the loader calls from_hf_dict)
+    tensor_parallel_size = 1  # the ranks one model is split over (engine/parallel/loading.py sets it)
 
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
+        self.layers: ModuleSeq[DecoderLayer] = ModuleSeq(
             self.decoder_layer_class(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -653,7 +634,7 @@ class LlamaForCausalLM(nn.Module):
         self.step_rows.every_row = on
         for module in self.modules():
             if hasattr(type(module), "fixed_row_blocks"):
-                module.fixed_row_blocks = on
+                setattr(module, "fixed_row_blocks", on)  # noqa: B010 - any module's own flag
         for layer in self.layers:
             for module in layer.modules():
                 if isinstance(module, Linear):
@@ -754,6 +735,7 @@ class LlamaForCausalLM(nn.Module):
             if c.o_bias:
                 attn.o_proj.bias.copy_(tensors[p + "self_attn.o_proj.bias"])
             if c.qk_norm:
+                assert attn.q_norm is not None and attn.k_norm is not None
                 attn.q_norm.weight.copy_(tensors[p + "self_attn.q_norm.weight"])
                 attn.k_norm.weight.copy_(tensors[p + "self_attn.k_norm.weight"])
             if not isinstance(mlp, MLP):

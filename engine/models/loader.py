@@ -11,7 +11,7 @@ import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors import safe_open
@@ -40,7 +40,7 @@ from bulkinfer.engine.quant.checkpoint import (
 from bulkinfer.engine.quant.linear import QuantizedLinear
 from bulkinfer.quant_scheme import CheckpointQuantization, UnsupportedQuantization, read_quantization
 
-SUPPORTED_ARCHITECTURES = {
+SUPPORTED_ARCHITECTURES: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -217,7 +217,7 @@ def load_model(
     check_tensors(model.expected_hf_tensors(), tensors, tied=config.tie_word_embeddings)
     model.load_hf_tensors(tensors)
     for path, layers in fused.items():
-        model.get_submodule(path).attach(fuse_parts(path, layers, parts))
+        cast(QuantizedLinear, model.get_submodule(path)).attach(fuse_parts(path, layers, parts))
     if onednn_linear_available(torch.device(device), dtype) and packed_copy_fits(model, device):
         model.pack_linear_weights(batch_hint)
     return model.eval()
@@ -238,7 +238,7 @@ def packed_copy_fits(model: torch.nn.Module, device: str | torch.device) -> bool
     return False
 
 
-def install_quantized_projections(model: torch.nn.Module,
+def install_quantized_projections(model: LlamaForCausalLM,
                                   parts: dict[str, QuantizedParts]) -> dict[str, list[str]]:
     """Replace each projection whose checkpoint layers are quantized with a QuantizedLinear (on the
     meta device, before the weights are loaded); returns each one's layers, in concatenation order.
@@ -255,7 +255,7 @@ def install_quantized_projections(model: torch.nn.Module,
         if path == "lm_head":
             raise CheckpointError("lm_head is quantized: bulkinfer computes logits from a float LM head "
                                   "(llm-compressor's recipes leave it out: ignore: [lm_head])")
-        linear = model.get_submodule(path)
+        linear = cast(Linear, model.get_submodule(path))
         parent, _, name = path.rpartition(".")
         replacement = QuantizedLinear(linear.in_features, linear.out_features, linear.bias is not None,
                                       parts[layers[0]].scheme)

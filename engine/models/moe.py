@@ -49,6 +49,7 @@ from bulkinfer.engine.models.llama import (
     StepRows,
     UnsupportedModelError,
 )
+from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.models.moe_fixed_shape import (
     fixed_shape_expert_outputs,
     grouped_mm_fits,
@@ -103,7 +104,7 @@ class MoeConfig(LlamaFamilyConfig):
             num_experts = int(cfg.get("num_local_experts") or 0)
             sparse = (True,) * num_layers
             fields.update(sliding_windows=(cfg.get("sliding_window"),) * num_layers)
-            extra = dict(moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
+            extra: dict[str, Any] = dict(moe_intermediate_size=base.intermediate_size, norm_topk_prob=True,
                          routing_weights_in_fp32=True, mixtral_names=True)
         else:
             num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
@@ -153,7 +154,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(config.hidden_size, config.num_experts, bias=False)
         expert_config = dataclasses.replace(config, intermediate_size=config.moe_intermediate_size,
                                             mlp_bias=False)
-        self.experts = nn.ModuleList(MLP(expert_config) for _ in range(config.num_experts))
+        self.experts: ModuleSeq[MLP] = ModuleSeq(MLP(expert_config) for _ in range(config.num_experts))
         # The experts' weights, stored once (the experts' Linears hold views: _view_expert_weights).
         self.experts_gate_up = _stacked([expert.gate_up_proj for expert in self.experts])
         self.experts_down = _stacked([expert.down_proj for expert in self.experts])
@@ -277,7 +278,7 @@ class MoeForCausalLM(LlamaForCausalLM):
         self.step_shape = StepShape()
         for layer, sparse in zip(self.layers, config.sparse_layers, strict=True):
             if sparse:
-                layer.mlp = SparseMoeBlock(config, self.step_rows, self.step_shape)
+                layer.mlp = SparseMoeBlock(config, self.step_rows, self.step_shape)  # type: ignore[assignment]
         self.requires_grad_(False)
 
     @property

@@ -12,7 +12,7 @@ Python path gives (tested); everything else keeps the Python path.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 
@@ -21,7 +21,7 @@ from bulkinfer.engine.attention import AttentionMetadata, TorchPagedAttention
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
     from bulkinfer.engine.lora.slots import LoRASlots
-    from bulkinfer.engine.models.llama import LlamaForCausalLM
+    from bulkinfer.engine.models.llama import Linear, LlamaForCausalLM
     from bulkinfer.engine.models.moe import SparseMoeBlock
     from bulkinfer.engine.quant.linear import QuantizedLinear
 
@@ -99,7 +99,7 @@ class NativeDecode:
         # Keep what the table points to alive with the model (the packed weights already are; the
         # sparse layers' and the LoRA slots' tables are kept here).
         self._tables: list[ctypes.Structure | ctypes.Array] = []
-        self.sparse = None  # a sparse layer's block, for the step's MoE shapes (None: all dense)
+        self.sparse: SparseMoeBlock | None = None  # a sparse layer's block, for the step's MoE shapes
         # float64 [2]: where set, each step adds its sparse layers' routing and expert seconds to it
         # (benchmarks/moe_profile.py).
         self.moe_seconds: torch.Tensor | None = None
@@ -111,7 +111,7 @@ class NativeDecode:
             entry.post_norm = layer.post_attention_layernorm.weight.data_ptr()
             for name, linear in (("qkv", attn.qkv_proj), ("o", attn.o_proj)):
                 self._point_at(entry, name, linear)
-            if attn.q_norm is not None:
+            if attn.q_norm is not None and attn.k_norm is not None:
                 entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
             if _is_sparse(mlp):
                 entry.moe = ctypes.pointer(self._moe_table(mlp))
@@ -120,7 +120,7 @@ class NativeDecode:
             for name, linear in (("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
                 self._point_at(entry, name, linear)
 
-    def _point_at(self, entry: _Layer, name: str, linear: torch.nn.Module) -> None:
+    def _point_at(self, entry: _Layer, name: str, linear: Linear) -> None:
         """The layer's entry for one projection: the row kernel's packed weights and bias, or a
         quantized projection's table."""
         from bulkinfer.engine.quant.linear import QuantizedLinear
@@ -133,7 +133,7 @@ class NativeDecode:
             self.quantized.append(linear)
             setattr(entry, f"{name}_quant", ctypes.pointer(table))
             return
-        setattr(entry, name, linear.row_weight.data_ptr())
+        setattr(entry, name, _row_weight(linear))
         setattr(entry, f"{name}_bias", _pointer(linear.bias))
 
     def attach_lora(self, slots: dict[str, LoRASlots]) -> bool:
@@ -158,14 +158,14 @@ class NativeDecode:
 
     def _moe_table(self, block: SparseMoeBlock) -> _Moe:
         """decode_layers.c's table of a sparse block's packed weights."""
-        gate_up = (_P * len(block.experts))(*[e.gate_up_proj.row_weight.data_ptr() for e in block.experts])
-        down = (_P * len(block.experts))(*[e.down_proj.row_weight.data_ptr() for e in block.experts])
-        table = _Moe(router=block.gate.row_weight.data_ptr(), gate_up=ctypes.addressof(gate_up),
+        gate_up = (_P * len(block.experts))(*[_row_weight(e.gate_up_proj) for e in block.experts])
+        down = (_P * len(block.experts))(*[_row_weight(e.down_proj) for e in block.experts])
+        table = _Moe(router=_row_weight(block.gate), gate_up=ctypes.addressof(gate_up),
                      down=ctypes.addressof(down))
         if block.shared_expert is not None and block.shared_expert_gate is not None:
-            table.shared_gate_up = block.shared_expert.gate_up_proj.row_weight.data_ptr()
-            table.shared_down = block.shared_expert.down_proj.row_weight.data_ptr()
-            table.shared_gate = block.shared_expert_gate.row_weight.data_ptr()
+            table.shared_gate_up = _row_weight(block.shared_expert.gate_up_proj)
+            table.shared_down = _row_weight(block.shared_expert.down_proj)
+            table.shared_gate = _row_weight(block.shared_expert_gate)
         self._tables += [gate_up, down, table]
         return table
 
@@ -363,10 +363,16 @@ def _runs_natively(linear: torch.nn.Module) -> bool:
     return linear.row_weight is not None
 
 
-def _is_sparse(mlp: torch.nn.Module) -> bool:
+def _is_sparse(mlp: torch.nn.Module) -> TypeGuard[SparseMoeBlock]:
     from bulkinfer.engine.models.moe import SparseMoeBlock
 
     return type(mlp) is SparseMoeBlock
+
+
+def _row_weight(linear: Linear) -> int:
+    """Where a projection's row-kernel weights are (packed by use_row_gemm before this table)."""
+    assert linear.row_weight is not None, "the row kernel's weights are packed first"
+    return linear.row_weight.data_ptr()
 
 
 def _mlp_linears(mlp: torch.nn.Module) -> list:
@@ -374,7 +380,8 @@ def _mlp_linears(mlp: torch.nn.Module) -> list:
     shared expert (with its gate)."""
     if not _is_sparse(mlp):
         return [mlp.gate_up_proj, mlp.down_proj]
-    linears = [mlp.gate, *[p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)]]
+    experts = [p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)]
+    linears: list[Linear | None] = [mlp.gate, *experts]
     if mlp.shared_expert is not None:
         linears += [mlp.shared_expert.gate_up_proj, mlp.shared_expert.down_proj, mlp.shared_expert_gate]
     return linears

@@ -157,7 +157,7 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     def __init__(self, config: Phi3Config, backend: AttentionBackend) -> None:
         super().__init__(config, backend)
-        self.rotary = Phi3RotaryEmbedding(config)
+        self.rotary = Phi3RotaryEmbedding(config)  # type: ignore[assignment]  # LongRoPE: the same call
 
     @staticmethod
     def parse_config(architecture: str, cfg: dict[str, Any]) -> Phi3Config:

@@ -21,6 +21,7 @@ from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
 from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
 from bulkinfer.engine.multimodal.mrope import mrope_cos_sin
 
@@ -156,7 +157,7 @@ class QwenVisionTower(nn.Module):
         self.patch_embed = nn.Linear(
             config.patch_values, config.hidden_size, bias=False
         )  # a Conv3d over one patch
-        self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.depth))
+        self.blocks: ModuleSeq[VisionBlock] = ModuleSeq(VisionBlock(config) for _ in range(config.depth))
         merged = config.hidden_size * config.spatial_merge_size**2
         self.merger_norm = VisionRMSNorm(config.hidden_size)
         self.merger_fc1, self.merger_fc2 = (

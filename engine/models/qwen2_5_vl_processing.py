@@ -7,6 +7,7 @@ repeated once per merged patch (the template writes `<|vision_start|><|image_pad
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,11 +38,11 @@ class QwenImageProcessing:
         return min(LOW_DETAIL_PIXELS // unit, most), most
 
     def process(self, image: Image.Image, detail: str) -> ProcessedImage:
-        options = {}
+        options: dict[str, Any] = {}
         if detail == "low":
-            pixels = min(LOW_DETAIL_PIXELS, int(self._processor.size["longest_edge"]))
-            options["size"] = {"shortest_edge": int(self._processor.size["shortest_edge"]),
-                               "longest_edge": pixels}
+            most = min(LOW_DETAIL_PIXELS, int(self._processor.size["longest_edge"]))
+            least = int(self._processor.size["shortest_edge"])
+            options["size"] = {"shortest_edge": least, "longest_edge": most}
         encoded = self._processor(images=[image], return_tensors="np", **options)
         t, h, w = (int(value) for value in encoded["image_grid_thw"][0])
         rows, columns = h // self.merge_size, w // self.merge_size

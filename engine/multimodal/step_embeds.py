@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -32,7 +33,13 @@ class StepImageEmbeds:
     embeds: torch.Tensor
 
 
-def step_image_embeds(chunks: Sequence[ImageChunk], model: torch.nn.Module, cache: EncoderCache,
+class ImageEncoder(Protocol):
+    """A vision-language model, as the step sees it: its encoder rows for some images."""
+
+    def embed_images(self, items: Sequence[MultiModalItem], device: torch.device) -> torch.Tensor: ...
+
+
+def step_image_embeds(chunks: Sequence[ImageChunk], model: ImageEncoder, cache: EncoderCache,
                       device: torch.device) -> StepImageEmbeds | None:
     pieces: list[tuple[np.ndarray, MultiModalItem, np.ndarray]] = []
     first_uses = 0  # images a request reaches for the first time in this step
@@ -49,11 +56,11 @@ def step_image_embeds(chunks: Sequence[ImageChunk], model: torch.nn.Module, cach
     for _, item, _ in pieces:
         if item.digest in encoded or item.digest in missing:
             continue
-        rows = cache.get(item.digest)
-        if rows is None:
+        cached = cache.get(item.digest)
+        if cached is None:
             missing[item.digest] = item
         else:
-            encoded[item.digest] = rows
+            encoded[item.digest] = cached
     cache.count(hits=max(first_uses - len(missing), 0), misses=len(missing))
     encoded.update(encode_images(list(missing.values()), model, device))
     for digest in missing:
@@ -63,7 +70,7 @@ def step_image_embeds(chunks: Sequence[ImageChunk], model: torch.nn.Module, cach
     return StepImageEmbeds(torch.from_numpy(flat).to(device), embeds)
 
 
-def encode_images(items: Sequence[MultiModalItem], model: torch.nn.Module,
+def encode_images(items: Sequence[MultiModalItem], model: ImageEncoder,
                   device: torch.device) -> dict[str, torch.Tensor]:
     """Each item's encoder rows: the model encodes them together (`embed_images`)."""
     if not items:

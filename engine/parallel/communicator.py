@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ def free_port() -> int:
 class Communicator:
     def __init__(self, group: dist.ProcessGroup, rank: int, world: int, device: torch.device) -> None:
         self.group, self.rank, self.world, self.device = group, rank, world, device
+        self._store: object | None = None  # the TCP store the group was made with: kept alive
         # Seconds this rank has spent in collectives (moving data, and waiting for slower ranks):
         # what tensor parallelism costs it, read by benchmarks.
         self.seconds_in_collectives = 0.0
@@ -49,9 +51,9 @@ class Communicator:
         if device.type == "cuda":
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = timeout
-            group: dist.ProcessGroup = dist.ProcessGroupNCCL(store, rank, world, options)
+            group: Any = dist.ProcessGroupNCCL(store, rank, world, options)
         else:
-            options = dist.ProcessGroupGloo._Options()
+            options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's own way to set a timeout
             options._timeout = timeout
             options._devices = [dist.ProcessGroupGloo.create_device(hostname=LOCALHOST)]
             group = dist.ProcessGroupGloo(store, rank, world, options)

@@ -27,7 +27,7 @@ import torch
 
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.parallel.communicator import Communicator, free_port
-from bulkinfer.engine.parallel.rank_worker import RankSpec, rank_device
+from bulkinfer.engine.parallel.rank_spec import RankSpec, rank_device
 
 logger = logging.getLogger(__name__)
 

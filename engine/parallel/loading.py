@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from bulkinfer.engine.attention import AttentionBackend
-from bulkinfer.engine.models.llama import onednn_linear_available
+from bulkinfer.engine.models.llama import LlamaForCausalLM, onednn_linear_available
 from bulkinfer.engine.models.loader import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,
@@ -28,7 +28,7 @@ from bulkinfer.engine.parallel.plan import check_splittable, local_config, shard
 
 def load_rank_model(model_dir: str | Path, backend: AttentionBackend, communicator: Communicator,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                    batch_hint: int = 64) -> torch.nn.Module:
+                    batch_hint: int = 64) -> LlamaForCausalLM:
     """This rank's part of ``model_dir``'s model: 1/N of the heads, KV heads (or one replicated),
     MLP channels and vocabulary; all-reduces after its row-parallel modules. Its ``config`` is the
     rank's (local head counts: the KV cache is sized from them) with the whole vocabulary size."""

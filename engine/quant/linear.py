@@ -38,7 +38,7 @@ from bulkinfer.quant_scheme import LayerScheme
 
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
-    from bulkinfer.engine.models.llama import StepRows
+    from bulkinfer.engine.models.step_rows import StepRows
 
 ROW_KERNEL_ROWS = 16  # weight-only: more rows than this dequantize once and take the GEMM (measured)
 ONEDNN_INT8_ROWS = 8  # W8A8 with VNNI/AMX: from this many rows oneDNN's GEMM, below it the row kernel

@@ -18,6 +18,7 @@ import torch
 
 from bulkinfer.engine.argmax import argmax_rows
 from bulkinfer.engine.attention import AttentionBackend, TorchPagedAttention
+from bulkinfer.engine.cpu_kernels import CpuKernels
 from bulkinfer.engine.kv_memory import allocate_kv_caches
 from bulkinfer.engine.models.loader import load_model, model_config_from_dir
 from bulkinfer.engine.request import Request
@@ -35,7 +36,7 @@ class DraftModel:
     """The draft model, its KV cache, and where each request's draft KV stands."""
 
     def __init__(self, path: str, *, target_vocab_size: int, max_model_len: int, dtype: torch.dtype,
-                 device: str, block_size: int, kernels: object | None,
+                 device: str, block_size: int, kernels: CpuKernels | None,
                  attention: AttentionBackend | None = None) -> None:
         config = model_config_from_dir(path)
         if config.vocab_size != target_vocab_size:

@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from bulkinfer.engine.speculative.config import SpeculativeConfig
 
@@ -68,8 +69,8 @@ def measure_cost_curve(forward: ForwardProbe, num_drafts: int, max_batch: int) -
     forward(1, 1 + num_drafts, MEASURE_CONTEXT)  # warm-up: first-call costs out of the figures
     decode, verify = [], []
     for batch in batches:
-        decode.append(_best_of(2, lambda b=batch: forward(b, 1, MEASURE_CONTEXT)))
-        verify.append(_best_of(2, lambda b=batch: forward(b, 1 + num_drafts, MEASURE_CONTEXT)))
+        decode.append(_best_of(2, partial(forward, batch, 1, MEASURE_CONTEXT)))
+        verify.append(_best_of(2, partial(forward, batch, 1 + num_drafts, MEASURE_CONTEXT)))
     return CostCurve(batches, tuple(decode), tuple(verify), num_drafts)
 
 

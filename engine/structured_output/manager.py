@@ -37,6 +37,12 @@ class _Request:
     error: str | None = None
     terminated: bool = False
 
+    @property
+    def grammar(self) -> xgr.GrammarMatcher:
+        """The matcher, once compiled: what the bitmask and token steps use (after `_wait_ready`)."""
+        assert self.matcher is not None, "the grammar is not compiled yet"
+        return self.matcher
+
 
 def fill_threads() -> int:
     """Threads for the per-step bitmask fill. Few: the fill runs between forward passes, while
@@ -123,7 +129,7 @@ class StructuredOutputManager:
         by_depth: dict[int, list[tuple[int, _Request]]] = {}
         for row, request_id in enumerate(request_ids):
             request = self._requests.get(request_id) if request_id is not None else None
-            if request is None:
+            if request is None or request_id is None:
                 continue
             if request.matcher is None and self._wait_ready(request_id) != "ready":
                 continue  # failed: the engine finishes it; its row stays unconstrained
@@ -144,13 +150,13 @@ class StructuredOutputManager:
                 if request.terminated:
                     continue
                 rows.append(row)
-                matchers.append(request.matcher)
+                matchers.append(request.grammar)
             if rows:
                 self._batch.batch_fill_next_token_bitmask(matchers, self._bitmask, indices=rows)
                 filled += rows
         for request, num_accepted in advanced.values():
-            request.matcher.rollback(num_accepted)
-            request.terminated = request.matcher.is_terminated()
+            request.grammar.rollback(num_accepted)
+            request.terminated = request.grammar.is_terminated()
         self._last_rows = filled
         if not filled:
             return None
@@ -164,13 +170,13 @@ class StructuredOutputManager:
             return False
         _, done = advanced.get(key, (request, 0))
         for token_id in drafts[done:]:
-            if request.terminated or not request.matcher.accept_token(token_id):
+            if request.terminated or not request.grammar.accept_token(token_id):
                 self.num_drafts_refused += 1
                 refused.add(key)
                 return False
             done += 1
             advanced[key] = (request, done)
-            request.terminated = request.matcher.is_terminated()
+            request.terminated = request.grammar.is_terminated()
         return True
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from functools import cache
@@ -69,7 +69,7 @@ def header_offset(store: ObjectStore, key: str, skip_bom: bool) -> int:
 
 def iter_records(store: ObjectStore, key: str, start: int, end: int, delimiter: bytes,
                  chunk_size: int = READ_CHUNK_BYTES,
-                 max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[Record]:
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> Generator[Record, None, None]:
     """The non-empty records starting in `[start, end)`, in order; `start` must be a record start
     (0, the header's end, or a cut the planner made)."""
     if end <= start:

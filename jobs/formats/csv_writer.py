@@ -9,7 +9,7 @@ as a list of numbers); a null is an empty cell and an empty text is `""`.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -46,7 +46,11 @@ def _json_default(value: Any) -> Any:
     return str(value)  # dates, decimals: as JSONL writes them
 
 
-def write_csv(table: pa.Table, sink: BinaryIO, delimiter: str = ",", include_header: bool = True) -> None:
+class BytesSink(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
+def write_csv(table: pa.Table, sink: BytesSink, delimiter: str = ",", include_header: bool = True) -> None:
     """The table as CSV (TSV with a tab `delimiter`) into `sink`; every text value quoted."""
     import pyarrow.csv as pa_csv
 

@@ -69,6 +69,7 @@ def checked_content(role: Any, content: Any, where: str, limits: ImageLimits) ->
 
 def _checked_part(part: Mapping[str, Any], where: str, limits: ImageLimits) -> dict[str, Any]:
     value = part.get("image_url")
+    url: Any
     if isinstance(value, str):
         url, detail = value, None
     elif isinstance(value, Mapping):

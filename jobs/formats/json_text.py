@@ -9,6 +9,7 @@ hash). So values nested deeper than `MAX_NESTING` are refused here, where the ro
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 MAX_NESTING = 100  # arrays/objects inside each other: far beyond any chat request or JSON schema
@@ -41,6 +42,7 @@ def nesting_depth(value: Any) -> int:
     stack = [(value, 1)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

@@ -39,6 +39,7 @@ def iter_lines_in_range(store: ObjectStore, key: str, start: int, end: int,
         buffer = b""
         position = 0  # index in `buffer` of the next unread byte
         buffer_offset = read_from  # object offset of buffer[0]
+        search_from = 0  # where the scan for the next newline resumes
 
         def refill() -> bool:
             nonlocal buffer, position, buffer_offset

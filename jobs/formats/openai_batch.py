@@ -82,7 +82,7 @@ class OpenAIBatchRowBuilder:
     def build(self, line: Line, record: dict[str, Any]) -> Row | RowError:
         custom_id = record.get("custom_id")
         has_custom_id = isinstance(custom_id, str) and bool(custom_id)
-        row_id = custom_id if has_custom_id else str(line.offset)
+        row_id: str = custom_id if isinstance(custom_id, str) and custom_id else str(line.offset)
         try:
             if not has_custom_id:
                 raise RowProblem(RowErrorCode.INVALID_ROW, "custom_id must be a non-empty string")
@@ -128,8 +128,8 @@ class OpenAIBatchRowBuilder:
                 raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{given[0]} needs a chat line ({CHAT_URL}); "
                                  f"{COMPLETIONS_URL} continues a prompt as it is")
         if url == CHAT_URL:
-            given = validate_messages(body.get("messages"), "body.messages", self.limits)
-            messages = with_instructions_messages(instructions, given)
+            messages = with_instructions_messages(
+                instructions, validate_messages(body.get("messages"), "body.messages", self.limits))
             prompt = None
         else:
             prompt = with_instructions_prompt(instructions, _completion_prompt(body.get("prompt")))
@@ -230,7 +230,8 @@ def iter_openai_batch_rows(store: ObjectStore, key: str, start: int, end: int, s
                 continue
             if isinstance(custom_id, str):
                 seen.add(custom_id)
-            record = builder.build(line, record)
+            yield builder.build(line, record)
+            continue
         yield record
 
 

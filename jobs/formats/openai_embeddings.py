@@ -29,8 +29,8 @@ def embedding_row(index: int, custom_id: str, body: dict[str, Any], spec: JobSpe
         raise RowProblem(RowErrorCode.INVALID_ROW, f"body.{unsupported[0]} is not supported in an "
                          f"/v1/embeddings body (known: {', '.join(sorted(EMBEDDING_FIELDS))})")
     inputs = tuple(_instructed(spec.instructions, item) for item in embedding_inputs(body.get("input")))
-    encoding = body.get("encoding_format")
-    encoding = "float" if encoding is None else encoding
+    given = body.get("encoding_format")
+    encoding: Any = "float" if given is None else given  # checked just below
     if encoding not in ENCODING_FORMATS:
         raise RowProblem(RowErrorCode.INVALID_ROW, f"body.encoding_format must be one of "
                          f"{', '.join(ENCODING_FORMATS)}, got {encoding!r}")

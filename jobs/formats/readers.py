@@ -21,7 +21,7 @@ def read_shard_rows(store: ObjectStore, key: str, spec: JobSpec, shard: ShardPla
     """The shard's rows in input order; rows that cannot run come as `RowError`s in their place.
     A retry shard (`only_rows` set) yields only the rows it lists. `limits`: the bounds on a row's
     images (default: this process's `image_*` settings)."""
-    limits = limits or ImageLimits.of(process_settings())
+    limits = limits or process_settings().image_limits()
     rows = _all_shard_rows(store, key, spec, shard, limits)
     if shard.only_rows is None:
         return rows

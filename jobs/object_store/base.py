@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import builtins
 import io
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import BinaryIO
+
+from bulkinfer.jobs.object_store.range_file import RangeReadFile
 
 
 class ObjectStoreError(Exception):
@@ -127,7 +131,7 @@ class ObjectStore(ABC):
             return False
         return True
 
-    def unfinished_writes(self, prefix: str) -> list[UnfinishedWrite]:
+    def unfinished_writes(self, prefix: str) -> builtins.list[UnfinishedWrite]:
         """Writes under `prefix` that never completed. Default: none (a store without such state)."""
         return []
 
@@ -155,9 +159,7 @@ class ObjectStore(ABC):
         Unbuffered on purpose: each read is one range request of exactly the bytes asked for, so
         pyarrow's column-chunk reads fetch no neighbouring row groups.
         """
-        from bulkinfer.jobs.object_store.range_file import RangeReadFile
-
-        return RangeReadFile(self, key)  # type: ignore[return-value]
+        return RangeReadFile(partial(self.read_range, key), self.head(key).size)  # type: ignore[return-value]
 
     def put_once_or_same(self, key: str, data: bytes) -> bool:
         """Write-once that tolerates an identical earlier write (a finalize that runs twice).

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import io
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-if TYPE_CHECKING:
-    from bulkinfer.jobs.object_store.base import ObjectStore
+# (start, end) -> the object's bytes [start, end): one range read (ObjectStore.read_range of one key).
+ReadRange = Callable[[int, int], bytes]
 
 
 class RangeReadFile(io.RawIOBase):
     """Lets pyarrow seek to a Parquet footer and read just the row groups it needs."""
 
-    def __init__(self, store: ObjectStore, key: str) -> None:
-        self._store = store
-        self._key = key
-        self._size = store.head(key).size
+    def __init__(self, read_range: ReadRange, size: int) -> None:
+        self._read_range = read_range
+        self._size = size
         self._position = 0
 
     def readable(self) -> bool:
@@ -39,7 +38,7 @@ class RangeReadFile(io.RawIOBase):
         end = min(self._position + len(buffer), self._size)
         if end <= self._position:
             return 0
-        data = self._store.read_range(self._key, self._position, end)
+        data = self._read_range(self._position, end)
         buffer[: len(data)] = data
         self._position += len(data)
         return len(data)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import io
 import os
 from collections.abc import Iterator
@@ -151,7 +152,7 @@ class S3ObjectStore(ObjectStore):
         return f"s3://{self.bucket}/{key}"
 
 
-    def unfinished_writes(self, prefix: str) -> list[UnfinishedWrite]:
+    def unfinished_writes(self, prefix: str) -> builtins.list[UnfinishedWrite]:
         paginator = self.client.get_paginator("list_multipart_uploads")
         return [UnfinishedWrite(upload["Key"], upload["Initiated"].timestamp(), upload["UploadId"])
                 for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix)

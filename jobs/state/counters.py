@@ -11,6 +11,7 @@ adds those of the shards not counted yet.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import redis
 from pydantic import BaseModel
@@ -174,7 +175,8 @@ class JobCounters:
         """Set the counters and the counted-shard set together, atomically (MULTI/EXEC)."""
         with self.client.pipeline(transaction=True) as pipeline:
             pipeline.delete(self.counts_key, self.counted_key)
-            pipeline.hset(self.counts_key, mapping=snapshot.as_fields())
+            fields: dict[Any, int] = snapshot.as_fields()  # redis' stubs take only an Any-keyed dict
+            pipeline.hset(self.counts_key, mapping=fields)
             if counted_shards:
                 pipeline.sadd(self.counted_key, *counted_shards)
             pipeline.execute()

@@ -17,6 +17,7 @@ import json
 import uuid
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import redis
 from pydantic import BaseModel
@@ -262,7 +263,7 @@ class JobRepository:
         while len(found) <= limit:
             members = self.redis.zrange(key, upper, "-", desc=True, bylex=True, offset=0,
                                         num=LIST_SCAN_PAGE if filtered else limit + 1 - len(found))
-            names = [member.decode() if isinstance(member, bytes) else member for member in members]
+            names = [_text(member) for member in members]
             for member in names:
                 try:
                     status = self.get(member.split(":", 1)[1])
@@ -306,7 +307,7 @@ class JobRepository:
             upper = "+"
             while members := self.redis.zrange(self._index_key, upper, "-", desc=True, bylex=True, offset=0,
                                                num=1000):
-                names = [member.decode() if isinstance(member, bytes) else member for member in members]
+                names = [_text(member) for member in members]
                 pipe = self.redis.pipeline(transaction=False)
                 for member in names:
                     pipe.hget(self._job_key(member.split(":", 1)[1]), "tenant")
@@ -314,7 +315,7 @@ class JobRepository:
                 pipe = self.redis.pipeline(transaction=False)
                 for member, owner in zip(names, tenants, strict=True):
                     if owner is not None:  # None: the job hash is gone; the entry is stale
-                        owner = owner.decode() if isinstance(owner, bytes) else owner
+                        owner = _text(owner)
                         pipe.zadd(self._tenant_index_key(owner or None), {member: 0})
                 pipe.execute()
                 upper = f"({names[-1]}"
@@ -481,7 +482,7 @@ class JobRepository:
         counts = self._counts(job_id, status.state)
         return status.with_counts(counts.rows, counts.shards, counts.usage) if counts else status
 
-    def _status_from_hash(self, job_id: str, raw: dict[bytes, bytes]) -> JobStatus:
+    def _status_from_hash(self, job_id: str, raw: dict[Any, Any]) -> JobStatus:
         fields = {key.decode(): value.decode() for key, value in raw.items()}
         return JobStatus(
             job_id=job_id, state=JobState(fields["state"]), created_at=_datetime(fields["created_at"]),
@@ -526,6 +527,11 @@ class JobRepository:
             status = self.get(job_id)
             self.store.put_bytes(layout.status_key, status.model_dump_json().encode())
             current = self.redis.hget(self._job_key(job_id), "state")
-            if current is None or current.decode() == status.state.value:
+            if current is None or _text(current) == status.state.value:
                 return status
         return status
+
+
+def _text(value: Any) -> str:
+    """A member or field as Redis gives it back (bytes: the client does not decode responses)."""
+    return value.decode() if isinstance(value, bytes) else str(value)

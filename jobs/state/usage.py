@@ -90,8 +90,8 @@ def usage_report(client: redis.Redis, namespace: str, since: datetime, until: da
         raise ValueError(f"until ({until.isoformat()}) must be after since ({since.isoformat()})")
     if until - since > timedelta(days=MAX_RANGE_DAYS):
         raise ValueError(f"a usage range may span at most {MAX_RANGE_DAYS} days")
-    pairs = sorted(tuple(json.loads(member)) for member in client.smembers(_index_key(namespace)))
-    pairs = [(who, name) for who, name in pairs
+    members = sorted(json.loads(member) for member in client.smembers(_index_key(namespace)))
+    pairs = [(who, name) for who, name in members
              if (tenant is None or who == tenant) and (model is None or name == model)]
     hours = []
     at = since.astimezone(UTC).replace(minute=0, second=0, microsecond=0)

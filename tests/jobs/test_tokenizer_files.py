@@ -14,7 +14,7 @@ from bulkinfer.jobs.formats.rows import Row
 from bulkinfer.jobs.object_store.local import LocalObjectStore
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.tokenizer_files import DEFAULT_CHAT_TEMPLATE, load_tokenizer, publish_tokenizer
-from bulkinfer.worker.hosts.engine_rows import PromptRenderer
+from bulkinfer.worker.hosts.prompt_renderer import PromptRenderer
 
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],

@@ -243,7 +243,7 @@ def test_store_locations_follow_the_tenant_rules_of_input_uri(tmp_path: Path) ->
     spec = JobSpec(input_uri=str(root / "tenants/acme/rows.parquet"), model="m", prompt_column="q",
                    image_column="img", tenant="acme")
     fetcher = job_image_fetcher(settings, spec)
-    assert fetcher.limits == ImageLimits.of(settings)
+    assert fetcher.limits == settings.image_limits()
     [image] = fetcher.fetch(user(str(root / "tenants/acme/cat.png")))
     assert image.image.size == (8, 6)
     assert rejected(fetcher, user(f"file://{root}/tenants/globex/dog.png")) == (

@@ -16,9 +16,9 @@ from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.state.status import JobState
 from bulkinfer.worker.hosts.engine_host import EngineHost
-from bulkinfer.worker.hosts.engine_rows import PromptRenderer
 from bulkinfer.worker.hosts.model_hosts import HostedModel
 from bulkinfer.worker.hosts.prefix_cache_salt import prefix_cache_salt
+from bulkinfer.worker.hosts.prompt_renderer import PromptRenderer
 from bulkinfer.worker.hosts.row_window import run_rows
 from tests.worker.conftest import ENGINE_OPTIONS, Pipeline
 

@@ -13,14 +13,8 @@ from bulkinfer.jobs.formats.rows import Row, RowBuilder, RowErrorCode
 from bulkinfer.jobs.output_tokens import DEFAULT_MAX_TOKENS_CAP
 from bulkinfer.jobs.sampling import JobSampling
 from bulkinfer.jobs.spec import JobSpec
-from bulkinfer.worker.hosts.engine_rows import (
-    ROW_CODES,
-    PreparedBatch,
-    PromptRenderer,
-    RowRejected,
-    engine_error_code,
-    engine_sampling,
-)
+from bulkinfer.worker.hosts.engine_rows import ROW_CODES, PreparedBatch, engine_error_code, engine_sampling
+from bulkinfer.worker.hosts.prompt_renderer import PromptRenderer, RowRejected
 
 
 def row(prompt: str | None = None, messages: list | None = None) -> Row:

@@ -18,9 +18,10 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from bulkinfer.jobs.embedding import EmbedInput, Pooling
-from bulkinfer.worker.hosts.model_host import AbortCommand, AddCommand, Command, HostSubmission, ModelHost
+from bulkinfer.worker.hosts.model_host import AbortCommand, AddCommand, HostSubmission, ModelHost, WorkCommand
 
 if TYPE_CHECKING:
+    from bulkinfer.engine.dtype_choice import DtypeChoice
     from bulkinfer.engine.embedder import Embedder
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
     def __init__(self, load_embedder: Callable[[], Embedder], name: str = "embedder") -> None:
         super().__init__(load_embedder, name)
         self._tokenized: dict[str, tuple[int, ...]] = {}  # the embed thread's: pending inputs' sequences
-        self.dtype_choice = None  # bulkinfer.engine.dtype_choice.DtypeChoice, once loaded
+        self.dtype_choice: DtypeChoice | None = None  # once loaded
         self.dimension: int | None = None  # the model's vector size, once loaded
         self.fixed_pooling: str | None = None  # the pooling its checkpoint fixes, once loaded (None: free)
         self.max_length: int | None = None  # tokens per input, special tokens included, once loaded
@@ -118,7 +119,7 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
             logger.exception("embedder %s crashed", self.name)
             self._die(error, [add.future for add in pending.values()])
 
-    def _apply(self, embedder: Embedder, command: Command, pending: dict[str, AddCommand]) -> None:
+    def _apply(self, embedder: Embedder, command: WorkCommand, pending: dict[str, AddCommand]) -> None:
         if isinstance(command, AddCommand):
             if command.future.set_running_or_notify_cancel():
                 pending[command.request_id] = command
@@ -202,8 +203,8 @@ class EmbedHost(ModelHost["Embedder", EmbedInputRequest, EmbedResult]):
         refuses (ValueError: an id outside its vocabulary…) fails alone: when a pass raises, each
         sequence runs on its own. Any other failure ends the host (the shard is retried on a fresh
         one, as after an engine crash)."""
-        asked = {name: value for name, value in (("pooling", pooling), ("normalize", normalize))
-                 if value is not None}
+        given = (("pooling", pooling), ("normalize", normalize))
+        asked: dict[str, Any] = {name: value for name, value in given if value is not None}
         if asked:
             try:
                 embedder.pooling_config(**asked)

@@ -13,13 +13,13 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from bulkinfer.jobs.embedding import shorten
 from bulkinfer.jobs.formats.output import OutputRow, expired_row
 from bulkinfer.jobs.formats.rows import Row, RowError, RowErrorCode
 from bulkinfer.jobs.state.live_progress import LiveFigures
-from bulkinfer.worker.hosts.embed_host import EmbedInputRequest, EmbedResult, EmbedSubmission
+from bulkinfer.worker.hosts.embed_host import EmbedHost, EmbedInputRequest, EmbedResult, EmbedSubmission
 from bulkinfer.worker.hosts.engine_rows import MAX_REMEMBERED_REQUESTS
 from bulkinfer.worker.hosts.finished_rows import FinishedRows, copies_of
 
@@ -83,7 +83,8 @@ class EmbedRun:
             embed = item.embed
             requests += [EmbedInputRequest(value, embed.truncate, embed.pooling, embed.normalize, priority,
                                            embed.max_length) for value in embed.inputs]
-        self.submission: EmbedSubmission | None = hosted.host.submit(requests) if requests else None
+        host = cast("EmbedHost", hosted.host)  # an embedding model's rows: HostedModel gave it an embedder
+        self.submission: EmbedSubmission | None = host.submit(requests) if requests else None
         futures = self.submission.futures if self.submission is not None else []
         copies = copies_of(self._copies)
         groups = [(futures[span.start:span.start + span.count], copies.get(span.position, 0))
@@ -124,7 +125,7 @@ def _copy(source: OutputRow | None, row: Row) -> OutputRow:
     if source is None:  # cannot happen: a copied row always ran before its copies
         raise RuntimeError(f"row {row.row_id!r} copies a row without an outcome")
     if source.failed:
-        return dataclasses.replace(OutputRow.engine_failed(row, RowErrorCode(source.error_code),
+        return dataclasses.replace(OutputRow.engine_failed(row, RowErrorCode(source.error_code or ""),
                                                            source.error_message or ""), deduplicated=True)
     encoding = row.embed.encoding_format if row.embed is not None else "float"
     return dataclasses.replace(source, index=row.index, row_id=row.row_id, passthrough=row.passthrough,

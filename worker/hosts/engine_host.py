@@ -28,10 +28,10 @@ from bulkinfer.worker.hosts.crash_isolation import CrashIsolation
 from bulkinfer.worker.hosts.model_host import (
     AbortCommand,
     AddCommand,
-    Command,
     EngineUnavailable,
     HostSubmission,
     ModelHost,
+    WorkCommand,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,7 +137,7 @@ class EngineHost(ModelHost[LLMEngine, EngineRequest, RequestOutput]):
         requests.advance(engine)
         return engine
 
-    def _apply(self, engine: LLMEngine, command: Command, requests: _Requests) -> None:
+    def _apply(self, engine: LLMEngine, command: WorkCommand, requests: _Requests) -> None:
         if isinstance(command, AddCommand):
             if not command.future.set_running_or_notify_cancel():
                 return  # the submitter gave up on it before it reached the engine

@@ -60,7 +60,9 @@ class StopCommand:
     pass
 
 
-Command = AddCommand[Any, Any] | AbortCommand | CallCommand[Any] | StopCommand
+# What a host's thread applies to its model; a StopCommand ends the thread before it is applied.
+WorkCommand = AddCommand[Any, Any] | AbortCommand | CallCommand[Any]
+Command = WorkCommand | StopCommand
 
 
 class HostSubmission(Generic[Output]):
@@ -217,7 +219,7 @@ class ModelHost(Generic[Model, Request, Output]):
             except queue.Empty:
                 return commands
 
-    def _apply_commands(self, block: bool, apply: Callable[[Command], None],
+    def _apply_commands(self, block: bool, apply: Callable[[WorkCommand], None],
                         pending: Callable[[], Iterable[Future[Any]]]) -> bool:
         """`apply` each waiting command in order (waiting up to `IDLE_POLL_S` for one when `block`);
         False once a stop came: the host is then dead and `pending()`'s futures failed."""
@@ -229,7 +231,7 @@ class ModelHost(Generic[Model, Request, Output]):
         return True
 
     @staticmethod
-    def _run_call(model: Model, command: CallCommand[Model]) -> None:
+    def _run_call(model: Model, command: CallCommand[Any]) -> None:
         try:
             command.future.set_result(command.function(model))
         except Exception as error:  # noqa: BLE001 - the caller gets it back

@@ -28,8 +28,8 @@ from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.tokenizer_files import ImageSpans
 from bulkinfer.worker.hosts.embed_host import EmbedHost
 from bulkinfer.worker.hosts.engine_host import EngineHost
-from bulkinfer.worker.hosts.engine_rows import PromptRenderer
 from bulkinfer.worker.hosts.lora_requests import AdapterRequests
+from bulkinfer.worker.hosts.prompt_renderer import PromptRenderer
 from bulkinfer.worker.models.embedding_size import checkpoint_dimension
 from bulkinfer.worker.models.model_cache import model_cache_dir
 from bulkinfer.worker.models.model_files import local_model_dir
@@ -129,7 +129,7 @@ class ModelHosts:
         if self.on_tokenizer is not None:
             self.on_tokenizer(name, tokenizer, image_spans(family))
         if embedding_model or embed:
-            options = {"dtype": config.dtype, "device": config.device,
+            options: dict[str, Any] = {"dtype": config.dtype, "device": config.device,
                        "dtype_verdicts": config.dtype_verdicts, "remeasure_dtype": config.remeasure_dtype}
             host: EngineHost | EmbedHost = EmbedHost(lambda: Embedder.load(directory, **options), name=name)
         else:

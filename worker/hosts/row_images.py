@@ -31,7 +31,7 @@ FETCH_THREADS = 8
 Fetched = list[RowImage] | ImageRowRejected
 
 
-def fetch_rows_images(messages: dict[int, Sequence[Mapping[str, Any]]],
+def fetch_rows_images(messages: Mapping[int, Sequence[Mapping[str, Any]] | None],
                       fetcher: ImageFetcher | None) -> dict[int, Fetched]:
     """Each row's images (by its position), read FETCH_THREADS rows at a time; a row whose image
     cannot be used gets its rejection instead."""

@@ -74,9 +74,9 @@ def run_rows(hosted: HostedModel, items: Iterable[Row | RowError], priority: int
     progress = progress or _NoProgress()
     source = _windows(items, window_rows, stats)
     if expires_in_s is not None and expires_in_s <= 0:
-        outputs = [expired_row(item) for window in source for item in window]
-        progress.update(outputs, LiveFigures())
-        return outputs
+        expired = [expired_row(item) for window in source for item in window]
+        progress.update(expired, LiveFigures())
+        return expired
     deadline = None if expires_in_s is None else time.monotonic() + expires_in_s
     known: dict[bytes, int] = {}
     outputs: list[OutputRow] = []

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.image_rules import image_read_rule
 from bulkinfer.jobs.settings import Settings
 from bulkinfer.jobs.spec import JobSpec
@@ -19,5 +18,5 @@ def job_image_fetcher(settings: Settings, spec: JobSpec, *,
     job, to let rows name their tenant's uploads (e.g. `lambda job_id:
     repository.get_spec(job_id).tenant`); without it they may not. Close it when the job's rows are
     done (it may hold an http client)."""
-    return ImageFetcher(StoreOpener(settings.s3_endpoint_url), ImageLimits.of(settings),
+    return ImageFetcher(StoreOpener(settings.s3_endpoint_url), settings.image_limits(),
                         may_read=image_read_rule(settings, spec.tenant, upload_owner))

@@ -11,7 +11,8 @@ import argparse
 import sys
 import time
 
-from bulkinfer.jobs.settings import KV_STORE_AREA, ConfigError, Settings
+from bulkinfer.jobs.layout import KV_STORE_AREA
+from bulkinfer.jobs.settings import ConfigError, Settings
 from bulkinfer.jobs.settings_args import add_settings_arguments, settings_from_args
 from bulkinfer.worker.kv.store import open_kv_blobs
 

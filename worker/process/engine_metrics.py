@@ -85,7 +85,7 @@ class EngineCollector:
                 gauges[name].add_metric([hosted.name], float(figures[key]))
             for name, _, key in ENGINE_COUNTERS:
                 counters[name].add_metric([hosted.name], float(figures[key]))
-            speculation = figures.get("speculative_decoding")
+            speculation = figures.get("speculative_decoding") or {}
             for name, _, key in SPECULATION_COUNTERS if speculation else ():
                 counters[name].add_metric([hosted.name], float(speculation[key]))
         yield from (*gauges.values(), *counters.values(), loaded, load_seconds, info)

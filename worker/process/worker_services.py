@@ -91,9 +91,10 @@ def _start_consumer_watchdog(sender: Any = None, **_: Any) -> None:
     from bulkinfer.worker.process.tasks import broker_ticket_count
 
     _activity, _watchdog_stop = ConsumerActivity(), threading.Event()
-    queues = sorted(app.amqp.queues.consume_from)  # the queues this worker consumes (-Q)
+    pipeline: Any = app  # (the check above narrowed `app` to the sender's attribute's type)
+    queues = sorted(pipeline.amqp.queues.consume_from)  # the queues this worker consumes (-Q)
     controller = getattr(sender, "controller", None)  # sender: the worker's consumer
-    concurrency = int(getattr(controller, "concurrency", 0) or app.conf.worker_concurrency or 1)
+    concurrency = int(getattr(controller, "concurrency", 0) or pipeline.conf.worker_concurrency or 1)
     threading.Thread(target=watch, name="consumer-watchdog", daemon=True,
                      args=(_activity, queues, concurrency, broker_ticket_count, _watchdog_stop)).start()
 

@@ -40,7 +40,8 @@ def _sampling_flag(group: argparse._ArgumentGroup, name: str, annotation: Any, h
     """One flag per job sampling field, typed from the field (so a new field gets its flag)."""
     kinds = [kind for kind in get_args(annotation) if kind is not type(None)] or [annotation]
     kind = kinds[0]
-    flag, common = f"--{name.replace('_', '-')}", {"dest": f"sampling_{name}", "default": None}
+    flag = f"--{name.replace('_', '-')}"
+    common: dict[str, Any] = {"dest": f"sampling_{name}", "default": None}
     if kind is bool:  # --ignore-eos / --no-ignore-eos; neither: the job's default
         group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text, **common)
     elif get_origin(kind) is list:

@@ -15,12 +15,12 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 from bulkinfer.jobs.formats.batch_task import task_given, with_task_of_lines
 from bulkinfer.jobs.formats.detect import resolve_spec
 from bulkinfer.jobs.formats.readers import read_shard_rows
 from bulkinfer.jobs.formats.rows import Row, RowError
-from bulkinfer.jobs.image_limits import ImageLimits
 from bulkinfer.jobs.lora_adapters import Adapter, AdapterRegistry
 from bulkinfer.jobs.model_registry import ModelRegistry
 from bulkinfer.jobs.object_store.base import ObjectStore
@@ -30,6 +30,7 @@ from bulkinfer.jobs.planning.sharding import ShardPlan, plan_shards
 from bulkinfer.jobs.settings import Settings
 from bulkinfer.jobs.spec import DELIMITED_FORMATS, InputFormat, JobSpec
 from bulkinfer.worker.hosts.embed_rows import EmbedRun
+from bulkinfer.worker.hosts.engine_host import EngineHost
 from bulkinfer.worker.hosts.engine_rows import EngineRun, job_response_format_problem
 from bulkinfer.worker.hosts.model_hosts import HostedModel, ModelHosts, embedding_dimension, task_problem
 from bulkinfer.worker.hosts.row_window import start_run
@@ -182,15 +183,16 @@ def run_file(spec: JobSpec, output_path: Path, settings: Settings, *, model_loca
         choice = hosted.host.dtype_choice
         started = time.monotonic()  # rates count inference, not the model load
         # A local run reads the images its rows name wherever its user can (no tenant rules).
-        images = ImageFetcher(StoreOpener(settings.s3_endpoint_url), ImageLimits.of(settings))
+        images = ImageFetcher(StoreOpener(settings.s3_endpoint_url), settings.image_limits())
         total = max(estimated_rows, skipped)
         with RunProgress(total=total, done=skipped, enabled=show_progress) as progress, images:
             run_batches(hosted, batches(read_shard_rows(store, key, spec, shard), batch_rows, skipped),
                         output, progress, images)
-        metrics = {} if hosted.is_embedding else hosted.host.call(lambda engine: engine.get_metrics())
+        engine_host = None if hosted.is_embedding else cast(EngineHost, hosted.host)
+        metrics = {} if engine_host is None else engine_host.call(lambda engine: engine.get_metrics())
         kv_stats = None
-        if not hosted.is_embedding and hosts.kv_store_options:
-            kv_stats = hosted.host.call(lambda engine: engine.kv_store_stats())
+        if engine_host is not None and hosts.kv_store_options:
+            kv_stats = engine_host.call(lambda engine: engine.kv_store_stats())
     finally:
         hosts.stop()
     output.finish()
@@ -225,6 +227,7 @@ def resolved_run_spec(spec: JobSpec, output_path: Path, output_format: InputForm
     if output_format is None and by_name == InputFormat.JSONL and openai_input:
         by_name = InputFormat.OPENAI_BATCH
     chosen = output_format or by_name or resolved.input_format
+    assert chosen is not None  # resolve_spec detected the input's format
     data = resolved.model_dump(mode="json", by_alias=True, exclude_none=True)
     data["output_format"] = InputFormat(chosen).value
     return JobSpec.model_validate(data)

@@ -36,9 +36,10 @@ from bulkinfer.worker.shards.shard_runner import committed_result, count_shard, 
 logger = logging.getLogger(__name__)
 
 SendJobStep = Callable[[str], None]
+Notify = Callable[[str], object]  # starts a job's webhook (whatever it returns is not used)
 
 
-def expire_due(context: WorkerContext, send_finalize: SendJobStep, notify: SendJobStep,
+def expire_due(context: WorkerContext, send_finalize: SendJobStep, notify: Notify,
                now: datetime | None = None) -> list[tuple[str, int]]:
     """One pass over the jobs whose deadline passed; returns the (job, shard) pairs it expired.
     `notify(job_id)` starts the webhook of a job this pass ended."""
@@ -63,7 +64,7 @@ def expire_due(context: WorkerContext, send_finalize: SendJobStep, notify: SendJ
     return expired
 
 
-def _expire_unplanned(context: WorkerContext, status: JobStatus, notify: SendJobStep) -> None:
+def _expire_unplanned(context: WorkerContext, status: JobStatus, notify: Notify) -> None:
     repository = context.repository
     try:
         repository.transition(status.job_id, JobState.EXPIRED)

@@ -66,7 +66,7 @@ def copy_rows(repository: JobRepository, layout: JobLayout, shard: ShardPlan,
         exported = _wait_for_exports(repository, layout, source_shard, should_stop, expires_at, started)
         for position, source_position in pairs:
             item = items[position]
-            if exported == "expired":
+            if isinstance(exported, str):  # "expired"
                 copied[position] = expired_row(item)
             elif exported is None or source_position not in exported or isinstance(item, RowError):
                 compute.append(position)

@@ -73,7 +73,8 @@ def file_workload(args: argparse.Namespace, settings: Settings, model_dir: Path,
     from bulkinfer.jobs.formats.readers import read_shard_rows
     from bulkinfer.jobs.formats.rows import RowError
     from bulkinfer.jobs.object_store.factory import store_for_uri
-    from bulkinfer.worker.hosts.engine_rows import PromptRenderer, RowRejected, engine_sampling
+    from bulkinfer.worker.hosts.engine_rows import engine_sampling
+    from bulkinfer.worker.hosts.prompt_renderer import PromptRenderer, RowRejected
     from bulkinfer.worker.run.run_file import resolved_run_spec, whole_file_shard
 
     args.input = args.workload
