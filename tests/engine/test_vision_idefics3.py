@@ -17,6 +17,7 @@ from tests.engine.hf_reference import assert_no_worse_than_reference
 from tests.support.vision_reference import (
     PrecomputedLogits,
     chat_text,
+    greedy_outputs,
     hf_greedy_check,
     hf_inputs,
     hf_logits,
@@ -38,15 +39,7 @@ def engine(model: str, dtype: str = "float32", **options) -> LLMEngine:
 
 def run(llm: LLMEngine, requests: dict[str, tuple], params: SamplingParams = GREEDY) -> dict[str, list[int]]:
     """requests: id -> (prompt, images); greedy tokens by id."""
-    for request_id, (prompt, images) in requests.items():
-        llm.add_request(request_id, prompt, params, images=images)
-    outputs = {}
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                assert output.outputs[0].finish_reason != "error", output.outputs[0]
-                outputs[output.request_id] = output.outputs[0].token_ids
-    return outputs
+    return greedy_outputs(llm, requests, params)
 
 
 def test_prompt_span_is_transformers_processors(vlm):

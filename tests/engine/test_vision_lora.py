@@ -5,9 +5,6 @@ adapters to the decoder's layers only."""
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,8 @@ from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.llm_engine import LLMEngine
 from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.engine.vision_checkpoints import cached_vision_checkpoint
-from tests.support.vision_reference import chat_text, hf_greedy_check, picture
+from tests.engine.lora_adapters import cached_adapter, save_adapter_and_merged
+from tests.support.vision_reference import chat_text, greedy_outputs, hf_greedy_check, picture
 
 CACHE = Path(__file__).resolve().parents[2] / ".cache" / "lora_adapters"
 TEXT_MODEL_ONLY = r".*text_model.*\.(q_proj|v_proj|o_proj|gate_proj|down_proj)"
@@ -27,43 +25,25 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 def vlm_adapter(base_dir: str, targets: str | list[str], seed: int = 0) -> tuple[Path, Path]:
     """(adapter, merged checkpoint) trained-shaped by PEFT on transformers' Idefics3, cached."""
-    key = json.dumps([base_dir, targets, seed, "idefics3"])
-    folder = CACHE / hashlib.sha256(key.encode()).hexdigest()[:16]
-    adapter_dir, merged_dir = folder / "adapter", folder / "merged"
-    if (folder / "done").exists():
-        return adapter_dir, merged_dir
-    from peft import LoraConfig, get_peft_model
-    from transformers import Idefics3ForConditionalGeneration
 
-    shutil.rmtree(folder, ignore_errors=True)
-    torch.manual_seed(seed)
-    base = Idefics3ForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
-    model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                            init_lora_weights=False, lora_dropout=0.0))
-    model.save_pretrained(str(adapter_dir))
-    model.merge_and_unload().save_pretrained(str(merged_dir))
-    for file in Path(base_dir).iterdir():  # the tokenizer, chat template and image processor
-        if file.is_file() and not (merged_dir / file.name).exists():
-            shutil.copy(file, merged_dir / file.name)
-    (folder / "done").touch()
-    return adapter_dir, merged_dir
+    def build(adapter_dir: Path, merged_dir: Path) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import Idefics3ForConditionalGeneration
+
+        torch.manual_seed(seed)
+        base = Idefics3ForConditionalGeneration.from_pretrained(base_dir, dtype=torch.float32)
+        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules=targets,
+                                                init_lora_weights=False, lora_dropout=0.0))
+        # The tokenizer, chat template and image processor beside the merged weights.
+        files = [file.name for file in Path(base_dir).iterdir() if file.is_file()]
+        save_adapter_and_merged(model, base_dir, adapter_dir, merged_dir, files)
+
+    return cached_adapter([base_dir, targets, seed, "idefics3"], build)
 
 
 @pytest.fixture(scope="module")
 def vlm() -> str:
     return str(cached_vision_checkpoint("tiny"))
-
-
-def greedy(llm: LLMEngine, requests: dict[str, tuple], lora: LoRARequest | None) -> dict[str, list[int]]:
-    for request_id, (prompt, images) in requests.items():
-        llm.add_request(request_id, prompt, GREEDY, images=images, lora_request=lora)
-    outputs = {}
-    while llm.has_unfinished_requests():
-        for output in llm.step():
-            if output.finished:
-                assert output.outputs[0].finish_reason != "error", output.outputs[0]
-                outputs[output.request_id] = output.outputs[0].token_ids
-    return outputs
 
 
 def test_a_language_model_adapter_gives_the_merged_models_tokens_on_image_rows(vlm):
@@ -73,8 +53,8 @@ def test_a_language_model_adapter_gives_the_merged_models_tokens_on_image_rows(v
     requests = {"photo": (chat_text(vlm, "What is this?"), [picture(0, 50, 90)]),
                 "two": (chat_text(vlm, "Compare them.", 2), [picture(1, 30, 30), picture(2, 120, 40)]),
                 "text": ("Just some text, no picture at all.", [])}
-    tuned = greedy(llm, requests, LoRARequest("captions", 1, str(adapter)))
-    base = greedy(llm, {f"base-{key}": value for key, value in requests.items()}, None)
+    tuned = greedy_outputs(llm, requests, GREEDY, LoRARequest("captions", 1, str(adapter)))
+    base = greedy_outputs(llm, {f"base-{key}": value for key, value in requests.items()}, GREEDY)
     for request_id, (text, images) in requests.items():
         assert hf_greedy_check(str(merged), text, images, tuned[request_id]) == tuned[request_id], request_id
     assert any(tuned[key] != base[f"base-{key}"] for key in requests), "the adapter changes the answers"

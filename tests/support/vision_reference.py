@@ -114,3 +114,17 @@ class PrecomputedLogits:
         full = torch.zeros(1, ids.shape[1], rows.shape[1])
         full[0, prompt_len - 1:-1] = rows
         return type("Output", (), {"logits": full})()
+
+
+def greedy_outputs(llm: Any, requests: dict[str, tuple], params: Any,
+                   lora_request: Any = None) -> dict[str, list[int]]:
+    """Each request's tokens (id -> (prompt, images)) through an `LLMEngine`, none of them failed."""
+    for request_id, (prompt, images) in requests.items():
+        llm.add_request(request_id, prompt, params, images=images, lora_request=lora_request)
+    outputs = {}
+    while llm.has_unfinished_requests():
+        for output in llm.step():
+            if output.finished:
+                assert output.outputs[0].finish_reason != "error", output.outputs[0]
+                outputs[output.request_id] = output.outputs[0].token_ids
+    return outputs
