@@ -95,5 +95,7 @@ def test_in_a_checkout_bulkinfer_is_the_checkouts_own_folders() -> None:
     import bulkinfer.engine
     import bulkinfer.worker.process.tasks
 
-    assert Path(bulkinfer.engine.__file__) == REPO_ROOT / "engine" / "__init__.py"
-    assert Path(bulkinfer.worker.process.tasks.__file__) == REPO_ROOT / "worker" / "process" / "tasks.py"
+    # Imported through the checkout's links (bulkinfer/engine -> ../engine): the same files.
+    assert Path(bulkinfer.engine.__file__).resolve() == (REPO_ROOT / "engine" / "__init__.py").resolve()
+    tasks = Path(bulkinfer.worker.process.tasks.__file__).resolve()
+    assert tasks == (REPO_ROOT / "worker" / "process" / "tasks.py").resolve()
