@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from bulkinfer.engine import cpu_kernels
-from bulkinfer.engine.models.llama import Linear, LlamaFamilyConfig, StepRows, onednn_linear_available
-from bulkinfer.engine.models.moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine.models.layers import Linear, onednn_linear_available
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig
 from bulkinfer.engine.models.moe_fixed_shape import fixed_shape_expert_outputs
+from bulkinfer.engine.models.sparse_moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine.models.step_rows import StepRows
 
 
 def _block(hidden: int, width: int, experts: int, top_k: int, dtype: torch.dtype) -> SparseMoeBlock:

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 import torch
 
-from bulkinfer.engine.models.moe import SparseMoeBlock
+from bulkinfer.engine.models.sparse_moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)

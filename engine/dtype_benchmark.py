@@ -56,7 +56,7 @@ class _LayerProjections:
 
     def __init__(self, workload: ReferenceWorkload, dtype: torch.dtype, weights: list[torch.Tensor]) -> None:
         from bulkinfer.engine import cpu_kernels
-        from bulkinfer.engine.models.llama import Linear, onednn_linear_available
+        from bulkinfer.engine.models.layers import Linear, onednn_linear_available
 
         kernels = cpu_kernels.load()
         onednn = onednn_linear_available(torch.device("cpu"), dtype)
@@ -173,7 +173,7 @@ def _cpu_times(stat: Path) -> tuple[int, int] | None:
 def matmul_gflops(dtype: torch.dtype, seconds: float = 0.25) -> float:
     """A decoder projection's GFLOP/s over a 256-row prefill chunk (1024x1024, oneDNN with a packed
     weight where available): a quick figure of the CPU's matmul rate (bench suite's peak)."""
-    from bulkinfer.engine.models.llama import Linear, onednn_linear_available
+    from bulkinfer.engine.models.layers import Linear, onednn_linear_available
 
     layer = Linear(1024, 1024, bias=False).to(dtype).requires_grad_(False)
     if onednn_linear_available(torch.device("cpu"), dtype):

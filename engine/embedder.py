@@ -27,7 +27,8 @@ import torch
 from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
 from bulkinfer.engine.dtype_choice import DtypeChoice, checkpoint_dtype, resolve_dtype
 from bulkinfer.engine.models.bert import encoder_family, load_bert
-from bulkinfer.engine.models.llama import LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import SUPPORTED_ARCHITECTURES, load_model
 from bulkinfer.engine.packed_attention import PackedBatch, PackedCausalBackend
 from bulkinfer.engine.pooling import (

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import torch
 
-from bulkinfer.engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 import torch.nn.functional as F
 
-from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 

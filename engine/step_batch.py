@@ -19,7 +19,8 @@ from bulkinfer.engine.attention import AttentionMetadata
 from bulkinfer.engine.device_step import PlaceholderInputs
 from bulkinfer.engine.kv_connector.connector import KVLoad
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
-from bulkinfer.engine.models.llama import FinalRows, LlamaForCausalLM
+from bulkinfer.engine.models.layers import FinalRows
+from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
 from bulkinfer.engine.multimodal.mrope import StepRopeRows
 from bulkinfer.engine.multimodal.step_embeds import StepImageEmbeds

@@ -10,14 +10,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("api", "benchmarks", "engine", "jobs", "worker")
-# Circles not broken yet, each with why; this list only shrinks.
-KNOWN_CIRCLES = {
-    # The model builds its native decode path (use_cpu_kernels), which reads the model's layer classes
-    # and the sparse MoE block (a subclass of the model). Breaking it means moving Linear / RMSNorm /
-    # MLP out of llama.py into a module all three import, and a protocol for the model NativeDecode reads.
-    frozenset({"bulkinfer.engine.models.llama", "bulkinfer.engine.models.moe",
-               "bulkinfer.engine.models.native_decode"}),
-}
 
 
 def module_files() -> dict[str, Path]:
@@ -107,10 +99,8 @@ def circles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 
 def test_no_module_imports_itself_round_a_circle() -> None:
-    found = {frozenset(component) for component in circles(import_graph(module_files()))}
-    assert found - KNOWN_CIRCLES == set(), "import circles: " + "; ".join(
-        " <-> ".join(sorted(component)) for component in found - KNOWN_CIRCLES)
-    assert KNOWN_CIRCLES - found == set(), "a known circle is gone: take it off KNOWN_CIRCLES"
+    found = circles(import_graph(module_files()))
+    assert found == [], "import circles: " + "; ".join(" <-> ".join(sorted(component)) for component in found)
 
 
 def test_the_graph_sees_every_kind_of_import() -> None:

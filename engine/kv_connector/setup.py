@@ -8,7 +8,7 @@ from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.kv_connector.connector import KVConnector
 from bulkinfer.engine.kv_connector.keys import namespace
 from bulkinfer.engine.kv_connector.policy import DEFAULT_MIN_TOKENS
-from bulkinfer.engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig
 
 
 def build_connector(config: EngineConfig, model_key: str, model_config: LlamaFamilyConfig,

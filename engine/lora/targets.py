@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from bulkinfer.engine.models.llama import MLP, Linear, LlamaForCausalLM
+from bulkinfer.engine.models.layers import MLP, Linear
+from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM
 
 

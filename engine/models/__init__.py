@@ -1,6 +1,7 @@
 """Model implementations (the Llama family) and the HF safetensors loader."""
 
-from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 from bulkinfer.engine.models.loader import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,

@@ -24,7 +24,8 @@ from torch import nn
 
 from bulkinfer.engine.cpu_kernels import CpuKernels
 from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
-from bulkinfer.engine.models.llama import Linear, UnsupportedModelError, onednn_linear_available
+from bulkinfer.engine.models.layers import Linear, onednn_linear_available
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import tensor_problems
 from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.packed_attention import PackedBatch, packed_attention

@@ -32,15 +32,9 @@ from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.invariant import in_row_blocks
-from bulkinfer.engine.models.llama import (
-    MLP,
-    Attention,
-    FinalRows,
-    LlamaFamilyConfig,
-    LlamaForCausalLM,
-    RotaryEmbedding,
-    UnsupportedModelError,
-)
+from bulkinfer.engine.models.layers import MLP, FinalRows, RotaryEmbedding
+from bulkinfer.engine.models.llama import Attention, LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 
 _GELU_TANH = ("gelu_pytorch_tanh",)  # every Gemma 3 checkpoint; transformers: F.gelu(approximate="tanh")
 

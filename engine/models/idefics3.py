@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
-from bulkinfer.engine.models.llama import LlamaFamilyConfig, LlamaForCausalLM, UnsupportedModelError
+from bulkinfer.engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 from bulkinfer.engine.models.module_list import ModuleSeq
 from bulkinfer.engine.multimodal.inputs import MultiModalItem
 

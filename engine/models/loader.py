@@ -20,13 +20,9 @@ from bulkinfer.engine.attention import AttentionBackend
 from bulkinfer.engine.host_memory import available_memory_bytes
 from bulkinfer.engine.models.gemma3 import Gemma3ForCausalLM
 from bulkinfer.engine.models.idefics3 import Idefics3ForConditionalGeneration
-from bulkinfer.engine.models.llama import (
-    Linear,
-    LlamaFamilyConfig,
-    LlamaForCausalLM,
-    UnsupportedModelError,
-    onednn_linear_available,
-)
+from bulkinfer.engine.models.layers import Linear, onednn_linear_available
+from bulkinfer.engine.models.llama import LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 from bulkinfer.engine.models.mapped_safetensors import mapped_tensors
 from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.phi3 import Phi3ForCausalLM

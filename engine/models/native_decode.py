@@ -12,18 +12,64 @@ Python path gives (tested); everything else keeps the Python path.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING, TypeGuard
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
-from bulkinfer.engine.attention import AttentionMetadata, TorchPagedAttention
+from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from bulkinfer.engine.models.layers import MLP, Linear, RMSNorm, RotaryEmbedding
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig
+from bulkinfer.engine.models.sparse_moe import SparseMoeBlock
+from bulkinfer.engine.quant.linear import QuantizedLinear
 
 if TYPE_CHECKING:
     from bulkinfer.engine.cpu_kernels import CpuKernels
     from bulkinfer.engine.lora.slots import LoRASlots
-    from bulkinfer.engine.models.llama import Linear, LlamaForCausalLM
-    from bulkinfer.engine.models.moe import SparseMoeBlock
-    from bulkinfer.engine.quant.linear import QuantizedLinear
+
+
+class DecodeAttention(Protocol):
+    """What the native path reads of a layer's attention (engine/models/llama.py's Attention)."""
+
+    @property
+    def qkv_proj(self) -> Linear: ...
+    @property
+    def o_proj(self) -> Linear: ...
+    @property
+    def q_norm(self) -> RMSNorm | None: ...
+    @property
+    def k_norm(self) -> RMSNorm | None: ...
+    @property
+    def backend(self) -> AttentionBackend: ...
+
+
+class DecodeLayer(Protocol):
+    """What the native path reads of a decoder layer."""
+
+    @property
+    def input_layernorm(self) -> RMSNorm: ...
+    @property
+    def post_attention_layernorm(self) -> RMSNorm: ...
+    @property
+    def self_attn(self) -> DecodeAttention: ...
+    @property
+    def mlp(self) -> MLP | SparseMoeBlock: ...
+
+
+class DecodeModel(Protocol):
+    """The model the native path runs: the Llama layout's modules (LlamaForCausalLM and the families
+    built on it), read here without importing them (they build this path in use_cpu_kernels)."""
+
+    @property
+    def config(self) -> LlamaFamilyConfig: ...
+    @property
+    def embed_tokens(self) -> nn.Embedding: ...
+    @property
+    def layers(self) -> Iterable[DecodeLayer]: ...
+    @property
+    def rotary(self) -> RotaryEmbedding: ...
+    def fits_native_decode(self) -> bool: ...
 
 _P = ctypes.c_void_p
 _MOE_BUFFERS = ("router_logits", "pair_expert", "pair_weight", "pair_position", "pair_in", "pair_gate_up",
@@ -91,7 +137,7 @@ def _pointer(tensor: torch.Tensor | None) -> int | None:
 class NativeDecode:
     """The native decode path of one model: built once (``for_model``), run per pure decode step."""
 
-    def __init__(self, model: LlamaForCausalLM, kernels: CpuKernels, backend: TorchPagedAttention) -> None:
+    def __init__(self, model: DecodeModel, kernels: CpuKernels, backend: TorchPagedAttention) -> None:
         self.model, self.kernels, self.backend = model, kernels, backend
         config = model.config
         self.dtype = model.embed_tokens.weight.dtype
@@ -113,7 +159,7 @@ class NativeDecode:
                 self._point_at(entry, name, linear)
             if attn.q_norm is not None and attn.k_norm is not None:
                 entry.q_norm, entry.k_norm = attn.q_norm.weight.data_ptr(), attn.k_norm.weight.data_ptr()
-            if _is_sparse(mlp):
+            if isinstance(mlp, SparseMoeBlock):  # (for_model checked each MLP's exact type)
                 entry.moe = ctypes.pointer(self._moe_table(mlp))
                 self.sparse = mlp
                 continue
@@ -123,8 +169,6 @@ class NativeDecode:
     def _point_at(self, entry: _Layer, name: str, linear: Linear) -> None:
         """The layer's entry for one projection: the row kernel's packed weights and bias, or a
         quantized projection's table."""
-        from bulkinfer.engine.quant.linear import QuantizedLinear
-
         if isinstance(linear, QuantizedLinear):
             fields = linear.native_fields()
             assert fields is not None
@@ -170,7 +214,7 @@ class NativeDecode:
         return table
 
     @staticmethod
-    def for_model(model: LlamaForCausalLM, kernels: CpuKernels | None) -> NativeDecode | None:
+    def for_model(model: DecodeModel, kernels: CpuKernels | None) -> NativeDecode | None:
         """The native path where this model fits it on this machine, else None."""
         config = model.config
         if kernels is None or not model.fits_native_decode():
@@ -181,7 +225,7 @@ class NativeDecode:
             return None
         if any(window is not None for window in config.sliding_windows):
             return None
-        backend = model.layers[0].self_attn.backend
+        backend = next(iter(model.layers)).self_attn.backend
         weight = model.embed_tokens.weight
         if not isinstance(backend, TorchPagedAttention) or backend.kernels is not kernels:
             return None
@@ -189,11 +233,9 @@ class NativeDecode:
             return None
         if not kernels.supports(weight.dtype, config.head_dim, 16) or config.num_heads % config.num_kv_heads:
             return None
-        from bulkinfer.engine.models.llama import MLP, RMSNorm
-
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            if not (type(mlp) is MLP or _is_sparse(mlp)):
+            if type(mlp) not in (MLP, SparseMoeBlock):  # not a subclass: another family's MLP
                 return None
             if config.qk_norm and not (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm):
                 return None  # decode_layers.c applies the Llama RMSNorm per head (Qwen3's q/k norm)
@@ -356,17 +398,9 @@ class NativeDecode:
 
 def _runs_natively(linear: torch.nn.Module) -> bool:
     """A projection decode_layers.c can run: on the row kernel, or a quantized one with its tables."""
-    from bulkinfer.engine.quant.linear import QuantizedLinear
-
     if isinstance(linear, QuantizedLinear):
         return linear.native_fields() is not None
     return linear.row_weight is not None
-
-
-def _is_sparse(mlp: torch.nn.Module) -> TypeGuard[SparseMoeBlock]:
-    from bulkinfer.engine.models.moe import SparseMoeBlock
-
-    return type(mlp) is SparseMoeBlock
 
 
 def _row_weight(linear: Linear) -> int:
@@ -375,10 +409,10 @@ def _row_weight(linear: Linear) -> int:
     return linear.row_weight.data_ptr()
 
 
-def _mlp_linears(mlp: torch.nn.Module) -> list:
+def _mlp_linears(mlp: MLP | SparseMoeBlock) -> list:
     """Every projection a layer's MLP runs: a dense MLP's two, or a sparse block's router, experts and
     shared expert (with its gate)."""
-    if not _is_sparse(mlp):
+    if not isinstance(mlp, SparseMoeBlock):
         return [mlp.gate_up_proj, mlp.down_proj]
     experts = [p for e in mlp.experts for p in (e.gate_up_proj, e.down_proj)]
     linears: list[Linear | None] = [mlp.gate, *experts]

@@ -28,14 +28,9 @@ import torch
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
-from bulkinfer.engine.models.llama import (
-    Attention,
-    DecoderLayer,
-    LlamaFamilyConfig,
-    LlamaForCausalLM,
-    UnsupportedModelError,
-    apply_rope,
-)
+from bulkinfer.engine.models.layers import apply_rope
+from bulkinfer.engine.models.llama import Attention, DecoderLayer, LlamaForCausalLM
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 from bulkinfer.engine.parallel.plan import Split
 from bulkinfer.engine.parallel.plans import phi3_plan
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from bulkinfer.engine.models.llama import Linear
+from bulkinfer.engine.models.layers import Linear
 from bulkinfer.engine.parallel.communicator import Communicator
 from bulkinfer.engine.parallel.plan import Split, padded_share
 

@@ -13,7 +13,8 @@ import torch
 from safetensors import safe_open
 
 from bulkinfer.engine.attention import AttentionBackend
-from bulkinfer.engine.models.llama import LlamaForCausalLM, onednn_linear_available
+from bulkinfer.engine.models.layers import onednn_linear_available
+from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.models.loader import (
     SUPPORTED_ARCHITECTURES,
     CheckpointError,

@@ -28,7 +28,7 @@ from bulkinfer.engine.cpu_kernels import (
     build_and_open,
 )
 from bulkinfer.engine.dtype_choice import cpu_flags
-from bulkinfer.engine.models.llama import RMSNorm, apply_rope
+from bulkinfer.engine.models.layers import RMSNorm, apply_rope
 
 # "native": what the engine builds here (-march=native, under BULKINFER_CPU_ISA's cap when one is set)
 BUILDS = {"native": cpu_kernels.native_flags(),
@@ -711,7 +711,8 @@ def test_a_linear_runs_single_token_rows_through_the_row_kernel_and_the_rest_thr
         row_kernels: CpuKernels, monkeypatch) -> None:
     """In a step that holds decodes (first) and a prefill chunk, the decode rows get the bits they
     get in a decode-only step, and the chunk's rows what oneDNN gives."""
-    from bulkinfer.engine.models.llama import Linear, StepRows
+    from bulkinfer.engine.models.layers import Linear
+    from bulkinfer.engine.models.step_rows import StepRows
 
     monkeypatch.setattr(row_kernels, "row_gemm_dtypes", tuple(row_kernel_dtypes(row_kernels)))
     generator = torch.Generator().manual_seed(12)

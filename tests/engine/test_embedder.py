@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bulkinfer.engine.embedder import Embedder, is_embedding_model
-from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from tests.fixtures.encoder_checkpoints import build_sentence_transformer
 
 TEXTS = [

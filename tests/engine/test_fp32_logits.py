@@ -8,7 +8,7 @@ import torch
 
 from bulkinfer.engine import LLM, SamplingParams
 from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
-from bulkinfer.engine.models.llama import Linear
+from bulkinfer.engine.models.layers import Linear
 
 KERNELS = load_cpu_kernels()
 BF16_ROW_KERNEL = KERNELS is not None and torch.bfloat16 in KERNELS.row_gemm_dtypes

@@ -16,7 +16,7 @@ from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.checkpoints import GEMMA3_SLIDING_WINDOW, PHI3_ORIGINAL_CONTEXT
 from bulkinfer.engine.models.gemma3 import parse_gemma3_config
-from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import load_model, model_config_from_dir
 from bulkinfer.engine.models.phi3 import parse_phi3_config
 from tests.engine.hf_reference import TEST_DEVICE, assert_same_greedy, hf_greedy, hf_model

@@ -21,9 +21,9 @@ pytest.importorskip("triton")
 
 from bulkinfer.engine.gpu_kernels import triton_available  # noqa: E402
 from bulkinfer.engine.gpu_kernels.layer_ops import TritonLayerOps  # noqa: E402
-from bulkinfer.engine.models.llama import MLP, Linear, RMSNorm, apply_rope  # noqa: E402
-from bulkinfer.engine.models.moe import SparseMoeBlock  # noqa: E402
+from bulkinfer.engine.models.layers import MLP, Linear, RMSNorm, apply_rope  # noqa: E402
 from bulkinfer.engine.models.phi3 import Phi3Attention  # noqa: E402
+from bulkinfer.engine.models.sparse_moe import SparseMoeBlock  # noqa: E402
 
 OPS = TritonLayerOps(allow_cpu=True)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from bulkinfer.engine.invariant import INVARIANT_BLOCK_ROWS, in_row_blocks
 from bulkinfer.engine.invariant.cuda_settings import WORKSPACE_ENV, use_invariant_cuda_settings
 from bulkinfer.engine.invariant.tiled_attention import KEY_TILE, decode_tiled, prefill_tiled
-from bulkinfer.engine.models.llama import MLP, Linear, RMSNorm, onednn_linear_available
+from bulkinfer.engine.models.layers import MLP, Linear, RMSNorm, onednn_linear_available
 
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 NO_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

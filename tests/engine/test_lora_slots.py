@@ -9,7 +9,7 @@ import torch
 
 from bulkinfer.engine.lora.rows import NO_ADAPTER, LoRARows
 from bulkinfer.engine.lora.slots import LoRASlots
-from bulkinfer.engine.models.llama import StepRows
+from bulkinfer.engine.models.step_rows import StepRows
 
 IN, OUT, MAX_LORAS, MAX_WIDTH = 24, 40, 4, 12
 

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.models import loader
-from bulkinfer.engine.models.llama import Linear
+from bulkinfer.engine.models.layers import Linear
 from bulkinfer.engine.models.mapped_safetensors import mapped_tensors
 
 

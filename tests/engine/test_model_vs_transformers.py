@@ -15,7 +15,7 @@ from bulkinfer.engine.attention import TorchPagedAttention, attention_with_lse, 
 from bulkinfer.engine.config import EngineConfig
 from bulkinfer.engine.model_runner import ModelRunner
 from bulkinfer.engine.models import load_model
-from bulkinfer.engine.models.llama import rope_inverse_frequencies
+from bulkinfer.engine.models.llama_config import rope_inverse_frequencies
 from bulkinfer.engine.request import Request
 from bulkinfer.engine.sampling_params import SamplingParams
 from bulkinfer.engine.scheduler import ScheduledChunk, SchedulerOutput

@@ -14,8 +14,8 @@ from bulkinfer.engine import LLM, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.decode_graphs import decode_graph_mode
 from bulkinfer.engine.models import UnsupportedModelError, load_model
-from bulkinfer.engine.models.llama import StepRows
-from bulkinfer.engine.models.moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine.models.sparse_moe import MoeConfig, SparseMoeBlock
+from bulkinfer.engine.models.step_rows import StepRows
 from tests.engine.test_llm_correctness import MOE_PROMPTS
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,

@@ -26,8 +26,9 @@ from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.checkpoints import num_parameters
 from bulkinfer.engine.decode_graphs import decode_graph_mode
 from bulkinfer.engine.models import load_model
-from bulkinfer.engine.models.moe import MoeConfig, MoeForCausalLM, SparseMoeBlock
+from bulkinfer.engine.models.moe import MoeForCausalLM
 from bulkinfer.engine.models.moe_fixed_shape import grouped_mm_records
+from bulkinfer.engine.models.sparse_moe import MoeConfig, SparseMoeBlock
 from tests.engine.hf_reference import (
     TEST_DEVICE,
     assert_greedy_by_teacher_forcing,

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from bulkinfer.engine.models.llama import LlamaFamilyConfig
+from bulkinfer.engine.models.llama_config import LlamaFamilyConfig
 from bulkinfer.engine.parallel.plan import (
     Split,
     TensorParallelConfigError,

@@ -20,7 +20,7 @@ from bulkinfer.benchmarks.quant_checkpoints import (
 from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
 from bulkinfer.engine.models import load_model
-from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import CheckpointError
 from bulkinfer.engine.quant.linear import QuantizedLinear
 from tests.engine.hf_reference import assert_same_greedy, engine_last_logits, hf_greedy, hf_model

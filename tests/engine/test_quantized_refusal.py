@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bulkinfer.engine import LLM
-from bulkinfer.engine.models.llama import UnsupportedModelError
+from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import CheckpointError
 from bulkinfer.quant_scheme import quantization_scheme
 
