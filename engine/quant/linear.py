@@ -1,4 +1,4 @@
-"""A projection whose weights stay quantized in memory (next to ``Linear`` in engine/models/llama.py).
+"""A projection whose weights stay quantized in memory (next to ``Linear`` in engine/models/layers.py).
 
 W8A8 int8: every row's activations are quantized to 8 bits (per token, or with the checkpoint's
 static scale) and multiplied with the int8 weights in integers. The sums are exact, so where the
