@@ -31,34 +31,94 @@ class QuantKernels:
         self.vector_lanes: int = owner.vector_lanes
         self._scratch_buffer = owner._scratch_buffer
         self._quantize = _declare(library.quantize_rows_u8, [_P, _I, _I, _I, _F, _I, _P, _P, _P])
+        self._quantize_bf16 = _declare(library.quantize_rows_u8_bf16, [_P, _I, _I, _I, _F, _I, _P, _P, _P])
         self._int8_gemm = _declare(library.int8_gemm, [_P, _I, _I, _P, _I, _P, _P])
         self._epilogue = _declare(library.int8_epilogue, [_P, _I, _I, _P, _P, _P, _P, _P, _P])
         self._wq_gemm = _declare(library.wq_gemm, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P])
         self._wq_dequantize = _declare(library.wq_dequantize, [_P, _I, _I, _I, _I, _I, _P, _P, _P])
+        library.int8_weight_panel.restype = _I
+        library.int8_weight_panel.argtypes = []
+        # int8_gemm's weight layout: outputs per panel (AVX512-VNNI builds, pack_int8), or 0: plain rows
+        self.int8_panel: int = int(library.int8_weight_panel())
+        # the fused GEMM and epilogue exists in VNNI builds only
+        fused_arguments = [_P, _I, _I, _P, _I, _P, _P, _P, _P, _P, _P, _I, _P]
+        self._int8_gemm_epilogue = _declare(library.int8_gemm_epilogue, fused_arguments) \
+            if self.int8_panel else None
 
     def quantize_rows(self, x: torch.Tensor, mode: int, scale: float = 1.0,
                       zero_point: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp32 ``x [rows, cols]`` as uint8, with each row's scale (fp32) and zero point (int32)."""
-        _check(x.dtype == torch.float32 and x.dim() == 2 and x.is_contiguous(), "quantize_rows")
+        """fp32 or bf16 ``x [rows, cols]`` as uint8, with each row's scale (fp32) and zero point (int32)
+        (bf16 rows quantize as their exact fp32 values do)."""
+        _check(x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and x.is_contiguous(),
+               "quantize_rows")
         rows, cols = x.shape
         out = torch.empty(rows, cols, dtype=torch.uint8)
         scales = torch.empty(rows, dtype=torch.float32)
         zero_points = torch.empty(rows, dtype=torch.int32)
-        self._quantize(x.data_ptr(), rows, cols, mode, scale, zero_point, out.data_ptr(), scales.data_ptr(),
-                       zero_points.data_ptr(), torch.get_num_threads())
+        quantize = self._quantize_bf16 if x.dtype == torch.bfloat16 else self._quantize
+        quantize(x.data_ptr(), rows, cols, mode, scale, zero_point, out.data_ptr(), scales.data_ptr(),
+                 zero_points.data_ptr(), torch.get_num_threads())
         return out, scales, zero_points
 
-    def int8_gemm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """``x (uint8 [rows, k]) @ weight (int8 [n, k]).T``: the exact integer sums, as fp32."""
-        _check(x.dtype == torch.uint8 and weight.dtype == torch.int8 and x.dim() == weight.dim() == 2
-                and x.shape[1] == weight.shape[1] and x.is_contiguous() and weight.is_contiguous(),
-               "int8_gemm")
+    def pack_int8(self, values: torch.Tensor) -> torch.Tensor:
+        """int8 weights ``[n, k]`` in int8_gemm's layout: as they are, or (AVX512-VNNI) in panels of
+        ``int8_panel`` outputs, panel[p][kq][o] the four inputs 4 kq.. of output panel * p + o as one
+        int32 word (zeros past n and k)."""
+        if not self.int8_panel:
+            return values.contiguous()
+        n, k = values.shape
+        width, kq = self.int8_panel, -(-k // 4)
+        padded = torch.zeros(-(-n // width) * width, kq * 4, dtype=torch.int8)
+        padded[:n, :k] = values
+        words = padded.view(-1, width, kq, 4).permute(0, 2, 1, 3).contiguous()
+        return words.view(torch.int32).reshape(-1)
+
+    def _check_int8(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> None:
         rows, k = x.shape
-        raw = torch.empty(rows, weight.shape[0], dtype=torch.float32)
-        widened = self._scratch_buffer("int8_gemm_x16", rows * k, torch.int16)
-        self._int8_gemm(x.data_ptr(), rows, k, weight.data_ptr(), weight.shape[0], raw.data_ptr(),
-                        widened.data_ptr(), torch.get_num_threads())
+        panel = self.int8_panel
+        if panel:
+            layout = packed.dtype == torch.int32 and packed.numel() == -(-n // panel) * panel * -(-k // 4)
+        else:
+            layout = packed.dtype == torch.int8 and packed.shape == (n, k)
+        _check(x.dtype == torch.uint8 and x.dim() == 2 and x.is_contiguous() and packed.is_contiguous()
+               and layout and k < 65536, "int8_gemm")
+
+    def _x_scratch(self, rows: int, k: int) -> torch.Tensor:
+        """int8_gemm's scratch: its rows widened to int16, or padded to whole words of four inputs."""
+        return self._scratch_buffer("int8_gemm_x16", rows * max(k, 4 * -(-k // 4)), torch.int16)
+
+    def int8_gemm(self, x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """``x (uint8 [rows, k])`` times the ``n`` outputs' int8 weights (``pack_int8``): the exact
+        integer sums, as fp32 ``[rows, n]``."""
+        self._check_int8(x, packed, n)
+        rows, k = x.shape
+        raw = torch.empty(rows, n, dtype=torch.float32)
+        self._int8_gemm(x.data_ptr(), rows, k, packed.data_ptr(), n, raw.data_ptr(),
+                        self._x_scratch(rows, k).data_ptr(), torch.get_num_threads())
         return raw
+
+    def int8_gemm_epilogue(self, x: torch.Tensor, packed: torch.Tensor, n: int, row_scales: torch.Tensor,
+                           row_zero_points: torch.Tensor, col_scales: torch.Tensor, col_sums: torch.Tensor,
+                           bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        """``int8_epilogue(int8_gemm(x, packed, n), ...)`` in one pass (AVX512-VNNI panels only), its
+        output in ``dtype`` (fp32, or bf16 rounded as ``.to(torch.bfloat16)`` rounds)."""
+        assert self._int8_gemm_epilogue is not None, "int8_gemm_epilogue needs the VNNI panels"
+        self._check_int8(x, packed, n)
+        rows, k = x.shape
+        _check(dtype in (torch.float32, torch.bfloat16) and row_scales.shape == (rows,)
+               and row_zero_points.shape == (rows,) and row_zero_points.dtype == torch.int32
+               and col_scales.shape == (n,) and col_scales.dtype == torch.float32
+               and col_sums.shape == (n,) and col_sums.dtype == torch.int32
+               and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)),
+               "int8_gemm_epilogue")
+        out = torch.empty(rows, n, dtype=dtype)
+        row_scales, row_zero_points = row_scales.contiguous(), row_zero_points.contiguous()
+        self._int8_gemm_epilogue(x.data_ptr(), rows, k, packed.data_ptr(), n, row_scales.data_ptr(),
+                                 row_zero_points.data_ptr(), col_scales.data_ptr(), col_sums.data_ptr(),
+                                 bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                                 int(dtype == torch.bfloat16), self._x_scratch(rows, k).data_ptr(),
+                                 torch.get_num_threads())
+        return out
 
     def int8_epilogue(self, raw: torch.Tensor, row_scales: torch.Tensor, row_zero_points: torch.Tensor,
                       col_scales: torch.Tensor, col_sums: torch.Tensor,
@@ -145,3 +205,13 @@ def unpack_weights(packed: torch.Tensor, bits: int, k: int, vector_lanes: int) -
     blocks = packed.view(n, -1, vector_lanes).to(torch.int16)
     values = torch.stack([blocks & 15, blocks >> 4], dim=2) - 8  # [n, blocks, 2, lanes]
     return values.reshape(n, -1)[:, :k].to(torch.int8).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor, n: int, k: int, panel: int) -> torch.Tensor:
+    """``QuantKernels.pack_int8`` (in panels of ``panel`` outputs; 0: plain rows) undone: the int8
+    values ``[n, k]``."""
+    if not panel:
+        return packed
+    kq = -(-k // 4)
+    words = packed.view(torch.int8).view(-1, kq, panel, 4).permute(0, 2, 1, 3)
+    return words.reshape(-1, kq * 4)[:n, :k].contiguous()

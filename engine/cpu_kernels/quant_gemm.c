@@ -96,32 +96,57 @@ static void quantize_row(const float* row, int64_t cols, float scale, float zp, 
     }
 }
 
+/* One row's scale and zero point (mode as quantize_rows_u8's), then its uint8 values. */
+static void quantize_one_row(const float* row, int64_t cols, int64_t mode, float static_scale,
+                             int64_t static_zp, uint8_t* out, float* scale_out, int32_t* zp_out) {
+    float scale = static_scale;
+    float zp = (float)static_zp;
+    int lo_q = 0;
+    if (mode == 0 || mode == 1) {
+        float lo, hi;
+        row_range(row, cols, &lo, &hi);
+        if (mode == 0) {
+            float absmax = fmaxf(hi, -lo);
+            scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
+            zp = 128.0f;
+            lo_q = 1;  /* -127..127, as symmetric int8 quantization clamps */
+        } else {
+            scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
+            zp = fminf(fmaxf(round_even(-lo / scale), 0.0f), 255.0f);
+        }
+    }
+    quantize_row(row, cols, scale, zp, lo_q, out);
+    *scale_out = scale;
+    *zp_out = (int32_t)zp;
+}
+
 /* mode 0: dynamic symmetric per row (scale absmax / 127, zero point 128); 1: dynamic asymmetric per
  * row (range widened to hold 0, 255 levels); 2: static (static_scale, static_zp in uint8 terms). */
 void quantize_rows_u8(const float* x, int64_t rows, int64_t cols, int64_t mode, float static_scale,
                       int64_t static_zp, uint8_t* out, float* scales, int32_t* zero_points, int nt) {
     #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t r = 0; r < rows; r++) {
-        const float* row = x + r * cols;
-        float scale = static_scale;
-        float zp = (float)static_zp;
-        int lo_q = 0;
-        if (mode == 0 || mode == 1) {
-            float lo, hi;
-            row_range(row, cols, &lo, &hi);
-            if (mode == 0) {
-                float absmax = fmaxf(hi, -lo);
-                scale = absmax > 0.0f ? absmax / 127.0f : 1.0f;
-                zp = 128.0f;
-                lo_q = 1;  /* -127..127, as symmetric int8 quantization clamps */
-            } else {
-                scale = hi > lo ? (hi - lo) / 255.0f : 1.0f;
-                zp = fminf(fmaxf(round_even(-lo / scale), 0.0f), 255.0f);
+    for (int64_t r = 0; r < rows; r++)
+        quantize_one_row(x + r * cols, cols, mode, static_scale, static_zp, out + r * cols, scales + r,
+                         zero_points + r);
+}
+
+/* quantize_rows_u8 of bf16 rows: each row widened to fp32 (exact) in a buffer of the thread's own,
+ * so a bf16 model's activations are read once instead of copied to fp32 first. */
+void quantize_rows_u8_bf16(const uint16_t* x, int64_t rows, int64_t cols, int64_t mode, float static_scale,
+                           int64_t static_zp, uint8_t* out, float* scales, int32_t* zero_points, int nt) {
+    #pragma omp parallel num_threads(nt)
+    {
+        float* row = aligned_alloc(64, (size_t)((cols * 4 + 63) / 64 * 64));
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t c = 0; c < cols; c++) {
+                uint32_t bits = (uint32_t)x[r * cols + c] << 16;
+                memcpy(row + c, &bits, 4);
             }
+            quantize_one_row(row, cols, mode, static_scale, static_zp, out + r * cols, scales + r,
+                             zero_points + r);
         }
-        quantize_row(row, cols, scale, zp, lo_q, out + r * cols);
-        scales[r] = scale;
-        zero_points[r] = (int32_t)zp;
+        free(row);
     }
 }
 
@@ -301,10 +326,226 @@ static void int8_gemm_packed(const uint8_t* x, int64_t rows, int64_t k, const in
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* AVX512-VNNI: vpdpbusd multiplies four uint8 inputs by four int8 weights and adds the four products
+ * to a 32-bit lane without saturating (|x w| <= 255 * 128: four fit), 64 products an instruction
+ * where AVX2's vpmaddwd does 16 on widened int16 values: the same exact integer sums, four times the
+ * work per instruction. The weights are packed once (engine/quant/linear.py) into panels of 16
+ * outputs: panel[p][kq][o] is the 32-bit word of output 16 p + o's inputs 4 kq .. 4 kq + 3, so each
+ * row's four inputs are broadcast against sixteen outputs at once (the broadcast form: no
+ * horizontal sums). A tile of VNNI_ROWS rows by VNNI_PANELS panels keeps 24 accumulators in
+ * registers; the rows are padded to a multiple of four inputs (zeros) by the caller. */
+#define VNNI_ROWS 6
+#define VNNI_PANELS 4
+#define VNNI_PANEL 16
+
+typedef struct {
+    const float* row_scales;  /* per row */
+    const int32_t* row_zps;
+    const float* col_scales;  /* per output */
+    const int32_t* col_sums;
+    const float* bias;        /* NULL: none */
+    void* out;                /* [rows, n_out], fp32 or bf16 */
+    int bf16;
+} int8_epilogue_args;
+
+/* One panel's column terms of the epilogue, loaded once for every row of a tile. */
+typedef struct { __m512i col_sum; __m512 col_scale, bias; __mmask16 keep; int64_t valid; } epilogue_cols;
+
+static inline __attribute__((always_inline)) epilogue_cols epilogue_columns(
+        const int8_epilogue_args* e, int64_t n, int64_t n_out) {
+    epilogue_cols c;
+    c.valid = n_out - n < VNNI_PANEL ? n_out - n : VNNI_PANEL;
+    c.keep = c.valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << c.valid) - 1);
+    c.col_sum = _mm512_maskz_loadu_epi32(c.keep, e->col_sums + n);
+    c.col_scale = _mm512_maskz_loadu_ps(c.keep, e->col_scales + n);
+    c.bias = e->bias ? _mm512_maskz_loadu_ps(c.keep, e->bias + n) : _mm512_setzero_ps();
+    return c;
+}
+
+/* One output vector of the epilogue: (raw - zp * col_sum) * row_scale * col_scale + bias, each
+ * operation rounded as int8_epilogue's scalar code rounds it (zp * col_sum is exact in 32 bits:
+ * |col_sum| <= 128 k, zp <= 255, k < 65,536). */
+static inline __attribute__((always_inline)) void epilogue_store(
+        __m512i sums, int64_t m, int64_t n, int64_t n_out, const int8_epilogue_args* e, const epilogue_cols* c) {
+    __m512 raw = _mm512_cvtepi32_ps(sums);
+    __m512 shift = _mm512_cvtepi32_ps(_mm512_mullo_epi32(c->col_sum, _mm512_set1_epi32(e->row_zps[m])));
+    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_sub_ps(raw, shift), _mm512_set1_ps(e->row_scales[m])),
+                             c->col_scale);
+    if (e->bias) v = _mm512_add_ps(v, c->bias);
+    if (e->bf16) {
+        uint16_t* out = (uint16_t*)e->out + m * n_out + n;
+        if (c->valid == VNNI_PANEL) {
+            store_bf16(out, (vf)v);
+        } else {
+            uint16_t packed[16];
+            store_bf16(packed, (vf)v);
+            memcpy(out, packed, (size_t)c->valid * 2);
+        }
+    } else {
+        _mm512_mask_storeu_ps((float*)e->out + m * n_out + n, c->keep, v);
+    }
+}
+
+/* A tile's sums out: raw (e NULL) or through the epilogue. */
+static inline __attribute__((always_inline)) void tile_store(
+        const __m512i* sums, int mr, int np, int64_t m0, int64_t n0, int64_t n_out, float* raw,
+        const int8_epilogue_args* e) {
+    for (int p = 0; p < np; p++) {
+        int64_t n = n0 + p * VNNI_PANEL;
+        if (n >= n_out) continue;
+        if (e) {
+            const epilogue_cols c = epilogue_columns(e, n, n_out);
+            for (int r = 0; r < mr; r++) epilogue_store(sums[r * VNNI_PANELS + p], m0 + r, n, n_out, e, &c);
+        } else {
+            int64_t valid = n_out - n < VNNI_PANEL ? n_out - n : VNNI_PANEL;
+            __mmask16 keep = valid >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+            for (int r = 0; r < mr; r++)
+                _mm512_mask_storeu_ps(raw + (m0 + r) * n_out + n, keep,
+                                      _mm512_cvtepi32_ps(sums[r * VNNI_PANELS + p]));
+        }
+    }
+}
+
+/* mr rows by np panels (compile-time counts once inlined). x: rows of kq * 4 uint8 (stride xs). */
+static inline __attribute__((always_inline)) void vnni_tile(
+        const uint8_t* x, int64_t xs, int64_t kq, const int32_t* panels, int mr, int np, int64_t m0,
+        int64_t n0, int64_t n_out, float* raw, const int8_epilogue_args* e) {
+    __m512i acc[VNNI_ROWS][VNNI_PANELS];
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++)
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) acc[r][p] = _mm512_setzero_si512();
+    for (int64_t q = 0; q < kq; q++) {
+        __m512i wv[VNNI_PANELS];
+#pragma GCC unroll 4
+        for (int p = 0; p < np; p++) {
+            wv[p] = _mm512_loadu_si512(panels + (p * kq + q) * VNNI_PANEL);
+            __asm__("" : "+v"(wv[p]));  /* one load each, not one per row's vpdpbusd (simd.h's in_register) */
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < mr; r++) {
+            int32_t word;
+            memcpy(&word, x + r * xs + 4 * q, 4);
+            __m512i xb = _mm512_set1_epi32(word);
+#pragma GCC unroll 4
+            for (int p = 0; p < np; p++) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], xb, wv[p]);
+        }
+    }
+    __m512i sums[VNNI_ROWS * VNNI_PANELS];
+    for (int r = 0; r < mr; r++)
+        for (int p = 0; p < np; p++) sums[r * VNNI_PANELS + p] = acc[r][p];
+    tile_store(sums, mr, np, m0, n0, n_out, raw, e);
+}
+
+/* The full tile (VNNI_ROWS by VNNI_PANELS) with its 24 accumulators named, so they stay in registers
+ * (GCC spills an array of them to the stack on every pass: 2x slower). */
+#define VNNI_ZERO(R) __m512i a##R##0 = _mm512_setzero_si512(), a##R##1 = a##R##0, a##R##2 = a##R##0, a##R##3 = a##R##0
+#define VNNI_ROW(R) do { \
+        int32_t word; memcpy(&word, x + R * xs + 4 * q, 4); \
+        const __m512i xb = _mm512_set1_epi32(word); \
+        a##R##0 = _mm512_dpbusd_epi32(a##R##0, xb, w0); a##R##1 = _mm512_dpbusd_epi32(a##R##1, xb, w1); \
+        a##R##2 = _mm512_dpbusd_epi32(a##R##2, xb, w2); a##R##3 = _mm512_dpbusd_epi32(a##R##3, xb, w3); \
+    } while (0)
+#define VNNI_SUMS(R) a##R##0, a##R##1, a##R##2, a##R##3
+
+static inline __attribute__((always_inline)) void vnni_tile_full(
+        const uint8_t* x, int64_t xs, int64_t kq, const int32_t* panels, int64_t m0, int64_t n0,
+        int64_t n_out, float* raw, const int8_epilogue_args* e) {
+    VNNI_ZERO(0); VNNI_ZERO(1); VNNI_ZERO(2); VNNI_ZERO(3); VNNI_ZERO(4); VNNI_ZERO(5);
+    for (int64_t q = 0; q < kq; q++) {
+        __m512i w0 = _mm512_loadu_si512(panels + q * VNNI_PANEL);
+        __m512i w1 = _mm512_loadu_si512(panels + (kq + q) * VNNI_PANEL);
+        __m512i w2 = _mm512_loadu_si512(panels + (2 * kq + q) * VNNI_PANEL);
+        __m512i w3 = _mm512_loadu_si512(panels + (3 * kq + q) * VNNI_PANEL);
+        __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));  /* one load each (simd.h's in_register) */
+        VNNI_ROW(0); VNNI_ROW(1); VNNI_ROW(2); VNNI_ROW(3); VNNI_ROW(4); VNNI_ROW(5);
+    }
+    const __m512i sums[VNNI_ROWS * VNNI_PANELS] = {VNNI_SUMS(0), VNNI_SUMS(1), VNNI_SUMS(2), VNNI_SUMS(3),
+                                                   VNNI_SUMS(4), VNNI_SUMS(5)};
+    tile_store(sums, VNNI_ROWS, VNNI_PANELS, m0, n0, n_out, raw, e);
+}
+
+#define VNNI_TILE(MR, NP) vnni_tile(xm, xs, kq, wp, MR, NP, m0, n0, n_out, raw, e)
+
+/* raw (e NULL) or the epilogue's output (e) of x [rows, k] uint8 times the panels. */
+static void int8_gemm_panels(const uint8_t* x, int64_t rows, int64_t k, const int32_t* w, int64_t n_out,
+                             float* raw, const int8_epilogue_args* e, uint8_t* scratch, int nt) {
+    int64_t kq = (k + 3) / 4, xs = 4 * kq;
+    const uint8_t* xp = x;
+    if (xs != k) {  /* rows padded to whole words of four inputs */
+        uint8_t* padded = scratch;
+        for (int64_t m = 0; m < rows; m++) {
+            memcpy(padded + m * xs, x + m * k, (size_t)k);
+            memset(padded + m * xs + k, 0, (size_t)(xs - k));
+        }
+        xp = padded;
+    }
+    int64_t panels = (n_out + VNNI_PANEL - 1) / VNNI_PANEL;
+    int64_t groups = (panels + VNNI_PANELS - 1) / VNNI_PANELS;
+    /* Work items: a group of VNNI_PANELS panels by a chunk of rows (whole tiles), so that few output
+     * groups (576 outputs: 9) still spread evenly over the threads when there are many rows; each
+     * group's panels stay in cache for every row tile of its chunk. */
+    int64_t chunk = rows > 8 * VNNI_ROWS * nt ? 40 * VNNI_ROWS : rows;
+    int64_t chunks = (rows + chunk - 1) / chunk;
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(nt)
+    for (int64_t g = 0; g < groups; g++) {
+        for (int64_t c = 0; c < chunks; c++) {
+            int64_t p0 = g * VNNI_PANELS;
+            int np = panels - p0 < VNNI_PANELS ? (int)(panels - p0) : VNNI_PANELS;
+            int64_t n0 = p0 * VNNI_PANEL;
+            const int32_t* wp = w + p0 * kq * VNNI_PANEL;
+            int64_t m_end = (c + 1) * chunk < rows ? (c + 1) * chunk : rows;
+            for (int64_t m0 = c * chunk; m0 < m_end; m0 += VNNI_ROWS) {
+                int mr = m_end - m0 < VNNI_ROWS ? (int)(m_end - m0) : VNNI_ROWS;
+                const uint8_t* xm = xp + m0 * xs;
+                if (np == VNNI_PANELS) {
+                    switch (mr) {
+                        case 1: VNNI_TILE(1, VNNI_PANELS); break;
+                        case 2: VNNI_TILE(2, VNNI_PANELS); break;
+                        case 3: VNNI_TILE(3, VNNI_PANELS); break;
+                        case 4: VNNI_TILE(4, VNNI_PANELS); break;
+                        case 5: VNNI_TILE(5, VNNI_PANELS); break;
+                        default: vnni_tile_full(xm, xs, kq, wp, m0, n0, n_out, raw, e); break;
+                    }
+                } else {
+                    vnni_tile(xm, xs, kq, wp, mr, np, m0, n0, n_out, raw, e);
+                }
+            }
+        }
+    }
+}
+
+/* out = the epilogue of x [rows, k] times the panels, in one pass (no raw sums in memory): fp32 or
+ * bf16 (bf16 != 0), the same bits int8_gemm, int8_epilogue and a rounding to bf16 give. */
+void int8_gemm_epilogue(const uint8_t* x, int64_t rows, int64_t k, const int32_t* w, int64_t n_out,
+                        const float* row_scales, const int32_t* row_zps, const float* col_scales,
+                        const int32_t* col_sums, const float* bias, void* out, int64_t bf16,
+                        uint8_t* scratch, int nt) {
+    int8_epilogue_args e = {row_scales, row_zps, col_scales, col_sums, bias, out, (int)bf16};
+    int8_gemm_panels(x, rows, k, w, n_out, NULL, &e, scratch, nt);
+}
+#endif
+
+/* The weight layout int8_gemm takes: outputs per panel (16: AVX512-VNNI panels, above), or 0 for
+ * plain rows (int8 [n_out, k]). */
+int64_t int8_weight_panel(void) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    return VNNI_PANEL;
+#else
+    return 0;
+#endif
+}
+
 /* raw[m, n] = sum_k x[m, k] * w[n, k] in int32, stored as float (rounded as oneDNN's fp32 output is).
- * x: uint8 [rows, k]; w: int8 [n_out, k]. Columns in blocks that stay in L2, rows four at a time. */
+ * x: uint8 [rows, k]; w: int8 [n_out, k], or panels where int8_weight_panel() says so (x16: scratch of
+ * rows * k int16). Columns in blocks that stay in L2, rows four at a time. */
 void int8_gemm(const uint8_t* x, int64_t rows, int64_t k, const int8_t* w, int64_t n_out, float* raw,
                int16_t* x16, int nt) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    int8_gemm_panels(x, rows, k, (const int32_t*)w, n_out, raw, NULL, (uint8_t*)x16, nt);
+    return;
+#endif
 #if defined(__AVX2__)
     if (rows >= PACKED_MIN_ROWS) {
         int8_gemm_packed(x, rows, k, w, n_out, raw, x16, nt);

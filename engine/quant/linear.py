@@ -1,11 +1,13 @@
 """A projection whose weights stay quantized in memory (next to ``Linear`` in engine/models/layers.py).
 
 W8A8 int8: every row's activations are quantized to 8 bits (per token, or with the checkpoint's
-static scale) and multiplied with the int8 weights in integers. The sums are exact, so where the
-CPU multiplies int8 without saturating (VNNI or AMX-INT8) oneDNN computes a prefill chunk's rows and
-the native kernel the rest, and a row's bits do not depend on its step. Without VNNI, oneDNN's
-int8 GEMM adds pairs of products in 16 bits, which overflow (measured on AVX2: sums off by 10^5),
-so the native kernel, which widens to 32 bits first, computes every row there.
+static scale) and multiplied with the int8 weights in integers. The sums are exact, so any kernel
+gives a row the same bits whatever its step holds. Where the native kernels have AVX512-VNNI the
+weights are kept once, in its panels, and every row count takes them with the epilogue fused (out
+in the model's dtype): 1.7-1.8x bf16's GEMM on a Zen 4 and faster than oneDNN's int8 there; with
+AMX-INT8 oneDNN's tiles take prefill chunks too. Without VNNI, oneDNN's int8 GEMM adds pairs of
+products in 16 bits, which overflow (measured on AVX2: sums off by 10^5), so the native kernel,
+which widens to 32 bits first, computes every row there.
 
 W8A16 / W4A16: decode rows through the native kernel, which reads the 8- or 4-bit weights and widens
 them in registers (4-8x fewer bytes than fp32's); a prefill chunk's rows dequantize the weights once
@@ -30,6 +32,7 @@ from bulkinfer.engine.cpu_kernels.quant import (
     STATIC,
     SYMMETRIC_PER_ROW,
     pack_weights,
+    unpack_int8,
     unpack_weights,
 )
 from bulkinfer.engine.invariant.row_blocks import PREFILL_BLOCK_ROWS, in_row_blocks
@@ -47,9 +50,20 @@ ONEDNN_INT8_ROWS = 8  # W8A8 with VNNI/AMX: from this many rows oneDNN's GEMM, b
 @functools.cache
 def onednn_int8_exact() -> bool:
     """Whether oneDNN's int8 GEMM sums without 16-bit overflow here (VNNI or AMX-INT8, under the
-    project's ISA cap); AVX-VNNI alone is not counted (a cap at AVX2 leaves oneDNN on plain AVX2)."""
-    flags = masked_flags(read_cpu_flags(), active_cap())
-    return bool(flags & {"avx512_vnni", "amx_int8"}) and hasattr(torch.ops.onednn, "qlinear_pointwise")
+    project's ISA cap); AVX-VNNI alone is not counted (a cap at AVX2 leaves oneDNN on plain AVX2),
+    nor is AVX512-VNNI under the `avx512` cap (oneDNN's AVX512_CORE has no VNNI)."""
+    cap = active_cap()
+    flags = masked_flags(read_cpu_flags(), cap)
+    exact = {"amx_int8"} if cap == "avx512" else {"avx512_vnni", "amx_int8"}
+    return bool(flags & exact) and hasattr(torch.ops.onednn, "qlinear_pointwise")
+
+
+def onednn_for_chunks(panel: int) -> bool:
+    """Whether W8A8 prefill chunks take oneDNN's int8 GEMM: where it sums exactly, and the native
+    kernels have no VNNI panels (``panel`` 0) or the CPU has AMX-INT8 (whose tiles outrun them)."""
+    if not onednn_int8_exact():
+        return False
+    return not panel or "amx_int8" in masked_flags(read_cpu_flags(), active_cap())
 
 
 class QuantizedLinear(nn.Module):
@@ -65,8 +79,9 @@ class QuantizedLinear(nn.Module):
         self.parts: QuantizedParts | None = None
         self.kernels: CpuKernels | None = None
         self.step_rows: StepRows | None = None
-        self._packed: torch.Tensor | None = None  # weight-only: quant_gemm.c's layout
-        self._packed_lanes = 0  # the vector lanes it was packed for
+        self._packed: torch.Tensor | None = None  # quant_gemm.c's layout (W8A8: only in VNNI panels)
+        self._packed_lanes = 0  # the vector lanes it was packed for (weight-only)
+        self._packed_panel = 0  # W8A8: the outputs per panel it was packed in
         self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
         self._bias32: torch.Tensor | None = None  # the bias in fp32, as the kernels add it
@@ -96,13 +111,7 @@ class QuantizedLinear(nn.Module):
             return
         self._bias32 = self.bias.detach().float().contiguous() if self.bias is not None else None
         if self.scheme.activations is not None:
-            values = self.weight.detach()
-            self._col_sums = values.sum(dim=1, dtype=torch.int32).contiguous()
-            self._col_scales = self.parts.scales[:, 0].contiguous()
-            if onednn_int8_exact() and values.device.type == "cpu" and self._onednn_weight is None:
-                self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
-                self._unit_scales = (torch.ones(self.out_features),
-                                     torch.zeros(self.out_features, dtype=torch.int64))
+            self._prepare_int8()
             return
         bits = self.scheme.weights.bits
         if self.kernels is not None and self.weight.device.type == "cpu":
@@ -115,10 +124,35 @@ class QuantizedLinear(nn.Module):
             self.weight = nn.Parameter(self._integer_values(), requires_grad=False)
             self._packed = None
 
+    def _prepare_int8(self) -> None:
+        """W8A8: the weights' sums and scales; on a CPU whose kernels multiply in VNNI panels the
+        panels are the only copy of the weights (every row count takes them, the epilogue fused),
+        else the int8 rows, with oneDNN's packed copy for chunks where oneDNN sums them exactly."""
+        assert self.parts is not None
+        values = self._integer_values()
+        self._col_sums = values.sum(dim=1, dtype=torch.int32).contiguous()
+        self._col_scales = self.parts.scales[:, 0].contiguous()
+        on_cpu, kernels = values.device.type == "cpu", self.kernels
+        panel = kernels.quant.int8_panel if kernels is not None and on_cpu else 0
+        if kernels is not None and panel and self._packed is None:
+            self._packed, self._packed_panel = kernels.quant.pack_int8(values), panel
+            self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)
+        elif not panel and self._packed is not None:  # back to rows (the PyTorch path, or no VNNI)
+            self.weight = nn.Parameter(values, requires_grad=False)
+            self._packed, self._packed_panel = None, 0
+        if not (on_cpu and onednn_for_chunks(panel)):
+            self._onednn_weight = self._unit_scales = None
+        elif self._onednn_weight is None:
+            self._onednn_weight = torch.ops.onednn.qlinear_prepack(values.contiguous(), None)
+            self._unit_scales = (torch.ones(self.out_features),
+                                 torch.zeros(self.out_features, dtype=torch.int64))
+
     def _integer_values(self) -> torch.Tensor:
         """The int8 values ``[out, in]``, from wherever they are kept now."""
         if self._packed is None:
             return self.weight.detach()
+        if self.scheme.activations is not None:
+            return unpack_int8(self._packed, self.out_features, self.in_features, self._packed_panel)
         return unpack_weights(self._packed, self.scheme.weights.bits, self.in_features, self._packed_lanes)
 
     # ---- forward ------------------------------------------------------------------------------
@@ -127,29 +161,38 @@ class QuantizedLinear(nn.Module):
         assert self.parts is not None, "QuantizedLinear used before attach()"
         flat = x.reshape(-1, self.in_features)
         if self.scheme.activations is not None:
-            out = self._int8_rows(flat)
+            out = self._int8_rows(flat, x.dtype)
         else:
             out = self._weight_only_rows(flat)
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def _int8_rows(self, flat: torch.Tensor) -> torch.Tensor:
+    def _int8_rows(self, flat: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         parts, kernels = self.parts, self.kernels
         assert parts is not None and self._col_sums is not None
-        x = flat.float().contiguous()
+        # bf16 rows are quantized as they are (the kernel widens each exactly), other dtypes from fp32
+        x = (flat if flat.dtype == torch.bfloat16 else flat.float()).contiguous()
         mode, scale, zero = self._activation_quantization(x)
         col_scales = self._col_scales
         assert col_scales is not None
         if kernels is None or x.device.type != "cpu":
-            return self._int8_in_torch(x, mode, scale, zero, col_scales)
+            return self._int8_in_torch(x.float(), mode, scale, zero, col_scales)
         quantized, row_scales, row_zeros = kernels.quant.quantize_rows(x, mode, scale, zero)
-        if self._onednn_weight is not None and x.shape[0] >= ONEDNN_INT8_ROWS:
+        onednn = self._onednn_weight is not None and x.shape[0] >= ONEDNN_INT8_ROWS
+        if self._packed is not None and not onednn:
+            # VNNI panels: the GEMM and the epilogue in one pass, out in the model's dtype
+            out_dtype = dtype if dtype == torch.bfloat16 else torch.float32
+            return kernels.quant.int8_gemm_epilogue(quantized, self._packed, self.out_features, row_scales,
+                                                    row_zeros, col_scales, self._col_sums, self._bias32,
+                                                    out_dtype)
+        if onednn:
             # unit scales, no zero points: fp32 of the integer sums, as int8_gemm gives them
             assert self._unit_scales is not None
             ones, zeros = self._unit_scales
             raw = torch.ops.onednn.qlinear_pointwise(quantized, 1.0, 0, self._onednn_weight, ones, zeros,
                                                      None, 1.0, 0, torch.float32, "none", [None], "")
         else:
-            raw = kernels.quant.int8_gemm(quantized, self.weight.detach())
+            weights = self._packed if self._packed is not None else self.weight.detach()
+            raw = kernels.quant.int8_gemm(quantized, weights, self.out_features)
         return kernels.quant.int8_epilogue(raw, row_scales, row_zeros, col_scales, self._col_sums,
                                            self._bias32)
 
@@ -275,7 +318,8 @@ class QuantizedLinear(nn.Module):
             return None
         assert self._col_sums is not None and self._col_scales is not None
         mode, scale, zero = fixed
-        return dict(kind=1, weight=self.weight.data_ptr(), scales=self._col_scales.data_ptr(),
+        weight = self._packed if self._packed is not None else self.weight
+        return dict(kind=1, weight=weight.data_ptr(), scales=self._col_scales.data_ptr(),
                     col_sums=self._col_sums.data_ptr(), bias=bias, act_mode=mode, act_scale=scale,
                     act_zero=zero)
 

@@ -12,6 +12,7 @@ from bulkinfer.engine.cpu_kernels.quant import (
     ASYMMETRIC_PER_ROW,
     SYMMETRIC_PER_ROW,
     pack_weights,
+    unpack_int8,
     unpack_weights,
 )
 from bulkinfer.engine.quant.checkpoint import unpack_int32
@@ -74,7 +75,7 @@ def test_int8_sums_are_exact_over_the_whole_range(quant) -> None:
     x[1] = torch.randint(0, 256, (1000,), dtype=torch.uint8)
     w = torch.full((5, 1000), -128, dtype=torch.int8)
     w[2] = torch.randint(-128, 128, (1000,), dtype=torch.int8)
-    raw = quant.int8_gemm(x, w)
+    raw = quant.int8_gemm(x, quant.pack_int8(w), 5)
     assert torch.equal(raw, (x.long() @ w.long().t()).float())
 
 
@@ -87,9 +88,31 @@ def test_many_rows_take_the_packed_kernel_and_its_sums_are_as_exact(quant, rows:
     x[0] = 255
     w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
     w[1] = -128
-    raw = quant.int8_gemm(x, w)
+    packed = quant.pack_int8(w)
+    assert torch.equal(unpack_int8(packed, n, k, quant.int8_panel), w)
+    raw = quant.int8_gemm(x, packed, n)
     assert torch.equal(raw, (x.long() @ w.long().t()).float())
-    assert torch.equal(raw[:3], quant.int8_gemm(x[:3], w))  # the few-row kernel: the same bits
+    assert torch.equal(raw[:3], quant.int8_gemm(x[:3], packed, n))  # the few-row kernel: the same bits
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(1, 576, 960), (7, 33, 37), (70, 576, 48)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_epilogue_gives_the_bits_of_the_sums_then_the_epilogue(quant, rows: int, k: int, n: int,
+                                                                        dtype: torch.dtype) -> None:
+    """VNNI panels: the GEMM and the epilogue in one pass (nothing in memory between them), in fp32 or
+    rounded to bf16 as torch rounds: the bits of int8_gemm, int8_epilogue and .to(dtype)."""
+    if not quant.int8_panel:
+        pytest.skip("the fused epilogue runs on the VNNI panels (an AVX512-VNNI CPU)")
+    torch.manual_seed(k)
+    x = torch.randint(0, 256, (rows, k), dtype=torch.uint8)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8)
+    packed = quant.pack_int8(w)
+    row_scales, row_zeros = torch.rand(rows) / 50, torch.randint(0, 256, (rows,), dtype=torch.int32)
+    col_scales, col_sums, bias = torch.rand(n) / 50, w.sum(1, dtype=torch.int32), torch.randn(n)
+    separate = quant.int8_epilogue(quant.int8_gemm(x, packed, n), row_scales, row_zeros, col_scales, col_sums,
+                                   bias)
+    fused = quant.int8_gemm_epilogue(x, packed, n, row_scales, row_zeros, col_scales, col_sums, bias, dtype)
+    assert fused.dtype == dtype and torch.equal(fused, separate.to(dtype))
 
 
 @pytest.mark.parametrize("mode", [SYMMETRIC_PER_ROW, ASYMMETRIC_PER_ROW])
@@ -110,3 +133,8 @@ def test_rows_quantize_as_compressed_tensors_defines_it(quant, mode: int) -> Non
     assert torch.equal(q.long(), expected.long())
     dequantized = (q.float() - zeros[:, None]) * scales[:, None]
     assert bool(((dequantized - x).abs() <= scales[:, None] / 2 + 1e-6).all())  # half a step at most
+    # A bf16 model's rows are quantized as they are: the bits of their exact fp32 values'.
+    rows_bf16 = x.to(torch.bfloat16)
+    for got, want in zip(quant.quantize_rows(rows_bf16, mode), quant.quantize_rows(rows_bf16.float(), mode),
+                         strict=True):
+        assert torch.equal(got, want)

@@ -3,7 +3,7 @@
 oneDNN's AVX2 int8 kernel adds pairs of uint8 x int8 products in 16 bits; with weights in [-63, 63]
 a pair stays below 2 * 255 * 63 = 32,130 < 32,767, so its sums are exact here too and the path's
 plumbing (prepacking, unit scales, the shared epilogue) is checked wherever CI runs, bit for bit
-against the native row kernel."""
+against the native kernel (VNNI panels with the fused epilogue, or the int8 rows)."""
 
 from __future__ import annotations
 
@@ -35,13 +35,13 @@ def w8a8_projection(activations: ActivationQuant, onednn: bool) -> QuantizedLine
     if not activations.dynamic:
         parts.input_scale, parts.input_zero_point = 0.02, -5
     # Installed the way the loader installs it: the oneDNN weight is prepacked at attach() time.
-    original = quant_linear.onednn_int8_exact
-    quant_linear.onednn_int8_exact = lambda: onednn
+    original = quant_linear.onednn_for_chunks
+    quant_linear.onednn_for_chunks = lambda panel: onednn
     try:
         projection.attach(parts)
         projection.use_kernels(kernels, None)
     finally:
-        quant_linear.onednn_int8_exact = original
+        quant_linear.onednn_for_chunks = original
     assert (projection._onednn_weight is not None) == onednn
     return projection
 
