@@ -9,9 +9,10 @@ prompt at once after a warm-up (greedy, EOS ignored), best of ``--rounds``:
 - prefill: ``--rows`` prompts of ``--prompt-len`` random tokens, one output token each;
 - decode-1 and decode-64: 1 and 64 rows of 16-token prompts, ``--decode-tokens`` out each.
 Every line says the CPU kind, the dtype the unquantized model ran in (dtype auto: bf16 where the CPU
-multiplies it, fp32 on AVX2) and the int8 path (oneDNN where VNNI or AMX-INT8 sums int8 exactly,
-else the native kernel). Targets (issue 59): W8A8 >= 1.6x bf16 on prefill on a CPU with VNNI or
-AMX-INT8, >= 1.25x vLLM; W4A16 >= 1.5x bf16 at decode-1. ``--json``: one record per comparison
+multiplies it, fp32 on AVX2) and the int8 path (the native AVX512-VNNI panels where the CPU has
+VNNI, oneDNN's tiles for chunks with AMX-INT8, else the native AVX2 kernel). Targets (issue 59):
+W8A8 >= 1.6x bf16 on prefill on a CPU with VNNI or AMX-INT8, >= 1.25x vLLM; W4A16 >= 1.5x bf16 at
+decode-1. ``--json``: one record per comparison
 (scheme, against, workload, ratio = the baseline's wall / the quantized model's).
 """
 
@@ -107,10 +108,17 @@ def first_error(error: VllmRunError) -> str:
 
 
 def int8_path() -> str:
-    from bulkinfer.engine.quant.linear import onednn_int8_exact
+    from bulkinfer.engine import cpu_kernels
+    from bulkinfer.engine.quant.linear import onednn_for_chunks, onednn_int8_exact
 
-    return "oneDNN int8 (VNNI/AMX-INT8) for chunks, native for decode rows" if onednn_int8_exact() else \
-        "native int8 kernel (no VNNI: oneDNN's AVX2 int8 overflows 16-bit sums)"
+    kernels = cpu_kernels.load()
+    panel = kernels.quant.int8_panel if kernels is not None else 0
+    if panel:
+        chunks = "oneDNN (AMX-INT8) for chunks, " if onednn_for_chunks(panel) else ""
+        return f"{chunks}native AVX512-VNNI panels (epilogue fused) for every row"
+    if onednn_int8_exact():
+        return "oneDNN int8 (VNNI/AMX-INT8) for chunks, native for decode rows"
+    return "native int8 kernel (no VNNI: oneDNN's AVX2 int8 overflows 16-bit sums)"
 
 
 def run(model_dir: Path, cache: Path, rows: int, prompt_len: int, decode_tokens: int, rounds: int, seed: int,

@@ -63,6 +63,12 @@ void quantize_rows_u8(const float*, int64_t, int64_t, int64_t, float, int64_t, u
 void int8_gemm(const uint8_t*, int64_t, int64_t, const int8_t*, int64_t, float*, int16_t*, int);
 void int8_epilogue(const float*, int64_t, int64_t, const float*, const int32_t*, const float*, const int32_t*,
                    const float*, float*, int);
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512F__)
+#define HAS_WQ_GEMM_BF16 1  /* quant_gemm.c builds it under the same flags */
+int64_t wq_bf16_applies(int64_t, int64_t);
+void wq_gemm_bf16(const uint16_t*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, const float*,
+                  const float*, const float*, uint16_t*, int);
+#endif
 void wq_gemm(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, const float*,
              const float*, const float*, float*, int);
 /* Built only for CPUs with AMX or AVX512-BF16 (prefix_attention.c): absent elsewhere. */
@@ -227,6 +233,14 @@ static void project_quantized(const decode_step* s, int64_t rows, const void* x,
                               const decode_quant* q, void* out, int64_t width) {
     const int nt = (int)s->threads;
     const float* rows_in = (const float*)x;
+#ifdef HAS_WQ_GEMM_BF16
+    if (s->bf16 && q->kind == 2 && wq_bf16_applies(q->bits, q->group)) {
+        /* W4A16 on bf16 rows as they are (quant_gemm.c's wq_gemm_bf16, as QuantizedLinear runs them) */
+        wq_gemm_bf16((const uint16_t*)x, rows, in, (const uint8_t*)q->weight, q->row_bytes, width, q->group,
+                     q->scales, q->zeros, q->bias, (uint16_t*)out, nt);
+        return;
+    }
+#endif
     if (s->bf16) {
         for (int64_t i = 0; i < rows * in; i++) {
             uint32_t bits = (uint32_t)((const uint16_t*)x)[i] << 16;

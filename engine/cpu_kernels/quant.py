@@ -35,7 +35,12 @@ class QuantKernels:
         self._int8_gemm = _declare(library.int8_gemm, [_P, _I, _I, _P, _I, _P, _P])
         self._epilogue = _declare(library.int8_epilogue, [_P, _I, _I, _P, _P, _P, _P, _P, _P])
         self._wq_gemm = _declare(library.wq_gemm, [_P, _I, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P])
-        self._wq_dequantize = _declare(library.wq_dequantize, [_P, _I, _I, _I, _I, _I, _P, _P, _P])
+        self._wq_dequantize = _declare(library.wq_dequantize, [_P, _I, _I, _I, _I, _I, _P, _P, _P, _I])
+        library.wq_bf16_applies.restype = _I
+        library.wq_bf16_applies.argtypes = [_I, _I]
+        self._wq_bf16_applies = library.wq_bf16_applies
+        self._wq_gemm_bf16 = _declare(library.wq_gemm_bf16, [_P, _I, _I, _P, _I, _I, _I, _P, _P, _P, _P]) \
+            if library.wq_bf16_applies(4, 32) else None
         library.int8_weight_panel.restype = _I
         library.int8_weight_panel.argtypes = []
         # int8_gemm's weight layout: outputs per panel (AVX512-VNNI builds, pack_int8), or 0: plain rows
@@ -151,17 +156,44 @@ class QuantKernels:
                       torch.get_num_threads())
         return out
 
+    def weight_only_bf16_applies(self, bits: int, group: int) -> bool:
+        """Whether bf16 rows take ``weight_only_gemm_bf16`` (4-bit weights, groups of whole 32-input
+        blocks, a CPU with AVX512-BF16); decode_layers.c chooses by the same rule."""
+        return bool(self._wq_bf16_applies(bits, group))
+
+    def weight_only_gemm_bf16(self, x: torch.Tensor, packed: torch.Tensor, k: int, group: int,
+                              scales: torch.Tensor, zeros: torch.Tensor | None,
+                              bias: torch.Tensor | None) -> torch.Tensor:
+        """bf16 ``x [rows, k]`` times the packed 4-bit weights, each group's bf16 products summed in
+        fp32 and scaled once: bf16 ``[rows, n]``."""
+        n = packed.shape[0]
+        self._check_packed(packed, 4, k, group, scales, zeros)
+        _check(self._wq_gemm_bf16 is not None and self.weight_only_bf16_applies(4, group)
+               and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
+               and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)),
+               "weight_only_gemm_bf16")
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        assert self._wq_gemm_bf16 is not None
+        self._wq_gemm_bf16(x.data_ptr(), x.shape[0], k, packed.data_ptr(), packed.shape[1], n, group,
+                           scales.data_ptr(), zeros.data_ptr() if zeros is not None else None,
+                           bias.data_ptr() if bias is not None else None, out.data_ptr(),
+                           torch.get_num_threads())
+        return out
+
     def dequantize(self, packed: torch.Tensor, bits: int, k: int, group: int, scales: torch.Tensor,
-                   zeros: torch.Tensor | None, out: torch.Tensor | None = None) -> torch.Tensor:
-        """The fp32 weights ``[n, k]`` of packed ones; ``out``: where to write them."""
+                   zeros: torch.Tensor | None, out: torch.Tensor | None = None,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weights ``[n, k]`` of packed ones, in fp32 or rounded to bf16 (``dtype``: the bits of
+        the fp32 ones ``.to(torch.bfloat16)``); ``out``: where to write them."""
         n = packed.shape[0]
         self._check_packed(packed, bits, k, group, scales, zeros)
+        _check(dtype in (torch.float32, torch.bfloat16), "dequantize")
         if out is None:  # kept between calls: a fresh one would fault in its pages every call
-            out = self._scratch_buffer("wq_dequantized", n * k, torch.float32)[:n * k].view(n, k)
-        _check(out.shape == (n, k) and out.dtype == torch.float32 and out.is_contiguous(), "dequantize")
+            out = self._scratch_buffer(f"wq_dequantized_{dtype}", n * k, dtype)[:n * k].view(n, k)
+        _check(out.shape == (n, k) and out.dtype == dtype and out.is_contiguous(), "dequantize")
         self._wq_dequantize(packed.data_ptr(), packed.shape[1], bits, n, k, group, scales.data_ptr(),
                             zeros.data_ptr() if zeros is not None else None, out.data_ptr(),
-                            torch.get_num_threads())
+                            int(dtype == torch.bfloat16), torch.get_num_threads())
         return out
 
     def _check_packed(self, packed: torch.Tensor, bits: int, k: int, group: int, scales: torch.Tensor,

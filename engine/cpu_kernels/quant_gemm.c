@@ -738,26 +738,145 @@ void wq_gemm(const float* x, int64_t rows, int64_t k_in, const uint8_t* w, int64
     }
 }
 
-/* The fp32 weights [n_out, k_in] of packed ones: (q - zero) * scale, as a reference dequantizes. */
-void wq_dequantize(const uint8_t* w, int64_t row_bytes, int64_t bits, int64_t n_out, int64_t k_in,
-                   int64_t group, const float* scales, const float* zeros, float* out, int nt) {
-    int64_t groups = (k_in + group - 1) / group;
+/* Whether wq_gemm_bf16 runs this projection: 4-bit weights in groups of whole 32-input blocks, on a
+ * CPU with AVX512-BF16 (else the fp32 kernel above). */
+int64_t wq_bf16_applies(int64_t bits, int64_t group) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VL == 16
+    return bits == 4 && group % (2 * VL) == 0;
+#else
+    (void)bits; (void)group;
+    return 0;
+#endif
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && VL == 16
+/* W4A16 for a bf16 model, where AVX512-BF16 multiplies pairs of bf16 values into fp32 sums
+ * (vdpbf16ps: 32 products an instruction). A weight is (q - zero), a small integer (|q - zero| <= 15)
+ * that bf16 holds exactly: each block's 16 packed bytes become 32 bf16 weights through one table
+ * lookup (vpermw over the 16 values q - 8 - zero), in the inputs' own order (low nibbles: inputs
+ * 0..15, high: 16..31), so no input is widened to fp32 and no weight passes through an fp32 multiply.
+ * Each group's products are summed in fp32 apart and scaled once: out = sum_g scale_g * sum_{k in g}
+ * x_k (q_k - zero_g), + bias, rounded to bf16 (the fp32 kernel scales every weight first: the same
+ * value, rounded differently; both paths of a step take this one, so a row's bits do not follow its
+ * step). Tiles of up to two rows by WQB_COLS weight rows (a lone row: WQB_ONE_ROW_COLS). */
+#define WQB_COLS 4
+#define WQB_ONE_ROW_COLS 8  /* a lone row (decode): twice the weight rows, twice the independent sums */
+
+static inline __attribute__((always_inline)) __m512i nibble_words(const uint8_t* block) {
+    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)block));
+    __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
+    __m256i high = _mm256_srli_epi16(bytes, 4);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+}
+
+/* The 16 bf16 values (index - 8 - zero), index 0..15, as the low words of a lookup vector. */
+static inline __m512i weight_table(float zero) {
+    const __m512 index = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    __m256bh values = _mm512_cvtneps_pbh(_mm512_sub_ps(index, _mm512_set1_ps(zero)));
+    return _mm512_castsi256_si512((__m256i)values);
+}
+
+static inline __attribute__((always_inline)) void wqb_tile(
+        const uint16_t* x, int64_t k_in, const uint8_t* w, int64_t row_bytes, int64_t groups, int64_t group,
+        const float* scales, const float* zeros, int mr, int nc, float* sums) {
+    __m512 acc[2][WQB_ONE_ROW_COLS], part[2][WQB_ONE_ROW_COLS];
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+    const __m512i symmetric = weight_table(0.0f);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i table[WQB_ONE_ROW_COLS];
+        for (int c = 0; c < nc; c++) table[c] = zeros ? weight_table(zeros[c * groups + g]) : symmetric;
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < nc; c++) part[r][c] = _mm512_setzero_ps();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 2 * VL) {
+            __m512bh xv[2];
+            for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * k_in + k);
+            for (int c = 0; c < nc; c++) {
+                __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(nibble_words(w + c * row_bytes + k / 2),
+                                                                 table[c]);
+                for (int r = 0; r < mr; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], xv[r], wv);
+            }
+        }
+        for (int c = 0; c < nc; c++) {
+            const __m512 scale = _mm512_set1_ps(scales[c * groups + g]);
+            for (int r = 0; r < mr; r++) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(part[r][c], scale));
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < nc; c++) sums[r * nc + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+/* out (bf16 [rows, n_out]) = bf16(sum_g scale_g * sum_{k in g} x_k (q_k - zero_g) + bias), x bf16
+ * [rows, k_in]; weights packed as wq_gemm's (4-bit, VL = 16), groups of whole 32-input blocks. */
+void wq_gemm_bf16(const uint16_t* x, int64_t rows, int64_t k_in, const uint8_t* w, int64_t row_bytes,
+                  int64_t n_out, int64_t group, const float* scales, const float* zeros, const float* bias,
+                  uint16_t* out, int nt) {
+    int64_t groups = k_in / group;
+    const int cols = rows == 1 ? WQB_ONE_ROW_COLS : WQB_COLS;
+    int64_t tiles = (n_out + cols - 1) / cols;
     #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t n = 0; n < n_out; n++) {
+    for (int64_t t = 0; t < tiles; t++) {
+        int64_t n = t * cols;
+        int nc = n_out - n < cols ? (int)(n_out - n) : cols;
         const uint8_t* wn = w + n * row_bytes;
-        float* on = out + n * k_in;
-        int64_t k = 0;
-        for (; k + 2 * VL <= k_in; k += 2 * VL) {
-            vf w0, w1;
-            weight_block(wn, k / (2 * VL), (int)bits, &w0, &w1);
-            store_f32(on + k, w0);
-            store_f32(on + k + VL, w1);
+        const float* scale = scales + n * groups;
+        const float* zero = zeros ? zeros + n * groups : NULL;
+        for (int64_t m0 = 0; m0 < rows; m0 += 2) {
+            int mr = rows - m0 < 2 ? 1 : 2;
+            float sums[2 * WQB_ONE_ROW_COLS];
+            const uint16_t* xm = x + m0 * k_in;
+            if (nc == WQB_ONE_ROW_COLS && mr == 1)
+                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 1, WQB_ONE_ROW_COLS, sums);
+            else if (nc == WQB_COLS && mr == 2)
+                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 2, WQB_COLS, sums);
+            else if (nc == WQB_COLS)
+                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 1, WQB_COLS, sums);
+            else
+                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, mr, nc, sums);
+            for (int r = 0; r < mr; r++)
+                for (int c = 0; c < nc; c++) {
+                    float v = sums[r * nc + c];
+                    out[(m0 + r) * n_out + n + c] = f32_to_bf16(bias ? v + bias[n + c] : v);
+                }
         }
-        for (; k < k_in; k++) on[k] = weight_at(wn, k, (int)bits);
-        for (int64_t g = 0; g < groups; g++) {
-            int64_t k1 = (g + 1) * group < k_in ? (g + 1) * group : k_in;
-            float zero = zeros ? zeros[n * groups + g] : 0.0f, scale = scales[n * groups + g];
-            for (int64_t j = g * group; j < k1; j++) on[j] = (on[j] - zero) * scale;
+    }
+}
+#endif
+
+/* The weights [n_out, k_in] of packed ones: (q - zero) * scale in fp32, as a reference dequantizes,
+ * stored in fp32 or (bf16 != 0) rounded to bf16. */
+void wq_dequantize(const uint8_t* w, int64_t row_bytes, int64_t bits, int64_t n_out, int64_t k_in,
+                   int64_t group, const float* scales, const float* zeros, void* out, int64_t bf16, int nt) {
+    int64_t groups = (k_in + group - 1) / group;
+    #pragma omp parallel num_threads(nt)
+    {
+        /* each row in fp32 first (a buffer of the thread's own), then stored in fp32 or rounded to bf16:
+         * bf16 weights are the fp32 ones rounded as .to(torch.bfloat16) rounds them */
+        float* on = bf16 ? aligned_alloc(64, (size_t)((k_in * 4 + 63) / 64 * 64)) : NULL;
+        #pragma omp for schedule(static)
+        for (int64_t n = 0; n < n_out; n++) {
+            const uint8_t* wn = w + n * row_bytes;
+            float* row = bf16 ? on : (float*)out + n * k_in;
+            int64_t k = 0;
+            for (; k + 2 * VL <= k_in; k += 2 * VL) {
+                vf w0, w1;
+                weight_block(wn, k / (2 * VL), (int)bits, &w0, &w1);
+                store_f32(row + k, w0);
+                store_f32(row + k + VL, w1);
+            }
+            for (; k < k_in; k++) row[k] = weight_at(wn, k, (int)bits);
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t k1 = (g + 1) * group < k_in ? (g + 1) * group : k_in;
+                float zero = zeros ? zeros[n * groups + g] : 0.0f, scale = scales[n * groups + g];
+                for (int64_t j = g * group; j < k1; j++) row[j] = (row[j] - zero) * scale;
+            }
+            if (bf16) {
+                uint16_t* dst = (uint16_t*)out + n * k_in;
+                int64_t j = 0;
+                for (; j + VL <= k_in; j += VL) store_bf16(dst + j, load_f32(row + j));
+                for (; j < k_in; j++) dst[j] = f32_to_bf16(row[j]);
+            }
         }
+        free(on);
     }
 }

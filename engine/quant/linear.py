@@ -263,14 +263,29 @@ class QuantizedLinear(nn.Module):
             single = rows
         elif not invariant:
             single = 0
+        if single == rows and self._rows_in_bf16(flat):
+            return self._row_kernel(flat)  # already the model's dtype
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         if single:
             out[:single] = self._row_kernel(flat[:single])
+        if single < rows and invariant and self._rows_in_bf16(flat) and \
+                kernels.row_gemm_runs(torch.bfloat16, self.in_features):
+            # Batch invariance on bf16 rows: the prefill rows through the dequantized weights on the
+            # bf16 row kernel (each row alone, as a bf16 Linear runs them), not padded GEMM blocks.
+            weight = kernels.quant.dequantize(self._packed, self.scheme.weights.bits, self.in_features,
+                                              parts.group_size, parts.scales, parts.zero_points,
+                                              dtype=torch.bfloat16)
+            packed = kernels.pack_row_gemm(weight, scratch="wq_row_packed")
+            row_bias = bias.to(torch.bfloat16) if bias is not None else None
+            out[single:] = kernels.row_gemm(flat[single:], packed, self.out_features, row_bias)
+            return out
         if single < rows:
             chunk = flat[single:]
+            native = chunk.dtype in (torch.float32, torch.bfloat16)  # dequantized straight into its dtype
             weight = kernels.quant.dequantize(self._packed, self.scheme.weights.bits, self.in_features,
-                                              parts.group_size, parts.scales, parts.zero_points)
-            weight = weight if chunk.dtype == torch.float32 else weight.to(chunk.dtype)
+                                              parts.group_size, parts.scales, parts.zero_points,
+                                              dtype=chunk.dtype if native else torch.float32)
+            weight = weight if native else weight.to(chunk.dtype)
 
             def gemm(x: torch.Tensor) -> torch.Tensor:
                 return F.linear(x, weight, bias)
@@ -278,9 +293,21 @@ class QuantizedLinear(nn.Module):
             out[single:] = in_row_blocks(gemm, chunk, PREFILL_BLOCK_ROWS) if invariant else gemm(chunk)
         return out
 
+    def _rows_in_bf16(self, rows: torch.Tensor) -> bool:
+        """Whether the row kernel takes these rows in bf16 as they are (weight_only_gemm_bf16)."""
+        assert self.parts is not None and self.kernels is not None
+        return rows.dtype == torch.bfloat16 and self.kernels.quant.weight_only_bf16_applies(
+            self.scheme.weights.bits, self.parts.group_size)
+
     def _row_kernel(self, rows: torch.Tensor) -> torch.Tensor:
+        """Single-token rows through the native kernel: bf16 rows through AVX512-BF16 where it runs
+        (out in bf16, the kernel the native decode path takes too), else in fp32 (out in fp32)."""
         parts, kernels = self.parts, self.kernels
         assert parts is not None and kernels is not None and self._packed is not None
+        if self._rows_in_bf16(rows):
+            return kernels.quant.weight_only_gemm_bf16(rows.contiguous(), self._packed, self.in_features,
+                                                       parts.group_size, parts.scales, parts.zero_points,
+                                                       self._bias32)
         bits = self.scheme.weights.bits
         return kernels.quant.weight_only_gemm(rows.float().contiguous(), self._packed, bits, self.in_features,
                                               parts.group_size, parts.scales, parts.zero_points,

@@ -138,3 +138,26 @@ def test_rows_quantize_as_compressed_tensors_defines_it(quant, mode: int) -> Non
     for got, want in zip(quant.quantize_rows(rows_bf16, mode), quant.quantize_rows(rows_bf16.float(), mode),
                          strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "group", "asymmetric"),
+                         [(1, 576, 96, 64, False), (3, 128, 37, 32, True)])
+def test_bf16_rows_of_4bit_weights_sum_each_group_then_scale_it(quant, rows: int, k: int, n: int, group: int,
+                                                               asymmetric: bool) -> None:
+    """W4A16 on bf16 rows (AVX512-BF16): the fp32 kernel's result to within the output's bf16
+    rounding, and each row's bits whatever rows come with it."""
+    if not quant.weight_only_bf16_applies(4, group):
+        pytest.skip("the bf16 kernel runs on CPUs with AVX512-BF16")
+    torch.manual_seed(k)
+    values = torch.randint(-8, 8, (n, k), dtype=torch.int8)
+    packed = pack_weights(values, 4, quant.vector_lanes)
+    scales = torch.rand(n, k // group) / 10 + 1e-3
+    zeros = torch.randint(-3, 4, (n, k // group)).float() if asymmetric else None
+    x, bias = torch.randn(rows, k).to(torch.bfloat16), torch.randn(n)
+    out = quant.weight_only_gemm_bf16(x, packed, k, group, scales, zeros, bias)
+    reference = quant.weight_only_gemm(x.float(), packed, 4, k, group, scales, zeros, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), reference, rtol=2 ** -8, atol=1e-3)
+    alone = torch.cat([quant.weight_only_gemm_bf16(x[i:i + 1].contiguous(), packed, k, group, scales, zeros,
+                                                   bias) for i in range(rows)])
+    assert torch.equal(out, alone)

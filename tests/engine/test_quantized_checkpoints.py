@@ -50,6 +50,9 @@ def quantized_dirs(tmp_path_factory: pytest.TempPathFactory, checkpoint_factory)
         source, root / "w8a8_static", activations=activation_args(static=True, symmetric=True),
         input_scales=scales)
     folders["static scales"] = scales  # type: ignore[assignment]
+    # groups of 32 (the small preset's widths divide by them): bf16 rows take AVX512-BF16's kernel
+    folders["W4A16 group 32 asymmetric, small"] = write_quantized_checkpoint(
+        checkpoint_factory(preset="small"), root / "w4a16_g32", bits=4, group_size=32, symmetric=False)
     return folders
 
 
@@ -234,7 +237,8 @@ def test_quantized_moe_experts_are_refused_by_name(checkpoint_factory, tmp_path:
 
 # each scheme once, each dtype twice (bf16 is emulated, slowly, on CPUs without it)
 NATIVE_CASES = [("W8A8 dynamic token", "float32"), ("W8A8 static tensor", "bfloat16"),
-                ("W4A16 group 8 asymmetric", "float32"), ("W8A16 channel", "bfloat16")]
+                ("W4A16 group 8 asymmetric", "float32"), ("W8A16 channel", "bfloat16"),
+                ("W4A16 group 32 asymmetric, small", "bfloat16")]
 
 
 @pytest.mark.parametrize("scheme, dtype", NATIVE_CASES)
