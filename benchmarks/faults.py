@@ -13,7 +13,8 @@ memory limit for three TTLs, Redis unreachable for five TTLs (the shards it caug
 counted, and those computed again), and a worker told to stop (SIGTERM) mid-shard; and a row that
 kills its worker (`poison-row`: a job one of whose rows carries the kill marker,
 benchmarks/poison_rows.py; dead workers are replaced). Leases and
-the reaper run with short TTLs (4 s, ticks of 1 s) so the run takes a few minutes. The last line
+the reaper run with short TTLs (`--lease-ttl`, 4 s; ticks of 1 s), and a step's retries back off
+at most one TTL (`retry_max_delay_s`), so the run takes a few minutes. The last line
 with `--json` is
 one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, `fault_log` (each
 fault: when, how long, what it caught), with `poison-row` `worker_crashed_wrong` (rows wrongly
@@ -50,9 +51,18 @@ from bulkinfer.jobs.settings import Settings
 from bulkinfer.jobs.spec import JobSpec
 from bulkinfer.jobs.state.status import JobState
 
-LEASE_TTL_S = 4
-PAUSE_S = 3 * LEASE_TTL_S  # a stall or an outage long enough for every lease to lapse
-LONG_OUTAGE_S = 5 * LEASE_TTL_S  # also past the Redis client's 10 s socket timeout
+LEASE_TTL_S = 4  # the default; --lease-ttl sets it
+REDIS_SOCKET_TIMEOUT_S = 10  # the Redis client's (jobs/settings.py): a long outage lasts past it
+
+
+def pause_s(lease_ttl: float) -> float:
+    """A stall or an outage long enough for every lease to lapse."""
+    return 3 * lease_ttl
+
+
+def long_outage_s(lease_ttl: float) -> float:
+    """An outage past five leases and past the Redis client's socket timeout."""
+    return max(5 * lease_ttl, REDIS_SOCKET_TIMEOUT_S + 2)
 INFRA_FAULTS = infra_faults.KINDS
 FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", *INFRA_FAULTS, "poison-row")
 DEFAULT_FAULTS = FAULTS  # each once, in this order
@@ -68,6 +78,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--shard-size", type=int, default=20)
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--lease-ttl", type=float, default=LEASE_TTL_S,
+                        help=f"the shards' lease TTL in seconds (default {LEASE_TTL_S}); stalls and outages "
+                             "last three TTLs, a long outage five")
     parser.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                         help=f"comma-separated, in order, of: {', '.join(FAULTS)}")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for every job to end")
@@ -124,7 +137,9 @@ class FaultBench:
         log = self.logs / f"worker-{self.started_workers}.log"
         env = {**self.settings.to_env(), "BULKINFER_WORKER_MODELS": MODEL, "HF_HUB_OFFLINE": "1",
                "BULKINFER_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
-               "BULKINFER_SHARD_LEASE_TTL_S": str(LEASE_TTL_S), "BULKINFER_REAPER_INTERVAL_S": "1",
+               "BULKINFER_SHARD_LEASE_TTL_S": str(self.args.lease_ttl), "BULKINFER_REAPER_INTERVAL_S": "1",
+               # a step that met a fault retries within a TTL of its end (not up to a minute later)
+               "BULKINFER_RETRY_MAX_DELAY_S": str(self.args.lease_ttl),
                "PYTHONPATH": str(SOURCE_ROOT)}
         if self.kill_marker:
             from bulkinfer.worker.shards.fault_injection import KILL_MARKER_ENV
@@ -217,10 +232,10 @@ class FaultBench:
             self.start_redis()  # the same port, nothing kept
         elif fault == "worker-stall":
             victim = next(worker for worker in self.workers if worker.poll() is None)
-            pause(victim, PAUSE_S)
+            pause(victim, pause_s(self.args.lease_ttl))
         elif fault == "redis-pause":
             assert self.redis is not None
-            pause(self.redis, PAUSE_S)
+            pause(self.redis, pause_s(self.args.lease_ttl))
         elif fault == "poison-row":
             self._submit_poison_job()
         else:
@@ -235,17 +250,19 @@ class FaultBench:
             # disk even when the other jobs' shards happen to be between writes (or all done).
             ids = [f"disk-r{n:04d}" for n in range(self.args.shard_size)]
             job_id = self._create_job("disk-full", _question_lines(ids), ids)
-            return infra_faults.disk_full(self.store_dir, PAUSE_S, longest_s=6 * PAUSE_S,
+            paused = pause_s(self.args.lease_ttl)
+            return infra_faults.disk_full(self.store_dir, paused, longest_s=6 * paused,
                                           felt=lambda: infra_faults.count_in_logs(self.logs, text) > before,
                                           while_full=lambda: self._plan(job_id))
         if fault == "redis-oom":
-            return infra_faults.redis_out_of_memory(self.broker_url, PAUSE_S)
+            return infra_faults.redis_out_of_memory(self.broker_url, pause_s(self.args.lease_ttl))
         if fault == "redis-outage-long":
             assert self.redis is not None
             caught = infra_faults.running_shards(repository, self.shards)
             self.outage_caught.update(caught)
-            pause(self.redis, LONG_OUTAGE_S)
-            return {"outage_s": LONG_OUTAGE_S, "shards_running": len(caught)}
+            outage = long_outage_s(self.args.lease_ttl)
+            pause(self.redis, outage)
+            return {"outage_s": outage, "shards_running": len(caught)}
         victim = next(worker for worker in self.workers if worker.poll() is None)  # worker-term
         stop_process(victim, 60)  # SIGTERM: its running shards are handed back
         self.workers.remove(victim)

@@ -48,6 +48,7 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 DEFAULT_STORE_URI = "./.bulkinfer/store"
 DEFAULT_SHARD_LEASE_TTL_S = 30.0
 DEFAULT_REAPER_INTERVAL_S = 15.0
+DEFAULT_RETRY_MAX_DELAY_S = 60.0
 DEFAULT_CRASH_SPLIT_AFTER = 2
 DEFAULT_MAX_SHARD_SIZE = 10_000
 DEFAULT_MAX_SHARD_TOKENS = 1_000_000
@@ -72,6 +73,7 @@ ENVIRONMENT_NAMES = {
     "model_cache": "BULKINFER_MODEL_CACHE",
     "shard_lease_ttl_s": "BULKINFER_SHARD_LEASE_TTL_S",
     "reaper_interval_s": "BULKINFER_REAPER_INTERVAL_S",
+    "retry_max_delay_s": "BULKINFER_RETRY_MAX_DELAY_S",
     "max_task_attempts": "BULKINFER_MAX_TASK_ATTEMPTS",
     "crash_split_after": "BULKINFER_CRASH_SPLIT_AFTER",
     "api_host": "BULKINFER_API_HOST",
@@ -166,6 +168,8 @@ class Settings(BaseModel):
     model_cache: str | None = None
     shard_lease_ttl_s: float | None = Field(None, gt=0)
     reaper_interval_s: float | None = Field(None, gt=0)
+    # The longest wait between retries of a step that met Redis or the store down (1, 2, 4 … s).
+    retry_max_delay_s: float | None = Field(None, gt=0)
     # Failures (other than Redis or the store being down) of one plan, shard or finalize before its
     # job fails with the reason; None: 3 (worker/shards/task_attempts.py).
     max_task_attempts: int | None = Field(None, ge=1)
@@ -374,6 +378,11 @@ class Settings(BaseModel):
     def lease_ttl(self) -> float:
         """A shard, plan or finalize lease's TTL in seconds."""
         return self.shard_lease_ttl_s or DEFAULT_SHARD_LEASE_TTL_S
+
+    @property
+    def retry_max_delay(self) -> float:
+        """The longest backoff between retries of a step that met an infrastructure fault."""
+        return self.retry_max_delay_s or DEFAULT_RETRY_MAX_DELAY_S
 
     @property
     def reaper_tick(self) -> float:

@@ -32,6 +32,8 @@ HELP = {
     "model_cache": "where s3:// models are downloaded",
     "shard_lease_ttl_s": "shard lease TTL in seconds",
     "reaper_interval_s": "seconds between reaper ticks (re-sending steps whose worker died)",
+    "retry_max_delay_s": "longest wait in seconds between retries of a step that met Redis or the store "
+                         "down (1, 2, 4 ... s)",
     "max_task_attempts": "failures of one plan, shard or finalize before its job fails with the reason",
     "crash_split_after": "deliveries of a shard that killed their worker before it runs in halves "
                          "down to the row (a row that still kills it alone: worker_crashed)",
@@ -112,8 +114,8 @@ IMAGE_SETTINGS = (*IMAGE_LIMIT_SETTINGS, "tenant_prefixes")
 WORKER_SETTINGS = ("broker_url", "store_uri", "s3_endpoint_url", "models", "engine_options", "dtype",
                    "remeasure_dtype", "cpu_isa",
                    "speculative_config", "tensor_parallel_size", "batch_invariant",
-                   "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "max_task_attempts",
-                   "crash_split_after",
+                   "model_cache", "shard_lease_ttl_s", "reaper_interval_s", "retry_max_delay_s",
+                   "max_task_attempts", "crash_split_after",
                    "max_rows_per_job", "max_shards_per_job", "max_schemas_per_job", "dedup_max_keys",
                    "shard_window_rows", "worker_concurrency", "worker_models", "schedule_tick_s",
                    "webhook_secret", "webhook_max_attempts", "webhook_retry_base_s", "webhook_allow_http",

@@ -13,6 +13,8 @@ from __future__ import annotations
 import errno
 import re
 
+from bulkinfer.jobs.settings import DEFAULT_RETRY_MAX_DELAY_S
+
 # S3 error codes that mean "try again later".
 RETRYABLE_S3_CODES = frozenset({"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout", "500",
                                 "502", "503", "504"})
@@ -25,7 +27,7 @@ RETRYABLE_REDIS_CODES = frozenset({"OOM", "BUSY", "LOADING", "READONLY", "MASTER
 RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
 # A Lua script's call that failed quotes the reply inside "Error running script …: -OOM command …".
 _SCRIPT_REPLY = re.compile(r"-([A-Z]+) ")
-MAX_RETRY_DELAY_S = 60
+MAX_RETRY_DELAY_S = DEFAULT_RETRY_MAX_DELAY_S  # the `retry_max_delay_s` setting's default
 
 
 def is_transient(error: BaseException) -> bool:
@@ -71,6 +73,7 @@ def redis_reply_code(error: BaseException) -> str:
     return str(getattr(error, "status_code", None) or text.split(" ", 1)[0])
 
 
-def retry_delay_s(retries: int) -> float:
-    """1, 2, 4, … seconds, at most a minute: an outage of any length is waited out."""
-    return float(min(MAX_RETRY_DELAY_S, 2 ** retries))
+def retry_delay_s(retries: int, most: float = MAX_RETRY_DELAY_S) -> float:
+    """1, 2, 4, … seconds, at most `most` (the `retry_max_delay_s` setting; a minute by default): an
+    outage of any length is waited out."""
+    return float(min(most, 2 ** retries))

@@ -23,7 +23,7 @@ def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Pa
 def test_bench_faults_kills_stalls_fills_cuts_off_and_poisons_workers_redis_and_the_disk_and_loses_no_row(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "560", "--json",
-                      "--home", str(tmp_path)])
+                      "--lease-ttl", "3", "--home", str(tmp_path)])
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     # Before parsing (a failed run prints no figures); a str message, which pytest never shortens.

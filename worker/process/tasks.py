@@ -142,7 +142,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str, work: C
         if is_transient(error):
             metrics.record_transient(error)
             metrics.TASK_RETRIES.labels(step_kind, "transient").inc()
-            delay = retry_delay_s(task.request.retries)
+            delay = retry_delay_s(task.request.retries, context.settings.retry_max_delay)
             logger.warning("%s %s: %s; retrying in %.0fs", task.name, task.request.id, error, delay)
             shard_resend.hold_for_retry(context.repository.redis, context.repository.namespace, job_id, step,
                                         delay, context.settings.lease_ttl)
@@ -152,7 +152,7 @@ def run_step(task: Task, context: WorkerContext, job_id: str, step: str, work: C
         limit = context.settings.max_task_attempts or DEFAULT_MAX_ATTEMPTS
         if attempts < limit:
             metrics.TASK_RETRIES.labels(step_kind, "error").inc()
-            delay = retry_delay_s(attempts - 1)
+            delay = retry_delay_s(attempts - 1, context.settings.retry_max_delay)
             logger.exception("job %s: %s failed (attempt %d of %d); retrying in %.0fs", job_id, step,
                              attempts, limit, delay)
             raise retry_published(task, error, delay, kwargs=retry_kwargs) from error
@@ -201,7 +201,7 @@ def take_next_shard(task: Task, context: WorkerContext, queue: str) -> TakenShar
             raise
         metrics.record_transient(error)
         metrics.TASK_RETRIES.labels("take", "transient").inc()
-        delay = retry_delay_s(task.request.retries)
+        delay = retry_delay_s(task.request.retries, context.settings.retry_max_delay)
         logger.warning("%s %s: taking a shard of %s: %s; retrying in %.0fs", task.name, task.request.id,
                        queue, error, delay)
         raise retry_published(task, error, delay, kwargs={}) from error
