@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import bulkinfer.engine.models.moe as moe
+import bulkinfer.engine.models.sparse_moe as sparse_moe
 from bulkinfer.benchmarks import moe_graphs
 from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
@@ -56,13 +56,13 @@ def block_for(family: str, dtype: torch.dtype = torch.float32) -> SparseMoeBlock
 def count_fixed_shape_calls(monkeypatch) -> list[int]:
     """Rows of every sparse block call that took the grouped_mm path."""
     calls: list[int] = []
-    original = moe.fixed_shape_expert_outputs
+    original = sparse_moe.fixed_shape_expert_outputs
 
     def counted(x, *args):  # noqa: ANN001, ANN202
         calls.append(x.shape[0])
         return original(x, *args)
 
-    monkeypatch.setattr(moe, "fixed_shape_expert_outputs", counted)
+    monkeypatch.setattr(sparse_moe, "fixed_shape_expert_outputs", counted)
     return calls
 
 
@@ -127,7 +127,7 @@ def test_fixed_shape_block_agrees_with_the_engine_cpu_kernels(dtype):
     kernels = cpu_kernels.load()
     block = block_for("mixtral", dtype)
     for module in block.modules():
-        if isinstance(module, moe.Linear):
+        if isinstance(module, sparse_moe.Linear):
             module.use_row_gemm(kernels, block.expert_rows)
     x = torch.randn(24, 32, generator=torch.Generator().manual_seed(4)).to(dtype)
     block.step_rows.single = 24
