@@ -168,8 +168,8 @@ class QuantKernels:
         fp32 and scaled once: bf16 ``[rows, n]``."""
         n = packed.shape[0]
         self._check_packed(packed, 4, k, group, scales, zeros)
-        _check(self._wq_gemm_bf16 is not None and self.weight_only_bf16_applies(4, group)
-               and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == k and x.is_contiguous()
+        _check(self.weight_only_bf16_applies(4, group) and x.dtype == torch.bfloat16 and x.dim() == 2
+               and x.shape[1] == k and x.is_contiguous()
                and (bias is None or (bias.shape == (n,) and bias.dtype == torch.float32)),
                "weight_only_gemm_bf16")
         out = torch.empty(x.shape[0], n, dtype=torch.bfloat16)

@@ -58,12 +58,15 @@ def onednn_int8_exact() -> bool:
     return bool(flags & exact) and hasattr(torch.ops.onednn, "qlinear_pointwise")
 
 
+@functools.cache
+def _amx_int8() -> bool:
+    return "amx_int8" in masked_flags(read_cpu_flags(), active_cap())
+
+
 def onednn_for_chunks(panel: int) -> bool:
     """Whether W8A8 prefill chunks take oneDNN's int8 GEMM: where it sums exactly, and the native
     kernels have no VNNI panels (``panel`` 0) or the CPU has AMX-INT8 (whose tiles outrun them)."""
-    if not onednn_int8_exact():
-        return False
-    return not panel or "amx_int8" in masked_flags(read_cpu_flags(), active_cap())
+    return onednn_int8_exact() and (not panel or _amx_int8())
 
 
 class QuantizedLinear(nn.Module):
@@ -82,6 +85,10 @@ class QuantizedLinear(nn.Module):
         self._packed: torch.Tensor | None = None  # quant_gemm.c's layout (W8A8: only in VNNI panels)
         self._packed_lanes = 0  # the vector lanes it was packed for (weight-only)
         self._packed_panel = 0  # W8A8: the outputs per panel it was packed in
+        # Weight-only, set with the kernels: bf16 rows take weight_only_gemm_bf16 (decode rows), and
+        # under batch invariance the bf16 row kernel (prefill rows)
+        self._bf16_row_kernel = False
+        self._bf16_prefill_rows = False
         self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
         self._bias32: torch.Tensor | None = None  # the bias in fp32, as the kernels add it
@@ -113,12 +120,16 @@ class QuantizedLinear(nn.Module):
         if self.scheme.activations is not None:
             self._prepare_int8()
             return
-        bits = self.scheme.weights.bits
-        if self.kernels is not None and self.weight.device.type == "cpu":
+        bits, kernels = self.scheme.weights.bits, self.kernels
+        self._bf16_row_kernel = kernels is not None and kernels.quant.weight_only_bf16_applies(
+            bits, self.parts.group_size)
+        self._bf16_prefill_rows = kernels is not None and self._bf16_row_kernel and kernels.row_gemm_runs(
+            torch.bfloat16, self.in_features)
+        if kernels is not None and self.weight.device.type == "cpu":
             if self._packed is None:
                 # The packed weights are the only copy: 4-bit ones take half the int8 values' memory.
-                self._packed = pack_weights(self._integer_values(), bits, self.kernels.quant.vector_lanes)
-                self._packed_lanes = self.kernels.quant.vector_lanes
+                self._packed = pack_weights(self._integer_values(), bits, kernels.quant.vector_lanes)
+                self._packed_lanes = kernels.quant.vector_lanes
                 self.weight = nn.Parameter(torch.empty(0, dtype=torch.int8), requires_grad=False)
         elif self._packed is not None:  # back to PyTorch: the values again
             self.weight = nn.Parameter(self._integer_values(), requires_grad=False)
@@ -268,8 +279,7 @@ class QuantizedLinear(nn.Module):
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         if single:
             out[:single] = self._row_kernel(flat[:single])
-        if single < rows and invariant and self._rows_in_bf16(flat) and \
-                kernels.row_gemm_runs(torch.bfloat16, self.in_features):
+        if single < rows and invariant and flat.dtype == torch.bfloat16 and self._bf16_prefill_rows:
             # Batch invariance on bf16 rows: the prefill rows through the dequantized weights on the
             # bf16 row kernel (each row alone, as a bf16 Linear runs them), not padded GEMM blocks.
             weight = kernels.quant.dequantize(self._packed, self.scheme.weights.bits, self.in_features,
@@ -295,9 +305,7 @@ class QuantizedLinear(nn.Module):
 
     def _rows_in_bf16(self, rows: torch.Tensor) -> bool:
         """Whether the row kernel takes these rows in bf16 as they are (weight_only_gemm_bf16)."""
-        assert self.parts is not None and self.kernels is not None
-        return rows.dtype == torch.bfloat16 and self.kernels.quant.weight_only_bf16_applies(
-            self.scheme.weights.bits, self.parts.group_size)
+        return rows.dtype == torch.bfloat16 and self._bf16_row_kernel
 
     def _row_kernel(self, rows: torch.Tensor) -> torch.Tensor:
         """Single-token rows through the native kernel: bf16 rows through AVX512-BF16 where it runs
