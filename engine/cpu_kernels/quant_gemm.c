@@ -738,11 +738,11 @@ void wq_gemm(const float* x, int64_t rows, int64_t k_in, const uint8_t* w, int64
     }
 }
 
-/* Whether wq_gemm_bf16 runs this projection: 4-bit weights in groups of whole 32-input blocks, on a
- * CPU with AVX512-BF16 (else the fp32 kernel above). */
+/* Whether wq_gemm_bf16 runs this projection: 4-bit weights in groups of 32 inputs or of whole 64-input
+ * chunks, on a CPU with AVX512-BF16 (else the fp32 kernel above). */
 int64_t wq_bf16_applies(int64_t bits, int64_t group) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && VL == 16
-    return bits == 4 && group % (2 * VL) == 0;
+    return bits == 4 && (group == 2 * VL || group % (4 * VL) == 0);
 #else
     (void)bits; (void)group;
     return 0;
@@ -751,95 +751,265 @@ int64_t wq_bf16_applies(int64_t bits, int64_t group) {
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && VL == 16
 /* W4A16 for a bf16 model, where AVX512-BF16 multiplies pairs of bf16 values into fp32 sums
- * (vdpbf16ps: 32 products an instruction). A weight is (q - zero), a small integer (|q - zero| <= 15)
- * that bf16 holds exactly: each block's 16 packed bytes become 32 bf16 weights through one table
- * lookup (vpermw over the 16 values q - 8 - zero), in the inputs' own order (low nibbles: inputs
- * 0..15, high: 16..31), so no input is widened to fp32 and no weight passes through an fp32 multiply.
- * Each group's products are summed in fp32 apart and scaled once: out = sum_g scale_g * sum_{k in g}
- * x_k (q_k - zero_g), + bias, rounded to bf16 (the fp32 kernel scales every weight first: the same
- * value, rounded differently; both paths of a step take this one, so a row's bits do not follow its
- * step). Tiles of up to two rows by WQB_COLS weight rows (a lone row: WQB_ONE_ROW_COLS). */
+ * (vdpbf16ps: 32 products an instruction). Each weight becomes the bf16 value a bf16 model of the
+ * dequantized checkpoint holds, bf16((q - zero) * scale) (wq_dequantize's bits), inside the kernel:
+ * the 16 values of a weight row's group are computed once a group and each packed nibble picks its
+ * value by one table lookup, so no weight is widened to fp32 and no sum is scaled afterwards.
+ *
+ * The inputs go in chunks of 64 (two packed blocks, 32 bytes): the bytes widened to 32 words once
+ * (vpmovzxbw) give the low nibbles (inputs 0-15 and 32-47 of the chunk) as table indices as they are
+ * and the high ones (16-31, 48-63) after one shift, each looked up by one vpermw in a table holding
+ * the 16 values twice (index bit 4 is the neighbouring nibble's, so both halves agree): 4 instructions
+ * for 64 weights. The rows are copied once into that order (`xp`). Groups of 32: the two halves of a
+ * chunk are two groups, a table of two halves and the half's bit set in the index.
+ *
+ * Rows in tiles: a lone row by WQB_ONE_ROW_COLS weight rows (decode), a few rows by WQB_COLS; from
+ * WQB_EXPAND_ROWS rows each block of weight rows is first expanded into the same bf16 vectors (128
+ * bytes a chunk and weight row) and tiles of WQB_TILE_ROWS by WQB_TILE_COLS read them. Every
+ * (row, weight row) pair sees the same products added in the same order in every tile shape and
+ * either weight source, so a row's bits never depend on the rows that came with it. */
+#define WQB_CHUNK 64
 #define WQB_COLS 4
-#define WQB_ONE_ROW_COLS 8  /* a lone row (decode): twice the weight rows, twice the independent sums */
+#define WQB_ONE_ROW_COLS 8
+#define WQB_TILE_ROWS 4
+#define WQB_TILE_COLS 4
+#define WQB_EXPAND_ROWS 4
+#define WQB_MAX_ROWS 4
+#define WQB_MAX_COLS 8
+#define WQB_BLOCK_ROWS 128  /* multiples of every tile's rows and weight rows */
+#define WQB_BLOCK_COLS 32
 
-static inline __attribute__((always_inline)) __m512i nibble_words(const uint8_t* block) {
-    __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)block));
-    __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
-    __m256i high = _mm256_srli_epi16(bytes, 4);
-    return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-}
+typedef struct {
+    const uint16_t* xp;      /* rows in the chunk order, [rows, chunks * 64], zero past k_in */
+    int64_t chunks;
+    const uint8_t* w;        /* packed weight rows (or NULL: read `expanded`) */
+    int64_t row_bytes;
+    int64_t tail_half;       /* the last chunk holds one block (k_in % 64 == 32) */
+    const uint16_t* expanded;/* [weight rows from expanded_from, chunks, 64] bf16 weights, or NULL */
+    int64_t expanded_from;
+    int64_t group, groups;
+    const float* scales;     /* [n_out, groups] */
+    const float* zeros;      /* [n_out, groups] or NULL */
+    const float* bias;       /* [n_out] or NULL */
+    uint16_t* out;           /* [rows, n_out] */
+    int64_t n_out;
+} wqb_args;
 
-/* The 16 bf16 values (index - 8 - zero), index 0..15, as the low words of a lookup vector. */
-static inline __m512i weight_table(float zero) {
+/* (index - 8 - zero) * scale in fp32 for index 0..15 of one weight row's group g. */
+static inline __m512 wqb_values(const float* scales, const float* zeros, int64_t g) {
     const __m512 index = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    __m256bh values = _mm512_cvtneps_pbh(_mm512_sub_ps(index, _mm512_set1_ps(zero)));
-    return _mm512_castsi256_si512((__m256i)values);
+    const __m512 centred = zeros ? _mm512_sub_ps(index, _mm512_set1_ps(zeros[g])) : index;
+    return _mm512_mul_ps(centred, _mm512_set1_ps(scales[g]));
 }
 
-static inline __attribute__((always_inline)) void wqb_tile(
-        const uint16_t* x, int64_t k_in, const uint8_t* w, int64_t row_bytes, int64_t groups, int64_t group,
-        const float* scales, const float* zeros, int mr, int nc, float* sums) {
-    __m512 acc[2][WQB_ONE_ROW_COLS], part[2][WQB_ONE_ROW_COLS];
+/* The lookup table of chunk k's weights in bf16 (one conversion for both halves): group g's values
+ * in both halves, or (groups of 32) the chunk's two groups' values, one a half. */
+static inline __attribute__((always_inline)) __m512i wqb_table(const float* scales, const float* zeros, int64_t g,
+                                                              int64_t groups, int pair) {
+    const __m512 first = wqb_values(scales, zeros, g);
+    const __m512 second = pair && g + 1 < groups ? wqb_values(scales, zeros, g + 1) : first;
+    return (__m512i)_mm512_cvtne2ps_pbh(second, first);  /* words 0-15 from `first`, 16-31 from `second` */
+}
+
+/* Chunk c of one packed weight row as bf16: *a = inputs 0-15 and 32-47, *b = 16-31 and 48-63. */
+static inline __attribute__((always_inline)) void wqb_decode(const uint8_t* row, int64_t c, int half,
+                                                             __m512i table, int pair, __m512i* a, __m512i* b) {
+    __m256i bytes = half ? _mm256_maskz_loadu_epi8(0xFFFF, row + c * 32)
+                         : _mm256_loadu_si256((const __m256i*)(row + c * 32));
+    __m512i words = _mm512_cvtepu8_epi16(bytes), high = _mm512_srli_epi16(words, 4), low = words;
+    if (pair) {  /* two tables: the index's bit 4 says which half of the chunk the word is in */
+        const __m512i second = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 16);
+        low = _mm512_ternarylogic_epi32(words, _mm512_set1_epi16(15), second, 0xEA);  /* (w & 15) | bit */
+        high = _mm512_or_si512(high, second);
+    }
+    *a = _mm512_permutexvar_epi16(low, table);
+    *b = _mm512_permutexvar_epi16(high, table);
+}
+
+/* out[m0 + r, n0 + c] = bf16(sum + bias) for mr rows by nc weight rows (compile-time shape and
+ * weight source once inlined, so the sums stay in registers). */
+static inline __attribute__((always_inline)) void wqb_tile(const wqb_args* a, int64_t m0, int64_t n0,
+                                                           int mr, int nc, int expanded, int pair) {
+    __m512 acc[WQB_MAX_ROWS][WQB_MAX_COLS];
+    const int64_t per_table = a->group == 32 ? 1 : a->group / WQB_CHUNK, groups = a->groups, last = a->chunks - 1;
+    const int64_t stride = a->chunks * WQB_CHUNK;
+    #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
+        #pragma GCC unroll 8
         for (int c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
-    const __m512i symmetric = weight_table(0.0f);
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i table[WQB_ONE_ROW_COLS];
-        for (int c = 0; c < nc; c++) table[c] = zeros ? weight_table(zeros[c * groups + g]) : symmetric;
-        for (int r = 0; r < mr; r++)
-            for (int c = 0; c < nc; c++) part[r][c] = _mm512_setzero_ps();
-        for (int64_t k = g * group; k < (g + 1) * group; k += 2 * VL) {
-            __m512bh xv[2];
-            for (int r = 0; r < mr; r++) xv[r] = (__m512bh)_mm512_loadu_si512(x + r * k_in + k);
+    /* the next tile's weight rows, a few lines a chunk ahead of their use: a tile reads a few cache
+     * lines of each of its rows, too short a stream for the hardware prefetcher to follow */
+    const int64_t next = n0 + nc, next_end = next + nc < a->n_out ? next + nc : a->n_out;
+    const uint8_t* ahead = expanded ? NULL : a->w + next * a->row_bytes;
+    const uint8_t* ahead_end = expanded ? NULL : a->w + next_end * a->row_bytes;
+    const int64_t lines_a_chunk = (nc * a->row_bytes + 63) / 64 / a->chunks + 1;
+    for (int64_t c0 = 0; c0 < a->chunks; c0 += per_table) {
+        const int64_t g = a->group == 32 ? 2 * c0 : c0 / per_table;
+        __m512i table[WQB_MAX_COLS];
+        if (!expanded) {
+            #pragma GCC unroll 8
+            for (int c = 0; c < nc; c++)
+                table[c] = wqb_table(a->scales + (n0 + c) * groups, a->zeros ? a->zeros + (n0 + c) * groups : NULL,
+                                     g, groups, pair);
+        }
+        for (int64_t k = c0; k < c0 + per_table; k++) {
+            const int half = !expanded && a->tail_half && k == last;
+            for (int64_t i = 0; i < lines_a_chunk && ahead < ahead_end; i++, ahead += 64)
+                _mm_prefetch((const char*)ahead, _MM_HINT_T0);
+            __m512bh x0[WQB_MAX_ROWS], x1[WQB_MAX_ROWS];
+            #pragma GCC unroll 8
+            for (int r = 0; r < mr; r++) {
+                /* in registers: loaded once for every weight row, not folded into each product */
+                const uint16_t* xr = a->xp + (m0 + r) * stride + k * WQB_CHUNK;
+                x0[r] = (__m512bh)in_register((vf)_mm512_loadu_si512(xr));
+                x1[r] = (__m512bh)in_register((vf)_mm512_loadu_si512(xr + 32));
+            }
+            #pragma GCC unroll 8
             for (int c = 0; c < nc; c++) {
-                __m512bh wv = (__m512bh)_mm512_permutexvar_epi16(nibble_words(w + c * row_bytes + k / 2),
-                                                                 table[c]);
-                for (int r = 0; r < mr; r++) part[r][c] = _mm512_dpbf16_ps(part[r][c], xv[r], wv);
+                __m512i wa, wb;
+                if (expanded) {
+                    const uint16_t* e = a->expanded + ((n0 + c - a->expanded_from) * a->chunks + k) * WQB_CHUNK;
+                    wa = _mm512_loadu_si512(e);
+                    wb = _mm512_loadu_si512(e + 32);
+                } else if (half) {
+                    wqb_decode(a->w + (n0 + c) * a->row_bytes, k, 1, table[c], pair, &wa, &wb);
+                } else {
+                    wqb_decode(a->w + (n0 + c) * a->row_bytes, k, 0, table[c], pair, &wa, &wb);
+                }
+                #pragma GCC unroll 8
+                for (int r = 0; r < mr; r++) {
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x0[r], (__m512bh)wa);
+                    acc[r][c] = _mm512_dpbf16_ps(acc[r][c], x1[r], (__m512bh)wb);
+                }
             }
         }
-        for (int c = 0; c < nc; c++) {
-            const __m512 scale = _mm512_set1_ps(scales[c * groups + g]);
-            for (int r = 0; r < mr; r++) acc[r][c] = _mm512_add_ps(acc[r][c], _mm512_mul_ps(part[r][c], scale));
-        }
     }
+    /* each sum's lanes added by one tree (reduce_lanes: sixteen sums at once, unused slots zero; every
+     * shape has at most 16), the same in every shape */
+    vf lanes[16];
+    for (int i = 0; i < 16; i++) lanes[i] = splat(0.0f);
+    #pragma GCC unroll 8
     for (int r = 0; r < mr; r++)
-        for (int c = 0; c < nc; c++) sums[r * nc + c] = _mm512_reduce_add_ps(acc[r][c]);
+        #pragma GCC unroll 8
+        for (int c = 0; c < nc; c++) lanes[r * nc + c] = (vf)acc[r][c];
+    vf total = reduce_lanes(lanes);
+    if (a->bias) {
+        float bias[16] = {0};
+        for (int i = 0; i < mr * nc; i++) bias[i] = a->bias[n0 + i % nc];
+        total = total + load_f32(bias);
+    }
+    uint16_t values[16];
+    _mm256_storeu_si256((__m256i*)values, (__m256i)_mm512_cvtneps_pbh((__m512)total));  /* rounded to nearest even */
+    for (int r = 0; r < mr; r++) memcpy(a->out + (m0 + r) * a->n_out + n0, values + r * nc, (size_t)nc * 2);
 }
 
-/* out (bf16 [rows, n_out]) = bf16(sum_g scale_g * sum_{k in g} x_k (q_k - zero_g) + bias), x bf16
- * [rows, k_in]; weights packed as wq_gemm's (4-bit, VL = 16), groups of whole 32-input blocks. */
+/* One tile's sums, by the shape and the weights' source: the full shapes compiled apart, the edges
+ * through the general one. */
+static void wqb_tile_any(const wqb_args* a, int64_t m0, int64_t n0, int mr, int nc) {
+    const int pair = a->group == 32;
+    if (a->expanded) {
+        if (mr == WQB_TILE_ROWS && nc == WQB_TILE_COLS) wqb_tile(a, m0, n0, WQB_TILE_ROWS, WQB_TILE_COLS, 1, 0);
+        else wqb_tile(a, m0, n0, mr, nc, 1, 0);
+    } else if (pair) {
+        wqb_tile(a, m0, n0, mr, nc, 0, 1);
+    } else if (mr == 1 && nc == WQB_ONE_ROW_COLS) {
+        wqb_tile(a, m0, n0, 1, WQB_ONE_ROW_COLS, 0, 0);
+    } else if (mr == 2 && nc == WQB_COLS) {
+        wqb_tile(a, m0, n0, 2, WQB_COLS, 0, 0);
+    } else if (mr == 1 && nc == WQB_COLS) {
+        wqb_tile(a, m0, n0, 1, WQB_COLS, 0, 0);
+    } else {
+        wqb_tile(a, m0, n0, mr, nc, 0, 0);
+    }
+}
+
+/* The rows in the chunk order (inputs 0-15, 32-47, 16-31, 48-63 of each chunk), zero past k_in. */
+static void wqb_order_rows(const uint16_t* x, int64_t rows, int64_t k_in, int64_t chunks, uint16_t* xp, int nt) {
+    static const int source[4] = {0, 32, 16, 48};
+    #pragma omp parallel for schedule(static) num_threads(nt) if (rows >= 64)
+    for (int64_t m = 0; m < rows; m++) {
+        const uint16_t* row = x + m * k_in;
+        uint16_t* to = xp + m * chunks * WQB_CHUNK;
+        int64_t c = 0;
+        for (; (c + 1) * WQB_CHUNK <= k_in; c++, to += WQB_CHUNK) {  /* whole chunks: four 32-byte moves */
+            const uint16_t* from = row + c * WQB_CHUNK;
+            _mm256_storeu_si256((__m256i*)to, _mm256_loadu_si256((const __m256i*)from));
+            _mm256_storeu_si256((__m256i*)(to + 16), _mm256_loadu_si256((const __m256i*)(from + 32)));
+            _mm256_storeu_si256((__m256i*)(to + 32), _mm256_loadu_si256((const __m256i*)(from + 16)));
+            _mm256_storeu_si256((__m256i*)(to + 48), _mm256_loadu_si256((const __m256i*)(from + 48)));
+        }
+        for (; c < chunks; c++, to += WQB_CHUNK)
+            for (int q = 0; q < 4; q++) {
+                int64_t from = c * WQB_CHUNK + source[q];
+                int64_t count = k_in - from < 16 ? (k_in - from > 0 ? k_in - from : 0) : 16;
+                memcpy(to + q * 16, row + from, (size_t)count * 2);
+                memset(to + q * 16 + count, 0, (size_t)(16 - count) * 2);
+            }
+    }
+}
+
+/* Weight rows [n0, n1) decoded once into the bf16 vectors the tiles multiply. */
+static void wqb_expand(const wqb_args* a, int64_t n0, int64_t n1, uint16_t* expanded) {
+    const int pair = a->group == 32;
+    const int64_t per_table = pair ? 1 : a->group / WQB_CHUNK;
+    for (int64_t n = n0; n < n1; n++) {
+        const float* scales = a->scales + n * a->groups;
+        const float* zeros = a->zeros ? a->zeros + n * a->groups : NULL;
+        for (int64_t k = 0; k < a->chunks; k++) {
+            __m512i wa, wb, table = wqb_table(scales, zeros, pair ? 2 * k : k / per_table, a->groups, pair);
+            uint16_t* e = expanded + ((n - n0) * a->chunks + k) * WQB_CHUNK;
+            wqb_decode(a->w + n * a->row_bytes, k, a->tail_half && k == a->chunks - 1, table, pair, &wa, &wb);
+            _mm512_storeu_si512(e, wa);
+            _mm512_storeu_si512(e + 32, wb);
+        }
+    }
+}
+
+/* out (bf16 [rows, n_out]) = bf16(sum_k x_k bf16((q_k - zero) * scale) + bias), x bf16 [rows, k_in];
+ * weights packed as wq_gemm's (4-bit, VL = 16), groups as wq_bf16_applies says. */
 void wq_gemm_bf16(const uint16_t* x, int64_t rows, int64_t k_in, const uint8_t* w, int64_t row_bytes,
                   int64_t n_out, int64_t group, const float* scales, const float* zeros, const float* bias,
                   uint16_t* out, int nt) {
-    int64_t groups = k_in / group;
-    const int cols = rows == 1 ? WQB_ONE_ROW_COLS : WQB_COLS;
-    int64_t tiles = (n_out + cols - 1) / cols;
-    #pragma omp parallel for schedule(static) num_threads(nt)
-    for (int64_t t = 0; t < tiles; t++) {
-        int64_t n = t * cols;
-        int nc = n_out - n < cols ? (int)(n_out - n) : cols;
-        const uint8_t* wn = w + n * row_bytes;
-        const float* scale = scales + n * groups;
-        const float* zero = zeros ? zeros + n * groups : NULL;
-        for (int64_t m0 = 0; m0 < rows; m0 += 2) {
-            int mr = rows - m0 < 2 ? 1 : 2;
-            float sums[2 * WQB_ONE_ROW_COLS];
-            const uint16_t* xm = x + m0 * k_in;
-            if (nc == WQB_ONE_ROW_COLS && mr == 1)
-                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 1, WQB_ONE_ROW_COLS, sums);
-            else if (nc == WQB_COLS && mr == 2)
-                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 2, WQB_COLS, sums);
-            else if (nc == WQB_COLS)
-                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, 1, WQB_COLS, sums);
-            else
-                wqb_tile(xm, k_in, wn, row_bytes, groups, group, scale, zero, mr, nc, sums);
-            for (int r = 0; r < mr; r++)
-                for (int c = 0; c < nc; c++) {
-                    float v = sums[r * nc + c];
-                    out[(m0 + r) * n_out + n + c] = f32_to_bf16(bias ? v + bias[n + c] : v);
+    const int64_t chunks = (k_in + WQB_CHUNK - 1) / WQB_CHUNK;
+    const wqb_args shared = {NULL, chunks, w, row_bytes, k_in % WQB_CHUNK != 0, NULL, 0, group, k_in / group,
+                             scales, zeros, bias, out, n_out};
+    uint16_t* xp = aligned_alloc(64, (size_t)(rows * chunks * WQB_CHUNK * 2));
+    wqb_order_rows(x, rows, k_in, chunks, xp, nt);
+    /* From WQB_EXPAND_ROWS rows each block of weight rows is expanded once for the block of rows it
+     * meets (a thread's own buffer, in L2), and tiles of more rows read it; fewer rows decode as
+     * they go. */
+    const int expand = rows >= WQB_EXPAND_ROWS;
+    const int cols = expand ? WQB_TILE_COLS : rows == 1 ? WQB_ONE_ROW_COLS : WQB_COLS;
+    const int tile_rows = expand ? WQB_TILE_ROWS : 2;
+    /* blocks of rows by blocks of weight rows, tiles inside: a block's weights stay in L1/L2 while
+     * its rows pass by, a block's rows in L2 while the weight blocks do */
+    const int64_t row_blocks = (rows + WQB_BLOCK_ROWS - 1) / WQB_BLOCK_ROWS;
+    const int64_t col_blocks = (n_out + WQB_BLOCK_COLS - 1) / WQB_BLOCK_COLS;
+    #pragma omp parallel num_threads(nt)
+    {
+        uint16_t* expanded = expand ? aligned_alloc(64, (size_t)(WQB_BLOCK_COLS * chunks * WQB_CHUNK * 2)) : NULL;
+        wqb_args a = shared;
+        a.xp = xp;
+        #pragma omp for collapse(2) schedule(static)
+        for (int64_t rb = 0; rb < row_blocks; rb++)
+            for (int64_t cb = 0; cb < col_blocks; cb++) {
+                const int64_t m_end = (rb + 1) * WQB_BLOCK_ROWS < rows ? (rb + 1) * WQB_BLOCK_ROWS : rows;
+                const int64_t n_end = (cb + 1) * WQB_BLOCK_COLS < n_out ? (cb + 1) * WQB_BLOCK_COLS : n_out;
+                if (expand) {
+                    wqb_expand(&shared, cb * WQB_BLOCK_COLS, n_end, expanded);
+                    a.expanded = expanded;
+                    a.expanded_from = cb * WQB_BLOCK_COLS;
                 }
-        }
+                for (int64_t m0 = rb * WQB_BLOCK_ROWS; m0 < m_end; m0 += tile_rows)
+                    for (int64_t n = cb * WQB_BLOCK_COLS; n < n_end; n += cols) {
+                        const int nc = n_end - n < cols ? (int)(n_end - n) : cols;
+                        const int mr = m_end - m0 < tile_rows ? (int)(m_end - m0) : tile_rows;
+                        wqb_tile_any(&a, m0, n, mr, nc);
+                    }
+            }
+        free(expanded);
     }
+    free(xp);
 }
 #endif
 

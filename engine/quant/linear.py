@@ -12,7 +12,11 @@ which widens to 32 bits first, computes every row there.
 W8A16 / W4A16: decode rows through the native kernel, which reads the 8- or 4-bit weights and widens
 them in registers (4-8x fewer bytes than fp32's); a prefill chunk's rows dequantize the weights once
 into a scratch buffer and take the library GEMM (in fixed row blocks under batch invariance). Without
-batch invariance a step of up to ``ROW_KERNEL_ROWS`` rows takes the row kernel whole.
+batch invariance a step of up to ``ROW_KERNEL_ROWS`` rows takes the row kernel whole. W4A16 on bf16
+rows where the CPU has AVX512-BF16: every row through weight_only_gemm_bf16 (each weight the bf16 of
+its dequantized value, looked up from the 4 bits inside the kernel; many rows read each block of
+weights expanded once), decode and prefill alike; without batch invariance, steps of more than
+``BF16_KERNEL_ROWS`` rows take the dequantized GEMM.
 
 Without the native kernels (or off CPU) the same arithmetic runs in PyTorch: correct, not fast.
 """
@@ -44,6 +48,9 @@ if TYPE_CHECKING:
     from bulkinfer.engine.models.step_rows import StepRows
 
 ROW_KERNEL_ROWS = 16  # weight-only: more rows than this dequantize once and take the GEMM (measured)
+# W4A16 on bf16 rows without batch invariance: more rows than this dequantize once and take the
+# library's GEMM (on a Zen 4 the bf16 kernel is ahead up to ~64 rows, 1.2-1.35x behind at 256)
+BF16_KERNEL_ROWS = 64
 ONEDNN_INT8_ROWS = 8  # W8A8 with VNNI/AMX: from this many rows oneDNN's GEMM, below it the row kernel
 
 
@@ -85,10 +92,8 @@ class QuantizedLinear(nn.Module):
         self._packed: torch.Tensor | None = None  # quant_gemm.c's layout (W8A8: only in VNNI panels)
         self._packed_lanes = 0  # the vector lanes it was packed for (weight-only)
         self._packed_panel = 0  # W8A8: the outputs per panel it was packed in
-        # Weight-only, set with the kernels: bf16 rows take weight_only_gemm_bf16 (decode rows), and
-        # under batch invariance the bf16 row kernel (prefill rows)
+        # Weight-only, set with the kernels: whether bf16 rows take weight_only_gemm_bf16
         self._bf16_row_kernel = False
-        self._bf16_prefill_rows = False
         self._col_sums: torch.Tensor | None = None  # W8A8: each output's sum of weights (zero points)
         self._onednn_weight: torch.Tensor | None = None  # W8A8 with VNNI/AMX: oneDNN's packed int8 weight
         self._bias32: torch.Tensor | None = None  # the bias in fp32, as the kernels add it
@@ -123,8 +128,6 @@ class QuantizedLinear(nn.Module):
         bits, kernels = self.scheme.weights.bits, self.kernels
         self._bf16_row_kernel = kernels is not None and kernels.quant.weight_only_bf16_applies(
             bits, self.parts.group_size)
-        self._bf16_prefill_rows = kernels is not None and self._bf16_row_kernel and kernels.row_gemm_runs(
-            torch.bfloat16, self.in_features)
         if kernels is not None and self.weight.device.type == "cpu":
             if self._packed is None:
                 # The packed weights are the only copy: 4-bit ones take half the int8 values' memory.
@@ -270,25 +273,16 @@ class QuantizedLinear(nn.Module):
         rows = flat.shape[0]
         invariant = self.step_rows is not None and self.step_rows.every_row
         single = rows if self.step_rows is None else min(self.step_rows.single, rows)
+        if self._rows_in_bf16(flat) and (invariant or rows <= BF16_KERNEL_ROWS):
+            # every row alone in the same order (its bits never follow its step), decode and prefill
+            return self._row_kernel(flat)  # already the model's dtype
         if not invariant and rows <= ROW_KERNEL_ROWS:
             single = rows
         elif not invariant:
             single = 0
-        if single == rows and self._rows_in_bf16(flat):
-            return self._row_kernel(flat)  # already the model's dtype
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         if single:
             out[:single] = self._row_kernel(flat[:single])
-        if single < rows and invariant and flat.dtype == torch.bfloat16 and self._bf16_prefill_rows:
-            # Batch invariance on bf16 rows: the prefill rows through the dequantized weights on the
-            # bf16 row kernel (each row alone, as a bf16 Linear runs them), not padded GEMM blocks.
-            weight = kernels.quant.dequantize(self._packed, self.scheme.weights.bits, self.in_features,
-                                              parts.group_size, parts.scales, parts.zero_points,
-                                              dtype=torch.bfloat16)
-            packed = kernels.pack_row_gemm(weight, scratch="wq_row_packed")
-            row_bias = bias.to(torch.bfloat16) if bias is not None else None
-            out[single:] = kernels.row_gemm(flat[single:], packed, self.out_features, row_bias)
-            return out
         if single < rows:
             chunk = flat[single:]
             native = chunk.dtype in (torch.float32, torch.bfloat16)  # dequantized straight into its dtype
@@ -361,10 +355,12 @@ class QuantizedLinear(nn.Module):
     def native_rows_match(self, rows: int) -> bool:
         """Whether a decode step of `rows` rows takes the row kernel in the Python path too (so the
         native path gives its bits): always for W8A8 (exact integer sums on every path) and under batch
-        invariance; else up to ROW_KERNEL_ROWS rows (more take the dequantized GEMM)."""
+        invariance; else up to ROW_KERNEL_ROWS rows (BF16_KERNEL_ROWS for bf16 rows on the bf16 kernel;
+        more take the dequantized GEMM)."""
         if self.scheme.activations is not None:
             return True
-        return (self.step_rows is not None and self.step_rows.every_row) or rows <= ROW_KERNEL_ROWS
+        most = BF16_KERNEL_ROWS if self._bf16_row_kernel else ROW_KERNEL_ROWS
+        return (self.step_rows is not None and self.step_rows.every_row) or rows <= most
 
     def native_scratch(self) -> tuple[int, int]:
         """(inputs, outputs) a row of this projection needs in decode_layers.c's scratch."""

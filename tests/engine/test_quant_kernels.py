@@ -141,10 +141,12 @@ def test_rows_quantize_as_compressed_tensors_defines_it(quant, mode: int) -> Non
 
 
 @pytest.mark.parametrize(("rows", "k", "n", "group", "asymmetric"),
-                         [(1, 576, 96, 64, False), (3, 128, 37, 32, True)])
+                         [(1, 576, 96, 64, False), (3, 128, 37, 32, True), (9, 160, 21, 32, True),
+                          (6, 256, 19, 128, True), (5, 192, 10, 32, False)])
 def test_bf16_rows_of_4bit_weights_sum_each_group_then_scale_it(quant, rows: int, k: int, n: int, group: int,
                                                                asymmetric: bool) -> None:
-    """W4A16 on bf16 rows (AVX512-BF16): the fp32 kernel's result to within the output's bf16
+    """W4A16 on bf16 rows (AVX512-BF16): what a bf16 model of the dequantized checkpoint computes
+    (each weight bf16((q - zero) * scale), the products summed in fp32) to within the output's bf16
     rounding, and each row's bits whatever rows come with it."""
     if not quant.weight_only_bf16_applies(4, group):
         pytest.skip("the bf16 kernel runs on CPUs with AVX512-BF16")
@@ -155,9 +157,13 @@ def test_bf16_rows_of_4bit_weights_sum_each_group_then_scale_it(quant, rows: int
     zeros = torch.randint(-3, 4, (n, k // group)).float() if asymmetric else None
     x, bias = torch.randn(rows, k).to(torch.bfloat16), torch.randn(n)
     out = quant.weight_only_gemm_bf16(x, packed, k, group, scales, zeros, bias)
-    reference = quant.weight_only_gemm(x.float(), packed, 4, k, group, scales, zeros, bias)
+    weights = quant.dequantize(packed, 4, k, group, scales, zeros, dtype=torch.bfloat16)
+    reference = x.double() @ weights.double().t() + bias.double()
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), reference, rtol=2 ** -8, atol=1e-3)
-    alone = torch.cat([quant.weight_only_gemm_bf16(x[i:i + 1].contiguous(), packed, k, group, scales, zeros,
-                                                   bias) for i in range(rows)])
-    assert torch.equal(out, alone)
+    torch.testing.assert_close(out.double(), reference, rtol=2 ** -8, atol=1e-4)
+    # Alone (the lone-row tile), in twos (the few-rows tile) and all at once (from 4 rows the weights
+    # expanded first): the same bits.
+    for size in (1, 2):
+        parts = [quant.weight_only_gemm_bf16(x[i:i + size].contiguous(), packed, k, group, scales, zeros,
+                                             bias) for i in range(0, rows, size)]
+        assert torch.equal(out, torch.cat(parts))
