@@ -777,7 +777,7 @@ int64_t wq_bf16_applies(int64_t bits, int64_t group) {
 #define WQB_MAX_ROWS 4
 #define WQB_MAX_COLS 8
 #define WQB_BLOCK_ROWS 128  /* multiples of every tile's rows and weight rows */
-#define WQB_BLOCK_COLS 32
+#define WQB_BLOCK_COLS 16
 
 typedef struct {
     const uint16_t* xp;      /* rows in the chunk order, [rows, chunks * 64], zero past k_in */
