@@ -976,7 +976,7 @@ void wq_gemm_bf16(const uint16_t* x, int64_t rows, int64_t k_in, const uint8_t* 
     uint16_t* xp = aligned_alloc(64, (size_t)(rows * chunks * WQB_CHUNK * 2));
     wqb_order_rows(x, rows, k_in, chunks, xp, nt);
     /* From WQB_EXPAND_ROWS rows each block of weight rows is expanded once for the block of rows it
-     * meets (a thread's own buffer, in L2), and tiles of more rows read it; fewer rows decode as
+     * meets (a thread's own buffer, in L1), and tiles of more rows read it; fewer rows decode as
      * they go. */
     const int expand = rows >= WQB_EXPAND_ROWS;
     const int cols = expand ? WQB_TILE_COLS : rows == 1 ? WQB_ONE_ROW_COLS : WQB_COLS;
