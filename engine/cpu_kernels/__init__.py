@@ -350,23 +350,16 @@ class CpuKernels:
     def supports_row_gemm(self, weight: torch.Tensor) -> bool:
         """Whether this Linear weight ``[out, in]`` can run through the row kernel here (bf16 needs
         ``in`` a multiple of 32: whole AMX tiles)."""
-        return weight.dim() == 2 and weight.device.type == "cpu" and self.row_gemm_runs(weight.dtype,
-                                                                                          weight.shape[1])
+        return (weight.dtype in self.row_gemm_dtypes and weight.dim() == 2 and weight.device.type == "cpu"
+                and (weight.dtype != torch.bfloat16 or weight.shape[1] % 32 == 0))
 
-    def row_gemm_runs(self, dtype: torch.dtype, in_features: int) -> bool:
-        """Whether rows of ``in_features`` in ``dtype`` run through the row kernel here."""
-        return dtype in self.row_gemm_dtypes and (dtype != torch.bfloat16 or in_features % 32 == 0)
-
-    def pack_row_gemm(self, weight: torch.Tensor, scratch: str | None = None) -> torch.Tensor:
-        """The weight ``[out, in]`` in the order the row kernel reads it (a new tensor, as large;
-        ``scratch``: in the scratch buffer of that name instead, kept for the next call)."""
+    def pack_row_gemm(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight ``[out, in]`` in the order the row kernel reads it (a new tensor, as large)."""
         _require(self.supports_row_gemm(weight), "pack_row_gemm")
         weight = weight.contiguous()
         out_features, in_features = weight.shape
         panel = self._row_panel_f32 if weight.dtype == torch.float32 else 32
-        size = -(-out_features // panel) * panel * in_features
-        packed = torch.empty(size, dtype=weight.dtype) if scratch is None else \
-            self._scratch_buffer(scratch, size, weight.dtype)[:size]
+        packed = torch.empty(-(-out_features // panel) * panel * in_features, dtype=weight.dtype)
         self._row_pack[weight.dtype](weight.data_ptr(), out_features, in_features, packed.data_ptr(),
                                      torch.get_num_threads())
         return packed

@@ -255,13 +255,14 @@ class NativeDecode:
         block_size = k_cache.shape[-2]
         if metadata.num_prefills or block_size != metadata.block_size or not backend._uses_kernel(k_cache):
             return None
-        if not all(linear.native_rows_match(int(input_ids.shape[0])) for linear in self.quantized):
+        rows = int(input_ids.shape[0])
+        if not all(linear.native_rows_match(rows, self.dtype) for linear in self.quantized):
             return None  # the Python path takes these rows through a dequantized GEMM
         group = config.num_heads // config.num_kv_heads
         plan, _ = backend.plan_for_decode(metadata, None, k_cache, self.dtype, group)
         if plan.prefix_batches and not self._attends_groups(k_cache):
             return None
-        rows, hidden_size, head_dim = int(input_ids.shape[0]), config.hidden_size, config.head_dim
+        hidden_size, head_dim = config.hidden_size, config.head_dim
         q_size, kv_size = config.num_heads * head_dim, config.num_kv_heads * head_dim
         residual = model.embed_tokens(input_ids)
         cos, sin = model.rotary(positions, self.dtype)

@@ -352,14 +352,14 @@ class QuantizedLinear(nn.Module):
                     col_sums=self._col_sums.data_ptr(), bias=bias, act_mode=mode, act_scale=scale,
                     act_zero=zero)
 
-    def native_rows_match(self, rows: int) -> bool:
-        """Whether a decode step of `rows` rows takes the row kernel in the Python path too (so the
-        native path gives its bits): always for W8A8 (exact integer sums on every path) and under batch
-        invariance; else up to ROW_KERNEL_ROWS rows (BF16_KERNEL_ROWS for bf16 rows on the bf16 kernel;
-        more take the dequantized GEMM)."""
+    def native_rows_match(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether a decode step of `rows` rows in `dtype` takes the row kernel in the Python path too
+        (so the native path gives its bits): always for W8A8 (exact integer sums on every path) and
+        under batch invariance; else up to ROW_KERNEL_ROWS rows (BF16_KERNEL_ROWS for bf16 rows on the
+        bf16 kernel; more take the dequantized GEMM)."""
         if self.scheme.activations is not None:
             return True
-        most = BF16_KERNEL_ROWS if self._bf16_row_kernel else ROW_KERNEL_ROWS
+        most = BF16_KERNEL_ROWS if dtype == torch.bfloat16 and self._bf16_row_kernel else ROW_KERNEL_ROWS
         return (self.step_rows is not None and self.step_rows.every_row) or rows <= most
 
     def native_scratch(self) -> tuple[int, int]:
