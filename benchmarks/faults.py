@@ -14,9 +14,9 @@ counted, and those computed again), and a worker told to stop (SIGTERM) mid-shar
 kills its worker (`poison-row`: a job one of whose rows carries the kill marker,
 benchmarks/poison_rows.py; dead workers are replaced). Leases and
 the reaper run with short TTLs (`--lease-ttl`, 4 s; ticks of 1 s), and a step's retries back off
-at most one TTL (`retry_max_delay_s`), so the run takes a few minutes. The last line
-with `--json` is
-one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, `fault_log` (each
+at most one TTL (`retry_max_delay_s`), so the run takes a few minutes. The last line with `--json`
+is one object: `faults_injected`, `jobs_completed`, `rows_lost`, `rows_duplicated`, `consumer_stalls`
+(workers whose watchdog found their broker consumer stalled), `fault_log` (each
 fault: when, how long, what it caught), with `poison-row` `worker_crashed_wrong` (rows wrongly
 `worker_crashed` or not), and details.
 """
@@ -67,6 +67,7 @@ INFRA_FAULTS = infra_faults.KINDS
 FAULTS = ("worker-kill", "redis-restart", "worker-stall", "redis-pause", *INFRA_FAULTS, "poison-row")
 DEFAULT_FAULTS = FAULTS  # each once, in this order
 MODEL = "tiny"
+CONSUMER_STALL_SIGN = "the broker consumer has stalled"
 ENGINE_OPTIONS = {"max_model_len": 256, "num_kv_blocks": 512, "max_num_seqs": 32, "dtype": "float32"}
 
 
@@ -212,11 +213,14 @@ class FaultBench:
         return {**count_rows(self.store_dir, expected), **poisoned, "faults": injected,
                 "fault_log": self.fault_log, "worker_deaths": self.worker_deaths,
                 "faults_injected": len(injected), "workers_started": self.started_workers,
+                # workers whose watchdog found their consumer stalled (worker/process/consumer_watchdog.py)
+                "consumer_stalls": infra_faults.count_in_logs(self.logs, CONSUMER_STALL_SIGN),
                 "jobs_completed": sum(status == JobState.SUCCEEDED for status in statuses.values()),
                 "jobs": len(expected), "rows_per_job": args.rows,
                 "seconds": round(time.monotonic() - started, 1)}
 
     def _inject(self, fault: str, repository: Any) -> dict[str, Any] | None:
+        self.replace_dead_workers()  # a poison row may have just killed the worker a fault would pick
         if fault in INFRA_FAULTS:
             return self._inject_infra(fault, repository)
         if fault == "worker-kill":
@@ -383,6 +387,7 @@ def bench_cli(argv: list[str]) -> int:
     print(f"  jobs completed    {figures['jobs_completed']} of {figures['jobs']} in {figures['seconds']} s")
     print(f"  rows lost         {figures['rows_lost']}")
     print(f"  rows duplicated   {figures['rows_duplicated']}")
+    print(f"  consumer stalls   {figures['consumer_stalls']} (workers that stopped taking work)")
     if "poison_rows" in figures:
         print(f"  worker_crashed    {figures['rows_worker_crashed']} row(s) of {figures['poison_rows']} "
               f"poison row(s), {figures['worker_crashed_wrong']} wrong ({figures['worker_deaths']} workers "

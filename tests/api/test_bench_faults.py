@@ -22,8 +22,10 @@ def test_rows_lost_and_duplicated_are_counted_from_the_output_parts(tmp_path: Pa
 
 def test_bench_faults_kills_stalls_fills_cuts_off_and_poisons_workers_redis_and_the_disk_and_loses_no_row(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = bench_cli(["--rows", "60", "--jobs", "2", "--shard-size", "10", "--timeout", "560", "--json",
-                      "--lease-ttl", "3", "--home", str(tmp_path)])
+    # Short leases (stalls and outages last three, the long outage 12 s) and small shards (the poison
+    # row's shard of 4 splits to it in fewer crashes): every fault, in under two minutes.
+    code = bench_cli(["--rows", "40", "--jobs", "2", "--shard-size", "4", "--timeout", "560", "--json",
+                      "--lease-ttl", "2", "--home", str(tmp_path)])
     captured = capsys.readouterr()
     lines = captured.out.strip().splitlines()
     # Before parsing (a failed run prints no figures); a str message, which pytest never shortens.
@@ -38,6 +40,9 @@ def test_bench_faults_kills_stalls_fills_cuts_off_and_poisons_workers_redis_and_
     assert figures["worker_deaths"] >= 3  # crash_split_after (2) whole-shard crashes, then the halves'
     assert figures["jobs"] == 4  # the two, the poison job and the one planned while the disk was full
     assert (figures["jobs_completed"], figures["rows_lost"], figures["rows_duplicated"]) == (4, 0, 0)
+    # No worker's consumer stalled (a task result refused under Redis's memory limit once left its
+    # message unacknowledged: the worker took nothing more until its watchdog stopped it 60 s later).
+    assert figures["consumer_stalls"] == 0
     assert any(line.strip().startswith("rows lost") for line in lines)
     log = {record["fault"]: record for record in figures["fault_log"]}
     assert list(log) == figures["faults"]

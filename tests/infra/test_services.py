@@ -40,7 +40,8 @@ def test_task_sent_through_redis_runs_in_a_worker_process_and_writes_to_s3(redis
     with celery_worker("tests.support.probe_app", redis_url, env=s3.env()) as worker_process:
         probe_app.conf.broker_url = redis_url
         probe_app.conf.result_backend = redis_url
-        result = probe_app.send_task("probe.write_object", args=["results", "probe/out.txt", "from-worker"])
+        result = probe_app.send_task("probe.write_object", args=["results", "probe/out.txt", "from-worker"],
+                                     ignore_result=False)  # the app stores no result unless asked
         reply = result.get(timeout=60)
         assert reply["pid"] == worker_process.pid != os.getpid()
     body = client.get_object(Bucket="results", Key="probe/out.txt")["Body"].read()

@@ -38,8 +38,10 @@ def test_a_shard_run_again_adds_no_rows_and_a_part_left_by_a_crashed_run_is_repl
     pipeline.repository.store.put_bytes(f"{layout.output_dir}/part-00000.jsonl", stale.encode())
 
     def run(index: int) -> dict:
+        # ignore_result=False: the pipeline's tasks store no result unless the sender asks for one
         return pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, index],
-                                         queue="bulkinfer.model.tiny").get(timeout=JOB_TIMEOUT_S)
+                                         queue="bulkinfer.model.tiny",
+                                         ignore_result=False).get(timeout=JOB_TIMEOUT_S)
 
     first, again = run(0), run(0)  # delivered twice, as after a lost worker
 
@@ -56,7 +58,8 @@ def test_a_shard_run_again_adds_no_rows_and_a_part_left_by_a_crashed_run_is_repl
     # And once more after the job succeeded: nothing changes.
     manifest = pipeline.manifest(job_id)
     assert run(0)["status"] == "skipped: job is succeeded"
-    finalize = pipeline.client.send_task("bulkinfer.finalize_job", args=[job_id], queue="bulkinfer.control")
+    finalize = pipeline.client.send_task("bulkinfer.finalize_job", args=[job_id], queue="bulkinfer.control",
+                                         ignore_result=False)
     assert finalize.get(timeout=JOB_TIMEOUT_S)["status"] == "skipped: job is succeeded"
     assert pipeline.manifest(job_id) == manifest and pipeline.output_records(job_id) == records
     assert pipeline.repository.get(job_id).usage == status.usage
@@ -116,7 +119,8 @@ def test_a_job_that_fails_stops_its_other_running_shards_and_they_commit_nothing
     planned: list[tuple[int, str]] = []
     plan_job(WorkerContext(pipeline.settings), job_id, lambda _, index, queue: planned.append((index, queue)))
     assert [index for index, _ in planned] == [0, 1]
-    running = pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny")
+    running = pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny",
+                                         ignore_result=False)
     lease = shard_lease_key(pipeline.repository.namespace, job_id, 0)
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not pipeline.repository.redis.exists(lease):
@@ -213,7 +217,8 @@ def test_a_shard_delivered_twice_at_once_runs_once(pipeline: Pipeline) -> None:
     planned: list[int] = []
     plan_job(WorkerContext(pipeline.settings), job_id, lambda _, index, queue: planned.append(index))
 
-    both = [pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny")
+    both = [pipeline.client.send_task("bulkinfer.run_shard", args=[job_id, 0], queue="bulkinfer.model.tiny",
+                                      ignore_result=False)
             for _ in range(2)]  # the worker's two threads take one each
     outcomes = [result.get(timeout=JOB_TIMEOUT_S) for result in both]
 

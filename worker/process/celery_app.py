@@ -42,7 +42,10 @@ def create_app(broker_url: str | None = None, name: str = "bulkinfer") -> Celery
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
-        result_expires=7 * 24 * 3600,
+        # Nothing reads a task's return value (a job's state lives in the repository), and writing
+        # it is a Redis SET per task: kept 7 days it only filled Redis, and refused under Redis's
+        # memory limit it left the message unacknowledged, which stalled the consumer for good.
+        task_ignore_result=True,
         worker_hijack_root_logger=False,
     )
     return app
@@ -64,7 +67,6 @@ def create_pipeline_app(broker_url: str | None = None) -> Celery:
         task_routes={PLAN_JOB: {"queue": CONTROL_QUEUE}, FINALIZE_JOB: {"queue": CONTROL_QUEUE}},
         worker_pool="threads",
         worker_concurrency=2,
-        task_track_started=True,
     )
     return app
 

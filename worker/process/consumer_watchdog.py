@@ -1,9 +1,11 @@
 """A worker whose broker consumer has stalled stops, so its supervisor starts a fresh one.
 
-Seen under a Redis out-of-memory spell (`bench faults`, redis-oom): acknowledging a message failed,
-kombu kept it counted as in hand, and with one message prefetched per thread the consumer never
-fetched again: tasks waited in the queue while the worker idled, for good. Nothing in Celery notices.
-So every worker watches itself: when messages have waited in its queues for `STALL_S` while it had a
+Seen under a Redis out-of-memory spell (`bench faults`, redis-oom): storing a task's result was
+refused, the message was never acknowledged, kombu kept it counted as in hand, and with one message
+prefetched per thread the consumer never fetched again: tasks waited in the queue while the worker
+idled, for good. Nothing in Celery notices. Tasks no longer store results (celery_app.py), which
+removed that cause; any other that leaves a message in hand ends the same way, so every worker
+still watches itself: when messages have waited in its queues for `STALL_S` while it had a
 free thread and received nothing, it logs why and sends itself SIGTERM (a warm shutdown: running
 shards are handed back); the process manager, or `bench faults`, starts another.
 """

@@ -54,7 +54,7 @@ return 0
 
 
 DEFAULT_LEASE_TTL_S = DEFAULT_SHARD_LEASE_TTL_S  # callers pass `settings.lease_ttl`
-STARTED_TTL_S = 7 * 24 * 3600  # as long as Celery keeps task results
+STARTED_TTL_S = 7 * 24 * 3600  # a week: longer than any job runs
 
 
 class Lease:
