@@ -16,6 +16,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from bulkinfer.worker.models.gguf_import import PROVENANCE_FILE, GgufImportError, import_gguf, inspect_gguf
+from bulkinfer.worker.models.gguf_parse_once import parsed_once, reader_class
 from bulkinfer.worker.models.model_cache import file_sha256, model_cache_dir
 from bulkinfer.worker.models.model_catalog import CATALOG, WHEELS_FOLDER, fetch_catalog_model
 from bulkinfer.worker.models.model_files import ModelUnavailable, local_model_dir
@@ -112,6 +113,26 @@ def _empty_registry():
     from bulkinfer.jobs.model_registry import ModelRegistry
 
     return ModelRegistry()
+
+
+def test_the_fast_reader_reads_what_gguf_reads_and_one_parse_serves_every_reader_of_the_file(
+        tmp_path: Path) -> None:
+    import gguf
+
+    path = write_gguf(tmp_path / "small.gguf", "llama",
+                      {"token_embd.weight": np.arange(256, dtype=np.float32).reshape(8, 32),
+                       "blk.0.attn_q.weight": np.ones((32, 32), np.float16)})
+    plain, fast = gguf.GGUFReader(path), reader_class()(path)
+    assert list(plain.fields) == list(fast.fields)
+    assert all(str(plain.fields[key].contents()) == str(fast.fields[key].contents()) for key in plain.fields)
+    assert [(t.name, t.tensor_type, t.data.tobytes()) for t in plain.tensors] == \
+        [(t.name, t.tensor_type, t.data.tobytes()) for t in fast.tensors]
+    other = write_gguf(tmp_path / "other.gguf", "llama", {"token_embd.weight": np.zeros((8, 32), np.float32)})
+    with parsed_once(path, fast):
+        assert gguf.GGUFReader(str(path)) is fast and gguf.GGUFReader(other) is not fast  # the file, by path
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map  # built once
+    assert gguf.GGUFReader is plain.__class__ and gguf.GGUFReader(path) is not fast  # put back
 
 
 # -- files that are refused ------------------------------------------------------------------------

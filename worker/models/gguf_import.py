@@ -13,9 +13,11 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bulkinfer.worker.models.gguf_parse_once import parsed_once, reader_class
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +43,7 @@ class GgufSummary:
     name: str
     tensor_types: dict[str, int]  # GGML type name → number of tensors
     end_token_ids: tuple[int, ...]
+    reader: Any = field(default=None, repr=False, compare=False)  # the parsed gguf.GGUFReader
 
     @property
     def quantization(self) -> str:
@@ -58,12 +61,10 @@ def inspect_gguf(path: str | Path) -> GgufSummary:
         magic = file.read(4)
     if magic != GGUF_MAGIC:
         raise GgufImportError(f"{path}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
-    from gguf import GGUFReader
-
     size = path.stat().st_size
     try:
         # The reader maps every tensor's bytes: a file cut short anywhere fails here.
-        reader = GGUFReader(path)
+        reader = reader_class()(path)
     except Exception as error:  # noqa: BLE001 - it raises many kinds on a cut-off file
         raise GgufImportError(f"{path}: truncated or corrupt GGUF file ({size} bytes): "
                               f"{type(error).__name__}: {error}") from None
@@ -84,7 +85,7 @@ def inspect_gguf(path: str | Path) -> GgufSummary:
         types[kind] = types.get(kind, 0) + 1
     end_ids = tuple(dict.fromkeys(int(value) for value in (_field(reader, f) for f in _END_TOKEN_FIELDS)
                                   if value is not None))
-    return GgufSummary(path, architecture, name, types, end_ids)
+    return GgufSummary(path, architecture, name, types, end_ids, reader)
 
 
 def _field(reader: Any, key: str) -> Any:
@@ -134,10 +135,15 @@ def import_gguf(gguf_path: str | Path, target: str | Path, dtype: str = "bfloat1
 
 
 def _convert(summary: GgufSummary, folder: Path, dtype: str) -> None:
+    source = summary.path.resolve()
+    with parsed_once(source, summary.reader):
+        _convert_parsed(summary, source, folder, dtype)
+
+
+def _convert_parsed(summary: GgufSummary, source: Path, folder: Path, dtype: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    source = summary.path.resolve()
     try:
         tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
         # Dequantized in fp32 (transformers' fast path for GGUF), then rounded once to `dtype`.
