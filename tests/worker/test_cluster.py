@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 
 import httpx
 import pytest
@@ -24,6 +28,26 @@ pytestmark = pytest.mark.timeout(600)
 QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
 SHARDS, ROWS_PER_SHARD = 6, 16
 STOP_WITHIN_S = 20  # a pod's grace period is 60 s; a shard here runs longer than this
+
+
+@contextmanager
+def started_together(redis_url: str, *envs: dict[str, str]) -> Iterator[list[subprocess.Popen]]:
+    """One worker process per environment, started side by side (each waits until it answers a
+    ping); each is stopped at the end, the last first."""
+    managers = [celery_worker("bulkinfer.worker.process.celery_app", redis_url, env=env, queues=QUEUES,
+                              pool="threads", concurrency=2, ready_timeout=120) for env in envs]
+    with ExitStack() as stack:
+        with ThreadPoolExecutor(len(managers)) as pool:
+            futures = [pool.submit(manager.__enter__) for manager in managers]
+        failures = []
+        for manager, future in zip(managers, futures, strict=True):
+            if future.exception() is None:  # one that failed to start stopped its process itself
+                stack.push(manager.__exit__)
+            else:
+                failures.append(future.exception())
+        if failures:
+            raise failures[0]
+        yield [future.result() for future in futures]
 
 
 def metric(port: int, name: str) -> float:
@@ -49,12 +73,7 @@ def test_a_worker_stopped_mid_job_hands_its_shards_back_and_the_job_completes_on
     env_a = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[0])}
     env_b = {**env, "BULKINFER_WORKER_METRICS_PORT": str(ports[1]), "BULKINFER_LOG_FORMAT": "json"}
     api = ServerThread(create_app(pipeline.settings), port=free_port())
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env_a, queues=QUEUES,
-                       pool="threads",
-                       concurrency=2, ready_timeout=120) as worker_a, \
-            celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env_b, queues=QUEUES,
-                          pool="threads",
-                          concurrency=2, ready_timeout=120) as worker_b, api:
+    with started_together(redis_server.url, env_a, env_b) as (worker_a, worker_b), api:
         for port in ports:  # ready only once the engine is loaded
             ready = f"http://127.0.0.1:{port}/readyz"
             wait_until(lambda ready=ready: httpx.get(ready, timeout=5).status_code == 200, 120,

@@ -16,7 +16,7 @@ from tests.worker.conftest import Pipeline, RestartableRedis, bare_pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
-LEASE_TTL_S = 4
+LEASE_TTL_S = 2  # short leases: the reaper re-plans a lost job after two TTLs
 QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
 
 

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
+import redis
 
 from bulkinfer.jobs.fair_queue import FairQueue
 from bulkinfer.jobs.names import shard_lease_key as lease_key
@@ -18,13 +23,94 @@ from bulkinfer.worker.shards import shard_resend
 from bulkinfer.worker.shards.job_lifecycle import plan_job
 from bulkinfer.worker.shards.shard_lease import ShardLease
 from bulkinfer.worker.shards.shard_reaper import reap_lost_tickets, reap_once
-from tests.fixtures.services import RedisServer, celery_worker
+from tests.fixtures.services import S3Server, celery_worker
 from tests.support.s3_fault_proxy import FaultPlan, s3_fault_proxy
-from tests.worker.conftest import Pipeline
+from tests.worker.conftest import Pipeline, RestartableRedis, bare_pipeline
 
 pytestmark = pytest.mark.timeout(600)
 
-LEASE_TTL_S = 4  # the `parts` fixture's lease TTL (tests/worker/conftest.py: bare_pipeline)
+# The workers' lease TTL: a dead step is re-sent once its lease lapsed and the reaper saw it so for
+# two TTLs, so the TTL sets how long these tests wait. A live run renews its lease every TTL/3.
+LEASE_TTL_S = 2
+APP = "bulkinfer.worker.process.celery_app"
+QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
+STANDBY_QUEUE = "bulkinfer.test.standby"  # no task is ever sent there
+# The standby worker's max_task_attempts (default 3): a step that fails the same way fails its job
+# sooner. No other test on it has a step that raises.
+MAX_ATTEMPTS = 2
+
+
+@pytest.fixture
+def parts(redis_url: str, s3: S3Server, tiny_checkpoint: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Pipeline, dict[str, str]]]:
+    """A pipeline with no worker yet, and the environment a worker process needs (2 s leases)."""
+    with bare_pipeline(redis_url, s3, tiny_checkpoint, tmp_path_factory.mktemp("model-cache"),
+                       lease_ttl_s=LEASE_TTL_S) as made:
+        yield made
+
+
+@dataclass
+class Standby:
+    """A worker process kept for this module's tests, on a Redis of its own, consuming none of the
+    pipeline's queues until a test tells it to (Celery's add_consumer): a worker that joins when the
+    test needs one, without starting a process each time."""
+
+    redis: RestartableRedis
+    worker: subprocess.Popen
+    model_cache: Path
+    s3_faults: FaultPlan  # of the proxy the worker reaches S3 through: off unless a test turns it on
+
+    @property
+    def node(self) -> str:
+        return self.worker.node  # type: ignore[attr-defined] - set by celery_worker
+
+
+@pytest.fixture(scope="module")
+def standby_worker(s3_server: S3Server, tiny_checkpoint: Path,
+                   tmp_path_factory: pytest.TempPathFactory) -> Iterator[Standby]:
+    server = RestartableRedis(tmp_path_factory.mktemp("standby-redis"))
+    model_cache = tmp_path_factory.mktemp("model-cache")
+    faults = FaultPlan(["slowdown", "reset", "internal", "slow"], every=4, slow_s=0.5)
+    faults.enabled = False
+    try:
+        with bare_pipeline(server.url, s3_server, tiny_checkpoint, model_cache, LEASE_TTL_S) as (_, env), \
+                s3_fault_proxy(s3_server.endpoint_url, faults) as proxy:
+            env = {**env, "BULKINFER_S3_ENDPOINT_URL": proxy.endpoint_url,
+                   "BULKINFER_MAX_TASK_ATTEMPTS": str(MAX_ATTEMPTS)}
+            with celery_worker(APP, server.url, env=env, queues=STANDBY_QUEUE, pool="threads", concurrency=2,
+                               ready_timeout=120) as worker:
+                yield Standby(server, worker, model_cache, faults)
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def standby(standby_worker: Standby, s3: S3Server, tiny_checkpoint: Path
+            ) -> Iterator[tuple[Pipeline, dict[str, str], Standby]]:
+    """The standby worker idle, its Redis holding nothing of an earlier test (only the queue bindings
+    its consumers need), and a pipeline on that Redis; afterwards it consumes none of the queues."""
+    assert standby_worker.worker.poll() is None, "the standby worker died in an earlier test"
+    client = redis.Redis.from_url(standby_worker.redis.url)
+    for key in client.scan_iter(count=1000):
+        if not key.startswith(b"_kombu.binding."):
+            client.delete(key)
+    client.close()
+    with bare_pipeline(standby_worker.redis.url, s3, tiny_checkpoint, standby_worker.model_cache,
+                       LEASE_TTL_S) as (pipeline, env):
+        try:
+            yield pipeline, env, standby_worker
+        finally:
+            for queue in QUEUES.split(","):
+                pipeline.client.control.cancel_consumer(queue, destination=[standby_worker.node], reply=True,
+                                                        timeout=10)
+
+
+def consume(pipeline: Pipeline, standby: Standby, queues: str) -> None:
+    """The standby worker starts consuming `queues` (comma-separated)."""
+    for queue in queues.split(","):
+        replies = pipeline.client.control.add_consumer(queue, destination=[standby.node], reply=True,
+                                                       timeout=10)
+        assert replies == [{standby.node: {"ok": f"add consumer {queue}"}}], replies
 
 
 def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
@@ -35,17 +121,17 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # noqa: ANN001
 
 
 def test_a_shard_whose_worker_was_killed_is_resent_and_the_job_succeeds(
-        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
-    pipeline, env = parts
-    rows = 64  # 4 waves of 16 sequences × 200 tokens: several seconds, so the kill lands mid-shard
+        standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, env, spare = standby
+    # One wave of 16 sequences × 128 tokens: seconds (after the model loads), while the kill comes
+    # within a poll (50 ms) of the run taking the lease, so it lands mid-shard.
+    rows = 16
     lines = [json.dumps({"id": f"q{n:02d}", "question": f"def f{n}(x):"}) for n in range(rows)]
     spec = JobSpec(input_uri=pipeline.put_input("long.jsonl", lines), model="tiny", id_column="id",
-                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": 200},
+                   prompt_column="question", sampling={"temperature": 0.0, "max_tokens": 128},
                    shard_size=rows)
     repository = pipeline.repository
-    queues = "bulkinfer.control,bulkinfer.model.tiny"
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=queues,
-                       pool="threads",
+    with celery_worker(APP, spare.redis.url, env=env, queues=QUEUES, pool="threads",
                        concurrency=2, ready_timeout=120) as worker_a:
         job_id = pipeline.submit(spec)
         layout = repository.layout(job_id)
@@ -57,10 +143,8 @@ def test_a_shard_whose_worker_was_killed_is_resent_and_the_job_succeeds(
     assert not repository.store.exists(layout.shard_result_key(0)), "the shard finished before the kill"
     assert repository.get(job_id).state == JobState.RUNNING
     started = time.monotonic()
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=queues,
-                       pool="threads",
-                       concurrency=2, ready_timeout=120):
-        status = pipeline.wait_for_end(job_id, timeout=300)
+    consume(pipeline, spare, QUEUES)  # another worker, up all along, now takes the pipeline's tasks
+    status = pipeline.wait_for_end(job_id, timeout=300)
     assert status.state == JobState.SUCCEEDED, status.error
     assert time.monotonic() - started < 300
     records = pipeline.output_records(job_id)
@@ -214,7 +298,6 @@ def test_shards_waiting_with_no_ticket_left_in_the_broker_get_their_tickets(
     assert reap() == {}  # as many tickets as shards waiting: nothing more
 
 
-QUEUES = "bulkinfer.control,bulkinfer.model.tiny"
 # A dead step is re-sent once the reaper has seen it due for two lease TTLs, ticking every second.
 RESEND_BOUND_S = 2 * LEASE_TTL_S + 10
 
@@ -236,22 +319,20 @@ def assert_every_row_once(pipeline: Pipeline, job_id: str, ids: list[str]) -> No
 
 
 def test_a_job_created_but_never_queued_is_planned_by_the_reaper(
-        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
-    pipeline, env = parts
+        standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, _, worker = standby
     spec, ids = small_job(pipeline, "orphan.jsonl")
     job_id = pipeline.repository.create(spec).job_id  # the API died before sending plan_job
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
-                       pool="threads",
-                       concurrency=2, ready_timeout=120):
-        started = time.monotonic()
-        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    consume(pipeline, worker, QUEUES)
+    started = time.monotonic()
+    pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
     assert_every_row_once(pipeline, job_id, ids)
     assert time.monotonic() - started < RESEND_BOUND_S + 60
 
 
 def test_a_planner_that_died_before_sending_every_shard_is_run_again(
-        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
-    pipeline, env = parts
+        standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, _, worker = standby
     spec, ids = small_job(pipeline, "half-sent.jsonl")
     repository = pipeline.repository
     job_id = repository.create(spec).job_id
@@ -264,65 +345,57 @@ def test_a_planner_that_died_before_sending_every_shard_is_run_again(
     with pytest.raises(SystemExit):
         plan_job(WorkerContext(pipeline.settings), job_id, dies_after_the_first_shard)
     assert repository.get(job_id).state == JobState.RUNNING
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
-                       pool="threads",
-                       concurrency=2, ready_timeout=120):
-        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    consume(pipeline, worker, QUEUES)
+    pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
     assert_every_row_once(pipeline, job_id, ids)
 
 
-def test_a_finalizer_that_died_is_run_again(parts: tuple[Pipeline, dict[str, str]],
-                                            redis_server: RedisServer) -> None:
-    pipeline, env = parts
+def test_a_finalizer_that_died_is_run_again(standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, _, worker = standby
     spec, ids = small_job(pipeline, "unfinished.jsonl")
     repository = pipeline.repository
     job_id = repository.create(spec).job_id
+    # The worker on the model queue only runs the shards; the finalize they send waits on the control queue.
+    consume(pipeline, worker, "bulkinfer.model.tiny")
     plan_job(WorkerContext(pipeline.settings), job_id,
              lambda job, index, queue: pipeline.client.send_task("bulkinfer.run_shard", args=[job, index],
                                                                  queue=queue))
-    # A worker on the model queue only runs the shards; the finalize they send waits on the control queue.
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env,
-                       queues="bulkinfer.model.tiny",
-                       pool="threads", concurrency=2, ready_timeout=120):
-        wait_for(lambda: repository.get(job_id).shards.done == 3, 120, "every shard to be counted")
+    wait_for(lambda: repository.get(job_id).shards.done == 3, 120, "every shard to be counted")
     # The finalizer took the message, moved the job to finalizing and was killed: the message is gone.
     repository.redis.delete("bulkinfer.control")
     repository.transition(job_id, JobState.FINALIZING)
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=env, queues=QUEUES,
-                       pool="threads",
-                       concurrency=2, ready_timeout=120):
-        pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
+    consume(pipeline, worker, "bulkinfer.control")
+    pipeline.wait_for_end(job_id, timeout=RESEND_BOUND_S + 60)
     assert_every_row_once(pipeline, job_id, ids)
 
 
 def test_a_shard_that_fails_the_same_way_every_time_fails_the_job_with_the_reason(
-        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
-    pipeline, env = parts
+        standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, _, worker = standby
     # Outputs go to a bucket that does not exist: every attempt at writing shard parts fails alike.
     spec, _ = small_job(pipeline, "nowhere.jsonl", output_uri="s3://no-such-bucket/out/")
-    with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url,
-                       env={**env, "BULKINFER_MAX_TASK_ATTEMPTS": "2"},
-                       queues=QUEUES, pool="threads", concurrency=2, ready_timeout=120):
-        job_id = pipeline.submit(spec)
-        status = pipeline.wait_for_end(job_id, timeout=120)
+    consume(pipeline, worker, QUEUES)
+    job_id = pipeline.submit(spec)
+    status = pipeline.wait_for_end(job_id, timeout=120)
     assert status.state == JobState.FAILED
-    assert status.error is not None and "failed 2 time(s); last error:" in status.error
+    assert status.error is not None and f"failed {MAX_ATTEMPTS} time(s); last error:" in status.error
     assert status.error.startswith("shard ") and "NoSuchBucket" in status.error
 
 
 def test_a_job_completes_every_row_once_through_a_flaky_s3(
-        parts: tuple[Pipeline, dict[str, str]], redis_server: RedisServer) -> None:
-    pipeline, env = parts
+        standby: tuple[Pipeline, dict[str, str], Standby]) -> None:
+    pipeline, _, worker = standby
     spec, ids = small_job(pipeline, "flaky.jsonl", rows=12)
     spec = spec.model_copy(update={"shard_size": 3})
-    plan = FaultPlan(["slowdown", "reset", "internal", "slow"], every=4, slow_s=0.5)
-    with s3_fault_proxy(pipeline.s3.endpoint_url, plan) as proxy:
-        flaky_env = {**env, "BULKINFER_S3_ENDPOINT_URL": proxy.endpoint_url}
-        with celery_worker("bulkinfer.worker.process.celery_app", redis_server.url, env=flaky_env,
-                           queues=QUEUES,
-                           pool="threads", concurrency=2, ready_timeout=120):
-            job_id = pipeline.submit(spec)
-            status = pipeline.wait_for_end(job_id, timeout=180)
+    plan = worker.s3_faults  # every 4th request the worker makes: these faults in turn
+    assert not plan.injected, "the faults were on before this test"
+    consume(pipeline, worker, QUEUES)
+    plan.enabled = True
+    try:
+        job_id = pipeline.submit(spec)
+        status = pipeline.wait_for_end(job_id, timeout=180)
+    finally:
+        plan.enabled = False
     assert status.state == JobState.SUCCEEDED, status.error
     assert [record["id"] for record in pipeline.output_records(job_id)] == ids
     assert (status.rows.total, status.rows.succeeded, status.shards.done) == (12, 12, 4)
