@@ -24,7 +24,7 @@ from torch import nn
 
 from bulkinfer.engine.cpu_kernels import CpuKernels
 from bulkinfer.engine.cpu_kernels import load as load_cpu_kernels
-from bulkinfer.engine.models.layers import Linear, onednn_linear_available
+from bulkinfer.engine.models.layers import Embedding, Linear, onednn_linear_available
 from bulkinfer.engine.models.llama_config import UnsupportedModelError
 from bulkinfer.engine.models.loader import tensor_problems
 from bulkinfer.engine.models.module_list import ModuleSeq
@@ -171,9 +171,9 @@ class BertEncoder(nn.Module):
         super().__init__()
         self.config = config
         h = config.hidden_size
-        self.word_embeddings = nn.Embedding(config.vocab_size, h)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, h)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, h)
+        self.word_embeddings = Embedding(config.vocab_size, h)
+        self.position_embeddings = Embedding(config.max_position_embeddings, h)
+        self.token_type_embeddings = Embedding(config.type_vocab_size, h)
         self.embed_norm = nn.LayerNorm(h, eps=config.layer_norm_eps)
         layers = (EncoderLayer(config) for _ in range(config.num_layers))
         self.layers: ModuleSeq[EncoderLayer] = ModuleSeq(layers)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from bulkinfer.engine.attention import AttentionBackend
+from bulkinfer.engine.models.layers import Embedding
 from bulkinfer.engine.models.llama import LlamaForCausalLM
 from bulkinfer.engine.models.llama_config import LlamaFamilyConfig, UnsupportedModelError
 from bulkinfer.engine.models.module_list import ModuleSeq
@@ -115,7 +116,7 @@ class VisionTower(nn.Module):
         self.scale_factor = scale_factor
         self.patch_embedding = nn.Conv2d(config.num_channels, config.hidden_size, config.patch_size,
                                          stride=config.patch_size)
-        self.position_embedding = nn.Embedding(config.patches_per_side ** 2, config.hidden_size)
+        self.position_embedding = Embedding(config.patches_per_side ** 2, config.hidden_size)
         self.layers: ModuleSeq[VisionLayer] = ModuleSeq(VisionLayer(config) for _ in range(config.num_layers))
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.projection = nn.Linear(config.hidden_size * scale_factor ** 2, text_hidden, bias=False)

@@ -95,6 +95,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     return out
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding that skips its random init on the meta device, where the loaders build every
+    model before filling it from the checkpoint: there the init sets no value, yet it is a
+    process's first ``normal_`` on meta, for which torch imports torch._dynamo (1-2 s of an engine's
+    or a tensor-parallel rank's start on 2 cores). Elsewhere nn.Embedding's own init."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
+
+
 @dataclass(frozen=True)
 class FinalRows:
     """The positions whose final hidden state a step uses (its sampled ones). Every row needs every

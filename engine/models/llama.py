@@ -20,6 +20,7 @@ from torch import nn
 from bulkinfer.engine.attention import AttentionBackend, AttentionMetadata
 from bulkinfer.engine.models.layers import (
     MLP,
+    Embedding,
     FinalRows,
     Linear,
     RMSNorm,
@@ -144,7 +145,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaFamilyConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers: ModuleSeq[DecoderLayer] = ModuleSeq(
             self.decoder_layer_class(config, i, backend) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -257,4 +257,8 @@ class SparseMoeBlock(nn.Module):
 
 
 def _stacked(linears: list[Linear]) -> nn.Parameter:
-    return nn.Parameter(torch.stack([linear.weight.detach() for linear in linears]), requires_grad=False)
+    weights = [linear.weight.detach() for linear in linears]
+    if weights[0].is_meta:  # the loaders' build: no values to copy (a stack on meta imports torch._dynamo)
+        return nn.Parameter(torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype,
+                                        device="meta"), requires_grad=False)
+    return nn.Parameter(torch.stack(weights), requires_grad=False)
