@@ -54,23 +54,25 @@ def row_kernels(request, build) -> CpuKernels:
 
 
 @pytest.fixture(scope="module")
-def build(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], CpuKernels]:
-    """Builds by name, each compiled once for the module (a build takes ~8 s on 2 cores, and the
-    fixtures above share their flags)."""
+def build() -> Callable[[str], CpuKernels]:
+    """Builds by name, each opened once for the module (the fixtures above share their flags). They
+    are built by the engine's own build into its cache (cpu_kernels.cache_dir(), keyed by sources,
+    flags, compiler and CPU, as cpu_kernels.load() builds): a build takes ~8 s on 2 cores, and the
+    native one is the library the engine's tests load, built once for them all."""
     built: dict[str, CpuKernels] = {}
 
     def named(name: str) -> CpuKernels:
         if name not in built:
-            built[name] = _build(name, tmp_path_factory)
+            built[name] = _build(name)
         return built[name]
 
     return named
 
 
-def _build(name: str, tmp_path_factory: pytest.TempPathFactory) -> CpuKernels:
+def _build(name: str) -> CpuKernels:
     if name == "avx2" and not {"avx2", "fma"} <= cpu_flags():
         pytest.fail("this CPU has no AVX2: the suite's CPUs all do")
-    built = build_and_open(cpu_kernels._compiler(), tmp_path_factory.mktemp("kernels"), ROW_BUILDS[name])
+    built = build_and_open(cpu_kernels._compiler(), cpu_kernels.cache_dir(), ROW_BUILDS[name])
     assert built is not None, "the kernels did not build (see the log)"
     if name == "avx2":
         assert built.vector_lanes == 8

@@ -12,12 +12,56 @@ if os.environ.get("BULKINFER_TEST_DEVICE", "cpu") != "cuda":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import random  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
 
 from bulkinfer.engine import LLM, SamplingParams  # noqa: E402
 from bulkinfer.engine.mixed_graphs import TOKEN_BUCKETS, MixedGraphs  # noqa: E402
 from tests.engine.hf_reference import TEST_DEVICE, assert_greedy_by_teacher_forcing  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _device_functions_run_under_their_launchs_patch() -> Iterator[None]:
+    """Under Triton's interpreter a launch patches triton.language for its kernel (and restores it
+    after), and every call of a @triton.jit device function in it (_rounded, _cast: several per
+    program) patches the same modules again, never restoring: each an inspect.getmembers pass over
+    them, a third of this file's interpreting. A device function of the launched kernel's own module
+    (so the same language modules) skips that repeat; anything else patches as before. The kernels
+    run the same code and give the same bits. Left alone where the interpreter is not in use or
+    Triton's internals differ from 3.9's."""
+    try:
+        from triton.runtime import interpreter
+
+        launch, patch_lang, empty_scope = (interpreter.GridExecutor.__call__, interpreter._patch_lang,
+                                           interpreter._LangPatchScope)
+    except (ImportError, AttributeError):
+        launch = None
+    if os.environ.get("TRITON_INTERPRET") != "1" or launch is None:
+        yield
+        return
+    patched: list[dict | None] = []  # per running launch: its kernel's globals once it has patched
+
+    def launching(self, *args, **kwargs):
+        patched.append(None)
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def patching(fn):
+        if patched and patched[-1] is fn.__globals__:
+            return empty_scope()  # the launch's patch of these very modules is in place
+        scope = patch_lang(fn)
+        if patched and patched[-1] is None:
+            patched[-1] = fn.__globals__  # the launch's own patch
+        return scope
+
+    interpreter.GridExecutor.__call__, interpreter._patch_lang = launching, patching
+    try:
+        yield
+    finally:
+        interpreter.GridExecutor.__call__, interpreter._patch_lang = launch, patch_lang
 
 
 def prompts() -> list[list[int]]:
