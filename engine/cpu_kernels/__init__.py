@@ -36,10 +36,12 @@ from bulkinfer.engine.cpu_kernels.quant import QuantKernels
 
 logger = logging.getLogger(__name__)
 
+# The slowest to compile first (a build compiles them in this order, several at once: the last ones
+# running are then short).
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("decode_attention.c", "prefix_attention.c", "causal_attention.c", "layer_ops.c",
-                        "kv_store.c", "row_gemm.c", "moe_ops.c", "lora_ops.c", "decode_layers.c",
-                        "quant_gemm.c")]
+           for name in ("decode_attention.c", "causal_attention.c", "quant_gemm.c", "row_gemm.c",
+                        "prefix_attention.c", "layer_ops.c", "kv_store.c", "moe_ops.c", "lora_ops.c",
+                        "decode_layers.c")]
 HEADERS = [Path(__file__).with_name("simd.h")]
 DISABLE_ENV = "BULKINFER_CPU_KERNELS"  # "0": never build or use the native kernels
 CACHE_ENV = "BULKINFER_KERNEL_CACHE"
@@ -563,44 +565,25 @@ def build(compiler: str, target: Path, flags: list[str] = FLAGS) -> None:
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         staging = Path(scratch) / target.name
         objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
-        compiles = [[compiler, *flags, "-c", "-o", str(obj), str(source)]
-                    for source, obj in zip(SOURCES, objects, strict=True)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=_build_jobs()) as pool:
-            # the slowest to compile first, so the last ones running are short
-            for result in pool.map(_compile, sorted(compiles, key=_compile_cost, reverse=True)):
-                if result is not None:
-                    raise RuntimeError(result)
-        link = _compile([compiler, *flags, "-o", str(staging), *map(str, objects), "-lm"])
-        if link is not None:
-            raise RuntimeError(link)
+            list(pool.map(_compile, [[compiler, *flags, "-c", "-o", str(obj), str(source)]
+                                     for source, obj in zip(SOURCES, objects, strict=True)]))
+        _compile([compiler, *flags, "-o", str(staging), *map(str, objects), "-lm"])
         os.replace(staging, target)  # atomic: two processes building at once both end well
 
 
-# Each source's share of a build's compile time (gcc 12 -O3 -march=znver4, seconds of 14): only the
-# order the sources are compiled in, so that the last ones running are short.
-_COMPILE_SECONDS = {"decode_attention.c": 5.8, "causal_attention.c": 2.8, "quant_gemm.c": 2.7,
-                    "row_gemm.c": 1.0, "prefix_attention.c": 0.7}
-
-
-def _compile_cost(command: list[str]) -> float:
-    return _COMPILE_SECONDS.get(Path(command[-1]).name, 0.4)
-
-
 def _build_jobs() -> int:
-    """How many compiles run at once: the CPUs this process may run on, one per source at most."""
+    """How many compiles run at once: the CPUs this process may run on."""
     try:
-        cpus = len(os.sched_getaffinity(0))
+        return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        cpus = os.cpu_count() or 1
-    return max(1, min(cpus, len(SOURCES)))
+        return os.cpu_count() or 1
 
 
-def _compile(command: list[str]) -> str | None:
-    """Runs one compiler command; what went wrong, or None."""
+def _compile(command: list[str]) -> None:
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        return f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}"
-    return None
+        raise RuntimeError(f"{' '.join(command)} failed: {result.stderr.strip()[-2000:]}")
 
 
 def open_library(path: Path) -> CpuKernels:

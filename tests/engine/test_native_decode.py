@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import MistralConfig
 
-from bulkinfer.cpu_isa import read_cpu_flags
 from bulkinfer.engine import LLM, SamplingParams, cpu_kernels
 from bulkinfer.engine.attention import TorchPagedAttention
+from bulkinfer.engine.cpu_features import cpu_flags, has_amx
 from bulkinfer.engine.models.loader import load_model
 from bulkinfer.engine.models.native_decode import NativeDecode
 from tests.engine.test_model_vs_transformers import SMALL, save_random_model
@@ -96,8 +96,7 @@ def test_moe_native_decode_on_the_dot_product_build_gives_the_python_paths_bits(
     On a CPU without AMX, -march=native has no AMX to take away: that build is the uncapped native
     one (the same target, the same library bytes), which the engine's cache already holds."""
     no_amx = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
-    has_amx = bool({"amx_tile", "amx_bf16", "amx_int8"} & read_cpu_flags())
-    flags = [*cpu_kernels.FLAGS, *(no_amx if has_amx else [])]
+    flags = [*cpu_kernels.FLAGS, *(no_amx if has_amx(cpu_flags()) else [])]
     built = cpu_kernels.build_and_open(cpu_kernels._compiler(), cpu_kernels.cache_dir(), flags)
     assert built is not None
     monkeypatch.setattr(cpu_kernels, "load", lambda: built)
